@@ -1,0 +1,115 @@
+"""Start local workers through PyTorch's elastic launch API.
+
+Used when ``python -m xffl_like.run`` is started plainly (no torchrun/srun), and by
+the multi-process tests. A worker that raises writes its traceback to
+``<error_dir>/rank<R>.txt`` and exits non-zero; the launcher stops the others and
+raises :class:`WorkerFailure` carrying the first error's last line, so the user
+sees the cause once instead of one traceback per rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+import tempfile
+import traceback
+import uuid
+from pathlib import Path
+from typing import Any, Callable
+
+__all__ = ["WorkerFailure", "free_port", "launch_local", "worker_count_threads"]
+
+
+class WorkerFailure(RuntimeError):
+    """A worker failed; ``str(exc)`` is one line, ``exc.details`` the saved traceback path."""
+
+    def __init__(self, message: str, details: str | None = None):
+        super().__init__(message)
+        self.details = details
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def worker_count_threads(nproc: int) -> int:
+    """Intra-op threads per worker so that workers do not oversubscribe the cores."""
+    return max(1, (os.cpu_count() or 1) // nproc)
+
+
+def _entry(fn: Callable, args: tuple, error_dir: str) -> Any:
+    # Runs in each worker process.
+    try:
+        return fn(*args)
+    except BaseException as exc:  # noqa: BLE001 - report anything, then exit non-zero
+        rank = os.environ.get("RANK", "?")
+        path = Path(error_dir) / f"rank{rank}.txt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        summary = f"{type(exc).__name__}: {exc}".splitlines()[0] if str(exc) else type(exc).__name__
+        path.write_text(summary + "\n\n" + traceback.format_exc())
+        sys.stderr.flush()
+        os._exit(1)
+
+
+def _first_error(error_dir: Path) -> tuple[str, str | None]:
+    files = sorted(error_dir.glob("rank*.txt"), key=lambda p: p.stat().st_mtime)
+    if not files:
+        return "a worker died without reporting an error (killed, out of memory, or a crash)", None
+    first = files[0]
+    rank = first.stem.removeprefix("rank")
+    line = first.read_text().splitlines()[0]
+    others = sorted(int(p.stem.removeprefix("rank")) for p in files[1:] if p.stem[4:].isdigit())
+    more = f" (ranks {others} failed after it)" if others else ""
+    return f"rank {rank} failed: {line}{more}", str(first)
+
+
+def launch_local(
+    fn: Callable,
+    args: tuple,
+    nproc: int,
+    *,
+    error_dir: str | os.PathLike | None = None,
+    threads_per_worker: int | None = None,
+) -> list[Any]:
+    """Run ``fn(*args)`` in ``nproc`` local workers; return their results in rank order.
+
+    The workers see torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
+    MASTER_PORT, ...) and rendezvous on loopback at a free port.
+    """
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    err_dir = Path(error_dir) if error_dir is not None else Path(tempfile.mkdtemp(prefix="xffl-errors-"))
+    threads = threads_per_worker or worker_count_threads(nproc)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=f"xffl-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint=f"127.0.0.1:{free_port()}",
+        rdzv_configs={"timeout": 120},
+        max_restarts=0,
+        monitor_interval=0.1,
+        start_method="spawn",
+        local_addr="127.0.0.1",
+    )
+    # The agent logs every worker's failure at ERROR level; we report the cause once.
+    quiet = [logging.getLogger(n) for n in ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing.spawn")]
+    levels = [lg.level for lg in quiet]
+    for lg in quiet:
+        lg.setLevel(logging.CRITICAL)
+    try:
+        results = elastic_launch(config, _entry)(fn, args, str(err_dir))
+    except ChildFailedError:
+        message, details = _first_error(err_dir)
+        raise WorkerFailure(message, details) from None
+    finally:
+        for lg, level in zip(quiet, levels):
+            lg.setLevel(level)
+    return [results[r] for r in sorted(results)]

@@ -1,0 +1,256 @@
+"""DistributedState: everything distributed about one worker, built once, never mutated.
+
+Built from a validated :class:`~xffl_like.distributed.layout.Layout` and the process
+environment (torchrun, then Slurm, or explicit values). It owns the process group,
+the DeviceMesh for FSDP/HSDP inside the facility and one handle per communication
+stream for every group the aggregation uses. Nothing else calls ``dist.get_rank()``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Mapping
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from .layout import Coords, Exchange, Layout
+
+__all__ = ["ProcessEnv", "PeerExchange", "DistributedState", "read_env", "build_state"]
+
+
+@dataclass(frozen=True)
+class ProcessEnv:
+    """Who this process is, as the launcher told it."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    master_addr: str | None = None
+    master_port: int | None = None
+
+
+def read_env(environ: Mapping[str, str] | None = None) -> ProcessEnv | None:
+    """Read torchrun's variables, falling back to Slurm's; ``None`` when neither is set."""
+    env = os.environ if environ is None else environ
+    port = env.get("MASTER_PORT")
+    if "RANK" in env and "WORLD_SIZE" in env:
+        world = int(env["WORLD_SIZE"])
+        return ProcessEnv(
+            rank=int(env["RANK"]),
+            world_size=world,
+            local_rank=int(env.get("LOCAL_RANK", 0)),
+            local_world_size=int(env.get("LOCAL_WORLD_SIZE", world)),
+            master_addr=env.get("MASTER_ADDR"),
+            master_port=int(port) if port else None,
+        )
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        world = int(env["SLURM_NTASKS"])
+        per_node = env.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]
+        return ProcessEnv(
+            rank=int(env["SLURM_PROCID"]),
+            world_size=world,
+            local_rank=int(env.get("SLURM_LOCALID", 0)),
+            local_world_size=int(per_node) if per_node.isdigit() else world,
+            master_addr=env.get("MASTER_ADDR"),
+            master_port=int(port) if port else None,
+        )
+    return None
+
+
+@dataclass(frozen=True)
+class PeerExchange:
+    """A cross-facility reduction this rank joins: the plan plus one group per stream."""
+
+    exchange: Exchange
+    groups: tuple[dist.ProcessGroup, ...]
+
+
+@dataclass(frozen=True, eq=False)
+class DistributedState:
+    """Frozen view of one worker's place in the job. Compare by identity."""
+
+    layout: Layout
+    env: ProcessEnv
+    coords: Coords
+    backend: str
+    device: torch.device
+    init_device: torch.device
+    mesh: DeviceMesh
+    facility_groups: tuple[dist.ProcessGroup, ...]
+    replica_groups: tuple[dist.ProcessGroup, ...]
+    split_exchanges: tuple[PeerExchange, ...]
+    sender_exchanges: tuple[PeerExchange, ...]
+    streams: tuple = field(default=())
+    num_streams: int = 1
+
+    # Short names the rest of the code reads.
+    @property
+    def rank(self) -> int:
+        return self.env.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.env.world_size
+
+    @property
+    def local_rank(self) -> int:
+        return self.env.local_rank
+
+    @property
+    def local_world_size(self) -> int:
+        return self.env.local_world_size
+
+    @property
+    def facility(self) -> int:
+        return self.coords.facility
+
+    @property
+    def num_facilities(self) -> int:
+        return self.layout.num_facilities
+
+    @property
+    def facility_rank(self) -> int:
+        return self.coords.facility_rank
+
+    @property
+    def facility_size(self) -> int:
+        return self.layout.facility_sizes[self.coords.facility]
+
+    @property
+    def replica(self) -> int:
+        return self.coords.replica
+
+    @property
+    def num_replicas(self) -> int:
+        return self.layout.replicas[self.coords.facility]
+
+    @property
+    def shard(self) -> int:
+        return self.coords.shard
+
+    @property
+    def shard_size(self) -> int:
+        return self.layout.shard_size
+
+    @property
+    def is_hsdp(self) -> bool:
+        return self.mesh.ndim == 2
+
+    def describe(self) -> str:
+        """A readable table of this rank's coordinates and groups."""
+        split = ", ".join(
+            f"chunk {p.exchange.chunk}/{p.exchange.num_chunks} with {list(p.exchange.ranks)}"
+            for p in self.split_exchanges
+        )
+        rows = [
+            ("rank", f"{self.rank} of {self.world_size} (node-local {self.local_rank} of {self.local_world_size})"),
+            ("facility", f"{self.facility} of {self.num_facilities}, local rank {self.facility_rank} of {self.facility_size}"),
+            ("replica", f"{self.replica} of {self.num_replicas}"),
+            ("shard", f"{self.shard} of {self.shard_size}"),
+            ("mesh", f"{tuple(self.mesh.mesh_dim_names)} {self.mesh.mesh.tolist()}"),
+            ("backend", f"{self.backend} on {self.device} (init on {self.init_device})"),
+            ("streams", f"{self.num_streams} ({'cuda' if self.streams else 'async collectives on CPU'})"),
+            ("peers", split or "none (single facility)"),
+        ]
+        width = max(len(k) for k, _ in rows)
+        return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def _new_groups(ranks: tuple[int, ...], num_streams: int, backend: str, timeout: timedelta):
+    # Every rank must call new_group for every group, in the same order.
+    return tuple(dist.new_group(list(ranks), backend=backend, timeout=timeout) for _ in range(num_streams))
+
+
+def build_state(
+    layout: Layout,
+    env: ProcessEnv,
+    *,
+    backend: str = "auto",
+    num_streams: int = 1,
+    timeout_s: float = 300.0,
+) -> DistributedState:
+    """Initialise the default process group (if needed) and every group of ``layout``."""
+    if env.world_size != layout.world_size:
+        raise ValueError(
+            f"the launcher started {env.world_size} processes but the layout plans {layout.world_size}"
+        )
+    if num_streams < 1:
+        raise ValueError(f"strategy.streams={num_streams}: need at least one stream")
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        device = torch.device("cuda", env.local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    timeout = timedelta(seconds=timeout_s)
+    if not dist.is_initialized():
+        if env.master_addr is not None:
+            os.environ.setdefault("MASTER_ADDR", env.master_addr)
+        if env.master_port is not None:
+            os.environ.setdefault("MASTER_PORT", str(env.master_port))
+        dist.init_process_group(
+            backend=backend,
+            rank=env.rank,
+            world_size=env.world_size,
+            timeout=timeout,
+            device_id=device if backend == "nccl" else None,
+        )
+    coords = layout.coords(env.rank)
+    me = env.rank
+
+    # Shard groups (one FSDP sharding) and replica groups (same shard, all replicas).
+    shard_groups, replica_groups, facility_groups = {}, {}, {}
+    for f in range(layout.num_facilities):
+        facility_groups[f] = _new_groups(layout.facility_ranks(f), num_streams, backend, timeout)
+        for r in range(layout.replicas[f]):
+            shard_groups[(f, r)] = _new_groups(layout.shard_group_ranks(f, r), 1, backend, timeout)
+        for s in range(layout.shard_size):
+            replica_groups[(f, s)] = _new_groups(layout.replica_group_ranks(f, s), num_streams, backend, timeout)
+
+    def exchanges(plan: tuple[Exchange, ...]) -> tuple[PeerExchange, ...]:
+        out = []
+        for ex in plan:
+            groups = _new_groups(ex.ranks, num_streams, backend, timeout)
+            if me in ex.ranks:
+                out.append(PeerExchange(ex, groups))
+        return tuple(out)
+
+    split = exchanges(layout.split_exchanges()) if layout.num_facilities > 1 else ()
+    sender = exchanges(layout.sender_exchanges()) if layout.num_facilities > 1 else ()
+
+    f, r, s = coords.facility, coords.replica, coords.shard
+    shard_pg = shard_groups[(f, r)][0]
+    if layout.replicas[f] > 1:
+        facility = layout.facility_ranks(f)
+        mesh_ranks = torch.tensor(facility, dtype=torch.int).view(layout.replicas[f], layout.shard_size)
+        mesh = DeviceMesh.from_group(
+            [replica_groups[(f, s)][0], shard_pg],
+            device.type,
+            mesh=mesh_ranks,
+            mesh_dim_names=("replicate", "shard"),
+        )
+    else:
+        mesh = DeviceMesh.from_group(shard_pg, device.type, mesh_dim_names=("shard",))
+
+    streams = tuple(torch.cuda.Stream(device=device) for _ in range(num_streams)) if device.type == "cuda" else ()
+    return DistributedState(
+        layout=layout,
+        env=env,
+        coords=coords,
+        backend=backend,
+        device=device,
+        init_device=torch.device("cpu"),
+        mesh=mesh,
+        facility_groups=facility_groups[f],
+        replica_groups=replica_groups[(f, s)],
+        split_exchanges=split,
+        sender_exchanges=sender,
+        streams=streams,
+        num_streams=num_streams,
+    )

@@ -1,0 +1,116 @@
+"""Data layer: deterministic per-(facility, rank) token batches.
+
+``build_data`` returns a :class:`DataSource` for one worker; ``validate_data`` checks a
+config in the launching process before any worker starts (one-sentence ``ValueError``).
+Sources: ``synthetic`` (non-IID sparse Markov chain, no files) and ``text`` (byte-level
+UTF-8 corpus, e.g. ``../shared/data/tinyshakespeare.txt``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from .source import DataSource, cfg_get, check_positive_int, mix_seed, resolve_paths
+from .synthetic import SyntheticMarkovSource, build_synthetic, validate_synthetic
+from .text import BYTE_VOCAB_SIZE, TextByteSource, build_text, decode, encode, validate_text
+
+__all__ = [
+    "DataSource",
+    "SyntheticMarkovSource",
+    "TextByteSource",
+    "BYTE_VOCAB_SIZE",
+    "DATA_SOURCES",
+    "build_data",
+    "validate_data",
+    "resolve_paths",
+    "encode",
+    "decode",
+    "mix_seed",
+]
+
+DATA_SOURCES = ("synthetic", "text")
+
+
+def _name(cfg_data: Any) -> str:
+    name = cfg_get(cfg_data, "name")
+    if name not in DATA_SOURCES:
+        raise ValueError(
+            f"data.name: unknown data source {name!r} (pass data.name=synthetic or data.name=text)"
+        )
+    return str(name)
+
+
+def _check_layout(*, batch_size: int, facility: int, num_facilities: int, facility_rank: int, facility_size: int) -> None:
+    check_positive_int(batch_size, "batch_size", "set a positive per-rank batch size")
+    check_positive_int(num_facilities, "num_facilities", "set at least one facility")
+    check_positive_int(facility_size, "facility_size", "give each facility at least one worker")
+    if isinstance(facility, bool) or not isinstance(facility, int) or not 0 <= facility < num_facilities:
+        raise ValueError(f"facility: {facility!r} is not in 0..{num_facilities - 1} (num_facilities={num_facilities})")
+    if isinstance(facility_rank, bool) or not isinstance(facility_rank, int) or not 0 <= facility_rank < facility_size:
+        raise ValueError(
+            f"facility_rank: {facility_rank!r} is not in 0..{facility_size - 1} (facility_size={facility_size})"
+        )
+
+
+def validate_data(cfg_data: Any, *, vocab_size: int, seq_len: int, base_dir: str | os.PathLike | None = None) -> None:
+    """Check ``cfg_data`` (dict / DictConfig) before workers start; raise ``ValueError`` on the first problem.
+
+    Relative ``data.path`` entries resolve against ``base_dir`` (default: Hydra's original cwd, else the cwd).
+    """
+    name = _name(cfg_data)
+    if name == "synthetic":
+        validate_synthetic(cfg_data, vocab_size=vocab_size, seq_len=seq_len)
+    else:
+        validate_text(cfg_data, vocab_size=vocab_size, seq_len=seq_len, base_dir=base_dir)
+
+
+def build_data(
+    cfg_data: Any,
+    *,
+    vocab_size: int,
+    seq_len: int,
+    batch_size: int,
+    seed: int,
+    facility: int,
+    num_facilities: int,
+    facility_rank: int,
+    facility_size: int,
+    base_dir: str | os.PathLike | None = None,
+) -> DataSource:
+    """The data source of rank ``facility_rank`` (of ``facility_size``) in facility ``facility`` (of ``num_facilities``).
+
+    Batches are CPU LongTensors ``(inputs [batch_size, seq_len], targets [batch_size, seq_len])``.
+    ``base_dir`` (optional) is where relative ``data.path`` entries resolve; default as in
+    :func:`validate_data` -- pass the launch directory (or absolute paths) when workers run elsewhere.
+    """
+    name = _name(cfg_data)
+    _check_layout(
+        batch_size=batch_size,
+        facility=facility,
+        num_facilities=num_facilities,
+        facility_rank=facility_rank,
+        facility_size=facility_size,
+    )
+    if name == "synthetic":
+        return build_synthetic(
+            cfg_data,
+            vocab_size=vocab_size,
+            seq_len=seq_len,
+            batch_size=batch_size,
+            seed=seed,
+            facility=facility,
+            facility_rank=facility_rank,
+        )
+    return build_text(
+        cfg_data,
+        vocab_size=vocab_size,
+        seq_len=seq_len,
+        batch_size=batch_size,
+        seed=seed,
+        facility=facility,
+        num_facilities=num_facilities,
+        facility_rank=facility_rank,
+        facility_size=facility_size,
+        base_dir=base_dir,
+    )

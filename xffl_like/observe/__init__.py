@@ -1,0 +1,5 @@
+"""Metrics sinks, timers and progress."""
+
+from .observer import Observer
+
+__all__ = ["Observer"]

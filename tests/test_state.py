@@ -1,0 +1,72 @@
+"""Tier 2: DistributedState group membership on 4 and 6 gloo processes."""
+
+import math
+
+import pytest
+
+from xffl_like.distributed.launch import launch_local
+from xffl_like.distributed.state import read_env
+
+import workers
+
+
+def expected_coords(sizes, shard):
+    """Rank -> (facility, facility rank, replica, shard), from the documented formula."""
+    out, offset = {}, 0
+    for f, size in enumerate(sizes):
+        for local in range(size):
+            out[offset + local] = (f, local, local // shard, local % shard)
+        offset += size
+    return out
+
+
+@pytest.mark.parametrize(
+    "world, federated, hsdp, sizes, shard",
+    [
+        (4, 2, None, [2, 2], 2),  # 2 facilities x FSDP(2): 1-D meshes
+        (4, None, 2, [4], 2),  # 1 facility, HSDP 2 replicas x 2 shards: 2-D mesh
+        (6, [4, 2], 2, [4, 2], 2),  # unequal facilities: 2-D mesh and 1-D mesh
+    ],
+)
+def test_group_membership(world, federated, hsdp, sizes, shard):
+    results = launch_local(workers.state_membership, (federated, hsdp, 2), world)
+    coords = expected_coords(sizes, shard)
+    for rank, res in enumerate(results):
+        f, local, replica, s = coords[rank]
+        assert tuple(res["coords"]) == (f, local, replica, s)
+        facility = [r for r, c in coords.items() if c[0] == f]
+        replicas = [r for r, c in coords.items() if c[0] == f and c[3] == s]
+        assert res["mesh"] == ([[r for r in facility if coords[r][2] == k] for k in range(len(replicas))]
+                               if len(replicas) > 1 else [r for r in facility if coords[r][2] == replica])
+        assert res["mesh_dims"] == (("replicate", "shard") if len(replicas) > 1 else ("shard",))
+        for ranks, total in res["facility"]:  # one handle per stream, same members
+            assert list(ranks) == facility and total == sum(facility)
+        for ranks, total in res["replica"]:
+            assert list(ranks) == replicas and total == sum(replicas)
+        if len(sizes) == 1:
+            assert res["split"] == [] and res["sender"] == []
+            continue
+        # split mode: chunk c is reduced by replica c % R_g of every facility g
+        for chunk, handles in res["split"]:
+            members = [r for r, c in coords.items() if c[3] == s and c[2] == chunk % (sizes[c[0]] // shard)]
+            assert rank in members
+            for ranks, total in handles:
+                assert list(ranks) == members and total == sum(members)
+        r_f = sizes[f] // shard
+        n_chunks = math.lcm(*[size // shard for size in sizes])
+        assert sorted(c for c, _ in res["split"]) == [c for c in range(n_chunks) if c % r_f == replica]
+        if replica == 0:
+            senders = [r for r, c in coords.items() if c[3] == s and c[2] == 0]
+            assert [list(ranks) for ranks, _ in res["sender"][0]] == [senders, senders]
+        else:
+            assert res["sender"] == []
+    assert "facility" in results[0]["describe"]
+
+
+def test_read_env_prefers_torchrun_then_slurm():
+    env = read_env({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+                    "MASTER_ADDR": "h", "MASTER_PORT": "123", "SLURM_PROCID": "0", "SLURM_NTASKS": "9"})
+    assert (env.rank, env.world_size, env.local_rank, env.local_world_size, env.master_port) == (3, 4, 1, 2, 123)
+    env = read_env({"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_NTASKS_PER_NODE": "4(x2)"})
+    assert (env.rank, env.world_size, env.local_rank, env.local_world_size) == (5, 8, 1, 4)
+    assert read_env({}) is None

@@ -1,0 +1,109 @@
+"""Validation of the resolved config in the launching process, before any worker starts.
+
+Every check raises :class:`ConfigError` with one sentence that names the key, the bad
+value and how to fix it. Hydra itself rejects unknown keys and groups at compose time.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from .distributed.layout import Layout, plan_layout
+
+__all__ = ["ConfigError", "validate_config"]
+
+
+class ConfigError(ValueError):
+    """A config value that cannot work; the message is the one line shown to the user."""
+
+
+def _get(cfg: dict, dotted: str) -> Any:
+    node = cfg
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            raise ConfigError(f"{dotted} is missing from the config")
+        node = node[part]
+    return node
+
+
+def _positive_int(cfg: dict, dotted: str) -> int:
+    value = _get(cfg, dotted)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{dotted}={value!r}: must be a positive integer (e.g. {dotted}=1)")
+    return value
+
+
+def _positive_float(cfg: dict, dotted: str, allow_zero: bool = False) -> float:
+    value = _get(cfg, dotted)
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (value >= 0 if allow_zero else value > 0)
+    if not ok:
+        raise ConfigError(f"{dotted}={value!r}: must be a {'non-negative' if allow_zero else 'positive'} number")
+    return float(value)
+
+
+def _check_weights(spec: Any, num_facilities: int) -> None:
+    if spec in ("uniform", "tokens"):
+        return
+    if isinstance(spec, list) and len(spec) == num_facilities and all(
+        isinstance(w, (int, float)) and not isinstance(w, bool) and w >= 0 for w in spec
+    ) and sum(spec) > 0:
+        return
+    raise ConfigError(
+        f"federation.weights={spec!r}: use uniform, tokens, or a list of {num_facilities} non-negative numbers "
+        f"with a positive sum (one per facility)"
+    )
+
+
+def validate_config(cfg: dict, world_size: int, local_world_size: int | None, base_dir: Path) -> Layout:
+    """Check ``cfg`` (a resolved plain dict) for a job of ``world_size`` processes.
+
+    Resolves relative data paths against ``base_dir`` in place, so that workers read
+    the files the user named wherever they run. Returns the planned layout.
+    """
+    from .aggregation import validate_strategy_options
+    from .data import resolve_paths, validate_data
+    from .models import LlamaConfig, build_model
+
+    _positive_int(cfg, "distributed.nproc_per_node")
+    _positive_int(cfg, "distributed.timeout_s")
+    for key in ("federation.every", "train.steps", "train.batch_size", "train.seq_len", "train.log_every"):
+        _positive_int(cfg, key)
+    _positive_float(cfg, "optim.lr")
+    _positive_float(cfg, "optim.weight_decay", allow_zero=True)
+    _positive_float(cfg, "optim.grad_clip", allow_zero=True)
+    if _get(cfg, "optim.warmup_steps") < 0:
+        raise ConfigError(f"optim.warmup_steps={cfg['optim']['warmup_steps']!r}: must be >= 0")
+    if _get(cfg, "train.dtype") not in ("float32", "bfloat16"):
+        raise ConfigError(f"train.dtype={cfg['train']['dtype']!r}: use float32 or bfloat16")
+    if _get(cfg, "distributed.backend") not in ("auto", "gloo", "nccl"):
+        raise ConfigError(f"distributed.backend={cfg['distributed']['backend']!r}: use auto, gloo or nccl")
+    if not isinstance(cfg.get("seed"), int) or isinstance(cfg.get("seed"), bool):
+        raise ConfigError(f"seed={cfg.get('seed')!r}: must be an integer")
+
+    dist_cfg = cfg["distributed"]
+    try:
+        layout = plan_layout(world_size, dist_cfg["federated"], dist_cfg["hsdp"], local_world_size)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    _check_weights(_get(cfg, "federation.weights"), layout.num_facilities)
+
+    try:
+        model_cfg = LlamaConfig.from_mapping(cfg["model"])
+    except ValueError as exc:
+        raise ConfigError(f"model: {exc}") from None
+    if cfg["train"]["seq_len"] > model_cfg.max_seq_len:
+        raise ConfigError(
+            f"train.seq_len={cfg['train']['seq_len']} exceeds model.max_seq_len={model_cfg.max_seq_len}: "
+            f"lower train.seq_len or raise model.max_seq_len"
+        )
+    try:
+        validate_data(cfg["data"], vocab_size=model_cfg.vocab_size, seq_len=cfg["train"]["seq_len"], base_dir=str(base_dir))
+        if "path" in cfg["data"]:
+            paths = [str(p) for p in resolve_paths(cfg["data"], str(base_dir))]
+            cfg["data"]["path"] = paths if isinstance(cfg["data"]["path"], list) else paths[0]
+        names = [name for name, _ in build_model(cfg["model"], device="meta").named_parameters()]
+        validate_strategy_options(cfg["strategy"], names)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    return layout

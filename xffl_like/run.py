@@ -1,0 +1,41 @@
+"""``python -m xffl_like.run [+experiment=NAME] [overrides]``: the main job.
+
+Started plainly it composes the config with Hydra, validates it, and launches
+``distributed.nproc_per_node`` local workers. Under torchrun or srun each process is a
+worker: rank 0 composes and validates, then shares the config with the others.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig
+
+from .distributed.state import read_env
+from .job import JobFailed, run_local
+
+
+@hydra.main(config_path="../conf", config_name="config", version_base=None)
+def main(cfg: DictConfig) -> dict | None:
+    hc = HydraConfig.get()
+    run_dir = Path(hc.runtime.output_dir)
+    try:
+        return run_local(cfg, run_dir)
+    except JobFailed as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        if hc.mode == RunMode.MULTIRUN:  # one failed job must not stop the sweep
+            (run_dir / "error.txt").write_text(f"{exc}\n")
+            return {"status": "failed", "error": str(exc)}
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    if read_env() is not None:
+        from .job import run_under_launcher
+
+        sys.exit(run_under_launcher(sys.argv[1:]))
+    main()

@@ -1,0 +1,189 @@
+"""The worker: local steps inside the facility, a cross-facility aggregation every round.
+
+``train_worker(cfg, run_dir)`` runs in every process. ``cfg`` is the resolved config as
+a plain dict (workers never start Hydra); ``run_dir`` is the job's one run directory.
+Rank 0 returns the summary (and writes ``summary.json``); other ranks return ``None``.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ..aggregation import aggregate, build_strategy
+from ..data import build_data
+from ..distributed.layout import plan_layout
+from ..distributed.state import DistributedState, build_state, read_env
+from ..models import build_model
+from ..observe import Observer
+from ..observe.timing import PHASES, PhaseTimer, gather_phase_table
+from .parallelize import shard_model
+
+__all__ = ["train_worker", "facility_weights", "max_param_divergence"]
+
+
+def facility_weights(cfg: dict, state: DistributedState) -> list[float] | None:
+    """Per-facility weights of the mean, from ``federation.weights``."""
+    spec = cfg["federation"]["weights"]
+    if spec == "uniform":
+        return None
+    if spec == "tokens":  # every rank trains on the same number of tokens per step
+        return [float(size) for size in state.layout.facility_sizes]
+    return [float(w) for w in spec]
+
+
+@torch.no_grad()
+def max_param_divergence(model: torch.nn.Module, state: DistributedState, peer_groups: list) -> float:
+    """Largest |a - b| between any two ranks holding the same piece of any parameter.
+
+    Computed from the values themselves (max and min over all holders of each element),
+    so it covers facilities and replicas alike.
+    """
+    worst = torch.zeros((), dtype=torch.float64)
+    for param in model.parameters():
+        local = param.to_local() if hasattr(param, "to_local") else param
+        hi = local.detach().to(torch.float64).clone()
+        lo = -hi
+        dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=peer_groups[state.shard])
+        dist.all_reduce(lo, op=dist.ReduceOp.MAX, group=peer_groups[state.shard])
+        if hi.numel():
+            worst = torch.maximum(worst, (hi + lo).max())
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    return float(worst)
+
+
+def _lr_lambda(warmup: int):
+    return lambda step: min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0
+
+
+def _loss(model, inputs, targets) -> torch.Tensor:
+    logits = model(inputs)
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+@torch.no_grad()
+def _evaluate(model, batches, device) -> float:
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    for inputs, targets in batches:
+        total[0] += _loss(model, inputs.to(device), targets.to(device)).double()
+        total[1] += 1
+    dist.all_reduce(total)  # mean over every rank's held-out batches
+    return float(total[0] / total[1])
+
+
+def train_worker(cfg: dict[str, Any], run_dir: str, started_at: float | None = None) -> dict | None:
+    env = read_env()
+    dcfg, tcfg, ocfg = cfg["distributed"], cfg["train"], cfg["optim"]
+    layout = plan_layout(env.world_size, dcfg["federated"], dcfg["hsdp"], env.local_world_size)
+    state = build_state(
+        layout, env, backend=dcfg["backend"], num_streams=cfg["strategy"]["streams"], timeout_s=dcfg["timeout_s"]
+    )
+    try:
+        return _train(cfg, state, Path(run_dir), started_at or time.time())
+    finally:
+        dist.destroy_process_group()
+
+
+def _train(cfg: dict, state: DistributedState, run_dir: Path, started_at: float) -> dict | None:
+    tcfg, ocfg, every = cfg["train"], cfg["optim"], cfg["federation"]["every"]
+    steps, device = tcfg["steps"], state.device
+    torch.manual_seed(cfg["seed"])
+    model = build_model(cfg["model"], seed=cfg["seed"])  # identical start on every rank
+    shard_model(model, state, tcfg["dtype"])
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=ocfg["lr"], betas=tuple(ocfg["betas"]), eps=ocfg["eps"], weight_decay=ocfg["weight_decay"]
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(ocfg["warmup_steps"]))
+    data = build_data(
+        cfg["data"], vocab_size=cfg["model"]["vocab_size"], seq_len=tcfg["seq_len"], batch_size=tcfg["batch_size"],
+        seed=cfg["seed"], facility=state.facility, num_facilities=state.num_facilities,
+        facility_rank=state.facility_rank, facility_size=state.facility_size,
+    )
+    strategy = build_strategy(model, state, cfg["strategy"])
+    weights = facility_weights(cfg, state)
+    peer_groups = [dist.new_group(list(state.layout.peer_ranks(s))) for s in range(state.shard_size)]
+    observer = Observer(cfg, state, run_dir)
+    timer = PhaseTimer(device)
+    tokens_per_step = tcfg["batch_size"] * tcfg["seq_len"] * state.world_size
+    # Row f holds facility f's mean loss per step (filled by this rank's facility share).
+    losses = torch.zeros(state.num_facilities, steps, dtype=torch.float64)
+    rounds: list[dict] = []
+
+    dist.barrier()
+    start = time.perf_counter()
+    for step in range(steps):
+        with timer("data"):
+            inputs, targets = (t.to(device) for t in data.train_batch(step))
+        with timer("forward"):
+            loss = _loss(model, inputs, targets)
+        with timer("backward"):
+            loss.backward()
+        with timer("optimizer"):
+            if ocfg["grad_clip"] > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), ocfg["grad_clip"])
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            scheduler.step()
+        facility_loss = loss.detach().double() / state.facility_size
+        dist.all_reduce(facility_loss, group=state.facility_groups[0])
+        losses[state.facility, step] = float(facility_loss)
+        observer.step(step, float(facility_loss), optimizer.param_groups[0]["lr"], tokens_per_step, time.perf_counter() - start)
+        if (step + 1) % every == 0 or step + 1 == steps:
+            with timer("aggregation"):
+                result = aggregate(strategy, state, weights)
+            record = {"round": len(rounds), "step": step + 1, "seconds": result.seconds,
+                      "bytes_per_rank": result.bytes_per_rank, "cross_facility_bytes": result.cross_facility_bytes}
+            rounds.append(record)
+            observer.round(record)
+    train_seconds = time.perf_counter() - start
+
+    eval_loss = _evaluate(model, data.eval_batches(), device)
+    divergence = max_param_divergence(model, state, peer_groups)
+    # Every rank wrote only its facility's row; the sum over ranks / facility size restores each row.
+    for f in range(state.num_facilities):
+        if f != state.facility:
+            losses[f].zero_()
+    losses /= state.facility_size
+    dist.all_reduce(losses)
+    phases = gather_phase_table(timer, state, steps)
+    # The slowest rank's aggregation time is the round's time.
+    agg = torch.tensor([r["seconds"] for r in rounds], dtype=torch.float64)
+    dist.all_reduce(agg, op=dist.ReduceOp.MAX)
+    for record, seconds in zip(rounds, agg.tolist()):
+        record["seconds"] = seconds
+
+    if state.rank != 0:
+        observer.finish(None)
+        return None
+    per_step = losses.mean(dim=0)
+    summary = {
+        "experiment": cfg["experiment"],
+        "world_size": state.world_size,
+        "layout": {
+            "facility_sizes": list(state.layout.facility_sizes),
+            "shard_size": state.layout.shard_size,
+            "replicas_per_facility": list(state.layout.replicas),
+        },
+        "strategy": {"name": cfg["strategy"]["name"], "streams": cfg["strategy"]["streams"]},
+        "steps": steps,
+        "rounds": len(rounds),
+        "first_loss": float(per_step[0]),
+        "final_loss": float(per_step[-1]),
+        "eval_loss": eval_loss,
+        "max_param_divergence_after_last_round": divergence,
+        "aggregation_seconds": [r["seconds"] for r in rounds],
+        "aggregation_bytes_per_rank": [r["bytes_per_rank"] for r in rounds],
+        "cross_facility_bytes_per_round": [r["cross_facility_bytes"] for r in rounds],
+        "facility_losses": losses.tolist(),
+        "tokens_per_second": tokens_per_step * steps / train_seconds,
+        "train_seconds": train_seconds,
+        "phases": phases,
+        "wall_seconds": time.time() - started_at,
+    }
+    observer.finish(summary)
+    return summary

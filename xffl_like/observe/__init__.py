@@ -1,4 +1,4 @@
-"""Metrics sinks, timers and progress."""
+"""What runs leave behind and show: local metric files, W&B, progress, phase timers, plots, sweep summaries."""
 
 from .observer import Observer
 

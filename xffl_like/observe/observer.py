@@ -1,66 +1,157 @@
-"""What a run leaves behind: local metric files, progress lines, the summary.
+"""What a run leaves behind: local metric files, progress, plots, W&B runs, the summary.
 
-Every rank holds an Observer; only the ranks with something to say write:
-the first rank of each facility writes that facility's lines of ``metrics.jsonl``,
-rank 0 writes ``aggregation.csv``, ``summary.json`` and prints progress.
+Every rank holds an Observer; only the ranks with something to say act on it:
+
+- the first rank of each facility appends that facility's lines to ``metrics.jsonl``
+  and, with ``logger=wandb``, holds that facility's W&B run;
+- rank 0 writes ``aggregation.csv``, ``summary.json``, ``loss.png`` and
+  ``aggregation.png``, and prints the layout, progress and the final tables.
+
+Local files are written whatever the logger. Other ranks print nothing.
 """
 
 from __future__ import annotations
 
 import csv
 import json
+import statistics
+import sys
 from pathlib import Path
 
+from .plots import plot_aggregation, plot_losses
+from .progress import Progress
 from .timing import format_phase_table
 
-__all__ = ["Observer"]
+__all__ = ["AGG_FIELDS", "LOGGERS", "Observer", "bandwidth"]
 
-AGG_FIELDS = ("round", "step", "seconds", "bytes_per_rank", "cross_facility_bytes")
+AGG_FIELDS = ("round", "step", "seconds", "bytes_per_rank", "cross_facility_bytes", "algbw_gbps", "busbw_gbps",
+              "strategy", "streams")
+LOGGERS = ("none", "wandb")
+
+
+def bandwidth(bytes_per_rank: float, seconds: float, num_facilities: int) -> tuple[float, float]:
+    """(algbw, busbw) in GB/s of one cross-facility all-reduce round, as nccl-tests defines them.
+
+    algbw = bytes reduced per rank / seconds; busbw = algbw * 2(n-1)/n with n the number of
+    facilities (the size of the cross-facility group): the per-link traffic of a ring all-reduce.
+    """
+    if seconds <= 0 or num_facilities < 2:
+        return 0.0, 0.0
+    algbw = bytes_per_rank / seconds / 1e9
+    return algbw, algbw * 2 * (num_facilities - 1) / num_facilities
 
 
 class Observer:
     def __init__(self, cfg: dict, state, run_dir: Path):
         self.cfg, self.state, self.run_dir = cfg, state, Path(run_dir)
-        self.every = cfg["federation"]["every"]
         self.steps = cfg["train"]["steps"]
-        self.log_every = cfg["train"]["log_every"]
+        self.strategy = cfg["strategy"]["name"]
+        self.streams = cfg["strategy"]["streams"]
         self.facility_lead = state.facility_rank == 0
         self.lead = state.rank == 0
-        self._metrics = open(self.run_dir / "metrics.jsonl", "a") if self.facility_lead else None
-        self._agg = None
+        logger = (cfg.get("logger") or {}).get("name", "none")
+        if logger not in LOGGERS:
+            raise ValueError(f"logger.name={logger!r}: use one of {', '.join(LOGGERS)}")
+        # Facilities may not share a file system: each makes the run directory it writes to.
+        if self.facility_lead:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.rounds: list[dict] = []
+        self.progress = None
         if self.lead:
+            self.progress = Progress(self.steps, cfg["federation"]["every"], cfg["train"]["log_every"],
+                                     facilities=state.num_facilities)
+            self.progress.print(state.layout.describe())
             self._agg_file = open(self.run_dir / "aggregation.csv", "w", newline="")
             self._agg = csv.DictWriter(self._agg_file, fieldnames=AGG_FIELDS)
             self._agg.writeheader()
-            print(state.layout.describe(), flush=True)
+        # Line-buffered appends: each line is one write, so facility leads sharing a file
+        # system do not cut each other's lines.
+        self._metrics = open(self.run_dir / "metrics.jsonl", "a", buffering=1) if self.facility_lead else None
+        self.wandb = None
+        if self.facility_lead and logger == "wandb":
+            from .wandb_logger import WandbLogger
+
+            self.wandb = WandbLogger(cfg, state, self.run_dir)
 
     def step(self, step: int, loss: float, lr: float, tokens_per_step: int, elapsed: float) -> None:
-        tokens_per_s = tokens_per_step * (step + 1) / max(elapsed, 1e-9)
+        """After optimizer step ``step`` (0-based): ``loss`` is this facility's mean loss."""
+        done = step + 1
+        tokens_per_s = tokens_per_step * done / max(elapsed, 1e-9)
         if self._metrics is not None:
-            line = {"step": step + 1, "facility": self.state.facility, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_s}
+            line = {"step": done, "facility": self.state.facility, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_s}
             self._metrics.write(json.dumps(line) + "\n")
-        if self.lead and ((step + 1) % self.log_every == 0 or step == 0 or step + 1 == self.steps):
-            to_round = self.every - (step + 1) % self.every if (step + 1) % self.every else 0
-            print(f"step {step + 1:>5}/{self.steps}  loss {loss:.4f}  {tokens_per_s:,.0f} tok/s  "
-                  f"next aggregation in {to_round} steps", flush=True)
+        if self.wandb is not None:
+            self.wandb.step(done, loss, lr, tokens_per_s)
+        if self.progress is not None:
+            self.progress.step(done, loss, tokens_per_s)
 
     def round(self, record: dict) -> None:
-        if self._agg is not None:
-            self._agg.writerow({k: record[k] for k in AGG_FIELDS})
+        """After an aggregation round: ``record`` has round, step, seconds, bytes_per_rank, cross_facility_bytes."""
+        if not (self.lead or self.wandb is not None):
+            return
+        row = self._complete(record)
+        if self.wandb is not None:
+            self.wandb.round(row)
+        if self.lead:
+            self.rounds.append(row)
+            self._agg.writerow(row)
             self._agg_file.flush()
+            self.progress.round(row)
+
+    def _complete(self, record: dict) -> dict:
+        algbw, busbw = bandwidth(record["bytes_per_rank"], record["seconds"], self.state.num_facilities)
+        return {**{k: record[k] for k in AGG_FIELDS[:5]}, "algbw_gbps": algbw, "busbw_gbps": busbw,
+                "strategy": self.strategy, "streams": self.streams}
 
     def finish(self, summary: dict | None) -> None:
+        """Close the sinks. Rank 0 passes the job's summary; the others ``None``."""
         if self._metrics is not None:
             self._metrics.close()
+        if self.lead and summary is not None:
+            self._final_rounds(summary)
+        if self.wandb is not None:
+            self.wandb.finish(summary if self.lead else None)
         if not self.lead:
             return
-        self._agg_file.close()
+        self.progress.close()
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-        print(format_phase_table(summary["phases"]), flush=True)
+        notes = []
+        try:
+            notes.append(plot_losses(summary["facility_losses"], [r["step"] for r in self.rounds], self.run_dir / "loss.png"))
+            notes.append(plot_aggregation(self.rounds, self.run_dir / "aggregation.png"))
+        except Exception as exc:  # noqa: BLE001 - a plot must not fail a finished job
+            notes.append(f"plots skipped: {type(exc).__name__}: {exc}")
+        out = sys.stdout
+        print(format_phase_table(summary["phases"]), file=out)
+        for note in filter(None, notes):
+            print(f"note: {note}", file=out)
         print(
             f"done: {summary['steps']} steps, {summary['rounds']} rounds; loss {summary['first_loss']:.4f} -> "
             f"{summary['final_loss']:.4f}, eval {summary['eval_loss']:.4f}; max divergence "
             f"{summary['max_param_divergence_after_last_round']:.2e}; {summary['tokens_per_second']:,.0f} tok/s; "
-            f"{summary['wall_seconds']:.1f} s\nresults: {self.run_dir}",
-            flush=True,
+            f"aggregation median {summary['aggregation_seconds_median'] * 1e3:.2f} ms, busbw "
+            f"{summary['aggregation_busbw_gbps_median']:.3f} GB/s; {summary['wall_seconds']:.1f} s",
+            file=out,
         )
+        if self.wandb is not None:
+            sync = f" (upload: wandb sync {self.run_dir / 'wandb'}/offline-run-*)" if self.wandb.mode == "offline" else ""
+            print(f"wandb: {self.wandb.mode} runs in {self.run_dir / 'wandb'}{sync}", file=out)
+        print(f"results: {self.run_dir}", file=out, flush=True)
+
+    def _final_rounds(self, summary: dict) -> None:
+        """Replace each round's seconds by the slowest rank's (from the summary), recompute the
+        bandwidths, rewrite ``aggregation.csv`` and add the per-round bandwidths to the summary."""
+        slowest = summary.get("aggregation_seconds", [])
+        if len(slowest) == len(self.rounds):
+            self.rounds = [self._complete({**r, "seconds": s}) for r, s in zip(self.rounds, slowest)]
+        self._agg_file.close()
+        with open(self.run_dir / "aggregation.csv", "w", newline="") as fh:
+            writer = csv.DictWriter(fh, fieldnames=AGG_FIELDS)
+            writer.writeheader()
+            writer.writerows(self.rounds)
+        summary["aggregation_algbw_gbps"] = [r["algbw_gbps"] for r in self.rounds]
+        summary["aggregation_busbw_gbps"] = [r["busbw_gbps"] for r in self.rounds]
+        seconds = [r["seconds"] for r in self.rounds]
+        summary["aggregation_seconds_median"] = statistics.median(seconds) if seconds else 0.0
+        busbw = summary["aggregation_busbw_gbps"]
+        summary["aggregation_busbw_gbps_median"] = statistics.median(busbw) if busbw else 0.0

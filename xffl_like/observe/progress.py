@@ -1,0 +1,113 @@
+"""Rank 0's progress output: a carriage-return bar on a terminal, plain lines otherwise.
+
+On a TTY the bar is redrawn in place (at most ten times a second, and always on the
+last step). Anywhere else (CI, Slurm logs, pipes) it prints one plain line every
+``log_every`` steps, plus the first and last step, and one line per aggregation round
+that falls on such a step: no carriage returns, no escape sequences.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import TextIO
+
+__all__ = ["Progress", "format_bytes", "steps_to_aggregation"]
+
+BAR_WIDTH = 20
+REDRAW_S = 0.1
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    raise AssertionError("unreachable")
+
+
+def steps_to_aggregation(step: int, every: int, steps: int) -> int:
+    """Steps left until the next aggregation after ``step`` (1-based) is done; 0: it aggregates now.
+
+    Rounds end every ``every`` steps and at the last step.
+    """
+    if step % every == 0 or step == steps:
+        return 0
+    return min(every - step % every, steps - step)
+
+
+def _clock(seconds: float) -> str:
+    minutes, s = divmod(int(seconds), 60)
+    h, m = divmod(minutes, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m:02d}:{s:02d}"
+
+
+class Progress:
+    """Progress of one job as seen from rank 0. ``tty=None`` asks the stream."""
+
+    def __init__(self, steps: int, every: int, log_every: int, stream: TextIO | None = None, tty: bool | None = None,
+                 facilities: int = 1):
+        self.steps, self.every, self.log_every = steps, every, log_every
+        # Rank 0 knows its own facility's loss; with several facilities, say which one it is.
+        self.loss_label = "loss" if facilities == 1 else "loss f0"
+        self.stream = stream or sys.stdout
+        isatty = getattr(self.stream, "isatty", None)
+        self.tty = bool(isatty and isatty()) if tty is None else tty
+        self._start = time.perf_counter()
+        self._drawn_at = 0.0
+        self._width = 0
+        self._last_round = ""
+        self._open = False  # a bar is on screen without its newline
+
+    def _due(self, step: int) -> bool:
+        return step == 1 or step % self.log_every == 0 or step == self.steps
+
+    def step(self, step: int, loss: float, tokens_per_s: float) -> None:
+        """After optimizer step ``step`` (1-based)."""
+        left = steps_to_aggregation(step, self.every, self.steps)
+        if self.tty:
+            now = time.perf_counter()
+            if step == self.steps or now - self._drawn_at >= REDRAW_S:
+                self._drawn_at = now
+                self._draw(step, loss, tokens_per_s, left, now - self._start)
+        elif self._due(step):
+            nxt = "aggregating" if left == 0 else f"next aggregation in {left} steps"
+            self._print(f"step {step:>5}/{self.steps}  {self.loss_label} {loss:.4f}  {tokens_per_s:,.0f} tok/s  {nxt}")
+
+    def round(self, record: dict) -> None:
+        """After aggregation round ``record`` (with ``algbw_gbps`` and ``busbw_gbps``)."""
+        text = (f"round {record['round']} (step {record['step']}): {record['seconds'] * 1e3:.2f} ms, "
+                f"{format_bytes(record['bytes_per_rank'])} per rank, "
+                f"{format_bytes(record['cross_facility_bytes'])} across facilities, "
+                f"algbw {record['algbw_gbps']:.3f} GB/s, busbw {record['busbw_gbps']:.3f} GB/s")
+        if self.tty:
+            self._last_round = f"  last aggregation {record['seconds'] * 1e3:.1f} ms"
+        elif self._due(record["step"]):
+            self._print(text)
+
+    def print(self, text: str) -> None:
+        """A line of its own, below the bar when one is on screen."""
+        self.close()
+        self._print(text)
+
+    def close(self) -> None:
+        if self._open:
+            self.stream.write("\n")
+            self.stream.flush()
+            self._open = False
+
+    def _draw(self, step: int, loss: float, tokens_per_s: float, left: int, elapsed: float) -> None:
+        done = int(BAR_WIDTH * step / self.steps)
+        eta = elapsed / step * (self.steps - step)
+        nxt = "aggregating" if left == 0 else f"aggregation in {left}"
+        line = (f"step {step:>{len(str(self.steps))}}/{self.steps} [{'#' * done}{'.' * (BAR_WIDTH - done)}] "
+                f"{self.loss_label} {loss:.4f}  {tokens_per_s:,.0f} tok/s  {nxt}{self._last_round}  {_clock(elapsed)}<{_clock(eta)}")
+        pad = " " * max(0, self._width - len(line))  # blank out the rest of a longer previous line
+        self._width = len(line)
+        self.stream.write("\r" + line + pad)
+        self.stream.flush()
+        self._open = True
+
+    def _print(self, text: str) -> None:
+        self.stream.write(text + "\n")
+        self.stream.flush()

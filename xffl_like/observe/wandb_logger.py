@@ -1,0 +1,96 @@
+"""Weights & Biases: one run per facility, all runs of a job in one group.
+
+Only the first rank of each facility holds a :class:`WandbLogger`; ``wandb`` is imported
+when one is built (``logger=wandb``), never otherwise. Runs are written under
+``<run_dir>/wandb``; the mode is ``logger.mode``, else ``WANDB_MODE``, else ``offline``,
+so a job needs neither network nor API key (upload later with ``wandb sync``).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+__all__ = ["WandbLogger", "wandb_group", "wandb_mode", "wandb_run_name"]
+
+# Quiet by default: no banner, no git or code capture, no console capture (rank 0 draws
+# its own progress). A user's own settings of these variables win.
+_QUIET_ENV = {
+    "WANDB_SILENT": "true",
+    "WANDB_DISABLE_GIT": "true",
+    "WANDB_DISABLE_CODE": "true",
+    "WANDB_CONSOLE": "off",
+}
+
+
+def wandb_mode(logger_cfg: dict, environ=os.environ) -> str:
+    return logger_cfg.get("mode") or environ.get("WANDB_MODE") or "offline"
+
+
+def wandb_group(cfg: dict, run_dir: Path) -> str:
+    """``logger.group``, else experiment + run-dir name (+ the sweep's dir name for a sweep job).
+
+    A sweep job's directory (``<sweep>/<num>_<strategy>``) is named only within its sweep,
+    so the sweep directory's name (its time stamp) is prefixed to keep groups unique.
+    """
+    if cfg["logger"].get("group"):
+        return str(cfg["logger"]["group"])
+    run_dir = Path(run_dir)
+    in_sweep = (run_dir.parent / "multirun.yaml").exists()
+    name = f"{run_dir.parent.name}-{run_dir.name}" if in_sweep else run_dir.name
+    return f"{cfg['experiment']}-{name}"
+
+
+def wandb_run_name(cfg: dict, facility: int) -> str:
+    return f"{cfg['experiment']}-{cfg['strategy']['name']}-f{facility}"
+
+
+class WandbLogger:
+    """The W&B run of one facility (built on that facility's first rank)."""
+
+    def __init__(self, cfg: dict, state, run_dir: Path):
+        for key, value in _QUIET_ENV.items():
+            os.environ.setdefault(key, value)
+        import wandb  # lazy: only jobs with logger=wandb pay for it
+
+        lcfg = cfg["logger"]
+        self.mode = wandb_mode(lcfg)
+        self.dir = Path(run_dir)
+        config = dict(cfg)
+        config["job"] = {
+            "facility": state.facility,
+            "num_facilities": state.num_facilities,
+            "facility_size": state.facility_size,
+            "world_size": state.world_size,
+            "run_dir": str(run_dir),
+        }
+        self.run = wandb.init(
+            project=lcfg.get("project") or "xffl_like",
+            entity=lcfg.get("entity"),
+            group=wandb_group(cfg, run_dir),
+            name=wandb_run_name(cfg, state.facility),
+            job_type="train",
+            tags=list(lcfg.get("tags") or []) + [f"facility{state.facility}", cfg["strategy"]["name"]],
+            config=config,
+            dir=str(self.dir),
+            mode=self.mode,
+            settings=wandb.Settings(silent=True, disable_git=True, disable_code=True, save_code=False, console="off"),
+        )
+
+    def step(self, step: int, loss: float, lr: float, tokens_per_s: float) -> None:
+        self.run.log({"train/loss": loss, "train/lr": lr, "train/tokens_per_s": tokens_per_s}, step=step)
+
+    def round(self, record: dict) -> None:
+        keys = ("round", "seconds", "bytes_per_rank", "cross_facility_bytes", "algbw_gbps", "busbw_gbps", "strategy", "streams")
+        self.run.log({f"aggregation/{k}": record[k] for k in keys}, step=record["step"])
+
+    def finish(self, summary: dict | None) -> None:
+        if summary is not None:  # rank 0: the job's results, on facility 0's run
+            keys = ("final_loss", "eval_loss", "tokens_per_second", "train_seconds", "wall_seconds",
+                    "max_param_divergence_after_last_round", "aggregation_seconds_median", "aggregation_busbw_gbps_median")
+            self.run.summary.update({f"job/{k}": summary[k] for k in keys if k in summary})
+        self.run.finish()
+
+    @property
+    def run_path(self) -> str:
+        return str(Path(self.run.dir).parent)  # <run_dir>/wandb/<mode>-run-<stamp>-<id>

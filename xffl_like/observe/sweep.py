@@ -69,7 +69,7 @@ def _job_row(job_dir: Path, sweep_dir: Path) -> dict:
         aggregation_seconds_min=min(seconds) if seconds else None,
         aggregation_seconds_max=max(seconds) if seconds else None,
         busbw_gbps_median=_median(busbw),
-        cross_facility_bytes_per_round=_median(cross),
+        cross_facility_bytes_per_round=max(cross) if cross else None,  # the same every round
         final_loss=summary.get("final_loss"),
         eval_loss=summary.get("eval_loss"),
         tokens_per_second=summary.get("tokens_per_second"),
@@ -147,14 +147,20 @@ def _markdown(rows: list[dict], sweep_dir: Path, notes: list[str]) -> str:
     return "\n".join(head + lines + tail) + "\n"
 
 
+def _label(row: dict) -> str:
+    """The job's directory name, plus the varying overrides its name does not already say."""
+    name = Path(row["job"]).name
+    extra = [o for o in row["overrides"].split() if o.partition("=")[2] not in name]
+    return "\n".join([name, *extra])
+
+
 def write_sweep_summary(sweep_dir: str | Path, plot: bool = True) -> list[dict]:
     """Write ``sweep_summary.csv``, ``sweep_summary.md`` (and ``sweep_aggregation.png``); return the rows."""
     sweep_dir = Path(sweep_dir)
     rows = collect_jobs(sweep_dir)
     notes = []
     if plot:
-        labels = [(f"{r['job']}" + (f"\n{r['overrides']}" if r["overrides"] and r["overrides"] not in r["job"] else ""),
-                   r.get("_seconds") or []) for r in rows if r["status"] == "ok"]
+        labels = [(_label(r), r.get("_seconds") or []) for r in rows if r["status"] == "ok"]
         try:
             note = plot_sweep(labels, sweep_dir / "sweep_aggregation.png")
         except Exception as exc:  # noqa: BLE001 - the tables matter more than the picture

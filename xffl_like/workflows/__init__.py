@@ -1,0 +1,1 @@
+"""Launch recipes: Slurm sbatch scripts (``python -m xffl_like.workflows.slurm``)."""

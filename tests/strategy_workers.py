@@ -1,0 +1,202 @@
+"""Workers for tests/test_strategies.py (spawned processes import them from here).
+
+Every facility's values are derived from seeds, so each rank computes the expected
+weighted mean of its own shard independently of the code under test.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+
+from xffl_like.aggregation import STRATEGIES, aggregate, build_strategy
+from xffl_like.aggregation.strategy import MODES
+from xffl_like.distributed.layout import plan_layout
+from xffl_like.distributed.state import build_state, read_env
+
+WEIGHTS = (None, (2.0, 5.0))
+BUCKET_MB = 100 / 2**20  # ~100-byte buckets: several buckets, and parameters split across them
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(7, 5)
+        self.down = nn.Linear(5, 7, bias=False)
+
+    def forward(self, x):
+        return x + self.down(torch.tanh(self.up(x)))
+
+
+class Net(nn.Module):
+    """Odd sizes, three same-shape blocks (for ``stacked``), a 1-row parameter (an empty
+    shard on the second of two shards)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(9, 7)
+        self.blocks = nn.ModuleList([Block() for _ in range(3)])
+        self.gate = nn.Parameter(torch.ones(1, 7))
+        self.head = nn.Linear(7, 3)
+
+    def forward(self, tokens):
+        x = self.embed(tokens) * self.gate
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def param_bytes(dtype: torch.dtype) -> int:
+    """Bytes of one full copy of Net's parameters, counted without any sharding."""
+    return sum(p.numel() for p in Net().parameters()) * dtype.itemsize
+
+
+def make_model(state, dtype: torch.dtype) -> Net:
+    torch.manual_seed(0)
+    model = Net().to(dtype)
+    for block in model.blocks:
+        fully_shard(block, mesh=state.mesh)
+    fully_shard(model, mesh=state.mesh)
+    return model
+
+
+def _params(model):
+    return [p for _, p in model.named_parameters()]
+
+
+def set_values(model, state, dtype, tag):
+    values = _values(model, state, dtype, tag, state.facility)
+    with torch.no_grad():
+        for p, v in zip(_params(model), values):
+            p.to_local().copy_(v)
+
+
+def _values(model, state, dtype, tag, facility):
+    out = []
+    for i, p in enumerate(_params(model)):
+        gen = torch.Generator().manual_seed(((tag * 31 + facility) * 97 + i) * 13 + state.shard)
+        out.append(torch.randn(p.to_local().shape, generator=gen).to(dtype))
+    return out
+
+
+def expected_mean(model, state, dtype, tag, weights) -> list[torch.Tensor]:
+    w = [1.0] * state.num_facilities if weights is None else list(weights)
+    per_facility = [_values(model, state, dtype, tag, f) for f in range(state.num_facilities)]
+    return [
+        sum(wf / sum(w) * vals[i].double() for wf, vals in zip(w, per_facility))
+        for i in range(len(per_facility[0]))
+    ]
+
+
+def check_close(model, expected, dtype, what):
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=1e-2)
+    for (name, p), e in zip(model.named_parameters(), expected):
+        got = p.to_local().double()
+        if not torch.allclose(got, e, **tol):
+            err = (got - e).abs().max().item()
+            raise AssertionError(f"{what}: {name} differs from the expected mean by {err:.3g}")
+
+
+def locals_of(model):
+    return [p.to_local().detach().clone() for p in _params(model)]
+
+
+def run_matrix(federated, hsdp, properties: bool = False) -> dict:
+    """Every strategy x streams x dtype x weights x mode on one layout, checked on every rank;
+    with ``properties``, also :func:`check_properties` (same launch: launches are the slow part)."""
+    env = read_env()
+    state = build_state(plan_layout(env.world_size, federated, hsdp), env, num_streams=2)
+    report = {"rank": state.rank, "cases": 0, "bytes_per_rank": {}, "cross_facility_bytes": {}}
+    if properties:
+        report.update(check_properties(state))
+    for d, dtype in enumerate((torch.float32, torch.bfloat16)):
+        model = make_model(state, dtype)
+        pointers = [p.to_local().data_ptr() for p in _params(model)]
+        for k, weights in enumerate(WEIGHTS):
+            tag = 10 * d + k  # the same inputs for every strategy and mode
+            expected = expected_mean(model, state, dtype, tag, weights)
+            first = None
+            for name in STRATEGIES:
+                for streams in (1, 2):
+                    for mode in MODES:
+                        what = f"{name} streams={streams} {mode} {dtype} weights={weights}"
+                        set_values(model, state, dtype, tag)
+                        strategy = build_strategy(
+                            model, state, dict(name=name, streams=streams, bucket_mb=BUCKET_MB, mode=mode)
+                        )
+                        result = aggregate(strategy, state, weights)
+                        check_close(model, expected, dtype, what)
+                        got = locals_of(model)
+                        if first is None:
+                            first = got
+                        elif not all(torch.equal(a, b) for a, b in zip(got, first)):
+                            raise AssertionError(f"{what}: differs bitwise from {STRATEGIES[0]} streams=1 split")
+                        key = f"{name}/{streams}/{mode}/{dtype}/{k}"
+                        report["bytes_per_rank"][key] = result.bytes_per_rank
+                        report["cross_facility_bytes"][key] = result.cross_facility_bytes
+                        report["cases"] += 1
+        if [p.to_local().data_ptr() for p in _params(model)] != pointers:
+            raise AssertionError("aggregation rebound the parameters' storage")
+    return report
+
+
+def check_properties(state) -> dict:
+    """Parameters stay the model's, optimizer/forward still work, ``only`` keeps the rest local,
+    strategies are immutable and reproducible."""
+    dtype = torch.float32
+    model = make_model(state, dtype)
+    params = _params(model)
+    options = dict(name="fused", streams=2, bucket_mb=BUCKET_MB, mode="split")
+
+    # Immutable, equal when built twice, different when the options differ.
+    a, b = build_strategy(model, state, options), build_strategy(model, state, options)
+    if a != b or hash(a) != hash(b):
+        raise AssertionError("building the same strategy twice gave different plans")
+    if a == build_strategy(model, state, {**options, "streams": 1}):
+        raise AssertionError("strategies with different streams compare equal")
+    try:
+        a.name = "x"  # type: ignore[misc]
+    except dataclasses.FrozenInstanceError:
+        pass
+    else:
+        raise AssertionError("Strategy is mutable")
+
+    # An optimizer step after aggregation updates the aggregated tensors.
+    set_values(model, state, dtype, 1)
+    aggregate(a, state, None)
+    mean = expected_mean(model, state, dtype, 1, None)
+    check_close(model, mean, dtype, "fused before the optimizer step")
+    optimizer = torch.optim.SGD(params, lr=0.5)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    optimizer.step()
+    check_close(model, [m - 0.5 for m in mean], dtype, "after an SGD step")
+    # A forward/backward through FSDP sees the aggregated weights (all ranks agree on the loss).
+    optimizer.zero_grad()
+    tokens = torch.arange(6).view(2, 3) % 9
+    loss = model(tokens).float().pow(2).mean()
+    loss.backward()
+    optimizer.step()
+    aggregate(a, state, None)  # still works after the step
+
+    # `only`: a glob and a module class name; everything else stays bitwise unchanged.
+    set_values(model, state, dtype, 2)
+    before = locals_of(model)
+    only = build_strategy(model, state, {**options, "only": ["blocks.0.*", "Embedding"]})
+    result = aggregate(only, state, (1.0, 3.0))
+    mean = expected_mean(model, state, dtype, 2, (1.0, 3.0))
+    names = [n for n, _ in model.named_parameters()]
+    chosen = {n for n in names if n.startswith(("blocks.0.", "embed."))}
+    for name, p, old, m in zip(names, params, before, mean):
+        if name in chosen:
+            if not torch.allclose(p.to_local().double(), m, rtol=1e-5, atol=1e-6):
+                raise AssertionError(f"only: {name} was not aggregated")
+        elif not torch.equal(p.to_local(), old):
+            raise AssertionError(f"only: {name} changed although it was not selected")
+    if {names[i] for i in only.selected} != chosen:
+        raise AssertionError(f"only selected {[names[i] for i in only.selected]}")
+    return {"only_bytes_per_rank": result.bytes_per_rank,
+            "only_cross_facility_bytes": result.cross_facility_bytes}

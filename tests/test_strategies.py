@@ -1,0 +1,179 @@
+"""Aggregation strategies: pure planning tests, then every strategy on three layouts (gloo, CPU)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from xffl_like.aggregation import STRATEGIES, Strategy, build_strategy, validate_strategy_options
+from xffl_like.aggregation.builders import cut_chunks
+from xffl_like.distributed.launch import launch_local
+from xffl_like.distributed.layout import plan_layout
+
+import strategy_workers as workers
+
+CONF = Path(__file__).parents[1] / "conf"
+
+
+# ----------------------------------------------------------------------------- pure
+def fake_state(world=4, federated=2, hsdp=1, rank=0, streams=2):
+    """What build_strategy reads from a DistributedState, without any process group."""
+    layout = plan_layout(world, federated, hsdp)
+    c = layout.coords(rank)
+    return SimpleNamespace(
+        layout=layout, facility=c.facility, replica=c.replica, shard=c.shard,
+        num_replicas=layout.replicas[c.facility], num_facilities=layout.num_facilities,
+        num_streams=streams, backend="gloo",
+    )
+
+
+def plain_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 32), nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 5))
+
+
+def test_strategy_yamls_compose_and_validate():
+    from hydra import compose, initialize_config_dir
+
+    assert sorted(p.stem for p in (CONF / "strategy").glob("*.yaml")) == sorted(STRATEGIES)
+    with initialize_config_dir(config_dir=str(CONF / "strategy"), version_base=None):
+        for name in STRATEGIES:
+            cfg = compose(config_name=name)
+            assert set(cfg) == {"name", "streams", "bucket_mb", "mode", "only"}
+            assert validate_strategy_options(cfg).name == name
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(name="fusd"), "unknown strategy name 'fusd': valid names are ['layer_by_layer'"),
+    (dict(name="fused", streams=0), "strategy.streams=0"),
+    (dict(name="fused", bucket_mb=0), "strategy.bucket_mb=0"),
+    (dict(name="fused", mode="all"), "valid modes are ['split', 'one_sender']"),
+    (dict(name="fused", buckets=3), "unknown strategy option(s) ['buckets']"),
+])
+def test_validate_rejects(options, message):
+    with pytest.raises(ValueError) as err:
+        validate_strategy_options(options)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_validate_only_patterns():
+    names = [n for n, _ in plain_model().named_parameters()]
+    assert validate_strategy_options(dict(name="fused", only=["0.*"]), names).only == ("0.*",)
+    with pytest.raises(ValueError, match=r"pattern 'layers\.\*' matches no parameter name: parameters look like 0\.weight, 0\.bias"):
+        validate_strategy_options(dict(name="fused", only=["layers.*"]), names)
+    # A class name can only be checked against a model.
+    assert validate_strategy_options(dict(name="fused", only="Linear"), names).only == ("Linear",)
+    validate_strategy_options(dict(name="fused", only=["Linear"]), model=plain_model())
+    with pytest.raises(ValueError, match="'Conv2d' matches no parameter name nor module class"):
+        validate_strategy_options(dict(name="fused", only=["Conv2d"]), model=plain_model())
+
+
+def test_cut_chunks_equal_pieces_and_views():
+    ts = [(0, torch.zeros(5, 3)), (1, torch.zeros(0)), (2, torch.zeros(7)), (3, torch.zeros(2, dtype=torch.bfloat16))]
+    chunks = cut_chunks(ts, 3)
+    fp32 = [sum(s.stop - s.start for s in c if s.dtype == torch.float32) for c in chunks]
+    assert fp32 == [7, 7, 8] and sum(fp32) == 22
+    assert [sum(s.stop - s.start for s in c if s.dtype == torch.bfloat16) for c in chunks] == [0, 1, 1]
+    for c in chunks:
+        for seg in c:
+            assert seg.tensor.data_ptr() == ts[seg.index][1].view(-1)[seg.start:].data_ptr()
+    assert chunks[0][0].tensor.shape == (7,)  # split at a boundary: a 1-D slice
+    assert [s.tensor.shape for s in cut_chunks(ts, 1)[0]][0] == (5, 3)  # whole: keeps its shape
+
+
+def test_builders_plan_shapes():
+    model = plain_model()
+    n_params = len(list(model.parameters()))
+    state = fake_state()  # facility 0 of [2, 2], R=2: two chunks, this rank owns chunk 0
+    by_name = {n: build_strategy(model, state, dict(name=n, streams=2, bucket_mb=0.004)) for n in STRATEGIES}
+    for s in by_name.values():
+        assert s.num_chunks == 2 and {c.chunk for c in s.communications} == {0, 1}
+        assert all(c.reduce == (c.chunk == 0) and c.broadcast and c.owner == c.chunk for c in s.communications)
+        covered = sum(c.numel for c in s.communications)
+        assert covered == sum(p.numel() for p in model.parameters())
+        assert s.cross_facility_bytes == 2 * 4 * covered
+    lbl = by_name["layer_by_layer"].communications
+    assert len(lbl) >= n_params and all(len(c.spans) == 1 for c in lbl)
+    assert [c.stream for c in lbl if c.chunk == 0] == [i % 2 for i in range(len([c for c in lbl if c.chunk == 0]))]
+    cap = int(0.004 * 2**20) // 4
+    fused = by_name["fused"].communications
+    assert all(c.numel == cap for c in fused[:-1] if c.chunk == fused[fused.index(c) + 1].chunk)
+    assert all(c.buffer is not None and c.buffer.numel() == c.numel for c in fused)
+    flat = by_name["bucket_flatten"].communications
+    assert all(c.numel <= cap or len(c.spans) == 1 for c in flat)
+    for c in by_name["stacked"].communications:
+        assert len(set(c.shapes)) == 1
+    assert any(len(c.shapes) == 2 for c in by_name["stacked"].communications)  # the two 32x32 weights
+    # Largest-first balancing never does worse than round-robin.
+    def spread(s):
+        load = [sum(c.nbytes for c in s.communications if c.chunk == 0 and c.stream == k) for k in range(2)]
+        return max(load) - min(load)
+    assert spread(by_name["layer_by_layer_optimized"]) <= spread(by_name["layer_by_layer"])
+
+
+def test_one_sender_and_single_facility():
+    model = plain_model()
+    s = build_strategy(model, fake_state(rank=1), dict(name="fused", mode="one_sender"))
+    assert s.num_chunks == 1 and all(not c.reduce and c.broadcast and c.source == 0 for c in s.communications)
+    single = build_strategy(model, fake_state(world=2, federated=None, hsdp=1), dict(name="fused"))
+    assert single.communications == () and single.cross_facility_bytes == 0
+
+
+def test_strategy_is_frozen_and_equal_on_the_plan():
+    model = plain_model()
+    a = build_strategy(model, fake_state(), dict(name="fused", streams=2, bucket_mb=0.01))
+    b = build_strategy(model, fake_state(), dict(name="fused", streams=2, bucket_mb=0.01))
+    assert isinstance(a, Strategy) and a == b and hash(a) == hash(b)
+    assert a.communications[0].buffer.data_ptr() != b.communications[0].buffer.data_ptr()
+    assert a != build_strategy(model, fake_state(), dict(name="fused", streams=1, bucket_mb=0.01))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        a.mode = "one_sender"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        a.communications[0].stream = 1
+
+
+def test_streams_beyond_state_rejected():
+    with pytest.raises(ValueError, match="build the state with num_streams=3"):
+        build_strategy(plain_model(), fake_state(streams=2), dict(name="fused", streams=3))
+
+
+# ----------------------------------------------------------------------------- multi-process
+LAYOUTS = {
+    "fsdp_2x2": (4, 2, None),      # 2 facilities x 2 shards, R = (1, 1)
+    "hsdp_2x2": (4, 2, 1),         # 2 facilities x 2 replicas of 1 shard, R = (2, 2)
+    "unequal_4_2": (6, [4, 2], 2),  # 2 shards, R = (2, 1)
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_every_strategy_matches_the_weighted_mean(layout):
+    nproc, federated, hsdp = LAYOUTS[layout]
+    properties = layout == "unequal_4_2"
+    reports = launch_local(workers.run_matrix, (federated, hsdp, properties), nproc)
+    n_cases = len(STRATEGIES) * 2 * 2 * 2 * 2  # streams x modes x dtypes x weights
+    assert [r["cases"] for r in reports] == [n_cases] * nproc
+    plan = plan_layout(nproc, federated, hsdp)
+    for key in reports[0]["bytes_per_rank"]:
+        sent = {plan.coords(r["rank"]).replica: r["bytes_per_rank"][key] for r in reports}
+        if "/one_sender/" in key:  # replica 0 of each facility sends, the others only receive
+            assert all(b == 0 for replica, b in sent.items() if replica > 0), key
+        else:  # split: every replica sends its share
+            assert all(b > 0 for b in sent.values()), key
+        dtype = torch.float32 if "float32" in key else torch.bfloat16
+        expected = 2 * workers.param_bytes(dtype)  # one model copy from each of the 2 facilities
+        assert {r["cross_facility_bytes"][key] for r in reports} == {expected}, key
+        assert sum(r["bytes_per_rank"][key] for r in reports) == expected, key
+    if not properties:
+        return
+    # Parameters stay the model's, optimizer and forward keep working, `only` (checked in
+    # the workers); here: only the selected parameters' bytes cross the boundary.
+    only_bytes = 2 * 4 * sum(
+        p.numel() for n, p in workers.Net().named_parameters() if n.startswith(("blocks.0.", "embed."))
+    )
+    assert {r["only_cross_facility_bytes"] for r in reports} == {only_bytes}
+    assert sum(r["only_bytes_per_rank"] for r in reports) == only_bytes

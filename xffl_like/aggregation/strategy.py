@@ -1,0 +1,116 @@
+"""The immutable aggregation plan: what is communicated, on which stream, by whom.
+
+A :class:`Strategy` is built once per (model, state, options) after FSDP wrapping
+(see :mod:`.builders`) and read by the executor every round. It holds views of the
+parameters' local shards (and, for ``fused``, persistent flat buffers), so the data
+it moves is always the model's own. Equality and hashing look at the plan only
+(indices, spans, shapes, dtypes, streams, options), never at tensor storage: building
+twice from the same inputs gives equal strategies.
+
+Vocabulary: the communicated data of this rank's shard is cut into ``num_chunks``
+chunks; chunk ``c`` is reduced across facilities by exactly one rank per facility
+(its *owner* replica), which then broadcasts the result to the other replicas of
+its facility. In ``one_sender`` mode there is one chunk, owned by replica 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["PACKINGS", "MODES", "Communication", "Strategy"]
+
+#: How a communication's tensors travel: ``inplace`` (one contiguous view of a parameter,
+#: reduced where it lies), ``coalesced`` (a list in one coalesced collective), ``flatten``
+#: (``torch.cat`` into a fresh flat tensor each round), ``stack`` (``torch.stack`` of
+#: same-shape tensors each round), ``persistent`` (copied into a flat buffer allocated once).
+PACKINGS = ("inplace", "coalesced", "flatten", "stack", "persistent")
+MODES = ("split", "one_sender")
+
+
+@dataclass(frozen=True)
+class Communication:
+    """One collective of the plan (plus its broadcast inside the facility).
+
+    ``spans[k] = (param_index, start, stop)``: ``tensors[k]`` is elements ``start:stop`` of
+    that parameter's flattened local shard (the whole shard, with its shape, when it fits).
+    """
+
+    indices: tuple[int, ...]
+    spans: tuple[tuple[int, int, int], ...]
+    shapes: tuple[tuple[int, ...], ...]
+    dtype: torch.dtype
+    stream: int
+    chunk: int
+    #: Replica of this rank's facility that joins the cross-facility reduction of ``chunk``.
+    owner: int
+    #: Global rank of that owner: the broadcast source inside the facility.
+    source: int
+    #: This rank joins the cross-facility reduction.
+    reduce: bool
+    #: The facility has more than one replica, so the owner broadcasts the result.
+    broadcast: bool
+    tensors: tuple[torch.Tensor, ...] = field(compare=False, repr=False)
+    buffer: torch.Tensor | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def numel(self) -> int:
+        return sum(stop - start for _, start, stop in self.spans)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """A named, immutable aggregation plan for one rank."""
+
+    name: str
+    #: ``split``: the replicas of a facility share the cross-facility reduction (chunk ``c`` is
+    #: reduced by replica ``c % R_f``); ``one_sender``: replica 0 reduces everything (xFFL).
+    mode: str
+    num_streams: int
+    bucket_mb: float
+    #: One of :data:`PACKINGS`.
+    packing: str
+    #: ``sum``: each facility's contribution is pre-scaled by ``w_f / sum(w)`` and summed (gloo
+    #: has no AVG); ``premul_sum``: NCCL scales inside the reduction (AVG when uniform).
+    reduce_op: str
+    num_facilities: int
+    num_chunks: int
+    #: Names of all parameters, in ``model.named_parameters()`` order; ``selected`` indexes it.
+    param_names: tuple[str, ...]
+    selected: tuple[int, ...]
+    #: Bytes of one full (unsharded) copy of the selected parameters.
+    model_bytes: int
+    communications: tuple[Communication, ...]
+
+    @property
+    def contiguous(self) -> bool:
+        """Whether tensors are packed into contiguous buffers before communicating."""
+        return self.packing in ("flatten", "stack", "persistent")
+
+    @property
+    def dtypes(self) -> tuple[torch.dtype, ...]:
+        return tuple(dict.fromkeys(c.dtype for c in self.communications))
+
+    @property
+    def bytes_per_rank(self) -> int:
+        """Bytes this rank contributes to cross-facility reductions each round."""
+        return sum(c.nbytes for c in self.communications if c.reduce)
+
+    @property
+    def cross_facility_bytes(self) -> int:
+        """Bytes crossing facility boundaries per round for the whole job: every facility
+        contributes one copy of the selected parameters (in either mode)."""
+        return self.num_facilities * self.model_bytes if self.num_facilities > 1 else 0
+
+    def describe(self) -> str:
+        reduce = [c for c in self.communications if c.reduce]
+        return (
+            f"strategy {self.name} ({self.mode}, {self.packing}, {self.num_streams} stream(s)): "
+            f"{len(self.selected)}/{len(self.param_names)} parameters, {len(reduce)} cross-facility "
+            f"collectives of {len(self.communications)}, {self.bytes_per_rank / 2**20:.2f} MiB sent by this rank"
+        )

@@ -56,7 +56,12 @@ def _entry(fn: Callable, args: tuple, error_dir: str) -> Any:
 
 
 def _first_error(error_dir: Path) -> tuple[str, str | None]:
-    files = sorted(error_dir.glob("rank*.txt"), key=lambda p: p.stat().st_mtime)
+    # A crash shows up on the other ranks as broken connections: report the cause first.
+    secondary = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+    files = sorted(
+        error_dir.glob("rank*.txt"),
+        key=lambda p: (any(s in p.read_text().split("\n", 1)[0] for s in secondary), p.stat().st_mtime),
+    )
     if not files:
         return "a worker died without reporting an error (killed, out of memory, or a crash)", None
     first = files[0]

@@ -1,0 +1,105 @@
+"""Tier 3: the CLI in a subprocess: the main job, the HSDP layout, text data, torchrun, bad inputs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+CORPUS = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
+TINY = ["train.seq_len=64", "train.batch_size=4", "train.log_every=5"]
+
+
+def run_cli(args, tmp_path, timeout=240, module="xffl_like.run", prefix=()):
+    env = {**os.environ, "WANDB_MODE": "offline", "HYDRA_FULL_ERROR": "0"}
+    env.pop("PYTEST_CURRENT_TEST", None)
+    cmd = [*prefix] if prefix else [sys.executable, "-m", module]
+    cmd += [*args, f"hydra.run.dir={tmp_path}"] if not prefix else list(args)
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    return proc, time.perf_counter() - start
+
+
+def test_main_job_learns_and_agrees(tmp_path):
+    proc, _ = run_cli(["+experiment=llama_fed", "train.steps=20", "federation.every=5", *TINY], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    for key in ("world_size", "layout", "steps", "rounds", "first_loss", "final_loss", "eval_loss",
+                "max_param_divergence_after_last_round", "aggregation_seconds", "tokens_per_second", "wall_seconds"):
+        assert key in summary, key
+    assert summary["world_size"] == 4 and summary["steps"] == 20 and summary["rounds"] == 4
+    assert summary["layout"] == {"facility_sizes": [2, 2], "shard_size": 2, "replicas_per_facility": [1, 1]}
+    assert len(summary["aggregation_seconds"]) == 4
+    assert summary["final_loss"] < summary["first_loss"] - 1.0
+    assert summary["max_param_divergence_after_last_round"] <= 1e-6
+    assert (tmp_path / "config.yaml").exists()
+    # Rank 0 alone prints: one layout table, one result line.
+    assert proc.stdout.count("done:") == 1 and proc.stdout.count("facility ") == 1
+
+
+def test_unequal_hsdp_facilities(tmp_path):
+    args = ["+experiment=llama_fed", "distributed.nproc_per_node=6", "distributed.federated=[4,2]",
+            "distributed.hsdp=2", "federation.every=4", "train.steps=8", "seed=1", *TINY]
+    proc, _ = run_cli(args, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["layout"] == {"facility_sizes": [4, 2], "shard_size": 2, "replicas_per_facility": [2, 1]}
+    assert summary["rounds"] == 2 and summary["max_param_divergence_after_last_round"] <= 1e-6
+    assert summary["final_loss"] < summary["first_loss"]
+
+
+@pytest.mark.skipif(not CORPUS.exists(), reason="shared corpus not present")
+def test_text_data(tmp_path):
+    args = ["+experiment=llama_fed", "data=text", "data.path=../shared/data/tinyshakespeare.txt",
+            "distributed.nproc_per_node=2", "train.steps=6", "federation.every=3", *TINY]
+    proc, _ = run_cli(args, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["final_loss"] < summary["first_loss"]
+
+
+def test_torchrun_entry(tmp_path):
+    args = ["--nproc-per-node", "2", "--master-port", "0", "-m", "xffl_like.run", "+experiment=llama_fed",
+            "train.steps=2", "federation.every=1", *TINY]
+    env_dir = tmp_path / "run"
+    os.environ["XFFL_RUN_DIR"] = str(env_dir)
+    try:
+        proc, _ = run_cli(args, tmp_path, prefix=(sys.executable, "-m", "torch.distributed.run", *args))
+    finally:
+        del os.environ["XFFL_RUN_DIR"]
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads((env_dir / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["layout"]["facility_sizes"] == [2]
+
+
+BAD = [
+    (["distributed.federated=3"], "does not divide the world size 4"),
+    (["distributed.federated=[4,2]"], "sums to 6"),
+    (["distributed.hsdp=3"], "distributed.hsdp=3 does not divide"),
+    (["train.nonsense=1"], "nonsense"),
+    (["model=no_such_model"], "no_such_model"),
+    (["data=text", "data.path=/no/such/file.txt"], "/no/such/file.txt"),
+    (["federation.every=0"], "federation.every=0"),
+    (["train.steps=-3"], "train.steps=-3"),
+    (["distributed.nproc_per_node=0"], "distributed.nproc_per_node=0"),
+    (["strategy=no_such_strategy"], "no_such_strategy"),
+    (["strategy.streams=0"], "streams"),
+    (["strategy.bucket_mb=0"], "bucket_mb"),
+    (["strategy.only=[no_such_param*]"], "no_such_param"),
+]
+
+
+@pytest.mark.parametrize("overrides, needle", BAD, ids=[b[0][-1] for b in BAD])
+def test_bad_input_fails_fast_with_one_line(overrides, needle, tmp_path):
+    proc, seconds = run_cli(["+experiment=llama_fed", *overrides], tmp_path, timeout=60)
+    assert proc.returncode != 0
+    assert needle in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+    assert seconds < 30
+    assert not (tmp_path / "summary.json").exists()

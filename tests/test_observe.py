@@ -1,0 +1,219 @@
+"""What a run shows and leaves behind: progress output, phase table, local files, plots, W&B offline runs.
+
+One tiny job (2 facilities of 1 rank, logger=wandb, offline) runs once in a subprocess with
+its output piped (not a TTY); the other tests are pure.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import re
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from xffl_like.observe.observer import AGG_FIELDS, bandwidth
+from xffl_like.observe.progress import Progress, steps_to_aggregation
+from xffl_like.observe.timing import PHASES, format_phase_table, phase_stats
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["train.steps=4", "federation.every=2", "train.seq_len=32", "train.batch_size=2", "distributed.nproc_per_node=2"]
+CONTROL = re.compile(r"\r|\x1b\[")
+
+
+def run_cli(args: list[str], **kw) -> subprocess.CompletedProcess:
+    env = {**os.environ, "WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1"}
+    env.pop("WANDB_API_KEY", None)
+    return subprocess.run([sys.executable, "-m", "xffl_like.run", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=240, **kw)
+
+
+# ----------------------------------------------------------------------------- W&B run files
+def wandb_records(path: Path):
+    """Records of a ``run-<id>.wandb`` file: LevelDB-log framing (32 KiB blocks, 7-byte record
+    headers: crc, length, type), each payload a ``wandb_internal_pb2.Record``."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B", "not a W&B run file"
+    pos, block, pending = 7, 32768, b""
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # block trailer padding
+            pos += block - pos % block
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        payload, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+        if kind == 0 and length == 0:
+            continue
+        if kind in (1, 2):  # full, first
+            pending = payload
+        else:  # middle, last
+            pending += payload
+        if kind in (1, 4):
+            record = pb.Record()
+            record.ParseFromString(pending)
+            yield record
+
+
+def read_wandb_run(run_dir: Path) -> dict:
+    (path,) = run_dir.glob("run-*.wandb")
+    out = {"history": {}, "summary": {}, "config": {}}
+    for r in wandb_records(path):
+        kind = r.WhichOneof("record_type")
+        if kind == "run":
+            out.update(group=r.run.run_group, name=r.run.display_name, project=r.run.project)
+            out["config"].update({i.key: json.loads(i.value_json) for i in r.run.config.update})
+        elif kind == "history":
+            row = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
+            out["history"].setdefault(r.history.step.num, {}).update(row)
+        elif kind == "summary":
+            out["summary"].update({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.summary.update})
+    return out
+
+
+# ----------------------------------------------------------------------------- the tiny job
+@pytest.fixture(scope="module")
+def tiny_job(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("job") / "tiny"
+    proc = run_cli(["+experiment=llama_fed", *TINY, "distributed.federated=1", "logger=wandb", "train.log_every=1",
+                    f"hydra.run.dir={run_dir}"])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc, run_dir
+
+
+def test_local_files(tiny_job):
+    _, run_dir = tiny_job
+    summary = json.loads((run_dir / "summary.json").read_text())
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert sorted((m["step"], m["facility"]) for m in lines) == [(s, f) for s in range(1, 5) for f in range(2)]
+    assert all(set(m) == {"step", "facility", "loss", "lr", "tokens_per_s"} for m in lines)
+    assert [m["loss"] for m in lines if m["facility"] == 1] == pytest.approx(summary["facility_losses"][1])
+    with open(run_dir / "aggregation.csv", newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    assert tuple(rows[0]) == AGG_FIELDS and [int(r["step"]) for r in rows] == [2, 4]
+    for row, seconds in zip(rows, summary["aggregation_seconds"]):  # the slowest rank's time
+        assert float(row["seconds"]) == pytest.approx(seconds)
+        algbw, busbw = bandwidth(int(row["bytes_per_rank"]), seconds, 2)
+        assert int(row["bytes_per_rank"]) > 0 and float(row["algbw_gbps"]) == pytest.approx(algbw)
+        assert float(row["busbw_gbps"]) == pytest.approx(busbw) and busbw == pytest.approx(algbw)  # 2(n-1)/n = 1
+        assert row["strategy"] == "fused" and row["streams"] == "1"
+    assert summary["aggregation_busbw_gbps"] == pytest.approx([float(r["busbw_gbps"]) for r in rows])
+    for png in ("loss.png", "aggregation.png"):
+        assert (run_dir / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plain_output_without_a_tty(tiny_job):
+    proc, _ = tiny_job
+    assert not CONTROL.search(proc.stdout), "progress-bar control characters in non-TTY output"
+    steps = [line for line in proc.stdout.splitlines() if line.startswith("step ")]
+    assert [int(line.split()[1].split("/")[0]) for line in steps] == [1, 2, 3, 4]  # log_every=1
+    assert "next aggregation in 1 steps" in steps[0] and "aggregating" in steps[1]
+    assert sum(line.startswith("round ") and "busbw" in line for line in proc.stdout.splitlines()) == 2
+    assert "wandb: offline runs in" in proc.stdout
+    assert proc.stderr.strip() == "", proc.stderr  # nobody else says anything
+
+
+def test_phase_table_has_every_phase_for_every_rank(tiny_job):
+    proc, run_dir = tiny_job
+    phases = json.loads((run_dir / "summary.json").read_text())["phases"]
+    assert sorted(phases["per_rank_seconds_per_step"]) == ["0", "1"]
+    for rank, row in phases["per_rank_seconds_per_step"].items():
+        assert set(row) == set(PHASES) and all(v > 0 for v in row.values()), (rank, row)
+    for phase in (*PHASES, "total"):
+        assert set(phases[phase]) == {"mean_s", "max_s", "max_rank", "imbalance"}
+    out = proc.stdout.splitlines()
+    head = next(i for i, line in enumerate(out) if line.startswith("phase "))
+    assert [line.split()[0] for line in out[head + 1:head + 7]] == [*PHASES, "total"]
+    per_rank = next(i for i, line in enumerate(out) if line.startswith("rank "))
+    assert out[per_rank].split() == ["rank", *PHASES, "total"]
+    assert [line.split()[0] for line in out[per_rank + 1:per_rank + 3]] == ["0", "1"]
+    assert all(len(line.split()) == len(PHASES) + 2 for line in out[per_rank + 1:per_rank + 3])
+
+
+def test_wandb_offline_runs(tiny_job):
+    _, run_dir = tiny_job
+    run_dirs = sorted((run_dir / "wandb").glob("offline-run-*"))
+    assert len(run_dirs) == 2  # one per facility
+    runs = sorted((read_wandb_run(d) for d in run_dirs), key=lambda r: r["name"])
+    assert [r["name"] for r in runs] == ["llama_fed-fused-f0", "llama_fed-fused-f1"]
+    assert {r["group"] for r in runs} == {"llama_fed-tiny"} and {r["project"] for r in runs} == {"xffl_like"}
+    for f, run in enumerate(runs):
+        assert run["config"]["strategy"]["name"] == "fused" and run["config"]["train"]["steps"] == 4
+        assert run["config"]["job"]["facility"] == f
+        assert sorted(run["history"]) == [1, 2, 3, 4]
+        for step, row in run["history"].items():
+            assert {"train/loss", "train/lr", "train/tokens_per_s"} <= set(row)
+            agg = {k for k in row if k.startswith("aggregation/")}
+            expected = {f"aggregation/{k}" for k in ("round", "seconds", "bytes_per_rank", "cross_facility_bytes",
+                                                    "algbw_gbps", "busbw_gbps", "strategy", "streams")}
+            assert agg == (expected if step % 2 == 0 else set()), (step, agg)
+        assert run["history"][4]["aggregation/strategy"] == "fused"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert [runs[f]["history"][s]["train/loss"] for f in range(2) for s in range(1, 5)] == pytest.approx(
+        [x for row in summary["facility_losses"] for x in row])
+    assert runs[0]["summary"]["job/final_loss"] == pytest.approx(summary["final_loss"])
+
+
+def test_wandb_is_imported_only_when_used():
+    code = "import sys, xffl_like.observe, xffl_like.observe.sweep; assert 'wandb' not in sys.modules; print('ok')"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.stdout.strip() == "ok", proc.stderr
+
+
+# ----------------------------------------------------------------------------- pure
+def test_bandwidth():
+    assert bandwidth(2e9, 1.0, 2) == pytest.approx((2.0, 2.0))
+    assert bandwidth(2e9, 1.0, 4) == pytest.approx((2.0, 3.0))
+    assert bandwidth(2e9, 1.0, 1) == (0.0, 0.0)  # no cross-facility traffic
+    assert bandwidth(0, 0.0, 2) == (0.0, 0.0)
+
+
+def test_steps_to_aggregation():
+    assert [steps_to_aggregation(s, 4, 10) for s in range(1, 11)] == [3, 2, 1, 0, 3, 2, 1, 0, 1, 0]
+
+
+def _round(step):
+    return {"round": step // 2 - 1, "step": step, "seconds": 0.01, "bytes_per_rank": 1000, "cross_facility_bytes": 2000,
+            "algbw_gbps": 1.0, "busbw_gbps": 1.0}
+
+
+def test_progress_plain_lines():
+    out = io.StringIO()
+    p = Progress(steps=10, every=2, log_every=5, stream=out)
+    assert not p.tty
+    for s in range(1, 11):
+        p.step(s, 1.0 / s, 100.0)
+        if s % 2 == 0:
+            p.round(_round(s))
+    p.close()
+    text = out.getvalue()
+    assert not CONTROL.search(text)
+    assert [line.split()[1] for line in text.splitlines() if line.startswith("step")] == ["1/10", "5/10", "10/10"]
+    assert [line.split()[1] for line in text.splitlines() if line.startswith("round")] == ["4"]  # round at step 10
+
+
+def test_progress_bar_on_a_tty():
+    out = io.StringIO()
+    p = Progress(steps=3, every=2, log_every=1, stream=out, tty=True, facilities=2)
+    for s in range(1, 4):
+        p.step(s, 2.5, 1234.0)
+    p.print("done")
+    text = out.getvalue()
+    assert text.startswith("\rstep 1/3 [") and "loss f0 2.5000" in text and "1,234 tok/s" in text
+    assert text.endswith("\ndone\n") and "aggregating" in text  # the last step always draws
+
+
+def test_phase_table_format_many_ranks():
+    per_rank = {str(r): {p: 0.001 * (1 + (r == 7) * (p == "backward")) for p in PHASES} for r in range(40)}
+    stats = phase_stats(per_rank)
+    assert stats["backward"]["max_rank"] == 7 and stats["total"]["max_rank"] == 7
+    table = format_phase_table({"per_rank_seconds_per_step": per_rank, **stats})
+    assert "the 16 slowest of 40 ranks" in table
+    rows = [line.split()[0] for line in table.splitlines()[1:7]]
+    assert rows == [*PHASES, "total"]

@@ -135,6 +135,9 @@ def _train(cfg: dict, state: DistributedState, run_dir: Path, started_at: float)
         observer.step(step, float(facility_loss), optimizer.param_groups[0]["lr"], tokens_per_step, time.perf_counter() - start)
         if (step + 1) % every == 0 or step + 1 == steps:
             with timer("aggregation"):
+                # Ranks arrive at different times; the wait is charged to this phase
+                # (and shows as imbalance), the round's seconds time the exchange alone.
+                dist.barrier()
                 result = aggregate(strategy, state, weights)
             record = {"round": len(rounds), "step": step + 1, "seconds": result.seconds,
                       "bytes_per_rank": result.bytes_per_rank, "cross_facility_bytes": result.cross_facility_bytes}

@@ -217,3 +217,14 @@ def test_phase_table_format_many_ranks():
     assert "the 16 slowest of 40 ranks" in table
     rows = [line.split()[0] for line in table.splitlines()[1:7]]
     assert rows == [*PHASES, "total"]
+
+
+def test_outputs_are_documented(tiny_job):
+    """docs/outputs.md names every file, summary field, metrics field and CSV column a job writes."""
+    _, run_dir = tiny_job
+    doc = (ROOT / "docs" / "outputs.md").read_text()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    names = [*summary, *summary["layout"], *summary["strategy"], *json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0]),
+             *AGG_FIELDS, *(p.name for p in run_dir.iterdir() if not p.name.startswith("."))]
+    missing = sorted({n for n in names if f"`{n}" not in doc and f"{n}`" not in doc})
+    assert not missing, f"not in docs/outputs.md: {missing}"

@@ -107,14 +107,15 @@ class Observer:
         """Close the sinks. Rank 0 passes the job's summary; the others ``None``."""
         if self._metrics is not None:
             self._metrics.close()
-        if self.lead and summary is not None:
-            self._final_rounds(summary)
-        if self.wandb is not None:
-            self.wandb.finish(summary if self.lead else None)
         if not self.lead:
+            if self.wandb is not None:
+                self.wandb.finish(None)
             return
+        self._final_rounds(summary)
         self.progress.close()
-        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))  # first: the results are safe
+        if self.wandb is not None:
+            self.wandb.finish(summary)
         notes = []
         try:
             notes.append(plot_losses(summary["facility_losses"], [r["step"] for r in self.rounds], self.run_dir / "loss.png"))

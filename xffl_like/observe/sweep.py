@@ -134,7 +134,7 @@ def _markdown(rows: list[dict], sweep_dir: Path, notes: list[str]) -> str:
             ("busbw GB/s", "busbw_gbps_median", "float"), ("cross-facility / round", "cross_facility_bytes_per_round", "bytes"),
             ("final loss", "final_loss", "float"), ("eval loss", "eval_loss", "float"),
             ("tokens/s", "tokens_per_second", "int"), ("status", "status", "str")]
-    if not any(r["overrides"] for r in rows):
+    if all(_label(r) == Path(r["job"]).name for r in rows):  # the job names already say what varies
         cols = [c for c in cols if c[1] != "overrides"]
     lines = ["| " + " | ".join(c[0] for c in cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
     for r in rows:

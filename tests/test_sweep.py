@@ -103,3 +103,23 @@ def test_sweep_presets_compose(preset, key, values):
     assert str(cfg.hydra.mode) == "RunMode.MULTIRUN"
     assert str(cfg.hydra.sweeper.params[key]) == values
     assert cfg.hydra.callbacks.sweep_summary._target_ == "xffl_like.observe.sweep.SweepSummary"
+
+
+def test_a_job_that_raised_is_reported(tmp_path):
+    from hydra.core.utils import JobReturn, JobStatus
+    from hydra.types import RunMode
+
+    from xffl_like.observe.sweep import SweepSummary
+
+    job = _fake_job(tmp_path, 0, "fused", ["strategy=fused"])
+    config = OmegaConf.create({"hydra": {"mode": RunMode.MULTIRUN, "runtime": {"output_dir": str(job)},
+                                         "sweep": {"dir": str(tmp_path)}}})
+    failed = JobReturn(status=JobStatus.FAILED, _return_value=RuntimeError("boom\nsecond line"))
+    callback = SweepSummary()
+    callback.on_job_end(config=config, job_return=failed)
+    assert (job / "error.txt").read_text() == "RuntimeError: boom\n"
+    assert "`0_fused`: RuntimeError: boom" in (tmp_path / "sweep_summary.md").read_text()
+    with pytest.raises(SystemExit) as exit_info:
+        callback.on_multirun_end(config=config)
+    assert exit_info.value.code == 1
+    SweepSummary(fail_on_error=False).on_multirun_end(config=config)  # reports, exits 0

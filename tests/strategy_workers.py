@@ -7,8 +7,11 @@ weighted mean of its own shard independently of the code under test.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import itertools
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
@@ -17,7 +20,6 @@ from xffl_like.aggregation.strategy import MODES
 from xffl_like.distributed.layout import plan_layout
 from xffl_like.distributed.state import build_state, read_env
 
-WEIGHTS = (None, (2.0, 5.0))
 BUCKET_MB = 100 / 2**20  # ~100-byte buckets: several buckets, and parameters split across them
 
 
@@ -104,42 +106,67 @@ def locals_of(model):
     return [p.to_local().detach().clone() for p in _params(model)]
 
 
+def identical_across_peers(model, state, what) -> None:
+    """Every rank holding the same shard (all replicas of all facilities) holds the same bits."""
+    digest = hashlib.sha1(b"".join(t.view(torch.uint8).numpy().tobytes() for t in locals_of(model))).hexdigest()
+    everyone = [None] * state.world_size
+    dist.all_gather_object(everyone, (state.shard, digest))
+    if len({d for s, d in everyone if s == state.shard}) != 1:
+        raise AssertionError(f"{what}: ranks holding shard {state.shard} disagree after aggregation")
+
+
+# gloo's default is the exchange; the all-reduce path (NCCL's) is checked with 2 streams only.
+PATHS = (("exchange", 1), ("exchange", 2), ("all_reduce", 2))
+
+
+def run_cases(state, report, names, weight_sets, dtypes=(torch.float32, torch.bfloat16)):
+    """Every strategy x (collective, streams) x mode x dtype x weights, checked on every rank
+    against the seed-derived mean; with two facilities, all-reduce results must also agree
+    bitwise across strategies and modes (a + b is symmetric; with three, the ring's order of
+    summation depends on where an element falls in the buffer)."""
+    for d, dtype in enumerate(dtypes):
+        model = make_model(state, dtype)
+        pointers = [p.to_local().data_ptr() for p in _params(model)]
+        for k, weights in enumerate(weight_sets):
+            tag = 10 * d + k  # the same inputs for every case of this dtype and weights
+            expected = expected_mean(model, state, dtype, tag, weights)
+            first = None
+            for (collective, streams), name, mode in itertools.product(PATHS, names, MODES):
+                what = f"{name} streams={streams} {mode} {collective} {dtype} weights={weights}"
+                set_values(model, state, dtype, tag)
+                options = dict(name=name, streams=streams, bucket_mb=BUCKET_MB, mode=mode)
+                strategy = build_strategy(model, state, options, collective=collective)
+                result = aggregate(strategy, state, weights)
+                check_close(model, expected, dtype, what)
+                identical_across_peers(model, state, what)
+                if collective == "all_reduce" and state.num_facilities == 2:
+                    got = locals_of(model)
+                    if first is None:
+                        first = got
+                    elif not all(torch.equal(a, b) for a, b in zip(got, first)):
+                        raise AssertionError(f"{what}: differs bitwise from {names[0]} split all_reduce")
+                key = f"{name}/{streams}/{mode}/{collective}/{dtype}/{k}"
+                report["bytes_per_rank"][key] = result.bytes_per_rank
+                report["cross_facility_bytes"][key] = result.cross_facility_bytes
+                report["cases"] += 1
+        if [p.to_local().data_ptr() for p in _params(model)] != pointers:
+            raise AssertionError("aggregation rebound the parameters' storage")
+
+
 def run_matrix(federated, hsdp, properties: bool = False) -> dict:
-    """Every strategy x streams x dtype x weights x mode on one layout, checked on every rank;
-    with ``properties``, also :func:`check_properties` (same launch: launches are the slow part)."""
+    """The whole matrix on one layout; with ``properties``, also :func:`check_properties` and a
+    3-facility layout of the same processes (launches are the slow part of these tests)."""
     env = read_env()
     state = build_state(plan_layout(env.world_size, federated, hsdp), env, num_streams=2)
     report = {"rank": state.rank, "cases": 0, "bytes_per_rank": {}, "cross_facility_bytes": {}}
     if properties:
         report.update(check_properties(state))
-    for d, dtype in enumerate((torch.float32, torch.bfloat16)):
-        model = make_model(state, dtype)
-        pointers = [p.to_local().data_ptr() for p in _params(model)]
-        for k, weights in enumerate(WEIGHTS):
-            tag = 10 * d + k  # the same inputs for every strategy and mode
-            expected = expected_mean(model, state, dtype, tag, weights)
-            first = None
-            for name in STRATEGIES:
-                for streams in (1, 2):
-                    for mode in MODES:
-                        what = f"{name} streams={streams} {mode} {dtype} weights={weights}"
-                        set_values(model, state, dtype, tag)
-                        strategy = build_strategy(
-                            model, state, dict(name=name, streams=streams, bucket_mb=BUCKET_MB, mode=mode)
-                        )
-                        result = aggregate(strategy, state, weights)
-                        check_close(model, expected, dtype, what)
-                        got = locals_of(model)
-                        if first is None:
-                            first = got
-                        elif not all(torch.equal(a, b) for a, b in zip(got, first)):
-                            raise AssertionError(f"{what}: differs bitwise from {STRATEGIES[0]} streams=1 split")
-                        key = f"{name}/{streams}/{mode}/{dtype}/{k}"
-                        report["bytes_per_rank"][key] = result.bytes_per_rank
-                        report["cross_facility_bytes"][key] = result.cross_facility_bytes
-                        report["cases"] += 1
-        if [p.to_local().data_ptr() for p in _params(model)] != pointers:
-            raise AssertionError("aggregation rebound the parameters' storage")
+    run_cases(state, report, STRATEGIES, (None, (2.0, 5.0)))
+    if properties:  # three facilities of 2 replicas: the exchange's general reduction
+        three = build_state(plan_layout(env.world_size, 2, 1), env, num_streams=2)
+        extra = {"cases": 0, "bytes_per_rank": {}, "cross_facility_bytes": {}}
+        run_cases(three, extra, ("layer_by_layer", "fused"), (None, (2.0, 5.0, 3.0)), dtypes=(torch.float32,))
+        report["three_facilities"] = extra
     return report
 
 

@@ -101,9 +101,15 @@ def test_builders_plan_shapes():
     assert len(lbl) >= n_params and all(len(c.spans) == 1 for c in lbl)
     assert [c.stream for c in lbl if c.chunk == 0] == [i % 2 for i in range(len([c for c in lbl if c.chunk == 0]))]
     cap = int(0.004 * 2**20) // 4
+    # fused: weights (>= one 4 KB bucket) in place in bucket-size pieces, biases (and the small
+    # pieces of weights cut at the chunk boundary) staged together.
     fused = by_name["fused"].communications
-    assert all(c.numel == cap for c in fused[:-1] if c.chunk == fused[fused.index(c) + 1].chunk)
-    assert all(c.buffer is not None and c.buffer.numel() == c.numel for c in fused)
+    inplace = [c for c in fused if c.packing == "inplace"]
+    staged = [c for c in fused if c.packing == "persistent"]
+    assert inplace and staged and len(inplace) + len(staged) == len(fused)
+    assert all(len(c.spans) == 1 and c.buffer is None and c.numel <= cap for c in inplace)
+    assert {c.indices[0] % 2 for c in inplace} == {0} and {1, 3, 5, 7} <= {i for c in staged for i in c.indices}
+    assert all(len(c.spans) > 1 and c.buffer.numel() == c.numel <= cap for c in staged)
     flat = by_name["bucket_flatten"].communications
     assert all(c.numel <= cap or len(c.spans) == 1 for c in flat)
     for c in by_name["stacked"].communications:
@@ -114,6 +120,20 @@ def test_builders_plan_shapes():
         load = [sum(c.nbytes for c in s.communications if c.chunk == 0 and c.stream == k) for k in range(2)]
         return max(load) - min(load)
     assert spread(by_name["layer_by_layer_optimized"]) <= spread(by_name["layer_by_layer"])
+
+
+def test_collective_and_scratch():
+    model = plain_model()
+    state = fake_state()  # gloo: the exchange by default
+    s = build_strategy(model, state, dict(name="layer_by_layer"))
+    assert s.collective == "exchange"
+    for c in s.communications:  # 2 facilities: this rank receives half of what it reduces
+        assert (c.scratch.numel() == c.numel // 2) if c.reduce else c.scratch is None
+    coalesced = build_strategy(model, state, dict(name="bucket_coalesced"))
+    assert all(c.scratch is None for c in coalesced.communications)  # lists use the all-reduce
+    assert build_strategy(model, state, dict(name="fused"), collective="all_reduce").collective == "all_reduce"
+    with pytest.raises(ValueError, match="valid collectives are"):
+        build_strategy(model, state, dict(name="fused"), collective="ring")
 
 
 def test_one_sender_and_single_facility():
@@ -129,7 +149,8 @@ def test_strategy_is_frozen_and_equal_on_the_plan():
     a = build_strategy(model, fake_state(), dict(name="fused", streams=2, bucket_mb=0.01))
     b = build_strategy(model, fake_state(), dict(name="fused", streams=2, bucket_mb=0.01))
     assert isinstance(a, Strategy) and a == b and hash(a) == hash(b)
-    assert a.communications[0].buffer.data_ptr() != b.communications[0].buffer.data_ptr()
+    staged = [k for k, c in enumerate(a.communications) if c.buffer is not None]
+    assert staged and all(a.communications[k].buffer.data_ptr() != b.communications[k].buffer.data_ptr() for k in staged)
     assert a != build_strategy(model, fake_state(), dict(name="fused", streams=1, bucket_mb=0.01))
     with pytest.raises(dataclasses.FrozenInstanceError):
         a.mode = "one_sender"
@@ -155,7 +176,7 @@ def test_every_strategy_matches_the_weighted_mean(layout):
     nproc, federated, hsdp = LAYOUTS[layout]
     properties = layout == "unequal_4_2"
     reports = launch_local(workers.run_matrix, (federated, hsdp, properties), nproc)
-    n_cases = len(STRATEGIES) * 2 * 2 * 2 * 2  # streams x modes x dtypes x weights
+    n_cases = len(STRATEGIES) * len(workers.PATHS) * 2 * 2 * 2  # (collective, streams) x modes x dtypes x weights
     assert [r["cases"] for r in reports] == [n_cases] * nproc
     plan = plan_layout(nproc, federated, hsdp)
     for key in reports[0]["bytes_per_rank"]:
@@ -170,6 +191,9 @@ def test_every_strategy_matches_the_weighted_mean(layout):
         assert sum(r["bytes_per_rank"][key] for r in reports) == expected, key
     if not properties:
         return
+    three = reports[0]["three_facilities"]
+    assert three["cases"] == 2 * len(workers.PATHS) * 2 * 2  # strategies x paths x modes x weights
+    assert set(three["cross_facility_bytes"].values()) == {3 * workers.param_bytes(torch.float32)}
     # Parameters stay the model's, optimizer and forward keep working, `only` (checked in
     # the workers); here: only the selected parameters' bytes cross the boundary.
     only_bytes = 2 * 4 * sum(

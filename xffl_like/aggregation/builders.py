@@ -10,14 +10,17 @@ plan from the same local shapes, so their collectives match one to one.
 from __future__ import annotations
 
 import fnmatch
+import functools
 import heapq
+from datetime import timedelta
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from .strategy import MODES, Communication, Strategy
+from .strategy import COLLECTIVES, MODES, Communication, Strategy, parts
 
 __all__ = [
     "Segment",
@@ -151,8 +154,25 @@ def _stacked(segs, streams, cap):
     return _balanced(_stacks(segs), streams)
 
 
+#: Below this size a collective's fixed cost dominates, so ``fused`` stages such segments
+#: into persistent buffers; at or above it (or a whole bucket's worth) a segment is already
+#: a contiguous view and is reduced where it lies: staging would cost two memory passes.
+INPLACE_MIN_BYTES = 1 << 20
+
+
 def _fused(segs, streams, cap):
-    return _round_robin(_buckets(segs, cap, split=True), streams)
+    """Large segments in place (cut into bucket-size pieces), small ones staged in
+    bucket-size persistent buffers; in model order, streams round-robin."""
+    groups, staged = [], []
+    for seg in segs:
+        if seg.nbytes < min(cap, INPLACE_MIN_BYTES):
+            staged.append(seg)
+            continue
+        step = max(1, cap // seg.tensor.element_size())
+        groups += [[_subsegment(seg, a, min(a + step, seg.stop))] for a in range(seg.start, seg.stop, step)]
+    groups += _buckets(staged, cap, split=True)
+    groups.sort(key=lambda g: (g[0].index, g[0].start))
+    return _round_robin(groups, streams)
 
 
 @dataclass(frozen=True)
@@ -173,7 +193,7 @@ BUILDERS: dict[str, Builder] = {
         Builder("bucket_optimized_flatten", "flatten", _bucket_optimized, "flattened buckets balanced by size over streams"),
         Builder("bucket_optimized_coalesced", "coalesced", _bucket_optimized, "coalesced buckets balanced by size over streams"),
         Builder("stacked", "stack", _stacked, "same-shape parameters stacked into one tensor"),
-        Builder("fused", "persistent", _fused, "persistent flat buffers of bucket_mb, copy-in/out overlapping the collectives"),
+        Builder("fused", "persistent", _fused, "small parameters staged in persistent bucket_mb buffers (copy-in/out overlapping the collectives), large ones reduced in place"),
     )
 }
 STRATEGIES: tuple[str, ...] = tuple(BUILDERS)
@@ -310,13 +330,19 @@ def cut_chunks(locals_: Sequence[tuple[int, torch.Tensor]], num_chunks: int) -> 
 
 
 # ----------------------------------------------------------------------------- build
-def build_strategy(model: nn.Module, state, options: Mapping[str, Any]) -> Strategy:
+def build_strategy(model: nn.Module, state, options: Mapping[str, Any], *, collective: str | None = None) -> Strategy:
     """Plan the aggregation of ``model`` (already FSDP-wrapped) for this rank.
 
     Call once on every rank after ``fully_shard`` and reuse the result every round.
     ``state`` is the worker's :class:`~xffl_like.distributed.state.DistributedState`.
+    ``collective`` (see :attr:`Strategy.collective`) defaults to ``exchange`` on gloo and
+    ``all_reduce`` elsewhere.
     """
     opts = validate_strategy_options(options, model=model)
+    if collective is None:
+        collective = "exchange" if state.backend == "gloo" else "all_reduce"
+    if collective not in COLLECTIVES:
+        raise ValueError(f"collective={collective!r}: valid collectives are {list(COLLECTIVES)}")
     if opts.streams > state.num_streams:
         raise ValueError(
             f"strategy.streams={opts.streams} but the DistributedState has {state.num_streams} stream(s): "
@@ -343,7 +369,8 @@ def build_strategy(model: nn.Module, state, options: Mapping[str, Any]) -> Strat
             for group, stream in builder.plan(segments, opts.streams, cap):
                 communications.append(
                     _communication(group, stream, c, owner, layout.rank_of(facility, owner, state.shard),
-                                   owner == replica, state.num_replicas > 1, builder.packing)
+                                   owner == replica, state.num_replicas > 1, builder.packing,
+                                   collective, facility, state.num_facilities)
                 )
     return Strategy(
         name=opts.name,
@@ -351,7 +378,8 @@ def build_strategy(model: nn.Module, state, options: Mapping[str, Any]) -> Strat
         num_streams=opts.streams,
         bucket_mb=opts.bucket_mb,
         packing=BUILDERS[opts.name].packing,
-        reduce_op="premul_sum" if state.backend == "nccl" else "sum",
+        collective=collective,
+        reduce_op=_reduce_op(state.backend),
         num_facilities=state.num_facilities,
         num_chunks=num_chunks,
         param_names=tuple(n for n, _ in named),
@@ -361,12 +389,44 @@ def build_strategy(model: nn.Module, state, options: Mapping[str, Any]) -> Strat
     )
 
 
+def _reduce_op(backend: str) -> str:
+    """How the executor forms the mean on ``backend`` (see :attr:`Strategy.reduce_op`)."""
+    if backend == "nccl":
+        return "premul_sum"
+    if backend == "gloo" and _gloo_has_avg():
+        return "avg"
+    return "sum"
+
+
+@functools.lru_cache(maxsize=None)
+def _gloo_has_avg() -> bool:
+    """Whether this torch's gloo supports ReduceOp.AVG, asked of a local one-rank group
+    (no communication, so every rank gets the same answer without agreeing on it)."""
+    try:
+        group = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, timedelta(seconds=10))
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.AVG
+        probe = torch.full((2,), 3.0)
+        group.allreduce([probe], opts).wait()
+        return bool((probe == 3.0).all())
+    except Exception:  # noqa: BLE001 - any failure means: do not use it
+        return False
+
+
 def _communication(group: list[Segment], stream: int, chunk: int, owner: int, source: int,
-                   reduce: bool, broadcast: bool, packing: str) -> Communication:
+                   reduce: bool, broadcast: bool, packing: str, collective: str,
+                   facility: int, num_facilities: int) -> Communication:
     tensors = tuple(s.tensor for s in group)
-    buffer = None
+    device = group[0].tensor.device
+    numel = sum(s.stop - s.start for s in group)
+    buffer = scratch = None
+    if packing == "persistent" and len(group) == 1:
+        packing = "inplace"  # one contiguous view: nothing to stage
     if packing == "persistent":
-        buffer = torch.empty(sum(s.stop - s.start for s in group), dtype=group[0].dtype, device=group[0].tensor.device)
+        buffer = torch.empty(numel, dtype=group[0].dtype, device=device)
+    if reduce and collective == "exchange" and packing != "coalesced":
+        start, stop = parts(numel, num_facilities)[facility]
+        scratch = torch.empty((num_facilities - 1) * (stop - start), dtype=group[0].dtype, device=device)
     return Communication(
         indices=tuple(dict.fromkeys(s.index for s in group)),
         spans=tuple((s.index, s.start, s.stop) for s in group),
@@ -374,10 +434,12 @@ def _communication(group: list[Segment], stream: int, chunk: int, owner: int, so
         dtype=group[0].dtype,
         stream=stream,
         chunk=chunk,
+        packing=packing,
         owner=owner,
         source=source,
         reduce=reduce,
         broadcast=broadcast,
         tensors=tensors,
         buffer=buffer,
+        scratch=scratch,
     )

@@ -2,9 +2,9 @@
 
 Each round, for every communication of the plan, in plan order:
 
-1. owners pack their contribution (pre-scaled by ``w_f / sum(w)`` unless NCCL scales in
-   the reduction) and start the cross-facility all-reduce asynchronously, on the group
-   of the communication's chunk and stream;
+1. owners pack their contribution (pre-scaled by ``w_f / sum(w)`` unless the reduction
+   scales: AVG for uniform weights, NCCL's PREMUL_SUM) and start the cross-facility
+   all-reduce asynchronously, on the group of the communication's chunk and stream;
 2. in the same order, owners wait for their reduction, start the broadcast of the result
    to the other replicas of the facility (when there are any) and unpack into the
    parameters, while the others start receiving;
@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from .reference import facility_scale
-from .strategy import Communication, Strategy
+from .strategy import Communication, Strategy, parts
 
 __all__ = ["AggregationResult", "aggregate"]
 
@@ -42,9 +42,9 @@ class AggregationResult:
 
 
 # ----------------------------------------------------------------------------- packing
-def _pack(comm: Communication, packing: str, scale: float | None, receive: bool):
+def _pack(comm: Communication, scale: float | None, receive: bool):
     """The tensor (or list) that travels for ``comm``; receivers get uninitialised storage."""
-    ts = comm.tensors
+    ts, packing = comm.tensors, comm.packing
     if packing == "inplace":
         wire = ts[0]
         if scale is not None and not receive:
@@ -79,7 +79,8 @@ def _split(wire: torch.Tensor, comm: Communication):
     return wire.split([stop - start for _, start, stop in comm.spans])
 
 
-def _unpack(comm: Communication, packing: str, wire) -> None:
+def _unpack(comm: Communication, wire) -> None:
+    packing = comm.packing
     if packing in ("inplace", "coalesced"):
         return
     if packing == "stack":
@@ -89,13 +90,83 @@ def _unpack(comm: Communication, packing: str, wire) -> None:
 
 
 # ----------------------------------------------------------------------------- collectives
-def _all_reduce(wire, group, op):
-    if isinstance(wire, list):
-        with dist._coalescing_manager(group=group, async_ops=True) as cm:
-            for t in wire:
-                dist.all_reduce(t, op=op, group=group)
-        return cm
-    return dist.all_reduce(wire, op=op, group=group, async_op=True)
+class _AllReduce:
+    """The backend's all-reduce (a list goes through the coalescing manager)."""
+
+    def __init__(self, wire, group, op):
+        if isinstance(wire, list):
+            with dist._coalescing_manager(group=group, async_ops=True) as cm:
+                for t in wire:
+                    dist.all_reduce(t, op=op, group=group)
+            self.work = cm
+        else:
+            self.work = dist.all_reduce(wire, op=op, group=group, async_op=True)
+
+    def step(self) -> None:
+        pass
+
+    def wait(self) -> None:
+        self.work.wait()
+
+
+class _Exchange:
+    """Reduce-scatter, then all-gather, of one flat tensor among the peers (one rank per
+    facility, in facility order) by point-to-point messages.
+
+    Peer ``j`` receives part ``j`` from every other peer into ``scratch`` and forms the
+    weighted mean of it in place (the scaling fused into the reduction: no extra pass over
+    the data), then sends it back. On gloo this is one message per peer and phase where the
+    ring all-reduce synchronises per segment, and it needs neither AVG nor a pre-scale.
+    """
+
+    def __init__(self, flat, scratch, group, ranks, me, scales, tag):
+        self.group, self.me, self.scales, self.tag = group, me, scales, tag
+        order = sorted(ranks)  # group ranks follow the sorted global ranks
+        self.group_ranks = [order.index(r) for r in ranks]
+        self.n = len(ranks)
+        self.parts = [flat[a:b] for a, b in parts(flat.numel(), self.n)]
+        mine = self.parts[me]
+        self.peers = [j for j in range(self.n) if j != me]
+        self.received = list(scratch.split(mine.numel())) if mine.numel() else []
+        self.sends = [self._send(self.parts[j], j, 0) for j in self.peers]
+        self.recvs = [self._recv(t, j, 0) for t, j in zip(self.received, self.peers)] if mine.numel() else []
+        self.gathers = None
+
+    def _send(self, t, j, phase):
+        if not t.numel():
+            return None
+        return dist.isend(t, group=self.group, tag=2 * self.tag + phase, group_dst=self.group_ranks[j])
+
+    def _recv(self, t, j, phase):
+        if not t.numel():
+            return None
+        return dist.irecv(t, group=self.group, tag=2 * self.tag + phase, group_src=self.group_ranks[j])
+
+    def step(self) -> None:
+        """Reduce my part once it has arrived, then start sending it back."""
+        if self.gathers is not None:
+            return
+        for work in self.recvs:
+            work.wait()
+        mine, scales = self.parts[self.me], self.scales
+        if mine.numel():
+            if self.n == 2:  # (1 - s) * mine + s * theirs, in one pass
+                torch.lerp(mine, self.received[0], scales[self.peers[0]], out=mine)
+            else:
+                mine.mul_(scales[self.me])
+                for t, j in zip(self.received, self.peers):
+                    mine.add_(t, alpha=scales[j])
+        for work in self.sends:  # my copies of the other parts are overwritten next
+            if work is not None:
+                work.wait()
+        self.gathers = [self._send(mine, j, 1) for j in self.peers]
+        self.gathers += [self._recv(self.parts[j], j, 1) for j in self.peers]
+
+    def wait(self) -> None:
+        self.step()
+        for work in self.gathers:
+            if work is not None:
+                work.wait()
 
 
 def _broadcast(wire, src: int, group):
@@ -108,17 +179,25 @@ def _broadcast(wire, src: int, group):
 
 
 def _reduce_op(strategy: Strategy, scale: float, uniform: bool):
-    """(op, pre-scale): gloo sums pre-scaled contributions; NCCL averages / pre-multiplies."""
+    """(op, pre-scale or None) for all-reduces: see :attr:`Strategy.reduce_op`. Exactly one
+    rank per facility joins each reduction, so AVG divides by the number of facilities."""
+    if uniform and strategy.reduce_op in ("avg", "premul_sum"):
+        return dist.ReduceOp.AVG, None
     if strategy.reduce_op == "premul_sum":
-        if uniform:
-            return dist.ReduceOp.AVG, None
         return dist._make_nccl_premul_sum(scale), None
     return dist.ReduceOp.SUM, scale
 
 
-def _peer_groups(strategy: Strategy, state) -> dict[int, tuple]:
+def _start(comm: Communication, k: int, wire, peer, exchange: bool, op, scales, me: int):
+    group = peer.groups[comm.stream]
+    if exchange:
+        return _Exchange(wire.view(-1), comm.scratch, group, peer.exchange.ranks, me, scales, k)
+    return _AllReduce(wire, group, op)
+
+
+def _peer_exchanges(strategy: Strategy, state) -> dict:
     exchanges = state.split_exchanges if strategy.mode == "split" else state.sender_exchanges
-    return {pe.exchange.chunk: pe.groups for pe in exchanges}
+    return {pe.exchange.chunk: pe for pe in exchanges}
 
 
 # ----------------------------------------------------------------------------- aggregate
@@ -136,8 +215,9 @@ def aggregate(strategy: Strategy, state, weights: Sequence[float] | None = None)
         return AggregationResult(time.perf_counter() - start, 0, strategy.cross_facility_bytes)
     uniform = weights is None or len(set(float(w) for w in weights)) == 1
     op, prescale = _reduce_op(strategy, scale, uniform)
-    packing = strategy.packing
-    peers = _peer_groups(strategy, state)
+    n = state.num_facilities
+    scales = [1.0 / n] * n if weights is None else [float(w) / float(sum(weights)) for w in weights]
+    peers = _peer_exchanges(strategy, state)
     streams = state.streams
     if streams:
         current = torch.cuda.current_stream()
@@ -152,8 +232,12 @@ def aggregate(strategy: Strategy, state, weights: Sequence[float] | None = None)
     for k, comm in enumerate(comms):
         if comm.reduce:
             with on(comm):
-                wire = _pack(comm, packing, prescale, receive=False)
-                reductions[k] = (wire, _all_reduce(wire, peers[comm.chunk][comm.stream], op))
+                exchange = strategy.collective == "exchange" and comm.packing != "coalesced"
+                wire = _pack(comm, None if exchange else prescale, receive=False)  # an exchange applies the weights itself
+                reductions[k] = (wire, _start(comm, k, wire, peers[comm.chunk], exchange, op, scales, state.facility))
+    for k, (_, work) in reductions.items():  # exchanges: reduce what arrived, send it back
+        with on(comms[k]):
+            work.step()
 
     # 2. in plan order: owners finish and forward, the other replicas start receiving.
     receiving = []
@@ -166,16 +250,16 @@ def aggregate(strategy: Strategy, state, weights: Sequence[float] | None = None)
                 work.wait()
                 if comm.broadcast:
                     broadcasts.append(_broadcast(wire, comm.source, group))
-                _unpack(comm, packing, wire)
+                _unpack(comm, wire)
             else:
-                wire = _pack(comm, packing, None, receive=True)
+                wire = _pack(comm, None, receive=True)
                 receiving.append((comm, wire, _broadcast(wire, comm.source, group)))
 
     # 3. receivers unpack; senders make sure their broadcasts are done before buffers are reused.
     for comm, wire, work in receiving:
         with on(comm):
             work.wait()
-            _unpack(comm, packing, wire)
+            _unpack(comm, wire)
     for work in broadcasts:
         work.wait()
     if streams:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["PACKINGS", "MODES", "Communication", "Strategy"]
+__all__ = ["PACKINGS", "MODES", "COLLECTIVES", "Communication", "Strategy", "parts"]
 
 #: How a communication's tensors travel: ``inplace`` (one contiguous view of a parameter,
 #: reduced where it lies), ``coalesced`` (a list in one coalesced collective), ``flatten``
@@ -27,6 +27,16 @@ __all__ = ["PACKINGS", "MODES", "Communication", "Strategy"]
 #: same-shape tensors each round), ``persistent`` (copied into a flat buffer allocated once).
 PACKINGS = ("inplace", "coalesced", "flatten", "stack", "persistent")
 MODES = ("split", "one_sender")
+#: ``all_reduce``: the backend's all-reduce; ``exchange``: reduce-scatter + all-gather by
+#: point-to-point messages with the weights applied in the reduction (see the executor).
+COLLECTIVES = ("all_reduce", "exchange")
+
+
+def parts(numel: int, n: int) -> list[tuple[int, int]]:
+    """``n`` equal-as-possible ``(start, stop)`` ranges of ``numel`` elements: in an
+    exchange, part ``j`` is reduced by the peer of facility ``j``."""
+    bounds = [j * numel // n for j in range(n + 1)]
+    return list(zip(bounds[:-1], bounds[1:]))
 
 
 @dataclass(frozen=True)
@@ -43,6 +53,8 @@ class Communication:
     dtype: torch.dtype
     stream: int
     chunk: int
+    #: One of :data:`PACKINGS`; ``fused`` reduces single contiguous views ``inplace``.
+    packing: str
     #: Replica of this rank's facility that joins the cross-facility reduction of ``chunk``.
     owner: int
     #: Global rank of that owner: the broadcast source inside the facility.
@@ -52,7 +64,10 @@ class Communication:
     #: The facility has more than one replica, so the owner broadcasts the result.
     broadcast: bool
     tensors: tuple[torch.Tensor, ...] = field(compare=False, repr=False)
+    #: Persistent staging buffer (``persistent`` packing).
     buffer: torch.Tensor | None = field(default=None, compare=False, repr=False)
+    #: Persistent receive buffer of an ``exchange`` this rank reduces in.
+    scratch: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
     @property
     def numel(self) -> int:
@@ -73,10 +88,14 @@ class Strategy:
     mode: str
     num_streams: int
     bucket_mb: float
-    #: One of :data:`PACKINGS`.
+    #: The builder's packing, one of :data:`PACKINGS` (each communication has its own).
     packing: str
-    #: ``sum``: each facility's contribution is pre-scaled by ``w_f / sum(w)`` and summed (gloo
-    #: has no AVG); ``premul_sum``: NCCL scales inside the reduction (AVG when uniform).
+    #: One of :data:`COLLECTIVES` (coalesced lists always use ``all_reduce``).
+    collective: str
+    #: How the mean is formed. ``sum``: each facility's contribution is pre-scaled by
+    #: ``w_f / sum(w)``, then summed (a backend without AVG); ``avg``: AVG (sum, then divide by
+    #: F) for uniform weights, pre-scaled SUM otherwise (gloo in recent torch); ``premul_sum``:
+    #: AVG for uniform weights, PREMUL_SUM otherwise (NCCL scales inside the reduction).
     reduce_op: str
     num_facilities: int
     num_chunks: int
@@ -90,7 +109,7 @@ class Strategy:
     @property
     def contiguous(self) -> bool:
         """Whether tensors are packed into contiguous buffers before communicating."""
-        return self.packing in ("flatten", "stack", "persistent")
+        return any(c.packing in ("flatten", "stack", "persistent") for c in self.communications)
 
     @property
     def dtypes(self) -> tuple[torch.dtype, ...]:

@@ -1,0 +1,59 @@
+"""The benchmark entry point, end to end in a subprocess (tiny model; no timing assertions)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from xffl_like.aggregation import STRATEGIES
+
+ROOT = Path(__file__).parents[1]
+KEYS = {
+    "median_s", "p90_s", "limit_median_s", "ratio_to_limit", "bytes_per_rank", "cross_facility_bytes",
+    "algbw_GBps", "busbw_GBps", "peak_memory_mb", "streams", "collective", "mode",
+}
+
+
+def bench(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "xffl_like.bench", f"hydra.run.dir={tmp_path}", *overrides],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+
+
+def test_bench_writes_every_strategy(tmp_path):
+    proc = bench(tmp_path, "model=llama_tiny", "bench.repeats=1", "bench.warmup=0")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert set(report["results"]) == set(STRATEGIES)
+    fp32_params = 4 * sum(_tiny_param_counts())  # bytes of llama_tiny, counted from its config
+    for name, r in report["results"].items():
+        assert KEYS <= set(r), name
+        assert r["median_s"] > 0 and r["limit_median_s"] > 0 and r["p90_s"] >= r["median_s"]
+        assert r["cross_facility_bytes"] == 2 * fp32_params  # one model copy from each facility
+        assert r["bytes_per_rank"] == fp32_params // 2  # FSDP over 2 shards, one sender each
+        assert abs(r["busbw_GBps"] - r["algbw_GBps"]) < 1e-12  # 2 peers: 2(n-1)/n = 1
+    lines = proc.stdout.splitlines()
+    ratios = [float(line.split()[5]) for line in lines if line.split() and line.split()[0] in STRATEGIES]
+    assert len(ratios) == len(STRATEGIES) and ratios == sorted(ratios)
+    assert (tmp_path / "config.yaml").exists()
+
+
+def test_bench_rejects_bad_input_before_launching(tmp_path):
+    proc = bench(tmp_path, "model=llama_tiny", "bench.strategies=[fused,fusd]")
+    assert proc.returncode == 2
+    assert "unknown strategy name 'fusd': valid names are" in proc.stderr
+    assert not (tmp_path / "bench.json").exists()
+    proc = bench(tmp_path, "model=llama_tiny", "distributed.federated=null")
+    assert proc.returncode == 2 and "needs at least 2 facilities" in proc.stderr
+
+
+def _tiny_param_counts():
+    from omegaconf import OmegaConf
+
+    from xffl_like.models import build_model
+
+    model = build_model(OmegaConf.load(ROOT / "conf" / "model" / "llama_tiny.yaml"), device="meta")
+    return [p.numel() for p in model.parameters()]

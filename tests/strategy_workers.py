@@ -106,13 +106,19 @@ def locals_of(model):
     return [p.to_local().detach().clone() for p in _params(model)]
 
 
-def identical_across_peers(model, state, what) -> None:
-    """Every rank holding the same shard (all replicas of all facilities) holds the same bits."""
-    digest = hashlib.sha1(b"".join(t.view(torch.uint8).numpy().tobytes() for t in locals_of(model))).hexdigest()
+def digest(model) -> str:
+    return hashlib.sha1(b"".join(t.view(torch.uint8).numpy().tobytes() for t in locals_of(model))).hexdigest()
+
+
+def identical_across_peers(state, digests: list[tuple[str, str]]) -> None:
+    """Every rank holding the same shard (all replicas of all facilities) ended each case
+    with the same bits. ``digests``: (case, digest) in case order, the same cases on all ranks."""
     everyone = [None] * state.world_size
-    dist.all_gather_object(everyone, (state.shard, digest))
-    if len({d for s, d in everyone if s == state.shard}) != 1:
-        raise AssertionError(f"{what}: ranks holding shard {state.shard} disagree after aggregation")
+    dist.all_gather_object(everyone, (state.shard, digests))
+    mine = [d for s, d in everyone if s == state.shard]
+    for k, (what, _) in enumerate(digests):
+        if len({d[k][1] for d in mine}) != 1:
+            raise AssertionError(f"{what}: ranks holding shard {state.shard} disagree after aggregation")
 
 
 # gloo's default is the exchange; the all-reduce path (NCCL's) is checked with 2 streams only.
@@ -124,6 +130,7 @@ def run_cases(state, report, names, weight_sets, dtypes=(torch.float32, torch.bf
     against the seed-derived mean; with two facilities, all-reduce results must also agree
     bitwise across strategies and modes (a + b is symmetric; with three, the ring's order of
     summation depends on where an element falls in the buffer)."""
+    digests: list[tuple[str, str]] = []
     for d, dtype in enumerate(dtypes):
         model = make_model(state, dtype)
         pointers = [p.to_local().data_ptr() for p in _params(model)]
@@ -138,7 +145,7 @@ def run_cases(state, report, names, weight_sets, dtypes=(torch.float32, torch.bf
                 strategy = build_strategy(model, state, options, collective=collective)
                 result = aggregate(strategy, state, weights)
                 check_close(model, expected, dtype, what)
-                identical_across_peers(model, state, what)
+                digests.append((what, digest(model)))
                 if collective == "all_reduce" and state.num_facilities == 2:
                     got = locals_of(model)
                     if first is None:
@@ -151,22 +158,26 @@ def run_cases(state, report, names, weight_sets, dtypes=(torch.float32, torch.bf
                 report["cases"] += 1
         if [p.to_local().data_ptr() for p in _params(model)] != pointers:
             raise AssertionError("aggregation rebound the parameters' storage")
+    identical_across_peers(state, digests)
 
 
-def run_matrix(federated, hsdp, properties: bool = False) -> dict:
-    """The whole matrix on one layout; with ``properties``, also :func:`check_properties` and a
-    3-facility layout of the same processes (launches are the slow part of these tests)."""
+def run_layouts(layouts: list[dict], properties: bool = False) -> dict:
+    """Run :func:`run_cases` on each of ``layouts`` (dicts: name, federated, hsdp and optionally
+    names, weights, dtypes) over the same processes: one launch serves several layouts
+    (launches are the slow part of these tests). With ``properties``, also
+    :func:`check_properties` on the first layout."""
     env = read_env()
-    state = build_state(plan_layout(env.world_size, federated, hsdp), env, num_streams=2)
-    report = {"rank": state.rank, "cases": 0, "bytes_per_rank": {}, "cross_facility_bytes": {}}
-    if properties:
-        report.update(check_properties(state))
-    run_cases(state, report, STRATEGIES, (None, (2.0, 5.0)))
-    if properties:  # three facilities of 2 replicas: the exchange's general reduction
-        three = build_state(plan_layout(env.world_size, 2, 1), env, num_streams=2)
-        extra = {"cases": 0, "bytes_per_rank": {}, "cross_facility_bytes": {}}
-        run_cases(three, extra, ("layer_by_layer", "fused"), (None, (2.0, 5.0, 3.0)), dtypes=(torch.float32,))
-        report["three_facilities"] = extra
+    report = {"rank": env.rank}
+    for k, spec in enumerate(layouts):
+        state = build_state(plan_layout(env.world_size, spec["federated"], spec["hsdp"]), env, num_streams=2)
+        out = {"replica": state.replica, "cases": 0, "bytes_per_rank": {}, "cross_facility_bytes": {}}
+        if properties and k == 0:
+            report["properties"] = check_properties(state)
+        run_cases(
+            state, out, tuple(spec.get("names", STRATEGIES)), tuple(spec["weights"]),
+            dtypes=tuple(getattr(torch, d) for d in spec.get("dtypes", ("float32", "bfloat16"))),
+        )
+        report[spec["name"]] = out
     return report
 
 

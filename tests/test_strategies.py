@@ -164,40 +164,54 @@ def test_streams_beyond_state_rejected():
 
 
 # ----------------------------------------------------------------------------- multi-process
-LAYOUTS = {
-    "fsdp_2x2": (4, 2, None),      # 2 facilities x 2 shards, R = (1, 1)
-    "hsdp_2x2": (4, 2, 1),         # 2 facilities x 2 replicas of 1 shard, R = (2, 2)
-    "unequal_4_2": (6, [4, 2], 2),  # 2 shards, R = (2, 1)
+LAUNCHES = {
+    4: [
+        dict(name="fsdp_2x2", federated=2, hsdp=None, weights=[None, (2.0, 5.0)]),  # R = (1, 1), S = 2
+        dict(name="hsdp_2x2", federated=2, hsdp=1, weights=[None, (2.0, 5.0)]),     # R = (2, 2), S = 1
+    ],
+    6: [
+        dict(name="unequal_4_2", federated=[4, 2], hsdp=2, weights=[None, (2.0, 5.0)]),  # R = (2, 1), S = 2
+        # Three facilities of 2 replicas: the exchange's general (F > 2) reduction.
+        dict(name="three_facilities", federated=2, hsdp=1, weights=[None, (2.0, 5.0, 3.0)],
+             names=["layer_by_layer", "fused"], dtypes=["float32"]),
+    ],
 }
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_every_strategy_matches_the_weighted_mean(layout):
-    nproc, federated, hsdp = LAYOUTS[layout]
-    properties = layout == "unequal_4_2"
-    reports = launch_local(workers.run_matrix, (federated, hsdp, properties), nproc)
-    n_cases = len(STRATEGIES) * len(workers.PATHS) * 2 * 2 * 2  # (collective, streams) x modes x dtypes x weights
-    assert [r["cases"] for r in reports] == [n_cases] * nproc
-    plan = plan_layout(nproc, federated, hsdp)
-    for key in reports[0]["bytes_per_rank"]:
-        sent = {plan.coords(r["rank"]).replica: r["bytes_per_rank"][key] for r in reports}
-        if "/one_sender/" in key:  # replica 0 of each facility sends, the others only receive
-            assert all(b == 0 for replica, b in sent.items() if replica > 0), key
-        else:  # split: every replica sends its share
-            assert all(b > 0 for b in sent.values()), key
-        dtype = torch.float32 if "float32" in key else torch.bfloat16
-        expected = 2 * workers.param_bytes(dtype)  # one model copy from each of the 2 facilities
-        assert {r["cross_facility_bytes"][key] for r in reports} == {expected}, key
-        assert sum(r["bytes_per_rank"][key] for r in reports) == expected, key
-    if not properties:
-        return
-    three = reports[0]["three_facilities"]
-    assert three["cases"] == 2 * len(workers.PATHS) * 2 * 2  # strategies x paths x modes x weights
-    assert set(three["cross_facility_bytes"].values()) == {3 * workers.param_bytes(torch.float32)}
-    # Parameters stay the model's, optimizer and forward keep working, `only` (checked in
-    # the workers); here: only the selected parameters' bytes cross the boundary.
+def check_bytes(reports: list[dict], spec: dict, nproc: int) -> None:
+    """One model copy of the aggregated parameters per facility crosses the boundaries; in
+    split mode every replica sends a share, in one_sender mode only replica 0."""
+    n_facilities = len(spec["weights"][1])
+    per_launch = [r[spec["name"]] for r in reports]
+    n_cases = len(spec.get("names", STRATEGIES)) * len(workers.PATHS) * 2 * len(spec.get("dtypes", ("float32", "bfloat16"))) * 2
+    assert [r["cases"] for r in per_launch] == [n_cases] * nproc, spec["name"]
+    for key in per_launch[0]["bytes_per_rank"]:
+        sent = [(r["replica"], r["bytes_per_rank"][key]) for r in per_launch]
+        if "/one_sender/" in key:
+            assert all(b == 0 for replica, b in sent if replica > 0), key
+        else:
+            assert all(b > 0 for _, b in sent), key
+        expected = n_facilities * workers.param_bytes(torch.float32 if "float32" in key else torch.bfloat16)
+        assert {r["cross_facility_bytes"][key] for r in per_launch} == {expected}, key
+        assert sum(b for _, b in sent) == expected, key
+
+
+def test_every_strategy_on_4_processes():
+    """FSDP [2, 2] and HSDP [2, 2] x (R=2, S=1): every strategy, both streams counts, modes,
+    collectives, dtypes, uniform and weighted, checked on every rank."""
+    reports = launch_local(workers.run_layouts, (LAUNCHES[4],), 4)
+    for spec in LAUNCHES[4]:
+        check_bytes(reports, spec, 4)
+
+
+def test_every_strategy_on_6_processes_and_properties():
+    """Unequal facilities [4, 2] (R = 2, 1) and three facilities; plus: parameters stay the
+    model's, optimizer and forward keep working, ``only`` keeps the rest local (workers)."""
+    reports = launch_local(workers.run_layouts, (LAUNCHES[6], True), 6)
+    for spec in LAUNCHES[6]:
+        check_bytes(reports, spec, 6)
     only_bytes = 2 * 4 * sum(
         p.numel() for n, p in workers.Net().named_parameters() if n.startswith(("blocks.0.", "embed."))
     )
-    assert {r["only_cross_facility_bytes"] for r in reports} == {only_bytes}
-    assert sum(r["only_bytes_per_rank"] for r in reports) == only_bytes
+    assert {r["properties"]["only_cross_facility_bytes"] for r in reports} == {only_bytes}
+    assert sum(r["properties"]["only_bytes_per_rank"] for r in reports) == only_bytes

@@ -147,11 +147,22 @@ def _memory_mark(device) -> int:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         return torch.cuda.memory_allocated(device)
+    gc.collect()
+    _malloc_trim()  # hand freed heap memory back, so that new allocations show in RSS again
     try:
         Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM (peak RSS)
     except OSError:
         pass
     return _proc_status("VmRSS")
+
+
+def _malloc_trim() -> None:
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def _memory_peak(device) -> int:

@@ -58,7 +58,7 @@ def _documented_defaults():
     defaults = yaml.safe_load((CONF / "config.yaml").read_text())["defaults"]
     files = [CONF / name for name in ROOT_CONFIGS if (CONF / name).exists()]
     files += [CONF / group / f"{option}.yaml" for entry in defaults if isinstance(entry, dict)
-              for group, option in entry.items()]
+              for group, option in entry.items() if (CONF / group).is_dir()]  # not Hydra's own groups
     return files
 
 

@@ -17,7 +17,6 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import hydra
 from hydra.core.hydra_config import HydraConfig

@@ -81,6 +81,11 @@ def validate_config(cfg: dict, world_size: int, local_world_size: int | None, ba
     if not isinstance(cfg.get("seed"), int) or isinstance(cfg.get("seed"), bool):
         raise ConfigError(f"seed={cfg.get('seed')!r}: must be an integer")
 
+    from .observe.observer import LOGGERS
+
+    logger = (cfg.get("logger") or {}).get("name", "none")
+    if logger not in LOGGERS:
+        raise ConfigError(f"logger.name={logger!r}: use one of {', '.join(LOGGERS)} (e.g. logger=none)")
     dist_cfg = cfg["distributed"]
     try:
         layout = plan_layout(world_size, dist_cfg["federated"], dist_cfg["hsdp"], local_world_size)

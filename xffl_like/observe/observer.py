@@ -103,6 +103,14 @@ class Observer:
         return {**{k: record[k] for k in AGG_FIELDS[:5]}, "algbw_gbps": algbw, "busbw_gbps": busbw,
                 "strategy": self.strategy, "streams": self.streams}
 
+    def abort(self) -> None:
+        """The worker is failing: close files and mark the W&B run failed instead of crashed."""
+        for f in (self._metrics, getattr(self, "_agg_file", None)):
+            if f is not None:
+                f.close()
+        if self.wandb is not None:
+            self.wandb.run.finish(exit_code=1)
+
     def finish(self, summary: dict | None) -> None:
         """Close the sinks. Rank 0 passes the job's summary; the others ``None``."""
         if self._metrics is not None:

@@ -116,33 +116,37 @@ def _train(cfg: dict, state: DistributedState, run_dir: Path, started_at: float)
 
     dist.barrier()
     start = time.perf_counter()
-    for step in range(steps):
-        with timer("data"):
-            inputs, targets = (t.to(device) for t in data.train_batch(step))
-        with timer("forward"):
-            loss = _loss(model, inputs, targets)
-        with timer("backward"):
-            loss.backward()
-        with timer("optimizer"):
-            if ocfg["grad_clip"] > 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), ocfg["grad_clip"])
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            scheduler.step()
-        facility_loss = loss.detach().double() / state.facility_size
-        dist.all_reduce(facility_loss, group=state.facility_groups[0])
-        losses[state.facility, step] = float(facility_loss)
-        observer.step(step, float(facility_loss), optimizer.param_groups[0]["lr"], tokens_per_step, time.perf_counter() - start)
-        if (step + 1) % every == 0 or step + 1 == steps:
-            with timer("aggregation"):
-                # Ranks arrive at different times; the wait is charged to this phase
-                # (and shows as imbalance), the round's seconds time the exchange alone.
-                dist.barrier()
-                result = aggregate(strategy, state, weights)
-            record = {"round": len(rounds), "step": step + 1, "seconds": result.seconds,
-                      "bytes_per_rank": result.bytes_per_rank, "cross_facility_bytes": result.cross_facility_bytes}
-            rounds.append(record)
-            observer.round(record)
+    try:
+        for step in range(steps):
+            with timer("data"):
+                inputs, targets = (t.to(device) for t in data.train_batch(step))
+            with timer("forward"):
+                loss = _loss(model, inputs, targets)
+            with timer("backward"):
+                loss.backward()
+            with timer("optimizer"):
+                if ocfg["grad_clip"] > 0:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), ocfg["grad_clip"])
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                scheduler.step()
+            facility_loss = loss.detach().double() / state.facility_size
+            dist.all_reduce(facility_loss, group=state.facility_groups[0])
+            losses[state.facility, step] = float(facility_loss)
+            observer.step(step, float(facility_loss), optimizer.param_groups[0]["lr"], tokens_per_step, time.perf_counter() - start)
+            if (step + 1) % every == 0 or step + 1 == steps:
+                with timer("aggregation"):
+                    # Ranks arrive at different times; the wait is charged to this phase
+                    # (and shows as imbalance), the round's seconds time the exchange alone.
+                    dist.barrier()
+                    result = aggregate(strategy, state, weights)
+                record = {"round": len(rounds), "step": step + 1, "seconds": result.seconds,
+                          "bytes_per_rank": result.bytes_per_rank, "cross_facility_bytes": result.cross_facility_bytes}
+                rounds.append(record)
+                observer.round(record)
+    except BaseException:
+        observer.abort()
+        raise
     train_seconds = time.perf_counter() - start
 
     eval_loss = _evaluate(model, data.eval_batches(), device)

@@ -218,7 +218,11 @@ def check_properties(state) -> dict:
     loss = model(tokens).float().pow(2).mean()
     loss.backward()
     optimizer.step()
-    aggregate(a, state, None)  # still works after the step
+    # The plan was built before FSDP's first forward (lazy init): its views must still be the
+    # parameters' storage, so aggregating now still changes the model.
+    set_values(model, state, dtype, 3)
+    aggregate(a, state, (1.0, 3.0))
+    check_close(model, expected_mean(model, state, dtype, 3, (1.0, 3.0)), dtype, "fused after forward/backward/step")
 
     # `only`: a glob and a module class name; everything else stays bitwise unchanged.
     set_values(model, state, dtype, 2)

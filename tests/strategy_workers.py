@@ -34,7 +34,7 @@ class Block(nn.Module):
 
 
 class Net(nn.Module):
-    """Odd sizes, three same-shape blocks (for ``stacked``), a 1-row parameter (an empty
+    """Odd sizes, three same-shape blocks (for ``stacked``), 1-row parameters (an empty
     shard on the second of two shards)."""
 
     def __init__(self):
@@ -42,10 +42,11 @@ class Net(nn.Module):
         self.embed = nn.Embedding(9, 7)
         self.blocks = nn.ModuleList([Block() for _ in range(3)])
         self.gate = nn.Parameter(torch.ones(1, 7))
+        self.tiny = nn.Parameter(torch.ones(1))  # one element: an empty exchange part
         self.head = nn.Linear(7, 3)
 
     def forward(self, tokens):
-        x = self.embed(tokens) * self.gate
+        x = self.embed(tokens) * self.gate * self.tiny
         for block in self.blocks:
             x = block(x)
         return self.head(x)

@@ -113,24 +113,26 @@ class _Exchange:
     """Reduce-scatter, then all-gather, of one flat tensor among the peers (one rank per
     facility, in facility order) by point-to-point messages.
 
-    Peer ``j`` receives part ``j`` from every other peer into ``scratch`` and forms the
-    weighted mean of it in place (the scaling fused into the reduction: no extra pass over
-    the data), then sends it back. On gloo this is one message per peer and phase where the
-    ring all-reduce synchronises per segment, and it needs neither AVG nor a pre-scale.
+    Peer ``j`` receives part ``j`` from every other peer into ``scratch``, forms the weighted
+    mean of it in place (the scaling fused into the reduction: no extra pass over the data)
+    and sends it back. On gloo this is one message per peer and phase where the ring
+    all-reduce synchronises per segment, and it needs neither AVG nor a pre-scale.
     """
 
     def __init__(self, flat, scratch, group, ranks, me, scales, tag):
         self.group, self.me, self.scales, self.tag = group, me, scales, tag
         order = sorted(ranks)  # group ranks follow the sorted global ranks
         self.group_ranks = [order.index(r) for r in ranks]
-        self.n = len(ranks)
-        self.parts = [flat[a:b] for a, b in parts(flat.numel(), self.n)]
+        self.parts = [flat[a:b] for a, b in parts(flat.numel(), len(ranks))]
+        self.peers = [j for j in range(len(ranks)) if j != me]
         mine = self.parts[me]
-        self.peers = [j for j in range(self.n) if j != me]
-        self.received = list(scratch.split(mine.numel())) if mine.numel() else []
-        self.sends = [self._send(self.parts[j], j, 0) for j in self.peers]
-        self.recvs = [self._recv(t, j, 0) for t, j in zip(self.received, self.peers)] if mine.numel() else []
-        self.gathers = None
+        self.received = list(scratch.split(mine.numel())) if mine.numel() else [mine[:0]] * len(self.peers)
+        self.scattered = [self._send(self.parts[j], j, 0) for j in self.peers]
+        self.arriving = [self._recv(t, j, 0) for t, j in zip(self.received, self.peers)]
+        # Posted now although part j is still being sent: peer j sends its result only after
+        # it has received part j from everyone, so by then my send of it is complete.
+        self.results = [self._recv(self.parts[j], j, 1) for j in self.peers]
+        self.gathered = None
 
     def _send(self, t, j, phase):
         if not t.numel():
@@ -144,29 +146,28 @@ class _Exchange:
 
     def step(self) -> None:
         """Reduce my part once it has arrived, then start sending it back."""
-        if self.gathers is not None:
+        if self.gathered is not None:
             return
-        for work in self.recvs:
-            work.wait()
+        _wait(self.arriving)
         mine, scales = self.parts[self.me], self.scales
         if mine.numel():
-            if self.n == 2:  # (1 - s) * mine + s * theirs, in one pass
+            if len(self.parts) == 2:  # (1 - s) * mine + s * theirs, in one pass
                 torch.lerp(mine, self.received[0], scales[self.peers[0]], out=mine)
             else:
                 mine.mul_(scales[self.me])
                 for t, j in zip(self.received, self.peers):
                     mine.add_(t, alpha=scales[j])
-        for work in self.sends:  # my copies of the other parts are overwritten next
-            if work is not None:
-                work.wait()
-        self.gathers = [self._send(mine, j, 1) for j in self.peers]
-        self.gathers += [self._recv(self.parts[j], j, 1) for j in self.peers]
+        self.gathered = [self._send(mine, j, 1) for j in self.peers]
 
     def wait(self) -> None:
         self.step()
-        for work in self.gathers:
-            if work is not None:
-                work.wait()
+        _wait(self.scattered + self.results + self.gathered)
+
+
+def _wait(works) -> None:
+    for work in works:
+        if work is not None:
+            work.wait()
 
 
 def _broadcast(wire, src: int, group):

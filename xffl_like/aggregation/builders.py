@@ -12,8 +12,8 @@ from __future__ import annotations
 import fnmatch
 import functools
 import heapq
-from datetime import timedelta
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import torch
@@ -34,7 +34,6 @@ __all__ = [
 ]
 
 _KEYS = ("name", "streams", "bucket_mb", "mode", "only")
-_GLOB_CHARS = set("*?[")
 
 
 class Segment(NamedTuple):

@@ -2,12 +2,14 @@
 
 Each round, for every communication of the plan, in plan order:
 
-1. owners pack their contribution (pre-scaled by ``w_f / sum(w)`` unless the reduction
-   scales: AVG for uniform weights, NCCL's PREMUL_SUM) and start the cross-facility
-   all-reduce asynchronously, on the group of the communication's chunk and stream;
-2. in the same order, owners wait for their reduction, start the broadcast of the result
-   to the other replicas of the facility (when there are any) and unpack into the
-   parameters, while the others start receiving;
+1. owners pack their contribution and start the cross-facility reduction asynchronously
+   on the group of the communication's chunk and stream: the *exchange* (gloo's default:
+   point-to-point reduce-scatter + all-gather, the weights applied in the reduction) or the
+   backend's all-reduce (AVG for uniform weights; otherwise NCCL's PREMUL_SUM, or a SUM of
+   contributions pre-scaled by ``w_f / sum(w)``);
+2. in the same order, owners wait for their reduction, start broadcasting the result to
+   the other replicas of the facility (when there are any) and unpack it into the
+   parameters, while the other replicas start receiving;
 3. receivers wait and unpack.
 
 Streams are separate process groups: on CPU their collectives run concurrently in gloo's

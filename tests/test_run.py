@@ -97,6 +97,7 @@ BAD = [
     (["strategy.streams=0"], "streams"),
     (["strategy.bucket_mb=0"], "bucket_mb"),
     (["strategy.only=[no_such_param*]"], "no_such_param"),
+    (["strategy.only=[NoSuchModule]"], "NoSuchModule"),
 ]
 
 

@@ -107,8 +107,9 @@ def validate_config(cfg: dict, world_size: int, local_world_size: int | None, ba
         if "path" in cfg["data"]:
             paths = [str(p) for p in resolve_paths(cfg["data"], str(base_dir))]
             cfg["data"]["path"] = paths if isinstance(cfg["data"]["path"], list) else paths[0]
-        names = [name for name, _ in build_model(cfg["model"], device="meta").named_parameters()]
-        validate_strategy_options(cfg["strategy"], names)
+        meta_model = build_model(cfg["model"], device="meta")  # names and module types, no memory
+        names = [name for name, _ in meta_model.named_parameters()]
+        validate_strategy_options(cfg["strategy"], names, model=meta_model)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     return layout

@@ -17,7 +17,7 @@ from torch import nn
 
 from ..distributed.state import DistributedState
 
-__all__ = ["ReferenceAverage", "facility_scale"]
+__all__ = ["ReferenceAverage", "all_peer_groups", "facility_scale"]
 
 
 def facility_scale(state: DistributedState, weights: Sequence[float] | None) -> float:
@@ -29,6 +29,14 @@ def facility_scale(state: DistributedState, weights: Sequence[float] | None) -> 
     return float(weights[state.facility]) / float(sum(weights))
 
 
+def all_peer_groups(state: DistributedState) -> list:
+    """One group per shard index holding every rank of every facility with that shard.
+
+    Collective: every rank creates every group, in the same order.
+    """
+    return [dist.new_group(list(state.layout.peer_ranks(s))) for s in range(state.shard_size)]
+
+
 class ReferenceAverage:
     """Averages every parameter's local shard across facilities, in place (float64 sums).
 
@@ -37,8 +45,7 @@ class ReferenceAverage:
 
     def __init__(self, state: DistributedState):
         self.state = state
-        groups = [dist.new_group(list(state.layout.peer_ranks(s))) for s in range(state.shard_size)]
-        self.group = groups[state.shard]
+        self.group = all_peer_groups(state)[state.shard]
 
     @torch.no_grad()
     def __call__(self, model: nn.Module, weights: Sequence[float] | None = None) -> None:

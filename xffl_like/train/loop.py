@@ -16,12 +16,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..aggregation import aggregate, build_strategy
+from ..aggregation.reference import all_peer_groups
 from ..data import build_data
 from ..distributed.layout import plan_layout
 from ..distributed.state import DistributedState, build_state, read_env
 from ..models import build_model
 from ..observe import Observer
-from ..observe.timing import PHASES, PhaseTimer, gather_phase_table
+from ..observe.timing import PhaseTimer, gather_phase_table
 from .parallelize import shard_model
 
 __all__ = ["train_worker", "facility_weights", "max_param_divergence"]
@@ -78,7 +79,7 @@ def _evaluate(model, batches, device) -> float:
 
 def train_worker(cfg: dict[str, Any], run_dir: str, started_at: float | None = None) -> dict | None:
     env = read_env()
-    dcfg, tcfg, ocfg = cfg["distributed"], cfg["train"], cfg["optim"]
+    dcfg = cfg["distributed"]
     layout = plan_layout(env.world_size, dcfg["federated"], dcfg["hsdp"], env.local_world_size)
     state = build_state(
         layout, env, backend=dcfg["backend"], num_streams=cfg["strategy"]["streams"], timeout_s=dcfg["timeout_s"]
@@ -106,7 +107,7 @@ def _train(cfg: dict, state: DistributedState, run_dir: Path, started_at: float)
     )
     strategy = build_strategy(model, state, cfg["strategy"])
     weights = facility_weights(cfg, state)
-    peer_groups = [dist.new_group(list(state.layout.peer_ranks(s))) for s in range(state.shard_size)]
+    peer_groups = all_peer_groups(state)
     observer = Observer(cfg, state, run_dir)
     timer = PhaseTimer(device)
     tokens_per_step = tcfg["batch_size"] * tcfg["seq_len"] * state.world_size

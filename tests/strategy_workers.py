@@ -19,6 +19,7 @@ from xffl_like.aggregation import STRATEGIES, aggregate, build_strategy
 from xffl_like.aggregation.strategy import MODES
 from xffl_like.distributed.layout import plan_layout
 from xffl_like.distributed.state import build_state, read_env
+from xffl_like.train.parallelize import contiguous_shards
 
 BUCKET_MB = 100 / 2**20  # ~100-byte buckets: several buckets, and parameters split across them
 
@@ -57,12 +58,14 @@ def param_bytes(dtype: torch.dtype) -> int:
     return sum(p.numel() for p in Net().parameters()) * dtype.itemsize
 
 
-def make_model(state, dtype: torch.dtype) -> Net:
+def make_model(state, dtype: torch.dtype, contiguous: bool = False) -> Net:
     torch.manual_seed(0)
     model = Net().to(dtype)
     for block in model.blocks:
         fully_shard(block, mesh=state.mesh)
     fully_shard(model, mesh=state.mesh)
+    if contiguous:  # what the training loop does: evenly sharded shards side by side in memory
+        contiguous_shards(model, state.shard_size)
     return model
 
 
@@ -126,14 +129,14 @@ def identical_across_peers(state, digests: list[tuple[str, str]]) -> None:
 PATHS = (("exchange", 1), ("exchange", 2), ("all_reduce", 2))
 
 
-def run_cases(state, report, names, weight_sets, dtypes=(torch.float32, torch.bfloat16)):
+def run_cases(state, report, names, weight_sets, dtypes=(torch.float32, torch.bfloat16), contiguous=False):
     """Every strategy x (collective, streams) x mode x dtype x weights, checked on every rank
     against the seed-derived mean; with two facilities, all-reduce results must also agree
     bitwise across strategies and modes (a + b is symmetric; with three, the ring's order of
     summation depends on where an element falls in the buffer)."""
     digests: list[tuple[str, str]] = []
     for d, dtype in enumerate(dtypes):
-        model = make_model(state, dtype)
+        model = make_model(state, dtype, contiguous)
         pointers = [p.to_local().data_ptr() for p in _params(model)]
         for k, weights in enumerate(weight_sets):
             tag = 10 * d + k  # the same inputs for every case of this dtype and weights
@@ -144,6 +147,10 @@ def run_cases(state, report, names, weight_sets, dtypes=(torch.float32, torch.bf
                 set_values(model, state, dtype, tag)
                 options = dict(name=name, streams=streams, bucket_mb=BUCKET_MB, mode=mode)
                 strategy = build_strategy(model, state, options, collective=collective)
+                if contiguous and name == "fused" and state.shard_size == 1:
+                    # every shard was moved side by side: each bucket is one view, nothing staged
+                    if any(c.packing != "inplace" or c.buffer is not None for c in strategy.communications):
+                        raise AssertionError(f"{what}: fused staged copies over contiguous shards")
                 result = aggregate(strategy, state, weights)
                 check_close(model, expected, dtype, what)
                 digests.append((what, digest(model)))
@@ -177,7 +184,10 @@ def run_layouts(layouts: list[dict], properties: bool = False) -> dict:
         run_cases(
             state, out, tuple(spec.get("names", STRATEGIES)), tuple(spec["weights"]),
             dtypes=tuple(getattr(torch, d) for d in spec.get("dtypes", ("float32", "bfloat16"))),
+            contiguous=spec.get("contiguous", False),
         )
+        if spec.get("contiguous"):
+            check_contiguous_forward(state)
         report[spec["name"]] = out
     return report
 
@@ -243,3 +253,26 @@ def check_properties(state) -> dict:
         raise AssertionError(f"only selected {[names[i] for i in only.selected]}")
     return {"only_bytes_per_rank": result.bytes_per_rank,
             "only_cross_facility_bytes": result.cross_facility_bytes}
+
+
+def check_contiguous_forward(state) -> None:
+    """After ``contiguous_shards``, FSDP's forward reads the moved storage: writing through
+    the parameters (as the aggregation does) changes the output exactly like an unsharded
+    copy holding the same values, also after the first forward and an optimizer step."""
+    model = make_model(state, torch.float32)
+    if contiguous_shards(model, state.shard_size) == 0:
+        raise AssertionError("nothing was moved: this layout does not exercise contiguous shards")
+    tokens = torch.arange(6).view(2, 3) % 9
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for round_ in range(2):
+        set_values(model, state, torch.float32, 4 + round_)
+        plain = Net()
+        with torch.no_grad():
+            for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+                q.copy_(p.full_tensor())
+        got, want = model(tokens), plain(tokens)
+        if not torch.allclose(got, want, rtol=1e-5, atol=1e-6):
+            raise AssertionError(f"round {round_}: FSDP forward does not see values written to the moved shards")
+        got.float().pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()

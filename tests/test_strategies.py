@@ -168,9 +168,14 @@ LAUNCHES = {
     4: [
         dict(name="fsdp_2x2", federated=2, hsdp=None, weights=[None, (2.0, 5.0)]),  # R = (1, 1), S = 2
         dict(name="hsdp_2x2", federated=2, hsdp=1, weights=[None, (2.0, 5.0)]),     # R = (2, 2), S = 1
+        # The training loop's memory layout: shards side by side, so fused buckets are views.
+        dict(name="hsdp_2x2_contiguous", federated=2, hsdp=1, weights=[None, (2.0, 5.0)],
+             names=["fused", "layer_by_layer", "bucket_flatten"], contiguous=True),
     ],
     6: [
         dict(name="unequal_4_2", federated=[4, 2], hsdp=2, weights=[None, (2.0, 5.0)]),  # R = (2, 1), S = 2
+        dict(name="unequal_4_2_contiguous", federated=[4, 2], hsdp=1, weights=[None, (2.0, 5.0)],
+             names=["fused"], dtypes=["float32"], contiguous=True),  # R = (4, 2), S = 1
         # Three facilities of 2 replicas: the exchange's general (F > 2) reduction.
         dict(name="three_facilities", federated=2, hsdp=1, weights=[None, (2.0, 5.0, 3.0)],
              names=["layer_by_layer", "fused"], dtypes=["float32"]),

@@ -278,6 +278,7 @@ def bench_worker(plain: dict, specs: list[dict], run_dir: str) -> dict:
     from .distributed.layout import plan_layout
     from .distributed.state import build_state, read_env
     from .models import build_model
+    from .train.parallelize import contiguous_shards
 
     env = read_env()
     dcfg, bench = plain["distributed"], plain["bench"]
@@ -292,6 +293,8 @@ def bench_worker(plain: dict, specs: list[dict], run_dir: str) -> dict:
             fully_shard(block, mesh=state.mesh)
         fully_shard(model, mesh=state.mesh)
         model.to_empty(device=state.device)
+        if bench["contiguous"]:  # as the training loop lays the shards out
+            contiguous_shards(model, state.shard_size)
         gen = torch.Generator(device=state.device).manual_seed(bench["seed"] * 1000 + state.rank)
         with torch.no_grad():
             for p in model.parameters():

@@ -161,9 +161,34 @@ def _stacked(segs, streams, cap):
 INPLACE_MIN_BYTES = 256 * 1024
 
 
+def _adjacent(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether ``tensors`` lie back to back in one storage, in order (one view spans them)."""
+    first = tensors[0]
+    offset = first.storage_offset()
+    for t in tensors:
+        if (t.dtype != first.dtype or not t.is_contiguous() or t.storage_offset() != offset
+                or t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()):
+            return False
+        offset += t.numel()
+    return True
+
+
+def _span_view(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One 1-D view over adjacent ``tensors``."""
+    first = tensors[0]
+    numel = sum(t.numel() for t in tensors)
+    return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (numel,), (1,))
+
+
 def _fused(segs, streams, cap):
-    """Large segments in place (cut into bucket-size pieces), small ones staged in
-    bucket-size persistent buffers; in model order, streams round-robin."""
+    """Bucket-size pieces of the flat shard data, in model order, streams round-robin.
+
+    When the shards lie back to back in memory (``train.parallelize.contiguous_shards``),
+    each bucket is one view: reduced in place, one message, no copies. Otherwise large
+    segments are reduced in place (cut into bucket-size pieces) and small ones staged in
+    bucket-size persistent buffers."""
+    if segs and _adjacent([s.tensor for s in segs]):
+        return _round_robin(_buckets(segs, cap, split=True), streams)
     groups, staged = [], []
     for seg in segs:
         if seg.nbytes < min(cap, INPLACE_MIN_BYTES):
@@ -194,7 +219,7 @@ BUILDERS: dict[str, Builder] = {
         Builder("bucket_optimized_flatten", "flatten", _bucket_optimized, "flattened buckets balanced by size over streams"),
         Builder("bucket_optimized_coalesced", "coalesced", _bucket_optimized, "coalesced buckets balanced by size over streams"),
         Builder("stacked", "stack", _stacked, "same-shape parameters stacked into one tensor"),
-        Builder("fused", "persistent", _fused, "small parameters staged in persistent bucket_mb buffers (copy-in/out overlapping the collectives), large ones reduced in place"),
+        Builder("fused", "persistent", _fused, "bucket_mb buckets reduced where they lie (one view each over contiguous shards); otherwise small parameters staged in persistent buffers"),
     )
 }
 STRATEGIES: tuple[str, ...] = tuple(BUILDERS)
@@ -421,8 +446,9 @@ def _communication(group: list[Segment], stream: int, chunk: int, owner: int, so
     device = group[0].tensor.device
     numel = sum(s.stop - s.start for s in group)
     buffer = scratch = None
-    if packing == "persistent" and len(group) == 1:
+    if packing == "persistent" and _adjacent(tensors):
         packing = "inplace"  # one contiguous view: nothing to stage
+        tensors = (_span_view(tensors),) if len(tensors) > 1 else tensors
     if packing == "persistent":
         buffer = torch.empty(numel, dtype=group[0].dtype, device=device)
     if reduce and collective == "exchange" and packing != "coalesced":

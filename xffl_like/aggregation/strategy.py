@@ -45,6 +45,8 @@ class Communication:
 
     ``spans[k] = (param_index, start, stop)``: ``tensors[k]`` is elements ``start:stop`` of
     that parameter's flattened local shard (the whole shard, with its shape, when it fits).
+    Exception: an ``inplace`` communication over several spans that lie back to back in
+    memory (see ``train.parallelize.contiguous_shards``) has one 1-D tensor spanning them.
     """
 
     indices: tuple[int, ...]

@@ -23,7 +23,7 @@ from ..distributed.state import DistributedState, build_state, read_env
 from ..models import build_model
 from ..observe import Observer
 from ..observe.timing import PhaseTimer, gather_phase_table
-from .parallelize import shard_model
+from .parallelize import contiguous_shards, shard_model
 
 __all__ = ["train_worker", "facility_weights", "max_param_divergence"]
 
@@ -96,6 +96,7 @@ def _train(cfg: dict, state: DistributedState, run_dir: Path, started_at: float)
     torch.manual_seed(cfg["seed"])
     model = build_model(cfg["model"], seed=cfg["seed"])  # identical start on every rank
     shard_model(model, state, tcfg["dtype"])
+    contiguous_shards(model, state.shard_size)  # aggregation buckets become views: no copies
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=ocfg["lr"], betas=tuple(ocfg["betas"]), eps=ocfg["eps"], weight_decay=ocfg["weight_decay"]
     )

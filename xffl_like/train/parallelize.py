@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from ..distributed.state import DistributedState
 
-__all__ = ["DTYPES", "shard_model"]
+__all__ = ["DTYPES", "contiguous_shards", "shard_model"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -23,3 +23,38 @@ def shard_model(model: nn.Module, state: DistributedState, dtype: str = "float32
         fully_shard(block, mesh=state.mesh, mp_policy=policy)
     fully_shard(model, mesh=state.mesh, mp_policy=policy)
     return model
+
+
+@torch.no_grad()
+def contiguous_shards(model: nn.Module, shard_size: int) -> int:
+    """Move the local shards of evenly sharded parameters into one flat buffer per dtype.
+
+    Call after ``fully_shard`` and before the first forward and the optimizer. Neighbouring
+    parameters then sit side by side in memory, so an aggregation bucket is one view of the
+    buffer: no copy-in/copy-out and one message per bucket (see the ``fused`` strategy).
+    Parameters whose sharded dimension does not divide evenly keep FSDP's padded storage.
+    FSDP2 picks up the new storage through ``FSDPParam.reset_sharded_param``, the hook it
+    runs for ``load_state_dict(assign=True)`` and ``to_empty``. Returns the bytes moved.
+    """
+    chosen: dict[torch.dtype, list[torch.Tensor]] = {}
+    for param in model.parameters():
+        local = getattr(param, "_local_tensor", None)
+        if local is None or param.dim() == 0 or param.shape[0] % shard_size or not local.is_contiguous():
+            continue
+        chosen.setdefault(local.dtype, []).append(local)
+    moved = 0
+    for dtype, locals_ in chosen.items():
+        flat = torch.empty(sum(t.numel() for t in locals_), dtype=dtype, device=locals_[0].device)
+        offset = 0
+        for local in locals_:
+            view = flat[offset : offset + local.numel()].view_as(local)
+            view.copy_(local)
+            local.set_(view)  # the parameter's own local tensor now lives in ``flat``
+            offset += local.numel()
+        moved += flat.numel() * flat.element_size()
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            group = module._get_fsdp_state()._fsdp_param_group
+            for fsdp_param in group.fsdp_params if group is not None else ():
+                fsdp_param.reset_sharded_param()
+    return moved

@@ -92,25 +92,8 @@ def build_data(
         facility_rank=facility_rank,
         facility_size=facility_size,
     )
+    mine = dict(vocab_size=vocab_size, seq_len=seq_len, batch_size=batch_size, seed=seed,
+                facility=facility, facility_rank=facility_rank)
     if name == "synthetic":
-        return build_synthetic(
-            cfg_data,
-            vocab_size=vocab_size,
-            seq_len=seq_len,
-            batch_size=batch_size,
-            seed=seed,
-            facility=facility,
-            facility_rank=facility_rank,
-        )
-    return build_text(
-        cfg_data,
-        vocab_size=vocab_size,
-        seq_len=seq_len,
-        batch_size=batch_size,
-        seed=seed,
-        facility=facility,
-        num_facilities=num_facilities,
-        facility_rank=facility_rank,
-        facility_size=facility_size,
-        base_dir=base_dir,
-    )
+        return build_synthetic(cfg_data, **mine)
+    return build_text(cfg_data, **mine, num_facilities=num_facilities, facility_size=facility_size, base_dir=base_dir)

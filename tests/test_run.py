@@ -98,6 +98,7 @@ BAD = [
     (["strategy.bucket_mb=0"], "bucket_mb"),
     (["strategy.only=[no_such_param*]"], "no_such_param"),
     (["strategy.only=[NoSuchModule]"], "NoSuchModule"),
+    (["logger.name=foo"], "logger.name='foo'"),
 ]
 
 

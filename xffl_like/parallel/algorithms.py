@@ -147,7 +147,7 @@ class ByteGrad(GradientAllReduce):
                 mine = torch.stack([codec.decompress(row, length) for row in s["recv"]]).sum(0)
                 packed = codec.compress(mine, 1)
                 gathered = torch.empty((n,) + tuple(packed.shape[1:]), dtype=torch.uint8, device=packed.device)
-                dist.all_gather_into_tensor(gathered, packed, group=s["group"])
+                dist.all_gather_single(gathered, packed, group=s["group"])
                 s["gathered"] = gathered
             if self.hierarchical:
                 rows = s.get("gathered")

@@ -63,7 +63,8 @@ def compress(x: Tensor, chunks: int = 1) -> Tensor:
 def decompress(packed: Tensor, numel: int, out: Tensor | None = None) -> Tensor:
     """Decode a packed message into ``numel`` float values (into ``out``'s dtype/shape if given)."""
     packed = packed.view(-1, packed.shape[-1]) if packed.dim() != 2 else packed
-    header = packed[:, :HEADER_BYTES].contiguous().view(torch.float32)
+    # A fresh copy: a view's offset or stride may not be float-aligned.
+    header = packed[:, :HEADER_BYTES].flatten().clone().view(torch.float32).view(-1, 2)
     lo, hi = header[:, :1], header[:, 1:2]
     values = (lo + packed[:, HEADER_BYTES:].float() * ((hi - lo) / LEVELS)).reshape(-1)[:numel]
     if out is None:

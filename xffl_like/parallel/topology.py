@@ -193,7 +193,7 @@ class Topology:
         positions = topology_edges(name, len(self.ranks), local_world_size)
         # Map positions to global ranks; every iteration's edges, for every member.
         self.schedule: list[list[Edge]] = [
-            [Edge([self.ranks[p] for p in e.ranks], e.weight) for e in it] for it in positions
+            [Edge(sorted(self.ranks[p] for p in e.ranks), e.weight) for e in it] for it in positions
         ]
         me = dist.get_rank()
         self._mine: list[Edge] = []

@@ -7,6 +7,7 @@ are computed in the tests.
 from __future__ import annotations
 
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -41,7 +42,7 @@ def _params(model) -> list[torch.Tensor]:
 
 def run(calls):
     """Run ``[(function name, args), ...]`` of this module in one process group; return their results."""
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))  # a mismatched exchange fails, not hangs
     try:
         return [globals()[name](*args) for name, args in calls]
     finally:

@@ -187,9 +187,10 @@ class Decentralized(Algorithm):
     def attach(self, module):
         super().attach(module)
         members, _, _ = self._members()
-        if self.peer_selection_mode == "shift_one" and len(members) % 2:
-            raise ValueError(f"Decentralized(peer_selection_mode='shift_one') needs an even number of "
-                             f"{'nodes' if self.hierarchical else 'processes'}, got {len(members)}")
+        if self.peer_selection_mode == "shift_one" and len(members) > 1 and len(members) % 2:
+            what = "nodes" if self.hierarchical else "processes"
+            raise ValueError(f"Decentralized(peer_selection_mode='shift_one') needs an even number of {what}, got "
+                             f"{len(members)}: use peer_selection_mode='all' or an even number of {what}")
         self._step = 0
         self._pending = []
 

@@ -306,10 +306,17 @@ class LowPrecisionDecentralized(Algorithm):
 class AsyncModelAverage(Algorithm):
     """Local steps, while a background thread averages the weights of all ranks every
     ``sync_interval_ms``; the first ``warmup_steps`` optimizer steps use synchronous gradient
-    all-reduce instead. The thread applies ``avg - snapshot`` to the live weights, so local
-    steps taken during an exchange are kept, and the mean over ranks is unchanged by
-    averaging. ``abort()`` stops the thread (every rank must call it; ranks stop after the
-    same exchange), ``resume()`` starts it again. The thread uses its own process group."""
+    all-reduce instead.
+
+    The thread snapshots the weights (never during ``optimizer.step()``), averages the
+    snapshots over all ranks on its own process group, and adds ``avg - snapshot`` to the
+    weights itself between iterations (after ``optimizer.step()``, before the next forward);
+    during an iteration it leaves the result to the training thread, which adds it before
+    its next forward. So weights saved by autograd are never modified under a running
+    backward, local steps taken during an exchange are kept, and the mean over ranks is
+    unchanged.
+    ``abort()`` stops the thread (every rank must call it; all ranks stop after the same
+    exchange) and applies the last result; ``resume()`` starts it again."""
 
     def __init__(self, sync_interval_ms: int = 500, warmup_steps: int = 0):
         if sync_interval_ms < 0 or warmup_steps < 0:
@@ -323,6 +330,8 @@ class AsyncModelAverage(Algorithm):
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._error: BaseException | None = None
+        self._delta: list[Tensor] | None = None  # avg - snapshot, waiting for a safe point
+        self._busy = False  # an iteration (forward .. optimizer.step) is running
         self._warmup = GradientAllReduce()
         self._warmup.attach(module)
         self.rounds = 0  # exchanges completed (for inspection)
@@ -336,15 +345,19 @@ class AsyncModelAverage(Algorithm):
             self._warmup.after_backward()
 
     def before_forward(self):
-        if self._steps >= self.warmup_steps and self._thread is None and not self._stop.is_set():
-            self.resume()
         if self._error is not None:
             raise RuntimeError(f"asynchronous model averaging failed: {self._error}")
+        with self._lock:
+            self._apply()
+            self._busy = True
+        if self._steps >= self.warmup_steps and self._thread is None and not self._stop.is_set():
+            self.resume()
 
     def before_step(self):
         self._lock.acquire()
 
     def after_step(self):
+        self._busy = False
         self._lock.release()
         self._steps += 1
 
@@ -358,33 +371,47 @@ class AsyncModelAverage(Algorithm):
         self._thread.start()
 
     def abort(self) -> None:
-        """Stop the background thread after the exchange in progress (collective)."""
+        """Stop the background thread after the exchange in progress and apply its result (collective)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        with self._lock:
+            self._apply()
 
     def detach(self):
         self.abort()
+
+    def _apply(self) -> None:  # under self._lock
+        if self._delta is not None:
+            for b, d in zip(self.module.buckets, self._delta):
+                b.set_weights(b.weights_flat().add_(d))
+            self._delta = None
 
     def _run(self, group):
         buckets = self.module.buckets
         n = dist.get_world_size(group)
         try:
             while True:
+                # Wait until the training thread applied the last result (or we are stopping), then
+                # agree with every rank on whether to go on: all ranks run the same exchanges.
+                while self._delta is not None and not self._stop.is_set():
+                    time.sleep(0.001)
                 flag = torch.tensor([1.0 if self._stop.is_set() else 0.0], device=self.module.device)
                 dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
                 if flag.item() > 0:
                     break
                 with self._lock:
                     snaps = [b.weights_flat() for b in buckets]
-                avgs = [s.clone() for s in snaps]
-                for a in avgs:
-                    dist.all_reduce(a, group=group)
-                    a.div_(n)
+                deltas = []
+                for snap in snaps:
+                    avg = snap.clone()
+                    dist.all_reduce(avg, group=group)
+                    deltas.append(avg.div_(n).sub_(snap))
                 with self._lock:
-                    for b, s, a in zip(buckets, snaps, avgs):
-                        b.set_weights(b.weights_flat().add_(a.sub_(s)))
+                    self._delta = deltas
+                    if not self._busy:
+                        self._apply()
                 self.rounds += 1
                 time.sleep(self.sync_interval_ms / 1000)
         except BaseException as exc:  # noqa: BLE001 - surfaced on the training thread

@@ -42,19 +42,6 @@ def _positive_float(cfg: dict, dotted: str, allow_zero: bool = False) -> float:
     return float(value)
 
 
-def _check_weights(spec: Any, num_facilities: int) -> None:
-    if spec in ("uniform", "tokens"):
-        return
-    if isinstance(spec, list) and len(spec) == num_facilities and all(
-        isinstance(w, (int, float)) and not isinstance(w, bool) and w >= 0 for w in spec
-    ) and sum(spec) > 0:
-        return
-    raise ConfigError(
-        f"federation.weights={spec!r}: use uniform, tokens, or a list of {num_facilities} non-negative numbers "
-        f"with a positive sum (one per facility)"
-    )
-
-
 def validate_config(cfg: dict, world_size: int, local_world_size: int | None, base_dir: Path) -> Layout:
     """Check ``cfg`` (a resolved plain dict) for a job of ``world_size`` processes.
 
@@ -91,7 +78,12 @@ def validate_config(cfg: dict, world_size: int, local_world_size: int | None, ba
         layout = plan_layout(world_size, dist_cfg["federated"], dist_cfg["hsdp"], local_world_size)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    _check_weights(_get(cfg, "federation.weights"), layout.num_facilities)
+    from .federation import validate_federation
+
+    try:
+        validate_federation(_get(cfg, "federation"), layout)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
     try:
         model_cfg = LlamaConfig.from_mapping(cfg["model"])

@@ -15,27 +15,18 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..aggregation import aggregate, build_strategy
+from ..aggregation import build_strategy
 from ..aggregation.reference import all_peer_groups
 from ..data import build_data
 from ..distributed.layout import plan_layout
 from ..distributed.state import DistributedState, build_state, read_env
+from ..federation import Federation
 from ..models import build_model
 from ..observe import Observer
 from ..observe.timing import PhaseTimer, gather_phase_table
 from .parallelize import contiguous_shards, shard_model
 
-__all__ = ["train_worker", "facility_weights", "max_param_divergence"]
-
-
-def facility_weights(cfg: dict, state: DistributedState) -> list[float] | None:
-    """Per-facility weights of the mean, from ``federation.weights``."""
-    spec = cfg["federation"]["weights"]
-    if spec == "uniform":
-        return None
-    if spec == "tokens":  # every rank trains on the same number of tokens per step
-        return [float(size) for size in state.layout.facility_sizes]
-    return [float(w) for w in spec]
+__all__ = ["train_worker", "max_param_divergence"]
 
 
 @torch.no_grad()
@@ -91,7 +82,7 @@ def train_worker(cfg: dict[str, Any], run_dir: str, started_at: float | None = N
 
 
 def _train(cfg: dict, state: DistributedState, run_dir: Path, started_at: float) -> dict | None:
-    tcfg, ocfg, every = cfg["train"], cfg["optim"], cfg["federation"]["every"]
+    tcfg, ocfg = cfg["train"], cfg["optim"]
     steps, device = tcfg["steps"], state.device
     torch.manual_seed(cfg["seed"])
     model = build_model(cfg["model"], seed=cfg["seed"])  # identical start on every rank
@@ -107,7 +98,7 @@ def _train(cfg: dict, state: DistributedState, run_dir: Path, started_at: float)
         facility_rank=state.facility_rank, facility_size=state.facility_size,
     )
     strategy = build_strategy(model, state, cfg["strategy"])
-    weights = facility_weights(cfg, state)
+    federation = Federation(cfg["federation"], model, strategy, state)
     peer_groups = all_peer_groups(state)
     observer = Observer(cfg, state, run_dir)
     timer = PhaseTimer(device)
@@ -122,10 +113,12 @@ def _train(cfg: dict, state: DistributedState, run_dir: Path, started_at: float)
         for step in range(steps):
             with timer("data"):
                 inputs, targets = (t.to(device) for t in data.train_batch(step))
+            federation.trained(targets.numel())
             with timer("forward"):
                 loss = _loss(model, inputs, targets)
             with timer("backward"):
                 loss.backward()
+                federation.after_backward()  # synchronous: gradients averaged across facilities
             with timer("optimizer"):
                 if ocfg["grad_clip"] > 0:
                     torch.nn.utils.clip_grad_norm_(model.parameters(), ocfg["grad_clip"])
@@ -136,14 +129,12 @@ def _train(cfg: dict, state: DistributedState, run_dir: Path, started_at: float)
             dist.all_reduce(facility_loss, group=state.facility_groups[0])
             losses[state.facility, step] = float(facility_loss)
             observer.step(step, float(facility_loss), optimizer.param_groups[0]["lr"], tokens_per_step, time.perf_counter() - start)
-            if (step + 1) % every == 0 or step + 1 == steps:
+            if federation.round_due(step, steps):
                 with timer("aggregation"):
                     # Ranks arrive at different times; the wait is charged to this phase
                     # (and shows as imbalance), the round's seconds time the exchange alone.
                     dist.barrier()
-                    result = aggregate(strategy, state, weights)
-                record = {"round": len(rounds), "step": step + 1, "seconds": result.seconds,
-                          "bytes_per_rank": result.bytes_per_rank, "cross_facility_bytes": result.cross_facility_bytes}
+                    record = {"round": len(rounds), "step": step + 1, **federation.round()}
                 rounds.append(record)
                 observer.round(record)
     except BaseException:
@@ -179,6 +170,7 @@ def _train(cfg: dict, state: DistributedState, run_dir: Path, started_at: float)
             "replicas_per_facility": list(state.layout.replicas),
         },
         "strategy": {"name": cfg["strategy"]["name"], "streams": cfg["strategy"]["streams"]},
+        "federation": federation.describe(),
         "steps": steps,
         "rounds": len(rounds),
         "first_loss": float(per_step[0]),

@@ -1,0 +1,118 @@
+"""The outer optimizer: a step on the global weights with the round's pseudo-gradient.
+
+Each round, ``delta = theta_global - mean_f(theta_f)`` (the facilities' mean update, with
+the sign of a gradient) and the outer optimizer moves ``theta_global`` along it:
+
+- ``average``: ``theta -= lr * delta`` (lr 1: the plain mean, today's FedAvg);
+- ``momentum``: ``buf = momentum * buf + delta``; ``theta -= lr * buf`` (heavy ball);
+- ``nesterov``: ``buf = momentum * buf + delta``; ``theta -= lr * (delta + momentum * buf)``
+  (DiLoCo: lr 0.7, momentum 0.9; ``torch.optim.SGD(nesterov=True)``'s rule);
+- ``adam``: Adam with bias correction on ``delta``.
+
+The state lives in flat fp32 buffers that hold this rank's local shards of the aggregated
+parameters side by side (never a full copy of the model), on the parameters' device or in
+host memory (``offload``, pinned when the parameters are on a GPU). Every copy of the model
+applies the same step to the same numbers, so all copies stay identical.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = ["OUTER_NAMES", "OuterOptions", "OuterOptimizer"]
+
+OUTER_NAMES = ("average", "nesterov", "momentum", "adam")
+
+
+@dataclass(frozen=True)
+class OuterOptions:
+    """``federation.outer``: which rule, and its hyper-parameters."""
+
+    name: str = "average"
+    lr: float = 1.0
+    momentum: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.99)
+    eps: float = 1e-8
+    offload: bool = False
+
+    @classmethod
+    def from_mapping(cls, spec: dict) -> "OuterOptions":
+        """Validate ``federation.outer``; raises ``ValueError`` with one line naming the key."""
+        spec = dict(spec)
+        unknown = sorted(set(spec) - {"name", "lr", "momentum", "betas", "eps", "offload"})
+        if unknown:
+            raise ValueError(f"federation.outer: unknown key(s) {unknown}: use name, lr, momentum, betas, eps, offload")
+        name = spec.get("name", "average")
+        if name not in OUTER_NAMES:
+            raise ValueError(f"federation.outer.name={name!r}: use one of {', '.join(OUTER_NAMES)}")
+
+        def number(key, lo, hi, default, lo_open=False, hi_open=False):
+            v = spec.get(key, default)
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+            ok = ok and (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi)
+            if not ok:
+                span = f"{'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
+                raise ValueError(f"federation.outer.{key}={v!r}: must be a number in {span}")
+            return float(v)
+
+        lr = number("lr", 0.0, math.inf, 1.0, lo_open=True, hi_open=True)
+        momentum = number("momentum", 0.0, 1.0, 0.0, hi_open=True)
+        betas = spec.get("betas", (0.9, 0.99))
+        if not (isinstance(betas, (list, tuple)) and len(betas) == 2 and all(
+                isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in betas)):
+            raise ValueError(f"federation.outer.betas={betas!r}: must be two numbers in [0, 1), e.g. [0.9, 0.99]")
+        eps = number("eps", 0.0, math.inf, 1e-8, lo_open=True, hi_open=True)
+        offload = spec.get("offload", False)
+        if not isinstance(offload, bool):
+            raise ValueError(f"federation.outer.offload={offload!r}: must be true or false")
+        if name in ("nesterov", "momentum") and momentum == 0:
+            raise ValueError(f"federation.outer.name={name} needs federation.outer.momentum > 0 (DiLoCo: 0.9)")
+        return cls(name, lr, momentum, (float(betas[0]), float(betas[1])), eps, offload)
+
+    @property
+    def is_plain_mean(self) -> bool:
+        """``average`` with lr 1: the new global weights are the mean itself (no state needed)."""
+        return self.name == "average" and self.lr == 1.0
+
+
+class OuterOptimizer:
+    """The outer rule of :class:`OuterOptions` over one flat fp32 ``theta`` (this rank's shards)."""
+
+    def __init__(self, options: OuterOptions, theta: Tensor):
+        self.options = options
+        self.theta = theta
+        self.steps = 0
+        zeros = lambda: torch.zeros_like(theta)  # noqa: E731 - same device/pinning as theta
+        self.buffers: dict[str, Tensor] = {}
+        if options.name in ("nesterov", "momentum"):
+            self.buffers["momentum_buffer"] = zeros()
+        elif options.name == "adam":
+            self.buffers["exp_avg"] = zeros()
+            self.buffers["exp_avg_sq"] = zeros()
+
+    @torch.no_grad()
+    def step(self, delta: Tensor) -> None:
+        """Move ``theta`` in place along the pseudo-gradient ``delta`` (flat, fp32; may be overwritten)."""
+        o, theta = self.options, self.theta
+        self.steps += 1
+        if o.name == "average":
+            theta.sub_(delta, alpha=o.lr)
+        elif o.name in ("momentum", "nesterov"):
+            buf = self.buffers["momentum_buffer"]
+            buf.mul_(o.momentum).add_(delta)
+            if o.name == "nesterov":
+                theta.sub_(delta.add_(buf, alpha=o.momentum), alpha=o.lr)
+            else:
+                theta.sub_(buf, alpha=o.lr)
+        else:
+            m, v = self.buffers["exp_avg"], self.buffers["exp_avg_sq"]
+            b1, b2 = o.betas
+            m.lerp_(delta, 1 - b1)
+            v.mul_(b2).addcmul_(delta, delta, value=1 - b2)
+            c1, c2 = 1 - b1**self.steps, 1 - b2**self.steps
+            denom = (v / c2).sqrt_().add_(o.eps)
+            theta.addcdiv_(m, denom, value=-o.lr / c1)

@@ -1,0 +1,319 @@
+"""What happens across facilities: one :class:`Federation` per worker, built after the strategy.
+
+``algorithm=federated`` (default): every ``every`` local steps, :meth:`Federation.round`
+
+1. forms this round's target of the facilities' weights: the weighted mean through the
+   aggregation strategy (``topology=complete``), the mix with this round's gossip peers
+   (other topologies), or the compressed mean of the facilities' updates
+   (``compression=bf16|uint8``, see :mod:`.compress`);
+2. takes the pseudo-gradient ``delta = theta_global - target`` and makes an outer step
+   on ``theta_global`` (:mod:`.outer`), then sets every copy's parameters to it.
+
+``average`` with lr 1 and no compression skips step 2: the mean is the new weights, bitwise
+the plain federated averaging this project did before outer optimizers. Only the
+aggregated parameters (``strategy.only``) are touched; the inner (AdamW) optimizer's state
+stays local to each facility, as in DiLoCo.
+
+``algorithm=synchronous``: no rounds; after every backward :meth:`Federation.after_backward`
+averages the gradients across facilities (data parallel over every model copy).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ..aggregation import aggregate
+from ..aggregation.reference import all_peer_groups
+from .compress import COMPRESSIONS, CompressedMean
+from .gossip import Gossip, check_gossip_layout
+from .outer import OuterOptimizer, OuterOptions
+
+__all__ = ["ALGORITHMS", "FederationOptions", "Federation", "validate_federation"]
+
+ALGORITHMS = ("federated", "synchronous")
+_KEYS = {"algorithm", "every", "weights", "topology", "outer", "compression", "chunk_size", "error_feedback"}
+
+
+@dataclass(frozen=True)
+class FederationOptions:
+    """The ``federation`` config group, validated."""
+
+    algorithm: str
+    every: int
+    weights: Any  # "uniform" | "tokens" | tuple of floats
+    topology: str
+    outer: OuterOptions
+    compression: str
+    chunk_size: int
+    error_feedback: bool
+
+    @classmethod
+    def from_mapping(cls, spec: dict, num_facilities: int) -> "FederationOptions":
+        """Check every key (one ``ValueError`` line naming the key and the fix)."""
+        unknown = sorted(set(spec) - _KEYS)
+        if unknown:
+            raise ValueError(f"federation: unknown key(s) {unknown}: valid keys are {sorted(_KEYS)}")
+        algorithm = spec.get("algorithm", "federated")
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"federation.algorithm={algorithm!r}: use federated or synchronous")
+        every = spec.get("every", 10)
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"federation.every={every!r}: must be a positive integer (e.g. federation.every=1)")
+        weights = spec.get("weights", "uniform")
+        if weights not in ("uniform", "tokens"):
+            if not (isinstance(weights, (list, tuple)) and len(weights) == num_facilities and all(
+                    isinstance(w, (int, float)) and not isinstance(w, bool) and w >= 0 for w in weights)
+                    and sum(weights) > 0):
+                raise ValueError(
+                    f"federation.weights={weights!r}: use uniform, tokens, or a list of {num_facilities} non-negative "
+                    f"numbers with a positive sum (one per facility)")
+            weights = tuple(float(w) for w in weights)
+        topology = spec.get("topology", "complete")
+        outer = OuterOptions.from_mapping(spec.get("outer") or {})
+        compression = spec.get("compression", "none")
+        if compression not in COMPRESSIONS:
+            raise ValueError(f"federation.compression={compression!r}: use one of {', '.join(COMPRESSIONS)}")
+        chunk_size = spec.get("chunk_size", 4096)
+        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+            raise ValueError(f"federation.chunk_size={chunk_size!r}: must be a positive integer (values per "
+                             f"min-max chunk, e.g. 4096)")
+        error_feedback = spec.get("error_feedback", False)
+        if not isinstance(error_feedback, bool):
+            raise ValueError(f"federation.error_feedback={error_feedback!r}: must be true or false")
+        if error_feedback and compression == "none":
+            raise ValueError("federation.error_feedback=true needs federation.compression=bf16 or uint8 "
+                             "(nothing is lost without compression)")
+        if topology != "complete" and compression != "none":
+            raise ValueError(f"federation.topology={topology} with federation.compression={compression}: compressed "
+                             f"gossip is not supported; use topology=complete or compression=none")
+        if topology != "complete" and weights != "uniform":
+            raise ValueError(f"federation.weights={spec.get('weights')!r} with federation.topology={topology}: gossip "
+                             f"mixes with the topology's own weights; use weights=uniform or topology=complete")
+        if algorithm == "synchronous":
+            changed = [k for k, bad in (("topology", topology != "complete"), ("compression", compression != "none"),
+                                        ("outer", not outer.is_plain_mean)) if bad]
+            if changed:
+                raise ValueError(f"federation.algorithm=synchronous averages gradients every step, so federation."
+                                 f"{changed[0]} does not apply: drop it or use algorithm=federated")
+        return cls(algorithm, every, weights, topology, outer, compression, chunk_size, error_feedback)
+
+
+def validate_federation(spec: dict, layout) -> FederationOptions:
+    """Validate the ``federation`` group against the planned layout (in the launching process)."""
+    options = FederationOptions.from_mapping(spec, layout.num_facilities)
+    if options.algorithm == "federated" and options.topology != "complete":
+        check_gossip_layout(layout, options.topology)
+    return options
+
+
+def _local(p: Tensor) -> Tensor:
+    return (p.to_local() if hasattr(p, "to_local") else p).detach()
+
+
+class Federation:
+    """This worker's side of the federation: rounds (or per-step gradient averaging), the
+    global weights and the outer optimizer's state, the token counts since the last round.
+
+    Collective: every rank constructs it at the same point, after the strategy is built.
+    """
+
+    def __init__(self, spec: dict, model: torch.nn.Module, strategy, state):
+        self.options = o = FederationOptions.from_mapping(spec, state.num_facilities)
+        self.model, self.strategy, self.state = model, strategy, state
+        named = list(model.named_parameters())
+        self.names = [named[i][0] for i in strategy.selected]
+        self.params = [named[i][1] for i in strategy.selected]
+        self.locals = [_local(p) for p in self.params]
+        self.numel = sum(t.numel() for t in self.locals)
+        self.tokens = torch.zeros(state.num_facilities, dtype=torch.float64, device=state.device)
+        self.gossip = Gossip(o.topology, self.locals, state) if o.topology != "complete" and self.federated else None
+        self.peer_groups = all_peer_groups(state) if o.algorithm == "synchronous" else None
+        # theta_global and the outer state: flat fp32 over this rank's shards, when a round needs them.
+        self.theta: Tensor | None = None
+        self.outer: OuterOptimizer | None = None
+        self.compressor: CompressedMean | None = None
+        if self.federated and (not o.outer.is_plain_mean or o.compression != "none"):
+            device = torch.device("cpu") if o.outer.offload else state.device
+            self.theta = torch.empty(self.numel, dtype=torch.float32, device=device,
+                                     pin_memory=o.outer.offload and state.device.type == "cuda")
+            self._read_params(self.theta)
+            self.outer = OuterOptimizer(o.outer, self.theta)
+            if o.compression != "none":
+                self.compressor = CompressedMean(o.compression, self.numel, state.num_facilities, o.chunk_size,
+                                                 o.error_feedback, device=state.device)
+        self.rounds = 0
+
+    @property
+    def federated(self) -> bool:
+        return self.options.algorithm == "federated"
+
+    def describe(self) -> dict:
+        """What the summary records: the algorithm and, for rounds, topology, outer rule, compression."""
+        o = self.options
+        if not self.federated:
+            return {"algorithm": o.algorithm}
+        return {"algorithm": o.algorithm, "every": o.every, "topology": o.topology, "outer": o.outer.name,
+                "outer_lr": o.outer.lr, "compression": o.compression}
+
+    # ------------------------------------------------------------------ per step
+    def trained(self, tokens: int) -> None:
+        """Count ``tokens`` this rank trained on this step (for ``weights=tokens``)."""
+        self.tokens[self.state.facility] += tokens
+
+    def round_due(self, step: int, steps: int) -> bool:
+        """Whether a round follows local step ``step`` (0-based) of ``steps``."""
+        return self.federated and ((step + 1) % self.options.every == 0 or step + 1 == steps)
+
+    def facility_weights(self) -> list[float] | None:
+        """Per-facility weights of this round's mean; ``tokens``: each facility's tokens since the
+        last round (collective over the world: every rank adds its own count). Resets the counts."""
+        spec, tokens = self.options.weights, self.tokens
+        self.tokens = torch.zeros_like(tokens)
+        if spec == "uniform":
+            return None
+        if spec == "tokens":
+            dist.all_reduce(tokens)
+            return tokens.tolist()
+        return list(spec)
+
+    @torch.no_grad()
+    def after_backward(self) -> int:
+        """``synchronous``: average the gradients over every facility (weighted like the mean).
+        Returns the bytes this rank sent across facilities (0 when federated)."""
+        if self.federated:
+            return 0
+        state = self.state
+        weights = self.facility_weights()
+        n = state.num_facilities
+        share = 1.0 / n if weights is None else weights[state.facility] / sum(weights)
+        grads = [_local(p.grad) for p in self.model.parameters() if p.grad is not None]
+        if n == 1 or not grads:
+            return 0
+        # Replicas of a facility hold the same gradient after FSDP: each contributes 1/R of its share.
+        flat = torch.cat([g.reshape(-1) for g in grads]).mul_(share / state.num_replicas)
+        dist.all_reduce(flat, group=self.peer_groups[state.shard])
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset: offset + g.numel()].view_as(g))
+            offset += g.numel()
+        world = len(state.layout.peer_ranks(state.shard))
+        return 2 * (world - 1) * flat.nbytes // world
+
+    # ------------------------------------------------------------------ rounds
+    def _read_params(self, out: Tensor) -> Tensor:
+        offset = 0
+        for t in self.locals:
+            out[offset: offset + t.numel()].copy_(t.reshape(-1))
+            offset += t.numel()
+        return out
+
+    def _write_params(self, flat: Tensor) -> None:
+        offset = 0
+        for t in self.locals:
+            t.copy_(flat[offset: offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+    @torch.no_grad()
+    def round(self) -> dict:
+        """One round across facilities; returns ``seconds``, ``bytes_per_rank``, ``cross_facility_bytes``."""
+        start = time.perf_counter()
+        state = self.state
+        weights = self.facility_weights()
+        index, self.rounds = self.rounds, self.rounds + 1
+        delta = None
+        if self.compressor is not None:
+            delta, sent_bytes = self._compressed_delta(weights)
+            cross = self._sum_over_world(sent_bytes)
+        elif self.gossip is not None:
+            sent_bytes = self.gossip.mix(index)
+            cross = self._sum_over_world(sent_bytes)
+        else:
+            result = aggregate(self.strategy, state, weights)
+            sent_bytes, cross = result.bytes_per_rank, result.cross_facility_bytes
+        if self.outer is not None:
+            if delta is None:  # theta_global - the target the parameters now hold
+                delta = self._read_params(torch.empty_like(self.theta)).neg_().add_(self.theta)
+            self.outer.step(delta.to(self.theta.device))
+            self._write_params(self.theta)
+        return {"seconds": time.perf_counter() - start, "bytes_per_rank": int(sent_bytes),
+                "cross_facility_bytes": int(cross)}
+
+    def _compressed_delta(self, weights) -> tuple[Tensor, int]:
+        """The compressed mean of the facilities' updates ``theta_global - theta_f``, and the bytes sent."""
+        state, n = self.state, self.state.num_facilities
+        update = self._read_params(torch.empty(self.numel, dtype=torch.float32, device=state.device))
+        update.neg_().add_(self.theta.to(state.device))
+        message = self.compressor.prepare(update)  # every replica: the same bytes and residual
+        scales = [1.0 / n] * n if weights is None else [w / sum(weights) for w in weights]
+        if n == 1:
+            return self.compressor.reduce(message, None, 0, scales)
+        if state.replica == 0:  # one copy per facility crosses the boundary (peers in facility order)
+            delta, sent = self.compressor.reduce(message, state.sender_exchanges[0].groups[0], state.facility, scales)
+        else:
+            delta, sent = torch.empty(self.numel, dtype=torch.float32, device=state.device), 0
+        if state.num_replicas > 1:  # the first replica hands the mean update to the others
+            src = state.layout.facility_offsets[state.facility] + state.shard
+            dist.broadcast(delta, src=src, group=state.replica_groups[0])
+        return delta, sent
+
+    def _sum_over_world(self, value: int) -> int:
+        total = torch.tensor([float(value)], dtype=torch.float64, device=self.state.device)
+        dist.all_reduce(total)
+        return int(total.item())
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict:
+        """The federation's state for DCP: per parameter (by name) DTensors over the same mesh and
+        placements as the parameter, viewing this rank's shard of ``theta_global``, the outer
+        state and the error-feedback residual; plus counters. Empty tensors sections when unused."""
+        out: dict[str, Any] = {"rounds": self.rounds, "tokens": self.tokens.clone()}
+        if self.theta is None:
+            return out
+        out["theta_global"] = self._as_dtensors(self.theta)
+        out["outer"] = {"steps": self.outer.steps,
+                        **{k: self._as_dtensors(v) for k, v in self.outer.buffers.items()}}
+        if self.compressor is not None and self.compressor.residual is not None:
+            out["residual"] = self._as_dtensors(self.compressor.residual)
+        return out
+
+    def load_state_dict(self, sd: dict) -> None:
+        """Restore what :meth:`state_dict` returned (tensors are copied into the live buffers)."""
+        self.rounds = int(sd["rounds"])
+        self.tokens.copy_(sd["tokens"])
+        if self.theta is None:
+            return
+        self._load_flat(self.theta, sd["theta_global"])
+        self.outer.steps = int(sd["outer"]["steps"])
+        for k, v in self.outer.buffers.items():
+            self._load_flat(v, sd["outer"][k])
+        if "residual" in sd and self.compressor is not None and self.compressor.residual is not None:
+            self._load_flat(self.compressor.residual, sd["residual"])
+
+    def _views(self, flat: Tensor):
+        offset = 0
+        for name, p, t in zip(self.names, self.params, self.locals):
+            yield name, p, flat[offset: offset + t.numel()].view(t.shape)
+            offset += t.numel()
+
+    def _as_dtensors(self, flat: Tensor) -> dict:
+        from torch.distributed.tensor import DTensor
+
+        out = {}
+        for name, p, view in self._views(flat):
+            if isinstance(p, DTensor):
+                out[name] = DTensor.from_local(view, p.device_mesh, p.placements, run_check=False,
+                                               shape=p.shape, stride=p.stride())
+            else:
+                out[name] = view
+        return out
+
+    def _load_flat(self, flat: Tensor, tensors: dict) -> None:
+        for name, _, view in self._views(flat):
+            t = tensors[name]
+            view.copy_(t.to_local() if hasattr(t, "to_local") else t)

@@ -99,6 +99,12 @@ BAD = [
     (["strategy.only=[no_such_param*]"], "no_such_param"),
     (["strategy.only=[NoSuchModule]"], "NoSuchModule"),
     (["logger.name=foo"], "logger.name='foo'"),
+    (["distributed.nproc_per_node=3", "distributed.federated=1", "federation.topology=ring"], "needs an even number of facilities, got 3"),
+    (["federation.outer.name=lion"], "federation.outer.name='lion'"),
+    (["federation.outer.lr=-0.5"], "federation.outer.lr=-0.5"),
+    (["federation.compression=int4"], "federation.compression='int4'"),
+    (["federation.compression=uint8", "federation.chunk_size=0"], "federation.chunk_size=0"),
+    (["federation.algorithm=synchronous", "federation=diloco"], "federation.outer does not apply"),
 ]
 
 

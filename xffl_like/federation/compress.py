@@ -118,4 +118,5 @@ class CompressedMean:
         reduced = self.encode(mine.view(1, -1))
         gathered = torch.empty((n, reduced.shape[1]), dtype=reduced.dtype, device=reduced.device)
         dist.all_gather_single(gathered, reduced, group=group)
-        return self.decode(gathered).view(-1)[: self.numel], self.bytes_per_round
+        sent = message.nbytes - message[me].nbytes + (n - 1) * reduced.nbytes  # my row stays here
+        return self.decode(gathered).view(-1)[: self.numel], sent

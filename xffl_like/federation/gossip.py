@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..parallel.topology import Topology, topology_edges
+from ..parallel.topology import Edge, topology_edges
 
 __all__ = ["GOSSIP_TOPOLOGIES", "gossip_members", "check_gossip_layout", "Gossip"]
 
@@ -65,17 +65,27 @@ class Gossip:
         layout = state.layout
         check_gossip_layout(layout, name)
         self.name, self.params, self.state = name, list(params), state
-        self.topologies = []
-        for s in range(layout.shard_size):  # every shard's topology, in one global order
+        # Groups are created by every rank, for every edge of every shard, in one order: a
+        # globally synchronised new_group (the group-local kind that Topology uses does not
+        # connect once the layout's many groups exist, seen with gloo on torch 2.13).
+        groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        self.schedule: list[Edge] = []  # this rank's edge per iteration
+        for s in range(layout.shard_size):
             ranks, local = gossip_members(layout, name, s)
-            self.topologies.append(Topology(name, ranks, local))
-        self.topology = self.topologies[state.shard]
-        self.member = state.rank in self.topology.ranks
+            for iteration in topology_edges(name, len(ranks), local):
+                for e in iteration:
+                    members = tuple(sorted(ranks[p] for p in e.ranks))
+                    if len(members) > 1 and members not in groups:
+                        groups[members] = dist.new_group(list(members))
+                    if state.rank in members:
+                        self.schedule.append(Edge(list(members), e.weight, groups.get(members)))
+        self.member = bool(self.schedule)
         self.numel = sum(p.numel() for p in self.params)
 
     @property
     def period(self) -> int:
-        return self.topology.period
+        """Rounds after which the schedule repeats."""
+        return len(self.schedule)
 
     @torch.no_grad()
     def mix(self, round_index: int) -> int:
@@ -84,7 +94,7 @@ class Gossip:
         flat = torch.cat([p.detach().reshape(-1).float() for p in self.params]) if self.params else None
         sent = 0
         if flat is not None and self.member:
-            edge = self.topology.get_edge(round_index)
+            edge = self.schedule[round_index % self.period]
             k = len(edge.ranks)
             if k > 1:
                 total = flat.clone()

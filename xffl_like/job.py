@@ -68,15 +68,21 @@ def _compose(overrides: list[str]) -> DictConfig:
 
 
 def run_under_launcher(overrides: list[str]) -> int:
-    """torchrun/srun path: rank 0 composes and validates, every rank trains."""
+    """torchrun/srun/mpirun path: rank 0 composes and validates, every rank trains."""
     import torch
     import torch.distributed as dist
 
-    from .distributed.state import read_env
+    from .distributed.env import agree_rendezvous, read_env
     from .train.loop import train_worker
 
     started = time.time()
     env = read_env()
+    try:
+        env = agree_rendezvous(env)  # under mpirun: MPI agrees on MASTER_ADDR/MASTER_PORT
+    except (ValueError, ImportError) as exc:  # e.g. no mpi4py: the line names the extra to install
+        if env.rank == 0:
+            print(f"error: {exc} (or set MASTER_ADDR and MASTER_PORT)", file=sys.stderr)
+        return 2
     backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size)
     payload: list = [None]

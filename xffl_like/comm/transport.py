@@ -17,6 +17,7 @@ Ranks (``dst``, ``src``, the returned source) are ranks within ``group`` (the wo
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
@@ -39,77 +40,117 @@ def _length(n: int, device: torch.device) -> torch.Tensor:
     return torch.tensor([n], dtype=torch.int64, device=device)
 
 
+class _Requests:
+    """Outstanding torch works or MPI requests, polled without blocking.
+
+    gloo marks a point-to-point work complete only inside ``wait()`` (and a timed-out wait
+    closes the connection), so on gloo a helper thread waits and :meth:`done` reads its flag."""
+
+    def __init__(self, backend: str, requests: list, group: Any = None):
+        self.backend, self.requests = backend, requests
+        self.error: BaseException | None = None
+        self.thread = None
+        if backend == "torch" and dist.get_backend(group) == "gloo":
+            self.thread = threading.Thread(target=self._wait_all, daemon=True)
+            self.thread.start()
+
+    def _wait_all(self) -> None:
+        try:
+            for work in self.requests:
+                work.wait()
+        except BaseException as exc:  # noqa: BLE001 - re-raised by wait() in the caller's thread
+            self.error = exc
+
+    def done(self) -> bool:
+        if self.thread is not None:
+            return not self.thread.is_alive()
+        if self.backend == "torch":
+            return all(work.is_completed() for work in self.requests)
+        return all(req.Test() for req in self.requests)
+
+    def wait(self) -> None:
+        if self.thread is not None:
+            self.thread.join()
+            if self.error is not None:
+                raise self.error
+        elif self.backend == "torch":
+            for work in self.requests:
+                work.wait()
+        else:
+            for req in self.requests:
+                req.Wait()
+
+
 class AsyncSendHandle:
     """A send in flight. It holds the buffers being sent until the send completes: poll
     :meth:`is_complete` or block in :meth:`wait`."""
 
-    def __init__(self, backend: str, requests: list, buffers: tuple):
-        self._backend = backend
-        self._requests = requests
+    def __init__(self, requests: _Requests, buffers: tuple):
+        self._request = requests
         self._buffer = buffers  # keeps the bytes alive while the backend reads them
 
     def is_complete(self) -> bool:
         """Whether the send has completed (non-blocking); the buffer is released once it has."""
-        if self._backend == "torch":
-            done = all(work.is_completed() for work in self._requests)
-        else:
-            done = all(req.Test() for req in self._requests)
+        done = self._request.done()
         if done:
+            self._request.wait()  # returns at once; raises a failed send's error
             self._buffer = None
         return done
 
     def wait(self) -> None:
         """Block until the send has completed, then release the buffer."""
-        for req in self._requests:
-            req.wait() if self._backend == "torch" else req.Wait()
+        self._request.wait()
         self._buffer = None
 
 
 class AsyncRecvHandle:
     """A receive into a given tensor in flight (see :func:`irecv_into`)."""
 
-    def __init__(self, backend: str, requests: list, out: torch.Tensor, staged: torch.Tensor | None,
-                 length: torch.Tensor | None):
-        self._backend, self._requests = backend, requests
+    def __init__(self, requests: _Requests, out: torch.Tensor, staged: torch.Tensor | None, length: torch.Tensor | None):
+        self._request = requests
         self._out, self._staged, self._length = out, staged, length
 
     def is_complete(self) -> bool:
-        if self._backend == "torch":
-            return all(work.is_completed() for work in self._requests)
-        return all(req.Test() for req in self._requests)
+        """Whether the data has arrived (non-blocking); :meth:`wait` then returns at once."""
+        return self._request.done()
 
     def wait(self) -> torch.Tensor:
         """Block until the data has arrived in the tensor; returns it."""
-        for req in self._requests:
-            req.wait() if self._backend == "torch" else req.Wait()
-        if self._length is not None and int(self._length[0]) != self._out.numel() * self._out.element_size():
-            raise ValueError(
-                f"received a {int(self._length[0])}-byte message into a {self._out.numel() * self._out.element_size()}-byte tensor"
-            )
+        self._request.wait()
+        nbytes = self._out.numel() * self._out.element_size()
+        if self._length is not None and int(self._length[0]) != nbytes:
+            raise ValueError(f"received a {int(self._length[0])}-byte message into a {nbytes}-byte tensor")
         if self._staged is not None:
             self._out.copy_(self._staged.view(self._out.dtype).view(self._out.shape))
             self._staged = None
         return self._out
 
 
-def isend(data: torch.Tensor, dst: int, backend: str = "torch", tag: int = 0, group: Any = None) -> AsyncSendHandle:
-    """Start sending ``data``'s bytes to ``dst``; the handle keeps them alive until done."""
+def _post_send(data: torch.Tensor, dst: int, backend: str, tag: int, group: Any) -> tuple[list, tuple]:
+    """Start the messages of one send; returns (works or requests, buffers to keep alive)."""
     payload = as_bytes(data)
     if check_backend(backend) == "torch":
         length = _length(payload.numel(), payload.device)
         works = [dist.isend(length, group=group, tag=2 * tag, **_peer(group, dst, "dst")),
                  dist.isend(payload, group=group, tag=2 * tag + 1, **_peer(group, dst, "dst"))]
-        return AsyncSendHandle("torch", works, (length, payload))
+        return works, (length, payload)
     MPI = get_mpi()
     host = host_copy(payload)
     buf = host.numpy()
-    req = mpi_group(group).Isend([buf, MPI.BYTE], dest=dst, tag=tag)
-    return AsyncSendHandle("mpi", [req], (data, host, buf))
+    return [mpi_group(group).Isend([buf, MPI.BYTE], dest=dst, tag=tag)], (data, host, buf)
+
+
+def isend(data: torch.Tensor, dst: int, backend: str = "torch", tag: int = 0, group: Any = None) -> AsyncSendHandle:
+    """Start sending ``data``'s bytes to ``dst``; the handle keeps them alive until done."""
+    requests, buffers = _post_send(data, dst, backend, tag, group)
+    return AsyncSendHandle(_Requests(backend, requests, group), buffers)
 
 
 def send(data: torch.Tensor, dst: int, backend: str = "torch", tag: int = 0, group: Any = None) -> None:
     """Send ``data``'s bytes to ``dst`` and return when the send has completed."""
-    isend(data, dst, backend, tag, group).wait()
+    requests, _buffers = _post_send(data, dst, backend, tag, group)
+    for req in requests:
+        req.wait() if backend == "torch" else req.Wait()
 
 
 def recv(src: int | None = None, backend: str = "torch", tag: int = 0, group: Any = None,
@@ -150,7 +191,7 @@ def irecv_into(out: torch.Tensor, src: int, backend: str = "torch", tag: int = 0
         length = _length(0, out.device)
         works = [dist.irecv(length, group=group, tag=2 * tag, **_peer(group, src, "src")),
                  dist.irecv(target, group=group, tag=2 * tag + 1, **_peer(group, src, "src"))]
-        return AsyncRecvHandle("torch", works, out, staged, length)
+        return AsyncRecvHandle(_Requests("torch", works, group), out, staged, length)
     MPI = get_mpi()
     req = mpi_group(group).Irecv([target.numpy(), MPI.BYTE], source=src, tag=tag)
-    return AsyncRecvHandle("mpi", [req], out, staged, None)
+    return AsyncRecvHandle(_Requests("mpi", [req]), out, staged, None)

@@ -99,6 +99,8 @@ BAD = [
     (["strategy.only=[no_such_param*]"], "no_such_param"),
     (["strategy.only=[NoSuchModule]"], "NoSuchModule"),
     (["logger.name=foo"], "logger.name='foo'"),
+    (["strategy.transport=tcp"], "strategy.transport='tcp': valid transports are ['torch', 'mpi']"),
+    (["strategy.transport=mpi"], "strategy.transport=mpi needs"),  # the extra, or an MPI launcher
 ]
 
 

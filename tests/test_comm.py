@@ -216,3 +216,15 @@ def test_mismatched_launcher_variables_cli(tmp_path):
                           env={**env, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.strip() == "error: PMI_RANK=7 but PMI_SIZE=4: a rank must be below the number of processes"
+
+
+def test_mpirun_recipe_places_ranks_host_by_host(tmp_path):
+    hosts = tmp_path / "hosts"
+    hosts.write_text("f0-a\nf0-b\n# facility 1\nf1-a\n")
+    env = {**os.environ, "DRY_RUN": "1", "HOSTFILE": str(hosts), "PPN": "4", "MPIEXEC": "mpiexec-of-hydra"}
+    proc = subprocess.run(["bash", str(REPO / "workflows" / "mpirun" / "mpirun.sh"), "+experiment=llama_fed",
+                           "distributed.federated=[8,4]"], env=env, capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    # 3 hosts x 4: ranks 0-7 on facility 0's hosts, 8-11 on facility 1's.
+    assert proc.stdout.split() == ["mpiexec-of-hydra", "-n", "12", "-f", str(hosts), "-ppn", "4", "python", "-m",
+                                   "xffl_like.run", "+experiment=llama_fed", r"distributed.federated=\[8\,4\]"]

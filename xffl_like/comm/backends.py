@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["BACKENDS", "MPI_EXTRA", "MPIUnavailable", "check_backend", "get_mpi", "mpi_installed", "host_copy"]
+__all__ = ["BACKENDS", "MPI_EXTRA", "MPIUnavailable", "as_bytes", "check_backend", "get_mpi", "host_copy", "mpi_group", "mpi_installed"]
 
 BACKENDS = ("torch", "mpi")
 #: What to install for the MPI backend (mpi4py plus an MPI runtime, see pyproject.toml).

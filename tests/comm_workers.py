@@ -2,8 +2,8 @@
 (``mpiexec -n 4 python tests/comm_workers.py OUT_DIR``, which also checks the MPI
 rendezvous and ``strategy.transport=mpi``).
 
-Workers only run the operations and return what they got; the test computes every
-expected value itself from :func:`values` and :func:`payload`.
+Workers only run the operations and return what they got; :func:`check_results`, run by
+the tests, computes every expected value itself from :func:`values` and :func:`payload`.
 """
 
 from __future__ import annotations
@@ -147,6 +147,68 @@ def torch_cases() -> dict:
         return out
     finally:
         dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- expected values
+def raw(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(-1).view(torch.uint8)
+
+
+def check_results(results: list[dict]) -> None:
+    """What every rank got, against values computed from the workers' inputs."""
+    world = WORLD
+    assert [r["rank"] for r in results] == list(range(world)) and {r["size"] for r in results} == {world}
+    ins = {dt: [values(r, dt).double() for r in range(world)] for dt in (torch.float32, torch.bfloat16, torch.int64)}
+    total = {dt: sum(v) for dt, v in ins.items()}
+    want = {
+        "all_reduce/SUM/float32": total[torch.float32].float(),
+        "all_reduce/AVG/float32": (total[torch.float32] / world).float(),
+        "all_reduce/MAX/float32": torch.stack(ins[torch.float32]).amax(0).float(),
+        "all_reduce/MIN/float32": torch.stack(ins[torch.float32]).amin(0).float(),
+        "all_reduce/SUM/torch.bfloat16": total[torch.bfloat16].bfloat16(),
+        "all_reduce/MAX/torch.bfloat16": torch.stack(ins[torch.bfloat16]).amax(0).bfloat16(),
+        "all_reduce/SUM/torch.int64": total[torch.int64].long(),
+        "all_reduce/MIN/torch.int64": torch.stack(ins[torch.int64]).amin(0).long(),
+        "all_reduce/SUM/strided": sum(values(r, torch.float64, (3, 2)) for r in range(world)).t().float(),
+    }
+    for dt in (torch.float32, torch.bfloat16):
+        want[f"all_gather/{dt}"] = torch.stack([values(r, dt) for r in range(world)])
+        want[f"broadcast/{dt}"] = values(2, dt)
+    varlen = torch.cat([values(r, torch.float32, (ROWS[r], 3)) for r in range(world)])
+    for rank, got in enumerate(results):
+        for key, value in want.items():
+            assert got[key].dtype == value.dtype and torch.equal(got[key], value), (rank, key, got[key], value)
+        if rank == 1:
+            assert torch.equal(got["gather_varlen"], varlen) and got["gather_varlen"].shape == (6, 3)
+        else:
+            assert got["gather_varlen"] is None
+    # The subgroup {1, 3}: its own ranks, sum, broadcast source and gather destination.
+    a, b = SUBGROUP
+    for k, rank in enumerate(SUBGROUP):
+        got = results[rank]
+        assert (got["group/rank"], got["group/size"]) == (k, 2)
+        assert torch.equal(got["group/all_reduce"], values(a, torch.float32) + values(b, torch.float32))
+        assert torch.equal(got["group/broadcast"], values(b, torch.float32))
+    rows = torch.cat([values(r, torch.int64, (r, 2)) for r in SUBGROUP])
+    assert torch.equal(results[a]["group/gather_varlen"], rows) and results[b]["group/gather_varlen"] is None
+    assert all("group/rank" not in results[r] for r in range(world) if r not in SUBGROUP)
+
+    # Transport: exact bytes (NaN, -0.0, subnormals, int64 beyond 2**53 included), sources.
+    kinds = {1: "fp32", 2: "bf16", 3: "int64", 4: "empty"}
+    for tag, kind in kinds.items():
+        source, data = results[1][f"known/{tag}"]
+        assert source == 0 and data.dtype == torch.uint8 and torch.equal(data, raw(payload(kind, 0, tag))), tag
+    fp32 = results[1]["known/1"][1].view(torch.float32).view(5, 3)
+    assert torch.equal(raw(fp32), raw(payload("fp32", 0, 1))) and torch.isnan(fp32[0, 0]) and fp32[0, 1].item() == 0.0
+    assert results[1]["known/4"][1].numel() == 0
+    assert sorted(s for s, _ in results[0]["any"]) == [2, 3]
+    for source, data in results[0]["any"]:
+        assert torch.equal(data, raw(payload("fp32", source, 5))), source
+    assert results[2]["isend"][0] == 3 and torch.equal(results[2]["isend"][1], raw(payload("bf16", 3, 7)))
+    assert results[3]["isend_completed_after_polls"] >= 0
+    assert torch.equal(results[2]["interop"], raw(payload("fp32", 1, 6)))
+    source, data = results[1]["group/recv"]
+    assert source == 1 and torch.equal(data, raw(payload("int64", 3, 8)))  # global 3 is group rank 1
 
 
 # ----------------------------------------------------------------------------- MPI only

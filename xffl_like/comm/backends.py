@@ -32,7 +32,10 @@ def check_backend(backend: str) -> str:
 
 def mpi_installed() -> bool:
     """Whether mpi4py is importable, asked without importing it (no MPI initialisation)."""
-    return importlib.util.find_spec("mpi4py") is not None
+    try:
+        return importlib.util.find_spec("mpi4py") is not None
+    except (ImportError, ValueError):  # a module set to None in sys.modules: blocked
+        return False
 
 
 def get_mpi():

@@ -136,6 +136,30 @@ def test_chunked_loss_equals_unchunked(tied, chunk):
         torch.testing.assert_close(model(inputs, targets, loss_chunk=chunk), want_loss, rtol=1e-6, atol=1e-6)
 
 
+def test_chunks_and_checkpointing_keep_less_for_backward():
+    """Bytes autograd keeps for backward (outside recomputed regions), counted by a saved-tensor hook."""
+    model = build_model({**MODEL, "vocab_size": 512}, seed=0)
+    inputs, targets = rank_sequences(0, 3)
+    logits_fp32 = inputs.numel() * 512 * 4
+
+    def kept(**kw):
+        total = [0]
+
+        def pack(t):
+            total[0] += t.numel() * t.element_size()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = model(inputs, targets, **kw)
+        loss.backward()
+        return total[0]
+
+    whole, chunked = kept(), kept(loss_chunk=4)
+    assert whole - chunked >= logits_fp32  # the whole fp32 logits are no longer kept
+    both = kept(loss_chunk=4, checkpoint_layers=True)
+    assert both < chunked / 4 and both < logits_fp32  # the blocks keep only their inputs
+
+
 # ----------------------------------------------------------------------------- grad accumulation under FSDP2
 CASES = [(2, 2, "none", 1024), (1, 4, "none", 1024), (4, 1, "full", 5)]
 

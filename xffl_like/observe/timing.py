@@ -11,6 +11,7 @@ equal totals can still wait on each other every iteration: totals hide that, thi
 from __future__ import annotations
 
 import time
+from collections import deque
 from contextlib import contextmanager
 
 import torch
@@ -26,28 +27,71 @@ MAX_RANK_ROWS = 16
 
 
 class PhaseTimer:
-    """Accumulates wall seconds per phase; on CUDA it synchronises at phase edges so
-    that asynchronous kernels are charged to the phase that launched them."""
+    """Accumulates seconds per phase, and keeps every occurrence's seconds (:attr:`samples`).
 
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.seconds = dict.fromkeys(PHASES, 0.0)
-        #: Every occurrence's seconds, per phase (the iterations of the load-imbalance report).
-        self.samples: dict[str, list[float]] = {p: [] for p in PHASES}
+    On CPU: wall seconds (``clock``). On CUDA: a pair of timing events recorded on the
+    current stream at each phase's edges, so kernels are charged to the phase that launched
+    them without stalling the host at every edge (a synchronise per phase would serialise
+    the CPU's run-ahead with the GPU and itself slow the step). Finished pairs are folded
+    in without blocking as later phases end; :attr:`seconds` waits for the rest.
+    ``event`` (a factory of objects with CUDA events' ``record``, ``query``,
+    ``synchronize`` and ``elapsed_time``) is for tests.
+    """
+
+    def __init__(self, device: torch.device, *, clock=time.perf_counter, event=None):
+        self.device = torch.device(device)
+        self._clock = clock
+        self._event = None
+        if self.device.type == "cuda":
+            self._event = event or (lambda: torch.cuda.Event(enable_timing=True))
+        self._seconds = dict.fromkeys(PHASES, 0.0)
+        # Every occurrence's seconds, per phase: the iterations of the load-imbalance report.
+        self._samples: dict[str, list[float]] = {p: [] for p in PHASES}
+        self._pending: deque = deque()  # (phase, start event, end event), oldest first
 
     @contextmanager
     def __call__(self, phase: str):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        start = time.perf_counter()
+        if self._event is None:
+            start = self._clock()
+            try:
+                yield
+            finally:
+                self._add(phase, self._clock() - start)
+            return
+        begin, end = self._event(), self._event()
+        begin.record()
         try:
             yield
         finally:
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            seconds = time.perf_counter() - start
-            self.seconds[phase] += seconds
-            self.samples[phase].append(seconds)
+            end.record()
+            self._pending.append((phase, begin, end))
+            self._fold(block=False)
+
+    def _add(self, phase: str, seconds: float) -> None:
+        self._seconds[phase] += seconds
+        self._samples[phase].append(seconds)
+
+    def _fold(self, block: bool) -> None:
+        while self._pending:
+            phase, begin, end = self._pending[0]
+            if block:
+                end.synchronize()
+            elif not end.query():
+                return
+            self._add(phase, begin.elapsed_time(end) / 1e3)  # ms -> s
+            self._pending.popleft()
+
+    @property
+    def seconds(self) -> dict[str, float]:
+        """Seconds per phase so far (on CUDA: waits for the phases still in flight)."""
+        self._fold(block=True)
+        return dict(self._seconds)
+
+    @property
+    def samples(self) -> dict[str, list[float]]:
+        """Seconds of every occurrence of each phase so far, in order (on CUDA: waits as above)."""
+        self._fold(block=True)
+        return {p: list(v) for p, v in self._samples.items()}
 
 
 def load_imbalance(per_iteration: torch.Tensor) -> tuple[float, float]:
@@ -87,12 +131,13 @@ def gather_phase_table(timer: PhaseTimer, state, steps: int) -> dict:
     ``iterations`` from :func:`load_imbalance` (``total``: the phases' sums).
     """
     # One row per phase: [occurrences, seconds of each occurrence..., zero padding].
-    width = torch.tensor([max(len(v) for v in timer.samples.values())], dtype=torch.int64)
+    samples = timer.samples
+    width = torch.tensor([max(len(v) for v in samples.values())], dtype=torch.int64)
     dist.all_reduce(width, op=dist.ReduceOp.MAX)
     mine = torch.zeros(len(PHASES), 1 + int(width), dtype=torch.float64)
     for i, phase in enumerate(PHASES):
-        mine[i, 0] = len(timer.samples[phase])
-        mine[i, 1 : 1 + len(timer.samples[phase])] = torch.tensor(timer.samples[phase], dtype=torch.float64)
+        mine[i, 0] = len(samples[phase])
+        mine[i, 1 : 1 + len(samples[phase])] = torch.tensor(samples[phase], dtype=torch.float64)
     table = [torch.zeros_like(mine) for _ in range(state.world_size)]
     dist.all_gather(table, mine)
     everyone = torch.stack(table)  # [ranks, phases, 1 + width]

@@ -188,19 +188,21 @@ def pairs_matrix(n, pairs):
     return m
 
 
-GOSSIP = {  # name -> (facilities, matrices of rounds 0, 1, 2, ...)
-    "ring": (4, [pairs_matrix(4, [(0, 1), (2, 3)]), pairs_matrix(4, [(0, 3), (1, 2)])]),
-    "one-peer-exp": (4, [pairs_matrix(4, [(0, 1), (2, 3)]), pairs_matrix(4, [(0, 2), (1, 3)])]),
-    "complete": (4, [torch.full((4, 4), 0.25, dtype=torch.float64)]),
+GOSSIP = [  # (name, facilities, with HSDP replicas, matrices of rounds 0, 1, 2, ...)
+    ("ring", 4, False, [pairs_matrix(4, [(0, 1), (2, 3)]), pairs_matrix(4, [(0, 3), (1, 2)])]),
+    ("one-peer-exp", 4, False, [pairs_matrix(4, [(0, 1), (2, 3)]), pairs_matrix(4, [(0, 2), (1, 3)])]),
+    ("complete", 4, False, [torch.full((4, 4), 0.25, dtype=torch.float64)]),
+    # 2 facilities x 2 replicas: the first replica mixes and hands the result to the second.
+    ("ring", 2, True, [pairs_matrix(2, [(0, 1)])]),
     # 2 facilities x 2 replicas: first inside each facility (replicas agree: no change), then all copies.
-    "alternating-exp-ring": (2, [torch.eye(2, dtype=torch.float64), torch.full((2, 2), 0.5, dtype=torch.float64)]),
-}
+    ("alternating-exp-ring", 2, True, [torch.eye(2, dtype=torch.float64), torch.full((2, 2), 0.5, dtype=torch.float64)]),
+]
 
 
 def check_gossip(state, digests, report) -> None:
     n = state.num_facilities
-    for name, (facilities, matrices) in GOSSIP.items():
-        if facilities != n or (name == "alternating-exp-ring") != (state.num_replicas > 1):
+    for name, facilities, replicas, matrices in GOSSIP:
+        if facilities != n or replicas != (state.num_replicas > 1):
             continue
         for o in (dict(name="average", lr=1.0), dict(name="nesterov", lr=0.7, momentum=0.9)):
             model = make(state)

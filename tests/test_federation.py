@@ -112,7 +112,7 @@ def test_federation_on_4_processes():
     by = {name: [r[name] for r in reports] for name in (lay["name"] for lay in LAYOUTS)}
     assert all(r["outer_cases"] == 4 * 2 * 2 and r["sync_cases"] == 2 for r in by["fsdp_2x2"] + by["hsdp_2x2"])
     assert all(r["plain_cases"] == 3 for r in by["fsdp_2x2"] + by["four_facilities"])
-    assert all(r["gossip_cases"] == 2 for r in by["hsdp_2x2"])  # alternating-exp-ring, two outer rules
+    assert all(r["gossip_cases"] == 2 * 2 for r in by["hsdp_2x2"])  # ring, alternating-exp-ring; two outer rules
     assert all(r["gossip_cases"] == 3 * 2 for r in by["four_facilities"])
     assert all(r["compression_cases"] == 4 for rs in by.values() for r in rs)
     # Bytes counted from the messages: 2 facilities, the wide model, every rank sends.

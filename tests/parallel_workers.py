@@ -30,6 +30,17 @@ class Fixed(nn.Module):
         return sum((self.ps[k] * coefs[k]).sum() for k in order)
 
 
+def mlp(seed: int) -> nn.Module:
+    """A model whose backward needs its weights (a hook changing them too early breaks autograd)."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def mlp_batch(rank: int, it: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(20_000 + 100 * rank + it)
+    return torch.randn(6, 4, generator=g), torch.randn(6, 3, generator=g)
+
+
 def coefs(rank: int, it: int, micro: int = 0) -> list[torch.Tensor]:
     """The gradient rank ``rank`` gets at iteration ``it`` (micro-batch ``micro``)."""
     g = torch.Generator().manual_seed(10_000 + 100 * rank + 10 * it + micro)
@@ -81,12 +92,16 @@ def ddp_cases(cases, iterations=3, lr=0.1):
     rank, _ = _init()
     out = []
     for case in cases:
-        model = Fixed(seed=rank)  # different on every rank: the wrapper must broadcast rank 0's
+        model = mlp(rank) if case.get("mlp") else Fixed(seed=rank)  # different per rank: rank 0's must win
         ddp = DecentralizedDataParallel(
             model, lambda named: torch.optim.SGD([p for _, p in named], lr=lr), topology=case["topology"],
             param_as_bucket_view=case["view"], bucket_size_in_mb=case["bucket_mb"],
             local_world_size=case.get("local", 1))
         for it in range(1, iterations + 1):
+            if case.get("mlp"):
+                x, y = mlp_batch(rank, it)
+                torch.nn.functional.mse_loss(ddp(x), y).backward()
+                continue
             if case["accum"]:
                 ddp.set_accumulate_grad(True)
                 ddp(coefs(rank, it, 1)).backward()
@@ -116,7 +131,7 @@ def bagua_cases(cases, lr=0.1):
     out = []
     for case in cases:
         kind = case["kind"]
-        model = Fixed(seed=rank)
+        model = mlp(rank) if kind == "async_mlp" else Fixed(seed=rank)
         opt = torch.optim.SGD(model.parameters(), lr=lr)
         algo = case["algorithm"]
         wrapped = P.with_algorithm(model, opt, algo, bucket_mb=case.get("bucket_mb", 10),
@@ -135,6 +150,14 @@ def bagua_cases(cases, lr=0.1):
             if isinstance(algo, P.LowPrecisionDecentralized):
                 left, right = algo.peer_copies
                 res["left"], res["right"] = [t.clone() for t in left], [t.clone() for t in right]
+        elif kind == "async_mlp":  # the thread averages continuously while autograd holds the weights
+            for it in range(1, case["steps"] + 1):
+                x, y = mlp_batch(rank, it)
+                torch.nn.functional.mse_loss(wrapped(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+            algo.abort()
+            res["rounds"] = algo.rounds
         elif kind == "async":
             for it in range(1, case["steps"] + 1):
                 wrapped(coefs(rank, it)).backward()

@@ -30,10 +30,29 @@ class Fixed(nn.Module):
         return sum((self.ps[k] * coefs[k]).sum() for k in order)
 
 
-def mlp(seed: int) -> nn.Module:
+class _SlowBackward(torch.autograd.Function):
+    """Identity whose backward takes 20 ms: keeps a backward open while other threads run."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        time.sleep(0.02)
+        return g
+
+
+class _Slow(nn.Module):
+    def forward(self, x):
+        return _SlowBackward.apply(x)
+
+
+def mlp(seed: int, slow: bool = False) -> nn.Module:
     """A model whose backward needs its weights (a hook changing them too early breaks autograd)."""
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    layers = [nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)]
+    return nn.Sequential(*(layers[:2] + [_Slow()] + layers[2:] if slow else layers))
 
 
 def mlp_batch(rank: int, it: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -131,7 +150,7 @@ def bagua_cases(cases, lr=0.1):
     out = []
     for case in cases:
         kind = case["kind"]
-        model = mlp(rank) if kind == "async_mlp" else Fixed(seed=rank)
+        model = mlp(rank, slow=True) if kind == "async_mlp" else Fixed(seed=rank)
         opt = torch.optim.SGD(model.parameters(), lr=lr)
         algo = case["algorithm"]
         wrapped = P.with_algorithm(model, opt, algo, bucket_mb=case.get("bucket_mb", 10),

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from .topology import edge_group
 
-__all__ = ["NodeComm", "node_comm", "p2p_exchange"]
+__all__ = ["NodeComm", "flat_copy", "node_comm", "p2p_exchange", "unflatten_into"]
 
 
 @dataclass(frozen=True)

@@ -5,12 +5,13 @@
 
 Every method trains the same model (``conf/model/<model>.yaml``, seed 0) on the same
 per-rank batches (a fixed random bigram language, different samples per rank) with
-AdamW for ``--steps`` steps, in the same processes, one after the other: PyTorch
+AdamW for ``--steps`` steps, in the same processes: PyTorch
 ``DistributedDataParallel``, :class:`DecentralizedDataParallel` on ring,
 one-peer-exp and alternating-exp-ring, and each Bagua-style algorithm. It reports
-the mean step time after ``--warmup`` steps, its ratio to DDP's, and the final
-training loss (mean over ranks of the last 5 steps; decentralized copies averaged
-first) with its ratio to DDP's.
+the median step time after ``--warmup`` steps (methods interleaved step by step, so
+load changes on a shared machine hit all of them alike), its ratio to DDP's, and the final
+training loss (each rank's loss on its own copy, mean over ranks and the last 5 steps)
+with its ratio to DDP's.
 """
 
 from __future__ import annotations
@@ -67,8 +68,8 @@ def _worker(args: dict) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = LlamaConfig.from_mapping(yaml.safe_load((ROOT / "conf" / "model" / f"{args['model']}.yaml").read_text()))
     data = _batches(rank, args["steps"], args["batch"], args["seq"], cfg.vocab_size)
-    results = {}
-    for method in args["methods"]:
+    runs = {}
+    for method in args["methods"]:  # every method's copy lives side by side
         torch.manual_seed(0)
         model = Llama(cfg)
         kind, _, name = method.partition(":")
@@ -83,8 +84,11 @@ def _worker(args: dict) -> dict:
         else:
             opt = torch.optim.AdamW(model.parameters(), lr=args["lr"], weight_decay=0.0)
             net = P.with_algorithm(model, opt, _bagua_algorithm(name), local_world_size=args["local_world_size"])
-        times, losses = [], []
-        for step, tokens in enumerate(data):
+        runs[method] = {"net": net, "opt": opt, "times": [], "losses": []}
+    # Interleaved: step t of every method, then step t + 1, so load changes hit all methods alike.
+    for step, tokens in enumerate(data):
+        for method, run in runs.items():
+            net, opt = run["net"], run["opt"]
             dist.barrier()
             start = time.perf_counter()
             logits = net(tokens[:, :-1])
@@ -95,15 +99,18 @@ def _worker(args: dict) -> dict:
                 opt.zero_grad(set_to_none=True)
             dist.barrier()
             if step >= args["warmup"]:
-                times.append(time.perf_counter() - start)
-            losses.append(loss.item())
-        if kind == "decent":
+                run["times"].append(time.perf_counter() - start)
+            run["losses"].append(loss.item())
+    results = {}
+    for method, run in runs.items():
+        net = run["net"]
+        if isinstance(net, P.DecentralizedDataParallel):
             net.global_avg()
         elif isinstance(getattr(net, "algorithm", None), P.AsyncModelAverage):
             net.algorithm.abort()
-        final = torch.tensor([statistics.fmean(losses[-5:])])
+        final = torch.tensor([statistics.fmean(run["losses"][-5:])])
         dist.all_reduce(final)
-        results[method] = {"step_s": statistics.fmean(times), "final_loss": final.item() / world}
+        results[method] = {"step_s": statistics.median(run["times"]), "final_loss": final.item() / world}
     dist.destroy_process_group()
     return results
 

@@ -106,6 +106,7 @@ def topology_groups(cases):
 
 def ddp_cases(cases, iterations=3, lr=0.1):
     """Train DecentralizedDataParallel (SGD, fixed gradients) per case; report params and global_avg."""
+    from xffl_like import parallel as P
     from xffl_like.parallel import DecentralizedDataParallel
 
     rank, _ = _init()
@@ -127,8 +128,10 @@ def ddp_cases(cases, iterations=3, lr=0.1):
                 ddp.set_accumulate_grad(False)
             ddp(coefs(rank, it)).backward()
         trained = _params(model)
+        distance = P.consensus_distance(model)
         ddp.global_avg()
-        out.append({"trained": trained, "avg": _params(model), "buckets": len(ddp.optimizers)})
+        out.append({"trained": trained, "avg": _params(model), "buckets": len(ddp.optimizers),
+                    "consensus": distance, "consensus_after": P.consensus_distance(ddp)})
     # Every rank must trace the same parameter order: rank 1 runs the sum in reverse.
     ddp = DecentralizedDataParallel(Fixed(0), lambda named: torch.optim.SGD([p for _, p in named], lr=lr),
                                     bucket_size_in_mb=1)

@@ -150,6 +150,11 @@ def test_decentralized_data_parallel_matches_the_simulation(results, index):
         for a, b in zip(got["avg"], mean):  # global_avg: the exact mean over ranks
             assert torch.allclose(a, b, atol=1e-5)
         assert got["buckets"] == (len(W.SHAPES) if case["bucket_mb"] < 1 else 1)
+        # consensus distance: mean over ranks of |y_r - mean|, from the simulated copies
+        distance = sum(float(torch.linalg.vector_norm(flat(expected[r]) - flat(mean)).double())
+                       for r in range(WORLD)) / WORLD
+        assert got["consensus"] == pytest.approx(distance, rel=1e-4, abs=1e-6)
+        assert got["consensus_after"] < 1e-6
     # The copies really differ before global_avg (a sparse topology is not an all-reduce).
     if case["topology"] != "complete":
         assert not torch.allclose(results[0][1][index]["trained"][0], results[1][1][index]["trained"][0])

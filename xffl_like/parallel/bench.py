@@ -11,7 +11,8 @@ one-peer-exp and alternating-exp-ring, and each Bagua-style algorithm. It report
 the median step time after ``--warmup`` steps (methods interleaved step by step, so
 load changes on a shared machine hit all of them alike), its ratio to DDP's, and the final
 training loss (each rank's loss on its own copy, mean over ranks and the last 5 steps)
-with its ratio to DDP's.
+with its ratio to DDP's, and the consensus distance of the copies at the end (before
+DecentralizedDataParallel's ``global_avg()``).
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ def _worker(args: dict) -> dict:
         else:
             opt = torch.optim.AdamW(model.parameters(), lr=args["lr"], weight_decay=0.0)
             net = P.with_algorithm(model, opt, _bagua_algorithm(name), local_world_size=args["local_world_size"])
-        runs[method] = {"net": net, "opt": opt, "times": [], "losses": []}
+        runs[method] = {"net": net, "opt": opt, "model": model, "times": [], "losses": []}
     # Interleaved: step t of every method, then step t + 1, so load changes hit all methods alike.
     for step, tokens in enumerate(data):
         for method, run in runs.items():
@@ -104,13 +105,15 @@ def _worker(args: dict) -> dict:
     results = {}
     for method, run in runs.items():
         net = run["net"]
+        if isinstance(getattr(net, "algorithm", None), P.AsyncModelAverage):
+            net.algorithm.abort()  # (its last exchange applied) before measuring
+        consensus = P.consensus_distance(run["model"])
         if isinstance(net, P.DecentralizedDataParallel):
             net.global_avg()
-        elif isinstance(getattr(net, "algorithm", None), P.AsyncModelAverage):
-            net.algorithm.abort()
         final = torch.tensor([statistics.fmean(run["losses"][-5:])])
         dist.all_reduce(final)
-        results[method] = {"step_s": statistics.median(run["times"]), "final_loss": final.item() / world}
+        results[method] = {"step_s": statistics.median(run["times"]), "final_loss": final.item() / world,
+                           "consensus_distance": consensus}
     dist.destroy_process_group()
     return results
 
@@ -154,11 +157,12 @@ def main(argv: list[str] | None = None) -> dict:
     base = results.get("ddp")
     print(f"{a.nproc} processes ({a.nproc // a.local_world_size} nodes of {a.local_world_size}), loopback, "
           f"model={a.model}, {a.steps} steps")
-    print(f"{'method':38s} {'step ms':>9s} {'x DDP':>7s} {'final loss':>11s} {'x DDP':>7s}")
+    print(f"{'method':38s} {'step ms':>9s} {'x DDP':>7s} {'final loss':>11s} {'x DDP':>7s} {'consensus':>10s}")
     for m, r in results.items():
         ratio = f"{r['step_s'] / base['step_s']:.2f}" if base else "-"
         lratio = f"{r['final_loss'] / base['final_loss']:.3f}" if base else "-"
-        print(f"{m:38s} {1000 * r['step_s']:9.1f} {ratio:>7s} {r['final_loss']:11.4f} {lratio:>7s}")
+        print(f"{m:38s} {1000 * r['step_s']:9.1f} {ratio:>7s} {r['final_loss']:11.4f} {lratio:>7s} "
+              f"{r['consensus_distance']:10.2e}")
     report = {"config": {k: v for k, v in vars(a).items() if k != "out"}, "results": results}
     if a.out is not None:
         a.out.parent.mkdir(parents=True, exist_ok=True)

@@ -35,6 +35,8 @@ def test_real_shapes_param_count(name, published):
 
 def test_all_yamls_load():
     for path in sorted(CONF.glob("*.yaml")):
+        if path.stem == "hf":  # the shape comes from the HF directory's config.json
+            continue
         cfg = LlamaConfig.from_mapping(OmegaConf.load(path))
         assert cfg.dim % cfg.n_heads == 0
     assert count_parameters(build_model(load("llama_bench"), device="meta")) == 58_466_816

@@ -20,10 +20,9 @@ from ..aggregation.reference import all_peer_groups
 from ..data import build_data
 from ..distributed.layout import plan_layout
 from ..distributed.state import DistributedState, build_state, read_env
-from ..models import build_model
 from ..observe import Observer
 from ..observe.timing import PhaseTimer, gather_phase_table
-from .parallelize import contiguous_shards, shard_model
+from .parallelize import build_sharded_model, contiguous_shards, peak_rss_mb
 
 __all__ = ["train_worker", "facility_weights", "max_param_divergence"]
 
@@ -94,8 +93,9 @@ def _train(cfg: dict, state: DistributedState, run_dir: Path, started_at: float)
     tcfg, ocfg, every = cfg["train"], cfg["optim"], cfg["federation"]["every"]
     steps, device = tcfg["steps"], state.device
     torch.manual_seed(cfg["seed"])
-    model = build_model(cfg["model"], seed=cfg["seed"])  # identical start on every rank
-    shard_model(model, state, tcfg["dtype"])
+    model = build_sharded_model(cfg["model"], state, tcfg["dtype"], seed=cfg["seed"])  # same start on every rank
+    setup_rss = torch.tensor(peak_rss_mb(), dtype=torch.float64)
+    dist.all_reduce(setup_rss, op=dist.ReduceOp.MAX)
     contiguous_shards(model, state.shard_size)  # aggregation buckets become views: no copies
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=ocfg["lr"], betas=tuple(ocfg["betas"]), eps=ocfg["eps"], weight_decay=ocfg["weight_decay"]
@@ -160,6 +160,10 @@ def _train(cfg: dict, state: DistributedState, run_dir: Path, started_at: float)
     losses /= state.facility_size
     dist.all_reduce(losses)
     phases = gather_phase_table(timer, state, steps)
+    if cfg.get("export", {}).get("hf"):
+        from ..checkpoint.hf import export_job
+
+        export_job(model, state, cfg, run_dir)
     # The slowest rank's aggregation time is the round's time.
     agg = torch.tensor([r["seconds"] for r in rounds], dtype=torch.float64)
     dist.all_reduce(agg, op=dist.ReduceOp.MAX)
@@ -181,8 +185,8 @@ def _train(cfg: dict, state: DistributedState, run_dir: Path, started_at: float)
         "strategy": {"name": cfg["strategy"]["name"], "streams": cfg["strategy"]["streams"]},
         "steps": steps,
         "rounds": len(rounds),
-        "first_loss": float(per_step[0]),
-        "final_loss": float(per_step[-1]),
+        "first_loss": float(per_step[0]) if steps else None,
+        "final_loss": float(per_step[-1]) if steps else None,
         "eval_loss": eval_loss,
         "max_param_divergence_after_last_round": divergence,
         "aggregation_seconds": [r["seconds"] for r in rounds],
@@ -192,6 +196,7 @@ def _train(cfg: dict, state: DistributedState, run_dir: Path, started_at: float)
         "tokens_per_second": tokens_per_step * steps / train_seconds,
         "train_seconds": train_seconds,
         "phases": phases,
+        "setup_peak_rss_mb": float(setup_rss),
         "wall_seconds": time.time() - started_at,
     }
     observer.finish(summary)

@@ -99,6 +99,11 @@ BAD = [
     (["strategy.only=[no_such_param*]"], "no_such_param"),
     (["strategy.only=[NoSuchModule]"], "NoSuchModule"),
     (["logger.name=foo"], "logger.name='foo'"),
+    (["model=hf"], "model.path is not set"),
+    (["model.init=lazy"], "model.init='lazy'"),
+    (["data=tokens"], "data.path"),
+    (["data=text", "data.tokenizer=/no/such/tokenizer.json"], "no tokenizer.json"),
+    (["export.hf=maybe"], "export.hf='maybe'"),
 ]
 
 

@@ -123,6 +123,9 @@ def validate_config(cfg: dict, world_size: int, local_world_size: int | None, ba
     _positive_float(cfg, "export.max_shard_mb")
     try:
         resolve_model(cfg, base_dir)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    try:
         model_cfg = LlamaConfig.from_mapping(cfg["model"])
     except ValueError as exc:
         raise ConfigError(f"model: {exc}") from None

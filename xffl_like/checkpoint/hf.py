@@ -18,6 +18,7 @@ the two halves of each head, so q/k rows are permuted within each head on the wa
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from pathlib import Path
@@ -41,6 +42,7 @@ __all__ = [
     "weight_files",
 ]
 
+READ_ELEMENTS = 1 << 24  # values read per get_slice call (64 MB in fp32)
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 # our suffix inside a block -> HF's
@@ -230,9 +232,12 @@ def load_hf_weights(model: nn.Module, path: str | os.PathLike) -> None:
             heads = _rope_heads(name, cfg)
 
             def rows(rest, lo, hi, tensor=tensor, heads=heads):
-                if heads is None or hi <= lo:
+                if heads is None:  # pieces of at most READ_ELEMENTS values: bounded scratch memory
+                    step = max(1, READ_ELEMENTS // max(1, math.prod(rest)))
+                    return (tensor[a : min(a + step, hi)] for a in range(lo, hi, step))
+                if hi <= lo:
                     return tensor[lo:hi]
-                hd = cfg.head_dim
+                hd = cfg.head_dim  # q/k: read the whole heads covering [lo, hi), permute, keep [lo, hi)
                 h0, h1 = lo // hd, -(-hi // hd)
                 block = from_hf_layout(tensor[h0 * hd : h1 * hd], h1 - h0)
                 return block[lo - h0 * hd : hi - h0 * hd]
@@ -354,8 +359,9 @@ def export_hf(model: nn.Module, state, out_dir: str | os.PathLike, *, base_confi
 
 def export_job(model: nn.Module, state, cfg: dict, run_dir: str | os.PathLike) -> Path:
     """``export.hf=true`` at the end of a job: ``<run_dir>/hf/`` with the weights, ``config.json``
-    (token ids and other non-shape keys of an imported model kept) and the tokenizer files of
-    ``data.tokenizer`` when it is a path, so that transformers loads model and tokenizer from it."""
+    (token ids and other non-shape keys of an imported model kept) and the tokenizer files
+    (``data.tokenizer``, or for ``data=tokens`` the one ``prepare`` recorded) unless it is ``byte``,
+    so that transformers loads model and tokenizer from it."""
     out = Path(run_dir) / "hf"
     base = None
     if cfg["model"].get("path"):
@@ -364,6 +370,14 @@ def export_job(model: nn.Module, state, cfg: dict, run_dir: str | os.PathLike) -
     if state.rank == 0:
         from ..data.tokenizer import tokenizer_files
 
-        for file in tokenizer_files(cfg["data"].get("tokenizer", "byte")):
-            shutil.copyfile(file, out / file.name)
+        spec = cfg["data"].get("tokenizer", "byte")
+        if cfg["data"].get("name") == "tokens":  # the tokenizer that prepare recorded
+            from ..data.tokens import read_meta
+
+            spec = read_meta(Path(cfg["data"]["path"]))["tokenizer"]
+        try:
+            for file in tokenizer_files(spec):
+                shutil.copyfile(file, out / file.name)
+        except ValueError as exc:  # moved since the corpus was prepared: the weights are written anyway
+            print(f"note: tokenizer not exported: {exc}", flush=True)
     return out

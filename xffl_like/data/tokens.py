@@ -89,7 +89,7 @@ def check_layout_fits(num_tokens: int, cfg_data: Any, layout, *, batch_size: int
                 share = sum(b - a for a, b in mine)
                 need = batch_size * window * layout.world_size
                 raise ValueError(
-                    f"data.path: the corpus's {n_train:,}-tokens training part gives facility {f} rank {r} "
+                    f"data.path: the {n_train:,}-token training part of the corpus gives facility {f} rank {r} "
                     f"{share:,} tokens, {windows} windows of seq_len+1={window}, fewer than train.batch_size="
                     f"{batch_size}; the layout of {layout.world_size} ranks needs about {need:,} tokens: add "
                     "data, or lower train.seq_len, train.batch_size or the number of processes"

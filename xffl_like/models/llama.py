@@ -271,19 +271,18 @@ def _block_seed(seed: int, name: str, block: int) -> int:
 
 
 def _block_normal(seed: int, name: str, std: float, shape: torch.Size):
-    """Rows [lo, hi) of parameter `name` drawn block by block (see `Llama.init_weights`)."""
+    """Rows [lo, hi) of parameter `name`, drawn block by block (see `Llama.init_weights`): yields
+    the pieces in order, so that no more than one block is ever held besides the parameter."""
     row_elems = math.prod(shape[1:])
     per_block = max(1, INIT_BLOCK_ELEMENTS // max(row_elems, 1))
 
-    def rows(rest, lo: int, hi: int) -> torch.Tensor:
-        out = []
+    def rows(rest, lo: int, hi: int):
         gen = torch.Generator(device="cpu")
         for b in range(lo // per_block, -(-hi // per_block)):
             b_lo, b_hi = b * per_block, min((b + 1) * per_block, shape[0])
             gen.manual_seed(_block_seed(seed, name, b))
             block = torch.empty(b_hi - b_lo, *rest).normal_(0.0, std, generator=gen)
-            out.append(block[max(lo, b_lo) - b_lo : min(hi, b_hi) - b_lo])
-        return torch.cat(out) if out else torch.empty(0, *rest)
+            yield block[max(lo, b_lo) - b_lo : min(hi, b_hi) - b_lo]
 
     return rows
 
@@ -299,11 +298,19 @@ def local_slices(p: torch.Tensor) -> tuple[slice, ...]:
 
 def fill_local_(p: torch.Tensor, rows) -> None:
     """Fill this rank's piece of ``p`` with ``rows(rest_shape, lo, hi)``: rows [lo, hi) of the full
-    tensor (a CPU tensor of shape [hi - lo, *rest_shape]), sliced on the other dims if sharded there."""
+    tensor as one CPU tensor of shape [hi - lo, *rest_shape], or as consecutive pieces of rows (an
+    iterator), sliced on the other dims if sharded there."""
     index = local_slices(p)
-    full = rows(tuple(p.shape[1:]), index[0].start, index[0].stop)
     local = p.to_local() if DTensor is not None and isinstance(p, DTensor) else p
-    local.copy_(full[(slice(None), *index[1:])])
+    pieces = rows(tuple(p.shape[1:]), index[0].start, index[0].stop)
+    if isinstance(pieces, torch.Tensor):
+        pieces = (pieces,)
+    at = 0
+    for piece in pieces:
+        local[at : at + piece.shape[0]].copy_(piece[(slice(None), *index[1:])])
+        at += piece.shape[0]
+    if at != local.shape[0]:
+        raise ValueError(f"filled {at} rows of a local shard of {local.shape[0]} rows")
 
 
 def build_model(cfg_model, *, device="cpu", dtype=torch.float32, seed: int | None = 0) -> Llama:

@@ -138,3 +138,22 @@ def test_job_exports_bitwise_hsdp_tied(tmp_path):
     exported = _load_exported(run)
     _assert_bitwise(source, exported)
     assert exported.config.tie_word_embeddings and exported.config.rope_parameters["rope_type"] == "llama3"
+
+
+def test_meta_init_under_hsdp_equals_the_unsharded_init(tmp_path):
+    """model.init=meta, facilities [4, 2] with HSDP shards of 2: every rank draws only its rows,
+    yet the exported model is the one built whole in this process from the same seed."""
+    run = tmp_path / "run"
+    proc, _ = run_cli(["+experiment=llama_fed", "model.init=meta", "seed=5", *JOB, "distributed.nproc_per_node=6",
+                       "distributed.federated=[4,2]", "distributed.hsdp=2"], run)
+    assert proc.returncode == 0, proc.stderr
+    exported = _load_exported(run).eval()
+    from omegaconf import OmegaConf
+
+    from test_model import load
+
+    whole = build_model(OmegaConf.to_container(load("llama_tiny")), seed=5)  # unsharded, model.init=full
+    tokens = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.allclose(exported(tokens).logits, whole(tokens), atol=1e-5, rtol=0)
+    assert exported.model.norm.weight.eq(1).all()

@@ -114,11 +114,17 @@ def test_job_learns_on_bpe_tokens(prepared, tmp_path):
     _, _, out = prepared
     proc, _ = run_cli(["+experiment=llama_fed", "data=tokens", f"data.path={out}", f"model.vocab_size={VOCAB}",
                        "train.steps=40", "federation.every=10", "train.seq_len=64", "train.batch_size=8",
-                       "train.log_every=10", "logger=none"], tmp_path)
+                       "train.log_every=10", "logger=none", "export.hf=true"], tmp_path)
     assert proc.returncode == 0, proc.stderr
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["first_loss"] > 5.5  # ~ln(512) at the start
     assert summary["final_loss"] < summary["first_loss"] - 1.5, summary["facility_losses"]
+    # The export carries the tokenizer that prepare recorded, with its EOS, for transformers.
+    transformers = pytest.importorskip("transformers")
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    reference = tokenizers.Tokenizer.from_file(str(prepared[0]))
+    assert tok("To be, or not")["input_ids"] == reference.encode("To be, or not", add_special_tokens=False).ids
+    assert tok.eos_token_id == reference.token_to_id("<|endoftext|>")
 
 
 @pytest.fixture(scope="module")

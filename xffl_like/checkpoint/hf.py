@@ -380,4 +380,11 @@ def export_job(model: nn.Module, state, cfg: dict, run_dir: str | os.PathLike) -
                 shutil.copyfile(file, out / file.name)
         except ValueError as exc:  # moved since the corpus was prepared: the weights are written anyway
             print(f"note: tokenizer not exported: {exc}", flush=True)
+        if (out / "tokenizer.json").exists() and not (out / "tokenizer_config.json").exists():
+            from ..data.tokenizer import load_tokenizer
+
+            tok = load_tokenizer(out / "tokenizer.json")
+            if tok.eos_id is not None:  # so that AutoTokenizer knows the end-of-document token
+                eos = tok.tok.id_to_token(tok.eos_id)
+                (out / "tokenizer_config.json").write_text(json.dumps({"eos_token": eos}) + "\n")
     return out

@@ -39,7 +39,7 @@ def _name(cfg_data: Any) -> str:
     name = cfg_get(cfg_data, "name")
     if name not in DATA_SOURCES:
         raise ValueError(
-            f"data.name: unknown data source {name!r} (use data=synthetic, data=text or data=tokens)"
+            f"data.name: unknown data source {name!r} (pass data.name=synthetic, data.name=text or data.name=tokens)"
         )
     return str(name)
 

@@ -47,12 +47,14 @@ def max_param_divergence(model: torch.nn.Module, state: DistributedState, peer_g
     worst = torch.zeros((), dtype=torch.float64)
     for param in model.parameters():
         local = param.to_local() if hasattr(param, "to_local") else param
-        hi = local.detach().to(torch.float64).clone()
-        lo = -hi
-        dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=peer_groups[state.shard])
-        dist.all_reduce(lo, op=dist.ReduceOp.MAX, group=peer_groups[state.shard])
-        if hi.numel():
-            worst = torch.maximum(worst, (hi + lo).max())
+        # In pieces: float64 copies of a whole 8B-model shard would double the job's memory.
+        for piece in local.detach().reshape(-1).split(1 << 22):
+            hi = piece.to(torch.float64)
+            lo = -hi
+            dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=peer_groups[state.shard])
+            dist.all_reduce(lo, op=dist.ReduceOp.MAX, group=peer_groups[state.shard])
+            if hi.numel():
+                worst = torch.maximum(worst, (hi + lo).max())
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     return float(worst)
 
@@ -72,6 +74,8 @@ def _evaluate(model, batches, device) -> float:
     for inputs, targets in batches:
         total[0] += _loss(model, inputs.to(device), targets.to(device)).double()
         total[1] += 1
+    if hasattr(model, "reshard"):  # FSDP2 keeps the root unsharded after a forward without backward
+        model.reshard()
     dist.all_reduce(total)  # mean over every rank's held-out batches
     return float(total[0] / total[1])
 

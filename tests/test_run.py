@@ -104,6 +104,16 @@ BAD = [
     (["data=tokens"], "data.path"),
     (["data=text", "data.tokenizer=/no/such/tokenizer.json"], "no tokenizer.json"),
     (["export.hf=maybe"], "export.hf='maybe'"),
+    (["optim.schedule=step"], "optim.schedule='step'"),
+    (["optim.schedule=cosine", "optim.min_lr=0.1"], "optim.min_lr=0.1 exceeds optim.lr=0.003"),
+    (["train.grad_accum=0"], "train.grad_accum=0"),
+    (["train.activation_checkpointing=foo"], "train.activation_checkpointing='foo'"),
+    (["optim.name=adam"], "optim.name='adam'"),
+    (["+no_such_key=1"], "no_such_key is not a config key of the root config"),
+    (["+optim.no_such_key=1"], "optim.no_such_key is not a config key of optim=adamw"),
+    (["optim.warmup_steps=null"], "optim.warmup_steps=None"),
+    (["optim.betas=[0.9]"], "optim.betas=[0.9]"),
+    (["logger.mode=onlin"], "logger.mode='onlin'"),
 ]
 
 

@@ -186,7 +186,14 @@ def bagua_cases(cases, lr=0.1):
                 opt.step()
                 opt.zero_grad()
                 time.sleep(0.01)
-            time.sleep(case["settle"])  # no more local steps: the thread brings the copies together
+            # No more local steps: wait (same target on every rank) for two exchanges that start after
+            # every rank stopped training; they bring the copies together.
+            dist.barrier()
+            seen = torch.tensor([float(algo.rounds)])
+            dist.all_reduce(seen, op=dist.ReduceOp.MAX)
+            deadline = time.time() + case["settle"]
+            while algo.rounds < int(seen.item()) + 2 and time.time() < deadline:
+                time.sleep(0.005)
             algo.abort()
             res["alive"] = algo._thread is not None
             res["rounds"] = algo.rounds

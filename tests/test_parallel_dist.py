@@ -49,7 +49,7 @@ BAGUA_CASES = [
     dict(kind="steps", steps=3, algorithm=P.Decentralized(hierarchical=True, communication_interval=2), local=2),
     dict(kind="steps", steps=3, algorithm=P.LowPrecisionDecentralized(hierarchical=False)),
     dict(kind="steps", steps=2, algorithm=P.LowPrecisionDecentralized(hierarchical=True), local=2),
-    dict(kind="async", steps=5, settle=0.3, algorithm=P.AsyncModelAverage(sync_interval_ms=20, warmup_steps=2)),
+    dict(kind="async", steps=5, settle=60, algorithm=P.AsyncModelAverage(sync_interval_ms=20, warmup_steps=2)),
     dict(kind="async_mlp", steps=30, algorithm=P.AsyncModelAverage(sync_interval_ms=0)),
 ]
 

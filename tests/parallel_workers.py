@@ -30,6 +30,36 @@ class Fixed(nn.Module):
         return sum((self.ps[k] * coefs[k]).sum() for k in order)
 
 
+class _SlowBackward(torch.autograd.Function):
+    """Identity whose backward takes 20 ms: keeps a backward open while other threads run."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        time.sleep(0.02)
+        return g
+
+
+class _Slow(nn.Module):
+    def forward(self, x):
+        return _SlowBackward.apply(x)
+
+
+def mlp(seed: int, slow: bool = False) -> nn.Module:
+    """A model whose backward needs its weights (a hook changing them too early breaks autograd)."""
+    torch.manual_seed(seed)
+    layers = [nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)]
+    return nn.Sequential(*(layers[:2] + [_Slow()] + layers[2:] if slow else layers))
+
+
+def mlp_batch(rank: int, it: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(20_000 + 100 * rank + it)
+    return torch.randn(6, 4, generator=g), torch.randn(6, 3, generator=g)
+
+
 def coefs(rank: int, it: int, micro: int = 0) -> list[torch.Tensor]:
     """The gradient rank ``rank`` gets at iteration ``it`` (micro-batch ``micro``)."""
     g = torch.Generator().manual_seed(10_000 + 100 * rank + 10 * it + micro)
@@ -76,25 +106,32 @@ def topology_groups(cases):
 
 def ddp_cases(cases, iterations=3, lr=0.1):
     """Train DecentralizedDataParallel (SGD, fixed gradients) per case; report params and global_avg."""
+    from xffl_like import parallel as P
     from xffl_like.parallel import DecentralizedDataParallel
 
     rank, _ = _init()
     out = []
     for case in cases:
-        model = Fixed(seed=rank)  # different on every rank: the wrapper must broadcast rank 0's
+        model = mlp(rank) if case.get("mlp") else Fixed(seed=rank)  # different per rank: rank 0's must win
         ddp = DecentralizedDataParallel(
             model, lambda named: torch.optim.SGD([p for _, p in named], lr=lr), topology=case["topology"],
             param_as_bucket_view=case["view"], bucket_size_in_mb=case["bucket_mb"],
             local_world_size=case.get("local", 1))
         for it in range(1, iterations + 1):
+            if case.get("mlp"):
+                x, y = mlp_batch(rank, it)
+                torch.nn.functional.mse_loss(ddp(x), y).backward()
+                continue
             if case["accum"]:
                 ddp.set_accumulate_grad(True)
                 ddp(coefs(rank, it, 1)).backward()
                 ddp.set_accumulate_grad(False)
             ddp(coefs(rank, it)).backward()
         trained = _params(model)
+        distance = P.consensus_distance(model)
         ddp.global_avg()
-        out.append({"trained": trained, "avg": _params(model), "buckets": len(ddp.optimizers)})
+        out.append({"trained": trained, "avg": _params(model), "buckets": len(ddp.optimizers),
+                    "consensus": distance, "consensus_after": P.consensus_distance(ddp)})
     # Every rank must trace the same parameter order: rank 1 runs the sum in reverse.
     ddp = DecentralizedDataParallel(Fixed(0), lambda named: torch.optim.SGD([p for _, p in named], lr=lr),
                                     bucket_size_in_mb=1)
@@ -116,7 +153,7 @@ def bagua_cases(cases, lr=0.1):
     out = []
     for case in cases:
         kind = case["kind"]
-        model = Fixed(seed=rank)
+        model = mlp(rank, slow=True) if kind == "async_mlp" else Fixed(seed=rank)
         opt = torch.optim.SGD(model.parameters(), lr=lr)
         algo = case["algorithm"]
         wrapped = P.with_algorithm(model, opt, algo, bucket_mb=case.get("bucket_mb", 10),
@@ -135,13 +172,28 @@ def bagua_cases(cases, lr=0.1):
             if isinstance(algo, P.LowPrecisionDecentralized):
                 left, right = algo.peer_copies
                 res["left"], res["right"] = [t.clone() for t in left], [t.clone() for t in right]
+        elif kind == "async_mlp":  # the thread averages continuously while autograd holds the weights
+            for it in range(1, case["steps"] + 1):
+                x, y = mlp_batch(rank, it)
+                torch.nn.functional.mse_loss(wrapped(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+            algo.abort()
+            res["rounds"] = algo.rounds
         elif kind == "async":
             for it in range(1, case["steps"] + 1):
                 wrapped(coefs(rank, it)).backward()
                 opt.step()
                 opt.zero_grad()
                 time.sleep(0.01)
-            time.sleep(case["settle"])  # no more local steps: the thread brings the copies together
+            # No more local steps: wait (same target on every rank) for two exchanges that start after
+            # every rank stopped training; they bring the copies together.
+            dist.barrier()
+            seen = torch.tensor([float(algo.rounds)])
+            dist.all_reduce(seen, op=dist.ReduceOp.MAX)
+            deadline = time.time() + case["settle"]
+            while algo.rounds < int(seen.item()) + 2 and time.time() < deadline:
+                time.sleep(0.005)
             algo.abort()
             res["alive"] = algo._thread is not None
             res["rounds"] = algo.rounds

@@ -28,6 +28,7 @@ DDP_CASES = [
     dict(topology="ring", view=True, bucket_mb=1, accum=True),
     dict(topology="one-peer-exp", view=True, bucket_mb=0.0001, accum=True),
     dict(topology="alternating-exp-ring", view=False, bucket_mb=0.0001, accum=False, local=2),
+    dict(topology="ring", view=True, bucket_mb=0.0001, accum=False, mlp=True),
 ]
 
 # This rank's group per iteration, written out by hand for 4 processes (Decent-DP's edges).
@@ -48,7 +49,8 @@ BAGUA_CASES = [
     dict(kind="steps", steps=3, algorithm=P.Decentralized(hierarchical=True, communication_interval=2), local=2),
     dict(kind="steps", steps=3, algorithm=P.LowPrecisionDecentralized(hierarchical=False)),
     dict(kind="steps", steps=2, algorithm=P.LowPrecisionDecentralized(hierarchical=True), local=2),
-    dict(kind="async", steps=5, settle=0.3, algorithm=P.AsyncModelAverage(sync_interval_ms=20, warmup_steps=2)),
+    dict(kind="async", steps=5, settle=60, algorithm=P.AsyncModelAverage(sync_interval_ms=20, warmup_steps=2)),
+    dict(kind="async_mlp", steps=30, algorithm=P.AsyncModelAverage(sync_interval_ms=0)),
 ]
 
 
@@ -110,9 +112,35 @@ def simulate_ddp(case, iterations=3):
     return ys
 
 
+def simulate_ddp_mlp(iterations=3):
+    """Same equations on the MLP: the gradient is taken at this rank's unmixed weights y_{t-1}."""
+    params = [[p.detach().clone() for p in W.mlp(0).parameters()] for _ in range(WORLD)]
+
+    def grads(r, ps, it):
+        net = W.mlp(0)
+        with torch.no_grad():
+            for q, v in zip(net.parameters(), ps):
+                q.copy_(v)
+        x, y = W.mlp_batch(r, it)
+        torch.nn.functional.mse_loss(net(x), y).backward()
+        return [q.grad for q in net.parameters()]
+
+    ys = [[p - LR * g for p, g in zip(params[r], grads(r, params[r], 1))] for r in range(WORLD)]
+    for t in range(2, iterations + 1):
+        mixed = mix(ys, HAND_EDGES["ring"][(t - 1) % 2], lambda ranks: 0.5)
+        ys = [[p - LR * g for p, g in zip(mixed[r], grads(r, ys[r], t))] for r in range(WORLD)]
+    return ys
+
+
 @pytest.mark.parametrize("index", range(len(DDP_CASES)))
 def test_decentralized_data_parallel_matches_the_simulation(results, index):
     case = DDP_CASES[index]
+    if case.get("mlp"):
+        expected = simulate_ddp_mlp()
+        for rank in range(WORLD):
+            for a, b in zip(results[rank][1][index]["trained"], expected[rank]):
+                assert torch.allclose(a, b, atol=1e-5), rank
+        return
     expected = simulate_ddp(case)
     mean = [sum(ys[k] for ys in expected) / WORLD for k in range(len(W.SHAPES))]
     for rank in range(WORLD):
@@ -122,6 +150,11 @@ def test_decentralized_data_parallel_matches_the_simulation(results, index):
         for a, b in zip(got["avg"], mean):  # global_avg: the exact mean over ranks
             assert torch.allclose(a, b, atol=1e-5)
         assert got["buckets"] == (len(W.SHAPES) if case["bucket_mb"] < 1 else 1)
+        # consensus distance: mean over ranks of |y_r - mean|, from the simulated copies
+        distance = sum(float(torch.linalg.vector_norm(flat(expected[r]) - flat(mean)).double())
+                       for r in range(WORLD)) / WORLD
+        assert got["consensus"] == pytest.approx(distance, rel=1e-4, abs=1e-6)
+        assert got["consensus_after"] < 1e-6
     # The copies really differ before global_avg (a sparse topology is not an all-reduce).
     if case["topology"] != "complete":
         assert not torch.allclose(results[0][1][index]["trained"][0], results[1][1][index]["trained"][0])
@@ -240,6 +273,11 @@ def test_async_model_average_converges_and_stops(results):
         assert res["rounds"] > 0 and not res["alive"] and not res["alive_after_resume"]
         for a, b in zip(res["final"], mean):
             assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_async_model_average_never_breaks_autograd(results):
+    for r in range(WORLD):  # 30 steps with the thread averaging continuously: no in-place error, rounds ran
+        assert results[r][2][10]["rounds"] > 0
 
 
 def test_switch_to_starts_every_copy_from_the_same_weights_and_state(results):

@@ -159,3 +159,16 @@ def test_factories_put_weight_decay_on_matrices_only():
     decay = {id(p): g["weight_decay"] for g in opt.param_groups for p in g["params"]}
     assert decay == {id(lin.weight): 0.3, id(lin.bias): 0.0, id(norm.weight): 0.0, id(norm.bias): 0.0}
     assert isinstance(optim_fn_adam(named), torch.optim.Adam)
+
+
+def test_parallel_bench_rejects_bad_input_before_launching():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-m", "xffl_like.parallel.bench", "--methods", "ddp,decent:star",
+                           "--nproc", "3"], cwd=root, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "decent:star" in lines[0] and "--local-world-size 2 must divide --nproc 3" in lines[0]

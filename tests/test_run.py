@@ -105,6 +105,11 @@ BAD = [
     (["federation.compression=int4"], "federation.compression='int4'"),
     (["federation.compression=uint8", "federation.chunk_size=0"], "federation.chunk_size=0"),
     (["federation.algorithm=synchronous", "federation=diloco"], "federation.outer does not apply"),
+    (["model=hf"], "model.path is not set"),
+    (["model.init=lazy"], "model.init='lazy'"),
+    (["data=tokens"], "data.path"),
+    (["data=text", "data.tokenizer=/no/such/tokenizer.json"], "no tokenizer.json"),
+    (["export.hf=maybe"], "export.hf='maybe'"),
     (["strategy.transport=tcp"], "strategy.transport='tcp': valid transports are ['torch', 'mpi']"),
     (["strategy.transport=mpi"], "strategy.transport=mpi needs"),  # the extra, or an MPI launcher
     (["optim.schedule=step"], "optim.schedule='step'"),

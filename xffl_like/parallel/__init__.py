@@ -17,6 +17,7 @@ from .algorithms import (
     shift_one_peer,
 )
 from .bagua import BaguaModule, allreduce_parameters, broadcast_parameters, with_algorithm
+from .comm import consensus_distance
 from .decentralized import DecentralizedDataParallel
 from .optim import (
     AccumAdam,
@@ -32,7 +33,7 @@ from .topology import TOPOLOGIES, Edge, Topology, register_topology, topology_ed
 __all__ = [
     "AccumAdam", "AccumAdamW", "Algorithm", "AsyncModelAverage", "BaguaModule", "ByteGrad", "Decentralized",
     "DecentralizedDataParallel", "Edge", "GradientAllReduce", "LowPrecisionDecentralized", "TOPOLOGIES", "Topology",
-    "allreduce_parameters", "broadcast_parameters", "lr_scheduler_fn_cosine_with_warmup", "optim_fn_accum_adam",
+    "allreduce_parameters", "broadcast_parameters", "consensus_distance", "lr_scheduler_fn_cosine_with_warmup", "optim_fn_accum_adam",
     "optim_fn_accum_adamw", "optim_fn_adam", "optim_fn_adamw", "register_topology", "shift_one_peer",
     "topology_edges", "with_algorithm",
 ]

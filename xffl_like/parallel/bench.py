@@ -5,12 +5,14 @@
 
 Every method trains the same model (``conf/model/<model>.yaml``, seed 0) on the same
 per-rank batches (a fixed random bigram language, different samples per rank) with
-AdamW for ``--steps`` steps, in the same processes, one after the other: PyTorch
+AdamW for ``--steps`` steps, in the same processes: PyTorch
 ``DistributedDataParallel``, :class:`DecentralizedDataParallel` on ring,
 one-peer-exp and alternating-exp-ring, and each Bagua-style algorithm. It reports
-the mean step time after ``--warmup`` steps, its ratio to DDP's, and the final
-training loss (mean over ranks of the last 5 steps; decentralized copies averaged
-first) with its ratio to DDP's.
+the median step time after ``--warmup`` steps (methods interleaved step by step, so
+load changes on a shared machine hit all of them alike), its ratio to DDP's, and the final
+training loss (each rank's loss on its own copy, mean over ranks and the last 5 steps)
+with its ratio to DDP's, and the consensus distance of the copies at the end (before
+DecentralizedDataParallel's ``global_avg()``).
 """
 
 from __future__ import annotations
@@ -67,8 +69,8 @@ def _worker(args: dict) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = LlamaConfig.from_mapping(yaml.safe_load((ROOT / "conf" / "model" / f"{args['model']}.yaml").read_text()))
     data = _batches(rank, args["steps"], args["batch"], args["seq"], cfg.vocab_size)
-    results = {}
-    for method in args["methods"]:
+    runs = {}
+    for method in args["methods"]:  # every method's copy lives side by side
         torch.manual_seed(0)
         model = Llama(cfg)
         kind, _, name = method.partition(":")
@@ -83,8 +85,11 @@ def _worker(args: dict) -> dict:
         else:
             opt = torch.optim.AdamW(model.parameters(), lr=args["lr"], weight_decay=0.0)
             net = P.with_algorithm(model, opt, _bagua_algorithm(name), local_world_size=args["local_world_size"])
-        times, losses = [], []
-        for step, tokens in enumerate(data):
+        runs[method] = {"net": net, "opt": opt, "model": model, "times": [], "losses": []}
+    # Interleaved: step t of every method, then step t + 1, so load changes hit all methods alike.
+    for step, tokens in enumerate(data):
+        for method, run in runs.items():
+            net, opt = run["net"], run["opt"]
             dist.barrier()
             start = time.perf_counter()
             logits = net(tokens[:, :-1])
@@ -95,15 +100,20 @@ def _worker(args: dict) -> dict:
                 opt.zero_grad(set_to_none=True)
             dist.barrier()
             if step >= args["warmup"]:
-                times.append(time.perf_counter() - start)
-            losses.append(loss.item())
-        if kind == "decent":
+                run["times"].append(time.perf_counter() - start)
+            run["losses"].append(loss.item())
+    results = {}
+    for method, run in runs.items():
+        net = run["net"]
+        if isinstance(getattr(net, "algorithm", None), P.AsyncModelAverage):
+            net.algorithm.abort()  # (its last exchange applied) before measuring
+        consensus = P.consensus_distance(run["model"])
+        if isinstance(net, P.DecentralizedDataParallel):
             net.global_avg()
-        elif isinstance(getattr(net, "algorithm", None), P.AsyncModelAverage):
-            net.algorithm.abort()
-        final = torch.tensor([statistics.fmean(losses[-5:])])
+        final = torch.tensor([statistics.fmean(run["losses"][-5:])])
         dist.all_reduce(final)
-        results[method] = {"step_s": statistics.fmean(times), "final_loss": final.item() / world}
+        results[method] = {"step_s": statistics.median(run["times"]), "final_loss": final.item() / world,
+                           "consensus_distance": consensus}
     dist.destroy_process_group()
     return results
 
@@ -147,11 +157,12 @@ def main(argv: list[str] | None = None) -> dict:
     base = results.get("ddp")
     print(f"{a.nproc} processes ({a.nproc // a.local_world_size} nodes of {a.local_world_size}), loopback, "
           f"model={a.model}, {a.steps} steps")
-    print(f"{'method':38s} {'step ms':>9s} {'x DDP':>7s} {'final loss':>11s} {'x DDP':>7s}")
+    print(f"{'method':38s} {'step ms':>9s} {'x DDP':>7s} {'final loss':>11s} {'x DDP':>7s} {'consensus':>10s}")
     for m, r in results.items():
         ratio = f"{r['step_s'] / base['step_s']:.2f}" if base else "-"
         lratio = f"{r['final_loss'] / base['final_loss']:.3f}" if base else "-"
-        print(f"{m:38s} {1000 * r['step_s']:9.1f} {ratio:>7s} {r['final_loss']:11.4f} {lratio:>7s}")
+        print(f"{m:38s} {1000 * r['step_s']:9.1f} {ratio:>7s} {r['final_loss']:11.4f} {lratio:>7s} "
+              f"{r['consensus_distance']:10.2e}")
     report = {"config": {k: v for k, v in vars(a).items() if k != "out"}, "results": results}
     if a.out is not None:
         a.out.parent.mkdir(parents=True, exist_ok=True)

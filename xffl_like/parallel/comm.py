@@ -17,7 +17,7 @@ from torch import Tensor
 
 from .topology import edge_group
 
-__all__ = ["NodeComm", "node_comm", "p2p_exchange"]
+__all__ = ["NodeComm", "consensus_distance", "flat_copy", "node_comm", "p2p_exchange", "unflatten_into"]
 
 
 @dataclass(frozen=True)
@@ -93,3 +93,19 @@ def unflatten_into(flat: Tensor, tensors: list[Tensor]) -> None:
     for t in tensors:
         t.detach().copy_(flat[offset:offset + t.numel()].view_as(t))
         offset += t.numel()
+
+
+@torch.no_grad()
+def consensus_distance(module: torch.nn.Module, group: dist.ProcessGroup | None = None) -> float:
+    """Mean over the ranks of ``group`` (default: the world) of the L2 distance between this
+    rank's parameters and their average over the ranks (collective; 0 when all copies agree)."""
+    params = [p for p in module.parameters()]
+    if not params:
+        return 0.0
+    n = dist.get_world_size(group)
+    mine = flat_copy(params).to(torch.float64)
+    mean = mine.clone()
+    dist.all_reduce(mean, group=group)
+    distance = torch.linalg.vector_norm(mine - mean.div_(n)).reshape(1)
+    dist.all_reduce(distance, group=group)
+    return float(distance) / n

@@ -167,7 +167,7 @@ def edge_group(ranks: Sequence[int]) -> dist.ProcessGroup:
     world = dist.group.WORLD
     if len(ranks) == dist.get_world_size(world):
         return world
-    key = (id(world), ranks)
+    key = (world, ranks)  # the WORLD object itself: a re-initialized world never hits a stale group
     if key not in _GROUPS:
         _GROUPS[key] = dist.new_group(list(ranks), use_local_synchronization=True)
     return _GROUPS[key]

@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .layout import Coords, Exchange, Layout
 
-__all__ = ["ProcessEnv", "PeerExchange", "DistributedState", "read_env", "build_state"]
+__all__ = ["ProcessEnv", "PeerExchange", "DistributedState", "all_peer_groups", "read_env", "build_state"]
 
 
 @dataclass(frozen=True)
@@ -254,3 +254,12 @@ def build_state(
         streams=streams,
         num_streams=num_streams,
     )
+
+
+def all_peer_groups(state: DistributedState) -> list:
+    """One group per shard index holding every rank of every facility with that shard
+    (all replicas): where the divergence between copies of a shard is measured.
+
+    Collective: every rank creates every group, in the same order.
+    """
+    return [dist.new_group(list(state.layout.peer_ranks(s))) for s in range(state.shard_size)]

@@ -16,14 +16,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..aggregation import aggregate, build_strategy
-from ..aggregation.reference import all_peer_groups
 from ..data import build_data
 from ..distributed.layout import plan_layout
-from ..distributed.state import DistributedState, build_state, read_env
+from ..distributed.state import DistributedState, all_peer_groups, build_state, read_env
 from ..models import build_model
 from ..observe import Observer
 from ..observe.timing import PhaseTimer, gather_phase_table
 from .parallelize import contiguous_shards, shard_model
+from .round_dump import RoundDump
 
 __all__ = ["train_worker", "facility_weights", "max_param_divergence"]
 
@@ -110,6 +110,7 @@ def _train(cfg: dict, state: DistributedState, run_dir: Path, started_at: float)
     weights = facility_weights(cfg, state)
     peer_groups = all_peer_groups(state)
     observer = Observer(cfg, state, run_dir)
+    dump = RoundDump(model, state)  # tests only ($XFFL_TEST_DUMP_ROUNDS): the values around each round
     timer = PhaseTimer(device)
     tokens_per_step = tcfg["batch_size"] * tcfg["seq_len"] * state.world_size
     # Row f holds facility f's mean loss per step (filled by this rank's facility share).
@@ -137,11 +138,13 @@ def _train(cfg: dict, state: DistributedState, run_dir: Path, started_at: float)
             losses[state.facility, step] = float(facility_loss)
             observer.step(step, float(facility_loss), optimizer.param_groups[0]["lr"], tokens_per_step, time.perf_counter() - start)
             if (step + 1) % every == 0 or step + 1 == steps:
+                dump.save(len(rounds), "before")
                 with timer("aggregation"):
                     # Ranks arrive at different times; the wait is charged to this phase
                     # (and shows as imbalance), the round's seconds time the exchange alone.
                     dist.barrier()
                     result = aggregate(strategy, state, weights)
+                dump.save(len(rounds), "after", bytes_per_rank=result.bytes_per_rank)
                 record = {"round": len(rounds), "step": step + 1, "seconds": result.seconds,
                           "bytes_per_rank": result.bytes_per_rank, "cross_facility_bytes": result.cross_facility_bytes}
                 rounds.append(record)

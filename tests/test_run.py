@@ -123,6 +123,16 @@ BAD = [
     (["strategy.only=[no_such_param*]"], "no_such_param"),
     (["strategy.only=[NoSuchModule]"], "NoSuchModule"),
     (["logger.name=foo"], "logger.name='foo'"),
+    (["optim.schedule=step"], "optim.schedule='step'"),
+    (["optim.schedule=cosine", "optim.min_lr=0.1"], "optim.min_lr=0.1 exceeds optim.lr=0.003"),
+    (["train.grad_accum=0"], "train.grad_accum=0"),
+    (["train.activation_checkpointing=foo"], "train.activation_checkpointing='foo'"),
+    (["optim.name=adam"], "optim.name='adam'"),
+    (["+no_such_key=1"], "no_such_key is not a config key of the root config"),
+    (["+optim.no_such_key=1"], "optim.no_such_key is not a config key of optim=adamw"),
+    (["optim.warmup_steps=null"], "optim.warmup_steps=None"),
+    (["optim.betas=[0.9]"], "optim.betas=[0.9]"),
+    (["logger.mode=onlin"], "logger.mode='onlin'"),
 ]
 
 

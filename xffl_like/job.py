@@ -30,9 +30,18 @@ class JobFailed(RuntimeError):
 
 def resolve(cfg: DictConfig) -> dict:
     """The plain, resolved config that workers receive (no Hydra node)."""
-    plain = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
-    plain.pop("hydra", None)
-    return plain
+    if "hydra" in cfg:  # composed with return_hydra_config: Hydra's node is not the job's
+        cfg = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"])
+    return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+
+
+def choices(cfg: DictConfig) -> dict | None:
+    """Hydra's group -> option of this composition (from ``cfg.hydra`` or the running Hydra app)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if "hydra" in cfg:
+        return OmegaConf.to_container(cfg.hydra.runtime.choices)
+    return dict(HydraConfig.get().runtime.choices) if HydraConfig.initialized() else None
 
 
 def _save_config(plain: dict, run_dir: Path) -> None:
@@ -48,7 +57,7 @@ def run_local(cfg: DictConfig, run_dir: Path, worker: Callable | None = None) ->
     plain = resolve(cfg)
     nproc = plain["distributed"]["nproc_per_node"]
     try:
-        validate_config(plain, nproc, nproc, Path.cwd())
+        validate_config(plain, nproc, nproc, Path.cwd(), choices(cfg))
     except ConfigError as exc:
         raise JobFailed(str(exc)) from None
     _save_config(plain, run_dir)
@@ -64,26 +73,27 @@ def _compose(overrides: list[str]) -> DictConfig:
     from hydra import compose, initialize_config_dir
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        return compose(config_name="config", overrides=overrides)
+        return compose(config_name="config", overrides=overrides, return_hydra_config=True)
 
 
 def run_under_launcher(overrides: list[str]) -> int:
     """torchrun/srun path: rank 0 composes and validates, every rank trains."""
-    import torch
     import torch.distributed as dist
 
-    from .distributed.state import read_env
+    from .distributed.state import init_default_group, read_env
     from .train.loop import train_worker
 
     started = time.time()
     env = read_env()
-    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size)
+    # The config is not known yet: the device and groups follow ``auto``; build_state applies
+    # distributed.timeout_s to this group once rank 0 has shared the config.
+    init_default_group(env, "auto")
     payload: list = [None]
     if env.rank == 0:
         try:
-            plain = resolve(_compose(overrides))
-            validate_config(plain, env.world_size, env.local_world_size, Path.cwd())
+            composed = _compose(overrides)
+            plain = resolve(composed)
+            validate_config(plain, env.world_size, env.local_world_size, Path.cwd(), choices(composed))
             stamp = time.strftime("%Y-%m-%d_%H-%M-%S")
             run_dir = Path(os.environ.get("XFFL_RUN_DIR") or Path("outputs") / plain["experiment"] / f"{stamp}-torchrun")
             _save_config(plain, run_dir.resolve())

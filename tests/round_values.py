@@ -61,6 +61,15 @@ def check_round_values(directory: Path, weights: list[float], rounds: int, cross
     """Every round: after == weighted mean (``weights``: one per facility) of the facilities'
     values before, on every rank; the bytes the ranks sent add up to the summary's. Returns
     figures for the caller's own asserts."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # small tensors: on a busy machine the thread pool costs 30x the work
+    try:
+        return _check_round_values(directory, weights, rounds, cross_facility_bytes)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _check_round_values(directory: Path, weights: list[float], rounds: int, cross_facility_bytes: list[int]) -> dict:
     recorded = load_rounds(directory)
     assert sorted({r for r, _ in recorded}) == list(range(rounds)), f"rounds recorded: {sorted(recorded)}"
     w = torch.tensor(weights, dtype=torch.float64)

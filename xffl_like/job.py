@@ -77,14 +77,21 @@ def _compose(overrides: list[str]) -> DictConfig:
 
 
 def run_under_launcher(overrides: list[str]) -> int:
-    """torchrun/srun path: rank 0 composes and validates, every rank trains."""
+    """torchrun/srun/mpirun path: rank 0 composes and validates, every rank trains."""
     import torch.distributed as dist
 
+    from .distributed.env import agree_rendezvous
     from .distributed.state import init_default_group, read_env
     from .train.loop import train_worker
 
     started = time.time()
     env = read_env()
+    try:
+        env = agree_rendezvous(env)  # under mpirun: MPI agrees on MASTER_ADDR/MASTER_PORT
+    except (ValueError, ImportError) as exc:  # e.g. no mpi4py: the line names the extra to install
+        if env.rank == 0:
+            print(f"error: {exc} (or set MASTER_ADDR and MASTER_PORT)", file=sys.stderr)
+        return 2
     # The config is not known yet: the device and groups follow ``auto``; build_state applies
     # distributed.timeout_s to this group once rank 0 has shared the config.
     init_default_group(env, "auto")

@@ -1,0 +1,1 @@
+"""Checkpoints: Hugging Face safetensors import/export (``hf``)."""

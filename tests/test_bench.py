@@ -7,12 +7,17 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from xffl_like.aggregation import STRATEGIES
 
 ROOT = Path(__file__).parents[1]
 KEYS = {
     "median_s", "p90_s", "limit_median_s", "ratio_to_limit", "bytes_per_rank", "cross_facility_bytes",
     "algbw_GBps", "busbw_GBps", "peak_memory_mb", "streams", "collective", "mode",
+    # the limit is the faster of (a) and (b); (c) the floor from the raw p2p rate
+    "limit_kind", "allreduce_median_s", "ratio_to_allreduce", "p2p_exchange_median_s", "p2p_exchange_connections",
+    "p2p_bandwidth_GBps", "floor_s", "floor_fraction",
 }
 
 
@@ -35,6 +40,14 @@ def test_bench_writes_every_strategy(tmp_path):
         assert r["cross_facility_bytes"] == 2 * fp32_params  # one model copy from each facility
         assert r["bytes_per_rank"] == fp32_params // 2  # FSDP over 2 shards, one sender each
         assert abs(r["busbw_GBps"] - r["algbw_GBps"]) < 1e-12  # 2 peers: 2(n-1)/n = 1
+        # The limit is the faster of the two references, and the ratio is taken to it.
+        a, b = r["allreduce_median_s"], r["p2p_exchange_median_s"]
+        assert r["limit_median_s"] == min(a, b) and r["limit_kind"] == ("all_reduce" if a <= b else "p2p_exchange")
+        assert r["ratio_to_limit"] == r["median_s"] / min(a, b) and r["ratio_to_allreduce"] == r["median_s"] / a
+        assert r["p2p_exchange_connections"] == 1  # every strategy's own streams: 1
+        # 2 peers: the floor is one transfer of the bytes, at the measured rate.
+        assert r["floor_s"] == pytest.approx(r["bytes_per_rank"] / r["p2p_bandwidth_GBps"] / 1e9)
+        assert r["floor_fraction"] == pytest.approx(r["floor_s"] / r["median_s"])
     lines = proc.stdout.splitlines()
     ratios = [float(line.split()[5]) for line in lines if line.split() and line.split()[0] in STRATEGIES]
     assert len(ratios) == len(STRATEGIES) and ratios == sorted(ratios)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import random
-import time
 from pathlib import Path
 
 import pytest
@@ -184,16 +183,6 @@ def test_synthetic_learnable_by_bigram_model():
         opt.step()
     end = eval_loss()
     assert end < 0.5 * math.log(vocab), (start, end)
-
-
-def test_synthetic_is_fast():
-    src = synth(seq_len=256, batch_size=8)
-    src.train_batch(0)
-    t0 = time.perf_counter()
-    for step in range(10):
-        src.train_batch(step)
-    per_batch = (time.perf_counter() - t0) / 10
-    assert per_batch < 0.05, per_batch  # a few ms in practice; generous bound for loaded CI machines
 
 
 # --------------------------------------------------------------------------- text: expected layout, computed independently

@@ -28,9 +28,17 @@ def tiny(**over):
     ("llama3_1_70b", 70_553_706_496),
 ])
 def test_real_shapes_param_count(name, published):
-    model = build_model(load(name), device="meta")
+    """The published counts are exact integers: the shapes must give exactly them."""
+    cfg = load(name)
+    model = build_model(cfg, device="meta")
     assert model.tok_embeddings.weight.is_meta
-    assert abs(count_parameters(model) - published) / published < 0.01
+    assert count_parameters(model) == published
+    # The same count by hand from the config: embeddings, per layer (q, k, v, o; the
+    # SwiGLU's three matrices; two RMSNorms), the final norm, the output unless tied.
+    d, hd = cfg.dim, cfg.dim // cfg.n_heads
+    layer = d * cfg.n_heads * hd + 2 * d * cfg.n_kv_heads * hd + cfg.n_heads * hd * d + 3 * d * cfg.ffn_dim + 2 * d
+    by_hand = cfg.vocab_size * d * (1 if cfg.tie_embeddings else 2) + cfg.n_layers * layer + d
+    assert by_hand == published
 
 
 def test_all_yamls_load():

@@ -171,11 +171,16 @@ LAUNCHES = {
         # The training loop's memory layout: shards side by side, so fused buckets are views.
         dict(name="hsdp_2x2_contiguous", federated=2, hsdp=1, weights=[None, (2.0, 5.0)],
              names=["fused", "layer_by_layer", "bucket_flatten"], contiguous=True),
+        # Shards of 2: some parameters moved side by side, the others padded by FSDP.
+        dict(name="fsdp_2x2_contiguous", federated=2, hsdp=None, weights=[None, (2.0, 5.0)],
+             names=["fused", "layer_by_layer"], dtypes=["float32"], contiguous=True),
     ],
     6: [
         dict(name="unequal_4_2", federated=[4, 2], hsdp=2, weights=[None, (2.0, 5.0)]),  # R = (2, 1), S = 2
-        dict(name="unequal_4_2_contiguous", federated=[4, 2], hsdp=1, weights=[None, (2.0, 5.0)],
-             names=["fused"], dtypes=["float32"], contiguous=True),  # R = (4, 2), S = 1
+        dict(name="unequal_4_2_contiguous", federated=[4, 2], hsdp=2, weights=[None, (2.0, 5.0)],
+             names=["fused"], dtypes=["float32"], contiguous=True),  # R = (2, 1), S = 2
+        dict(name="fsdp_3x2_contiguous", federated=3, hsdp=None, weights=[None, (2.0, 5.0)],
+             names=["fused"], dtypes=["float32"], contiguous=True),  # R = (1, 1), S = 3
         # Three facilities of 2 replicas: the exchange's general (F > 2) reduction.
         dict(name="three_facilities", federated=2, hsdp=1, weights=[None, (2.0, 5.0, 3.0)],
              names=["layer_by_layer", "fused"], dtypes=["float32"]),
@@ -201,12 +206,28 @@ def check_bytes(reports: list[dict], spec: dict, nproc: int) -> None:
         assert sum(b for _, b in sent) == expected, key
 
 
+def check_contiguous_reports(reports: list[dict], specs: list[dict]) -> None:
+    """Every contiguous layout ran the forward check; over shards of 2 and 3 it mixed moved
+    and padded parameters (which ones: counted here from Net's first dimensions)."""
+    first_dims = [p.shape[0] for p in workers.Net().parameters()]
+    for spec in specs:
+        if not spec.get("contiguous"):
+            continue
+        S = plan_layout(len(reports), spec["federated"], spec["hsdp"]).shard_size
+        even = sum(d % S == 0 for d in first_dims)
+        for r in reports:
+            got = r[spec["name"]]["contiguous_forward"]
+            assert got["moved_bytes"] > 0 and got["even"] == even, (spec["name"], got)
+            assert S == 1 or 0 < even < len(first_dims), spec["name"]
+
+
 def test_every_strategy_on_4_processes():
     """FSDP [2, 2] and HSDP [2, 2] x (R=2, S=1): every strategy, both streams counts, modes,
     collectives, dtypes, uniform and weighted, checked on every rank."""
     reports = launch_local(workers.run_layouts, (LAUNCHES[4],), 4)
     for spec in LAUNCHES[4]:
         check_bytes(reports, spec, 4)
+    check_contiguous_reports(reports, LAUNCHES[4])
 
 
 def test_every_strategy_on_6_processes_and_properties():
@@ -215,6 +236,7 @@ def test_every_strategy_on_6_processes_and_properties():
     reports = launch_local(workers.run_layouts, (LAUNCHES[6], True), 6)
     for spec in LAUNCHES[6]:
         check_bytes(reports, spec, 6)
+    check_contiguous_reports(reports, LAUNCHES[6])
     only_bytes = 2 * 4 * sum(
         p.numel() for n, p in workers.Net().named_parameters() if n.startswith(("blocks.0.", "embed."))
     )

@@ -1,9 +1,14 @@
-"""``python -m xffl_like.bench``: time aggregation strategies against the all-reduce limit.
+"""``python -m xffl_like.bench``: time aggregation strategies against what the transport allows.
 
-For every strategy, in the same run and on the same groups, it times ``aggregate`` and
-the *limit*: one all-reduce of one pre-flattened buffer holding the same bytes per rank
-over the same peer group. Each repeat's time is the slowest rank's. Results go to
-``bench.json`` in the run directory and a table sorted by ``ratio_to_limit``.
+For every strategy, in the same processes, on the same peer groups and with the same bytes
+per rank, each repeat times ``aggregate`` and then, over one flat buffer (no model, no
+buckets): (a) one ring all-reduce, (b) the point-to-point exchange (reduce-scatter and
+all-gather as messages; the best over 1..streams connections) and (c) a plain neighbour
+transfer of the bytes, the transport's raw rate. The *limit* is the faster of (a) and (b):
+``ratio_to_limit`` >= 1 means the strategy is slower than a bare exchange of its bytes.
+(c) gives the physical floor, 2 (n - 1) / n transfers for n facilities, and the strategy's
+fraction of it. Each repeat's time is the slowest rank's. Results go to ``bench.json`` in
+the run directory and a table sorted by ``ratio_to_limit``.
 
 Like the main job: the config is composed and validated once, here, before any worker
 starts; workers receive the resolved plain dict and the run directory.
@@ -132,14 +137,27 @@ def run_bench(cfg: DictConfig, run_dir: Path) -> dict:
 
 
 def format_table(report: dict) -> str:
+    """The report as a table sorted by ``ratio_to_limit``: limit = the faster of one ring
+    all-reduce (a) and one p2p exchange (b) of a flat buffer; floor = the raw transfer (c)."""
     rows = sorted(report["results"].items(), key=lambda kv: kv[1]["ratio_to_limit"])
-    head = f"{'strategy':<28} {'streams':>7} {'median ms':>10} {'p90 ms':>8} {'limit ms':>9} {'ratio':>6} {'algbw GB/s':>10} {'busbw GB/s':>10} {'peak MB':>8}"
+    head = (
+        f"{'strategy':<28} {'streams':>7} {'median ms':>10} {'p90 ms':>8} {'limit ms':>9} {'ratio':>6} "
+        f"{'(a) ms':>7} {'(b) ms':>7} {'floor ms':>9} {'of floor':>8} {'algbw GB/s':>10} {'busbw GB/s':>10} {'peak MB':>8}"
+    )
     lines = [report["setup"], head, "-" * len(head)]
     for name, r in rows:
         lines.append(
             f"{name:<28} {r['streams']:>7} {r['median_s'] * 1e3:>10.1f} {r['p90_s'] * 1e3:>8.1f} "
-            f"{r['limit_median_s'] * 1e3:>9.1f} {r['ratio_to_limit']:>6.2f} {r['algbw_GBps']:>10.2f} "
-            f"{r['busbw_GBps']:>10.2f} {r['peak_memory_mb']:>8.1f}"
+            f"{r['limit_median_s'] * 1e3:>9.1f} {r['ratio_to_limit']:>6.2f} {r['allreduce_median_s'] * 1e3:>7.1f} "
+            f"{r['p2p_exchange_median_s'] * 1e3:>7.1f} {r['floor_s'] * 1e3:>9.1f} {r['floor_fraction']:>8.2f} "
+            f"{r['algbw_GBps']:>10.2f} {r['busbw_GBps']:>10.2f} {r['peak_memory_mb']:>8.1f}"
+        )
+    if rows:
+        bw = statistics.median(r["p2p_bandwidth_GBps"] for _, r in rows)
+        lines.append(
+            f"limit: the faster of (a) one ring all-reduce and (b) one p2p exchange of a flat buffer of the same bytes; "
+            f"floor: 2(n-1)/n x bytes at the measured p2p rate ({bw:.2f} GB/s per direction, median over strategies); "
+            f"'of floor': floor / median (1 = at the floor)"
         )
     return "\n".join(lines)
 
@@ -192,31 +210,164 @@ def _proc_status(key: str) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _limit_buffers(strategy, state):
-    """One flat buffer per peer group this rank reduces in, holding the same bytes."""
-    import torch
+# ----------------------------------------------------------------------------- limits
+class _FlatExchange:
+    """Reduce-scatter + all-gather of one flat buffer among the peers (one rank per facility)
+    by point-to-point messages: the least any exchange can do (no model, no buckets, no
+    copies), with the uniform mean as its reduction. Buffers are allocated once."""
 
-    exchanges = state.split_exchanges if strategy.mode == "split" else state.sender_exchanges
-    groups = {pe.exchange.chunk: pe.groups[0] for pe in exchanges}
-    out = []
-    for chunk in sorted({c.chunk for c in strategy.communications if c.reduce}):
-        nbytes = sum(c.nbytes for c in strategy.communications if c.reduce and c.chunk == chunk)
-        dtype = strategy.communications[0].dtype
-        out.append((torch.ones(nbytes // dtype.itemsize, dtype=dtype, device=state.device), groups[chunk]))
-    return out
+    def __init__(self, flat, group, ranks, me: int):
+        import torch
+
+        from .aggregation.strategy import parts
+
+        order = sorted(ranks)  # group ranks follow the sorted global ranks
+        self.group, self.me, self.n = group, me, len(ranks)
+        self.group_ranks = [order.index(r) for r in ranks]
+        self.parts = [flat[a:b] for a, b in parts(flat.numel(), self.n)]
+        self.peers = [j for j in range(self.n) if j != me]
+        mine = self.parts[me]
+        self.inbox = [torch.empty_like(mine) for _ in self.peers]
+
+    def start(self):
+        import torch.distributed as dist
+
+        g, gr = self.group, self.group_ranks
+        return (
+            [dist.isend(self.parts[j], group=g, group_dst=gr[j]) for j in self.peers if self.parts[j].numel()]
+            + [dist.irecv(t, group=g, group_src=gr[j]) for t, j in zip(self.inbox, self.peers) if t.numel()],
+            [dist.irecv(self.parts[j], group=g, group_src=gr[j], tag=1) for j in self.peers if self.parts[j].numel()],
+        )
+
+    def reduce_and_return(self, arriving) -> list:
+        import torch
+        import torch.distributed as dist
+
+        for work in arriving:
+            work.wait()
+        mine = self.parts[self.me]
+        if not mine.numel():
+            return []
+        if self.n == 2:
+            torch.lerp(mine, self.inbox[0], 0.5, out=mine)
+        else:
+            for t in self.inbox:
+                mine.add_(t)
+            mine.mul_(1.0 / self.n)
+        return [dist.isend(mine, group=self.group, group_dst=self.group_ranks[j], tag=1) for j in self.peers]
 
 
-def _run_limit(buffers, device) -> float:
-    import torch
-    import torch.distributed as dist
+class _Limits:
+    """What a strategy is measured against, over the same peer groups and bytes per rank:
 
-    start = time.perf_counter()
-    works = [dist.all_reduce(buf, group=group, async_op=True) for buf, group in buffers]
-    for work in works:
-        work.wait()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - start
+    (a) ``all_reduce``: one ring all-reduce of one flat buffer (the backend's collective);
+    (b) ``p2p_exchange``: the exchange of one flat buffer by point-to-point messages, cut
+        over 1..``streams`` connections (the stream groups), the best of them;
+    (c) the transport's raw rate: every peer sends the same bytes to its neighbour while
+        receiving as many (loopback p2p bandwidth, the best repeat over 1..``streams``
+        connections).
+        An exchange must send and receive 2 (n - 1) / n of its bytes in two dependent
+        phases, so 2 (n - 1) / n times that transfer's time is the physical floor.
+    """
+
+    def __init__(self, strategy, state):
+        import torch
+
+        exchanges = state.split_exchanges if strategy.mode == "split" else state.sender_exchanges
+        by_chunk = {pe.exchange.chunk: pe for pe in exchanges}
+        comms = strategy.communications
+        self.items = []
+        for chunk in sorted({c.chunk for c in comms if c.reduce}):
+            nbytes = sum(c.nbytes for c in comms if c.reduce and c.chunk == chunk)
+            flat = torch.ones(nbytes // comms[0].dtype.itemsize, dtype=comms[0].dtype, device=state.device)
+            self.items.append((flat, by_chunk[chunk]))
+        self.connections = range(1, state.num_streams + 1)
+        self.me, self.n, self.device = state.facility, state.num_facilities, state.device
+        self.exchanges = {k: self._exchanges(k) for k in self.connections}
+        self.scratch = [torch.empty_like(flat) for flat, _ in self.items]
+
+    def _exchanges(self, k: int) -> list[_FlatExchange]:
+        from .aggregation.strategy import parts
+
+        return [
+            _FlatExchange(flat[a:b], pe.groups[i], pe.exchange.ranks, self.me)
+            for flat, pe in self.items
+            for i, (a, b) in enumerate(parts(flat.numel(), k))
+        ]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes these buffers hold (excluded from the strategy's peak memory)."""
+        flats = sum(f.numel() * f.element_size() for f, _ in self.items)
+        inboxes = sum(t.numel() * t.element_size() for ex in self.exchanges.values() for e in ex for t in e.inbox)
+        return 2 * flats + inboxes
+
+    def _timed(self, fn) -> float:
+        import torch
+
+        start = time.perf_counter()
+        fn()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - start
+
+    def all_reduce(self) -> float:
+        import torch.distributed as dist
+
+        def run():
+            for work in [dist.all_reduce(flat, group=pe.groups[0], async_op=True) for flat, pe in self.items]:
+                work.wait()
+
+        seconds = self._timed(run)
+        for flat, _ in self.items:
+            flat.fill_(1.0)  # sums would grow without bound over the repeats
+        return seconds
+
+    def p2p_exchange(self, k: int) -> float:
+        def run():
+            started = [ex.start() for ex in self.exchanges[k]]
+            back = [ex.reduce_and_return(arriving) for ex, (arriving, _) in zip(self.exchanges[k], started)]
+            for (_, results), sends in zip(started, back):
+                for work in (*results, *sends):
+                    work.wait()
+
+        return self._timed(run)
+
+    def transfer(self, k: int) -> float:
+        """Send this rank's bytes to the next peer while receiving as many from the previous."""
+        import torch.distributed as dist
+
+        from .aggregation.strategy import parts
+
+        def run():
+            works = []
+            for (flat, pe), scratch in zip(self.items, self.scratch):
+                order = sorted(pe.exchange.ranks)
+                ranks = [order.index(r) for r in pe.exchange.ranks]
+                nxt, prv = ranks[(self.me + 1) % self.n], ranks[(self.me - 1) % self.n]
+                for i, (a, b) in enumerate(parts(flat.numel(), k)):
+                    if b > a:
+                        works.append(dist.isend(flat[a:b], group=pe.groups[i], group_dst=nxt))
+                        works.append(dist.irecv(scratch[a:b], group=pe.groups[i], group_src=prv))
+            for work in works:
+                work.wait()
+
+        return self._timed(run)
+
+    def measure(self) -> dict[str, float]:
+        """One repeat of every reference, each after a barrier."""
+        import torch.distributed as dist
+
+        out = {}
+        dist.barrier()
+        out["all_reduce"] = self.all_reduce()
+        for k in self.connections:
+            dist.barrier()
+            out[f"p2p_exchange/{k}"] = self.p2p_exchange(k)
+        for k in self.connections:
+            dist.barrier()
+            out[f"transfer/{k}"] = self.transfer(k)
+        return out
 
 
 def _time_strategy(model, state, spec: dict, bench: dict) -> dict:
@@ -227,35 +378,48 @@ def _time_strategy(model, state, spec: dict, bench: dict) -> dict:
     weights = bench.get("weights")
     base = _memory_mark(state.device)
     strategy = build_strategy(model, state, spec, collective=bench.get("collective"))
-    limit = _limit_buffers(strategy, state)
-    times, limits = [], []
+    limits = _Limits(strategy, state)
+    times, refs = [], []
     for i in range(bench["warmup"] + bench["repeats"]):
         dist.barrier()
         seconds = aggregate(strategy, state, weights).seconds
-        dist.barrier()
-        limit_seconds = _run_limit(limit, state.device)
+        measured = limits.measure()
         if i >= bench["warmup"]:
             times.append(seconds)
-            limits.append(limit_seconds)
-    peak = _memory_peak(state.device) - base - sum(b.numel() * b.element_size() for b, _ in limit)
-    mine = {"times": times, "limits": limits, "bytes": strategy.bytes_per_rank, "peak": max(0, peak)}
+            refs.append(measured)
+    peak = _memory_peak(state.device) - base - limits.nbytes
+    limit_bytes = sum(f.numel() * f.element_size() for f, _ in limits.items)
+    mine = {"times": times, "refs": refs, "bytes": strategy.bytes_per_rank, "limit_bytes": limit_bytes, "peak": max(0, peak)}
     cross_facility_bytes, collective = strategy.cross_facility_bytes, strategy.collective
     everyone: list = [None] * state.world_size
     dist.all_gather_object(everyone, mine)
-    del strategy, limit
+    del strategy, limits
     gc.collect()
 
-    def slowest(key):  # a repeat takes as long as its slowest rank
-        return [max(r[key][i] for r in everyone) for i in range(len(times))]
+    # A repeat takes as long as its slowest rank.
+    t = [max(r["times"][i] for r in everyone) for i in range(len(times))]
+
+    def ref(key):
+        return [max(r["refs"][i][key] for r in everyone) for i in range(len(times))]
 
     def p90(xs):
         xs = sorted(xs)
         return xs[min(len(xs) - 1, round(0.9 * (len(xs) - 1)))]
 
-    t, lim = slowest("times"), slowest("limits")
+    n = state.num_facilities  # peer group size: one rank per facility
+    connections = range(1, state.num_streams + 1)
+    allreduce = ref("all_reduce")
+    exchange = {k: ref(f"p2p_exchange/{k}") for k in connections}
+    best_k = min(connections, key=lambda k: statistics.median(exchange[k]))
+    transfer = {k: min(ref(f"transfer/{k}")) for k in connections}  # the fastest seen: a floor
+    fastest_k = min(connections, key=lambda k: transfer[k])
+    limit_kind, lim = min(
+        (("all_reduce", allreduce), ("p2p_exchange", exchange[best_k])), key=lambda kv: statistics.median(kv[1])
+    )
     median, limit_median = statistics.median(t), statistics.median(lim)
     nbytes = max(r["bytes"] for r in everyone)
-    n = state.num_facilities  # peer group size: one rank per facility
+    limit_bytes = max(r["limit_bytes"] for r in everyone)
+    floor = 2 * (n - 1) / n * transfer[fastest_k]
     algbw = nbytes / median / 1e9
     return {
         "streams": spec["streams"],
@@ -267,6 +431,14 @@ def _time_strategy(model, state, spec: dict, bench: dict) -> dict:
         "limit_median_s": limit_median,
         "limit_p90_s": p90(lim),
         "ratio_to_limit": median / limit_median,
+        "limit_kind": limit_kind,
+        "allreduce_median_s": statistics.median(allreduce),
+        "ratio_to_allreduce": median / statistics.median(allreduce),
+        "p2p_exchange_median_s": statistics.median(exchange[best_k]),
+        "p2p_exchange_connections": best_k,
+        "p2p_bandwidth_GBps": limit_bytes / transfer[fastest_k] / 1e9,
+        "floor_s": floor,
+        "floor_fraction": floor / median,
         "bytes_per_rank": nbytes,
         "cross_facility_bytes": cross_facility_bytes,
         "algbw_GBps": algbw,

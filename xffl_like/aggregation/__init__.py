@@ -5,15 +5,13 @@
 """
 
 from .builders import STRATEGIES, StrategyOptions, build_strategy, check_collective, validate_strategy_options
-from .executor import AggregationResult, aggregate
-from .reference import ReferenceAverage, facility_scale
+from .executor import AggregationResult, aggregate, facility_scale
 from .strategy import Communication, Strategy
 
 __all__ = [
     "STRATEGIES",
     "AggregationResult",
     "Communication",
-    "ReferenceAverage",
     "Strategy",
     "StrategyOptions",
     "aggregate",

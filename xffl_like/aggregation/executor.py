@@ -31,10 +31,9 @@ import torch
 import torch.distributed as dist
 
 from ..comm import transport
-from .reference import facility_scale
 from .strategy import Communication, Strategy, parts
 
-__all__ = ["AggregationResult", "aggregate"]
+__all__ = ["AggregationResult", "aggregate", "facility_scale"]
 
 
 @dataclass(frozen=True)
@@ -45,6 +44,15 @@ class AggregationResult:
     seconds: float
     bytes_per_rank: int
     cross_facility_bytes: int
+
+
+def facility_scale(state, weights: Sequence[float] | None) -> float:
+    """This facility's share of the mean, ``w_f / sum(w)``; rejects unusable weights."""
+    if weights is None:
+        return 1.0 / state.num_facilities
+    if len(weights) != state.num_facilities or any(w < 0 for w in weights) or sum(weights) <= 0:
+        raise ValueError(f"need {state.num_facilities} non-negative facility weights with a positive sum, got {list(weights)}")
+    return float(weights[state.facility]) / float(sum(weights))
 
 
 # ----------------------------------------------------------------------------- packing

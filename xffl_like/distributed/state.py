@@ -19,8 +19,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from .env import ProcessEnv, read_env
 from .layout import Coords, Exchange, Layout
 
-__all__ = ["ProcessEnv", "PeerExchange", "DistributedState", "read_env", "build_state", "resolve_backend",
-           "group_backend", "init_default_group"]
+__all__ = ["ProcessEnv", "PeerExchange", "DistributedState", "all_peer_groups", "read_env", "build_state",
+           "resolve_backend", "group_backend", "init_default_group"]
 
 
 @dataclass(frozen=True)
@@ -246,3 +246,12 @@ def build_state(
         streams=streams,
         num_streams=num_streams,
     )
+
+
+def all_peer_groups(state: DistributedState) -> list:
+    """One group per shard index holding every rank of every facility with that shard
+    (all replicas): where the divergence between copies of a shard is measured.
+
+    Collective: every rank creates every group, in the same order.
+    """
+    return [dist.new_group(list(state.layout.peer_ranks(s))) for s in range(state.shard_size)]

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..aggregation import aggregate
-from ..aggregation.reference import all_peer_groups
+from ..distributed.state import all_peer_groups
 from .compress import COMPRESSIONS, CompressedMean
 from .gossip import Gossip, check_gossip_layout
 from .outer import OuterOptimizer, OuterOptions

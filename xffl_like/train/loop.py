@@ -15,16 +15,16 @@ import torch
 import torch.distributed as dist
 
 from ..aggregation import build_strategy
-from ..aggregation.reference import all_peer_groups
 from ..data import build_data
 from ..distributed.layout import plan_layout
-from ..distributed.state import DistributedState, build_state, read_env
+from ..distributed.state import DistributedState, all_peer_groups, build_state, read_env
 from ..federation import Federation
 from ..observe import Observer
 from ..observe.timing import PhaseTimer, gather_phase_table
 from .evaluate import eval_points, evaluate, facility_eval
 from .optim import OptimConfig, build_optimizer, build_scheduler
 from .parallelize import build_sharded_model, contiguous_shards, peak_rss_mb
+from .round_dump import RoundDump
 from .step import TrainConfig, accumulate_gradients
 
 __all__ = ["train_worker", "max_param_divergence"]
@@ -85,6 +85,7 @@ def _train(cfg: dict, state: DistributedState, run_dir: Path, started_at: float)
     federation = Federation(cfg["federation"], model, strategy, state)
     peer_groups = all_peer_groups(state)
     observer = Observer(cfg, state, run_dir)
+    dump = RoundDump(model, state)  # tests only ($XFFL_TEST_DUMP_ROUNDS): the values around each round
     timer = PhaseTimer(device)
     tokens_per_step = tcfg.batch_size * tcfg.seq_len * accum * state.world_size
     eval_batches = data.eval_batches()
@@ -119,11 +120,13 @@ def _train(cfg: dict, state: DistributedState, run_dir: Path, started_at: float)
             if local_eval:
                 record_eval["loss_local"] = facility_eval(model, eval_batches, state, tcfg.loss_chunk)
             if aggregate_now and federation.federated:  # synchronous runs have no rounds
+                dump.save(len(rounds), "before")
                 with timer("aggregation"):
                     # Ranks arrive at different times; the wait is charged to this phase
                     # (and shows as imbalance), the round's seconds time the exchange alone.
                     dist.barrier()
                     record = {"round": len(rounds), "step": step + 1, **federation.round()}
+                dump.save(len(rounds), "after", bytes_per_rank=record["bytes_per_rank"])
                 rounds.append(record)
                 observer.round(record)
                 record_eval["loss_global"] = facility_eval(model, eval_batches, state, tcfg.loss_chunk)

@@ -71,7 +71,8 @@ def peak_rss_mb() -> float:
 def contiguous_shards(model: nn.Module, shard_size: int) -> int:
     """Move the local shards of evenly sharded parameters into one flat buffer per dtype.
 
-    Call after ``fully_shard`` and before the first forward and the optimizer. Neighbouring
+    Call after ``fully_shard``, before the optimizer; a forward may already have run (the
+    reset below re-points FSDP's all-gather inputs, which its lazy init would not redo). Neighbouring
     parameters then sit side by side in memory, so an aggregation bucket is one view of the
     buffer: no copy-in/copy-out and one message per bucket (see the ``fused`` strategy).
     Parameters whose sharded dimension does not divide evenly keep FSDP's padded storage.

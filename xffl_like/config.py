@@ -92,6 +92,12 @@ def validate_config(cfg: dict, world_size: int, local_world_size: int | None, ba
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     _check_weights(_get(cfg, "federation.weights"), layout.num_facilities)
+    from .checkpoint.resume import validate_durability
+
+    try:
+        validate_durability(cfg, world_size)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
     try:
         model_cfg = LlamaConfig.from_mapping(cfg["model"])

@@ -40,6 +40,31 @@ def _save_config(plain: dict, run_dir: Path) -> None:
     OmegaConf.save(OmegaConf.create(plain), run_dir / "config.yaml")
 
 
+def prepare_durability(plain: dict, layout, run_dir: Path) -> Path:
+    """Resolve ``resume`` (the run directory then becomes the resumed run's) and check that
+    the run and checkpoint directories are writable; return the job's run directory."""
+    from .checkpoint.resume import check_writable, resolve_resume
+
+    try:
+        target = resolve_resume(plain, layout, outputs=run_dir.parent, current_run_dir=run_dir)
+        if target is not None:
+            run_dir = target.run_dir
+        check_writable(run_dir, "run directory")
+        if plain["checkpoint"].get("dir"):
+            check_writable(Path(plain["checkpoint"]["dir"]), "checkpoint.dir")
+    except ValueError as exc:
+        raise JobFailed(str(exc)) from None
+    return run_dir
+
+
+def _drop_if_empty(fresh: Path) -> None:
+    # Resuming continues in the old run directory: drop the one Hydra just made (only .hydra/ in it).
+    import shutil
+
+    if fresh.is_dir() and {p.name for p in fresh.iterdir()} <= {".hydra"}:
+        shutil.rmtree(fresh, ignore_errors=True)
+
+
 def run_local(cfg: DictConfig, run_dir: Path, worker: Callable | None = None) -> dict:
     """Validate, then run ``nproc_per_node`` local workers; return rank 0's summary."""
     from .train.loop import train_worker
@@ -48,16 +73,28 @@ def run_local(cfg: DictConfig, run_dir: Path, worker: Callable | None = None) ->
     plain = resolve(cfg)
     nproc = plain["distributed"]["nproc_per_node"]
     try:
-        validate_config(plain, nproc, nproc, Path.cwd())
+        layout = validate_config(plain, nproc, nproc, Path.cwd())
     except ConfigError as exc:
         raise JobFailed(str(exc)) from None
+    fresh, run_dir = run_dir, prepare_durability(plain, layout, run_dir)
+    if run_dir != fresh:
+        _drop_if_empty(fresh)
     _save_config(plain, run_dir)
     try:
-        results = launch_local(worker or train_worker, (plain, str(run_dir), started), nproc, error_dir=run_dir / "errors")
+        results = launch_local(worker or train_worker, (plain, str(run_dir), started), nproc,
+                               error_dir=run_dir / "errors", max_restarts=plain["distributed"]["max_restarts"])
     except WorkerFailure as exc:
         where = f" (traceback: {exc.details})" if exc.details else ""
-        raise JobFailed(f"{exc}{where}") from None
+        raise JobFailed(f"{exc}{where}{_last_checkpoint(plain, run_dir)}") from None
     return results[0]
+
+
+def _last_checkpoint(plain: dict, run_dir: Path) -> str:
+    """What a failed job leaves to resume from, for its one error line."""
+    from .checkpoint import checkpoint_dir, latest_checkpoint
+
+    last = latest_checkpoint(checkpoint_dir(plain, run_dir))
+    return f"; last complete checkpoint: {last} (resume={run_dir})" if last else "; no checkpoint was completed"
 
 
 def _compose(overrides: list[str]) -> DictConfig:

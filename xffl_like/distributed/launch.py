@@ -25,9 +25,10 @@ __all__ = ["WorkerFailure", "free_port", "launch_local", "worker_count_threads"]
 class WorkerFailure(RuntimeError):
     """A worker failed; ``str(exc)`` is one line, ``exc.details`` the saved traceback path."""
 
-    def __init__(self, message: str, details: str | None = None):
+    def __init__(self, message: str, details: str | None = None, dead_ranks: tuple[int, ...] = ()):
         super().__init__(message)
         self.details = details
+        self.dead_ranks = dead_ranks  # ranks killed by a signal (no error of their own)
 
 
 def free_port() -> int:
@@ -55,6 +56,15 @@ def _entry(fn: Callable, args: tuple, error_dir: str) -> Any:
         os._exit(1)
 
 
+def _killed(exc) -> list[tuple[int, str]]:
+    """(rank, signal name) of the workers that a signal ended (SIGKILL, OOM killer, ...)."""
+    out = []
+    for rank, failure in sorted(getattr(exc, "failures", {}).items()):
+        if failure.exitcode < 0:
+            out.append((rank, failure.signal_name()))
+    return out
+
+
 def _first_error(error_dir: Path) -> tuple[str, str | None]:
     # A crash shows up on the other ranks as broken connections: report the cause first.
     secondary = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
@@ -79,11 +89,14 @@ def launch_local(
     *,
     error_dir: str | os.PathLike | None = None,
     threads_per_worker: int | None = None,
+    max_restarts: int = 0,
 ) -> list[Any]:
     """Run ``fn(*args)`` in ``nproc`` local workers; return their results in rank order.
 
     The workers see torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
-    MASTER_PORT, ...) and rendezvous on loopback at a free port.
+    MASTER_PORT, ...) and rendezvous on loopback (127.0.0.1 only) at a free port. With
+    ``max_restarts`` > 0 the agent restarts every worker after a failure (they see
+    ``TORCHELASTIC_RESTART_COUNT``); a worker that dies by a signal is named in the error.
     """
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -99,7 +112,7 @@ def launch_local(
         rdzv_backend="c10d",
         rdzv_endpoint=f"127.0.0.1:{free_port()}",
         rdzv_configs={"timeout": 120},
-        max_restarts=0,
+        max_restarts=max_restarts,
         monitor_interval=0.1,
         start_method="spawn",
         local_addr="127.0.0.1",
@@ -111,7 +124,11 @@ def launch_local(
         lg.setLevel(logging.CRITICAL)
     try:
         results = elastic_launch(config, _entry)(fn, args, str(err_dir))
-    except ChildFailedError:
+    except ChildFailedError as exc:
+        killed = _killed(exc)
+        if killed:  # a dead rank is the cause; the others only saw broken connections
+            names = ", ".join(f"rank {r} ({sig})" for r, sig in killed)
+            raise WorkerFailure(f"{names} died", None, tuple(r for r, _ in killed)) from None
         message, details = _first_error(err_dir)
         raise WorkerFailure(message, details) from None
     finally:

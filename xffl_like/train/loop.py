@@ -17,12 +17,15 @@ import torch.nn.functional as F
 
 from ..aggregation import aggregate, build_strategy
 from ..aggregation.reference import all_peer_groups
+from ..checkpoint import Checkpointer
 from ..data import build_data
 from ..distributed.layout import plan_layout
 from ..distributed.state import DistributedState, build_state, read_env
 from ..models import build_model
 from ..observe import Observer
 from ..observe.timing import PhaseTimer, gather_phase_table
+from .fault import FaultInjector
+from .nonfinite import NonFiniteGuard
 from .parallelize import contiguous_shards, shard_model
 
 __all__ = ["train_worker", "facility_weights", "max_param_divergence"]
@@ -109,17 +112,23 @@ def _train(cfg: dict, state: DistributedState, run_dir: Path, started_at: float)
     strategy = build_strategy(model, state, cfg["strategy"])
     weights = facility_weights(cfg, state)
     peer_groups = all_peer_groups(state)
-    observer = Observer(cfg, state, run_dir)
-    timer = PhaseTimer(device)
     tokens_per_step = tcfg["batch_size"] * tcfg["seq_len"] * state.world_size
     # Row f holds facility f's mean loss per step (filled by this rank's facility share).
     losses = torch.zeros(state.num_facilities, steps, dtype=torch.float64)
-    rounds: list[dict] = []
+    ckpt = Checkpointer(cfg, state, run_dir, model, optimizer, scheduler)
+    restored = ckpt.restore(losses)  # None: a fresh start
+    start_step = restored["step"] if restored else 0
+    rounds: list[dict] = list(restored["rounds"]) if restored else []
+    observer = Observer(cfg, state, run_dir, restored)
+    fault = FaultInjector(cfg, state.rank)
+    guard = NonFiniteGuard(cfg, state, model, optimizer, ckpt.dir)
+    timer = PhaseTimer(device)
 
     dist.barrier()
     start = time.perf_counter()
     try:
-        for step in range(steps):
+        for step in range(start_step, steps):
+            fault.before_step(step + 1)
             with timer("data"):
                 inputs, targets = (t.to(device) for t in data.train_batch(step))
             with timer("forward"):
@@ -132,6 +141,7 @@ def _train(cfg: dict, state: DistributedState, run_dir: Path, started_at: float)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 scheduler.step()
+            fault.after_step(step + 1, model)
             facility_loss = loss.detach().double() / state.facility_size
             dist.all_reduce(facility_loss, group=state.facility_groups[0])
             losses[state.facility, step] = float(facility_loss)
@@ -141,15 +151,19 @@ def _train(cfg: dict, state: DistributedState, run_dir: Path, started_at: float)
                     # Ranks arrive at different times; the wait is charged to this phase
                     # (and shows as imbalance), the round's seconds time the exchange alone.
                     dist.barrier()
-                    result = aggregate(strategy, state, weights)
+                    round_weights, skipped = guard.weights_for_round(weights, len(rounds), step + 1)
+                    result = aggregate(strategy, state, round_weights)
                 record = {"round": len(rounds), "step": step + 1, "seconds": result.seconds,
-                          "bytes_per_rank": result.bytes_per_rank, "cross_facility_bytes": result.cross_facility_bytes}
+                          "bytes_per_rank": result.bytes_per_rank, "cross_facility_bytes": result.cross_facility_bytes,
+                          "skipped_facilities": skipped}
                 rounds.append(record)
                 observer.round(record)
+                ckpt.after_round(step + 1, rounds, losses, final=step + 1 == steps)
     except BaseException:
         observer.abort()
         raise
     train_seconds = time.perf_counter() - start
+    checkpoints = ckpt.close()
 
     eval_loss = _evaluate(model, data.eval_batches(), device)
     divergence = max_param_divergence(model, state, peer_groups)
@@ -159,7 +173,7 @@ def _train(cfg: dict, state: DistributedState, run_dir: Path, started_at: float)
             losses[f].zero_()
     losses /= state.facility_size
     dist.all_reduce(losses)
-    phases = gather_phase_table(timer, state, steps)
+    phases = gather_phase_table(timer, state, steps - start_step)
     # The slowest rank's aggregation time is the round's time.
     agg = torch.tensor([r["seconds"] for r in rounds], dtype=torch.float64)
     dist.all_reduce(agg, op=dist.ReduceOp.MAX)
@@ -189,7 +203,9 @@ def _train(cfg: dict, state: DistributedState, run_dir: Path, started_at: float)
         "aggregation_bytes_per_rank": [r["bytes_per_rank"] for r in rounds],
         "cross_facility_bytes_per_round": [r["cross_facility_bytes"] for r in rounds],
         "facility_losses": losses.tolist(),
-        "tokens_per_second": tokens_per_step * steps / train_seconds,
+        "skipped_facilities": [r["skipped_facilities"] for r in rounds],
+        "checkpoints": checkpoints,
+        "tokens_per_second": tokens_per_step * (steps - start_step) / train_seconds,
         "train_seconds": train_seconds,
         "phases": phases,
         "wall_seconds": time.time() - started_at,

@@ -62,6 +62,19 @@ def read_env(environ: Mapping[str, str] | None = None) -> ProcessEnv | None:
     return None
 
 
+def _attempt_store(env: ProcessEnv, timeout: timedelta):
+    """The elastic agent's store, with a prefix per restart attempt; ``None`` outside the agent.
+
+    The agent shares one TCP store across restarts: without a prefix, the workers of a
+    restarted attempt would read the previous attempt's (dead) peer addresses.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or env.master_addr is None or env.master_port is None:
+        return None
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    client = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"/xffl/attempt_{attempt}", client)
+
+
 @dataclass(frozen=True)
 class PeerExchange:
     """A cross-facility reduction this rank joins: the plan plus one group per stream."""
@@ -200,6 +213,7 @@ def build_state(
             world_size=env.world_size,
             timeout=timeout,
             device_id=device if backend == "nccl" else None,
+            store=_attempt_store(env, timeout),
         )
     coords = layout.coords(env.rank)
     me = env.rank

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 
 import torch
 
@@ -33,8 +34,10 @@ class FaultInjector:
     def before_step(self, step: int) -> None:
         """Start of step ``step`` (1-based)."""
         if self.kill and step == self.kill_step:
+            # The time lets a demo measure how long the job takes to notice (kill to exit).
+            print(f"fault: rank {os.environ.get('RANK', '?')} kills itself at step {step} (t={time.time():.3f})",
+                  file=sys.stderr, flush=True)
             sys.stdout.flush()
-            sys.stderr.flush()
             os.kill(os.getpid(), signal.SIGKILL)
 
     @torch.no_grad()

@@ -104,27 +104,70 @@ def _compose(overrides: list[str]) -> DictConfig:
         return compose(config_name="config", overrides=overrides)
 
 
+def _torchrun_run_dir(experiment: str) -> Path:
+    """``$XFFL_RUN_DIR``, else a new ``outputs/<experiment>/<stamp>-torchrun``; after an elastic
+    restart (torchrun ``--max-restarts``) the directory of the first attempt, found by run id."""
+    if os.environ.get("XFFL_RUN_DIR"):
+        return Path(os.environ["XFFL_RUN_DIR"]).resolve()
+    outputs = Path("outputs") / experiment
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run_id and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0 and outputs.is_dir():
+        for run in sorted(outputs.glob("*-torchrun"), reverse=True):
+            marker = run / ".torchelastic_run_id"
+            if marker.is_file() and marker.read_text().strip() == run_id:
+                return run.resolve()
+    run_dir = (outputs / f"{time.strftime('%Y-%m-%d_%H-%M-%S')}-torchrun").resolve()
+    if run_id:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / ".torchelastic_run_id").write_text(run_id + "\n")
+    return run_dir
+
+
+def _validate_here(overrides: list[str], env) -> dict:
+    """Compose, validate and resolve ``resume``; the plain config and the run directory."""
+    plain = resolve(_compose(overrides))
+    layout = validate_config(plain, env.world_size, env.local_world_size, Path.cwd())
+    run_dir = _torchrun_run_dir(plain["experiment"]) if env.rank == 0 else Path(".")
+    return plain, prepare_durability(plain, layout, run_dir) if env.rank == 0 else run_dir
+
+
 def run_under_launcher(overrides: list[str]) -> int:
-    """torchrun/srun path: rank 0 composes and validates, every rank trains."""
+    """torchrun/srun path: rank 0 composes and validates, every rank trains.
+
+    The first process of every node validates the config before joining the rendezvous:
+    in a job spanning sites, the site with a typo fails at once instead of leaving the
+    others waiting for it.
+    """
+    from datetime import timedelta
+
     import torch
     import torch.distributed as dist
 
-    from .distributed.state import read_env
+    from .distributed.state import elastic_store, read_env
     from .train.loop import train_worker
 
     started = time.time()
     env = read_env()
+    if env.master_addr is None or env.master_port is None:
+        print(f"error: RANK/WORLD_SIZE (or SLURM_PROCID/SLURM_NTASKS) are set but MASTER_ADDR/MASTER_PORT are not: "
+              f"unset them to let the job launch its own workers, or start it under torchrun/srun with a "
+              f"rendezvous address", file=sys.stderr)
+        return 2
+    if env.local_rank == 0 and env.rank != 0:
+        try:
+            _validate_here(overrides, env)
+        except Exception as exc:  # noqa: BLE001 - one line, before anyone waits on us
+            print(f"error: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}", file=sys.stderr)
+            return 2
     backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size)
+    dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size,
+                            store=elastic_store(env, timedelta(seconds=300)))
     payload: list = [None]
     if env.rank == 0:
         try:
-            plain = resolve(_compose(overrides))
-            validate_config(plain, env.world_size, env.local_world_size, Path.cwd())
-            stamp = time.strftime("%Y-%m-%d_%H-%M-%S")
-            run_dir = Path(os.environ.get("XFFL_RUN_DIR") or Path("outputs") / plain["experiment"] / f"{stamp}-torchrun")
-            _save_config(plain, run_dir.resolve())
-            payload = [(plain, str(run_dir.resolve()), None)]
+            plain, run_dir = _validate_here(overrides, env)
+            _save_config(plain, run_dir)
+            payload = [(plain, str(run_dir), None)]
         except Exception as exc:  # noqa: BLE001 - every rank must learn that the job is off
             payload = [(None, None, str(exc).splitlines()[0] if str(exc) else type(exc).__name__)]
     dist.broadcast_object_list(payload, src=0)

@@ -6,7 +6,6 @@ with one sentence naming the key, the value and the fix. Nothing here writes to 
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,12 +60,19 @@ def validate_durability(cfg: dict, world_size: int) -> None:
 
 
 def check_writable(path: Path, key: str) -> None:
-    """``path`` (or its nearest existing parent) is a directory this process may write to."""
-    probe = Path(path).absolute()
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    if not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK):
-        raise ValueError(f"{key}: {path} is not writable ({probe} is not a writable directory); choose another directory")
+    """Create ``path`` if needed and write (then remove) a probe file in it.
+
+    A real write, not ``os.access``: root passes every permission check, read-only and
+    pseudo file systems do not.
+    """
+    import tempfile
+
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".write-probe-"):
+            pass
+    except OSError as exc:
+        raise ValueError(f"{key}: {path} is not writable ({exc.strerror}); choose another directory") from None
 
 
 def _find(path: Path) -> tuple[Path, Path]:

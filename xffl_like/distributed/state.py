@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .layout import Coords, Exchange, Layout
 
-__all__ = ["ProcessEnv", "PeerExchange", "DistributedState", "read_env", "build_state"]
+__all__ = ["ProcessEnv", "PeerExchange", "DistributedState", "read_env", "build_state", "elastic_store"]
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ def read_env(environ: Mapping[str, str] | None = None) -> ProcessEnv | None:
     return None
 
 
-def _attempt_store(env: ProcessEnv, timeout: timedelta):
+def elastic_store(env: ProcessEnv, timeout: timedelta):
     """The elastic agent's store, with a prefix per restart attempt; ``None`` outside the agent.
 
     The agent shares one TCP store across restarts: without a prefix, the workers of a
@@ -213,7 +213,7 @@ def build_state(
             world_size=env.world_size,
             timeout=timeout,
             device_id=device if backend == "nccl" else None,
-            store=_attempt_store(env, timeout),
+            store=elastic_store(env, timeout),
         )
     coords = layout.coords(env.rank)
     me = env.rank

@@ -99,6 +99,18 @@ BAD = [
     (["strategy.only=[no_such_param*]"], "no_such_param"),
     (["strategy.only=[NoSuchModule]"], "NoSuchModule"),
     (["logger.name=foo"], "logger.name='foo'"),
+    (["checkpoint.keep=0"], "checkpoint.keep=0"),
+    (["checkpoint.every_rounds=-1"], "checkpoint.every_rounds=-1"),
+    (["checkpoint.async=maybe"], "checkpoint.async='maybe'"),
+    (["checkpoint.dir=/proc/no_such_dir"], "checkpoint.dir: /proc/no_such_dir is not writable"),
+    (["fault.kill_rank=9", "fault.at_step=3"], "fault.kill_rank=9"),
+    (["fault.kill_rank=1", "fault.at_step=0"], "fault.at_step=0"),
+    (["fault.nan_rank=1"], "set both"),
+    (["federation.on_nonfinite=ignore"], "federation.on_nonfinite='ignore'"),
+    (["distributed.max_restarts=-1"], "distributed.max_restarts=-1"),
+    (["resume=/no/such/run"], "resume=/no/such/run: no such directory"),
+    (["resume=/etc"], "resume=/etc: neither a run directory nor a checkpoint"),
+    (["resume=latest", "experiment=never_ran"], "resume=latest: no run of this experiment"),
 ]
 
 

@@ -102,11 +102,20 @@ def _find(path: Path) -> tuple[Path, Path]:
     return found, run_dir
 
 
-def _latest_run(outputs: Path, current: Path | None) -> Path:
-    """The newest run directory under ``outputs`` (one experiment's) that holds a complete checkpoint."""
+def _experiment_of(run: Path) -> str | None:
+    try:
+        from omegaconf import OmegaConf
+
+        return OmegaConf.load(run / "config.yaml").get("experiment")
+    except Exception:  # noqa: BLE001 - not a run directory
+        return None
+
+
+def _latest_run(outputs: Path, experiment: str, current: Path | None) -> Path:
+    """The newest run directory of ``experiment`` under ``outputs`` that holds a complete checkpoint."""
     runs = sorted((p for p in outputs.iterdir() if p.is_dir()), key=lambda p: p.name, reverse=True) if outputs.is_dir() else []
     for run in runs:
-        if current is not None and run.absolute() == current.absolute():
+        if current is not None and run.absolute() == current.absolute() or _experiment_of(run) != experiment:
             continue
         try:
             _find(run)
@@ -170,7 +179,7 @@ def resolve_resume(cfg: dict, layout, outputs: Path, current_run_dir: Path | Non
     if resume is None:
         return None
     if resume == "latest":
-        path = _latest_run(Path(outputs), current_run_dir)
+        path = _latest_run(Path(outputs), cfg["experiment"], current_run_dir)
     else:
         path = Path(resume).expanduser().absolute()
         if not path.exists():

@@ -19,7 +19,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable
 
-__all__ = ["WorkerFailure", "free_port", "launch_local", "worker_count_threads"]
+__all__ = ["WorkerFailure", "free_port", "launch_local", "loopback_store", "worker_count_threads"]
 
 
 class WorkerFailure(RuntimeError):
@@ -35,6 +35,26 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def loopback_store(port: int = 0, world_size: int | None = None, timeout_s: float = 300.0):
+    """A TCPStore server that listens on 127.0.0.1 only (TCPStore alone binds every interface).
+
+    Multi-tenant: a later ``TCPStore(..., port, is_master=True, multi_tenant=True)`` in this
+    process (the elastic rendezvous', the default process group's) reuses this server.
+    """
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", port))
+    sock.listen(512)
+    port = sock.getsockname()[1]
+    # detach(): the store owns the descriptor from now on (Python must not close it under it).
+    return dist.TCPStore("127.0.0.1", port, world_size, is_master=True, multi_tenant=True, wait_for_workers=False,
+                         timeout=timedelta(seconds=timeout_s), master_listen_fd=sock.detach()), port
 
 
 def worker_count_threads(nproc: int) -> int:
@@ -104,13 +124,18 @@ def launch_local(
     err_dir = Path(error_dir) if error_dir is not None else Path(tempfile.mkdtemp(prefix="xffl-errors-"))
     threads = threads_per_worker or worker_count_threads(nproc)
     os.environ["OMP_NUM_THREADS"] = str(threads)
+    # Listen on loopback only: the rendezvous store is ours (bound to 127.0.0.1, reused by the
+    # agent), and the agent does not share its own store (which would bind every interface):
+    # worker rank 0 hosts the process group's store instead, on loopback too (distributed.state).
+    rdzv_store, rdzv_port = loopback_store()
+    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
         nproc_per_node=nproc,
         run_id=f"xffl-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d",
-        rdzv_endpoint=f"127.0.0.1:{free_port()}",
+        rdzv_endpoint=f"127.0.0.1:{rdzv_port}",
         rdzv_configs={"timeout": 120},
         max_restarts=max_restarts,
         monitor_interval=0.1,
@@ -134,4 +159,5 @@ def launch_local(
     finally:
         for lg, level in zip(quiet, levels):
             lg.setLevel(level)
+        del rdzv_store
     return [results[r] for r in sorted(results)]

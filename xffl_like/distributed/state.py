@@ -63,16 +63,25 @@ def read_env(environ: Mapping[str, str] | None = None) -> ProcessEnv | None:
 
 
 def elastic_store(env: ProcessEnv, timeout: timedelta):
-    """The elastic agent's store, with a prefix per restart attempt; ``None`` outside the agent.
+    """The store of the default process group, or ``None`` for torch's default (``env://``).
 
-    The agent shares one TCP store across restarts: without a prefix, the workers of a
-    restarted attempt would read the previous attempt's (dead) peer addresses.
+    - Under an elastic agent that shares its store (torchrun's default), a prefix per restart
+      attempt: the store outlives attempts, and a restarted worker would otherwise read the
+      dead attempt's peer addresses.
+    - With a loopback rendezvous address, rank 0 hosts the store listening on 127.0.0.1 only
+      (torch's own server binds every interface).
     """
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or env.master_addr is None or env.master_port is None:
+    if env.master_addr is None or env.master_port is None:
         return None
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    client = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=False, timeout=timeout)
-    return dist.PrefixStore(f"/xffl/attempt_{attempt}", client)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        client = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=False, timeout=timeout)
+        return dist.PrefixStore(f"/xffl/attempt_{attempt}", client)
+    if env.rank == 0 and env.master_addr in ("127.0.0.1", "localhost"):
+        from .launch import loopback_store
+
+        return loopback_store(env.master_port, env.world_size, timeout.total_seconds())[0]
+    return None
 
 
 @dataclass(frozen=True)

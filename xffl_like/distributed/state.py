@@ -77,10 +77,14 @@ def elastic_store(env: ProcessEnv, timeout: timedelta):
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         client = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=False, timeout=timeout)
         return dist.PrefixStore(f"/xffl/attempt_{attempt}", client)
-    if env.rank == 0 and env.master_addr in ("127.0.0.1", "localhost"):
+    if env.master_addr in ("127.0.0.1", "localhost"):
         from .launch import loopback_store
 
-        return loopback_store(env.master_port, env.world_size, timeout.total_seconds())[0]
+        if env.rank == 0:
+            store = loopback_store(env.master_port, env.world_size, timeout.total_seconds())[0]
+        else:
+            store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=False, timeout=timeout)
+        return dist.PrefixStore("default_pg", store)  # the prefix torch's env:// path uses
     return None
 
 

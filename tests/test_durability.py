@@ -47,7 +47,13 @@ def final_tensors(run_dir: Path) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
     ckpt = latest_checkpoint(run_dir / "checkpoints")
-    return _load_state_dict_from_keys(storage_reader=SafeFileSystemReader(str(ckpt)))
+    nested = _load_state_dict_from_keys(storage_reader=SafeFileSystemReader(str(ckpt)))
+
+    def flat(node, prefix=""):
+        for key, value in node.items():
+            yield from flat(value, f"{prefix}{key}.") if isinstance(value, dict) else [(f"{prefix}{key}", value)]
+
+    return dict(flat(nested))
 
 
 def assert_same_run(resumed: Path, reference: Path) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -69,7 +70,9 @@ class Observer:
         if self.facility_lead:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         self.rounds: list[dict] = [self._complete(r) for r in restored["rounds"]] if restored else []
-        if restored:
+        # A resumed job, or an elastic restart (even one before any checkpoint), redoes the steps
+        # after its starting point: their lines from the failed attempt go.
+        if restored or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
             if self.lead:
                 truncate_metrics(self.run_dir / "metrics.jsonl", self.first_step)
             import torch.distributed as dist

@@ -124,6 +124,7 @@ class Checkpointer:
         self.blocked_seconds: list[float] = []  # per save: how long training waited
         self.write_seconds: list[float] = []  # rank 0, per save: start to published
         self.restored_from: str | None = None
+        self.wandb_ids: list[str] | None = None  # from the checkpoint a resumed job starts from
         if self.lead:
             self.dir.mkdir(parents=True, exist_ok=True)
             remove_stale(self.dir)
@@ -139,11 +140,6 @@ class Checkpointer:
                 return found
         resume = self.cfg.get("resume")
         return Path(resume) if resume else None
-
-    def read_restored_state(self) -> dict | None:
-        """``state.json`` of :meth:`source` (cheap, no collectives), or ``None`` for a fresh start."""
-        path = self.source()
-        return None if path is None else read_state(path)
 
     # ------------------------------------------------------------------ state dicts
     def _state_dicts(self) -> tuple[dict, dict]:
@@ -174,8 +170,6 @@ class Checkpointer:
             "config": self.cfg,
             "saved_at": time.time(),
         }
-
-    wandb_ids: list[str] | None = None
 
     # ------------------------------------------------------------------ restore
     def restore(self, losses: torch.Tensor) -> dict | None:

@@ -48,6 +48,9 @@ def test_bench_rejects_bad_input_before_launching(tmp_path):
     assert not (tmp_path / "bench.json").exists()
     proc = bench(tmp_path, "model=llama_tiny", "distributed.federated=null")
     assert proc.returncode == 2 and "needs at least 2 facilities" in proc.stderr
+    proc = bench(tmp_path, "model=llama_tiny", "distributed.backend=nccl", "bench.collective=exchange")
+    assert proc.returncode == 2 and proc.stderr.count("bench.collective=exchange is for gloo; on nccl use") == 1
+    assert "Traceback" not in proc.stderr
 
 
 def _tiny_param_counts():

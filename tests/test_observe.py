@@ -23,6 +23,7 @@ from xffl_like.observe.progress import Progress, steps_to_aggregation
 from xffl_like.observe.timing import PHASES, format_phase_table, phase_stats
 
 ROOT = Path(__file__).resolve().parents[1]
+EVAL = {"eval/loss_local": [2, 3, 4], "eval/loss_global": [2, 4]}
 TINY = ["train.steps=4", "federation.every=2", "train.seq_len=32", "train.batch_size=2", "distributed.nproc_per_node=2"]
 CONTROL = re.compile(r"\r|\x1b\[")
 
@@ -82,7 +83,7 @@ def read_wandb_run(run_dir: Path) -> dict:
 def tiny_job(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("job") / "tiny"
     proc = run_cli(["+experiment=llama_fed", *TINY, "distributed.federated=1", "logger=wandb", "train.log_every=1",
-                    f"hydra.run.dir={run_dir}"])
+                    "train.eval_every=3", f"hydra.run.dir={run_dir}"])
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc, run_dir
 
@@ -92,7 +93,17 @@ def test_local_files(tiny_job):
     summary = json.loads((run_dir / "summary.json").read_text())
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert sorted((m["step"], m["facility"]) for m in lines) == [(s, f) for s in range(1, 5) for f in range(2)]
-    assert all(set(m) == {"step", "facility", "loss", "lr", "tokens_per_s"} for m in lines)
+    assert all(set(m) - set(EVAL) == {"step", "facility", "loss", "lr", "tokens_per_s"} for m in lines)
+    # Eval of the local model every 3 steps and before each round (steps 2, 4), of the averaged one after.
+    for key, steps in EVAL.items():
+        assert sorted((m["step"], m["facility"]) for m in lines if key in m) == [(s, f) for s in steps for f in range(2)]
+    history = {(e["step"], f): (e["loss_local"][f], e["loss_global"] and e["loss_global"][f])
+               for e in summary["eval_history"] for f in range(2)}
+    assert {(m["step"], m["facility"]): (m["eval/loss_local"], m.get("eval/loss_global"))
+            for m in lines if "eval/loss_local" in m} == history
+    # After the last round both facilities hold one model: the mean of their held-out losses is the job's eval_loss.
+    last = [m["eval/loss_global"] for m in lines if m["step"] == 4]
+    assert sum(last) / 2 == pytest.approx(summary["eval_loss"], rel=1e-9)
     assert [m["loss"] for m in lines if m["facility"] == 1] == pytest.approx(summary["facility_losses"][1])
     with open(run_dir / "aggregation.csv", newline="") as fh:
         rows = list(csv.DictReader(fh))
@@ -153,6 +164,7 @@ def test_wandb_offline_runs(tiny_job):
             expected = {f"aggregation/{k}" for k in ("round", "seconds", "bytes_per_rank", "cross_facility_bytes",
                                                     "algbw_gbps", "busbw_gbps", "strategy", "streams")}
             assert agg == (expected if step % 2 == 0 else set()), (step, agg)
+            assert {k for k in row if k.startswith("eval/")} == {k for k, steps in EVAL.items() if step in steps}
         assert run["history"][4]["aggregation/strategy"] == "fused"
     summary = json.loads((run_dir / "summary.json").read_text())
     assert [runs[f]["history"][s]["train/loss"] for f in range(2) for s in range(1, 5)] == pytest.approx(

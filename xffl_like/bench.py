@@ -73,6 +73,13 @@ def _validate(plain: dict) -> list[dict]:
 
     if bench.get("collective") not in (None, *COLLECTIVES):
         raise BenchFailed(f"bench.collective={bench.get('collective')!r}: use null or one of {list(COLLECTIVES)}")
+    from .aggregation import check_collective
+    from .distributed.state import resolve_backend
+
+    try:
+        check_collective(bench.get("collective"), resolve_backend(dcfg.get("backend", "auto")), "bench.collective")
+    except ValueError as exc:
+        raise BenchFailed(str(exc)) from None
     if bench.get("dtype") not in DTYPES:
         raise BenchFailed(f"bench.dtype={bench.get('dtype')!r}: use one of {list(DTYPES)}")
     nproc = dcfg.get("nproc_per_node")

@@ -7,7 +7,7 @@ value and how to fix it. Hydra itself rejects unknown keys and groups at compose
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 from .distributed.layout import Layout, plan_layout
 
@@ -55,37 +55,64 @@ def _check_weights(spec: Any, num_facilities: int) -> None:
     )
 
 
-def validate_config(cfg: dict, world_size: int, local_world_size: int | None, base_dir: Path) -> Layout:
+_WANDB_MODES = (None, "offline", "online", "disabled")
+
+
+def _check_logger(cfg: dict) -> None:
+    from .observe.observer import LOGGERS
+
+    lcfg = cfg.get("logger") or {}
+    logger = lcfg.get("name", "none")
+    if logger not in LOGGERS:
+        raise ConfigError(f"logger.name={logger!r}: use one of {', '.join(LOGGERS)} (e.g. logger=none)")
+    if logger != "wandb":
+        return
+    if lcfg.get("mode") not in _WANDB_MODES:
+        raise ConfigError(f"logger.mode={lcfg.get('mode')!r}: use null ($WANDB_MODE, else offline), offline, online or disabled")
+    for key in ("project", "entity", "group"):
+        if lcfg.get(key) is not None and not isinstance(lcfg.get(key), str):
+            raise ConfigError(f"logger.{key}={lcfg.get(key)!r}: must be a string{'' if key == 'project' else ' or null'}")
+    tags = lcfg.get("tags", [])
+    if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
+        raise ConfigError(f"logger.tags={tags!r}: must be a list of strings (e.g. logger.tags=[a,b])")
+
+
+def validate_config(
+    cfg: dict, world_size: int, local_world_size: int | None, base_dir: Path, choices: Mapping[str, Any] | None = None
+) -> Layout:
     """Check ``cfg`` (a resolved plain dict) for a job of ``world_size`` processes.
 
     Resolves relative data paths against ``base_dir`` in place, so that workers read
-    the files the user named wherever they run. Returns the planned layout.
+    the files the user named wherever they run. ``choices`` (Hydra's group -> option of
+    this composition) enables the unknown-key check of :mod:`.config_keys`. Returns the
+    planned layout.
     """
     from .aggregation import validate_strategy_options
+    from .config_keys import check_known_keys
     from .data import resolve_paths, validate_data
     from .models import LlamaConfig, build_model
+    from .train.optim import OptimConfig
+    from .train.step import TrainConfig
 
+    if choices is not None:
+        try:
+            check_known_keys(cfg, choices, Path(__file__).resolve().parents[1] / "conf")
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
     _positive_int(cfg, "distributed.nproc_per_node")
     _positive_int(cfg, "distributed.timeout_s")
     for key in ("federation.every", "train.steps", "train.batch_size", "train.seq_len", "train.log_every"):
         _positive_int(cfg, key)
-    _positive_float(cfg, "optim.lr")
-    _positive_float(cfg, "optim.weight_decay", allow_zero=True)
-    _positive_float(cfg, "optim.grad_clip", allow_zero=True)
-    if _get(cfg, "optim.warmup_steps") < 0:
-        raise ConfigError(f"optim.warmup_steps={cfg['optim']['warmup_steps']!r}: must be >= 0")
-    if _get(cfg, "train.dtype") not in ("float32", "bfloat16"):
-        raise ConfigError(f"train.dtype={cfg['train']['dtype']!r}: use float32 or bfloat16")
+    try:
+        OptimConfig.from_mapping(_get(cfg, "optim"))
+        TrainConfig.from_mapping(_get(cfg, "train"))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     if _get(cfg, "distributed.backend") not in ("auto", "gloo", "nccl"):
         raise ConfigError(f"distributed.backend={cfg['distributed']['backend']!r}: use auto, gloo or nccl")
     if not isinstance(cfg.get("seed"), int) or isinstance(cfg.get("seed"), bool):
         raise ConfigError(f"seed={cfg.get('seed')!r}: must be an integer")
-
-    from .observe.observer import LOGGERS
-
-    logger = (cfg.get("logger") or {}).get("name", "none")
-    if logger not in LOGGERS:
-        raise ConfigError(f"logger.name={logger!r}: use one of {', '.join(LOGGERS)} (e.g. logger=none)")
+    _check_logger(cfg)
     dist_cfg = cfg["distributed"]
     try:
         layout = plan_layout(world_size, dist_cfg["federated"], dist_cfg["hsdp"], local_world_size)

@@ -30,9 +30,18 @@ class JobFailed(RuntimeError):
 
 def resolve(cfg: DictConfig) -> dict:
     """The plain, resolved config that workers receive (no Hydra node)."""
-    plain = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
-    plain.pop("hydra", None)
-    return plain
+    if "hydra" in cfg:  # composed with return_hydra_config: Hydra's node is not the job's
+        cfg = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"])
+    return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+
+
+def choices(cfg: DictConfig) -> dict | None:
+    """Hydra's group -> option of this composition (from ``cfg.hydra`` or the running Hydra app)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if "hydra" in cfg:
+        return OmegaConf.to_container(cfg.hydra.runtime.choices)
+    return dict(HydraConfig.get().runtime.choices) if HydraConfig.initialized() else None
 
 
 def _save_config(plain: dict, run_dir: Path) -> None:
@@ -73,7 +82,7 @@ def run_local(cfg: DictConfig, run_dir: Path, worker: Callable | None = None) ->
     plain = resolve(cfg)
     nproc = plain["distributed"]["nproc_per_node"]
     try:
-        layout = validate_config(plain, nproc, nproc, Path.cwd())
+        layout = validate_config(plain, nproc, nproc, Path.cwd(), choices(cfg))
     except ConfigError as exc:
         raise JobFailed(str(exc)) from None
     fresh, run_dir = run_dir, prepare_durability(plain, layout, run_dir)
@@ -101,7 +110,7 @@ def _compose(overrides: list[str]) -> DictConfig:
     from hydra import compose, initialize_config_dir
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        return compose(config_name="config", overrides=overrides)
+        return compose(config_name="config", overrides=overrides, return_hydra_config=True)
 
 
 def _torchrun_run_dir(experiment: str) -> Path:
@@ -125,8 +134,9 @@ def _torchrun_run_dir(experiment: str) -> Path:
 
 def _validate_here(overrides: list[str], env) -> dict:
     """Compose, validate and resolve ``resume``; the plain config and the run directory."""
-    plain = resolve(_compose(overrides))
-    layout = validate_config(plain, env.world_size, env.local_world_size, Path.cwd())
+    composed = _compose(overrides)
+    plain = resolve(composed)
+    layout = validate_config(plain, env.world_size, env.local_world_size, Path.cwd(), choices(composed))
     run_dir = _torchrun_run_dir(plain["experiment"]) if env.rank == 0 else Path(".")
     return plain, prepare_durability(plain, layout, run_dir) if env.rank == 0 else run_dir
 
@@ -138,12 +148,9 @@ def run_under_launcher(overrides: list[str]) -> int:
     in a job spanning sites, the site with a typo fails at once instead of leaving the
     others waiting for it.
     """
-    from datetime import timedelta
-
-    import torch
     import torch.distributed as dist
 
-    from .distributed.state import elastic_store, read_env
+    from .distributed.state import init_default_group, read_env
     from .train.loop import train_worker
 
     started = time.time()
@@ -159,9 +166,9 @@ def run_under_launcher(overrides: list[str]) -> int:
         except Exception as exc:  # noqa: BLE001 - one line, before anyone waits on us
             print(f"error: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}", file=sys.stderr)
             return 2
-    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size,
-                            store=elastic_store(env, timedelta(seconds=300)))
+    # The config is not known yet: the device and groups follow ``auto``; build_state applies
+    # distributed.timeout_s to this group once rank 0 has shared the config.
+    init_default_group(env, "auto")
     payload: list = [None]
     if env.rank == 0:
         try:

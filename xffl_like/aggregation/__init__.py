@@ -4,7 +4,7 @@
     result = aggregate(strategy, state, weights)               # every round
 """
 
-from .builders import STRATEGIES, StrategyOptions, build_strategy, validate_strategy_options
+from .builders import STRATEGIES, StrategyOptions, build_strategy, check_collective, validate_strategy_options
 from .executor import AggregationResult, aggregate
 from .reference import ReferenceAverage, facility_scale
 from .strategy import Communication, Strategy
@@ -18,6 +18,7 @@ __all__ = [
     "StrategyOptions",
     "aggregate",
     "build_strategy",
+    "check_collective",
     "facility_scale",
     "validate_strategy_options",
 ]

@@ -24,6 +24,7 @@ from .strategy import COLLECTIVES, MODES, Communication, Strategy, parts
 
 __all__ = [
     "Segment",
+    "check_collective",
     "StrategyOptions",
     "BUILDERS",
     "STRATEGIES",
@@ -356,6 +357,14 @@ def cut_chunks(locals_: Sequence[tuple[int, torch.Tensor]], num_chunks: int) -> 
 
 
 # ----------------------------------------------------------------------------- build
+def check_collective(collective: str | None, backend: str, key: str = "collective") -> None:
+    """Refuse ``exchange`` on nccl with one line. The exchange is gloo's remedy (one message per
+    peer instead of a ring synchronised per segment, no AVG needed); NCCL's all-reduce has AVG
+    and PREMUL_SUM built in, and the exchange's point-to-point path is not exercised there."""
+    if collective == "exchange" and backend == "nccl":
+        raise ValueError(f"{key}=exchange is for gloo; on nccl use {key}=all_reduce (or null: the backend's default)")
+
+
 def build_strategy(model: nn.Module, state, options: Mapping[str, Any], *, collective: str | None = None) -> Strategy:
     """Plan the aggregation of ``model`` (already FSDP-wrapped) for this rank.
 
@@ -369,6 +378,7 @@ def build_strategy(model: nn.Module, state, options: Mapping[str, Any], *, colle
         collective = "exchange" if state.backend == "gloo" else "all_reduce"
     if collective not in COLLECTIVES:
         raise ValueError(f"collective={collective!r}: valid collectives are {list(COLLECTIVES)}")
+    check_collective(collective, state.backend)
     if opts.streams > state.num_streams:
         raise ValueError(
             f"strategy.streams={opts.streams} but the DistributedState has {state.num_streams} stream(s): "

@@ -23,6 +23,7 @@ every rank's part is written. Old checkpoints beyond ``checkpoint.keep`` are del
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -213,12 +214,14 @@ class Checkpointer:
         return saved
 
     # ------------------------------------------------------------------ save
-    def after_round(self, step: int, rounds: list[dict], losses: torch.Tensor, final: bool = False) -> None:
-        """Called by every rank after each aggregation round (``step`` steps done)."""
+    def after_round(self, step: int, rounds: list[dict], losses: torch.Tensor, final: bool = False,
+                    records: dict | None = None) -> None:
+        """Called by every rank after each aggregation round (``step`` steps done); ``records``:
+        other JSON lists of the run so far (kept in ``state.json``, returned by :meth:`restore`)."""
         if final or (len(rounds) % self.every == 0):
-            self.save(step, rounds, losses)
+            self.save(step, rounds, losses, records)
 
-    def save(self, step: int, rounds: list[dict], losses: torch.Tensor) -> None:
+    def save(self, step: int, rounds: list[dict], losses: torch.Tensor, records: dict | None = None) -> None:
         """Write a checkpoint of the state after ``step`` steps (sync or async)."""
         if step == self.saved_step:
             return
@@ -233,6 +236,8 @@ class Checkpointer:
         final = self.dir / checkpoint_name(step)
         tmp = self.dir / f".tmp-{final.name}"
         meta = self._json_state(step, [dict(r) for r in rounds], optim_sd["param_groups"]) if self.lead else None
+        if meta is not None:
+            meta["records"] = json.loads(json.dumps(records or {}))  # a snapshot: the lists keep growing
         writer = dcp.FileSystemWriter(str(tmp))
         if self.use_async:
             if self.lead:

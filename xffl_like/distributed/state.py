@@ -19,7 +19,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .layout import Coords, Exchange, Layout
 
-__all__ = ["ProcessEnv", "PeerExchange", "DistributedState", "read_env", "build_state", "elastic_store"]
+__all__ = ["ProcessEnv", "PeerExchange", "DistributedState", "read_env", "build_state", "resolve_backend",
+           "group_backend", "init_default_group", "elastic_store"]
 
 
 @dataclass(frozen=True)
@@ -187,6 +188,48 @@ class DistributedState:
         return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
+def resolve_backend(backend: str, cuda_available: bool | None = None) -> str:
+    """The device backend of ``distributed.backend``: ``auto`` is nccl where CUDA is available, else gloo."""
+    if backend != "auto":
+        return backend
+    if cuda_available is None:
+        cuda_available = torch.cuda.is_available()
+    return "nccl" if cuda_available else "gloo"
+
+
+def group_backend(backend: str) -> str:
+    """The backend string of every process group for device backend ``backend``.
+
+    On nccl the groups also get gloo for CPU tensors: the loss table, the round times and the
+    phase table are small CPU tensors, which an nccl-only group cannot reduce.
+    """
+    return "cpu:gloo,cuda:nccl" if backend == "nccl" else backend
+
+
+def init_default_group(env: ProcessEnv, backend: str = "auto", timeout_s: float = 300.0) -> torch.device:
+    """Set this process's device, then initialise the default process group; return the device.
+
+    The device is set first so that NCCL's communicators bind to this rank's GPU (not GPU 0).
+    """
+    backend = resolve_backend(backend)
+    device = torch.device("cuda", env.local_rank) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if env.master_addr is not None:
+        os.environ.setdefault("MASTER_ADDR", env.master_addr)
+    if env.master_port is not None:
+        os.environ.setdefault("MASTER_PORT", str(env.master_port))
+    dist.init_process_group(
+        backend=group_backend(backend),
+        rank=env.rank,
+        world_size=env.world_size,
+        timeout=timedelta(seconds=timeout_s),
+        device_id=device if device.type == "cuda" else None,
+        store=elastic_store(env, timedelta(seconds=timeout_s)),
+    )
+    return device
+
+
 def _new_groups(ranks: tuple[int, ...], num_streams: int, backend: str, timeout: timedelta):
     # Every rank must call new_group for every group, in the same order.
     return tuple(dist.new_group(list(ranks), backend=backend, timeout=timeout) for _ in range(num_streams))
@@ -207,43 +250,32 @@ def build_state(
         )
     if num_streams < 1:
         raise ValueError(f"strategy.streams={num_streams}: need at least one stream")
-    if backend == "auto":
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        device = torch.device("cuda", env.local_rank)
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
+    backend = resolve_backend(backend)
     timeout = timedelta(seconds=timeout_s)
     if not dist.is_initialized():
-        if env.master_addr is not None:
-            os.environ.setdefault("MASTER_ADDR", env.master_addr)
-        if env.master_port is not None:
-            os.environ.setdefault("MASTER_PORT", str(env.master_port))
-        dist.init_process_group(
-            backend=backend,
-            rank=env.rank,
-            world_size=env.world_size,
-            timeout=timeout,
-            device_id=device if backend == "nccl" else None,
-            store=elastic_store(env, timeout),
-        )
+        device = init_default_group(env, backend, timeout_s)
+    else:  # under torchrun the group exists (made before the config was known): apply the timeout now
+        device = torch.device("cuda", env.local_rank) if backend == "nccl" else torch.device("cpu")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.distributed_c10d._set_pg_timeout(timeout)
+    pg_backend = group_backend(backend)
     coords = layout.coords(env.rank)
     me = env.rank
 
     # Shard groups (one FSDP sharding) and replica groups (same shard, all replicas).
     shard_groups, replica_groups, facility_groups = {}, {}, {}
     for f in range(layout.num_facilities):
-        facility_groups[f] = _new_groups(layout.facility_ranks(f), num_streams, backend, timeout)
+        facility_groups[f] = _new_groups(layout.facility_ranks(f), num_streams, pg_backend, timeout)
         for r in range(layout.replicas[f]):
-            shard_groups[(f, r)] = _new_groups(layout.shard_group_ranks(f, r), 1, backend, timeout)
+            shard_groups[(f, r)] = _new_groups(layout.shard_group_ranks(f, r), 1, pg_backend, timeout)
         for s in range(layout.shard_size):
-            replica_groups[(f, s)] = _new_groups(layout.replica_group_ranks(f, s), num_streams, backend, timeout)
+            replica_groups[(f, s)] = _new_groups(layout.replica_group_ranks(f, s), num_streams, pg_backend, timeout)
 
     def exchanges(plan: tuple[Exchange, ...]) -> tuple[PeerExchange, ...]:
         out = []
         for ex in plan:
-            groups = _new_groups(ex.ranks, num_streams, backend, timeout)
+            groups = _new_groups(ex.ranks, num_streams, pg_backend, timeout)
             if me in ex.ranks:
                 out.append(PeerExchange(ex, groups))
         return tuple(out)

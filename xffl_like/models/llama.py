@@ -13,6 +13,9 @@ from typing import Any, Mapping
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from .loss import chunked_cross_entropy
 
 try:  # FSDP2 turns parameters into DTensors; init_weights fills only the local shard.
     from torch.distributed.tensor import DTensor
@@ -169,7 +172,12 @@ class Llama(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None, *,
+                loss_chunk: int | None = None, checkpoint_layers: bool = False) -> torch.Tensor:
+        """Logits ``[B, T, vocab]``; with ``targets``, the mean cross-entropy instead, the head
+        applied ``loss_chunk`` positions at a time (see :mod:`.loss`). Computing the loss here,
+        inside ``forward``, keeps the head's parameters gathered by FSDP2 for its chunks.
+        ``checkpoint_layers`` recomputes each block's activations in the backward pass."""
         T = tokens.shape[1]
         if T > self.cfg.max_seq_len:
             raise ValueError(f"Sequence length {T} exceeds model.max_seq_len={self.cfg.max_seq_len}; "
@@ -177,7 +185,16 @@ class Llama(nn.Module):
         h = self.tok_embeddings(tokens)
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]
         for layer in self.layers:
-            h = layer(h, cos, sin)
+            if checkpoint_layers and torch.is_grad_enabled():
+                h = checkpoint(layer, h, cos, sin, use_reentrant=False)
+            else:
+                h = layer(h, cos, sin)
+        if targets is not None:
+            return chunked_cross_entropy(self._head, h, targets, loss_chunk or T)
+        return self._head(h)
+
+    def _head(self, h: torch.Tensor) -> torch.Tensor:
+        """Final norm and output projection."""
         h = self.norm(h)
         if self.output is None:  # tied: reuse the embedding matrix as the head
             return F.linear(h, self.tok_embeddings.weight)

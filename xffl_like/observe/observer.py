@@ -97,15 +97,23 @@ class Observer:
             ids = (restored or {}).get("wandb_ids") or []
             self.wandb = WandbLogger(cfg, state, self.run_dir, ids[state.facility] if state.facility < len(ids) else None)
 
-    def step(self, step: int, loss: float, lr: float, tokens_per_step: int, elapsed: float) -> None:
-        """After optimizer step ``step`` (0-based): ``loss`` is this facility's mean loss."""
+    def step(self, step: int, loss: float, lr: float, tokens_per_step: int, elapsed: float,
+             evals: dict | None = None) -> None:
+        """After optimizer step ``step`` (0-based): ``loss`` is this facility's mean loss.
+
+        ``evals`` (when the step evaluated) holds ``loss_local`` and ``loss_global``: per
+        facility lists, or ``None``; this facility's values are logged as ``eval/loss_local``
+        and ``eval/loss_global``.
+        """
         done = step + 1
         tokens_per_s = tokens_per_step * (done - self.first_step) / max(elapsed, 1e-9)
+        extra = {f"eval/{k}": evals[k][self.state.facility] for k in ("loss_local", "loss_global")
+                 if evals is not None and evals.get(k) is not None}
         if self._metrics is not None:
             line = {"step": done, "facility": self.state.facility, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_s}
-            self._metrics.write(json.dumps(line) + "\n")
+            self._metrics.write(json.dumps({**line, **extra}) + "\n")
         if self.wandb is not None:
-            self.wandb.step(done, loss, lr, tokens_per_s)
+            self.wandb.step(done, loss, lr, tokens_per_s, extra)
         if self.progress is not None:
             self.progress.step(done, loss, tokens_per_s)
 

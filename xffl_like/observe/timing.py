@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections import deque
 from contextlib import contextmanager
 
 import torch
@@ -18,24 +19,59 @@ MAX_RANK_ROWS = 16
 
 
 class PhaseTimer:
-    """Accumulates wall seconds per phase; on CUDA it synchronises at phase edges so
-    that asynchronous kernels are charged to the phase that launched them."""
+    """Accumulates seconds per phase.
 
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.seconds = dict.fromkeys(PHASES, 0.0)
+    On CPU: wall seconds (``clock``). On CUDA: a pair of timing events recorded on the
+    current stream at each phase's edges, so kernels are charged to the phase that launched
+    them without stalling the host at every edge (a synchronise per phase would serialise
+    the CPU's run-ahead with the GPU and itself slow the step). Finished pairs are folded
+    in without blocking as later phases end; :attr:`seconds` waits for the rest.
+    ``event`` (a factory of objects with CUDA events' ``record``, ``query``,
+    ``synchronize`` and ``elapsed_time``) is for tests.
+    """
+
+    def __init__(self, device: torch.device, *, clock=time.perf_counter, event=None):
+        self.device = torch.device(device)
+        self._clock = clock
+        self._event = None
+        if self.device.type == "cuda":
+            self._event = event or (lambda: torch.cuda.Event(enable_timing=True))
+        self._seconds = dict.fromkeys(PHASES, 0.0)
+        self._pending: deque = deque()  # (phase, start event, end event), oldest first
 
     @contextmanager
     def __call__(self, phase: str):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        start = time.perf_counter()
+        if self._event is None:
+            start = self._clock()
+            try:
+                yield
+            finally:
+                self._seconds[phase] += self._clock() - start
+            return
+        begin, end = self._event(), self._event()
+        begin.record()
         try:
             yield
         finally:
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            self.seconds[phase] += time.perf_counter() - start
+            end.record()
+            self._pending.append((phase, begin, end))
+            self._fold(block=False)
+
+    def _fold(self, block: bool) -> None:
+        while self._pending:
+            phase, begin, end = self._pending[0]
+            if block:
+                end.synchronize()
+            elif not end.query():
+                return
+            self._seconds[phase] += begin.elapsed_time(end) / 1e3  # ms -> s
+            self._pending.popleft()
+
+    @property
+    def seconds(self) -> dict[str, float]:
+        """Seconds per phase so far (on CUDA: waits for the phases still in flight)."""
+        self._fold(block=True)
+        return dict(self._seconds)
 
 
 def phase_stats(per_rank: dict[str, dict[str, float]]) -> dict:
@@ -63,7 +99,8 @@ def gather_phase_table(timer: PhaseTimer, state, steps: int) -> dict:
     Returns ``per_rank_seconds_per_step`` (rank -> phase -> seconds per step) and, per
     phase and for ``total``, the statistics of :func:`phase_stats`.
     """
-    mine = torch.tensor([timer.seconds[p] for p in PHASES], dtype=torch.float64)
+    seconds = timer.seconds
+    mine = torch.tensor([seconds[p] for p in PHASES], dtype=torch.float64)
     table = [torch.zeros_like(mine) for _ in range(state.world_size)]
     dist.all_gather(table, mine)
     per_rank = torch.stack(table) / max(steps, 1)  # seconds per step, [ranks, phases]

@@ -87,8 +87,9 @@ class WandbLogger:
             settings=wandb.Settings(silent=True, disable_git=True, disable_code=True, save_code=False, console="off"),
         )
 
-    def step(self, step: int, loss: float, lr: float, tokens_per_s: float) -> None:
-        self.run.log({"train/loss": loss, "train/lr": lr, "train/tokens_per_s": tokens_per_s}, step=step)
+    def step(self, step: int, loss: float, lr: float, tokens_per_s: float, extra: dict | None = None) -> None:
+        """``extra``: further keys of this step, e.g. ``eval/loss_local`` and ``eval/loss_global``."""
+        self.run.log({"train/loss": loss, "train/lr": lr, "train/tokens_per_s": tokens_per_s, **(extra or {})}, step=step)
 
     def round(self, record: dict) -> None:
         keys = ("round", "seconds", "bytes_per_rank", "cross_facility_bytes", "algbw_gbps", "busbw_gbps", "strategy", "streams")

@@ -13,7 +13,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from ..aggregation import aggregate, build_strategy
 from ..aggregation.reference import all_peer_groups
@@ -24,9 +23,12 @@ from ..distributed.state import DistributedState, build_state, read_env
 from ..models import build_model
 from ..observe import Observer
 from ..observe.timing import PhaseTimer, gather_phase_table
+from .evaluate import eval_points, evaluate, facility_eval
+from .optim import OptimConfig, build_optimizer, build_scheduler
 from .fault import FaultInjector
 from .nonfinite import NonFiniteGuard
 from .parallelize import contiguous_shards, shard_model
+from .step import TrainConfig, accumulate_gradients
 
 __all__ = ["train_worker", "facility_weights", "max_param_divergence"]
 
@@ -61,25 +63,6 @@ def max_param_divergence(model: torch.nn.Module, state: DistributedState, peer_g
     return float(worst)
 
 
-def _lr_lambda(warmup: int):
-    return lambda step: min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0
-
-
-def _loss(model, inputs, targets) -> torch.Tensor:
-    logits = model(inputs)
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-
-
-@torch.no_grad()
-def _evaluate(model, batches, device) -> float:
-    total = torch.zeros(2, dtype=torch.float64, device=device)
-    for inputs, targets in batches:
-        total[0] += _loss(model, inputs.to(device), targets.to(device)).double()
-        total[1] += 1
-    dist.all_reduce(total)  # mean over every rank's held-out batches
-    return float(total[0] / total[1])
-
-
 def train_worker(cfg: dict[str, Any], run_dir: str, started_at: float | None = None) -> dict | None:
     env = read_env()
     dcfg = cfg["distributed"]
@@ -94,31 +77,33 @@ def train_worker(cfg: dict[str, Any], run_dir: str, started_at: float | None = N
 
 
 def _train(cfg: dict, state: DistributedState, run_dir: Path, started_at: float) -> dict | None:
-    tcfg, ocfg, every = cfg["train"], cfg["optim"], cfg["federation"]["every"]
-    steps, device = tcfg["steps"], state.device
+    tcfg, every = TrainConfig.from_mapping(cfg["train"]), cfg["federation"]["every"]
+    ocfg = OptimConfig.from_mapping(cfg["optim"])
+    steps, device, accum = tcfg.steps, state.device, tcfg.grad_accum
     torch.manual_seed(cfg["seed"])
     model = build_model(cfg["model"], seed=cfg["seed"])  # identical start on every rank
-    shard_model(model, state, tcfg["dtype"])
+    shard_model(model, state, tcfg.dtype)
     contiguous_shards(model, state.shard_size)  # aggregation buckets become views: no copies
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=ocfg["lr"], betas=tuple(ocfg["betas"]), eps=ocfg["eps"], weight_decay=ocfg["weight_decay"]
-    )
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(ocfg["warmup_steps"]))
+    optimizer = build_optimizer(model, ocfg)
+    scheduler = build_scheduler(optimizer, ocfg, steps)
     data = build_data(
-        cfg["data"], vocab_size=cfg["model"]["vocab_size"], seq_len=tcfg["seq_len"], batch_size=tcfg["batch_size"],
+        cfg["data"], vocab_size=cfg["model"]["vocab_size"], seq_len=tcfg.seq_len, batch_size=tcfg.batch_size,
         seed=cfg["seed"], facility=state.facility, num_facilities=state.num_facilities,
         facility_rank=state.facility_rank, facility_size=state.facility_size,
     )
     strategy = build_strategy(model, state, cfg["strategy"])
     weights = facility_weights(cfg, state)
     peer_groups = all_peer_groups(state)
-    tokens_per_step = tcfg["batch_size"] * tcfg["seq_len"] * state.world_size
+    tokens_per_step = tcfg.batch_size * tcfg.seq_len * accum * state.world_size
+    eval_batches = data.eval_batches()
     # Row f holds facility f's mean loss per step (filled by this rank's facility share).
     losses = torch.zeros(state.num_facilities, steps, dtype=torch.float64)
     ckpt = Checkpointer(cfg, state, run_dir, model, optimizer, scheduler)
     restored = ckpt.restore(losses)  # None: a fresh start
     start_step = restored["step"] if restored else 0
     rounds: list[dict] = list(restored["rounds"]) if restored else []
+    # {"step", "loss_local", "loss_global"}: per facility, None when not evaluated
+    evals: list[dict] = list(restored.get("records", {}).get("evals", [])) if restored else []
     observer = Observer(cfg, state, run_dir, restored)
     fault = FaultInjector(cfg, state.rank)
     guard = NonFiniteGuard(cfg, state, model, optimizer, ckpt.dir)
@@ -129,24 +114,23 @@ def _train(cfg: dict, state: DistributedState, run_dir: Path, started_at: float)
     try:
         for step in range(start_step, steps):
             fault.before_step(step + 1)
-            with timer("data"):
-                inputs, targets = (t.to(device) for t in data.train_batch(step))
-            with timer("forward"):
-                loss = _loss(model, inputs, targets)
-            with timer("backward"):
-                loss.backward()
+            # Micro-batch i of step s is batch s * grad_accum + i of the source: with grad_accum=1, as before.
+            loss = accumulate_gradients(model, lambda i: data.train_batch(step * accum + i), tcfg, device, timer)
             with timer("optimizer"):
-                if ocfg["grad_clip"] > 0:
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), ocfg["grad_clip"])
+                if ocfg.grad_clip > 0:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), ocfg.grad_clip)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 scheduler.step()
             fault.after_step(step + 1, model)
-            facility_loss = loss.detach().double() / state.facility_size
+            facility_loss = loss / state.facility_size
             dist.all_reduce(facility_loss, group=state.facility_groups[0])
             losses[state.facility, step] = float(facility_loss)
-            observer.step(step, float(facility_loss), optimizer.param_groups[0]["lr"], tokens_per_step, time.perf_counter() - start)
-            if (step + 1) % every == 0 or step + 1 == steps:
+            local_eval, aggregate_now = eval_points(step, steps, every, tcfg.eval_every)
+            record_eval = {"step": step + 1, "loss_local": None, "loss_global": None}
+            if local_eval:
+                record_eval["loss_local"] = facility_eval(model, eval_batches, state, tcfg.loss_chunk)
+            if aggregate_now:
                 with timer("aggregation"):
                     # Ranks arrive at different times; the wait is charged to this phase
                     # (and shows as imbalance), the round's seconds time the exchange alone.
@@ -158,14 +142,20 @@ def _train(cfg: dict, state: DistributedState, run_dir: Path, started_at: float)
                           "skipped_facilities": skipped}
                 rounds.append(record)
                 observer.round(record)
-                ckpt.after_round(step + 1, rounds, losses, final=step + 1 == steps)
+                record_eval["loss_global"] = facility_eval(model, eval_batches, state, tcfg.loss_chunk)
+            if local_eval:
+                evals.append(record_eval)
+            observer.step(step, float(facility_loss), optimizer.param_groups[0]["lr"], tokens_per_step,
+                          time.perf_counter() - start, record_eval if local_eval else None)
+            if aggregate_now:
+                ckpt.after_round(step + 1, rounds, losses, final=step + 1 == steps, records={"evals": evals})
     except BaseException:
         observer.abort()
         raise
     train_seconds = time.perf_counter() - start
     checkpoints = ckpt.close()
 
-    eval_loss = _evaluate(model, data.eval_batches(), device)
+    eval_loss = evaluate(model, eval_batches, device, tcfg.loss_chunk)
     divergence = max_param_divergence(model, state, peer_groups)
     # Every rank wrote only its facility's row; the sum over ranks / facility size restores each row.
     for f in range(state.num_facilities):
@@ -198,6 +188,7 @@ def _train(cfg: dict, state: DistributedState, run_dir: Path, started_at: float)
         "first_loss": float(per_step[0]),
         "final_loss": float(per_step[-1]),
         "eval_loss": eval_loss,
+        "eval_history": evals,
         "max_param_divergence_after_last_round": divergence,
         "aggregation_seconds": [r["seconds"] for r in rounds],
         "aggregation_bytes_per_rank": [r["bytes_per_rank"] for r in rounds],

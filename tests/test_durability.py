@@ -254,6 +254,26 @@ def test_bad_resume_is_refused_before_launch(fsdp_runs, tmp_path, overrides, pre
     assert sorted((p.relative_to(run), p.stat().st_mtime_ns, p.stat().st_size) for p in run.rglob("*")) == before
 
 
+def test_resume_latest_picks_the_newest_run_of_the_experiment(fsdp_runs, tmp_path):
+    from xffl_like.checkpoint.resume import resolve_resume
+    from xffl_like.distributed.layout import plan_layout
+    from xffl_like.job import JobFailed, resolve, run_local
+
+    base, _ = fsdp_runs
+    outputs = tmp_path / "outputs" / "llama_fed"
+    outputs.mkdir(parents=True)
+    with pytest.raises(JobFailed, match="resume=latest: no run of this experiment with a complete checkpoint"):
+        run_local(_compose([*JOB[1:], "resume=latest"]), outputs / "fresh", worker=lambda *a: pytest.fail("started"))
+    shutil.copytree(base / "killed", outputs / "2000-01-01_00-00-00")  # older, complete
+    shutil.copytree(base / "killed", outputs / "2000-01-02_00-00-00")  # newer, but another experiment
+    cfg_path = outputs / "2000-01-02_00-00-00" / "config.yaml"
+    cfg_path.write_text(cfg_path.read_text().replace("experiment: llama_fed", "experiment: other"))
+    plain = resolve(_compose([*JOB[1:], "resume=latest"]))
+    target = resolve_resume(plain, plan_layout(4, 2, None), outputs, outputs / "fresh")
+    assert target.checkpoint == outputs / "2000-01-01_00-00-00" / "checkpoints" / checkpoint_name(6)
+    assert plain["resume"] == str(target.checkpoint) and plain["checkpoint"]["dir"] == str(target.checkpoint.parent)
+
+
 def test_leftover_rank_env_and_site_with_bad_config_fail_at_once(tmp_path):
     # A shell with RANK/WORLD_SIZE left over but no rendezvous address: one line, no hang.
     env = {"RANK": "0", "WORLD_SIZE": "4"}

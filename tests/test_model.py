@@ -35,6 +35,8 @@ def test_real_shapes_param_count(name, published):
 
 def test_all_yamls_load():
     for path in sorted(CONF.glob("*.yaml")):
+        if path.stem == "hf":  # the shape comes from the HF directory's config.json
+            continue
         cfg = LlamaConfig.from_mapping(OmegaConf.load(path))
         assert cfg.dim % cfg.n_heads == 0
     assert count_parameters(build_model(load("llama_bench"), device="meta")) == 58_466_816
@@ -141,3 +143,20 @@ def test_llama_direct_construction():
     model = Llama(LlamaConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=1, vocab_size=50, ffn_dim=128))
     model.init_weights(0)
     assert model(torch.zeros(2, 5, dtype=torch.long)).shape == (2, 5, 50)
+
+
+def test_block_init_is_the_documented_scheme_for_any_cut(monkeypatch):
+    """Rows [lo, hi) of a parameter are the rows of blocks drawn whole from (seed, name, block)
+    generators, whatever [lo, hi): the reason a sharded meta init equals the full one."""
+    from xffl_like.models import llama
+
+    monkeypatch.setattr(llama, "INIT_BLOCK_ELEMENTS", 1000)  # 15 rows of 64 per block
+    blocks = []
+    for b in range(4):  # by hand: 50 rows = blocks of 15, 15, 15, 5
+        gen = torch.Generator().manual_seed(llama._block_seed(7, "w", b))
+        blocks.append(torch.empty(min(15, 50 - 15 * b), 64).normal_(0.0, 0.02, generator=gen))
+    full = torch.cat(blocks)
+    rows = llama._block_normal(7, "w", 0.02, torch.Size([50, 64]))
+    for lo, hi in [(0, 50), (0, 13), (13, 37), (37, 50), (14, 16), (20, 20)]:
+        got = list(rows((64,), lo, hi))
+        assert torch.equal(torch.cat(got) if got else torch.empty(0, 64), full[lo:hi]), (lo, hi)

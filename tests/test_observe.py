@@ -20,7 +20,7 @@ import pytest
 
 from xffl_like.observe.observer import AGG_FIELDS, bandwidth
 from xffl_like.observe.progress import Progress, steps_to_aggregation
-from xffl_like.observe.timing import PHASES, format_phase_table, phase_stats
+from xffl_like.observe.timing import PHASES, format_phase_table, load_imbalance, phase_stats
 
 ROOT = Path(__file__).resolve().parents[1]
 EVAL = {"eval/loss_local": [2, 3, 4], "eval/loss_global": [2, 4]}
@@ -137,14 +137,34 @@ def test_phase_table_has_every_phase_for_every_rank(tiny_job):
     for rank, row in phases["per_rank_seconds_per_step"].items():
         assert set(row) == set(PHASES) and all(v > 0 for v in row.values()), (rank, row)
     for phase in (*PHASES, "total"):
-        assert set(phases[phase]) == {"mean_s", "max_s", "max_rank", "imbalance"}
+        assert set(phases[phase]) == {"mean_s", "max_s", "max_rank", "imbalance", "useful_s", "waiting_s", "iterations"}
+    # Load imbalance, checked against the per-rank totals: the mean over ranks of the sums is
+    # the sum of the per-iteration means (useful), and the per-iteration max - mean summed
+    # (waiting) is at least what the totals alone show.
+    per_rank = phases["per_rank"]
+    assert sorted(per_rank) == ["0", "1"] and all(set(per_rank[r]) == set(PHASES) for r in per_rank)
+    for phase in PHASES:
+        totals = [per_rank[r][phase]["total_s"] for r in ("0", "1")]
+        assert phases[phase]["useful_s"] == pytest.approx(sum(totals) / 2)
+        assert phases[phase]["waiting_s"] >= max(totals) - sum(totals) / 2 - 1e-12
+        assert phases[phase]["iterations"] == (2 if phase == "aggregation" else 4)  # 2 rounds, 4 steps
+        for r in ("0", "1"):
+            assert per_rank[r][phase]["average_s"] == pytest.approx(per_rank[r][phase]["total_s"] / phases[phase]["iterations"])
+            assert per_rank[r][phase]["total_s"] == pytest.approx(phases["per_rank_seconds_per_step"][r][phase] * 4)
+    assert phases["total"]["useful_s"] == pytest.approx(sum(phases[p]["useful_s"] for p in PHASES))
+    assert phases["total"]["waiting_s"] == pytest.approx(sum(phases[p]["waiting_s"] for p in PHASES))
     out = proc.stdout.splitlines()
     head = next(i for i, line in enumerate(out) if line.startswith("phase "))
     assert [line.split()[0] for line in out[head + 1:head + 7]] == [*PHASES, "total"]
-    per_rank = next(i for i, line in enumerate(out) if line.startswith("rank "))
-    assert out[per_rank].split() == ["rank", *PHASES, "total"]
-    assert [line.split()[0] for line in out[per_rank + 1:per_rank + 3]] == ["0", "1"]
-    assert all(len(line.split()) == len(PHASES) + 2 for line in out[per_rank + 1:per_rank + 3])
+    assert out[head].split()[-4:] == ["useful", "s", "waiting", "s"]
+    useful_col = [float(line.split()[-2]) for line in out[head + 1:head + 7]]
+    assert useful_col == pytest.approx([phases[p]["useful_s"] for p in (*PHASES, "total")], abs=1e-3)
+    row = next(i for i, line in enumerate(out) if line.startswith("rank "))
+    assert out[row].split() == ["rank", *PHASES, "total", "seconds"]
+    assert [line.split()[0] for line in out[row + 1:row + 3]] == ["0", "1"]
+    assert all(len(line.split()) == len(PHASES) + 3 for line in out[row + 1:row + 3])
+    for r, line in zip(("0", "1"), out[row + 1:row + 3]):
+        assert float(line.split()[-1]) == pytest.approx(sum(v["total_s"] for v in per_rank[r].values()), abs=1e-3)
 
 
 def test_wandb_offline_runs(tiny_job):
@@ -170,6 +190,13 @@ def test_wandb_offline_runs(tiny_job):
     assert [runs[f]["history"][s]["train/loss"] for f in range(2) for s in range(1, 5)] == pytest.approx(
         [x for row in summary["facility_losses"] for x in row])
     assert runs[0]["summary"]["job/final_loss"] == pytest.approx(summary["final_loss"])
+    phases = summary["phases"]
+    for row in (*PHASES, "total"):
+        for key in ("useful_s", "waiting_s"):
+            assert runs[0]["summary"][f"load/{row}/{key}"] == pytest.approx(phases[row][key])
+    for r in ("0", "1"):
+        assert runs[0]["summary"][f"load/rank{r}/total_s"] == pytest.approx(sum(v["total_s"] for v in phases["per_rank"][r].values()))
+        assert runs[0]["summary"][f"load/rank{r}/average_s"] == pytest.approx(sum(phases["per_rank_seconds_per_step"][r].values()))
 
 
 def test_wandb_is_imported_only_when_used():
@@ -219,6 +246,17 @@ def test_progress_bar_on_a_tty():
     text = out.getvalue()
     assert text.startswith("\rstep 1/3 [") and "loss f0 2.5000" in text and "1,234 tok/s" in text
     assert text.endswith("\ndone\n") and "aggregating" in text  # the last step always draws
+
+
+def test_load_imbalance_by_hand():
+    import torch
+
+    # Equal totals (6 s each), yet every other iteration one rank waits 1 s for the other.
+    times = torch.tensor([[1.0, 2.0, 3.0], [3.0, 2.0, 1.0]], dtype=torch.float64)
+    assert load_imbalance(times) == pytest.approx((6.0, 2.0))
+    # Three ranks, one iteration: mean 2, max 4.
+    assert load_imbalance(torch.tensor([[1.0], [1.0], [4.0]])) == pytest.approx((2.0, 2.0))
+    assert load_imbalance(torch.zeros(2, 0)) == (0.0, 0.0)  # a phase that never ran
 
 
 def test_phase_table_format_many_ranks():

@@ -99,6 +99,13 @@ BAD = [
     (["strategy.only=[no_such_param*]"], "no_such_param"),
     (["strategy.only=[NoSuchModule]"], "NoSuchModule"),
     (["logger.name=foo"], "logger.name='foo'"),
+    (["model=hf"], "model.path is not set"),
+    (["model.init=lazy"], "model.init='lazy'"),
+    (["data=tokens"], "data.path"),
+    (["data=text", "data.tokenizer=/no/such/tokenizer.json"], "no tokenizer.json"),
+    (["export.hf=maybe"], "export.hf='maybe'"),
+    (["strategy.transport=tcp"], "strategy.transport='tcp': valid transports are ['torch', 'mpi']"),
+    (["strategy.transport=mpi"], "strategy.transport=mpi needs"),  # the extra, or an MPI launcher
     (["optim.schedule=step"], "optim.schedule='step'"),
     (["optim.schedule=cosine", "optim.min_lr=0.1"], "optim.min_lr=0.1 exceeds optim.lr=0.003"),
     (["train.grad_accum=0"], "train.grad_accum=0"),

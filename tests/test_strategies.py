@@ -44,7 +44,7 @@ def test_strategy_yamls_compose_and_validate():
     with initialize_config_dir(config_dir=str(CONF / "strategy"), version_base=None):
         for name in STRATEGIES:
             cfg = compose(config_name=name)
-            assert set(cfg) == {"name", "streams", "bucket_mb", "mode", "only"}
+            assert set(cfg) == {"name", "streams", "bucket_mb", "mode", "only", "transport"}
             assert validate_strategy_options(cfg).name == name
 
 

@@ -55,6 +55,27 @@ def _check_weights(spec: Any, num_facilities: int) -> None:
     )
 
 
+def resolve_model(cfg: dict, base_dir: Path) -> None:
+    """Check ``model.init``, and for ``model.path`` (a Hugging Face directory) make the
+    path absolute and fill the shape keys from its ``config.json``, checking the safetensors headers
+    (in place; workers then build the same shape and read the weights)."""
+    model = cfg["model"]
+    if model.get("init", "full") not in ("meta", "full"):
+        raise ValueError(f"model.init={model.get('init')!r}: use meta (shard first, then materialise) or full")
+    path = model.get("path")
+    if model.get("name") == "hf" and not path:
+        raise ValueError("model.path is not set: model=hf needs model.path=<local Hugging Face model directory>")
+    if not path:
+        return
+    from .checkpoint.hf import check_hf_weights, read_hf_config
+    from .models import LlamaConfig
+
+    path = Path(path).expanduser()
+    path = (path if path.is_absolute() else base_dir / path).absolute()
+    model.update(read_hf_config(path), path=str(path))
+    check_hf_weights(path, LlamaConfig.from_mapping(model))
+
+
 _WANDB_MODES = (None, "offline", "online", "disabled")
 
 
@@ -89,7 +110,8 @@ def validate_config(
     """
     from .aggregation import validate_strategy_options
     from .config_keys import check_known_keys
-    from .data import resolve_paths, validate_data
+    from .data import check_layout_fits, resolve_paths, validate_data
+    from .data.tokenizer import tokenizer_path
     from .models import LlamaConfig, build_model
     from .train.optim import OptimConfig
     from .train.step import TrainConfig
@@ -101,7 +123,7 @@ def validate_config(
             raise ConfigError(str(exc)) from None
     _positive_int(cfg, "distributed.nproc_per_node")
     _positive_int(cfg, "distributed.timeout_s")
-    for key in ("federation.every", "train.steps", "train.batch_size", "train.seq_len", "train.log_every"):
+    for key in ("federation.every", "train.batch_size", "train.seq_len", "train.log_every"):
         _positive_int(cfg, key)
     try:
         OptimConfig.from_mapping(_get(cfg, "optim"))
@@ -126,6 +148,13 @@ def validate_config(
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
 
+    if not isinstance(_get(cfg, "export.hf"), bool):
+        raise ConfigError(f"export.hf={cfg['export']['hf']!r}: use true or false")
+    _positive_float(cfg, "export.max_shard_mb")
+    try:
+        resolve_model(cfg, base_dir)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     try:
         model_cfg = LlamaConfig.from_mapping(cfg["model"])
     except ValueError as exc:
@@ -136,7 +165,13 @@ def validate_config(
             f"lower train.seq_len or raise model.max_seq_len"
         )
     try:
-        validate_data(cfg["data"], vocab_size=model_cfg.vocab_size, seq_len=cfg["train"]["seq_len"], base_dir=str(base_dir))
+        if cfg["data"].get("tokenizer") not in (None, "byte"):  # workers and the export read it wherever they run
+            cfg["data"]["tokenizer"] = str(tokenizer_path(cfg["data"]["tokenizer"], base_dir))
+        num_tokens = validate_data(cfg["data"], vocab_size=model_cfg.vocab_size, seq_len=cfg["train"]["seq_len"],
+                                   base_dir=str(base_dir))
+        if num_tokens is not None:
+            check_layout_fits(num_tokens, cfg["data"], layout, batch_size=cfg["train"]["batch_size"],
+                              seq_len=cfg["train"]["seq_len"])
         if "path" in cfg["data"]:
             paths = [str(p) for p in resolve_paths(cfg["data"], str(base_dir))]
             cfg["data"]["path"] = paths if isinstance(cfg["data"]["path"], list) else paths[0]

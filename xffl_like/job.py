@@ -142,7 +142,7 @@ def _validate_here(overrides: list[str], env) -> dict:
 
 
 def run_under_launcher(overrides: list[str]) -> int:
-    """torchrun/srun path: rank 0 composes and validates, every rank trains.
+    """torchrun/srun/mpirun path: rank 0 composes and validates, every rank trains.
 
     The first process of every node validates the config before joining the rendezvous:
     in a job spanning sites, the site with a typo fails at once instead of leaving the
@@ -150,11 +150,18 @@ def run_under_launcher(overrides: list[str]) -> int:
     """
     import torch.distributed as dist
 
+    from .distributed.env import agree_rendezvous
     from .distributed.state import init_default_group, read_env
     from .train.loop import train_worker
 
     started = time.time()
     env = read_env()
+    try:
+        env = agree_rendezvous(env)  # under mpirun: MPI agrees on MASTER_ADDR/MASTER_PORT
+    except (ValueError, ImportError) as exc:  # e.g. no mpi4py: the line names the extra to install
+        if env.rank == 0:
+            print(f"error: {exc} (or set MASTER_ADDR and MASTER_PORT)", file=sys.stderr)
+        return 2
     if env.master_addr is None or env.master_port is None:
         print(f"error: RANK/WORLD_SIZE (or SLURM_PROCID/SLURM_NTASKS) are set but MASTER_ADDR/MASTER_PORT are not: "
               f"unset them to let the job launch its own workers, or start it under torchrun/srun with a "

@@ -1,8 +1,8 @@
 """``python -m xffl_like.run [+experiment=NAME] [overrides]``: the main job.
 
 Started plainly it composes the config with Hydra, validates it, and launches
-``distributed.nproc_per_node`` local workers. Under torchrun or srun each process is a
-worker: rank 0 composes and validates, then shares the config with the others.
+``distributed.nproc_per_node`` local workers. Under torchrun, srun or mpirun each process
+is a worker: rank 0 composes and validates, then shares the config with the others.
 """
 
 from __future__ import annotations
@@ -33,8 +33,16 @@ def main(cfg: DictConfig) -> dict | None:
         sys.exit(2)
 
 
+def _launched() -> bool:
+    try:
+        return read_env() is not None
+    except ValueError as exc:  # contradictory launcher variables: one line, before anything starts
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
 if __name__ == "__main__":
-    if read_env() is not None:
+    if _launched():
         from .job import run_under_launcher
 
         sys.exit(run_under_launcher(sys.argv[1:]))

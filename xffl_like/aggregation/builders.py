@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .strategy import COLLECTIVES, MODES, Communication, Strategy, parts
+from .strategy import COLLECTIVES, MODES, TRANSPORTS, Communication, Strategy, parts
 
 __all__ = [
     "Segment",
@@ -34,7 +34,7 @@ __all__ = [
     "build_strategy",
 ]
 
-_KEYS = ("name", "streams", "bucket_mb", "mode", "only")
+_KEYS = ("name", "streams", "bucket_mb", "mode", "only", "transport")
 
 
 class Segment(NamedTuple):
@@ -63,6 +63,7 @@ class StrategyOptions:
     bucket_mb: float = 25.0
     mode: str = "split"
     only: tuple[str, ...] | None = None
+    transport: str = "torch"
 
 
 # ----------------------------------------------------------------------------- planners
@@ -267,7 +268,13 @@ def validate_strategy_options(
         only = tuple(only)
         if not only or not all(isinstance(p, str) and p for p in only):
             raise ValueError(f"strategy.only={list(only)}: need a non-empty list of parameter-name globs or module class names, or null")
-    opts = StrategyOptions(name=name, streams=streams, bucket_mb=float(bucket_mb), mode=mode, only=only)
+    transport = options.get("transport", "torch")
+    if transport not in TRANSPORTS:
+        raise ValueError(f"strategy.transport={transport!r}: valid transports are {list(TRANSPORTS)}")
+    if transport == "mpi":
+        _check_mpi_transport()
+    opts = StrategyOptions(name=name, streams=streams, bucket_mb=float(bucket_mb), mode=mode, only=only,
+                           transport=transport)
 
     if only is not None and (param_names is not None or model is not None):
         named = list(model.named_parameters()) if model is not None else None
@@ -287,6 +294,47 @@ def validate_strategy_options(
                 + f": parameters look like {shown}"
             )
     return opts
+
+
+def _check_mpi_transport() -> None:
+    """``strategy.transport=mpi`` needs mpi4py and processes started by an MPI launcher (so
+    that MPI connects them); checked without initialising MPI."""
+    from ..comm import MPI_EXTRA, mpi_installed
+    from ..distributed.env import mpi_launched
+
+    if not mpi_installed():
+        raise ValueError(f"strategy.transport=mpi needs mpi4py and an MPI runtime: install the mpi extra ({MPI_EXTRA})")
+    if not mpi_launched():
+        raise ValueError(
+            "strategy.transport=mpi needs the job started by an MPI launcher, e.g. "
+            "mpirun -n 4 python -m xffl_like.run strategy.transport=mpi (or use strategy.transport=torch)"
+        )
+
+
+def _mpi_communicator(state):
+    """The ``mpi`` transport's communicator, after checking that MPI's ranks are the job's.
+    Collective over the world (every rank builds its strategies at the same point)."""
+    from ..comm import get_mpi
+
+    MPI = get_mpi()
+    world = MPI.COMM_WORLD
+    mine = world.Get_size() == state.world_size and world.Get_rank() == state.rank
+    # Every rank must take the same branch: agree before raising.
+    if not world.allreduce(int(mine), op=MPI.MIN):
+        raise ValueError(
+            f"strategy.transport=mpi: MPI_COMM_WORLD has {world.Get_size()} process(es) but the job {state.world_size} "
+            f"(or their ranks differ): start the job under the MPI launcher of the MPI library mpi4py uses"
+        )
+    return _private_world()
+
+
+@functools.lru_cache(maxsize=None)
+def _private_world():
+    # One duplicate of MPI_COMM_WORLD per process, shared by all strategies: their tags meet
+    # no one else's messages, and a round completes before the next starts.
+    from ..comm import get_mpi
+
+    return get_mpi().COMM_WORLD.Dup()
 
 
 def _owner_classes(model: nn.Module) -> dict[str, set[str]]:
@@ -374,11 +422,16 @@ def build_strategy(model: nn.Module, state, options: Mapping[str, Any], *, colle
     ``all_reduce`` elsewhere.
     """
     opts = validate_strategy_options(options, model=model)
+    if opts.transport == "mpi":  # MPI carries the exchange's messages; there is no MPI all-reduce path
+        if collective not in (None, "exchange"):
+            raise ValueError(f"collective={collective!r} with strategy.transport=mpi: the mpi transport runs the exchange")
+        collective = "exchange"
     if collective is None:
         collective = "exchange" if state.backend == "gloo" else "all_reduce"
     if collective not in COLLECTIVES:
         raise ValueError(f"collective={collective!r}: valid collectives are {list(COLLECTIVES)}")
-    check_collective(collective, state.backend)
+    if opts.transport == "torch":  # over MPI the exchange's messages bypass NCCL (host staging)
+        check_collective(collective, state.backend)
     if opts.streams > state.num_streams:
         raise ValueError(
             f"strategy.streams={opts.streams} but the DistributedState has {state.num_streams} stream(s): "
@@ -406,7 +459,7 @@ def build_strategy(model: nn.Module, state, options: Mapping[str, Any], *, colle
                 communications.append(
                     _communication(group, stream, c, owner, layout.rank_of(facility, owner, state.shard),
                                    owner == replica, state.num_replicas > 1, builder.packing,
-                                   collective, facility, state.num_facilities)
+                                   collective, facility, state.num_facilities, opts.transport)
                 )
     return Strategy(
         name=opts.name,
@@ -422,6 +475,8 @@ def build_strategy(model: nn.Module, state, options: Mapping[str, Any], *, colle
         selected=selected,
         model_bytes=model_bytes,
         communications=tuple(communications),
+        transport=opts.transport,
+        mpi_comm=_mpi_communicator(state) if opts.transport == "mpi" and state.num_facilities > 1 else None,
     )
 
 
@@ -451,7 +506,7 @@ def _gloo_has_avg() -> bool:
 
 def _communication(group: list[Segment], stream: int, chunk: int, owner: int, source: int,
                    reduce: bool, broadcast: bool, packing: str, collective: str,
-                   facility: int, num_facilities: int) -> Communication:
+                   facility: int, num_facilities: int, transport: str = "torch") -> Communication:
     tensors = tuple(s.tensor for s in group)
     device = group[0].tensor.device
     numel = sum(s.stop - s.start for s in group)
@@ -461,7 +516,8 @@ def _communication(group: list[Segment], stream: int, chunk: int, owner: int, so
         tensors = (_span_view(tensors),) if len(tensors) > 1 else tensors
     if packing == "persistent":
         buffer = torch.empty(numel, dtype=group[0].dtype, device=device)
-    if reduce and collective == "exchange" and packing != "coalesced":
+    # Over torch a coalesced list uses the all-reduce; over MPI it travels flattened through the exchange.
+    if reduce and collective == "exchange" and (packing != "coalesced" or transport == "mpi"):
         start, stop = parts(numel, num_facilities)[facility]
         scratch = torch.empty((num_facilities - 1) * (stop - start), dtype=group[0].dtype, device=device)
     return Communication(

@@ -12,6 +12,9 @@ Each round, for every communication of the plan, in plan order:
    parameters, while the other replicas start receiving;
 3. receivers wait and unpack.
 
+With ``strategy.transport=mpi`` step 1 is always the exchange, its messages carried by
+:mod:`xffl_like.comm`'s MPI backend; steps 2 and 3 (inside the facility) stay on torch.
+
 Streams are separate process groups: on CPU their collectives run concurrently in gloo's
 threads; on CUDA each communication's packing, collective and unpacking is issued on its
 own CUDA stream. Packing of one communication overlaps the collectives already in flight.
@@ -27,6 +30,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from ..comm import transport
 from .reference import facility_scale
 from .strategy import Communication, Strategy, parts
 
@@ -44,9 +48,10 @@ class AggregationResult:
 
 
 # ----------------------------------------------------------------------------- packing
-def _pack(comm: Communication, scale: float | None, receive: bool):
-    """The tensor (or list) that travels for ``comm``; receivers get uninitialised storage."""
-    ts, packing = comm.tensors, comm.packing
+def _pack(comm: Communication, scale: float | None, receive: bool, packing: str):
+    """The tensor (or list) that travels for ``comm`` packed as ``packing``; receivers get
+    uninitialised storage."""
+    ts = comm.tensors
     if packing == "inplace":
         wire = ts[0]
         if scale is not None and not receive:
@@ -81,8 +86,7 @@ def _split(wire: torch.Tensor, comm: Communication):
     return wire.split([stop - start for _, start, stop in comm.spans])
 
 
-def _unpack(comm: Communication, wire) -> None:
-    packing = comm.packing
+def _unpack(comm: Communication, wire, packing: str) -> None:
     if packing in ("inplace", "coalesced"):
         return
     if packing == "stack":
@@ -111,22 +115,49 @@ class _AllReduce:
         self.work.wait()
 
 
+class _TorchLinks:
+    """Point-to-point messages among the peers over their torch process group."""
+
+    def __init__(self, group, ranks):
+        order = sorted(ranks)  # group ranks follow the sorted global ranks
+        self.group, self.group_ranks = group, [order.index(r) for r in ranks]
+
+    def isend(self, t, j, tag):
+        return dist.isend(t, group=self.group, tag=tag, group_dst=self.group_ranks[j])
+
+    def irecv(self, t, j, tag):
+        return dist.irecv(t, group=self.group, tag=tag, group_src=self.group_ranks[j])
+
+
+class _MpiLinks:
+    """The same messages through :mod:`xffl_like.comm`'s MPI backend (``strategy.transport=mpi``):
+    one MPI message each, raw bytes, staged through host memory for device tensors."""
+
+    def __init__(self, comm, ranks):
+        self.comm, self.ranks = comm, ranks  # the strategy's duplicate of MPI_COMM_WORLD: global ranks
+
+    def isend(self, t, j, tag):
+        return transport.isend(t, self.ranks[j], backend="mpi", tag=tag, group=self.comm)
+
+    def irecv(self, t, j, tag):
+        return transport.irecv_into(t, self.ranks[j], backend="mpi", tag=tag, group=self.comm)
+
+
 class _Exchange:
     """Reduce-scatter, then all-gather, of one flat tensor among the peers (one rank per
-    facility, in facility order) by point-to-point messages.
+    facility, in facility order) by point-to-point messages over ``links``.
 
     Peer ``j`` receives part ``j`` from every other peer into ``scratch``, forms the weighted
     mean of it in place (the scaling fused into the reduction: no extra pass over the data)
     and sends it back. On gloo this is one message per peer and phase where the ring
-    all-reduce synchronises per segment, and it needs neither AVG nor a pre-scale.
+    all-reduce synchronises per segment, and it needs neither AVG nor a pre-scale. The
+    arithmetic is the same whatever carries the messages, so both transports agree bitwise.
     """
 
-    def __init__(self, flat, scratch, group, ranks, me, scales, tag):
-        self.group, self.me, self.scales, self.tag = group, me, scales, tag
-        order = sorted(ranks)  # group ranks follow the sorted global ranks
-        self.group_ranks = [order.index(r) for r in ranks]
-        self.parts = [flat[a:b] for a, b in parts(flat.numel(), len(ranks))]
-        self.peers = [j for j in range(len(ranks)) if j != me]
+    def __init__(self, flat, scratch, links, num_peers, me, scales, tag):
+        self.links, self.me, self.scales, self.tag = links, me, scales, tag
+        self.parts = [flat[a:b] for a, b in parts(flat.numel(), num_peers)]
+        self.peers = [j for j in range(num_peers) if j != me]
         mine = self.parts[me]
         self.received = list(scratch.split(mine.numel())) if mine.numel() else [mine[:0]] * len(self.peers)
         self.scattered = [self._send(self.parts[j], j, 0) for j in self.peers]
@@ -137,14 +168,10 @@ class _Exchange:
         self.gathered = None
 
     def _send(self, t, j, phase):
-        if not t.numel():
-            return None
-        return dist.isend(t, group=self.group, tag=2 * self.tag + phase, group_dst=self.group_ranks[j])
+        return self.links.isend(t, j, 2 * self.tag + phase) if t.numel() else None
 
     def _recv(self, t, j, phase):
-        if not t.numel():
-            return None
-        return dist.irecv(t, group=self.group, tag=2 * self.tag + phase, group_src=self.group_ranks[j])
+        return self.links.irecv(t, j, 2 * self.tag + phase) if t.numel() else None
 
     def step(self) -> None:
         """Reduce my part once it has arrived, then start sending it back."""
@@ -191,11 +218,21 @@ def _reduce_op(strategy: Strategy, scale: float, uniform: bool):
     return dist.ReduceOp.SUM, scale
 
 
-def _start(comm: Communication, k: int, wire, peer, exchange: bool, op, scales, me: int):
-    group = peer.groups[comm.stream]
+def _start(strategy: Strategy, comm: Communication, k: int, wire, peer, exchange: bool, op, scales, me: int):
+    group, ranks = peer.groups[comm.stream], peer.exchange.ranks
+    if strategy.transport == "mpi":
+        return _Exchange(wire.view(-1), comm.scratch, _MpiLinks(strategy.mpi_comm, ranks), len(ranks), me, scales, k)
     if exchange:
-        return _Exchange(wire.view(-1), comm.scratch, group, peer.exchange.ranks, me, scales, k)
+        return _Exchange(wire.view(-1), comm.scratch, _TorchLinks(group, ranks), len(ranks), me, scales, k)
     return _AllReduce(wire, group, op)
+
+
+def _wire_packing(strategy: Strategy, comm: Communication) -> str:
+    """How ``comm`` travels this round: over MPI a coalesced list travels flattened (MPI has
+    no coalesced collectives; the exchange needs one flat tensor)."""
+    if strategy.transport == "mpi" and comm.packing == "coalesced":
+        return "flatten"
+    return comm.packing
 
 
 def _peer_exchanges(strategy: Strategy, state) -> dict:
@@ -235,9 +272,10 @@ def aggregate(strategy: Strategy, state, weights: Sequence[float] | None = None)
     for k, comm in enumerate(comms):
         if comm.reduce:
             with on(comm):
-                exchange = strategy.collective == "exchange" and comm.packing != "coalesced"
-                wire = _pack(comm, None if exchange else prescale, receive=False)  # an exchange applies the weights itself
-                reductions[k] = (wire, _start(comm, k, wire, peers[comm.chunk], exchange, op, scales, state.facility))
+                packing = _wire_packing(strategy, comm)
+                exchange = strategy.collective == "exchange" and packing != "coalesced"
+                wire = _pack(comm, None if exchange else prescale, False, packing)  # an exchange applies the weights itself
+                reductions[k] = (wire, _start(strategy, comm, k, wire, peers[comm.chunk], exchange, op, scales, state.facility))
     for k, (_, work) in reductions.items():  # exchanges: reduce what arrived, send it back
         with on(comms[k]):
             work.step()
@@ -253,16 +291,16 @@ def aggregate(strategy: Strategy, state, weights: Sequence[float] | None = None)
                 work.wait()
                 if comm.broadcast:
                     broadcasts.append(_broadcast(wire, comm.source, group))
-                _unpack(comm, wire)
+                _unpack(comm, wire, _wire_packing(strategy, comm))
             else:
-                wire = _pack(comm, None, receive=True)
+                wire = _pack(comm, None, True, _wire_packing(strategy, comm))
                 receiving.append((comm, wire, _broadcast(wire, comm.source, group)))
 
     # 3. receivers unpack; senders make sure their broadcasts are done before buffers are reused.
     for comm, wire, work in receiving:
         with on(comm):
             work.wait()
-            _unpack(comm, wire)
+            _unpack(comm, wire, _wire_packing(strategy, comm))
     for work in broadcasts:
         work.wait()
     if streams:

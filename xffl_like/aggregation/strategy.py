@@ -16,10 +16,11 @@ its facility. In ``one_sender`` mode there is one chunk, owned by replica 0.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-__all__ = ["PACKINGS", "MODES", "COLLECTIVES", "Communication", "Strategy", "parts"]
+__all__ = ["PACKINGS", "MODES", "COLLECTIVES", "TRANSPORTS", "Communication", "Strategy", "parts"]
 
 #: How a communication's tensors travel: ``inplace`` (one contiguous view of a parameter,
 #: reduced where it lies), ``coalesced`` (a list in one coalesced collective), ``flatten``
@@ -30,6 +31,10 @@ MODES = ("split", "one_sender")
 #: ``all_reduce``: the backend's all-reduce; ``exchange``: reduce-scatter + all-gather by
 #: point-to-point messages with the weights applied in the reduction (see the executor).
 COLLECTIVES = ("all_reduce", "exchange")
+#: What carries the cross-facility messages: ``torch`` (the facilities' peer process groups)
+#: or ``mpi`` (the exchange's messages through :mod:`xffl_like.comm`'s MPI backend, for sites
+#: whose inter-facility path only speaks MPI). Inside a facility it is always torch.
+TRANSPORTS = ("torch", "mpi")
 
 
 def parts(numel: int, n: int) -> list[tuple[int, int]]:
@@ -107,6 +112,10 @@ class Strategy:
     #: Bytes of one full (unsharded) copy of the selected parameters.
     model_bytes: int
     communications: tuple[Communication, ...]
+    #: One of :data:`TRANSPORTS`; ``mpi`` always runs the ``exchange``.
+    transport: str = "torch"
+    #: The MPI communicator of the ``mpi`` transport (a private duplicate of the world's).
+    mpi_comm: Any = field(default=None, compare=False, repr=False)
 
     @property
     def contiguous(self) -> bool:
@@ -131,7 +140,7 @@ class Strategy:
     def describe(self) -> str:
         reduce = [c for c in self.communications if c.reduce]
         return (
-            f"strategy {self.name} ({self.mode}, {self.packing}, {self.num_streams} stream(s)): "
+            f"strategy {self.name} ({self.mode}, {self.packing}, {self.num_streams} stream(s), {self.transport}): "
             f"{len(self.selected)}/{len(self.param_names)} parameters, {len(reduce)} cross-facility "
             f"collectives of {len(self.communications)}, {self.bytes_per_rank / 2**20:.2f} MiB sent by this rank"
         )

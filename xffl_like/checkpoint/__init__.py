@@ -1,4 +1,5 @@
-"""Durable runs: DCP checkpoints (``dcp``), their files on disk (``store``), resume before launch (``resume``)."""
+"""Durable runs and model files: DCP checkpoints (``dcp``), their files on disk (``store``),
+resume before launch (``resume``), Hugging Face safetensors import/export (``hf``)."""
 
 from .dcp import Checkpointer, checkpoint_dir, restart_count
 from .store import latest_checkpoint

@@ -151,7 +151,7 @@ def _check_compatible(cfg: dict, state: dict, metadata, layout, model) -> None:
                          f"a facility may change)")
     for key in sorted(set(saved.get("model", {})) | set(cfg["model"])):
         old, new = saved.get("model", {}).get(key), cfg["model"].get(key)
-        if old != new and key != "name":
+        if old != new and key not in ("name", "init", "path"):  # the weights come from the checkpoint
             raise ValueError(f"resume: model.{key} is {old!r} in the checkpoint, {new!r} now (resume with the same model)")
     present = metadata.state_dict_metadata
     for name, param in model.named_parameters():

@@ -2,8 +2,9 @@
 
 ``build_data`` returns a :class:`DataSource` for one worker; ``validate_data`` checks a
 config in the launching process before any worker starts (one-sentence ``ValueError``).
-Sources: ``synthetic`` (non-IID sparse Markov chain, no files) and ``text`` (byte-level
-UTF-8 corpus, e.g. ``../shared/data/tinyshakespeare.txt``).
+Sources: ``synthetic`` (non-IID sparse Markov chain, no files), ``text`` (UTF-8 corpus,
+e.g. ``../shared/data/tinyshakespeare.txt``, byte-level or tokenized by ``data.tokenizer``) and
+``tokens`` (a corpus pre-tokenized by ``python -m xffl_like.data.prepare``, memory-mapped).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 from .source import DataSource, cfg_get, check_positive_int, mix_seed, resolve_paths
 from .synthetic import SyntheticMarkovSource, build_synthetic, validate_synthetic
 from .text import BYTE_VOCAB_SIZE, TextByteSource, build_text, decode, encode, validate_text
+from .tokens import build_tokens, check_layout_fits, validate_tokens
 
 __all__ = [
     "DataSource",
@@ -23,20 +25,21 @@ __all__ = [
     "DATA_SOURCES",
     "build_data",
     "validate_data",
+    "check_layout_fits",
     "resolve_paths",
     "encode",
     "decode",
     "mix_seed",
 ]
 
-DATA_SOURCES = ("synthetic", "text")
+DATA_SOURCES = ("synthetic", "text", "tokens")
 
 
 def _name(cfg_data: Any) -> str:
     name = cfg_get(cfg_data, "name")
     if name not in DATA_SOURCES:
         raise ValueError(
-            f"data.name: unknown data source {name!r} (pass data.name=synthetic or data.name=text)"
+            f"data.name: unknown data source {name!r} (pass data.name=synthetic, data.name=text or data.name=tokens)"
         )
     return str(name)
 
@@ -53,16 +56,21 @@ def _check_layout(*, batch_size: int, facility: int, num_facilities: int, facili
         )
 
 
-def validate_data(cfg_data: Any, *, vocab_size: int, seq_len: int, base_dir: str | os.PathLike | None = None) -> None:
+def validate_data(cfg_data: Any, *, vocab_size: int, seq_len: int, base_dir: str | os.PathLike | None = None) -> int | None:
     """Check ``cfg_data`` (dict / DictConfig) before workers start; raise ``ValueError`` on the first problem.
+
+    Returns the corpus length in tokens (bytes for the byte tokenizer) for the corpus sources, for
+    :func:`check_layout_fits`; None for ``synthetic``.
 
     Relative ``data.path`` entries resolve against ``base_dir`` (default: Hydra's original cwd, else the cwd).
     """
     name = _name(cfg_data)
     if name == "synthetic":
         validate_synthetic(cfg_data, vocab_size=vocab_size, seq_len=seq_len)
-    else:
-        validate_text(cfg_data, vocab_size=vocab_size, seq_len=seq_len, base_dir=base_dir)
+        return None
+    if name == "tokens":
+        return int(validate_tokens(cfg_data, vocab_size=vocab_size, seq_len=seq_len, base_dir=base_dir)["num_tokens"])
+    return validate_text(cfg_data, vocab_size=vocab_size, seq_len=seq_len, base_dir=base_dir)
 
 
 def build_data(
@@ -96,4 +104,6 @@ def build_data(
                 facility=facility, facility_rank=facility_rank)
     if name == "synthetic":
         return build_synthetic(cfg_data, **mine)
+    if name == "tokens":
+        return build_tokens(cfg_data, **mine, num_facilities=num_facilities, facility_size=facility_size, base_dir=base_dir)
     return build_text(cfg_data, **mine, num_facilities=num_facilities, facility_size=facility_size, base_dir=base_dir)

@@ -169,16 +169,40 @@ def _check_length(num_bytes: int, eval_fraction: float, seq_len: int, paths: Seq
     return n_train, n_eval
 
 
-def validate_text(cfg_data: Any, *, vocab_size: int, seq_len: int, base_dir: str | os.PathLike | None = None) -> None:
-    _check_vocab(vocab_size)
+def tokenize_corpus(corpus: bytes, spec: Any) -> bytes | torch.Tensor:
+    """``corpus`` itself for ``data.tokenizer=byte``, else its token ids (int32) under that tokenizer."""
+    if spec in (None, "byte"):
+        return corpus
+    from .tokenizer import load_tokenizer
+
+    return torch.tensor(load_tokenizer(spec).encode(corpus.decode("utf-8")), dtype=torch.int32)
+
+
+def _check_tokenizer_vocab(cfg_data: Any, vocab_size: int) -> None:
+    spec = cfg_get(cfg_data, "tokenizer", "byte")
+    if spec in (None, "byte"):
+        _check_vocab(vocab_size)
+        return
+    from .tokenizer import load_tokenizer
+
+    tok = load_tokenizer(spec)
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < tok.vocab_size:
+        raise ValueError(f"model.vocab_size={vocab_size!r} is smaller than the vocabulary of data.tokenizer "
+                         f"({tok.vocab_size}, {tok.name}): raise model.vocab_size or use the model's own tokenizer")
+
+
+def validate_text(cfg_data: Any, *, vocab_size: int, seq_len: int, base_dir: str | os.PathLike | None = None) -> int:
+    """Check the config and the corpus; return the corpus length in tokens."""
+    _check_tokenizer_vocab(cfg_data, vocab_size)
     check_positive_int(seq_len, "seq_len", "set a positive sequence length")
     check_num_eval_batches(cfg_data)
     frac = _check_eval_fraction(cfg_data)
     _check_partition(cfg_data)
     _check_block_size(cfg_data)
     paths = resolve_paths(cfg_data, base_dir)
-    corpus = load_corpus(paths)
+    corpus = tokenize_corpus(load_corpus(paths), cfg_get(cfg_data, "tokenizer", "byte"))
     _check_length(len(corpus), frac, seq_len, paths)
+    return len(corpus)
 
 
 # --------------------------------------------------------------------------- partitioning
@@ -235,7 +259,7 @@ class TextByteSource:
 
     def __init__(
         self,
-        corpus: bytes,
+        corpus: bytes | torch.Tensor,
         *,
         seq_len: int,
         batch_size: int,
@@ -263,8 +287,11 @@ class TextByteSource:
         self.paths = list(paths)
         self.vocab_size = BYTE_VOCAB_SIZE
 
-        self.corpus = torch.frombuffer(bytearray(corpus), dtype=torch.uint8) if corpus else torch.zeros(0, dtype=torch.uint8)
-        n = len(corpus)
+        if isinstance(corpus, torch.Tensor):  # token ids (a tokenizer's output, or a memory-mapped corpus)
+            self.corpus = corpus
+        else:
+            self.corpus = torch.frombuffer(bytearray(corpus), dtype=torch.uint8) if corpus else torch.zeros(0, dtype=torch.uint8)
+        n = len(self.corpus)
         self.n_train, self.n_eval = _check_length(n, eval_fraction, self.seq_len, self.paths or [Path("<bytes>")])
 
         window = self.seq_len + 1
@@ -346,14 +373,14 @@ def build_text(
     facility_size: int,
     base_dir: str | os.PathLike | None = None,
 ) -> TextByteSource:
-    _check_vocab(vocab_size)
+    _check_tokenizer_vocab(cfg_data, vocab_size)
     check_positive_int(seq_len, "seq_len", "set a positive sequence length")
     num_eval = check_num_eval_batches(cfg_data)
     frac = _check_eval_fraction(cfg_data)
     partition = _check_partition(cfg_data)
     block_size = _check_block_size(cfg_data)
     paths = resolve_paths(cfg_data, base_dir)
-    corpus = load_corpus(paths)
+    corpus = tokenize_corpus(load_corpus(paths), cfg_get(cfg_data, "tokenizer", "byte"))
     return TextByteSource(
         corpus,
         seq_len=seq_len,

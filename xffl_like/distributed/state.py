@@ -1,9 +1,9 @@
 """DistributedState: everything distributed about one worker, built once, never mutated.
 
 Built from a validated :class:`~xffl_like.distributed.layout.Layout` and the process
-environment (torchrun, then Slurm, or explicit values). It owns the process group,
-the DeviceMesh for FSDP/HSDP inside the facility and one handle per communication
-stream for every group the aggregation uses. Nothing else calls ``dist.get_rank()``.
+environment (torchrun, Slurm or an MPI launcher: see :mod:`.env`; or explicit values).
+It owns the process group, the DeviceMesh for FSDP/HSDP inside the facility and one
+handle per communication stream for every group the aggregation uses. Nothing else calls ``dist.get_rank()``.
 """
 
 from __future__ import annotations
@@ -11,56 +11,16 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Mapping
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from .env import ProcessEnv, read_env
 from .layout import Coords, Exchange, Layout
 
 __all__ = ["ProcessEnv", "PeerExchange", "DistributedState", "read_env", "build_state", "resolve_backend",
            "group_backend", "init_default_group", "elastic_store"]
-
-
-@dataclass(frozen=True)
-class ProcessEnv:
-    """Who this process is, as the launcher told it."""
-
-    rank: int
-    world_size: int
-    local_rank: int
-    local_world_size: int
-    master_addr: str | None = None
-    master_port: int | None = None
-
-
-def read_env(environ: Mapping[str, str] | None = None) -> ProcessEnv | None:
-    """Read torchrun's variables, falling back to Slurm's; ``None`` when neither is set."""
-    env = os.environ if environ is None else environ
-    port = env.get("MASTER_PORT")
-    if "RANK" in env and "WORLD_SIZE" in env:
-        world = int(env["WORLD_SIZE"])
-        return ProcessEnv(
-            rank=int(env["RANK"]),
-            world_size=world,
-            local_rank=int(env.get("LOCAL_RANK", 0)),
-            local_world_size=int(env.get("LOCAL_WORLD_SIZE", world)),
-            master_addr=env.get("MASTER_ADDR"),
-            master_port=int(port) if port else None,
-        )
-    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
-        world = int(env["SLURM_NTASKS"])
-        per_node = env.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]
-        return ProcessEnv(
-            rank=int(env["SLURM_PROCID"]),
-            world_size=world,
-            local_rank=int(env.get("SLURM_LOCALID", 0)),
-            local_world_size=int(per_node) if per_node.isdigit() else world,
-            master_addr=env.get("MASTER_ADDR"),
-            master_port=int(port) if port else None,
-        )
-    return None
 
 
 def elastic_store(env: ProcessEnv, timeout: timedelta):

@@ -6,6 +6,7 @@ shared parameter is the (optional) tied embedding, which lives in the root modul
 """
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import MISSING, dataclass, fields
 from typing import Any, Mapping
@@ -35,6 +36,9 @@ class LlamaConfig:
     rope_theta: float = 10000.0
     max_seq_len: int = 256
     tie_embeddings: bool = False
+    # Llama-3.1 RoPE frequency scaling: {factor, low_freq_factor, high_freq_factor,
+    # original_max_position_embeddings} (HF's `rope_scaling` with rope_type llama3); None: plain RoPE.
+    rope_scaling: Mapping[str, float] | None = None
 
     @property
     def head_dim(self) -> int:
@@ -57,24 +61,28 @@ class LlamaConfig:
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"model.n_heads={self.n_heads} is not divisible by model.n_kv_heads={self.n_kv_heads}; "
                              f"choose n_kv_heads that divides n_heads (e.g. 1 or {self.n_heads}).")
+        if self.rope_scaling is not None:
+            _check_rope_scaling(self.rope_scaling)
         if self.head_dim % 2:
             raise ValueError(f"head_dim = model.dim / model.n_heads = {self.head_dim} is odd but RoPE needs it even; "
                              f"change model.dim or model.n_heads.")
 
     @classmethod
     def from_mapping(cls, m: Mapping[str, Any]) -> "LlamaConfig":
-        """Build from a conf/model yaml mapping (dict or DictConfig); the key `name` is ignored."""
+        """Build from a conf/model yaml mapping (dict or DictConfig); the keys that say how to build
+        the model rather than its shape (`name`, `path`, `init`) are ignored."""
         try:
             from omegaconf import DictConfig, OmegaConf
             if isinstance(m, DictConfig):
                 m = OmegaConf.to_container(m, resolve=True)
         except ImportError:  # pragma: no cover
             pass
-        m = {k: v for k, v in dict(m).items() if k != "name"}
+        m = {k: v for k, v in dict(m).items() if k not in BUILD_KEYS}
         known = {f.name for f in fields(cls)}
         for k in m:
             if k not in known:
-                raise ValueError(f"Unknown model config key {k!r}; valid keys are: name, {', '.join(sorted(known))}.")
+                raise ValueError(f"Unknown model config key {k!r}; valid keys are: "
+                                 f"{', '.join(sorted(known | set(BUILD_KEYS)))}.")
         for f in fields(cls):
             if f.default is MISSING and f.name not in m:
                 raise ValueError(f"Missing model config key {f.name!r}; add `{f.name}: <value>` to the model yaml.")
@@ -82,6 +90,27 @@ class LlamaConfig:
             if type(m.get(k)) is int:
                 m[k] = float(m[k])
         return cls(**m)
+
+
+BUILD_KEYS = ("name", "path", "init")  # conf/model keys about building, not the shape
+ROPE_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def _check_rope_scaling(rs: Any) -> None:
+    if not isinstance(rs, Mapping):
+        raise ValueError(f"model.rope_scaling must be null or a mapping with {', '.join(ROPE_SCALING_KEYS)}; got {rs!r}.")
+    extra = set(rs) - set(ROPE_SCALING_KEYS) - {"rope_type"}
+    if extra or rs.get("rope_type", "llama3") != "llama3":
+        raise ValueError(f"model.rope_scaling={dict(rs)!r}: only Llama-3 scaling (rope_type llama3 with "
+                         f"{', '.join(ROPE_SCALING_KEYS)}) is supported.")
+    for k in ROPE_SCALING_KEYS:
+        v = rs.get(k)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+            raise ValueError(f"model.rope_scaling.{k} must be a positive number, got {v!r} (Llama 3.1 uses "
+                             f"factor 8, low_freq_factor 1, high_freq_factor 4, original_max_position_embeddings 8192).")
+    if rs["high_freq_factor"] <= rs["low_freq_factor"]:
+        raise ValueError(f"model.rope_scaling: high_freq_factor={rs['high_freq_factor']} must exceed "
+                         f"low_freq_factor={rs['low_freq_factor']}.")
 
 
 class RMSNorm(nn.Module):
@@ -95,10 +124,30 @@ class RMSNorm(nn.Module):
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
 
 
-def rope_cos_sin(cfg: LlamaConfig, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Real cos/sin tables, shape [max_seq_len, head_dim/2], always fp32."""
+def rope_inv_freq(cfg: LlamaConfig, device=None) -> torch.Tensor:
+    """RoPE inverse frequencies [head_dim/2], fp32, with Llama-3.1 scaling when configured.
+
+    Llama 3 scaling leaves the high frequencies (wavelength < original context / high_freq_factor)
+    alone, divides the low ones by `factor`, and interpolates smoothly in between.
+    """
     hd = cfg.head_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, device=device, dtype=torch.float32) / hd))
+    rs = cfg.rope_scaling
+    if rs is None:
+        return inv_freq
+    factor, low, high = float(rs["factor"]), float(rs["low_freq_factor"]), float(rs["high_freq_factor"])
+    old_len = float(rs["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_cos_sin(cfg: LlamaConfig, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Real cos/sin tables, shape [max_seq_len, head_dim/2], always fp32."""
+    inv_freq = rope_inv_freq(cfg, device)
     angles = torch.outer(torch.arange(cfg.max_seq_len, device=device, dtype=torch.float32), inv_freq)
     return angles.cos(), angles.sin()
 
@@ -209,34 +258,76 @@ class Llama(nn.Module):
     def init_weights(self, seed: int | None = None):
         """Deterministic init: N(0, 0.02), residual projections (wo, w2) N(0, 0.02/sqrt(2*n_layers)), norms 1.
 
-        Every value is drawn from a CPU generator in a fixed parameter order on the *full* tensor, then
-        copied (only the local shard, for FSDP2 DTensors) to the parameter's device and dtype, so the
-        same seed gives bit-identical weights on any process, device and sharding. seed=None draws
-        from the global torch RNG instead.
+        With a seed the values do not depend on the layout: every parameter is cut into fixed
+        blocks of rows (:data:`INIT_BLOCK_ELEMENTS` values each) and block ``b`` of parameter
+        ``name`` is drawn from its own CPU generator seeded by ``(seed, name, b)``. A rank
+        draws only the blocks that overlap its local shard (FSDP2 DTensor) and keeps its rows,
+        so meta-device init costs O(local shard), and any sharding -- or none -- gives bit-identical
+        weights. seed=None draws whole tensors from the global torch RNG instead.
         """
-        gen = None
-        if seed is not None:
-            gen = torch.Generator(device="cpu")
-            gen.manual_seed(seed)
         resid_std = 0.02 / math.sqrt(2 * self.cfg.n_layers)
         for name, p in self.named_parameters():
             if name.endswith("norm.weight"):
-                full = torch.ones(p.shape)
+                fill_local_(p, lambda rest, lo, hi: torch.ones(hi - lo, *rest))
+                continue
+            std = resid_std if name.endswith(("wo.weight", "w2.weight")) else 0.02
+            if seed is None:
+                full = torch.empty(p.shape).normal_(0.0, std)
+                fill_local_(p, lambda rest, lo, hi, full=full: full[lo:hi])
             else:
-                std = resid_std if name.endswith(("wo.weight", "w2.weight")) else 0.02
-                full = torch.empty(p.shape).normal_(0.0, std, generator=gen)
-            _copy_full_(p, full)
+                fill_local_(p, _block_normal(seed, name, std, p.shape))
         self.reset_rope()
 
 
-def _copy_full_(p: torch.Tensor, full: torch.Tensor):
-    """Copy a full (unsharded) CPU tensor into p; for a DTensor only this rank's slice is copied."""
+INIT_BLOCK_ELEMENTS = 1 << 20  # values per init block: bounds the scratch memory, fixes the RNG streams
+
+
+def _block_seed(seed: int, name: str, block: int) -> int:
+    digest = hashlib.blake2b(f"{seed}/{name}/{block}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def _block_normal(seed: int, name: str, std: float, shape: torch.Size):
+    """Rows [lo, hi) of parameter `name`, drawn block by block (see `Llama.init_weights`): yields
+    the pieces in order, so that no more than one block is ever held besides the parameter."""
+    row_elems = math.prod(shape[1:])
+    per_block = max(1, INIT_BLOCK_ELEMENTS // max(row_elems, 1))
+
+    def rows(rest, lo: int, hi: int):
+        gen = torch.Generator(device="cpu")
+        for b in range(lo // per_block, -(-hi // per_block)):
+            b_lo, b_hi = b * per_block, min((b + 1) * per_block, shape[0])
+            gen.manual_seed(_block_seed(seed, name, b))
+            block = torch.empty(b_hi - b_lo, *rest).normal_(0.0, std, generator=gen)
+            yield block[max(lo, b_lo) - b_lo : min(hi, b_hi) - b_lo]
+
+    return rows
+
+
+def local_slices(p: torch.Tensor) -> tuple[slice, ...]:
+    """Index of this rank's piece of parameter ``p`` in the full tensor (everything for a plain tensor)."""
     if DTensor is not None and isinstance(p, DTensor):
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-        shape, offset = compute_local_shape_and_global_offset(full.shape, p.device_mesh, p.placements)
-        full = full[tuple(slice(o, o + s) for o, s in zip(offset, shape))]
-        p = p.to_local()
-    p.copy_(full)
+        shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+        return tuple(slice(o, o + s) for o, s in zip(offset, shape))
+    return tuple(slice(0, s) for s in p.shape)
+
+
+def fill_local_(p: torch.Tensor, rows) -> None:
+    """Fill this rank's piece of ``p`` with ``rows(rest_shape, lo, hi)``: rows [lo, hi) of the full
+    tensor as one CPU tensor of shape [hi - lo, *rest_shape], or as consecutive pieces of rows (an
+    iterator), sliced on the other dims if sharded there."""
+    index = local_slices(p)
+    local = p.to_local() if DTensor is not None and isinstance(p, DTensor) else p
+    pieces = rows(tuple(p.shape[1:]), index[0].start, index[0].stop)
+    if isinstance(pieces, torch.Tensor):
+        pieces = (pieces,)
+    at = 0
+    for piece in pieces:
+        local[at : at + piece.shape[0]].copy_(piece[(slice(None), *index[1:])])
+        at += piece.shape[0]
+    if at != local.shape[0]:
+        raise ValueError(f"filled {at} rows of a local shard of {local.shape[0]} rows")
 
 
 def build_model(cfg_model, *, device="cpu", dtype=torch.float32, seed: int | None = 0) -> Llama:

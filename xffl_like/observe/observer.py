@@ -30,6 +30,10 @@ AGG_FIELDS = ("round", "step", "seconds", "bytes_per_rank", "cross_facility_byte
 LOGGERS = ("none", "wandb")
 
 
+def _num(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4f}"  # None: train.steps=0 trained nothing
+
+
 def bandwidth(bytes_per_rank: float, seconds: float, num_facilities: int) -> tuple[float, float]:
     """(algbw, busbw) in GB/s of one cross-facility all-reduce round, as nccl-tests defines them.
 
@@ -167,8 +171,8 @@ class Observer:
         for note in filter(None, notes):
             print(f"note: {note}", file=out)
         print(
-            f"done: {summary['steps']} steps, {summary['rounds']} rounds; loss {summary['first_loss']:.4f} -> "
-            f"{summary['final_loss']:.4f}, eval {summary['eval_loss']:.4f}; max divergence "
+            f"done: {summary['steps']} steps, {summary['rounds']} rounds; loss {_num(summary['first_loss'])} -> "
+            f"{_num(summary['final_loss'])}, eval {summary['eval_loss']:.4f}; max divergence "
             f"{summary['max_param_divergence_after_last_round']:.2e}; {summary['tokens_per_second']:,.0f} tok/s; "
             f"aggregation median {summary['aggregation_seconds_median'] * 1e3:.2f} ms, busbw "
             f"{summary['aggregation_busbw_gbps_median']:.3f} GB/s; {summary['wall_seconds']:.1f} s",

@@ -12,7 +12,7 @@ import hashlib
 import os
 from pathlib import Path
 
-__all__ = ["WandbLogger", "wandb_group", "wandb_mode", "wandb_run_ids", "wandb_run_name"]
+__all__ = ["WandbLogger", "load_summary", "wandb_group", "wandb_mode", "wandb_run_ids", "wandb_run_name"]
 
 # Quiet by default: no banner, no git or code capture, no console capture (rank 0 draws
 # its own progress). A user's own settings of these variables win.
@@ -51,6 +51,20 @@ def wandb_run_ids(run_dir: Path, num_facilities: int) -> list[str]:
 
 def wandb_run_name(cfg: dict, facility: int) -> str:
     return f"{cfg['experiment']}-{cfg['strategy']['name']}-f{facility}"
+
+
+def load_summary(phases: dict) -> dict:
+    """W&B summary keys of the load-imbalance report: ``load/<phase>/useful_s`` and
+    ``load/<phase>/waiting_s`` per phase and for ``total``, ``load/rank<r>/total_s`` and
+    ``load/rank<r>/average_s`` (seconds per step) per rank over all phases."""
+    from .timing import ROWS
+
+    out = {f"load/{row}/{k}": phases[row][k] for row in ROWS if row in phases
+           for k in ("useful_s", "waiting_s") if k in phases[row]}
+    for rank, by_phase in (phases.get("per_rank") or {}).items():
+        out[f"load/rank{rank}/total_s"] = sum(v["total_s"] for v in by_phase.values())
+        out[f"load/rank{rank}/average_s"] = sum((phases["per_rank_seconds_per_step"][rank]).values())
+    return out
 
 
 class WandbLogger:
@@ -100,6 +114,7 @@ class WandbLogger:
             keys = ("final_loss", "eval_loss", "tokens_per_second", "train_seconds", "wall_seconds",
                     "max_param_divergence_after_last_round", "aggregation_seconds_median", "aggregation_busbw_gbps_median")
             self.run.summary.update({f"job/{k}": summary[k] for k in keys if k in summary})
+            self.run.summary.update(load_summary(summary.get("phases") or {}))
         self.run.finish()
 
     @property

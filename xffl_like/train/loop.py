@@ -20,14 +20,13 @@ from ..checkpoint import Checkpointer
 from ..data import build_data
 from ..distributed.layout import plan_layout
 from ..distributed.state import DistributedState, build_state, read_env
-from ..models import build_model
 from ..observe import Observer
 from ..observe.timing import PhaseTimer, gather_phase_table
 from .evaluate import eval_points, evaluate, facility_eval
 from .optim import OptimConfig, build_optimizer, build_scheduler
 from .fault import FaultInjector
 from .nonfinite import NonFiniteGuard
-from .parallelize import contiguous_shards, shard_model
+from .parallelize import build_sharded_model, contiguous_shards, peak_rss_mb
 from .step import TrainConfig, accumulate_gradients
 
 __all__ = ["train_worker", "facility_weights", "max_param_divergence"]
@@ -53,12 +52,14 @@ def max_param_divergence(model: torch.nn.Module, state: DistributedState, peer_g
     worst = torch.zeros((), dtype=torch.float64)
     for param in model.parameters():
         local = param.to_local() if hasattr(param, "to_local") else param
-        hi = local.detach().to(torch.float64).clone()
-        lo = -hi
-        dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=peer_groups[state.shard])
-        dist.all_reduce(lo, op=dist.ReduceOp.MAX, group=peer_groups[state.shard])
-        if hi.numel():
-            worst = torch.maximum(worst, (hi + lo).max())
+        # In pieces: float64 copies of a whole 8B-model shard would double the job's memory.
+        for piece in local.detach().reshape(-1).split(1 << 22):
+            hi = piece.to(torch.float64)
+            lo = -hi
+            dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=peer_groups[state.shard])
+            dist.all_reduce(lo, op=dist.ReduceOp.MAX, group=peer_groups[state.shard])
+            if hi.numel():
+                worst = torch.maximum(worst, (hi + lo).max())
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     return float(worst)
 
@@ -81,8 +82,9 @@ def _train(cfg: dict, state: DistributedState, run_dir: Path, started_at: float)
     ocfg = OptimConfig.from_mapping(cfg["optim"])
     steps, device, accum = tcfg.steps, state.device, tcfg.grad_accum
     torch.manual_seed(cfg["seed"])
-    model = build_model(cfg["model"], seed=cfg["seed"])  # identical start on every rank
-    shard_model(model, state, tcfg.dtype)
+    model = build_sharded_model(cfg["model"], state, tcfg.dtype, seed=cfg["seed"])  # same start on every rank
+    setup_rss = torch.tensor(peak_rss_mb(), dtype=torch.float64)
+    dist.all_reduce(setup_rss, op=dist.ReduceOp.MAX)
     contiguous_shards(model, state.shard_size)  # aggregation buckets become views: no copies
     optimizer = build_optimizer(model, ocfg)
     scheduler = build_scheduler(optimizer, ocfg, steps)
@@ -164,6 +166,10 @@ def _train(cfg: dict, state: DistributedState, run_dir: Path, started_at: float)
     losses /= state.facility_size
     dist.all_reduce(losses)
     phases = gather_phase_table(timer, state, steps - start_step)
+    if cfg.get("export", {}).get("hf"):
+        from ..checkpoint.hf import export_job
+
+        export_job(model, state, cfg, run_dir)
     # The slowest rank's aggregation time is the round's time.
     agg = torch.tensor([r["seconds"] for r in rounds], dtype=torch.float64)
     dist.all_reduce(agg, op=dist.ReduceOp.MAX)
@@ -185,8 +191,8 @@ def _train(cfg: dict, state: DistributedState, run_dir: Path, started_at: float)
         "strategy": {"name": cfg["strategy"]["name"], "streams": cfg["strategy"]["streams"]},
         "steps": steps,
         "rounds": len(rounds),
-        "first_loss": float(per_step[0]),
-        "final_loss": float(per_step[-1]),
+        "first_loss": float(per_step[0]) if steps else None,
+        "final_loss": float(per_step[-1]) if steps else None,
         "eval_loss": eval_loss,
         "eval_history": evals,
         "max_param_divergence_after_last_round": divergence,
@@ -199,6 +205,7 @@ def _train(cfg: dict, state: DistributedState, run_dir: Path, started_at: float)
         "tokens_per_second": tokens_per_step * (steps - start_step) / train_seconds,
         "train_seconds": train_seconds,
         "phases": phases,
+        "setup_peak_rss_mb": float(setup_rss),
         "wall_seconds": time.time() - started_at,
     }
     observer.finish(summary)

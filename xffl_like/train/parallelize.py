@@ -7,8 +7,9 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from ..distributed.state import DistributedState
+from ..models import build_model
 
-__all__ = ["DTYPES", "contiguous_shards", "shard_model"]
+__all__ = ["DTYPES", "build_sharded_model", "contiguous_shards", "peak_rss_mb", "shard_model"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -23,6 +24,47 @@ def shard_model(model: nn.Module, state: DistributedState, dtype: str = "float32
         fully_shard(block, mesh=state.mesh, mp_policy=policy)
     fully_shard(model, mesh=state.mesh, mp_policy=policy)
     return model
+
+
+def build_sharded_model(cfg_model: dict, state: DistributedState, dtype: str = "float32", seed: int = 0) -> nn.Module:
+    """The facility's sharded model, initialised from ``seed`` or loaded from ``model.path`` (HF).
+
+    ``model.init=meta``: build on the meta device, ``fully_shard``, allocate only the local
+    shards (``to_empty``), then fill them: each rank draws just the init blocks of its rows
+    (values independent of the layout, see ``Llama.init_weights``) or reads just its rows of
+    the safetensors files. ``model.init=full``: every rank builds and initialises the whole
+    model first (same values), then shards it: simple, but the peak memory is the full model.
+    """
+    path = cfg_model.get("path")
+    if cfg_model.get("init", "full") == "meta":
+        model = build_model(cfg_model, device="meta")
+        shard_model(model, state, dtype)
+        model.to_empty(device=state.device)
+        if not path:
+            model.init_weights(seed)
+    else:
+        model = build_model(cfg_model, seed=seed)  # on CPU; fully_shard moves the shards to the device
+        shard_model(model, state, dtype)
+    if path:
+        from ..checkpoint.hf import load_hf_weights
+
+        load_hf_weights(model, path)
+    return model
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory so far, in MiB (Linux ``VmHWM``; else ``ru_maxrss``)."""
+    try:
+        for line in open("/proc/self/status"):
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:  # pragma: no cover - not Linux
+        pass
+    import resource
+    import sys
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 1024
 
 
 @torch.no_grad()

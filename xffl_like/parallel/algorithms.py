@@ -1,0 +1,418 @@
+"""Bagua's interchangeable data-parallel algorithms, on any torch.distributed backend.
+
+Each algorithm reacts to the events :class:`~xffl_like.parallel.bagua.BaguaModule`
+reports: ``before_forward``, ``grad_ready(bucket)`` (in a fixed bucket order, during
+backward), ``after_backward``, ``after_step`` (after ``optimizer.step()``). "Node"
+and hierarchical modes are described in :mod:`xffl_like.parallel.comm`.
+
+Differences from Bagua, on purpose: low-precision decentralized compresses the
+difference against the copy its neighbours hold (Bagua takes it against the
+freshly averaged weights, so neighbours' copies never see the averaging and drift
+from the weights they stand for); shift_one checks an even number of peers with a
+``ValueError`` instead of an assertion inside the communication thread.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from . import codec
+from .comm import p2p_exchange
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .bagua import BaguaModule, Bucket
+
+__all__ = ["Algorithm", "GradientAllReduce", "ByteGrad", "Decentralized", "LowPrecisionDecentralized",
+           "AsyncModelAverage", "shift_one_peer"]
+
+CHUNK_VALUES = 4096  # values per min-max chunk in low-precision gossip: 0.2% header overhead
+
+
+class Algorithm:
+    """Base class: one instance serves one module at a time (``attach`` ... ``detach``)."""
+
+    hierarchical = False
+
+    def attach(self, module: "BaguaModule") -> None:
+        """Start serving ``module`` (collective: all ranks, weights already identical)."""
+        self.module = module
+        self.comm = module.comm
+
+    def detach(self) -> None:
+        """Finish pending communication and stop (collective)."""
+
+    def before_forward(self) -> None:  # noqa: D102
+        pass
+
+    def grad_ready(self, bucket: "Bucket") -> None:  # noqa: D102
+        pass
+
+    def after_backward(self) -> None:  # noqa: D102
+        pass
+
+    def before_step(self) -> None:  # noqa: D102
+        pass
+
+    def after_step(self) -> None:  # noqa: D102
+        pass
+
+    # members of the exchange: node leaders in hierarchical mode, everyone otherwise
+    def _members(self) -> tuple[list[int], dist.ProcessGroup | None, bool]:
+        c = self.comm
+        if self.hierarchical:
+            return list(c.leaders), c.leader_group, c.is_leader
+        return list(range(c.world_size)), dist.group.WORLD, True
+
+    def __repr__(self) -> str:
+        keys = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_")
+                         and k not in ("module", "comm"))
+        return f"{type(self).__name__}({keys})"
+
+
+class GradientAllReduce(Algorithm):
+    """Sum (``average``: mean) the gradients of all ranks; ``hierarchical``: inside the node, among
+    the node leaders, then broadcast inside the node. Bucket all-reduces overlap the backward pass."""
+
+    def __init__(self, hierarchical: bool = False, average: bool = True):
+        self.hierarchical, self.average = hierarchical, average
+
+    def attach(self, module):
+        super().attach(module)
+        self._pending = []
+
+    def grad_ready(self, bucket):
+        flat = bucket.grads_flat()
+        if self.average:
+            flat.div_(self.comm.world_size)
+        if self.hierarchical:
+            self.comm.node_sum(flat)
+            work = None
+            if self.comm.leader_group is not None:
+                work = dist.all_reduce(flat, group=self.comm.leader_group, async_op=True)
+        else:
+            work = dist.all_reduce(flat, async_op=True)
+        self._pending.append((bucket, flat, work))
+
+    def after_backward(self):
+        for bucket, flat, work in self._pending:
+            if work is not None:
+                work.wait()
+            if self.hierarchical:
+                self.comm.node_broadcast(flat)
+            bucket.set_grads(flat)
+        self._pending = []
+
+
+class ByteGrad(GradientAllReduce):
+    """Gradient all-reduce with 8-bit min-max compression (one chunk per member):
+    compress -> all-to-all -> each member decompresses and averages its chunk ->
+    recompress -> all-gather -> decompress. ``hierarchical``: full-precision sum
+    inside the node first, compressed exchange among node leaders, the result
+    broadcast (compressed) inside the node."""
+
+    def __init__(self, hierarchical: bool = True, average: bool = True):
+        super().__init__(hierarchical, average)
+
+    def grad_ready(self, bucket):
+        flat = bucket.grads_flat()
+        if self.average:
+            flat.div_(self.comm.world_size)
+        if self.hierarchical:
+            self.comm.node_sum(flat)
+        members, group, member = self._members()
+        n = len(members)
+        state = {"bucket": bucket, "numel": flat.numel(), "n": n, "group": group, "work": None}
+        if member and n > 1:
+            send = codec.compress(flat, n)
+            recv = torch.empty_like(send)
+            state.update(send=send, recv=recv,
+                         work=dist.all_to_all_single(recv, send, group=group, async_op=True))
+        elif member:  # a single member: its own sum, compressed once like the others would see it
+            state["gathered"] = codec.compress(flat, 1)
+        self._pending.append(state)
+
+    def after_backward(self):
+        for s in self._pending:
+            bucket, numel, n = s["bucket"], s["numel"], s["n"]
+            length = codec.chunk_length(numel, n)
+            if s["work"] is not None:
+                s["work"].wait()
+                mine = torch.stack([codec.decompress(row, length) for row in s["recv"]]).sum(0)
+                packed = codec.compress(mine, 1)
+                gathered = torch.empty((n,) + tuple(packed.shape[1:]), dtype=torch.uint8, device=packed.device)
+                dist.all_gather_single(gathered, packed, group=s["group"])
+                s["gathered"] = gathered
+            if self.hierarchical:
+                rows = s.get("gathered")
+                if rows is None:
+                    rows = torch.empty((n, codec.HEADER_BYTES + length), dtype=torch.uint8,
+                                       device=bucket.device)
+                self.comm.node_broadcast(rows)
+                s["gathered"] = rows
+            bucket.set_grads(codec.decompress(s["gathered"], numel))
+        self._pending = []
+
+
+def shift_one_peer(rank: int, n: int, comm_step: int) -> int:
+    """Bagua's shift_one partner of member ``rank`` among ``n`` (even) at communication step ``comm_step``:
+    the first half pairs with the second half, shifted by one every step."""
+    half = n // 2
+    if rank < half:
+        return (comm_step + rank) % half + half
+    return (rank - half - comm_step) % half
+
+
+class Decentralized(Algorithm):
+    """Weight gossip (D-PSGD): at the forward pass the weights are sent to the peers (``all``:
+    every member; ``shift_one``: one partner, changing every communication step); after the
+    backward pass the weights become the average, and the optimizer applies the gradient
+    (computed at the pre-average weights) to it. Communicates every ``communication_interval``
+    iterations."""
+
+    def __init__(self, hierarchical: bool = True, peer_selection_mode: str = "all", communication_interval: int = 1):
+        if peer_selection_mode not in ("all", "shift_one"):
+            raise ValueError(f"peer_selection_mode must be 'all' or 'shift_one', got {peer_selection_mode!r}")
+        if communication_interval < 1:
+            raise ValueError(f"communication_interval must be >= 1, got {communication_interval}")
+        self.hierarchical, self.peer_selection_mode = hierarchical, peer_selection_mode
+        self.communication_interval = communication_interval
+
+    def attach(self, module):
+        super().attach(module)
+        members, _, _ = self._members()
+        if self.peer_selection_mode == "shift_one" and len(members) > 1 and len(members) % 2:
+            what = "nodes" if self.hierarchical else "processes"
+            raise ValueError(f"Decentralized(peer_selection_mode='shift_one') needs an even number of {what}, got "
+                             f"{len(members)}: use peer_selection_mode='all' or an even number of {what}")
+        self._step = 0
+        self._pending = []
+
+    def before_forward(self):
+        if self._step % self.communication_interval:
+            return
+        members, group, member = self._members()
+        n = len(members)
+        for bucket in self.module.buckets:
+            x = bucket.weights_flat()
+            if self.hierarchical:
+                self.comm.node_sum(x)
+                x.div_(self.comm.local_world_size)
+            works, peer_buf = [], None
+            if member and n > 1:
+                if self.peer_selection_mode == "all":
+                    x.div_(n)
+                    works = [dist.all_reduce(x, group=group, async_op=True)]
+                else:
+                    me = members.index(self.comm.rank)
+                    peer = members[shift_one_peer(me, n, self._step // self.communication_interval)]
+                    peer_buf = torch.empty_like(x)
+                    works = p2p_exchange([(x, peer)], [(peer_buf, peer)])
+            self._pending.append((bucket, x, works, peer_buf))
+
+    def after_backward(self):
+        for bucket, x, works, peer_buf in self._pending:
+            for w in works:
+                w.wait()
+            if peer_buf is not None:
+                x.add_(peer_buf).div_(2)
+            if self.hierarchical:
+                self.comm.node_broadcast(x)
+            bucket.set_weights(x)
+        self._pending = []
+        self._step += 1
+
+    def detach(self):
+        for _, _, works, _ in self._pending:  # a forward without backward: let the exchange finish
+            for w in works:
+                w.wait()
+        self._pending = []
+
+
+class LowPrecisionDecentralized(Algorithm):
+    """Ring gossip of 8-bit compressed weight differences (DCD-PSGD).
+
+    Every member keeps its public weights ``x`` (what its neighbours hold of it) and
+    copies of its left and right neighbours' public weights. After backward:
+    ``x <- (x + left + right) / 3``; the optimizer steps; then the difference to the
+    previous public weights is compressed (min-max uint8), sent to both neighbours,
+    and every copy (own, left, right) adds the same decompressed difference, so each
+    rank's weights equal its neighbours' copies of them exactly. ``hierarchical``: the
+    node averages its differences and its leader gossips for it.
+    """
+
+    def __init__(self, hierarchical: bool = True, communication_interval: int = 1):
+        if communication_interval < 1:
+            raise ValueError(f"communication_interval must be >= 1, got {communication_interval}")
+        self.hierarchical, self.communication_interval = hierarchical, communication_interval
+
+    def attach(self, module):
+        super().attach(module)
+        self._step = 0
+        self._public = [b.weights_flat() for b in module.buckets]
+        self._left = [p.clone() for p in self._public]
+        self._right = [p.clone() for p in self._public]
+
+    def _communicates(self) -> bool:
+        members, _, _ = self._members()
+        return len(members) > 1 and self._step % self.communication_interval == 0
+
+    def after_backward(self):
+        if not self._communicates():
+            return
+        for bucket, left, right in zip(self.module.buckets, self._left, self._right):
+            x = bucket.weights_flat()
+            bucket.set_weights(x.add_(left).add_(right).div_(3))
+
+    def after_step(self):
+        if self._communicates():
+            members, _, member = self._members()
+            n = len(members)
+            for bucket, public, left, right in zip(self.module.buckets, self._public, self._left, self._right):
+                diff = bucket.weights_flat().sub_(public)
+                if self.hierarchical:
+                    self.comm.node_sum(diff)
+                    diff.div_(self.comm.local_world_size)
+                chunks = max(1, math.ceil(diff.numel() / CHUNK_VALUES))
+                rows = torch.empty((3, codec.packed_bytes(diff.numel(), chunks)), dtype=torch.uint8,
+                                   device=diff.device)
+                if member:
+                    me = members.index(self.comm.rank)
+                    lpeer, rpeer = members[(me - 1) % n], members[(me + 1) % n]
+                    rows[0] = codec.compress(diff, chunks).view(-1)
+                    for w in p2p_exchange([(rows[0], lpeer), (rows[0], rpeer)], [(rows[1], lpeer), (rows[2], rpeer)]):
+                        w.wait()
+                if self.hierarchical:
+                    self.comm.node_broadcast(rows)
+                numel = diff.numel()
+                public.add_(codec.decompress(rows[0].view(chunks, -1), numel))
+                left.add_(codec.decompress(rows[1].view(chunks, -1), numel))
+                right.add_(codec.decompress(rows[2].view(chunks, -1), numel))
+                bucket.set_weights(public)
+        self._step += 1
+
+    @property
+    def peer_copies(self) -> tuple[list[Tensor], list[Tensor]]:
+        """This rank's copies of its left and right neighbours' weights, per bucket (for inspection)."""
+        return self._left, self._right
+
+
+class AsyncModelAverage(Algorithm):
+    """Local steps, while a background thread averages the weights of all ranks every
+    ``sync_interval_ms``; the first ``warmup_steps`` optimizer steps use synchronous gradient
+    all-reduce instead.
+
+    The thread snapshots the weights (never during ``optimizer.step()``), averages the
+    snapshots over all ranks on its own process group, and adds ``avg - snapshot`` to the
+    weights itself between iterations (after ``optimizer.step()``, before the next forward);
+    during an iteration it leaves the result to the training thread, which adds it before
+    its next forward. So weights saved by autograd are never modified under a running
+    backward, local steps taken during an exchange are kept, and the mean over ranks is
+    unchanged.
+    ``abort()`` stops the thread (every rank must call it; all ranks stop after the same
+    exchange) and applies the last result; ``resume()`` starts it again."""
+
+    def __init__(self, sync_interval_ms: int = 500, warmup_steps: int = 0):
+        if sync_interval_ms < 0 or warmup_steps < 0:
+            raise ValueError(f"sync_interval_ms and warmup_steps must be >= 0, got {sync_interval_ms}, {warmup_steps}")
+        self.sync_interval_ms, self.warmup_steps = sync_interval_ms, warmup_steps
+        self._thread: threading.Thread | None = None
+
+    def attach(self, module):
+        super().attach(module)
+        self._steps = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._error: BaseException | None = None
+        self._delta: list[Tensor] | None = None  # avg - snapshot, waiting for a safe point
+        self._busy = False  # an iteration (forward .. optimizer.step) is running
+        self._warmup = GradientAllReduce()
+        self._warmup.attach(module)
+        self.rounds = 0  # exchanges completed (for inspection)
+
+    def grad_ready(self, bucket):
+        if self._steps < self.warmup_steps:
+            self._warmup.grad_ready(bucket)
+
+    def after_backward(self):
+        if self._steps < self.warmup_steps:
+            self._warmup.after_backward()
+
+    def before_forward(self):
+        if self._error is not None:
+            raise RuntimeError(f"asynchronous model averaging failed: {self._error}")
+        with self._lock:
+            self._apply()
+            self._busy = True
+        if self._steps >= self.warmup_steps and self._thread is None and not self._stop.is_set():
+            self.resume()
+
+    def before_step(self):
+        self._lock.acquire()
+
+    def after_step(self):
+        self._busy = False
+        self._lock.release()
+        self._steps += 1
+
+    def resume(self) -> None:
+        """Start (again) the background averaging thread (collective)."""
+        if self._thread is not None:
+            return
+        self._stop.clear()
+        group = self.module.async_group()
+        self._thread = threading.Thread(target=self._run, args=(group,), name="xffl-async-average", daemon=True)
+        self._thread.start()
+
+    def abort(self) -> None:
+        """Stop the background thread after the exchange in progress and apply its result (collective)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        with self._lock:
+            self._apply()
+
+    def detach(self):
+        self.abort()
+
+    def _apply(self) -> None:  # under self._lock
+        if self._delta is not None:
+            for b, d in zip(self.module.buckets, self._delta):
+                b.set_weights(b.weights_flat().add_(d))
+            self._delta = None
+
+    def _run(self, group):
+        buckets = self.module.buckets
+        n = dist.get_world_size(group)
+        try:
+            while True:
+                # Wait until the training thread applied the last result (or we are stopping), then
+                # agree with every rank on whether to go on: all ranks run the same exchanges.
+                while self._delta is not None and not self._stop.is_set():
+                    time.sleep(0.001)
+                flag = torch.tensor([1.0 if self._stop.is_set() else 0.0], device=self.module.device)
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+                if flag.item() > 0:
+                    break
+                with self._lock:
+                    snaps = [b.weights_flat() for b in buckets]
+                deltas = []
+                for snap in snaps:
+                    avg = snap.clone()
+                    dist.all_reduce(avg, group=group)
+                    deltas.append(avg.div_(n).sub_(snap))
+                with self._lock:
+                    self._delta = deltas
+                    if not self._busy:
+                        self._apply()
+                self.rounds += 1
+                time.sleep(self.sync_interval_ms / 1000)
+        except BaseException as exc:  # noqa: BLE001 - surfaced on the training thread
+            self._error = exc

@@ -1,0 +1,174 @@
+"""Benchmark: step time and final loss of the data-parallel libraries against DDP, side by side.
+
+    python -m xffl_like.parallel.bench                       # 4 local processes, 2 "nodes" of 2, loopback
+    python -m xffl_like.parallel.bench --nproc 8 --local-world-size 4 --steps 40 --out bench_parallel.json
+
+Every method trains the same model (``conf/model/<model>.yaml``, seed 0) on the same
+per-rank batches (a fixed random bigram language, different samples per rank) with
+AdamW for ``--steps`` steps, in the same processes: PyTorch
+``DistributedDataParallel``, :class:`DecentralizedDataParallel` on ring,
+one-peer-exp and alternating-exp-ring, and each Bagua-style algorithm. It reports
+the median step time after ``--warmup`` steps (methods interleaved step by step, so
+load changes on a shared machine hit all of them alike), its ratio to DDP's, and the final
+training loss (each rank's loss on its own copy, mean over ranks and the last 5 steps)
+with its ratio to DDP's, and the consensus distance of the copies at the end (before
+DecentralizedDataParallel's ``global_avg()``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+METHODS = ["ddp", "decent:ring", "decent:one-peer-exp", "decent:alternating-exp-ring", "bagua:gradient_allreduce",
+           "bagua:bytegrad", "bagua:decentralized", "bagua:low_precision_decentralized", "bagua:async"]
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _batches(rank: int, steps: int, batch: int, seq: int, vocab: int):
+    """Samples of one fixed bigram language (same for all ranks), different samples per rank."""
+    import torch
+
+    lang = torch.Generator().manual_seed(1234)
+    probs = torch.softmax(torch.randn(vocab, vocab, generator=lang) * 3, dim=1)
+    gen = torch.Generator().manual_seed(100 + rank)
+    out = []
+    for _ in range(steps):
+        tokens = torch.empty(batch, seq + 1, dtype=torch.long)
+        tokens[:, 0] = torch.randint(vocab, (batch,), generator=gen)
+        for t in range(seq):
+            tokens[:, t + 1] = torch.multinomial(probs[tokens[:, t]], 1, generator=gen).squeeze(1)
+        out.append(tokens)
+    return out
+
+
+def _bagua_algorithm(name: str):
+    from xffl_like import parallel as P
+
+    return {"gradient_allreduce": lambda: P.GradientAllReduce(),
+            "bytegrad": lambda: P.ByteGrad(hierarchical=True),
+            "decentralized": lambda: P.Decentralized(hierarchical=True),
+            "low_precision_decentralized": lambda: P.LowPrecisionDecentralized(hierarchical=True),
+            "async": lambda: P.AsyncModelAverage(sync_interval_ms=50)}[name]()
+
+
+def _worker(args: dict) -> dict:
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    import yaml
+
+    from xffl_like import parallel as P
+    from xffl_like.models.llama import Llama, LlamaConfig
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = LlamaConfig.from_mapping(yaml.safe_load((ROOT / "conf" / "model" / f"{args['model']}.yaml").read_text()))
+    data = _batches(rank, args["steps"], args["batch"], args["seq"], cfg.vocab_size)
+    runs = {}
+    for method in args["methods"]:  # every method's copy lives side by side
+        torch.manual_seed(0)
+        model = Llama(cfg)
+        kind, _, name = method.partition(":")
+        if kind == "ddp":
+            net = torch.nn.parallel.DistributedDataParallel(model)
+            opt = torch.optim.AdamW(model.parameters(), lr=args["lr"], weight_decay=0.0)
+        elif kind == "decent":
+            net = P.DecentralizedDataParallel(model, lambda named: P.optim_fn_adamw(named, lr=args["lr"],
+                                                                                    weight_decay=0.0),
+                                              topology=name, local_world_size=args["local_world_size"])
+            opt = None
+        else:
+            opt = torch.optim.AdamW(model.parameters(), lr=args["lr"], weight_decay=0.0)
+            net = P.with_algorithm(model, opt, _bagua_algorithm(name), local_world_size=args["local_world_size"])
+        runs[method] = {"net": net, "opt": opt, "model": model, "times": [], "losses": []}
+    # Interleaved: step t of every method, then step t + 1, so load changes hit all methods alike.
+    for step, tokens in enumerate(data):
+        for method, run in runs.items():
+            net, opt = run["net"], run["opt"]
+            dist.barrier()
+            start = time.perf_counter()
+            logits = net(tokens[:, :-1])
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+            loss.backward()
+            if opt is not None:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            dist.barrier()
+            if step >= args["warmup"]:
+                run["times"].append(time.perf_counter() - start)
+            run["losses"].append(loss.item())
+    results = {}
+    for method, run in runs.items():
+        net = run["net"]
+        if isinstance(getattr(net, "algorithm", None), P.AsyncModelAverage):
+            net.algorithm.abort()  # (its last exchange applied) before measuring
+        consensus = P.consensus_distance(run["model"])
+        if isinstance(net, P.DecentralizedDataParallel):
+            net.global_avg()
+        final = torch.tensor([statistics.fmean(run["losses"][-5:])])
+        dist.all_reduce(final)
+        results[method] = {"step_s": statistics.median(run["times"]), "final_loss": final.item() / world,
+                           "consensus_distance": consensus}
+    dist.destroy_process_group()
+    return results
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Run the benchmark in ``--nproc`` local processes; print the table, optionally write JSON."""
+    from xffl_like.distributed.launch import WorkerFailure, launch_local
+
+    p = argparse.ArgumentParser(prog="python -m xffl_like.parallel.bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--nproc", type=int, default=4)
+    p.add_argument("--local-world-size", type=int, default=2, help="processes per emulated node")
+    p.add_argument("--model", default="llama_tiny")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of " + ", ".join(METHODS))
+    p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    a = p.parse_args(argv)
+    methods = [m for m in a.methods.split(",") if m]
+    unknown = [m for m in methods if m not in METHODS]
+    problems = [f"unknown method(s) {unknown}: choose from {', '.join(METHODS)}"] if unknown else []
+    if a.nproc < 2 or a.nproc % a.local_world_size or a.local_world_size < 1:
+        problems.append(f"--local-world-size {a.local_world_size} must divide --nproc {a.nproc} (>= 2)")
+    if not (0 <= a.warmup < a.steps - 1) or a.steps < 6:
+        problems.append(f"--steps {a.steps} must be >= 6 and exceed --warmup {a.warmup} by 2")
+    if not (ROOT / "conf" / "model" / f"{a.model}.yaml").exists():
+        problems.append(f"--model {a.model}: no conf/model/{a.model}.yaml")
+    if problems:
+        print("error: " + "; ".join(problems), file=sys.stderr)
+        raise SystemExit(2)
+    args = dict(vars(a), methods=methods, out=None)
+    from xffl_like.parallel.bench import _worker as worker  # by module name: spawned workers import it
+
+    try:
+        results = launch_local(worker, (args,), a.nproc)[0]
+    except WorkerFailure as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(1) from None
+    base = results.get("ddp")
+    print(f"{a.nproc} processes ({a.nproc // a.local_world_size} nodes of {a.local_world_size}), loopback, "
+          f"model={a.model}, {a.steps} steps")
+    print(f"{'method':38s} {'step ms':>9s} {'x DDP':>7s} {'final loss':>11s} {'x DDP':>7s} {'consensus':>10s}")
+    for m, r in results.items():
+        ratio = f"{r['step_s'] / base['step_s']:.2f}" if base else "-"
+        lratio = f"{r['final_loss'] / base['final_loss']:.3f}" if base else "-"
+        print(f"{m:38s} {1000 * r['step_s']:9.1f} {ratio:>7s} {r['final_loss']:11.4f} {lratio:>7s} "
+              f"{r['consensus_distance']:10.2e}")
+    report = {"config": {k: v for k, v in vars(a).items() if k != "out"}, "results": results}
+    if a.out is not None:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(json.dumps(report, indent=2, default=str))
+    return report
+
+
+if __name__ == "__main__":
+    main()

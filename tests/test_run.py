@@ -146,6 +146,17 @@ BAD = [
     (["optim.warmup_steps=null"], "optim.warmup_steps=None"),
     (["optim.betas=[0.9]"], "optim.betas=[0.9]"),
     (["logger.mode=onlin"], "logger.mode='onlin'"),
+    (["checkpoint.keep=0"], "checkpoint.keep=0"),
+    (["checkpoint.every_rounds=-1"], "checkpoint.every_rounds=-1"),
+    (["checkpoint.async=maybe"], "checkpoint.async='maybe'"),
+    (["checkpoint.dir=/proc/no_such_dir"], "checkpoint.dir: /proc/no_such_dir is not writable"),
+    (["fault.kill_rank=9", "fault.at_step=3"], "fault.kill_rank=9"),
+    (["fault.kill_rank=1", "fault.at_step=0"], "fault.at_step=0"),
+    (["fault.nan_rank=1"], "set both"),
+    (["federation.on_nonfinite=ignore"], "federation.on_nonfinite='ignore'"),
+    (["distributed.max_restarts=-1"], "distributed.max_restarts=-1"),
+    (["resume=/no/such/run"], "resume=/no/such/run: no such directory"),
+    (["resume=/etc"], "resume=/etc: neither a run directory nor a checkpoint"),
 ]
 
 

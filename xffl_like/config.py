@@ -127,10 +127,12 @@ def validate_config(
         layout = plan_layout(world_size, dist_cfg["federated"], dist_cfg["hsdp"], local_world_size)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    from .checkpoint.resume import validate_durability
     from .federation import validate_federation
 
     try:
         validate_federation(_get(cfg, "federation"), layout)
+        validate_durability(cfg, world_size)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
 

@@ -49,6 +49,31 @@ def _save_config(plain: dict, run_dir: Path) -> None:
     OmegaConf.save(OmegaConf.create(plain), run_dir / "config.yaml")
 
 
+def prepare_durability(plain: dict, layout, run_dir: Path) -> Path:
+    """Resolve ``resume`` (the run directory then becomes the resumed run's) and check that
+    the run and checkpoint directories are writable; return the job's run directory."""
+    from .checkpoint.resume import check_writable, resolve_resume
+
+    try:
+        target = resolve_resume(plain, layout, outputs=run_dir.parent, current_run_dir=run_dir)
+        if target is not None:
+            run_dir = target.run_dir
+        check_writable(run_dir, "run directory")
+        if plain["checkpoint"].get("dir"):
+            check_writable(Path(plain["checkpoint"]["dir"]), "checkpoint.dir")
+    except ValueError as exc:
+        raise JobFailed(str(exc)) from None
+    return run_dir
+
+
+def _drop_if_empty(fresh: Path) -> None:
+    # Resuming continues in the old run directory: drop the one Hydra just made (only .hydra/ in it).
+    import shutil
+
+    if fresh.is_dir() and {p.name for p in fresh.iterdir()} <= {".hydra"}:
+        shutil.rmtree(fresh, ignore_errors=True)
+
+
 def run_local(cfg: DictConfig, run_dir: Path, worker: Callable | None = None) -> dict:
     """Validate, then run ``nproc_per_node`` local workers; return rank 0's summary."""
     from .train.loop import train_worker
@@ -57,16 +82,28 @@ def run_local(cfg: DictConfig, run_dir: Path, worker: Callable | None = None) ->
     plain = resolve(cfg)
     nproc = plain["distributed"]["nproc_per_node"]
     try:
-        validate_config(plain, nproc, nproc, Path.cwd(), choices(cfg))
+        layout = validate_config(plain, nproc, nproc, Path.cwd(), choices(cfg))
     except ConfigError as exc:
         raise JobFailed(str(exc)) from None
+    fresh, run_dir = run_dir, prepare_durability(plain, layout, run_dir)
+    if run_dir != fresh:
+        _drop_if_empty(fresh)
     _save_config(plain, run_dir)
     try:
-        results = launch_local(worker or train_worker, (plain, str(run_dir), started), nproc, error_dir=run_dir / "errors")
+        results = launch_local(worker or train_worker, (plain, str(run_dir), started), nproc,
+                               error_dir=run_dir / "errors", max_restarts=plain["distributed"]["max_restarts"])
     except WorkerFailure as exc:
         where = f" (traceback: {exc.details})" if exc.details else ""
-        raise JobFailed(f"{exc}{where}") from None
+        raise JobFailed(f"{exc}{where}{_last_checkpoint(plain, run_dir)}") from None
     return results[0]
+
+
+def _last_checkpoint(plain: dict, run_dir: Path) -> str:
+    """What a failed job leaves to resume from, for its one error line."""
+    from .checkpoint import checkpoint_dir, latest_checkpoint
+
+    last = latest_checkpoint(checkpoint_dir(plain, run_dir))
+    return f"; last complete checkpoint: {last} (resume={run_dir})" if last else "; no checkpoint was completed"
 
 
 def _compose(overrides: list[str]) -> DictConfig:
@@ -76,8 +113,41 @@ def _compose(overrides: list[str]) -> DictConfig:
         return compose(config_name="config", overrides=overrides, return_hydra_config=True)
 
 
+def _torchrun_run_dir(experiment: str) -> Path:
+    """``$XFFL_RUN_DIR``, else a new ``outputs/<experiment>/<stamp>-torchrun``; after an elastic
+    restart (torchrun ``--max-restarts``) the directory of the first attempt, found by run id."""
+    if os.environ.get("XFFL_RUN_DIR"):
+        return Path(os.environ["XFFL_RUN_DIR"]).resolve()
+    outputs = Path("outputs") / experiment
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run_id and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0 and outputs.is_dir():
+        for run in sorted(outputs.glob("*-torchrun"), reverse=True):
+            marker = run / ".torchelastic_run_id"
+            if marker.is_file() and marker.read_text().strip() == run_id:
+                return run.resolve()
+    run_dir = (outputs / f"{time.strftime('%Y-%m-%d_%H-%M-%S')}-torchrun").resolve()
+    if run_id:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / ".torchelastic_run_id").write_text(run_id + "\n")
+    return run_dir
+
+
+def _validate_here(overrides: list[str], env) -> dict:
+    """Compose, validate and resolve ``resume``; the plain config and the run directory."""
+    composed = _compose(overrides)
+    plain = resolve(composed)
+    layout = validate_config(plain, env.world_size, env.local_world_size, Path.cwd(), choices(composed))
+    run_dir = _torchrun_run_dir(plain["experiment"]) if env.rank == 0 else Path(".")
+    return plain, prepare_durability(plain, layout, run_dir) if env.rank == 0 else run_dir
+
+
 def run_under_launcher(overrides: list[str]) -> int:
-    """torchrun/srun/mpirun path: rank 0 composes and validates, every rank trains."""
+    """torchrun/srun/mpirun path: rank 0 composes and validates, every rank trains.
+
+    The first process of every node validates the config before joining the rendezvous:
+    in a job spanning sites, the site with a typo fails at once instead of leaving the
+    others waiting for it.
+    """
     import torch.distributed as dist
 
     from .distributed.env import agree_rendezvous
@@ -92,19 +162,26 @@ def run_under_launcher(overrides: list[str]) -> int:
         if env.rank == 0:
             print(f"error: {exc} (or set MASTER_ADDR and MASTER_PORT)", file=sys.stderr)
         return 2
+    if env.master_addr is None or env.master_port is None:
+        print(f"error: RANK/WORLD_SIZE (or SLURM_PROCID/SLURM_NTASKS) are set but MASTER_ADDR/MASTER_PORT are not: "
+              f"unset them to let the job launch its own workers, or start it under torchrun/srun with a "
+              f"rendezvous address", file=sys.stderr)
+        return 2
+    if env.local_rank == 0 and env.rank != 0:
+        try:
+            _validate_here(overrides, env)
+        except Exception as exc:  # noqa: BLE001 - one line, before anyone waits on us
+            print(f"error: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}", file=sys.stderr)
+            return 2
     # The config is not known yet: the device and groups follow ``auto``; build_state applies
     # distributed.timeout_s to this group once rank 0 has shared the config.
     init_default_group(env, "auto")
     payload: list = [None]
     if env.rank == 0:
         try:
-            composed = _compose(overrides)
-            plain = resolve(composed)
-            validate_config(plain, env.world_size, env.local_world_size, Path.cwd(), choices(composed))
-            stamp = time.strftime("%Y-%m-%d_%H-%M-%S")
-            run_dir = Path(os.environ.get("XFFL_RUN_DIR") or Path("outputs") / plain["experiment"] / f"{stamp}-torchrun")
-            _save_config(plain, run_dir.resolve())
-            payload = [(plain, str(run_dir.resolve()), None)]
+            plain, run_dir = _validate_here(overrides, env)
+            _save_config(plain, run_dir)
+            payload = [(plain, str(run_dir), None)]
         except Exception as exc:  # noqa: BLE001 - every rank must learn that the job is off
             payload = [(None, None, str(exc).splitlines()[0] if str(exc) else type(exc).__name__)]
     dist.broadcast_object_list(payload, src=0)

@@ -1,1 +1,7 @@
-"""Checkpoints: Hugging Face safetensors import/export (``hf``)."""
+"""Durable runs and model files: DCP checkpoints (``dcp``), their files on disk (``store``),
+resume before launch (``resume``), Hugging Face safetensors import/export (``hf``)."""
+
+from .dcp import Checkpointer, checkpoint_dir, restart_count
+from .store import latest_checkpoint
+
+__all__ = ["Checkpointer", "checkpoint_dir", "latest_checkpoint", "restart_count"]

@@ -19,21 +19,42 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable
 
-__all__ = ["WorkerFailure", "free_port", "launch_local", "worker_count_threads"]
+__all__ = ["WorkerFailure", "free_port", "launch_local", "loopback_store", "worker_count_threads"]
 
 
 class WorkerFailure(RuntimeError):
     """A worker failed; ``str(exc)`` is one line, ``exc.details`` the saved traceback path."""
 
-    def __init__(self, message: str, details: str | None = None):
+    def __init__(self, message: str, details: str | None = None, dead_ranks: tuple[int, ...] = ()):
         super().__init__(message)
         self.details = details
+        self.dead_ranks = dead_ranks  # ranks killed by a signal (no error of their own)
 
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def loopback_store(port: int = 0, world_size: int | None = None, timeout_s: float = 300.0):
+    """A TCPStore server that listens on 127.0.0.1 only (TCPStore alone binds every interface).
+
+    Multi-tenant: a later ``TCPStore(..., port, is_master=True, multi_tenant=True)`` in this
+    process (the elastic rendezvous', the default process group's) reuses this server.
+    """
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", port))
+    sock.listen(512)
+    port = sock.getsockname()[1]
+    # detach(): the store owns the descriptor from now on (Python must not close it under it).
+    return dist.TCPStore("127.0.0.1", port, world_size, is_master=True, multi_tenant=True, wait_for_workers=False,
+                         timeout=timedelta(seconds=timeout_s), master_listen_fd=sock.detach()), port
 
 
 def worker_count_threads(nproc: int) -> int:
@@ -53,6 +74,15 @@ def _entry(fn: Callable, args: tuple, error_dir: str) -> Any:
         path.write_text(summary + "\n\n" + traceback.format_exc())
         sys.stderr.flush()
         os._exit(1)
+
+
+def _killed(exc) -> list[tuple[int, str]]:
+    """(rank, signal name) of the workers that a signal ended (SIGKILL, OOM killer, ...)."""
+    out = []
+    for rank, failure in sorted(getattr(exc, "failures", {}).items()):
+        if failure.exitcode < 0:
+            out.append((rank, failure.signal_name()))
+    return out
 
 
 def _first_error(error_dir: Path) -> tuple[str, str | None]:
@@ -79,11 +109,14 @@ def launch_local(
     *,
     error_dir: str | os.PathLike | None = None,
     threads_per_worker: int | None = None,
+    max_restarts: int = 0,
 ) -> list[Any]:
     """Run ``fn(*args)`` in ``nproc`` local workers; return their results in rank order.
 
     The workers see torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
-    MASTER_PORT, ...) and rendezvous on loopback at a free port.
+    MASTER_PORT, ...) and rendezvous on loopback (127.0.0.1 only) at a free port. With
+    ``max_restarts`` > 0 the agent restarts every worker after a failure (they see
+    ``TORCHELASTIC_RESTART_COUNT``); a worker that dies by a signal is named in the error.
     """
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -91,15 +124,20 @@ def launch_local(
     err_dir = Path(error_dir) if error_dir is not None else Path(tempfile.mkdtemp(prefix="xffl-errors-"))
     threads = threads_per_worker or worker_count_threads(nproc)
     os.environ["OMP_NUM_THREADS"] = str(threads)
+    # Listen on loopback only: the rendezvous store is ours (bound to 127.0.0.1, reused by the
+    # agent), and the agent does not share its own store (which would bind every interface):
+    # worker rank 0 hosts the process group's store instead, on loopback too (distributed.state).
+    rdzv_store, rdzv_port = loopback_store()
+    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
         nproc_per_node=nproc,
         run_id=f"xffl-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d",
-        rdzv_endpoint=f"127.0.0.1:{free_port()}",
+        rdzv_endpoint=f"127.0.0.1:{rdzv_port}",
         rdzv_configs={"timeout": 120},
-        max_restarts=0,
+        max_restarts=max_restarts,
         monitor_interval=0.1,
         start_method="spawn",
         local_addr="127.0.0.1",
@@ -111,10 +149,15 @@ def launch_local(
         lg.setLevel(logging.CRITICAL)
     try:
         results = elastic_launch(config, _entry)(fn, args, str(err_dir))
-    except ChildFailedError:
+    except ChildFailedError as exc:
+        killed = _killed(exc)
+        if killed:  # a dead rank is the cause; the others only saw broken connections
+            names = ", ".join(f"rank {r} ({sig})" for r, sig in killed)
+            raise WorkerFailure(f"{names} died", None, tuple(r for r, _ in killed)) from None
         message, details = _first_error(err_dir)
         raise WorkerFailure(message, details) from None
     finally:
         for lg, level in zip(quiet, levels):
             lg.setLevel(level)
+        del rdzv_store
     return [results[r] for r in sorted(results)]

@@ -20,7 +20,33 @@ from .env import ProcessEnv, read_env
 from .layout import Coords, Exchange, Layout
 
 __all__ = ["ProcessEnv", "PeerExchange", "DistributedState", "all_peer_groups", "read_env", "build_state",
-           "resolve_backend", "group_backend", "init_default_group"]
+           "resolve_backend", "group_backend", "init_default_group", "elastic_store"]
+
+
+def elastic_store(env: ProcessEnv, timeout: timedelta):
+    """The store of the default process group, or ``None`` for torch's default (``env://``).
+
+    - Under an elastic agent that shares its store (torchrun's default), a prefix per restart
+      attempt: the store outlives attempts, and a restarted worker would otherwise read the
+      dead attempt's peer addresses.
+    - With a loopback rendezvous address, rank 0 hosts the store listening on 127.0.0.1 only
+      (torch's own server binds every interface).
+    """
+    if env.master_addr is None or env.master_port is None:
+        return None
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        client = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=False, timeout=timeout)
+        return dist.PrefixStore(f"/xffl/attempt_{attempt}", client)
+    if env.master_addr in ("127.0.0.1", "localhost"):
+        from .launch import loopback_store
+
+        if env.rank == 0:
+            store = loopback_store(env.master_port, env.world_size, timeout.total_seconds())[0]
+        else:
+            store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=False, timeout=timeout)
+        return dist.PrefixStore("default_pg", store)  # the prefix torch's env:// path uses
+    return None
 
 
 @dataclass(frozen=True)
@@ -159,6 +185,7 @@ def init_default_group(env: ProcessEnv, backend: str = "auto", timeout_s: float 
         world_size=env.world_size,
         timeout=timedelta(seconds=timeout_s),
         device_id=device if device.type == "cuda" else None,
+        store=elastic_store(env, timedelta(seconds=timeout_s)),
     )
     return device
 

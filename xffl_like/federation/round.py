@@ -37,7 +37,8 @@ from .outer import OuterOptimizer, OuterOptions
 __all__ = ["ALGORITHMS", "FederationOptions", "Federation", "validate_federation"]
 
 ALGORITHMS = ("federated", "synchronous")
-_KEYS = {"algorithm", "every", "weights", "topology", "outer", "compression", "chunk_size", "error_feedback"}
+_KEYS = {"algorithm", "every", "weights", "topology", "outer", "compression", "chunk_size", "error_feedback",
+         "on_nonfinite"}
 
 
 @dataclass(frozen=True)
@@ -220,11 +221,16 @@ class Federation:
             offset += t.numel()
 
     @torch.no_grad()
-    def round(self) -> dict:
-        """One round across facilities; returns ``seconds``, ``bytes_per_rank``, ``cross_facility_bytes``."""
+    def round(self, adjust=None) -> dict:
+        """One round across facilities; returns ``seconds``, ``bytes_per_rank``, ``cross_facility_bytes``
+        and ``skipped_facilities``. ``adjust(weights) -> (weights, skipped)`` may change this round's
+        weights (the non-finite guard leaves facilities out with weight 0)."""
         start = time.perf_counter()
         state = self.state
         weights = self.facility_weights()
+        skipped: list[int] = []
+        if adjust is not None:
+            weights, skipped = adjust(weights)
         index, self.rounds = self.rounds, self.rounds + 1
         delta = None
         if self.compressor is not None:
@@ -242,7 +248,7 @@ class Federation:
             self.outer.step(delta.to(self.theta.device))
             self._write_params(self.theta)
         return {"seconds": time.perf_counter() - start, "bytes_per_rank": int(sent_bytes),
-                "cross_facility_bytes": int(cross)}
+                "cross_facility_bytes": int(cross), "skipped_facilities": skipped}
 
     def _compressed_delta(self, weights) -> tuple[Tensor, int]:
         """The compressed mean of the facilities' updates ``theta_global - theta_f``, and the bytes sent."""

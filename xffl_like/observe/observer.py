@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -22,7 +23,7 @@ from .plots import plot_aggregation, plot_losses
 from .progress import Progress
 from .timing import format_phase_table
 
-__all__ = ["AGG_FIELDS", "LOGGERS", "Observer", "bandwidth"]
+__all__ = ["AGG_FIELDS", "LOGGERS", "Observer", "bandwidth", "truncate_metrics"]
 
 AGG_FIELDS = ("round", "step", "seconds", "bytes_per_rank", "cross_facility_bytes", "algbw_gbps", "busbw_gbps",
               "strategy", "streams")
@@ -45,9 +46,22 @@ def bandwidth(bytes_per_rank: float, seconds: float, num_facilities: int) -> tup
     return algbw, algbw * 2 * (num_facilities - 1) / num_facilities
 
 
+def truncate_metrics(path: Path, step: int) -> None:
+    """Drop the lines of steps after ``step`` (written before a failure, redone after a resume)."""
+    if path.is_file():
+        keep = [line for line in path.read_text().splitlines(keepends=True)
+                if line.strip() and json.loads(line)["step"] <= step]
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(keep))
+        tmp.replace(path)
+
+
 class Observer:
-    def __init__(self, cfg: dict, state, run_dir: Path):
+    def __init__(self, cfg: dict, state, run_dir: Path, restored: dict | None = None):
+        """``restored``: the ``state.json`` of the checkpoint a resumed job starts from (its
+        ``step``, ``rounds`` and ``wandb_ids`` continue the files and W&B runs)."""
         self.cfg, self.state, self.run_dir = cfg, state, Path(run_dir)
+        self.first_step = restored["step"] if restored else 0
         self.steps = cfg["train"]["steps"]
         self.strategy = cfg["strategy"]["name"]
         self.streams = cfg["strategy"]["streams"]
@@ -59,7 +73,15 @@ class Observer:
         # Facilities may not share a file system: each makes the run directory it writes to.
         if self.facility_lead:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.rounds: list[dict] = []
+        self.rounds: list[dict] = [self._complete(r) for r in restored["rounds"]] if restored else []
+        # A resumed job, or an elastic restart (even one before any checkpoint), redoes the steps
+        # after its starting point: their lines from the failed attempt go.
+        if restored or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
+            if self.lead:
+                truncate_metrics(self.run_dir / "metrics.jsonl", self.first_step)
+            import torch.distributed as dist
+
+            dist.barrier()  # nobody appends before the file is cut back to the checkpoint's step
         self.progress = None
         if self.lead:
             self.progress = Progress(self.steps, cfg["federation"]["every"], cfg["train"]["log_every"],
@@ -68,6 +90,7 @@ class Observer:
             self._agg_file = open(self.run_dir / "aggregation.csv", "w", newline="")
             self._agg = csv.DictWriter(self._agg_file, fieldnames=AGG_FIELDS)
             self._agg.writeheader()
+            self._agg.writerows(self.rounds)
         # Line-buffered appends: each line is one write, so facility leads sharing a file
         # system do not cut each other's lines.
         self._metrics = open(self.run_dir / "metrics.jsonl", "a", buffering=1) if self.facility_lead else None
@@ -75,7 +98,8 @@ class Observer:
         if self.facility_lead and logger == "wandb":
             from .wandb_logger import WandbLogger
 
-            self.wandb = WandbLogger(cfg, state, self.run_dir)
+            ids = (restored or {}).get("wandb_ids") or []
+            self.wandb = WandbLogger(cfg, state, self.run_dir, ids[state.facility] if state.facility < len(ids) else None)
 
     def step(self, step: int, loss: float, lr: float, tokens_per_step: int, elapsed: float,
              evals: dict | None = None) -> None:
@@ -86,7 +110,7 @@ class Observer:
         and ``eval/loss_global``.
         """
         done = step + 1
-        tokens_per_s = tokens_per_step * done / max(elapsed, 1e-9)
+        tokens_per_s = tokens_per_step * (done - self.first_step) / max(elapsed, 1e-9)
         extra = {f"eval/{k}": evals[k][self.state.facility] for k in ("loss_local", "loss_global")
                  if evals is not None and evals.get(k) is not None}
         if self._metrics is not None:

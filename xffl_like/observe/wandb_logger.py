@@ -8,10 +8,11 @@ so a job needs neither network nor API key (upload later with ``wandb sync``).
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 
-__all__ = ["WandbLogger", "load_summary", "wandb_group", "wandb_mode", "wandb_run_name"]
+__all__ = ["WandbLogger", "load_summary", "wandb_group", "wandb_mode", "wandb_run_ids", "wandb_run_name"]
 
 # Quiet by default: no banner, no git or code capture, no console capture (rank 0 draws
 # its own progress). A user's own settings of these variables win.
@@ -41,6 +42,13 @@ def wandb_group(cfg: dict, run_dir: Path) -> str:
     return f"{cfg['experiment']}-{name}"
 
 
+def wandb_run_ids(run_dir: Path, num_facilities: int) -> list[str]:
+    """One W&B run id per facility, derived from the run directory: a resumed or restarted
+    job (same run directory; the ids are also kept in its checkpoints) logs to the same runs."""
+    digest = hashlib.sha1(str(Path(run_dir).absolute()).encode()).hexdigest()[:12]
+    return [f"{digest}-f{f}" for f in range(num_facilities)]
+
+
 def wandb_run_name(cfg: dict, facility: int) -> str:
     return f"{cfg['experiment']}-{cfg['strategy']['name']}-f{facility}"
 
@@ -62,7 +70,7 @@ def load_summary(phases: dict) -> dict:
 class WandbLogger:
     """The W&B run of one facility (built on that facility's first rank)."""
 
-    def __init__(self, cfg: dict, state, run_dir: Path):
+    def __init__(self, cfg: dict, state, run_dir: Path, run_id: str | None = None):
         for key, value in _QUIET_ENV.items():
             os.environ.setdefault(key, value)
         import wandb  # lazy: only jobs with logger=wandb pay for it
@@ -88,6 +96,8 @@ class WandbLogger:
             config=config,
             dir=str(self.dir),
             mode=self.mode,
+            id=run_id or wandb_run_ids(run_dir, state.num_facilities)[state.facility],
+            resume="allow",  # a resumed job continues its facility's run
             settings=wandb.Settings(silent=True, disable_git=True, disable_code=True, save_code=False, console="off"),
         )
 

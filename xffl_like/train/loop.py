@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ..aggregation import build_strategy
+from ..checkpoint import Checkpointer
 from ..data import build_data
 from ..distributed.layout import plan_layout
 from ..distributed.state import DistributedState, all_peer_groups, build_state, read_env
@@ -23,6 +24,8 @@ from ..observe import Observer
 from ..observe.timing import PhaseTimer, gather_phase_table
 from .evaluate import eval_points, evaluate, facility_eval
 from .optim import OptimConfig, build_optimizer, build_scheduler
+from .fault import FaultInjector
+from .nonfinite import NonFiniteGuard
 from .parallelize import build_sharded_model, contiguous_shards, peak_rss_mb
 from .round_dump import RoundDump
 from .step import TrainConfig, accumulate_gradients
@@ -84,20 +87,27 @@ def _train(cfg: dict, state: DistributedState, run_dir: Path, started_at: float)
     strategy = build_strategy(model, state, cfg["strategy"])
     federation = Federation(cfg["federation"], model, strategy, state)
     peer_groups = all_peer_groups(state)
-    observer = Observer(cfg, state, run_dir)
     dump = RoundDump(model, state)  # tests only ($XFFL_TEST_DUMP_ROUNDS): the values around each round
-    timer = PhaseTimer(device)
     tokens_per_step = tcfg.batch_size * tcfg.seq_len * accum * state.world_size
     eval_batches = data.eval_batches()
     # Row f holds facility f's mean loss per step (filled by this rank's facility share).
     losses = torch.zeros(state.num_facilities, steps, dtype=torch.float64)
-    rounds: list[dict] = []
-    evals: list[dict] = []  # {"step", "loss_local", "loss_global"}: per facility, None when not evaluated
+    ckpt = Checkpointer(cfg, state, run_dir, model, optimizer, scheduler, federation)
+    restored = ckpt.restore(losses)  # None: a fresh start
+    start_step = restored["step"] if restored else 0
+    rounds: list[dict] = list(restored["rounds"]) if restored else []
+    # {"step", "loss_local", "loss_global"}: per facility, None when not evaluated
+    evals: list[dict] = list(restored.get("records", {}).get("evals", [])) if restored else []
+    observer = Observer(cfg, state, run_dir, restored)
+    fault = FaultInjector(cfg, state.rank)
+    guard = NonFiniteGuard(cfg, state, model, optimizer, ckpt.dir)
+    timer = PhaseTimer(device)
 
     dist.barrier()
     start = time.perf_counter()
     try:
-        for step in range(steps):
+        for step in range(start_step, steps):
+            fault.before_step(step + 1)
             # Micro-batch i of step s is batch s * grad_accum + i of the source: with grad_accum=1, as before.
             def micro_batch(i, step=step):
                 batch = data.train_batch(step * accum + i)
@@ -112,6 +122,7 @@ def _train(cfg: dict, state: DistributedState, run_dir: Path, started_at: float)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 scheduler.step()
+            fault.after_step(step + 1, model)
             facility_loss = loss / state.facility_size
             dist.all_reduce(facility_loss, group=state.facility_groups[0])
             losses[state.facility, step] = float(facility_loss)
@@ -125,7 +136,8 @@ def _train(cfg: dict, state: DistributedState, run_dir: Path, started_at: float)
                     # Ranks arrive at different times; the wait is charged to this phase
                     # (and shows as imbalance), the round's seconds time the exchange alone.
                     dist.barrier()
-                    record = {"round": len(rounds), "step": step + 1, **federation.round()}
+                    record = {"round": len(rounds), "step": step + 1, **federation.round(
+                        adjust=lambda weights: guard.weights_for_round(weights, len(rounds), step + 1))}
                 dump.save(len(rounds), "after", bytes_per_rank=record["bytes_per_rank"])
                 rounds.append(record)
                 observer.round(record)
@@ -134,10 +146,13 @@ def _train(cfg: dict, state: DistributedState, run_dir: Path, started_at: float)
                 evals.append(record_eval)
             observer.step(step, float(facility_loss), optimizer.param_groups[0]["lr"], tokens_per_step,
                           time.perf_counter() - start, record_eval if local_eval else None)
+            if aggregate_now:
+                ckpt.after_round(step + 1, rounds, losses, final=step + 1 == steps, records={"evals": evals})
     except BaseException:
         observer.abort()
         raise
     train_seconds = time.perf_counter() - start
+    checkpoints = ckpt.close()
 
     eval_loss = evaluate(model, eval_batches, device, tcfg.loss_chunk)
     divergence = max_param_divergence(model, state, peer_groups)
@@ -147,7 +162,7 @@ def _train(cfg: dict, state: DistributedState, run_dir: Path, started_at: float)
             losses[f].zero_()
     losses /= state.facility_size
     dist.all_reduce(losses)
-    phases = gather_phase_table(timer, state, steps)
+    phases = gather_phase_table(timer, state, steps - start_step)
     if cfg.get("export", {}).get("hf"):
         from ..checkpoint.hf import export_job
 
@@ -183,7 +198,9 @@ def _train(cfg: dict, state: DistributedState, run_dir: Path, started_at: float)
         "aggregation_bytes_per_rank": [r["bytes_per_rank"] for r in rounds],
         "cross_facility_bytes_per_round": [r["cross_facility_bytes"] for r in rounds],
         "facility_losses": losses.tolist(),
-        "tokens_per_second": tokens_per_step * steps / train_seconds,
+        "skipped_facilities": [r["skipped_facilities"] for r in rounds],
+        "checkpoints": checkpoints,
+        "tokens_per_second": tokens_per_step * (steps - start_step) / train_seconds,
         "train_seconds": train_seconds,
         "phases": phases,
         "setup_peak_rss_mb": float(setup_rss),

@@ -1,0 +1,291 @@
+"""Runs that survive: checkpoints, exact resume, elastic restart, fail-fast, the non-finite guard.
+
+The reference of every resume test is the same job run uninterrupted (torchft's pattern):
+final weights and optimizer state (read back from both final checkpoints), final_loss,
+eval_loss and facility_losses must be bitwise identical.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import durability_workers as workers
+from xffl_like.checkpoint.store import (
+    LATEST, SafeFileSystemReader, SafeLoadPlanner, checkpoint_name, latest_checkpoint, list_checkpoints, publish,
+    read_metadata, remove_stale, retain,
+)
+from xffl_like.distributed.launch import free_port, launch_local
+
+REPO = Path(__file__).resolve().parents[1]
+JOB = ["+experiment=llama_fed", "train.steps=8", "federation.every=2", "train.seq_len=32", "train.batch_size=2",
+       "train.log_every=4", "logger=none"]
+EXACT = ("final_loss", "eval_loss", "facility_losses", "rounds", "skipped_facilities")
+
+
+def run_cli(args, run_dir, timeout=400, env=None):
+    env = {**os.environ, "WANDB_MODE": "offline", **(env or {})}
+    cmd = [sys.executable, "-m", "xffl_like.run", *args, f"hydra.run.dir={run_dir}"]
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def final_tensors(run_dir: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the run's newest checkpoint, read on one process."""
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    ckpt = latest_checkpoint(run_dir / "checkpoints")
+    nested = _load_state_dict_from_keys(storage_reader=SafeFileSystemReader(str(ckpt)))
+
+    def flat(node, prefix=""):
+        for key, value in node.items():
+            yield from flat(value, f"{prefix}{key}.") if isinstance(value, dict) else [(f"{prefix}{key}", value)]
+
+    return dict(flat(nested))
+
+
+def assert_same_run(resumed: Path, reference: Path) -> None:
+    a, b = summary(resumed), summary(reference)
+    for key in EXACT:
+        assert a[key] == b[key], key
+    ta, tb = final_tensors(resumed), final_tensors(reference)
+    weights = [k for k in tb if k.startswith("f") and ".model." in k]
+    assert weights and sorted(ta) == sorted(tb)
+    for key in tb:
+        if not key.startswith("rank"):  # RNG states are per process: compared where they matter
+            assert torch.equal(ta[key], tb[key]), key
+    # The files cover the whole run once: no step twice after the resume.
+    lines = [json.loads(x) for x in (resumed / "metrics.jsonl").read_text().splitlines()]
+    assert sorted((x["facility"], x["step"]) for x in lines) == sorted(
+        (f, s) for f in range(len(b["facility_losses"])) for s in range(1, b["steps"] + 1))
+    assert len((resumed / "aggregation.csv").read_text().splitlines()) == b["rounds"] + 1
+
+
+@pytest.fixture(scope="module")
+def fsdp_runs(tmp_path_factory):
+    """FSDP [2,2]: the uninterrupted job, and the same job with rank 1 killed at step 7."""
+    base = tmp_path_factory.mktemp("fsdp")
+    ref = run_cli(JOB, base / "ref")
+    assert ref.returncode == 0, ref.stderr
+    killed = run_cli([*JOB, "fault.kill_rank=1", "fault.at_step=7", "checkpoint.async=false"], base / "killed")
+    return base, killed
+
+
+def test_fail_fast_names_dead_rank_and_resume_is_bitwise_exact(fsdp_runs, tmp_path):
+    base, killed = fsdp_runs
+    # 5: the job ends (not the 300 s collective timeout), naming the dead rank and the checkpoint.
+    assert killed.returncode != 0
+    errors = [line for line in killed.stderr.splitlines() if line.startswith("error:")]
+    last = base / "killed" / "checkpoints" / checkpoint_name(6)
+    assert len(errors) == 1 and "rank 1 (SIGKILL) died" in errors[0] and str(last) in errors[0], killed.stderr
+    assert "Traceback" not in killed.stderr and not (base / "killed" / "summary.json").exists()
+    assert latest_checkpoint(base / "killed" / "checkpoints") == last
+    # 2 + 3: resume=<run dir> continues in that directory and ends where the uninterrupted job ends.
+    copy = tmp_path / "killed"
+    shutil.copytree(base / "killed", copy)
+    fresh = tmp_path / "fresh"
+    proc = run_cli([*JOB, f"resume={copy}"], fresh)
+    assert proc.returncode == 0, proc.stderr
+    assert not fresh.exists()  # the directory Hydra made for the resume is dropped
+    assert summary(copy)["checkpoints"]["resumed_from"] == str(copy / "checkpoints" / checkpoint_name(6))
+    assert_same_run(copy, base / "ref")
+    # keep=2: older checkpoints were deleted once newer ones were complete.
+    assert [p.name for p in list_checkpoints(copy / "checkpoints")] == [checkpoint_name(6), checkpoint_name(8)]
+
+
+def test_elastic_restart_resumes_by_itself(fsdp_runs, tmp_path):
+    base, _ = fsdp_runs
+    # 6: async checkpoints, the kill at step 7, one restart: the job completes, bitwise as uninterrupted.
+    proc = run_cli([*JOB, "fault.kill_rank=1", "fault.at_step=7", "distributed.max_restarts=1"], tmp_path / "run")
+    assert proc.returncode == 0, proc.stderr
+    s = summary(tmp_path / "run")
+    assert s["checkpoints"]["restarts"] == 1 and s["checkpoints"]["resumed_from"] is not None
+    assert_same_run(tmp_path / "run", base / "ref")
+
+
+def test_unequal_hsdp_resume_is_bitwise_exact(tmp_path):
+    job = [*JOB, "distributed.nproc_per_node=6", "distributed.federated=[4,2]", "distributed.hsdp=2", "seed=1"]
+    ref = run_cli(job, tmp_path / "ref")
+    assert ref.returncode == 0, ref.stderr
+    # Rank 5 is facility 1's second shard; async save (the step-6 checkpoint may still be in flight).
+    killed = run_cli([*job, "fault.kill_rank=5", "fault.at_step=7"], tmp_path / "killed")
+    assert killed.returncode != 0 and "rank 5 (SIGKILL) died" in killed.stderr, killed.stderr
+    resumed = run_cli([*job, f"resume={tmp_path / 'killed'}"], tmp_path / "fresh")
+    assert resumed.returncode == 0, resumed.stderr
+    assert summary(tmp_path / "killed")["checkpoints"]["resumed_from"] is not None
+    assert_same_run(tmp_path / "killed", tmp_path / "ref")
+
+
+def test_nonfinite_guard_fail_and_skip():
+    # 7: facility 1 holds a NaN. fail: one message naming it; skip: the mean of the others.
+    cases = [None, [1.0, 2.0, 3.0]]
+    reports = launch_local(workers.nonfinite_round, (cases,), 3)
+    messages = {r["fail"] for r in reports}
+    assert len(messages) == 1  # every rank raises the same error at once
+    message = messages.pop()
+    assert "facility 1 before round 3 (step 8)" in message and "no checkpoint was written yet" in message
+    shapes = reports[0]["shapes"]
+    for c, weights in enumerate(cases):
+        w = [1.0, 0.0, 1.0] if weights is None else [weights[0], 0.0, weights[2]]
+        for i, shape in enumerate(shapes):
+            expected = sum(w[f] * workers.facility_full_values(f, i, shape).double() for f in (0, 2)) / sum(w)
+            for report in reports:
+                assert report["skipped"][c] == [1]
+                torch.testing.assert_close(report["values"][c][i].double(), expected, rtol=0, atol=1e-6)
+
+
+def test_nonfinite_skip_end_to_end(tmp_path):
+    args = ["+experiment=llama_fed", "distributed.nproc_per_node=3", "distributed.federated=1", "train.steps=6",
+            "federation.every=2", "train.seq_len=32", "train.batch_size=2", "logger=none",
+            "fault.nan_rank=1", "fault.nan_step=3", "federation.on_nonfinite=skip", "checkpoint.every_rounds=2"]
+    proc = run_cli(args, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    s = summary(tmp_path)
+    assert s["skipped_facilities"] == [[], [1], []]
+    assert math.isfinite(s["final_loss"]) and math.isfinite(s["eval_loss"])
+    assert s["max_param_divergence_after_last_round"] == 0.0
+    # every_rounds=2 and the final one; keep=2.
+    assert [p.name for p in list_checkpoints(tmp_path / "checkpoints")] == [checkpoint_name(4), checkpoint_name(6)]
+
+
+# ----------------------------------------------------------------------------- on one process
+def test_publish_latest_retain_and_stale(tmp_path):
+    ckpts = tmp_path / "checkpoints"
+    for step in (2, 4, 6):
+        tmp = ckpts / f".tmp-{checkpoint_name(step)}"
+        tmp.mkdir(parents=True)
+        (tmp / ".metadata").write_bytes(b"x")
+        assert latest_checkpoint(ckpts) == (None if step == 2 else ckpts / checkpoint_name(step - 2))
+        publish(tmp, ckpts / checkpoint_name(step), {"step": step})
+        assert not tmp.exists() and latest_checkpoint(ckpts) == ckpts / checkpoint_name(step)
+        retain(ckpts, 2)
+    assert [p.name for p in list_checkpoints(ckpts)] == [checkpoint_name(4), checkpoint_name(6)]
+    assert (ckpts / LATEST).read_text().strip() == checkpoint_name(6)
+    (ckpts / ".tmp-step-00000008").mkdir()
+    remove_stale(ckpts)
+    assert sorted(p.name for p in ckpts.iterdir()) == [LATEST, checkpoint_name(4), checkpoint_name(6)]
+    (ckpts / checkpoint_name(6) / "state.json").unlink()  # incomplete: latest names nothing usable
+    assert latest_checkpoint(ckpts) is None
+
+
+class _Boom:
+    def __reduce__(self):
+        return (os.system, ("echo pwned",))
+
+
+def test_loading_executes_no_code(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    # A .metadata whose pickle would call os.system is refused before anything runs.
+    (tmp_path / "evil").mkdir()
+    (tmp_path / "evil" / ".metadata").write_bytes(pickle.dumps(_Boom()))
+    with pytest.raises(ValueError, match="refusing to load posix.system|refusing to load os.system"):
+        read_metadata(tmp_path / "evil")
+    # A real DCP checkpoint reads; a pickled (non-tensor) entry in it is refused.
+    dcp.save({"w": torch.arange(4.0), "note": "hello"}, checkpoint_id=str(tmp_path / "ok"), no_dist=True)
+    assert "w" in read_metadata(tmp_path / "ok").state_dict_metadata
+    target = {"w": torch.zeros(4), "note": ""}
+    with pytest.raises(BaseException) as info:  # DCP wraps it in a CheckpointException (a BaseException)
+        dcp.load(target, storage_reader=SafeFileSystemReader(str(tmp_path / "ok")), planner=SafeLoadPlanner(),
+                 no_dist=True)
+    assert "is a pickled object; refusing" in str(getattr(info.value, "failures", info.value)) and target["note"] == ""
+    target = {"w": torch.zeros(4)}
+    dcp.load(target, storage_reader=SafeFileSystemReader(str(tmp_path / "ok")), planner=SafeLoadPlanner(), no_dist=True)
+    assert torch.equal(target["w"], torch.arange(4.0))
+
+
+# ----------------------------------------------------------------------------- bad inputs around a checkpoint
+def _compose(overrides):
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+        return compose(config_name="config", overrides=["+experiment=llama_fed", *overrides])
+
+
+def _truncate(run: Path) -> None:
+    path = next((latest_checkpoint(run / "checkpoints")).glob("__0_*.distcp"))
+    path.write_bytes(path.read_bytes()[:100])
+
+
+def _corrupt_metadata(run: Path) -> None:
+    (latest_checkpoint(run / "checkpoints") / ".metadata").write_bytes(b"\x80\x04garbage")
+
+
+def _drop_latest(run: Path) -> None:
+    (run / "checkpoints" / LATEST).unlink()
+
+
+BAD_RESUME = [
+    ([], _truncate, "is truncated"),
+    ([], _corrupt_metadata, ".metadata cannot be read"),
+    ([], _drop_latest, "no complete checkpoint"),
+    (["model.dim=64"], None, "model.dim is 128 in the checkpoint, 64 now"),
+    (["distributed.federated=null"], None, "the checkpoint has 2 facilities, this job 1"),
+    (["train.steps=6"], None, "leaves nothing to do"),
+]
+
+
+@pytest.mark.parametrize("overrides, prepare, needle", BAD_RESUME, ids=[b[2].split()[0] + str(i) for i, b in enumerate(BAD_RESUME)])
+def test_bad_resume_is_refused_before_launch(fsdp_runs, tmp_path, overrides, prepare, needle):
+    from xffl_like.job import JobFailed, run_local
+
+    base, _ = fsdp_runs
+    run = tmp_path / "run"
+    shutil.copytree(base / "killed", run)
+    if prepare:
+        prepare(run)
+    before = sorted((p.relative_to(run), p.stat().st_mtime_ns, p.stat().st_size) for p in run.rglob("*"))
+    cfg = _compose([*JOB[1:], f"resume={run}", *overrides])
+    with pytest.raises(JobFailed, match=needle.replace("(", r"\(").replace(".", r"\.")) as info:
+        run_local(cfg, tmp_path / "fresh", worker=lambda *a: pytest.fail("a worker started"))
+    assert "\n" not in str(info.value)
+    assert sorted((p.relative_to(run), p.stat().st_mtime_ns, p.stat().st_size) for p in run.rglob("*")) == before
+
+
+def test_resume_latest_picks_the_newest_run_of_the_experiment(fsdp_runs, tmp_path):
+    from xffl_like.checkpoint.resume import resolve_resume
+    from xffl_like.distributed.layout import plan_layout
+    from xffl_like.job import JobFailed, resolve, run_local
+
+    base, _ = fsdp_runs
+    outputs = tmp_path / "outputs" / "llama_fed"
+    outputs.mkdir(parents=True)
+    with pytest.raises(JobFailed, match="resume=latest: no run of this experiment with a complete checkpoint"):
+        run_local(_compose([*JOB[1:], "resume=latest"]), outputs / "fresh", worker=lambda *a: pytest.fail("started"))
+    shutil.copytree(base / "killed", outputs / "2000-01-01_00-00-00")  # older, complete
+    shutil.copytree(base / "killed", outputs / "2000-01-02_00-00-00")  # newer, but another experiment
+    cfg_path = outputs / "2000-01-02_00-00-00" / "config.yaml"
+    cfg_path.write_text(cfg_path.read_text().replace("experiment: llama_fed", "experiment: other"))
+    plain = resolve(_compose([*JOB[1:], "resume=latest"]))
+    target = resolve_resume(plain, plan_layout(4, 2, None), outputs, outputs / "fresh")
+    assert target.checkpoint == outputs / "2000-01-01_00-00-00" / "checkpoints" / checkpoint_name(6)
+    assert plain["resume"] == str(target.checkpoint) and plain["checkpoint"]["dir"] == str(target.checkpoint.parent)
+
+
+def test_leftover_rank_env_and_site_with_bad_config_fail_at_once(tmp_path):
+    # A shell with RANK/WORLD_SIZE left over but no rendezvous address: one line, no hang.
+    env = {"RANK": "0", "WORLD_SIZE": "4"}
+    clean = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, "-m", "xffl_like.run", "+experiment=llama_fed"], cwd=REPO,
+                          env={**clean, **env}, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.count("error:") == 1 and "MASTER_ADDR" in proc.stderr, proc.stderr
+    # One site of a multi-site job (rank 2 of 4, first on its node) with a typo: it fails before
+    # joining the rendezvous, where it would otherwise wait for rank 0's store.
+    env = {"RANK": "2", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    proc = subprocess.run([sys.executable, "-m", "xffl_like.run", "+experiment=llama_fed", "federation.every=0"],
+                          cwd=REPO, env={**os.environ, **env}, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "error: federation.every=0" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -1,0 +1,303 @@
+"""Checkpoints of a training job with ``torch.distributed.checkpoint`` (DCP).
+
+Every rank holds a :class:`Checkpointer`. After an aggregation round (when every facility
+holds the mean) the loop calls :meth:`Checkpointer.after_round`; every
+``checkpoint.every_rounds`` rounds, and always after the last, it saves:
+
+- per facility ``f``: ``f<f>.model.*`` (the FSDP/HSDP-sharded weights: DTensors, so DCP
+  writes each shard once and reshards on load), ``f<f>.optim.*`` (the optimizer's state:
+  moments and step counts, by parameter name) and ``f<f>.losses`` (the facility's loss at
+  every step so far). Facilities are kept apart because their optimizers, losses and any
+  parameters outside ``strategy.only`` differ;
+- per rank ``r``: ``rank<r>.rng.*`` (CPU and, where present, CUDA generator states);
+- in ``state.json`` (rank 0): step and round counters, the data position (sources are pure
+  functions of the step), the per-round records (with skipped facilities), the learning
+  rates and the LR scheduler's state, the W&B run ids, the layout and the resolved config.
+
+With ``checkpoint.async=true`` the state is staged to host memory, ``async_save`` writes it
+in a background thread over a dedicated gloo group while training continues, and a new
+save first waits for the previous one: never two in flight. Rank 0 publishes a checkpoint
+(rename, then ``latest``) only when DCP's save has finished on the coordinator, i.e. after
+every rank's part is written. Old checkpoints beyond ``checkpoint.keep`` are deleted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.staging import AsyncStager
+from torch.distributed.tensor import DTensor
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from .store import (
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+    checkpoint_name,
+    latest_checkpoint,
+    publish,
+    read_metadata,
+    read_state,
+    remove_stale,
+    retain,
+)
+
+__all__ = ["Checkpointer", "checkpoint_dir", "host_copy", "restart_count"]
+
+
+def host_copy(obj: Any) -> Any:
+    """A host-memory copy of a state dict (DTensors stay DTensors over the same mesh).
+
+    DCP's default stager deep-copies DTensors, which fails for parameters whose local shard
+    is a view into the contiguous buffer of ``train.parallelize.contiguous_shards``.
+    """
+    if isinstance(obj, DTensor):
+        local = obj._local_tensor.detach().to("cpu", copy=True)
+        return DTensor.from_local(local, obj.device_mesh, obj.placements, run_check=False, shape=obj.shape,
+                                  stride=obj.stride())
+    if torch.is_tensor(obj):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: host_copy(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(host_copy(v) for v in obj)
+    return obj
+
+
+class _HostStager(AsyncStager):
+    """Stages with :func:`host_copy` before ``async_save`` returns: training may then change
+    the weights while the copy is written."""
+
+    _synchronize_after_execute = False
+
+    def stage(self, state_dict):
+        return host_copy(state_dict)
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def checkpoint_dir(cfg: dict, run_dir: Path) -> Path:
+    """``checkpoint.dir``, or ``<run_dir>/checkpoints`` when it is null."""
+    configured = (cfg.get("checkpoint") or {}).get("dir")
+    return Path(configured).expanduser().absolute() if configured else Path(run_dir) / "checkpoints"
+
+
+def restart_count() -> int:
+    """How often the elastic agent (or torchrun ``--max-restarts``) restarted this worker group."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
+class Checkpointer:
+    """Saves and restores one worker's share of the job's state (construct on every rank)."""
+
+    def __init__(self, cfg: dict, state, run_dir: Path, model: torch.nn.Module, optimizer, scheduler,
+                 federation=None):
+        ccfg = cfg["checkpoint"]
+        self.cfg, self.state, self.run_dir = cfg, state, Path(run_dir)
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.federation = federation  # its state_dict(): outer optimizer, theta_global, residuals, counters
+        self.dir = checkpoint_dir(cfg, run_dir)
+        self.every, self.keep, self.use_async = ccfg["every_rounds"], ccfg["keep"], bool(ccfg["async"])
+        self.lead = state.rank == 0
+        # A group of its own: async saves run collectives from a background thread, which must
+        # never interleave with the training loop's collectives on the same group.
+        self.group = dist.new_group(backend="gloo")
+        self.pending: Future | None = None
+        self.published = threading.Event()
+        self.published.set()
+        self.error: BaseException | None = None
+        self.saved_step = -1
+        self.blocked_seconds: list[float] = []  # per save: how long training waited
+        self.write_seconds: list[float] = []  # rank 0, per save: start to published
+        self.restored_from: str | None = None
+        self.wandb_ids: list[str] | None = None  # from the checkpoint a resumed job starts from
+        if self.lead:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            remove_stale(self.dir)
+        dist.barrier(group=self.group)
+
+    # ------------------------------------------------------------------ what to restore
+    def source(self) -> Path | None:
+        """The checkpoint this worker starts from: after an elastic restart the newest one of
+        this run; otherwise ``resume`` (resolved to a checkpoint path before launch)."""
+        if restart_count() > 0:
+            found = latest_checkpoint(self.dir)
+            if found is not None:
+                return found
+        resume = self.cfg.get("resume")
+        return Path(resume) if resume else None
+
+    # ------------------------------------------------------------------ state dicts
+    def _state_dicts(self) -> tuple[dict, dict]:
+        model_sd = get_model_state_dict(self.model)
+        optim_sd = get_optimizer_state_dict(self.model, self.optimizer)
+        return model_sd, optim_sd
+
+    def _rng(self) -> dict[str, torch.Tensor]:
+        rng = {"cpu": torch.get_rng_state()}
+        if torch.cuda.is_available() and self.state.device.type == "cuda":
+            rng["cuda"] = torch.cuda.get_rng_state(self.state.device)
+        return rng
+
+    def _json_state(self, step: int, rounds: list[dict], param_groups: list[dict]) -> dict:
+        from ..observe.wandb_logger import wandb_run_ids
+
+        return {
+            "step": step,
+            "round": len(rounds),
+            "data_position": {"step": step},  # batches are a pure function of (seed, facility, rank, step)
+            "rounds": rounds,
+            "lrs": [g["lr"] for g in param_groups],
+            "scheduler": self.scheduler.state_dict(),
+            "wandb_ids": self.wandb_ids or wandb_run_ids(self.run_dir, self.state.num_facilities),
+            "layout": {"world_size": self.state.world_size, "facility_sizes": list(self.state.layout.facility_sizes),
+                       "shard_size": self.state.layout.shard_size},
+            "run_dir": str(self.run_dir),
+            "config": self.cfg,
+            "saved_at": time.time(),
+        }
+
+    # ------------------------------------------------------------------ restore
+    def restore(self, losses: torch.Tensor) -> dict | None:
+        """Load :meth:`source` into the model, optimizer, scheduler, RNG and ``losses`` (in place).
+
+        Returns the checkpoint's ``state.json`` (``step``, ``rounds``, ``wandb_ids``, ...) or
+        ``None`` for a fresh start. A different shard or world size inside the facilities is
+        resharded by DCP; the per-rank RNG states are restored where the rank existed.
+        """
+        path = self.source()
+        if path is None:
+            return None
+        saved = read_state(path)
+        present = read_metadata(path).state_dict_metadata
+        f, me = self.state.facility, self.state.rank
+        model_sd, optim_sd = self._state_dicts()
+        stored_losses = present.get(f"f{f}.losses")
+        losses_row = torch.zeros(tuple(stored_losses.size), dtype=losses.dtype) if stored_losses is not None else None
+        sd: dict[str, Any] = {f"f{f}": {"model": model_sd, "optim": optim_sd["state"]}}
+        if losses_row is not None:
+            sd[f"f{f}"]["losses"] = losses_row
+        federation_sd = None
+        if self.federation is not None and f"f{f}.federation.rounds" in present:
+            federation_sd = self.federation.state_dict()
+            sd[f"f{f}"]["federation"] = federation_sd
+        rng = {k: torch.empty_like(v) for k, v in self._rng().items() if f"rank{me}.rng.{k}" in present}
+        if rng:
+            sd[f"rank{me}"] = {"rng": rng}
+        dcp.load(sd, storage_reader=SafeFileSystemReader(str(path)), planner=SafeLoadPlanner(), process_group=self.group)
+        set_model_state_dict(self.model, model_sd)
+        for group, lr in zip(optim_sd["param_groups"], saved["lrs"]):
+            group["lr"] = lr
+        set_optimizer_state_dict(self.model, self.optimizer, optim_sd)
+        self.scheduler.load_state_dict(saved["scheduler"])
+        if "cpu" in rng:
+            torch.set_rng_state(rng["cpu"])
+        if "cuda" in rng:
+            torch.cuda.set_rng_state(rng["cuda"], self.state.device)
+        if federation_sd is not None:
+            self.federation.load_state_dict(federation_sd)
+        if losses_row is not None:
+            n = min(losses_row.numel(), losses.shape[1])
+            losses[f, :n] = losses_row[:n]
+        self.saved_step = saved["step"]
+        self.wandb_ids = saved.get("wandb_ids")
+        self.restored_from = str(path)
+        return saved
+
+    # ------------------------------------------------------------------ save
+    def after_round(self, step: int, rounds: list[dict], losses: torch.Tensor, final: bool = False,
+                    records: dict | None = None) -> None:
+        """Called by every rank after each aggregation round (``step`` steps done); ``records``:
+        other JSON lists of the run so far (kept in ``state.json``, returned by :meth:`restore`)."""
+        if final or (len(rounds) % self.every == 0):
+            self.save(step, rounds, losses, records)
+
+    def save(self, step: int, rounds: list[dict], losses: torch.Tensor, records: dict | None = None) -> None:
+        """Write a checkpoint of the state after ``step`` steps (sync or async)."""
+        if step == self.saved_step:
+            return
+        started = time.perf_counter()
+        self.wait()  # never two in flight
+        model_sd, optim_sd = self._state_dicts()
+        f = self.state.facility
+        sd = {
+            f"f{f}": {"model": model_sd, "optim": optim_sd["state"], "losses": losses[f].clone()},
+            f"rank{self.state.rank}": {"rng": self._rng()},
+        }
+        if self.federation is not None:
+            sd[f"f{f}"]["federation"] = self.federation.state_dict()
+        final = self.dir / checkpoint_name(step)
+        tmp = self.dir / f".tmp-{final.name}"
+        meta = self._json_state(step, [dict(r) for r in rounds], optim_sd["param_groups"]) if self.lead else None
+        if meta is not None:
+            meta["records"] = json.loads(json.dumps(records or {}))  # a snapshot: the lists keep growing
+        writer = dcp.FileSystemWriter(str(tmp))
+        if self.use_async:
+            if self.lead:
+                self.published.clear()
+            self.pending = dcp.async_save(sd, storage_writer=writer, process_group=self.group,
+                                          async_stager=_HostStager())
+            if self.lead:
+                self.pending.add_done_callback(lambda fut: self._publish(fut, tmp, final, meta, started))
+        else:
+            dcp.save(sd, storage_writer=writer, process_group=self.group)
+            if self.lead:
+                self._publish(None, tmp, final, meta, started)
+            dist.barrier(group=self.group)  # the checkpoint is published when every rank returns
+        self.saved_step = step
+        self.blocked_seconds.append(time.perf_counter() - started)
+
+    def _publish(self, fut: Future | None, tmp: Path, final: Path, meta: dict, started: float) -> None:
+        try:
+            if fut is not None:
+                fut.result()  # re-raises a failed write
+            publish(tmp, final, meta)
+            retain(self.dir, self.keep)
+            self.write_seconds.append(time.perf_counter() - started)
+        except BaseException as exc:  # noqa: BLE001 - surfaced by the next wait()
+            self.error = exc
+        finally:
+            self.published.set()
+
+    def wait(self) -> None:
+        """Block until the checkpoint in flight (if any) is written and published."""
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            pending.result()
+            # The done-callback runs in the writer thread after result() wakes us: wait for it.
+            self.published.wait()
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise RuntimeError(f"checkpoint could not be written to {self.dir}: {error}") from error
+
+    def close(self) -> dict:
+        """Wait for the last checkpoint; return what the summary reports about checkpoints."""
+        self.wait()
+        dist.barrier(group=self.group)
+        latest = latest_checkpoint(self.dir)
+        return {
+            "dir": str(self.dir),
+            "latest": str(latest) if latest else None,
+            "resumed_from": self.restored_from,
+            "restarts": restart_count(),
+            "saves": len(self.blocked_seconds),
+            "blocked_seconds": self.blocked_seconds,
+            "write_seconds": self.write_seconds,
+        }

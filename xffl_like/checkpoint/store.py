@@ -1,0 +1,170 @@
+"""The checkpoint directory on disk: names, the ``latest`` pointer, completeness, safe reading.
+
+A checkpoint is a directory ``<checkpoint.dir>/step-<8 digits>/`` holding DCP's files
+(``.metadata`` and one ``__<rank>_<n>.distcp`` per writing rank) and ``state.json`` (the
+counters, records and other small values, written by rank 0). It is written as
+``.tmp-step-<N>`` and becomes visible by one rename once every rank's part is complete;
+``latest`` (a one-line text file, replaced atomically) names the newest complete one.
+
+Nothing read here executes code: ``state.json`` is JSON, DCP's tensor files are read with
+``torch.load(weights_only=True)`` by DCP itself, and DCP's ``.metadata`` pickle goes
+through :class:`SafeFileSystemReader`, whose unpickler admits only DCP's metadata classes.
+Pure file-system code: no ``torch.distributed`` calls.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+
+__all__ = [
+    "LATEST", "STATE_FILE", "SafeFileSystemReader", "SafeLoadPlanner", "checkpoint_name", "is_complete",
+    "latest_checkpoint", "list_checkpoints", "publish", "read_metadata", "read_state", "remove_stale", "retain",
+]
+
+LATEST = "latest"
+STATE_FILE = "state.json"
+_PREFIX = "step-"
+_TMP = ".tmp-"
+
+
+def checkpoint_name(step: int) -> str:
+    """Directory name of the checkpoint taken after ``step`` optimizer steps."""
+    return f"{_PREFIX}{step:08d}"
+
+
+def is_complete(path: Path) -> bool:
+    """A published checkpoint: DCP's metadata and our ``state.json`` are both there."""
+    return (path / ".metadata").is_file() and (path / STATE_FILE).is_file()
+
+
+def list_checkpoints(ckpt_dir: Path) -> list[Path]:
+    """Published checkpoints of ``ckpt_dir``, oldest first."""
+    if not ckpt_dir.is_dir():
+        return []
+    return sorted(p for p in ckpt_dir.iterdir() if p.name.startswith(_PREFIX) and p.is_dir())
+
+
+def latest_checkpoint(ckpt_dir: Path) -> Path | None:
+    """The checkpoint ``latest`` names, or ``None`` when there is none (or it is incomplete)."""
+    pointer = Path(ckpt_dir) / LATEST
+    if not pointer.is_file():
+        return None
+    name = pointer.read_text().strip()
+    path = Path(ckpt_dir) / name
+    return path if name.startswith(_PREFIX) and is_complete(path) else None
+
+
+def read_state(path: Path) -> dict:
+    """The ``state.json`` of a checkpoint (``ValueError`` if unreadable)."""
+    try:
+        return json.loads((Path(path) / STATE_FILE).read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{Path(path) / STATE_FILE} cannot be read ({type(exc).__name__}: {exc})") from None
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f"{_TMP}{path.name}")
+    with open(tmp, "w") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def publish(tmp: Path, final: Path, state: dict) -> None:
+    """Rank 0, after every rank's part of ``tmp`` is written: add ``state.json``, rename
+    ``tmp`` to ``final`` (one rename), then move ``latest`` to it."""
+    _write_atomic(tmp / STATE_FILE, json.dumps(state, indent=1))
+    if final.exists():  # the same step saved again after a restart: the new one wins
+        old = final.with_name(f"{_TMP}old-{final.name}")
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+        shutil.rmtree(old, ignore_errors=True)
+    os.rename(tmp, final)
+    _write_atomic(final.parent / LATEST, final.name + "\n")
+
+
+def retain(ckpt_dir: Path, keep: int) -> list[Path]:
+    """Delete all but the newest ``keep`` published checkpoints (never the one ``latest``
+    names); return the deleted paths."""
+    latest = latest_checkpoint(ckpt_dir)
+    done = list_checkpoints(ckpt_dir)
+    gone = [p for p in done[:-keep] if p != latest] if keep < len(done) else []
+    for path in gone:
+        shutil.rmtree(path, ignore_errors=True)
+    return gone
+
+
+def remove_stale(ckpt_dir: Path) -> None:
+    """Remove partial checkpoints left by a job that died while writing (rank 0, at start)."""
+    if ckpt_dir.is_dir():
+        for path in ckpt_dir.iterdir():
+            if path.name.startswith(_TMP):
+                shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+
+
+# ----------------------------------------------------------------------------- safe reading
+_DCP_MODULES = ("torch.distributed.checkpoint.metadata",)
+_ALLOWED = {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("collections", "OrderedDict"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PureWindowsPath"),
+    ("builtins", "set"),
+    ("builtins", "frozenset"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Admits DCP's metadata dataclasses, ``torch.Size``, dtypes and layouts, nothing else."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module in _DCP_MODULES or (module, name) in _ALLOWED:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"refusing to load {module}.{name} from a checkpoint's .metadata")
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """DCP's reader with a restricted unpickler for ``.metadata``."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any):
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        rank = kwargs.get("rank")
+        path = self._get_metadata_path(rank)
+        with self.fs.create_stream(path, "rb") as fh:
+            metadata = _MetadataUnpickler(fh).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """Our checkpoints hold tensors only; a pickled object (which DCP would ``torch.load``
+    with ``weights_only=False``) is refused."""
+
+    def load_bytes(self, read_item, value) -> None:
+        raise ValueError(f"checkpoint entry {read_item.dest_index.fqn!r} is a pickled object; refusing to load it")
+
+
+def read_metadata(path: Path):
+    """DCP's metadata of checkpoint ``path`` (``ValueError`` if missing, truncated or unsafe)."""
+    try:
+        return SafeFileSystemReader(str(path)).read_metadata()
+    except (OSError, EOFError, pickle.UnpicklingError, AttributeError, TypeError, ValueError, IndexError) as exc:
+        raise ValueError(f"{Path(path) / '.metadata'} cannot be read ({type(exc).__name__}: {exc})") from None

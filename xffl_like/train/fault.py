@@ -1,0 +1,51 @@
+"""Fault injection, for tests and demos only: kill a rank, or poison its weights.
+
+``fault.kill_rank=R fault.at_step=S``: rank R sends itself SIGKILL at the start of step S
+(1-based: after S - 1 steps), in the first attempt of the job only, so that an elastic
+restart (``distributed.max_restarts``) resumes and finishes. ``fault.nan_rank=R
+fault.nan_step=S``: rank R writes a NaN into the first element of its local shards after
+step S (in every attempt: a deterministic bad facility). Both off (null) by default.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import torch
+
+from ..checkpoint.dcp import restart_count
+
+__all__ = ["FaultInjector"]
+
+
+class FaultInjector:
+    """The ``fault`` config node of one rank."""
+
+    def __init__(self, cfg: dict, rank: int):
+        fcfg = cfg.get("fault") or {}
+        self.kill = fcfg.get("kill_rank") == rank and restart_count() == 0
+        self.kill_step = fcfg.get("at_step")
+        self.nan = fcfg.get("nan_rank") == rank
+        self.nan_step = fcfg.get("nan_step")
+
+    def before_step(self, step: int) -> None:
+        """Start of step ``step`` (1-based)."""
+        if self.kill and step == self.kill_step:
+            # The time lets a demo measure how long the job takes to notice (kill to exit).
+            print(f"fault: rank {os.environ.get('RANK', '?')} kills itself at step {step} (t={time.time():.3f})",
+                  file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    @torch.no_grad()
+    def after_step(self, step: int, model: torch.nn.Module) -> None:
+        """End of step ``step`` (1-based), after the optimizer."""
+        if self.nan and step == self.nan_step:
+            for param in model.parameters():
+                local = param.to_local() if hasattr(param, "to_local") else param
+                if local.numel():
+                    local.view(-1)[0] = float("nan")
+                    return

@@ -1,0 +1,85 @@
+"""The guard before each aggregation: are every facility's weights finite?
+
+One fused check per rank (``torch._foreach_norm`` with the max norm over all local
+shards: NaN and inf propagate, large finite values cannot overflow), then one all-reduce
+of a per-facility flag vector: one host sync per round, not one per tensor.
+
+``federation.on_nonfinite=fail`` (default) raises :class:`NonFiniteError` on every rank at
+once, naming the facility, round and step and the last good checkpoint. ``skip``: the bad
+facilities get weight 0 in this round's mean (the others' weights renormalised by the
+aggregation), their non-finite entries are zeroed first (0 x NaN is NaN) and so are their
+optimizer's non-finite moments, and they adopt the mean.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["NonFiniteError", "NonFiniteGuard", "nonfinite_facilities"]
+
+
+class NonFiniteError(RuntimeError):
+    """A facility's weights are NaN or infinite before an aggregation."""
+
+
+def _locals(model: torch.nn.Module) -> list[torch.Tensor]:
+    out = []
+    for param in model.parameters():
+        local = param.to_local() if hasattr(param, "to_local") else param
+        if local.numel():
+            out.append(local.detach())
+    return out
+
+
+@torch.no_grad()
+def nonfinite_facilities(model: torch.nn.Module, state) -> list[int]:
+    """Facilities (every rank learns all of them) with a non-finite weight on any rank."""
+    tensors = _locals(model)
+    flags = torch.zeros(state.num_facilities, dtype=torch.float32, device=state.device)
+    if tensors:
+        worst = torch.stack(torch._foreach_norm(tensors, float("inf"))).max()
+        flags[state.facility] = (~torch.isfinite(worst)).float()
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    return [f for f, bad in enumerate(flags.tolist()) if bad]
+
+
+class NonFiniteGuard:
+    """Checks a facility's weights before each round and applies ``federation.on_nonfinite``."""
+
+    def __init__(self, cfg: dict, state, model, optimizer, checkpoint_dir: Path):
+        self.policy = cfg["federation"].get("on_nonfinite", "fail")
+        self.state, self.model, self.optimizer, self.dir = state, model, optimizer, checkpoint_dir
+
+    def weights_for_round(self, weights: list[float] | None, round_index: int, step: int) -> tuple[list[float] | None, list[int]]:
+        """The weights of this round's mean and the facilities left out of it."""
+        bad = nonfinite_facilities(self.model, self.state)
+        if not bad:
+            return weights, []
+        n = self.state.num_facilities
+        where = f"facility {bad[0]}" if len(bad) == 1 else f"facilities {bad}"
+        if self.policy != "skip" or len(bad) == n:
+            from ..checkpoint.store import latest_checkpoint
+
+            last = latest_checkpoint(self.dir)
+            hint = f"last good checkpoint: {last} (resume={last})" if last else "no checkpoint was written yet"
+            why = "" if self.policy != "skip" else " (every facility: nothing left to average)"
+            raise NonFiniteError(f"non-finite weights in {where} before round {round_index} (step {step}){why}; {hint}; "
+                                 f"federation.on_nonfinite=skip leaves such a facility out of the round")
+        if self.state.facility in bad:
+            self._scrub()
+        base = [1.0] * n if weights is None else list(weights)
+        return [0.0 if f in bad else w for f, w in enumerate(base)], bad
+
+    @torch.no_grad()
+    def _scrub(self) -> None:
+        # The mean replaces the weights; zeros keep NaN out of the weighted sum (0 x NaN = NaN).
+        for t in _locals(self.model):
+            torch.nan_to_num_(t, nan=0.0, posinf=0.0, neginf=0.0)
+        for per_param in self.optimizer.state.values():
+            for value in per_param.values():
+                if torch.is_tensor(value) and value.is_floating_point():
+                    local = value.to_local() if hasattr(value, "to_local") else value
+                    torch.nan_to_num_(local, nan=0.0, posinf=0.0, neginf=0.0)

@@ -278,11 +278,12 @@ class Federation:
         """The federation's state for DCP: per parameter (by name) DTensors over the same mesh and
         placements as the parameter, viewing this rank's shard of ``theta_global``, the outer
         state and the error-feedback residual; plus counters. Empty tensors sections when unused."""
-        out: dict[str, Any] = {"rounds": self.rounds, "tokens": self.tokens.clone()}
+        # Counters as tensors: DCP stores other objects pickled, which safe loading refuses.
+        out: dict[str, Any] = {"rounds": torch.tensor(self.rounds), "tokens": self.tokens.clone()}
         if self.theta is None:
             return out
         out["theta_global"] = self._as_dtensors(self.theta)
-        out["outer"] = {"steps": self.outer.steps,
+        out["outer"] = {"steps": torch.tensor(self.outer.steps),
                         **{k: self._as_dtensors(v) for k, v in self.outer.buffers.items()}}
         if self.compressor is not None and self.compressor.residual is not None:
             out["residual"] = self._as_dtensors(self.compressor.residual)

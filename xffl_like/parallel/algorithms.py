@@ -87,12 +87,18 @@ class GradientAllReduce(Algorithm):
         super().attach(module)
         self._pending = []
 
-    def grad_ready(self, bucket):
+    def _node_summed(self, bucket):
+        """The bucket's flat gradients, pre-divided when averaging, summed inside the node when hierarchical."""
         flat = bucket.grads_flat()
         if self.average:
             flat.div_(self.comm.world_size)
         if self.hierarchical:
             self.comm.node_sum(flat)
+        return flat
+
+    def grad_ready(self, bucket):
+        flat = self._node_summed(bucket)
+        if self.hierarchical:
             work = None
             if self.comm.leader_group is not None:
                 work = dist.all_reduce(flat, group=self.comm.leader_group, async_op=True)
@@ -121,11 +127,7 @@ class ByteGrad(GradientAllReduce):
         super().__init__(hierarchical, average)
 
     def grad_ready(self, bucket):
-        flat = bucket.grads_flat()
-        if self.average:
-            flat.div_(self.comm.world_size)
-        if self.hierarchical:
-            self.comm.node_sum(flat)
+        flat = self._node_summed(bucket)
         members, group, member = self._members()
         n = len(members)
         state = {"bucket": bucket, "numel": flat.numel(), "n": n, "group": group, "work": None}

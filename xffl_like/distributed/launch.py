@@ -14,6 +14,7 @@ import os
 import socket
 import sys
 import tempfile
+import time
 import traceback
 import uuid
 from pathlib import Path
@@ -62,6 +63,11 @@ def worker_count_threads(nproc: int) -> int:
     return max(1, (os.cpu_count() or 1) // nproc)
 
 
+# Errors that a rank sees when another rank died (the cause is elsewhere).
+_SECONDARY = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+_SECONDARY_GRACE_S = 3.0
+
+
 def _entry(fn: Callable, args: tuple, error_dir: str) -> Any:
     # Runs in each worker process.
     try:
@@ -73,6 +79,10 @@ def _entry(fn: Callable, args: tuple, error_dir: str) -> Any:
         summary = f"{type(exc).__name__}: {exc}".splitlines()[0] if str(exc) else type(exc).__name__
         path.write_text(summary + "\n\n" + traceback.format_exc())
         sys.stderr.flush()
+        if any(s in summary for s in _SECONDARY):
+            # Only a symptom of another rank's death: let the agent see that death first, so
+            # the launcher names the rank that died (and its signal), not this one.
+            time.sleep(_SECONDARY_GRACE_S)
         os._exit(1)
 
 
@@ -87,10 +97,9 @@ def _killed(exc) -> list[tuple[int, str]]:
 
 def _first_error(error_dir: Path) -> tuple[str, str | None]:
     # A crash shows up on the other ranks as broken connections: report the cause first.
-    secondary = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
     files = sorted(
         error_dir.glob("rank*.txt"),
-        key=lambda p: (any(s in p.read_text().split("\n", 1)[0] for s in secondary), p.stat().st_mtime),
+        key=lambda p: (any(s in p.read_text().split("\n", 1)[0] for s in _SECONDARY), p.stat().st_mtime),
     )
     if not files:
         return "a worker died without reporting an error (killed, out of memory, or a crash)", None

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from dataclasses import replace
+
 from omegaconf import OmegaConf
 
 from xffl_like.data import (
@@ -20,6 +22,7 @@ from xffl_like.data import (
     resolve_paths,
     validate_data,
 )
+from xffl_like.schema import DataConfig
 
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf" / "data"
@@ -29,7 +32,7 @@ BLOCK = 64 * 1024
 
 # --------------------------------------------------------------------------- helpers
 def synth(non_iid=0.5, *, facility=0, rank=0, seed=0, seq_len=64, batch_size=4, vocab_size=256, num_eval_batches=2):
-    cfg = {"name": "synthetic", "num_eval_batches": num_eval_batches, "non_iid": non_iid}
+    cfg = DataConfig(name="synthetic", num_eval_batches=num_eval_batches, non_iid=non_iid)
     return build_data(
         cfg,
         vocab_size=vocab_size,
@@ -46,7 +49,7 @@ def synth(non_iid=0.5, *, facility=0, rank=0, seed=0, seq_len=64, batch_size=4, 
 def text_cfg(path, **kw):
     cfg = {"name": "text", "path": str(path), "partition": "contiguous", "eval_fraction": 0.1, "num_eval_batches": 2}
     cfg.update(kw)
-    return cfg
+    return DataConfig(**cfg)
 
 
 def build_text(cfg, *, facility, num_facilities, rank, size, seq_len=32, batch_size=8, seed=0, base_dir=None):
@@ -291,11 +294,11 @@ def test_text_list_of_files_and_relative_paths(tmp_path):
     (tmp_path / "sub").mkdir()
     (tmp_path / "sub" / "a.txt").write_text("a" * 3000, encoding="utf-8")
     (tmp_path / "b.txt").write_text("b" * 1000, encoding="utf-8")
-    cfg = OmegaConf.create({"name": "text", "path": ["sub/a.txt", "b.txt"], "partition": "contiguous",
-                            "eval_fraction": 0.25, "num_eval_batches": 1})
+    cfg = DataConfig(name="text", path=["sub/a.txt", "b.txt"], partition="contiguous", eval_fraction=0.25,
+                     num_eval_batches=1)
     paths = resolve_paths(cfg, tmp_path)
     assert paths == [tmp_path / "sub" / "a.txt", tmp_path / "b.txt"]
-    assert resolve_paths({"path": str(tmp_path / "b.txt")}, "/nonexistent") == [tmp_path / "b.txt"]
+    assert resolve_paths(DataConfig(path=str(tmp_path / "b.txt")), "/nonexistent") == [tmp_path / "b.txt"]
     validate_data(cfg, vocab_size=256, seq_len=16, base_dir=tmp_path)
     src = build_text(cfg, facility=0, num_facilities=1, rank=0, size=1, seq_len=16, base_dir=tmp_path)
     (ex, ey), = src.eval_batches()
@@ -305,13 +308,13 @@ def test_text_list_of_files_and_relative_paths(tmp_path):
 
 @pytest.mark.skipif(not SHAKESPEARE.exists(), reason="tinyshakespeare.txt not available")
 def test_text_tinyshakespeare_with_yaml_config():
-    cfg = OmegaConf.load(CONF / "text.yaml")
+    cfg = DataConfig(**OmegaConf.to_container(OmegaConf.load(CONF / "text.yaml")))
     assert cfg.path == "../shared/data/tinyshakespeare.txt"
     validate_data(cfg, vocab_size=256, seq_len=128, base_dir=REPO)
     n = SHAKESPEARE.stat().st_size
     n_eval = int(n * 0.1)
     for partition in ("contiguous", "interleaved"):
-        cfg.partition = partition
+        cfg = replace(cfg, partition=partition)
         srcs = [build_text(cfg, facility=f, num_facilities=2, rank=r, size=2, seq_len=128, batch_size=8, base_dir=REPO)
                 for f in range(2) for r in range(2)]
         segs = sorted(seg for s in srcs for seg in s.train_segments)
@@ -340,8 +343,9 @@ def test_validate_yaml_defaults():
     for name in ("synthetic", "text"):
         cfg = OmegaConf.load(CONF / f"{name}.yaml")
         assert cfg.name == name and cfg.num_eval_batches == 4
-    validate_data(OmegaConf.load(CONF / "synthetic.yaml"), vocab_size=256, seq_len=128)
-    validate_data({"name": "synthetic", "num_eval_batches": 1, "non_iid": 0}, vocab_size=32, seq_len=8)
+    validate_data(DataConfig(**OmegaConf.to_container(OmegaConf.load(CONF / "synthetic.yaml"))), vocab_size=256,
+                  seq_len=128)
+    validate_data(DataConfig(name="synthetic", num_eval_batches=1, non_iid=0), vocab_size=32, seq_len=8)
 
 
 def _err(cfg, *, vocab_size=256, seq_len=32, base_dir=None):
@@ -356,7 +360,7 @@ def test_validate_errors(tmp_path, corpus_file):
     good = text_cfg(corpus_file)
     validate_data(good, vocab_size=256, seq_len=32)
 
-    msg = _err({"name": "images"})
+    msg = _err(DataConfig(name="images"))
     assert msg.startswith("data.name:") and "'images'" in msg and "data.name=synthetic" in msg
 
     missing = tmp_path / "nope" / "missing.txt"
@@ -379,15 +383,15 @@ def test_validate_errors(tmp_path, corpus_file):
 
     assert _err(good, vocab_size=128).startswith("vocab_size:")
     for bad in (0, -1, 1.5, "4", None):
-        assert _err(dict(good, num_eval_batches=bad)).startswith("data.num_eval_batches:")
-        assert _err({"name": "synthetic", "num_eval_batches": bad, "non_iid": 0.5}).startswith("data.num_eval_batches:")
+        assert _err(replace(good, num_eval_batches=bad)).startswith("data.num_eval_batches:")
+        assert _err(DataConfig(name="synthetic", num_eval_batches=bad, non_iid=0.5)).startswith("data.num_eval_batches:")
     for bad in (0, 1, 1.5, -0.1, "0.1", float("nan")):
-        assert _err(dict(good, eval_fraction=bad)).startswith("data.eval_fraction:")
-    assert _err(dict(good, partition="random")).startswith("data.partition:")
-    assert _err(dict(good, path=[])).startswith("data.path:")
+        assert _err(replace(good, eval_fraction=bad)).startswith("data.eval_fraction:")
+    assert _err(replace(good, partition="random")).startswith("data.partition:")
+    assert _err(replace(good, path=[])).startswith("data.path:")
     for bad in (-0.1, 1.01, "high", None):
-        assert _err({"name": "synthetic", "num_eval_batches": 4, "non_iid": bad}).startswith("data.non_iid:")
-    assert _err({"name": "synthetic", "num_eval_batches": 4, "non_iid": 0.5}, seq_len=0).startswith("seq_len:")
+        assert _err(DataConfig(name="synthetic", num_eval_batches=4, non_iid=bad)).startswith("data.non_iid:")
+    assert _err(DataConfig(name="synthetic", num_eval_batches=4, non_iid=0.5), seq_len=0).startswith("seq_len:")
 
 
 def test_build_checks_layout():
@@ -396,5 +400,5 @@ def test_build_checks_layout():
     with pytest.raises(ValueError, match=r"^facility:"):
         synth(facility=3)
     with pytest.raises(ValueError, match=r"^data\.name:"):
-        build_data({"name": "x"}, vocab_size=256, seq_len=8, batch_size=1, seed=0, facility=0,
+        build_data(DataConfig(name="x"), vocab_size=256, seq_len=8, batch_size=1, seed=0, facility=0,
                    num_facilities=1, facility_rank=0, facility_size=1)

@@ -22,6 +22,7 @@ from xffl_like.config import ConfigError, validate_config  # noqa: E402
 from xffl_like.data import build_data  # noqa: E402
 from xffl_like.job import _compose, resolve  # noqa: E402
 from xffl_like.data.prepare import main as prepare_main  # noqa: E402
+from xffl_like.schema import DataConfig  # noqa: E402
 
 VOCAB = 512
 
@@ -89,8 +90,8 @@ def test_each_rank_reads_windows_of_its_own_contiguous_block(prepared):
         for rank in range(2):
             lo = block[0] + rank * (block[1] - block[0]) // 2
             hi = block[0] + (rank + 1) * (block[1] - block[0]) // 2
-            source = build_data(cfg, vocab_size=VOCAB, seq_len=64, batch_size=8, seed=0, facility=facility,
-                                num_facilities=2, facility_rank=rank, facility_size=2)
+            source = build_data(DataConfig(**cfg), vocab_size=VOCAB, seq_len=64, batch_size=8, seed=0,
+                                facility=facility, num_facilities=2, facility_rank=rank, facility_size=2)
             for step in range(3):
                 x, y = source.train_batch(step)
                 for row_x, row_y in zip(x, y):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import sys
+from dataclasses import FrozenInstanceError, asdict
 from pathlib import Path
 
 import pytest
@@ -17,13 +18,14 @@ import train_workers  # noqa: E402
 from train_workers import MODEL, rank_sequences  # noqa: E402
 
 from xffl_like.aggregation import check_collective
-from xffl_like.config_keys import check_known_keys
+from xffl_like.config import ConfigError, compose_error, validate_config
 from xffl_like.distributed.state import group_backend, resolve_backend
 from xffl_like.job import CONF_DIR, choices, resolve
 from xffl_like.models import build_model
 from xffl_like.observe.timing import PhaseTimer
 from xffl_like.train.evaluate import eval_points
 from xffl_like.train.optim import OptimConfig, build_optimizer, build_scheduler, decay_groups
+from xffl_like.schema import DataConfig, JobConfig, check_keys, job_config
 from xffl_like.train.step import TrainConfig
 
 ADAMW = {"name": "adamw", "lr": 0.1, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.01}
@@ -236,24 +238,80 @@ def compose(overrides):
 
 
 @pytest.mark.parametrize("overrides", [["+experiment=llama_fed"], ["+experiment=llama_fed", "optim=sgd"],
-                                       ["data=text", "logger=none", "model=llama3_1_8b"]])
-def test_known_keys_accept_every_shipped_composition(overrides):
+                                       ["data=text", "logger=none", "model=llama3_1_8b"], ["+experiment=llama_hf"]])
+def test_schema_accepts_every_shipped_composition(overrides):
     cfg = compose(overrides)
     plain = resolve(cfg)
-    check_known_keys(plain, choices(cfg), CONF_DIR)
-    OptimConfig.from_mapping(plain["optim"]) and TrainConfig.from_mapping(plain["train"])
+    check_keys(plain, choices(cfg))
+    job = job_config(plain)
+    assert isinstance(job, JobConfig) and isinstance(job.optim, OptimConfig) and isinstance(job.train, TrainConfig)
+    # Every section holds exactly the composed values (optim's normalised: betas a tuple of floats).
+    assert {**asdict(job), "optim": plain["optim"]} == plain
+    assert job.optim == OptimConfig.from_mapping(plain["optim"])
 
 
-@pytest.mark.parametrize("override, needle", [
-    ("+no_such_key=1", "no_such_key is not a config key of the root config"),
-    ("+optim.foo=1", "optim.foo is not a config key of optim=adamw"),
-    ("+train.deep.key=1", "train.deep is not a config key of train=default"),
-    ("++logger.colour=red", "logger.colour is not a config key of logger=wandb"),
+def one_line_error(overrides):
+    """What the launcher reports for ``overrides``: compose (the schema), then validate; one line or None."""
+    try:
+        cfg = compose(["+experiment=llama_fed", *overrides])
+    except Exception as exc:  # noqa: BLE001 - Hydra's and OmegaConf's errors, as the CLI turns them
+        return compose_error(exc)
+    try:
+        validate_config(resolve(cfg), 4, 4, CONF_DIR.parent, choices(cfg))
+    except ConfigError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["+no_such_key=1"], "no_such_key is not a config key of the root config"),
+    (["+optim.foo=1"], "optim.foo is not a config key of optim=adamw"),
+    (["+train.deep.key=1"], "train.deep is not a config key of train=default"),
+    (["++logger.colour=red"], "logger.colour is not a config key of logger=wandb"),
+    (["+federation.outer.foo=1"], "federation.outer.foo is not a config key of federation=default"),
+    (["train.nonsense=1"], "train.nonsense is not a config key of train"),
+    (["optim.warmup_steps=null"], "optim.warmup_steps=None: must be an integer, not null (e.g. optim.warmup_steps=0)"),
+    (["optim.betas=[0.9]"], "optim.betas=[0.9]: must be two numbers in [0, 1)"),
+    (["optim.betas=0.9"], "optim.betas=0.9: must be a list of numbers"),
+    (["logger.mode=onlin"], "logger.mode='onlin': use null ($WANDB_MODE, else offline), offline, online or disabled"),
+    (["optim.name=adam"], "optim.name='adam': use one of adamw, sgd"),
+    (["train.dtype=fp8"], "train.dtype='fp8': use one of float32, bfloat16"),
+    (["federation.outer.lr=fast"], "federation.outer.lr='fast': must be a number (e.g. federation.outer.lr=1.0)"),
+    (["federation.outer.offload=maybe"], "federation.outer.offload='maybe': must be true or false"),
+    (["federation.outer.betas=[a,b]"], "federation.outer.betas[0]='a': federation.outer.betas must be a list of numbers"),
+    (["federation.outer=3"], "federation.outer=3: must be a mapping of federation.outer.* keys"),
+    (["federation.chunk_size=1.5"], "federation.chunk_size=1.5: must be an integer"),
+    (["checkpoint.async=maybe"], "checkpoint.async='maybe': must be true or false"),
+    (["seed=x"], "seed='x': must be an integer (e.g. seed=0)"),
+    (["model=no_such_model"], "model=no_such_model: no such option (conf/model/no_such_model.yaml); available: hf,"),
 ])
-def test_known_keys_reject_added_keys(override, needle):
-    cfg = compose(["+experiment=llama_fed", override])
-    with pytest.raises(ValueError, match=needle.replace("+", r"\+")):
-        check_known_keys(resolve(cfg), choices(cfg), CONF_DIR)
+def test_bad_keys_and_types_fail_with_one_line(overrides, needle):
+    line = one_line_error(overrides)
+    assert line is not None and needle in line and "\n" not in line, line
+
+
+def test_workers_receive_the_typed_config(monkeypatch, tmp_path):
+    """run_local hands the launcher's validated JobConfig (frozen, picklable) to the workers, equal to the
+    config.yaml it saved; nothing is launched here (launch_local is replaced)."""
+    import pickle
+
+    from omegaconf import OmegaConf
+
+    import xffl_like.job as job_module
+
+    sent = {}
+    monkeypatch.setattr(job_module, "launch_local", lambda worker, args, nproc, **kw: sent.update(args=args) or [{}])
+    cfg = compose(["+experiment=llama_fed", "optim=sgd", "federation=diloco", "federation.weights=[1,3]"])
+    job_module.run_local(cfg, tmp_path / "run")
+    job = sent["args"][0]
+    assert type(job) is JobConfig and type(job.data) is DataConfig and type(job.federation.outer).__name__ == "OuterConfig"
+    with pytest.raises(FrozenInstanceError):
+        job.federation.every = 3
+    assert pickle.loads(pickle.dumps(job)) == job
+    saved = OmegaConf.to_container(OmegaConf.load(tmp_path / "run" / "config.yaml"))
+    assert {**asdict(job), "optim": saved["optim"]} == saved
+    assert job.optim.name == "sgd" and job.optim.momentum == 0.9 and job.federation.outer.name == "nesterov"
+    assert job.federation.weights == [1, 3] and job["federation"]["outer"]["lr"] == 0.7  # also read as a mapping
 
 
 # ----------------------------------------------------------------------------- GPU launch, CPU-visible

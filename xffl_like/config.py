@@ -1,7 +1,9 @@
 """Validation of the resolved config in the launching process, before any worker starts.
 
 Every check raises :class:`ConfigError` with one sentence that names the key, the bad
-value and how to fix it. Hydra itself rejects unknown keys and groups at compose time.
+value and how to fix it. Hydra rejects unknown keys and wrong primitive types at compose
+time against the schema (:mod:`.schema`); :func:`compose_error` turns its multi-line
+report into one such sentence.
 """
 
 from __future__ import annotations
@@ -11,11 +13,79 @@ from typing import Any, Mapping
 
 from .distributed.layout import Layout, plan_layout
 
-__all__ = ["ConfigError", "validate_config"]
+__all__ = ["ConfigError", "compose_error", "validate_config"]
 
 
 class ConfigError(ValueError):
     """A config value that cannot work; the message is the one line shown to the user."""
+
+
+def _describe(hint: Any) -> str:
+    """A schema type in words: ``Optional[int]`` -> 'an integer or null'."""
+    import typing
+
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) is typing.Union and type(None) in typing.get_args(hint):
+        return f"{_describe(args[0] if len(args) == 1 else typing.Union[tuple(args)])} or null"
+    if typing.get_origin(hint) is typing.Union:
+        return "a number"  # Union[int, float]
+    if typing.get_origin(hint) in (list, typing.List):
+        return f"a list of {_describe(args[0]).split(' ', 1)[1]}s" if args else "a list"
+    if typing.get_origin(hint) in (dict, typing.Dict):
+        return "a mapping"
+    words = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+    return words.get(hint, "a value")
+
+
+def _override(value: Any) -> str:
+    """``value`` as a command-line override writes it: null, true, [0.9,0.95]."""
+    if value is None or isinstance(value, bool):
+        return "null" if value is None else str(value).lower()
+    if isinstance(value, (list, tuple)):
+        return f"[{','.join(_override(v) for v in value)}]"
+    return str(value)
+
+
+def compose_error(exc: BaseException) -> str | None:
+    """One line for an error Hydra or OmegaConf raised while composing the job's config
+    (unknown key, wrong type, missing option, unparsable override); None for any other error."""
+    import typing
+    from dataclasses import MISSING, is_dataclass
+
+    from hydra.errors import HydraException, MissingConfigException, OverrideParseException
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
+
+    from .schema import section_of, unknown_key_message
+
+    if isinstance(exc, MissingConfigException) and exc.options is not None and exc.missing_cfg_file:
+        group, _, option = exc.missing_cfg_file.rpartition("/")
+        return (f"{group.replace('/', '.')}={option}: no such option (conf/{exc.missing_cfg_file}.yaml); "
+                f"available: {', '.join(exc.options)}")
+    if isinstance(exc, OverrideParseException):
+        return f"cannot parse an override ({str(exc).splitlines()[0]}): see `python -m xffl_like.run --help`"
+    cause = exc if isinstance(exc, OmegaConfBaseException) else exc.__cause__
+    if isinstance(cause, (ConfigAttributeError, ConfigKeyError)) and cause.full_key:
+        return unknown_key_message(cause.full_key)
+    if isinstance(cause, ValidationError) and cause.full_key:
+        key = cause.full_key.split("[")[0]
+        found = section_of(key)
+        if found is None:
+            return f"{cause.full_key}={cause.value!r}: {str(cause).splitlines()[0]}"
+        cls, field = found
+        hint = typing.get_type_hints(cls)[field.name]
+        what = _describe(hint) if not is_dataclass(hint) else f"a mapping of {key}.* keys"
+        default = field.default
+        if default is MISSING and field.default_factory is not MISSING and not is_dataclass(field.default_factory):
+            default = field.default_factory()
+        example = "" if default in (MISSING, "???") or is_dataclass(hint) else f" (e.g. {key}={_override(default)})"
+        if key != cause.full_key:  # an element of a list
+            return f"{cause.full_key}={cause.value!r}: {key} must be {what}{example}"
+        return f"{key}={cause.value!r}: must be {what}{', not null' if cause.value is None else ''}{example}"
+    if isinstance(exc, HydraException) or isinstance(cause, OmegaConfBaseException):
+        lines = [line.strip() for text in (str(exc), str(cause or "")) for line in text.splitlines()]
+        return "; ".join(line for line in lines if line and not line.startswith(("full_key", "object_type",
+                                                                                  "reference_type")))
+    return None
 
 
 def _get(cfg: dict, dotted: str) -> Any:
@@ -91,23 +161,21 @@ def validate_config(
     """Check ``cfg`` (a resolved plain dict) for a job of ``world_size`` processes.
 
     Resolves relative data paths against ``base_dir`` in place, so that workers read
-    the files the user named wherever they run. ``choices`` (Hydra's group -> option of
-    this composition) enables the unknown-key check of :mod:`.config_keys`. Returns the
-    planned layout.
+    the files the user named wherever they run. Keys the schema lacks (added with ``+``)
+    are refused first; ``choices`` (Hydra's group -> option of this composition) lets that
+    message name the option's file. Returns the planned layout; :func:`.schema.job_config`
+    then gives the typed config that workers receive.
     """
     from .aggregation import validate_strategy_options
-    from .config_keys import check_known_keys
     from .data import check_layout_fits, resolve_paths, validate_data
     from .data.tokenizer import tokenizer_path
     from .models import LlamaConfig, build_model
-    from .train.optim import OptimConfig
-    from .train.step import TrainConfig
+    from .schema import DataConfig, OptimConfig, TrainConfig, check_keys
 
-    if choices is not None:
-        try:
-            check_known_keys(cfg, choices, Path(__file__).resolve().parents[1] / "conf")
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
+    try:
+        check_keys(cfg, choices)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     _positive_int(cfg, "distributed.nproc_per_node")
     _positive_int(cfg, "distributed.timeout_s")
     for key in ("federation.every", "train.batch_size", "train.seq_len", "train.log_every"):
@@ -155,13 +223,14 @@ def validate_config(
     try:
         if cfg["data"].get("tokenizer") not in (None, "byte"):  # workers and the export read it wherever they run
             cfg["data"]["tokenizer"] = str(tokenizer_path(cfg["data"]["tokenizer"], base_dir))
-        num_tokens = validate_data(cfg["data"], vocab_size=model_cfg.vocab_size, seq_len=cfg["train"]["seq_len"],
+        data = DataConfig(**cfg["data"])
+        num_tokens = validate_data(data, vocab_size=model_cfg.vocab_size, seq_len=cfg["train"]["seq_len"],
                                    base_dir=str(base_dir))
         if num_tokens is not None:
-            check_layout_fits(num_tokens, cfg["data"], layout, batch_size=cfg["train"]["batch_size"],
+            check_layout_fits(num_tokens, data, layout, batch_size=cfg["train"]["batch_size"],
                               seq_len=cfg["train"]["seq_len"])
-        if "path" in cfg["data"]:
-            paths = [str(p) for p in resolve_paths(cfg["data"], str(base_dir))]
+        if data.path is not None:
+            paths = [str(p) for p in resolve_paths(data, str(base_dir))]
             cfg["data"]["path"] = paths if isinstance(cfg["data"]["path"], list) else paths[0]
         meta_model = build_model(cfg["model"], device="meta")  # names and module types, no memory
         names = [name for name, _ in meta_model.named_parameters()]

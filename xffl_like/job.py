@@ -3,7 +3,7 @@
 ``run_local`` is the plain ``python -m xffl_like.run`` path (the job launches its own
 workers); ``run_under_launcher`` is the torchrun/srun path (this process is a worker).
 Either way the config is composed and validated once, by one process, and workers
-receive the resolved dict and the one run directory.
+receive the typed :class:`~xffl_like.schema.JobConfig` and the one run directory.
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ from typing import Callable
 
 from omegaconf import DictConfig, OmegaConf
 
-from .config import ConfigError, validate_config
+from .config import ConfigError, compose_error, validate_config
 from .distributed.launch import WorkerFailure, launch_local
+from .schema import job_config
 
 __all__ = ["CONF_DIR", "JobFailed", "run_local", "run_under_launcher", "resolve"]
 
@@ -29,7 +30,7 @@ class JobFailed(RuntimeError):
 
 
 def resolve(cfg: DictConfig) -> dict:
-    """The plain, resolved config that workers receive (no Hydra node)."""
+    """The plain, resolved config (no Hydra node) that validation reads and the run directory keeps."""
     if "hydra" in cfg:  # composed with return_hydra_config: Hydra's node is not the job's
         cfg = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"])
     return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
@@ -90,7 +91,7 @@ def run_local(cfg: DictConfig, run_dir: Path, worker: Callable | None = None) ->
         _drop_if_empty(fresh)
     _save_config(plain, run_dir)
     try:
-        results = launch_local(worker or train_worker, (plain, str(run_dir), started), nproc,
+        results = launch_local(worker or train_worker, (job_config(plain), str(run_dir), started), nproc,
                                error_dir=run_dir / "errors", max_restarts=plain["distributed"]["max_restarts"])
     except WorkerFailure as exc:
         where = f" (traceback: {exc.details})" if exc.details else ""
@@ -132,7 +133,11 @@ def _torchrun_run_dir(experiment: str) -> Path:
     return run_dir
 
 
-def _validate_here(overrides: list[str], env) -> dict:
+def _one_line(exc: BaseException) -> str:
+    return compose_error(exc) or (str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+
+
+def _validate_here(overrides: list[str], env) -> tuple[dict, Path]:
     """Compose, validate and resolve ``resume``; the plain config and the run directory."""
     composed = _compose(overrides)
     plain = resolve(composed)
@@ -171,7 +176,7 @@ def run_under_launcher(overrides: list[str]) -> int:
         try:
             _validate_here(overrides, env)
         except Exception as exc:  # noqa: BLE001 - one line, before anyone waits on us
-            print(f"error: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}", file=sys.stderr)
+            print(f"error: {_one_line(exc)}", file=sys.stderr)
             return 2
     # The config is not known yet: the device and groups follow ``auto``; build_state applies
     # distributed.timeout_s to this group once rank 0 has shared the config.
@@ -181,18 +186,18 @@ def run_under_launcher(overrides: list[str]) -> int:
         try:
             plain, run_dir = _validate_here(overrides, env)
             _save_config(plain, run_dir)
-            payload = [(plain, str(run_dir), None)]
+            payload = [(job_config(plain), str(run_dir), None)]
         except Exception as exc:  # noqa: BLE001 - every rank must learn that the job is off
-            payload = [(None, None, str(exc).splitlines()[0] if str(exc) else type(exc).__name__)]
+            payload = [(None, None, _one_line(exc))]
     dist.broadcast_object_list(payload, src=0)
-    plain, run_dir, error = payload[0]
+    job, run_dir, error = payload[0]
     if error is not None:
         if env.rank == 0:
             print(f"error: {error}", file=sys.stderr)
         dist.destroy_process_group()
         return 2
     try:
-        train_worker(plain, run_dir, started)
+        train_worker(job, run_dir, started)
     except Exception as exc:  # noqa: BLE001 - one line per failing rank, not a traceback
         print(f"error: rank {env.rank}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1

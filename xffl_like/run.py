@@ -7,6 +7,7 @@ is a worker: rank 0 composes and validates, then shares the config with the othe
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from .config import compose_error
 from .distributed.state import read_env
 from .job import JobFailed, run_local
 
@@ -41,9 +43,23 @@ def _launched() -> bool:
         sys.exit(2)
 
 
+def _main_one_line() -> None:
+    """``main`` with a composition error (unknown key, wrong type, no such option) as one line."""
+    wants_trace = os.environ.get("HYDRA_FULL_ERROR") == "1"
+    os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises instead of printing its own several-line report
+    try:
+        main()
+    except Exception as exc:
+        line = None if wants_trace else compose_error(exc)
+        if line is None:
+            raise
+        print(f"error: {line}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
 if __name__ == "__main__":
     if _launched():
         from .job import run_under_launcher
 
         sys.exit(run_under_launcher(sys.argv[1:]))
-    main()
+    _main_one_line()

@@ -99,6 +99,13 @@ def checkpoint_dir(cfg: dict, run_dir: Path) -> Path:
     return Path(configured).expanduser().absolute() if configured else Path(run_dir) / "checkpoints"
 
 
+def _plain(cfg) -> dict:
+    """The config as JSON writes it (workers hold the typed JobConfig, the launcher a dict)."""
+    from dataclasses import asdict, is_dataclass
+
+    return asdict(cfg) if is_dataclass(cfg) else cfg
+
+
 def restart_count() -> int:
     """How often the elastic agent (or torchrun ``--max-restarts``) restarted this worker group."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
@@ -170,7 +177,7 @@ class Checkpointer:
             "layout": {"world_size": self.state.world_size, "facility_sizes": list(self.state.layout.facility_sizes),
                        "shard_size": self.state.layout.shard_size},
             "run_dir": str(self.run_dir),
-            "config": self.cfg,
+            "config": _plain(self.cfg),
             "saved_at": time.time(),
         }
 

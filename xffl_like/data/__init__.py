@@ -2,6 +2,8 @@
 
 ``build_data`` returns a :class:`DataSource` for one worker; ``validate_data`` checks a
 config in the launching process before any worker starts (one-sentence ``ValueError``).
+Both take the typed :class:`~xffl_like.schema.DataConfig`; sources read the values
+``validate_data`` accepted and do not check them again.
 Sources: ``synthetic`` (non-IID sparse Markov chain, no files), ``text`` (UTF-8 corpus,
 e.g. ``../shared/data/tinyshakespeare.txt``, byte-level or tokenized by ``data.tokenizer``) and
 ``tokens`` (a corpus pre-tokenized by ``python -m xffl_like.data.prepare``, memory-mapped).
@@ -10,9 +12,9 @@ e.g. ``../shared/data/tinyshakespeare.txt``, byte-level or tokenized by ``data.t
 from __future__ import annotations
 
 import os
-from typing import Any
 
-from .source import DataSource, cfg_get, check_positive_int, mix_seed, resolve_paths
+from ..schema import DataConfig
+from .source import DataSource, check_positive_int, mix_seed, resolve_paths
 from .synthetic import SyntheticMarkovSource, build_synthetic, validate_synthetic
 from .text import BYTE_VOCAB_SIZE, TextByteSource, build_text, decode, encode, validate_text
 from .tokens import build_tokens, check_layout_fits, validate_tokens
@@ -35,8 +37,10 @@ __all__ = [
 DATA_SOURCES = ("synthetic", "text", "tokens")
 
 
-def _name(cfg_data: Any) -> str:
-    name = cfg_get(cfg_data, "name")
+def _name(cfg_data: DataConfig) -> str:
+    if not isinstance(cfg_data, DataConfig):
+        raise TypeError(f"the data layer takes a xffl_like.schema.DataConfig, got {type(cfg_data).__name__}")
+    name = cfg_data.name
     if name not in DATA_SOURCES:
         raise ValueError(
             f"data.name: unknown data source {name!r} (pass data.name=synthetic, data.name=text or data.name=tokens)"
@@ -56,8 +60,9 @@ def _check_layout(*, batch_size: int, facility: int, num_facilities: int, facili
         )
 
 
-def validate_data(cfg_data: Any, *, vocab_size: int, seq_len: int, base_dir: str | os.PathLike | None = None) -> int | None:
-    """Check ``cfg_data`` (dict / DictConfig) before workers start; raise ``ValueError`` on the first problem.
+def validate_data(cfg_data: DataConfig, *, vocab_size: int, seq_len: int,
+                  base_dir: str | os.PathLike | None = None) -> int | None:
+    """Check ``cfg_data`` before workers start; raise ``ValueError`` on the first problem.
 
     Returns the corpus length in tokens (bytes for the byte tokenizer) for the corpus sources, for
     :func:`check_layout_fits`; None for ``synthetic``.
@@ -74,7 +79,7 @@ def validate_data(cfg_data: Any, *, vocab_size: int, seq_len: int, base_dir: str
 
 
 def build_data(
-    cfg_data: Any,
+    cfg_data: DataConfig,
     *,
     vocab_size: int,
     seq_len: int,

@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
-from . import build_data
+from ..schema import DataConfig
+from . import build_data, validate_data
 
 MODEL_DIR = Path(__file__).resolve().parents[2] / "conf" / "model"
 
@@ -53,10 +54,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     common = dict(vocab_size=model_cfg.vocab_size, seq_len=args.seq_len, batch_size=args.batch_size, seed=0,
                   facility=0, num_facilities=2, facility_rank=0, facility_size=1)
-    sources = {"synthetic": build_data({"name": "synthetic", "num_eval_batches": 1, "non_iid": 0.5}, **common)}
+    sources = {"synthetic": build_data(DataConfig(name="synthetic", num_eval_batches=1, non_iid=0.5), **common)}
     if args.text:
-        sources["text"] = build_data({"name": "text", "path": str(Path(args.text).resolve()), "num_eval_batches": 1,
-                                      "eval_fraction": 0.1, "partition": "contiguous"}, **common)
+        text = DataConfig(name="text", path=str(Path(args.text).resolve()), num_eval_batches=1)
+        validate_data(text, vocab_size=model_cfg.vocab_size, seq_len=args.seq_len)  # the sources do not check
+        sources["text"] = build_data(text, **common)
     batch = sources["synthetic"].train_batch(0)
 
     def step(_):

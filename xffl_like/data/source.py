@@ -11,13 +11,15 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
+if TYPE_CHECKING:
+    from ..schema import DataConfig
+
 __all__ = [
     "DataSource",
-    "cfg_get",
     "mix_seed",
     "make_generator",
     "resolve_paths",
@@ -40,16 +42,6 @@ class DataSource(Protocol):
     def eval_batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Held-out batches, identical on every call of the run, never seen in training."""
         ...
-
-
-def cfg_get(cfg: Any, key: str, default: Any = None) -> Any:
-    """Read ``key`` from a dict / DictConfig (or any mapping-like object)."""
-    if cfg is None:
-        return default
-    try:
-        return cfg.get(key, default)
-    except AttributeError:  # pragma: no cover - plain objects
-        return getattr(cfg, key, default)
 
 
 def _splitmix64(x: int) -> int:
@@ -89,14 +81,14 @@ def default_base_dir() -> Path:
     return Path(os.getcwd())
 
 
-def resolve_paths(cfg_data: Any, base_dir: str | os.PathLike | None = None) -> list[Path]:
+def resolve_paths(cfg_data: "DataConfig", base_dir: str | os.PathLike | None = None) -> list[Path]:
     """``data.path`` (a string or a list of strings) as absolute paths.
 
     Relative paths resolve against ``base_dir`` (the launch directory); ``~`` is
     expanded.  ``base_dir=None`` means :func:`default_base_dir`.  Raises
     ``ValueError`` when ``data.path`` is missing or empty.
     """
-    raw = cfg_get(cfg_data, "path")
+    raw = cfg_data.path
     if raw is None or (isinstance(raw, str) and not raw.strip()):
         raise ValueError(
             "data.path: no text file given (pass data.path=<existing UTF-8 text file> or a list of files)"
@@ -140,9 +132,9 @@ def check_positive_int(value: Any, what: str, fix: str) -> int:
     return int(value)
 
 
-def check_num_eval_batches(cfg_data: Any) -> int:
+def check_num_eval_batches(cfg_data: "DataConfig") -> int:
     return check_positive_int(
-        cfg_get(cfg_data, "num_eval_batches", 4),
+        cfg_data.num_eval_batches,
         "data.num_eval_batches",
         "pass e.g. data.num_eval_batches=4",
     )

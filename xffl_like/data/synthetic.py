@@ -20,11 +20,11 @@ Sampling is vectorised over the batch with a ``torch.Generator`` seeded by
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 
-from .source import check_num_eval_batches, cfg_get, check_positive_int, make_generator
+from ..schema import DataConfig
+from .source import check_num_eval_batches, check_positive_int, make_generator
 
 __all__ = ["SyntheticMarkovSource", "validate_synthetic", "BRANCH", "ZIPF_EXPONENT"]
 
@@ -39,8 +39,8 @@ _TAG_TRAIN = 0x5452
 _TAG_EVAL = 0x4556
 
 
-def _check_non_iid(cfg_data: Any) -> float:
-    value = cfg_get(cfg_data, "non_iid", 0.5)
+def _check_non_iid(cfg_data: DataConfig) -> float:
+    value = cfg_data.non_iid
     ok = isinstance(value, (int, float)) and not isinstance(value, bool)
     if ok:
         value = float(value)
@@ -50,7 +50,7 @@ def _check_non_iid(cfg_data: Any) -> float:
     return value
 
 
-def validate_synthetic(cfg_data: Any, *, vocab_size: int, seq_len: int) -> None:
+def validate_synthetic(cfg_data: DataConfig, *, vocab_size: int, seq_len: int) -> None:
     check_positive_int(vocab_size, "vocab_size", "set the model's vocab_size to at least 2")
     if vocab_size < 2:
         raise ValueError(f"vocab_size: must be at least 2 for the synthetic source, got {vocab_size} "
@@ -169,9 +169,10 @@ class SyntheticMarkovSource:
 
 
 def build_synthetic(
-    cfg_data: Any, *, vocab_size: int, seq_len: int, batch_size: int, seed: int, facility: int, facility_rank: int
+    cfg_data: DataConfig, *, vocab_size: int, seq_len: int, batch_size: int, seed: int, facility: int,
+    facility_rank: int
 ) -> SyntheticMarkovSource:
-    validate_synthetic(cfg_data, vocab_size=vocab_size, seq_len=seq_len)
+    """Facility ``facility``'s source, from a config :func:`validate_synthetic` accepted in the launcher."""
     return SyntheticMarkovSource(
         vocab_size=vocab_size,
         seq_len=seq_len,
@@ -179,6 +180,6 @@ def build_synthetic(
         seed=seed,
         facility=facility,
         facility_rank=facility_rank,
-        non_iid=_check_non_iid(cfg_data),
-        num_eval_batches=check_num_eval_batches(cfg_data),
+        non_iid=cfg_data.non_iid,
+        num_eval_batches=cfg_data.num_eval_batches,
     )

@@ -32,8 +32,8 @@ from typing import Any, Sequence
 
 import torch
 
+from ..schema import DataConfig
 from .source import (
-    cfg_get,
     check_num_eval_batches,
     check_positive_int,
     make_generator,
@@ -85,8 +85,8 @@ def _fix_path() -> str:
     return "pass data.path=<existing UTF-8 text file>"
 
 
-def _check_eval_fraction(cfg_data: Any) -> float:
-    value = cfg_get(cfg_data, "eval_fraction", 0.1)
+def _check_eval_fraction(cfg_data: DataConfig) -> float:
+    value = cfg_data.eval_fraction
     ok = isinstance(value, (int, float)) and not isinstance(value, bool)
     if ok:
         value = float(value)
@@ -99,8 +99,8 @@ def _check_eval_fraction(cfg_data: Any) -> float:
     return value
 
 
-def _check_partition(cfg_data: Any) -> str:
-    value = cfg_get(cfg_data, "partition", "contiguous")
+def _check_partition(cfg_data: DataConfig) -> str:
+    value = cfg_data.partition
     if value not in PARTITIONS:
         raise ValueError(
             f"data.partition: unknown partition {value!r} "
@@ -109,9 +109,9 @@ def _check_partition(cfg_data: Any) -> str:
     return str(value)
 
 
-def _check_block_size(cfg_data: Any) -> int:
+def _check_block_size(cfg_data: DataConfig) -> int:
     return check_positive_int(
-        cfg_get(cfg_data, "block_size", DEFAULT_BLOCK_SIZE),
+        cfg_data.block_size,
         "data.block_size",
         f"pass e.g. data.block_size={DEFAULT_BLOCK_SIZE} or drop the key",
     )
@@ -178,8 +178,8 @@ def tokenize_corpus(corpus: bytes, spec: Any) -> bytes | torch.Tensor:
     return torch.tensor(load_tokenizer(spec).encode(corpus.decode("utf-8")), dtype=torch.int32)
 
 
-def _check_tokenizer_vocab(cfg_data: Any, vocab_size: int) -> None:
-    spec = cfg_get(cfg_data, "tokenizer", "byte")
+def _check_tokenizer_vocab(cfg_data: DataConfig, vocab_size: int) -> None:
+    spec = cfg_data.tokenizer
     if spec in (None, "byte"):
         _check_vocab(vocab_size)
         return
@@ -191,7 +191,7 @@ def _check_tokenizer_vocab(cfg_data: Any, vocab_size: int) -> None:
                          f"({tok.vocab_size}, {tok.name}): raise model.vocab_size or use the model's own tokenizer")
 
 
-def validate_text(cfg_data: Any, *, vocab_size: int, seq_len: int, base_dir: str | os.PathLike | None = None) -> int:
+def validate_text(cfg_data: DataConfig, *, vocab_size: int, seq_len: int, base_dir: str | os.PathLike | None = None) -> int:
     """Check the config and the corpus; return the corpus length in tokens."""
     _check_tokenizer_vocab(cfg_data, vocab_size)
     check_positive_int(seq_len, "seq_len", "set a positive sequence length")
@@ -200,7 +200,7 @@ def validate_text(cfg_data: Any, *, vocab_size: int, seq_len: int, base_dir: str
     _check_partition(cfg_data)
     _check_block_size(cfg_data)
     paths = resolve_paths(cfg_data, base_dir)
-    corpus = tokenize_corpus(load_corpus(paths), cfg_get(cfg_data, "tokenizer", "byte"))
+    corpus = tokenize_corpus(load_corpus(paths), cfg_data.tokenizer)
     _check_length(len(corpus), frac, seq_len, paths)
     return len(corpus)
 
@@ -361,7 +361,7 @@ class TextByteSource:
 
 
 def build_text(
-    cfg_data: Any,
+    cfg_data: DataConfig,
     *,
     vocab_size: int,
     seq_len: int,
@@ -373,14 +373,9 @@ def build_text(
     facility_size: int,
     base_dir: str | os.PathLike | None = None,
 ) -> TextByteSource:
-    _check_tokenizer_vocab(cfg_data, vocab_size)
-    check_positive_int(seq_len, "seq_len", "set a positive sequence length")
-    num_eval = check_num_eval_batches(cfg_data)
-    frac = _check_eval_fraction(cfg_data)
-    partition = _check_partition(cfg_data)
-    block_size = _check_block_size(cfg_data)
+    """The rank's source, from a config :func:`validate_text` accepted in the launcher."""
     paths = resolve_paths(cfg_data, base_dir)
-    corpus = tokenize_corpus(load_corpus(paths), cfg_get(cfg_data, "tokenizer", "byte"))
+    corpus = tokenize_corpus(load_corpus(paths), cfg_data.tokenizer)
     return TextByteSource(
         corpus,
         seq_len=seq_len,
@@ -390,9 +385,9 @@ def build_text(
         num_facilities=num_facilities,
         facility_rank=facility_rank,
         facility_size=facility_size,
-        eval_fraction=frac,
-        num_eval_batches=num_eval,
-        partition=partition,
-        block_size=block_size,
+        eval_fraction=cfg_data.eval_fraction,
+        num_eval_batches=cfg_data.num_eval_batches,
+        partition=cfg_data.partition,
+        block_size=cfg_data.block_size,
         paths=paths,
     )

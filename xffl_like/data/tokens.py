@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
-
 import numpy as np
 import torch
 
+from ..schema import DataConfig
 from .prepare import FORMAT, META, TOKENS
 from .source import check_num_eval_batches, resolve_paths
 from .text import (TextByteSource, _check_block_size, _check_eval_fraction, _check_partition, facility_segments,
@@ -25,7 +24,7 @@ from .text import (TextByteSource, _check_block_size, _check_eval_fraction, _che
 __all__ = ["build_tokens", "check_layout_fits", "read_meta", "validate_tokens"]
 
 
-def _directory(cfg_data: Any, base_dir) -> Path:
+def _directory(cfg_data: DataConfig, base_dir) -> Path:
     paths = resolve_paths(cfg_data, base_dir)
     if len(paths) != 1:
         raise ValueError(f"data.path: data=tokens takes one directory written by xffl_like.data.prepare, got {len(paths)}")
@@ -52,7 +51,7 @@ def read_meta(directory: Path) -> dict:
     return meta
 
 
-def validate_tokens(cfg_data: Any, *, vocab_size: int, seq_len: int, base_dir=None) -> dict:
+def validate_tokens(cfg_data: DataConfig, *, vocab_size: int, seq_len: int, base_dir=None) -> dict:
     """Check the prepared corpus and the model's vocabulary; return the metadata."""
     check_num_eval_batches(cfg_data)
     _check_partition(cfg_data)
@@ -71,14 +70,14 @@ def validate_tokens(cfg_data: Any, *, vocab_size: int, seq_len: int, base_dir=No
     return meta
 
 
-def check_layout_fits(num_tokens: int, cfg_data: Any, layout, *, batch_size: int, seq_len: int) -> None:
+def check_layout_fits(num_tokens: int, cfg_data: DataConfig, layout, *, batch_size: int, seq_len: int) -> None:
     """Every rank of ``layout`` gets at least ``batch_size`` disjoint windows of ``seq_len + 1``.
 
-    Pure arithmetic on the corpus length (no data is read): run in the launcher, before workers.
+    Pure arithmetic on the corpus length (no data is read): run in the launcher, before workers,
+    after :func:`validate_tokens` (or ``validate_text``) accepted ``cfg_data``.
     """
-    frac = _check_eval_fraction(cfg_data)
-    partition, block = _check_partition(cfg_data), _check_block_size(cfg_data)
-    n_train, _ = split_sizes(num_tokens, frac, seq_len)
+    partition, block = cfg_data.partition, cfg_data.block_size
+    n_train, _ = split_sizes(num_tokens, cfg_data.eval_fraction, seq_len)
     window = seq_len + 1
     for f, size in enumerate(layout.facility_sizes):
         segments = facility_segments(n_train, layout.num_facilities, f, partition, block)
@@ -96,9 +95,10 @@ def check_layout_fits(num_tokens: int, cfg_data: Any, layout, *, batch_size: int
                 )
 
 
-def build_tokens(cfg_data: Any, *, vocab_size: int, seq_len: int, batch_size: int, seed: int, facility: int,
+def build_tokens(cfg_data: DataConfig, *, vocab_size: int, seq_len: int, batch_size: int, seed: int, facility: int,
                  num_facilities: int, facility_rank: int, facility_size: int, base_dir=None) -> TextByteSource:
-    """The rank's source over the memory-mapped corpus (only its windows are ever read)."""
+    """The rank's source over the memory-mapped corpus (only its windows are ever read), from a config
+    :func:`validate_tokens` accepted in the launcher."""
     directory = _directory(cfg_data, base_dir)
     meta = read_meta(directory)
     # Copy-on-write mapping: writable for torch (no warning), nothing is read until indexed.
@@ -106,8 +106,8 @@ def build_tokens(cfg_data: Any, *, vocab_size: int, seq_len: int, batch_size: in
     source = TextByteSource(
         torch.from_numpy(array), seq_len=seq_len, batch_size=batch_size, seed=seed, facility=facility,
         num_facilities=num_facilities, facility_rank=facility_rank, facility_size=facility_size,
-        eval_fraction=_check_eval_fraction(cfg_data), num_eval_batches=check_num_eval_batches(cfg_data),
-        partition=_check_partition(cfg_data), block_size=_check_block_size(cfg_data), paths=[directory],
+        eval_fraction=cfg_data.eval_fraction, num_eval_batches=cfg_data.num_eval_batches,
+        partition=cfg_data.partition, block_size=cfg_data.block_size, paths=[directory],
     )
     source.vocab_size = int(meta["vocab_size"])
     return source

@@ -1,7 +1,8 @@
 """The worker: local steps inside the facility, a cross-facility aggregation every round.
 
-``train_worker(cfg, run_dir)`` runs in every process. ``cfg`` is the resolved config as
-a plain dict (workers never start Hydra); ``run_dir`` is the job's one run directory.
+``train_worker(cfg, run_dir)`` runs in every process. ``cfg`` is the typed
+:class:`~xffl_like.schema.JobConfig` the launcher validated (workers never start Hydra);
+``run_dir`` is the job's one run directory.
 Rank 0 returns the summary (and writes ``summary.json``); other ranks return ``None``.
 """
 
@@ -9,7 +10,6 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,12 +23,13 @@ from ..federation import Federation
 from ..observe import Observer
 from ..observe.timing import PhaseTimer, gather_phase_table
 from .evaluate import eval_points, evaluate, facility_eval
-from .optim import OptimConfig, build_optimizer, build_scheduler
+from ..schema import JobConfig
+from .optim import build_optimizer, build_scheduler
 from .fault import FaultInjector
 from .nonfinite import NonFiniteGuard
 from .parallelize import build_sharded_model, contiguous_shards, peak_rss_mb
 from .round_dump import RoundDump
-from .step import TrainConfig, accumulate_gradients
+from .step import accumulate_gradients
 
 __all__ = ["train_worker", "max_param_divergence"]
 
@@ -55,12 +56,12 @@ def max_param_divergence(model: torch.nn.Module, state: DistributedState, peer_g
     return float(worst)
 
 
-def train_worker(cfg: dict[str, Any], run_dir: str, started_at: float | None = None) -> dict | None:
+def train_worker(cfg: JobConfig, run_dir: str, started_at: float | None = None) -> dict | None:
     env = read_env()
-    dcfg = cfg["distributed"]
-    layout = plan_layout(env.world_size, dcfg["federated"], dcfg["hsdp"], env.local_world_size)
+    dcfg = cfg.distributed
+    layout = plan_layout(env.world_size, dcfg.federated, dcfg.hsdp, env.local_world_size)
     state = build_state(
-        layout, env, backend=dcfg["backend"], num_streams=cfg["strategy"]["streams"], timeout_s=dcfg["timeout_s"]
+        layout, env, backend=dcfg.backend, num_streams=cfg.strategy.streams, timeout_s=dcfg.timeout_s
     )
     try:
         return _train(cfg, state, Path(run_dir), started_at or time.time())
@@ -68,24 +69,23 @@ def train_worker(cfg: dict[str, Any], run_dir: str, started_at: float | None = N
         dist.destroy_process_group()
 
 
-def _train(cfg: dict, state: DistributedState, run_dir: Path, started_at: float) -> dict | None:
-    tcfg, every = TrainConfig.from_mapping(cfg["train"]), cfg["federation"]["every"]
-    ocfg = OptimConfig.from_mapping(cfg["optim"])
+def _train(cfg: JobConfig, state: DistributedState, run_dir: Path, started_at: float) -> dict | None:
+    tcfg, ocfg, every = cfg.train, cfg.optim, cfg.federation.every
     steps, device, accum = tcfg.steps, state.device, tcfg.grad_accum
-    torch.manual_seed(cfg["seed"])
-    model = build_sharded_model(cfg["model"], state, tcfg.dtype, seed=cfg["seed"])  # same start on every rank
+    torch.manual_seed(cfg.seed)
+    model = build_sharded_model(cfg.model, state, tcfg.dtype, seed=cfg.seed)  # same start on every rank
     setup_rss = torch.tensor(peak_rss_mb(), dtype=torch.float64)
     dist.all_reduce(setup_rss, op=dist.ReduceOp.MAX)
     contiguous_shards(model, state.shard_size)  # aggregation buckets become views: no copies
     optimizer = build_optimizer(model, ocfg)
     scheduler = build_scheduler(optimizer, ocfg, steps)
     data = build_data(
-        cfg["data"], vocab_size=cfg["model"]["vocab_size"], seq_len=tcfg.seq_len, batch_size=tcfg.batch_size,
-        seed=cfg["seed"], facility=state.facility, num_facilities=state.num_facilities,
+        cfg.data, vocab_size=cfg.model.vocab_size, seq_len=tcfg.seq_len, batch_size=tcfg.batch_size,
+        seed=cfg.seed, facility=state.facility, num_facilities=state.num_facilities,
         facility_rank=state.facility_rank, facility_size=state.facility_size,
     )
-    strategy = build_strategy(model, state, cfg["strategy"])
-    federation = Federation(cfg["federation"], model, strategy, state)
+    strategy = build_strategy(model, state, cfg.strategy)
+    federation = Federation(cfg.federation, model, strategy, state)
     peer_groups = all_peer_groups(state)
     dump = RoundDump(model, state)  # tests only ($XFFL_TEST_DUMP_ROUNDS): the values around each round
     tokens_per_step = tcfg.batch_size * tcfg.seq_len * accum * state.world_size
@@ -163,7 +163,7 @@ def _train(cfg: dict, state: DistributedState, run_dir: Path, started_at: float)
     losses /= state.facility_size
     dist.all_reduce(losses)
     phases = gather_phase_table(timer, state, steps - start_step)
-    if cfg.get("export", {}).get("hf"):
+    if cfg.export.hf:
         from ..checkpoint.hf import export_job
 
         export_job(model, state, cfg, run_dir)
@@ -178,14 +178,14 @@ def _train(cfg: dict, state: DistributedState, run_dir: Path, started_at: float)
         return None
     per_step = losses.mean(dim=0)
     summary = {
-        "experiment": cfg["experiment"],
+        "experiment": cfg.experiment,
         "world_size": state.world_size,
         "layout": {
             "facility_sizes": list(state.layout.facility_sizes),
             "shard_size": state.layout.shard_size,
             "replicas_per_facility": list(state.layout.replicas),
         },
-        "strategy": {"name": cfg["strategy"]["name"], "streams": cfg["strategy"]["streams"]},
+        "strategy": {"name": cfg.strategy.name, "streams": cfg.strategy.streams},
         "federation": federation.describe(),
         "steps": steps,
         "rounds": len(rounds),

@@ -1,8 +1,8 @@
 """The local optimizer: its typed config, parameter groups and learning-rate schedule.
 
-``OptimConfig.from_mapping(cfg["optim"])`` checks every ``optim.*`` value once, in the
-launching process (``xffl_like/config.py``); workers rebuild it from the validated dict and
-call :func:`build_optimizer` and :func:`build_scheduler`. The schedule is a
+``OptimConfig.from_mapping(cfg["optim"])`` (:mod:`xffl_like.schema`) checks every ``optim.*``
+value once, in the launching process; workers receive the checked object and call
+:func:`build_optimizer` and :func:`build_scheduler`. The schedule is a
 ``LambdaLR`` whose factor is a small callable object, so ``scheduler.state_dict()`` holds
 plain values and a checkpoint can restore it.
 """
@@ -11,86 +11,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Literal, Mapping
 
 import torch
 from torch import nn
 
+from ..schema import OPTIMIZERS, SCHEDULES, OptimConfig
+
 __all__ = ["OPTIMIZERS", "SCHEDULES", "OptimConfig", "Schedule", "build_optimizer", "build_scheduler",
            "decay_groups"]
-
-OPTIMIZERS = ("adamw", "sgd")
-SCHEDULES = ("constant", "cosine", "linear")
-
-
-def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-@dataclass(frozen=True)
-class OptimConfig:
-    """``conf/optim/*.yaml``, checked. Keys of the other optimizer are absent from its file."""
-
-    #: ``adamw`` (decoupled weight decay) or ``sgd`` (momentum, L2 weight decay).
-    name: Literal["adamw", "sgd"]
-    #: Peak learning rate (reached at the end of the warm-up).
-    lr: float
-    weight_decay: float = 0.0
-    #: Linear warm-up steps from ``lr / warmup_steps`` to ``lr``.
-    warmup_steps: int = 0
-    #: After the warm-up: ``constant`` at ``lr``, or ``cosine`` / ``linear`` decay to ``min_lr``.
-    schedule: Literal["constant", "cosine", "linear"] = "constant"
-    #: Learning rate of the last step for ``cosine`` and ``linear`` (ignored by ``constant``).
-    min_lr: float = 0.0
-    #: ``False``: norms, biases and embeddings get no weight decay; ``True``: every parameter does.
-    decay_all: bool = False
-    #: Max global gradient norm; 0 disables clipping.
-    grad_clip: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)  # adamw
-    eps: float = 1e-8  # adamw
-    momentum: float = 0.0  # sgd
-
-    @classmethod
-    def from_mapping(cls, m: Mapping[str, Any]) -> "OptimConfig":
-        """Build from ``cfg["optim"]``; raise ``ValueError`` with one line naming the key and the fix."""
-        name = m.get("name")
-        if name not in OPTIMIZERS:
-            raise ValueError(f"optim.name={name!r}: use one of {', '.join(OPTIMIZERS)} (e.g. optim=adamw or optim=sgd)")
-
-        def number(key: str, low: float = 0.0, strict: bool = False, default: Any = None) -> float:
-            value = m.get(key, default)
-            if not _number(value) or value < low or (strict and value == low):
-                what = "a positive number" if strict else f"a number >= {low:g}"
-                raise ValueError(f"optim.{key}={value!r}: must be {what} (e.g. optim.{key}={default if default is not None else 1})")
-            return float(value)
-
-        warmup = m.get("warmup_steps", 0)
-        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
-            raise ValueError(f"optim.warmup_steps={warmup!r}: must be an integer >= 0 (e.g. optim.warmup_steps=0)")
-        schedule = m.get("schedule", "constant")
-        if schedule not in SCHEDULES:
-            raise ValueError(f"optim.schedule={schedule!r}: use one of {', '.join(SCHEDULES)}")
-        decay_all = m.get("decay_all", False)
-        if not isinstance(decay_all, bool):
-            raise ValueError(f"optim.decay_all={decay_all!r}: must be true or false")
-        lr = number("lr", strict=True, default=1e-3)
-        min_lr = number("min_lr", default=0.0)
-        if min_lr > lr:
-            raise ValueError(f"optim.min_lr={min_lr:g} exceeds optim.lr={lr:g}: the schedule decays from lr down to "
-                             f"min_lr, so set optim.min_lr <= optim.lr")
-        kwargs: dict[str, Any] = {}
-        if name == "adamw":
-            betas = m.get("betas", (0.9, 0.999))
-            if not (isinstance(betas, (list, tuple)) and len(betas) == 2 and all(_number(b) and 0 <= b < 1 for b in betas)):
-                raise ValueError(f"optim.betas={betas!r}: must be two numbers in [0, 1) (e.g. optim.betas=[0.9,0.95])")
-            kwargs = {"betas": (float(betas[0]), float(betas[1])), "eps": number("eps", strict=True, default=1e-8)}
-        else:
-            kwargs = {"momentum": number("momentum", default=0.0)}
-            if kwargs["momentum"] >= 1:
-                raise ValueError(f"optim.momentum={kwargs['momentum']:g}: must be in [0, 1) (e.g. optim.momentum=0.9)")
-        return cls(name=name, lr=lr, weight_decay=number("weight_decay", default=0.0), warmup_steps=warmup,
-                   schedule=schedule, min_lr=min_lr, decay_all=decay_all, grad_clip=number("grad_clip", default=0.0),
-                   **kwargs)
 
 
 def decay_groups(model: nn.Module, decay_all: bool = False) -> tuple[list[str], list[str]]:

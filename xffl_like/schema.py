@@ -1,0 +1,424 @@
+"""The job's typed config: one frozen dataclass per component, the root :class:`JobConfig`.
+
+Registered in Hydra's ConfigStore as ``job_schema`` (first in ``conf/config.yaml``'s defaults),
+the dataclasses make composition reject unknown keys and values of the wrong primitive type
+(``optim.warmup_steps=null``, ``train.steps=abc``) before anything else runs; the YAML files
+only carry presets. Hydra lets ``+key=value`` add keys past a schema, so :func:`check_keys`
+walks the composed tree once more in the launcher. :func:`job_config` turns the validated,
+resolved dict into the :class:`JobConfig` that workers receive.
+
+A section that several options share (``data``: synthetic, text, tokens; ``optim``: adamw,
+sgd; ``model``: a shape or ``hf``) holds the union of their keys; each source reads its own.
+Adding a key: one field (type, default, comment) in its dataclass, the same default in the
+YAML files that carry it, a row in ``docs/config.md``. Every section is also a read-only
+mapping, so code written against ``cfg["key"]`` reads a typed section unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import MISSING as NO_DEFAULT
+from dataclasses import dataclass, field, fields, is_dataclass, replace
+from typing import Any, Dict, List, Optional, Union
+
+from omegaconf import MISSING
+
+__all__ = [
+    "ACTIVATION_CHECKPOINTING", "OPTIMIZERS", "SCHEDULES", "CheckpointConfig", "DataConfig", "DistributedConfig",
+    "ExportConfig", "FaultConfig", "FederationConfig", "JobConfig", "LoggerConfig", "ModelConfig", "OptimConfig",
+    "OuterConfig", "StrategyConfig", "TrainConfig", "check_keys", "job_config", "register", "section_of",
+    "unknown_key_message",
+]
+
+OPTIMIZERS = ("adamw", "sgd")
+SCHEDULES = ("constant", "cosine", "linear")
+ACTIVATION_CHECKPOINTING = ("none", "full")
+_DTYPES = ("float32", "bfloat16")
+Number = Union[int, float]  # keeps 25 an int and 0.25 a float (sweep directory names, the saved config)
+
+
+class Section(Mapping):
+    """A config section that also reads as a mapping (``cfg["every"]``, ``cfg.get("hf")``)."""
+
+    def __getitem__(self, key: str) -> Any:
+        if key in self.__dataclass_fields__:
+            return getattr(self, key)
+        raise KeyError(key)
+
+    def __iter__(self):
+        return iter(self.__dataclass_fields__)
+
+    def __len__(self) -> int:
+        return len(self.__dataclass_fields__)
+
+
+@dataclass(frozen=True)
+class DistributedConfig(Section):
+    """``conf/distributed/*.yaml``: how processes are laid out."""
+
+    nproc_per_node: int = 4  # local workers to launch (ignored under torchrun/srun)
+    federated: Any = 2  # facility size (int), list of sizes, or null: one facility
+    hsdp: Optional[int] = None  # shard size inside a facility; null: the whole facility
+    backend: str = "auto"  # auto | gloo | nccl
+    timeout_s: int = 300  # collective timeout
+    max_restarts: int = 0  # elastic restarts of all workers after a failure
+
+
+@dataclass(frozen=True)
+class ModelConfig(Section):
+    """``conf/model/*.yaml``: the Llama shape; ``model=hf`` fills the shape from ``path``'s config.json."""
+
+    name: str = "llama_tiny"
+    dim: Optional[int] = None
+    n_layers: Optional[int] = None
+    n_heads: Optional[int] = None
+    n_kv_heads: Optional[int] = None
+    vocab_size: Optional[int] = None
+    ffn_dim: Optional[int] = None
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_seq_len: int = 256
+    rope_scaling: Optional[Dict[str, Any]] = None  # Llama 3.1 RoPE scaling; null: plain RoPE
+    tie_embeddings: bool = False
+    init: str = "full"  # full | meta
+    path: Optional[str] = None  # a local Hugging Face directory (model=hf)
+
+
+@dataclass(frozen=True)
+class DataConfig(Section):
+    """``conf/data/*.yaml``: the union of the sources' keys (synthetic reads name, num_eval_batches, non_iid)."""
+
+    name: str = "synthetic"  # synthetic | text | tokens
+    num_eval_batches: int = 4
+    non_iid: float = 0.5  # synthetic: 0 = one distribution for all facilities, 1 = each its own
+    path: Any = None  # text: a file or a list of files; tokens: the directory written by prepare
+    partition: str = "contiguous"  # text, tokens: contiguous | interleaved
+    tokenizer: Optional[str] = "byte"  # text: byte or a tokenizer.json / a directory holding one
+    eval_fraction: float = 0.1  # text, tokens: held-out tail
+    block_size: int = 65536  # text, tokens: block size for partition=interleaved
+
+
+@dataclass(frozen=True)
+class StrategyConfig(Section):
+    """``conf/strategy/*.yaml``: how weights are averaged across facilities."""
+
+    name: str = "fused"
+    streams: int = 1
+    bucket_mb: Number = 64
+    mode: str = "split"  # split | one_sender
+    only: Optional[List[str]] = None  # parameter-name globs or module class names; null: all
+    transport: str = "torch"  # torch | mpi
+
+
+@dataclass(frozen=True)
+class OptimConfig(Section):
+    """``conf/optim/*.yaml``, checked by :meth:`from_mapping`. Keys of the other optimizer are ignored."""
+
+    #: ``adamw`` (decoupled weight decay) or ``sgd`` (momentum, L2 weight decay).
+    name: str = MISSING
+    #: Peak learning rate (reached at the end of the warm-up).
+    lr: float = MISSING
+    weight_decay: float = 0.0
+    #: Linear warm-up steps from ``lr / warmup_steps`` to ``lr``.
+    warmup_steps: int = 0
+    #: After the warm-up: ``constant`` at ``lr``, or ``cosine`` / ``linear`` decay to ``min_lr``.
+    schedule: str = "constant"
+    #: Learning rate of the last step for ``cosine`` and ``linear`` (ignored by ``constant``).
+    min_lr: float = 0.0
+    #: ``False``: norms, biases and embeddings get no weight decay; ``True``: every parameter does.
+    decay_all: bool = False
+    #: Max global gradient norm; 0 disables clipping.
+    grad_clip: float = 0.0
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.999])  # adamw (checked: a pair)
+    eps: float = 1e-8  # adamw
+    momentum: float = 0.0  # sgd
+
+    @classmethod
+    def from_mapping(cls, m: Mapping[str, Any]) -> "OptimConfig":
+        """Build from ``cfg["optim"]``; raise ``ValueError`` with one line naming the key and the fix."""
+        name = m.get("name")
+        if name not in OPTIMIZERS:
+            raise ValueError(f"optim.name={name!r}: use one of {', '.join(OPTIMIZERS)} (e.g. optim=adamw or optim=sgd)")
+
+        def number(key: str, low: float = 0.0, strict: bool = False, default: Any = None) -> float:
+            value = m.get(key, default)
+            if not _number(value) or value < low or (strict and value == low):
+                what = "a positive number" if strict else f"a number >= {low:g}"
+                raise ValueError(f"optim.{key}={value!r}: must be {what} (e.g. optim.{key}={default if default is not None else 1})")
+            return float(value)
+
+        warmup = m.get("warmup_steps", 0)
+        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+            raise ValueError(f"optim.warmup_steps={warmup!r}: must be an integer >= 0 (e.g. optim.warmup_steps=0)")
+        schedule = m.get("schedule", "constant")
+        if schedule not in SCHEDULES:
+            raise ValueError(f"optim.schedule={schedule!r}: use one of {', '.join(SCHEDULES)}")
+        decay_all = m.get("decay_all", False)
+        if not isinstance(decay_all, bool):
+            raise ValueError(f"optim.decay_all={decay_all!r}: must be true or false")
+        lr = number("lr", strict=True, default=1e-3)
+        min_lr = number("min_lr", default=0.0)
+        if min_lr > lr:
+            raise ValueError(f"optim.min_lr={min_lr:g} exceeds optim.lr={lr:g}: the schedule decays from lr down to "
+                             f"min_lr, so set optim.min_lr <= optim.lr")
+        kwargs: dict[str, Any] = {}
+        if name == "adamw":
+            betas = m.get("betas", (0.9, 0.999))
+            if not (isinstance(betas, (list, tuple)) and len(betas) == 2 and all(_number(b) and 0 <= b < 1 for b in betas)):
+                raise ValueError(f"optim.betas={betas!r}: must be two numbers in [0, 1) (e.g. optim.betas=[0.9,0.95])")
+            kwargs = {"betas": (float(betas[0]), float(betas[1])), "eps": number("eps", strict=True, default=1e-8)}
+        else:
+            kwargs = {"momentum": number("momentum", default=0.0)}
+            if kwargs["momentum"] >= 1:
+                raise ValueError(f"optim.momentum={kwargs['momentum']:g}: must be in [0, 1) (e.g. optim.momentum=0.9)")
+        return cls(name=name, lr=lr, weight_decay=number("weight_decay", default=0.0), warmup_steps=warmup,
+                   schedule=schedule, min_lr=min_lr, decay_all=decay_all, grad_clip=number("grad_clip", default=0.0),
+                   **kwargs)
+
+
+@dataclass(frozen=True)
+class OuterConfig(Section):
+    """``federation.outer``: the outer optimizer on the pseudo-gradient theta_global - mean."""
+
+    name: str = "average"  # average | nesterov | momentum | adam
+    lr: float = 1.0
+    momentum: float = 0.0  # nesterov / momentum
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.99])  # adam
+    eps: float = 1e-8  # adam
+    offload: bool = False  # theta_global and the outer state in (pinned) host memory
+
+
+@dataclass(frozen=True)
+class FederationConfig(Section):
+    """``conf/federation/*.yaml``: what happens across facilities."""
+
+    algorithm: str = "federated"  # federated | synchronous
+    every: int = 10  # local optimizer steps per round
+    weights: Any = "uniform"  # uniform | tokens | a list of numbers, one per facility
+    topology: str = "complete"  # complete | ring | one-peer-exp | alternating-exp-ring
+    outer: OuterConfig = field(default_factory=OuterConfig)
+    compression: str = "none"  # none | bf16 | uint8
+    chunk_size: int = 4096  # values per min-max chunk (uint8)
+    error_feedback: bool = False
+    on_nonfinite: str = "fail"  # fail | skip
+
+
+@dataclass(frozen=True)
+class TrainConfig(Section):
+    """``conf/train/default.yaml``, checked by :meth:`from_mapping`."""
+
+    #: Local optimizer steps in total.
+    steps: int = MISSING
+    #: Sequences per rank per micro-batch.
+    batch_size: int = MISSING
+    #: Tokens per sequence.
+    seq_len: int = MISSING
+    dtype: str = "float32"  # float32 | bfloat16
+    log_every: int = 10
+    #: Micro-batches per optimizer step; gradients are reduced inside the facility only after the last.
+    grad_accum: int = 1
+    #: ``full``: every decoder block recomputes its activations in the backward pass.
+    activation_checkpointing: str = "none"
+    #: Sequence positions per chunk of the loss head (final norm, output projection, cross-entropy).
+    loss_chunk: int = 1024
+    #: Steps between evaluations of the local model (0: only right before and after each aggregation).
+    eval_every: int = 0
+
+    @classmethod
+    def from_mapping(cls, m: Mapping[str, Any]) -> "TrainConfig":
+        """Build from ``cfg["train"]`` (keys other components own are ignored); one-line ``ValueError`` on a bad value."""
+
+        def integer(key: str, low: int, default: Any = None) -> int:
+            value = m.get(key, default)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"train.{key}={value!r}: must be an integer >= {low} (e.g. train.{key}={max(low, 1)})")
+            return value
+
+        def choice(key: str, options: tuple[str, ...], default: str) -> str:
+            value = m.get(key, default)
+            if value not in options:
+                raise ValueError(f"train.{key}={value!r}: use one of {', '.join(options)}")
+            return value
+
+        return cls(
+            steps=integer("steps", 0), batch_size=integer("batch_size", 1), seq_len=integer("seq_len", 1),
+            dtype=choice("dtype", _DTYPES, "float32"), log_every=integer("log_every", 1, 10),
+            grad_accum=integer("grad_accum", 1, 1),
+            activation_checkpointing=choice("activation_checkpointing", ACTIVATION_CHECKPOINTING, "none"),
+            loss_chunk=integer("loss_chunk", 1, 1024), eval_every=integer("eval_every", 0, 0),
+        )
+
+
+@dataclass(frozen=True, init=False, repr=False, eq=False)
+class CheckpointConfig(Section):
+    """``conf/checkpoint/default.yaml``: DCP checkpoints."""
+
+    every_rounds: int = 1  # rounds between checkpoints
+    dir: Optional[str] = None  # null: <run_dir>/checkpoints
+    keep: int = 2  # newest checkpoints kept
+    # ``async`` (write in the background) is a Python keyword: declared through the class namespace,
+    # so the dataclass cannot generate __init__/__repr__/__eq__ (they would spell it); ours follow.
+    __annotations__["async"] = bool
+    vars()["async"] = True
+
+    def __init__(self, **values: Any) -> None:
+        for f in fields(self):
+            object.__setattr__(self, f.name, values.pop(f.name) if f.name in values else f.default)
+        if values:
+            raise TypeError(f"CheckpointConfig got unknown keys {sorted(values)}")
+
+    def __repr__(self) -> str:
+        return f"CheckpointConfig({', '.join(f'{k}={v!r}' for k, v in self.items())})"
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and dict(self) == dict(other)  # type: ignore[arg-type]
+
+    def __hash__(self) -> int:
+        return hash(tuple(self.items()))
+
+
+@dataclass(frozen=True)
+class LoggerConfig(Section):
+    """``conf/logger/*.yaml``: ``none`` reads only ``name``."""
+
+    name: str = "wandb"  # none | wandb
+    mode: Optional[str] = None  # null: $WANDB_MODE, else offline | offline | online | disabled
+    project: Optional[str] = "xffl_like"
+    entity: Optional[str] = None
+    group: Optional[str] = None
+    tags: List[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class FaultConfig(Section):
+    """``fault`` (root config): fault injection for tests and demos."""
+
+    kill_rank: Optional[int] = None
+    at_step: Optional[int] = None
+    nan_rank: Optional[int] = None
+    nan_step: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class ExportConfig(Section):
+    """``export`` (root config): the Hugging Face export at the end of the job."""
+
+    hf: bool = False
+    max_shard_mb: Number = 2000
+
+
+@dataclass(frozen=True)
+class JobConfig(Section):
+    """The whole job: what the launcher validates once and every worker receives."""
+
+    experiment: str = "default"
+    seed: int = 0
+    resume: Optional[str] = None  # a run dir, a checkpoint dir, or latest
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    federation: FederationConfig = field(default_factory=FederationConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _section_type(f) -> type | None:
+    """The dataclass a field nests (``FederationConfig.outer`` -> OuterConfig), else None."""
+    factory = f.default_factory
+    return factory if factory is not NO_DEFAULT and isinstance(factory, type) and is_dataclass(factory) else None
+
+
+def section_of(dotted: str) -> tuple[type, Any] | None:
+    """``(dataclass, field)`` of a dotted key (``"optim.warmup_steps"``), or None if the schema has no such key."""
+    cls, found = JobConfig, None
+    for part in dotted.split("."):
+        if cls is None:
+            return None
+        match = [f for f in fields(cls) if f.name == part]
+        if not match:
+            return None
+        found = (cls, match[0])
+        cls = _section_type(match[0])
+    return found
+
+
+def check_keys(cfg: Mapping[str, Any], choices: Mapping[str, Any] | None = None) -> None:
+    """Raise ``ValueError`` (one line) for the first key of ``cfg`` that the schema does not have.
+
+    Hydra's ``+key=value`` (and ``++``) adds keys past a structured config; this finds them.
+    A field typed ``Any`` or as a dict (``distributed.federated``, ``model.rope_scaling``) takes any value.
+    """
+
+    def walk(node: Mapping, cls: type, prefix: str) -> None:
+        known = {f.name: f for f in fields(cls)}
+        for key, value in node.items():
+            dotted = f"{prefix}{key}"
+            if key not in known:
+                raise ValueError(unknown_key_message(dotted, choices))
+            nested = _section_type(known[key])
+            if nested is not None and isinstance(value, Mapping):
+                walk(value, nested, f"{dotted}.")
+
+    walk({k: v for k, v in cfg.items() if k != "hydra"}, JobConfig, "")
+
+
+def unknown_key_message(dotted: str, choices: Mapping[str, Any] | None = None) -> str:
+    """The one line for a key the schema does not have, naming the group option when known."""
+    top = dotted.split(".")[0]
+    if top == dotted:
+        where = "the root config"
+    elif choices and top in choices:
+        where = f"{top}={choices[top]} (conf/{top}/{choices[top]}.yaml)"
+    else:
+        where = f"{top} ({type(getattr(JobConfig(), top, None)).__name__} in xffl_like/schema.py)"
+    return (f"{dotted} is not a config key of {where}: check the spelling, or drop the override "
+            f"(`+` adds keys; `--cfg job` prints the composed config)")
+
+
+def _build(cls: type, values: Mapping[str, Any]) -> Any:
+    kwargs = {}
+    for f in fields(cls):
+        if f.name not in values:
+            continue  # the dataclass default (only hand-written dicts lack keys; compositions have them all)
+        nested = _section_type(f)
+        kwargs[f.name] = _build(nested, values[f.name]) if nested is not None else values[f.name]
+    return cls(**kwargs)
+
+
+def job_config(plain: Mapping[str, Any]) -> JobConfig:
+    """The typed, frozen config workers receive, from the validated and resolved plain dict.
+
+    ``optim`` and ``train`` go through their checks (``from_mapping``: normalised numbers, a
+    betas pair); the other sections carry the values as validated.
+    """
+    check_keys(plain)
+    job = _build(JobConfig, {k: v for k, v in plain.items() if k != "hydra"})
+    return replace(job, optim=OptimConfig.from_mapping(plain["optim"]), train=TrainConfig.from_mapping(plain["train"]))
+
+
+def register() -> None:
+    """Store :class:`JobConfig` as ``job_schema`` in Hydra's ConfigStore (``conf/config.yaml`` lists it first)."""
+    from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
+
+    node = OmegaConf.structured(JobConfig)
+    _writable(node)  # frozen dataclasses make read-only nodes, and the YAML presets must merge into the schema
+    ConfigStore.instance().store(name="job_schema", node=node)
+
+
+def _writable(node) -> None:
+    node._set_flag("readonly", None)
+    for key in node:
+        child = node._get_node(key)
+        if hasattr(child, "_set_flag"):
+            _writable(child) if hasattr(child, "items") else child._set_flag("readonly", None)

@@ -126,6 +126,7 @@ BAD = [
     (["distributed.nproc_per_node=3", "distributed.federated=1", "federation.topology=ring"], "needs an even number of facilities, got 3"),
     (["federation.outer.name=lion"], "federation.outer.name='lion'"),
     (["federation.outer.lr=-0.5"], "federation.outer.lr=-0.5"),
+    (["federation.outer.lr=fast"], "federation.outer.lr='fast': must be a number"),  # the schema's type, at compose time
     (["federation.compression=int4"], "federation.compression='int4'"),
     (["federation.compression=uint8", "federation.chunk_size=0"], "federation.chunk_size=0"),
     (["federation.algorithm=synchronous", "federation=diloco"], "federation.outer does not apply"),
@@ -166,4 +167,6 @@ def test_bad_input_fails_fast_with_one_line(overrides, needle, tmp_path):
     assert proc.returncode != 0
     assert needle in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr + proc.stdout
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr  # one line, whichever layer found it
     assert not (tmp_path / "summary.json").exists()

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import MISSING as NO_DEFAULT
-from dataclasses import dataclass, field, fields, is_dataclass, replace
+from dataclasses import asdict, dataclass, field, fields, is_dataclass, replace
 from typing import Any, Dict, List, Optional, Union
 
 from omegaconf import MISSING
@@ -27,8 +27,8 @@ from omegaconf import MISSING
 __all__ = [
     "ACTIVATION_CHECKPOINTING", "OPTIMIZERS", "SCHEDULES", "CheckpointConfig", "DataConfig", "DistributedConfig",
     "ExportConfig", "FaultConfig", "FederationConfig", "JobConfig", "LoggerConfig", "ModelConfig", "OptimConfig",
-    "OuterConfig", "StrategyConfig", "TrainConfig", "check_keys", "job_config", "register", "section_of",
-    "unknown_key_message",
+    "OuterConfig", "StrategyConfig", "TrainConfig", "as_plain", "check_keys", "job_config", "register",
+    "section_of", "unknown_key_message",
 ]
 
 OPTIMIZERS = ("adamw", "sgd")
@@ -404,6 +404,11 @@ def job_config(plain: Mapping[str, Any]) -> JobConfig:
     check_keys(plain)
     job = _build(JobConfig, {k: v for k, v in plain.items() if k != "hydra"})
     return replace(job, optim=OptimConfig.from_mapping(plain["optim"]), train=TrainConfig.from_mapping(plain["train"]))
+
+
+def as_plain(cfg: Mapping[str, Any]) -> dict:
+    """Plain nested dicts and lists (what JSON, W&B and ``config.yaml`` hold), from a typed config or a dict."""
+    return asdict(cfg) if is_dataclass(cfg) else dict(cfg)
 
 
 def register() -> None:

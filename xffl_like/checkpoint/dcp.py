@@ -43,6 +43,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from ..schema import as_plain
 from .store import (
     SafeFileSystemReader,
     SafeLoadPlanner,
@@ -97,13 +98,6 @@ def checkpoint_dir(cfg: dict, run_dir: Path) -> Path:
     """``checkpoint.dir``, or ``<run_dir>/checkpoints`` when it is null."""
     configured = (cfg.get("checkpoint") or {}).get("dir")
     return Path(configured).expanduser().absolute() if configured else Path(run_dir) / "checkpoints"
-
-
-def _plain(cfg) -> dict:
-    """The config as JSON writes it (workers hold the typed JobConfig, the launcher a dict)."""
-    from dataclasses import asdict, is_dataclass
-
-    return asdict(cfg) if is_dataclass(cfg) else cfg
 
 
 def restart_count() -> int:
@@ -177,7 +171,7 @@ class Checkpointer:
             "layout": {"world_size": self.state.world_size, "facility_sizes": list(self.state.layout.facility_sizes),
                        "shard_size": self.state.layout.shard_size},
             "run_dir": str(self.run_dir),
-            "config": _plain(self.cfg),
+            "config": as_plain(self.cfg),
             "saved_at": time.time(),
         }
 

@@ -12,6 +12,8 @@ import hashlib
 import os
 from pathlib import Path
 
+from ..schema import as_plain
+
 __all__ = ["WandbLogger", "load_summary", "wandb_group", "wandb_mode", "wandb_run_ids", "wandb_run_name"]
 
 # Quiet by default: no banner, no git or code capture, no console capture (rank 0 draws
@@ -78,7 +80,7 @@ class WandbLogger:
         lcfg = cfg["logger"]
         self.mode = wandb_mode(lcfg)
         self.dir = Path(run_dir)
-        config = dict(cfg)
+        config = as_plain(cfg)
         config["job"] = {
             "facility": state.facility,
             "num_facilities": state.num_facilities,

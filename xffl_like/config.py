@@ -143,8 +143,7 @@ def _check_logger(cfg: dict) -> None:
     logger = lcfg.get("name", "none")
     if logger not in LOGGERS:
         raise ConfigError(f"logger.name={logger!r}: use one of {', '.join(LOGGERS)} (e.g. logger=none)")
-    if logger != "wandb":
-        return
+    # The W&B keys are checked whatever the logger: the schema gives every job all of them.
     if lcfg.get("mode") not in _WANDB_MODES:
         raise ConfigError(f"logger.mode={lcfg.get('mode')!r}: use null ($WANDB_MODE, else offline), offline, online or disabled")
     for key in ("project", "entity", "group"):

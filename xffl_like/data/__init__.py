@@ -15,8 +15,9 @@ import os
 
 from ..schema import DataConfig
 from .source import DataSource, check_positive_int, mix_seed, resolve_paths
-from .synthetic import SyntheticMarkovSource, build_synthetic, validate_synthetic
-from .text import BYTE_VOCAB_SIZE, TextByteSource, build_text, decode, encode, validate_text
+from .synthetic import SyntheticMarkovSource, _check_non_iid, build_synthetic, validate_synthetic
+from .text import (BYTE_VOCAB_SIZE, TextByteSource, _check_block_size, _check_eval_fraction, _check_partition,
+                   build_text, decode, encode, validate_text)
 from .tokens import build_tokens, check_layout_fits, validate_tokens
 
 __all__ = [
@@ -70,6 +71,10 @@ def validate_data(cfg_data: DataConfig, *, vocab_size: int, seq_len: int,
     Relative ``data.path`` entries resolve against ``base_dir`` (default: Hydra's original cwd, else the cwd).
     """
     name = _name(cfg_data)
+    # DataConfig holds every source's keys: the ones this source ignores are checked as well, so that
+    # no value that could never work waits in the config for a later change of data.name.
+    _check_eval_fraction(cfg_data), _check_partition(cfg_data), _check_block_size(cfg_data)
+    _check_non_iid(cfg_data)
     if name == "synthetic":
         validate_synthetic(cfg_data, vocab_size=vocab_size, seq_len=seq_len)
         return None

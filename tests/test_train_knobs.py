@@ -292,6 +292,21 @@ def test_bad_keys_and_types_fail_with_one_line(overrides, needle):
     assert line is not None and needle in line and "\n" not in line, line
 
 
+def test_a_preset_file_with_a_bad_key_or_type_is_named(tmp_path):
+    """Experiment files merge into the schema too: the line names the file and the key."""
+    (tmp_path / "experiment").mkdir()
+    (tmp_path / "experiment" / "typo.yaml").write_text("# @package _global_\ntrain:\n  stepz: 3\n")
+    (tmp_path / "experiment" / "warmup.yaml").write_text("# @package _global_\noptim:\n  warmup_steps: null\n")
+    lines = []
+    for name in ("typo", "warmup"):
+        with pytest.raises(Exception) as info:
+            compose([f"hydra.searchpath=[file://{tmp_path}]", f"+experiment={name}"])
+        lines.append(compose_error(info.value))
+    assert lines[0] == ("conf/experiment/typo.yaml sets train.stepz, which is not a config key: check the spelling "
+                        "(xffl_like/schema.py)")
+    assert lines[1].startswith("conf/experiment/warmup.yaml sets optim.warmup_steps: ") and "\n" not in lines[1]
+
+
 def test_workers_receive_the_typed_config(monkeypatch, tmp_path):
     """run_local hands the launcher's validated JobConfig (frozen, picklable) to the workers, equal to the
     config.yaml it saved; nothing is launched here (launch_local is replaced)."""

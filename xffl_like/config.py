@@ -8,6 +8,7 @@ report into one such sentence.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -81,6 +82,14 @@ def compose_error(exc: BaseException) -> str | None:
         if key != cause.full_key:  # an element of a list
             return f"{cause.full_key}={cause.value!r}: {key} must be {what}{example}"
         return f"{key}={cause.value!r}: must be {what}{', not null' if cause.value is None else ''}{example}"
+    # A YAML file (an experiment, a group option) with a key or value the schema refuses: Hydra
+    # reports "In 'experiment/x': ConfigKeyError raised ...\n<message>\n    full_key: <key>".
+    found = re.match(r"In '([^']+)': (\w+) raised while composing config:\n(.*)\n\s*full_key: (\S+)", str(exc))
+    if isinstance(exc, HydraException) and found:
+        file, kind, message, key = found.groups()
+        if kind in ("ConfigKeyError", "ConfigAttributeError"):
+            return f"conf/{file}.yaml sets {key}, which is not a config key: check the spelling (xffl_like/schema.py)"
+        return f"conf/{file}.yaml sets {key}: {message.strip()}"
     if isinstance(exc, HydraException) or isinstance(cause, OmegaConfBaseException):
         lines = [line.strip() for text in (str(exc), str(cause or "")) for line in text.splitlines()]
         return "; ".join(line for line in lines if line and not line.startswith(("full_key", "object_type",

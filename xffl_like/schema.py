@@ -422,8 +422,12 @@ def register() -> None:
 
 
 def _writable(node) -> None:
+    from omegaconf import DictConfig
+
     node._set_flag("readonly", None)
     for key in node:
         child = node._get_node(key)
-        if hasattr(child, "_set_flag"):
-            _writable(child) if hasattr(child, "items") else child._set_flag("readonly", None)
+        if isinstance(child, DictConfig):
+            _writable(child)
+        elif child is not None:
+            child._set_flag("readonly", None)

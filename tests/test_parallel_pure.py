@@ -167,7 +167,7 @@ def test_parallel_bench_rejects_bad_input_before_launching():
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    proc = subprocess.run([sys.executable, "-m", "xffl_like.parallel.bench", "--methods", "ddp,decent:star",
+    proc = subprocess.run([sys.executable, "-m", "xffl_like.bench.parallel", "--methods", "ddp,decent:star",
                            "--nproc", "3"], cwd=root, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()

@@ -1,7 +1,7 @@
 """Benchmark: step time and final loss of the data-parallel libraries against DDP, side by side.
 
-    python -m xffl_like.parallel.bench                       # 4 local processes, 2 "nodes" of 2, loopback
-    python -m xffl_like.parallel.bench --nproc 8 --local-world-size 4 --steps 40 --out bench_parallel.json
+    python -m xffl_like.bench.parallel                       # 4 local processes, 2 "nodes" of 2, loopback
+    python -m xffl_like.bench.parallel --nproc 8 --local-world-size 4 --steps 40 --out bench_parallel.json
 
 Every method trains the same model (``conf/model/<model>.yaml``, seed 0) on the same
 per-rank batches (a fixed random bigram language, different samples per rank) with
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> dict:
     """Run the benchmark in ``--nproc`` local processes; print the table, optionally write JSON."""
     from xffl_like.distributed.launch import WorkerFailure, launch_local
 
-    p = argparse.ArgumentParser(prog="python -m xffl_like.parallel.bench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m xffl_like.bench.parallel", description=__doc__.split("\n\n")[0])
     p.add_argument("--nproc", type=int, default=4)
     p.add_argument("--local-world-size", type=int, default=2, help="processes per emulated node")
     p.add_argument("--model", default="llama_tiny")
@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> dict:
         print("error: " + "; ".join(problems), file=sys.stderr)
         raise SystemExit(2)
     args = dict(vars(a), methods=methods, out=None)
-    from xffl_like.parallel.bench import _worker as worker  # by module name: spawned workers import it
+    from xffl_like.bench.parallel import _worker as worker  # by module name: spawned workers import it
 
     try:
         results = launch_local(worker, (args,), a.nproc)[0]

@@ -21,15 +21,19 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterator
 
-__all__ = ["NetnsError", "Facility", "Network", "unavailable", "sweep_stale", "cleanup_on_signals", "SUBNET"]
+__all__ = ["NetnsError", "Facility", "Network", "CounterSampler", "unavailable", "sweep_stale", "cleanup_on_signals",
+           "launch_torchrun", "wait_launchers", "tx_at", "SUBNET"]
 
 SUBNET = "10.77.0"
+_KILL_GRACE_S = 10.0
 _PREFIX_RE = re.compile(r"^xfw(\d+)-")
 _LINK_RE = re.compile(r"^x(\d+)[fs]\d+$")
 
@@ -281,6 +285,56 @@ def tx_at(samples: list[tuple[float, list[int]]], t: float) -> list[float]:
             w = 0.0 if tb == ta else (t - ta) / (tb - ta)
             return [x + w * (y - x) for x, y in zip(va, vb)]
     return [float(v) for v in samples[-1][1]]
+
+
+def launch_torchrun(network: Network, nproc_per_node: int, entry: list[str], env: dict[str, str], log_dir: Path,
+                    port: int) -> list[subprocess.Popen]:
+    """One ``torchrun`` per facility, inside its namespace, as a multi-site job starts: all join
+    one static rendezvous at facility 0's link address (node rank = facility, so global ranks
+    are contiguous per facility). gloo binds each facility's link interface
+    (``GLOO_SOCKET_IFNAME``): peers in other facilities reach it across the link, peers in the
+    same facility over its loopback. ``entry``: what torchrun runs (``["-m", module, args...]``);
+    each launcher's output goes to ``log_dir/facility<f>.log``."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    endpoint = f"{network.facilities[0].address}:{port}"
+    procs = []
+    for f, fac in enumerate(network.facilities):
+        cmd = [*fac.exec_prefix(), sys.executable, "-m", "torch.distributed.run", f"--nnodes={len(network.facilities)}",
+               f"--nproc-per-node={nproc_per_node}", f"--node-rank={f}", "--rdzv-backend=static",
+               f"--rdzv-endpoint={endpoint}", "--max-restarts=0", *entry]
+        with open(log_dir / f"facility{f}.log", "w") as log:
+            procs.append(subprocess.Popen(cmd, env={**os.environ, **env, "GLOO_SOCKET_IFNAME": fac.interface},
+                                          stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                          start_new_session=True))
+    return procs
+
+
+def wait_launchers(procs: list[subprocess.Popen], network: Network, timeout_s: float) -> str | None:
+    """Wait for every launcher of :func:`launch_torchrun`: ``None`` when all exited 0, else why
+    not, after stopping them and killing whatever they left in the namespaces."""
+    deadline = time.time() + timeout_s
+    why = f"timed out after {timeout_s:.0f} s"
+    while time.time() < deadline:
+        codes = [p.poll() for p in procs]
+        if all(c == 0 for c in codes):
+            return None
+        failed = [f for f, c in enumerate(codes) if c not in (None, 0)]
+        if failed:
+            why = f"facility {failed[0]}'s launcher exited with {codes[failed[0]]}"
+            break
+        time.sleep(0.2)
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()  # torchrun stops its workers on SIGTERM
+    for p in procs:
+        try:
+            p.wait(timeout=_KILL_GRACE_S)
+        except subprocess.TimeoutExpired:
+            pass
+    network.kill_processes()
+    for p in procs:
+        p.wait()
+    return why
 
 
 @contextmanager

@@ -25,8 +25,6 @@ Needs root and iproute2 (``ip``, ``tc``); without them it prints one line and ex
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -35,13 +33,12 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from .netns import CounterSampler, Network, NetnsError, cleanup_on_signals, unavailable
+from .netns import CounterSampler, Network, NetnsError, cleanup_on_signals, launch_torchrun, unavailable, wait_launchers
 
 __all__ = ["WanFailed", "eval_curve", "time_to_target", "loss_at_step", "run_wan", "format_table", "main"]
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 MODES = ("train", "link")
-_KILL_GRACE_S = 10.0
 
 
 class WanFailed(RuntimeError):
@@ -158,50 +155,6 @@ def _validate_run(name: str, overrides: list[str], world: int, bench: dict) -> N
 
 
 # ----------------------------------------------------------------------------- one run
-def _launch(network: Network, overrides: list[str], run_dir: Path, port: int, bench: dict) -> list[subprocess.Popen]:
-    """One torchrun per facility, each inside its namespace, joining facility 0's rendezvous."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    nfac, nproc = len(network.facilities), bench["nproc_per_facility"]
-    endpoint = f"{network.facilities[0].address}:{port}"
-    procs = []
-    for f, fac in enumerate(network.facilities):
-        env = dict(os.environ, GLOO_SOCKET_IFNAME=fac.interface, XFFL_RUN_DIR=str(run_dir.resolve()),
-                   OMP_NUM_THREADS=str(bench["threads_per_process"]), WANDB_MODE="offline")
-        cmd = [*fac.exec_prefix(), sys.executable, "-m", "torch.distributed.run", f"--nnodes={nfac}",
-               f"--nproc-per-node={nproc}", f"--node-rank={f}", "--rdzv-backend=static",
-               f"--rdzv-endpoint={endpoint}", "--max-restarts=0", "-m", "xffl_like.run", *overrides]
-        log = open(run_dir / f"facility{f}.log", "w")
-        procs.append(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                      start_new_session=True))
-        log.close()
-    return procs
-
-
-def _wait(procs: list[subprocess.Popen], network: Network, timeout_s: float) -> str | None:
-    """Wait for every launcher; ``None`` when all succeeded, else why not (after stopping them)."""
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        codes = [p.poll() for p in procs]
-        if all(c == 0 for c in codes):
-            return None
-        if any(c not in (None, 0) for c in codes):
-            why = f"facility {codes.index(next(c for c in codes if c not in (None, 0)))} exited with an error"
-            break
-        time.sleep(0.2)
-    else:
-        why = f"timed out after {timeout_s:.0f} s (bench.timeout_s)"
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()  # torchrun stops its workers on SIGTERM
-    try:
-        for p in procs:
-            p.wait(timeout=_KILL_GRACE_S)
-    except subprocess.TimeoutExpired:
-        pass
-    network.kill_processes()
-    return why
-
-
 def _last_error(run_dir: Path) -> str:
     for f in sorted(run_dir.glob("facility*.log")):
         lines = [ln for ln in f.read_text(errors="replace").splitlines() if ln.startswith("error")]
@@ -273,8 +226,11 @@ def run_wan(cfg: DictConfig, run_dir: Path) -> dict | None:
                 job_dir = run_dir / "runs" / name
                 print(f"[{name}] {' '.join(overrides)}", flush=True)
                 started = time.time()
-                procs = _launch(network, overrides, job_dir, 29500 + i, bench)
-                failed = _wait(procs, network, bench["timeout_s"])
+                env = {"XFFL_RUN_DIR": str(job_dir.resolve()), "WANDB_MODE": "offline",
+                       "OMP_NUM_THREADS": str(bench["threads_per_process"])}
+                procs = launch_torchrun(network, bench["nproc_per_facility"], ["-m", "xffl_like.run", *overrides],
+                                        env, job_dir, 29500 + i)
+                failed = wait_launchers(procs, network, bench["timeout_s"])
                 ended = time.time()
                 if failed:
                     failures[name] = f"{failed}: {_last_error(job_dir)}"

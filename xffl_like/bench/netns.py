@@ -245,15 +245,19 @@ class CounterSampler:
     def __init__(self, network: Network, interval_s: float = 0.05):
         self.network, self.interval_s = network, interval_s
         self.samples: list[tuple[float, list[int]]] = []
+        self.error: str | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
     def _loop(self) -> None:
-        while True:
-            self.samples.append((time.time(), [tx for tx, _ in self.network.counters()]))
-            if self._stop.wait(self.interval_s):
+        try:
+            while True:
                 self.samples.append((time.time(), [tx for tx, _ in self.network.counters()]))
-                return
+                if self._stop.wait(self.interval_s):
+                    self.samples.append((time.time(), [tx for tx, _ in self.network.counters()]))
+                    return
+        except (OSError, NetnsError) as exc:  # the network went away under us: readings stop here
+            self.error = f"counters unreadable: {exc}"
 
     def __enter__(self) -> CounterSampler:
         self._thread.start()
@@ -269,6 +273,9 @@ class CounterSampler:
 
     def tx_between(self, t0: float, t1: float) -> list[float]:
         """Bytes each facility sent between ``t0`` and ``t1``."""
+        if self.error is not None or (self.samples and self.samples[-1][0] < t1 - 5 * self.interval_s
+                                      and not self._thread.is_alive()):
+            raise NetnsError(self.error or "the counters were not sampled up to the end of the run")
         a, b = self.tx_at(t0), self.tx_at(t1)
         return [y - x for x, y in zip(a, b)]
 

@@ -236,7 +236,12 @@ def run_wan(cfg: DictConfig, run_dir: Path) -> dict | None:
                     failures[name] = f"{failed}: {_last_error(job_dir)}"
                     print(f"[{name}] failed: {failures[name]}", flush=True)
                     continue
-                results[name] = _measure(name, job_dir, started, ended, sampler, bench)
+                try:
+                    results[name] = _measure(name, job_dir, started, ended, sampler, bench)
+                except NetnsError as exc:
+                    failures[name] = str(exc)
+                    print(f"[{name}] failed: {exc}", flush=True)
+                    continue
                 print(f"[{name}] {ended - started:.1f} s", flush=True)
     report = _report(bench, results, failures)
     (run_dir / "wan.json").write_text(json.dumps(report, indent=2) + "\n")

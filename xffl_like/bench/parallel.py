@@ -156,6 +156,14 @@ def _shaped(args: dict, nodes: int, per_node: int, link_mbit: float, timeout_s: 
                      f"{crossed / 1e6:.1f} MB crossed in all")
 
 
+def _shaped_or_interrupted(*args) -> tuple[dict | None, str]:
+    try:
+        return _shaped(*args)
+    except KeyboardInterrupt:
+        print("interrupted: the run was stopped and the namespaces removed", file=sys.stderr)
+        raise SystemExit(130) from None
+
+
 def main(argv: list[str] | None = None) -> dict:
     """Run the benchmark in ``--nproc`` local processes; print the table, optionally write JSON."""
     from xffl_like.distributed.launch import WorkerFailure, launch_local
@@ -202,7 +210,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = {k: v for k, v in vars(a).items() if k not in ("out", "worker")}
     args["methods"] = methods
     if a.link_mbit is not None:
-        results, where = _shaped(args, a.nproc // a.local_world_size, a.local_world_size, a.link_mbit, a.timeout)
+        results, where = _shaped_or_interrupted(args, a.nproc // a.local_world_size, a.local_world_size,
+                                                a.link_mbit, a.timeout)
         if results is None:
             return {}
     else:

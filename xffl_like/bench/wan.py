@@ -315,6 +315,9 @@ def main(cfg: DictConfig) -> dict | None:
     except WanFailed as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         sys.exit(2)
+    except KeyboardInterrupt:
+        print("interrupted: the runs were stopped and the namespaces removed", file=sys.stderr, flush=True)
+        sys.exit(130)
     if report is None:
         return None
     print(format_table(report))

@@ -127,9 +127,13 @@ def decay_groups(params: nn.Module | Iterable[tuple[str, Tensor]], decay_all: bo
     return decay, no_decay
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
-    """The optimizer of ``cfg.name`` over two groups: decayed and not decayed (empty groups are dropped)."""
-    params = dict(model.named_parameters())
+def build_optimizer(model: nn.Module | Iterable[tuple[str, Tensor]], cfg: OptimConfig) -> torch.optim.Optimizer:
+    """The optimizer of ``cfg.name`` over two groups: decayed and not decayed (empty groups are dropped).
+
+    ``model``: a module, or ``(name, parameter)`` pairs (one bucket of DecentralizedDataParallel)."""
+    if not isinstance(model, nn.Module):
+        model = list(model)
+    params = dict(model.named_parameters()) if isinstance(model, nn.Module) else dict(model)
     decay, no_decay = decay_groups(model, cfg.decay_all)
     groups = [{"params": [params[n] for n in names], "weight_decay": wd}
               for names, wd in ((decay, cfg.weight_decay), (no_decay, 0.0)) if names]

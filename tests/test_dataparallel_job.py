@@ -76,7 +76,7 @@ def test_decentralized_job_equals_a_simulation_of_ring_gossip(tmp_path):
     # Decent-DP: y_1 = x0 - lr g_1(x0); y_t = mix_{E_{t-1}}(y_{t-1}) - lr g_t(y_{t-1}); the update of step t
     # is applied during step t + 1's forward/backward, so after step 1 the copies still hold x0.
     ys = [[p - lr * g for p, g in zip(sim.x0, sim.grad(r, sim.x0, 1))] for r in range(4)]
-    seen = {1: [sim.x0] * 4, }
+    seen = {1: [sim.x0] * 4}
     for t in range(2, steps + 1):
         mixed = [None] * 4
         for a, b in RING[(t - 1) % 2]:

@@ -169,7 +169,9 @@ def validate_parallel(cfg: dict, world_size: int) -> ParallelConfig:
     if (cfg.get("fault") or {}).get("nan_rank") is not None:
         raise ValueError(f"fault.nan_rank: the non-finite guard protects federation rounds, which parallel={mode} "
                          f"does not have; drop it")
-    facilities = _facility_sizes(dcfg.get("federated"), world_size)
+    from ..distributed.layout import plan_layout
+
+    facilities = plan_layout(world_size, dcfg.get("federated"), 1).facility_sizes  # an impossible layout: its line
     if mode == "decentralized":
         if tcfg.get("steps") == 1:
             raise ValueError("train.steps=1: parallel=decentralized applies a step's update in the next step's backward "
@@ -201,16 +203,6 @@ def validate_parallel(cfg: dict, world_size: int) -> ParallelConfig:
                 raise ValueError(f"{where}decentralized with peer_selection_mode=shift_one needs an even number of "
                                  f"{what}, got {members}: use peer_selection_mode=all or change the layout")
     return pcfg
-
-
-def _facility_sizes(federated: Any, world_size: int) -> tuple[int, ...]:
-    if federated is None:
-        return (world_size,)
-    if isinstance(federated, int) and not isinstance(federated, bool) and federated > 0 and world_size % federated == 0:
-        return (federated,) * (world_size // federated)
-    if isinstance(federated, (list, tuple)):
-        return tuple(federated)
-    return (world_size,)  # plan_layout names the problem
 
 
 class DataParallel:

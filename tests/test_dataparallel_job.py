@@ -16,6 +16,9 @@ import yaml
 
 from test_run import TINY, run_cli
 
+from xffl_like.config import ConfigError, validate_config
+from xffl_like.job import _compose, choices, resolve
+
 SGD = ["optim=sgd", "optim.lr=0.1", "optim.momentum=0.0", "optim.warmup_steps=0", "optim.grad_clip=0.0",
        "logger=none"]
 RING = [[(0, 1), (2, 3)], [(0, 3), (1, 2)]]  # Decent-DP's ring on 4 ranks: right neighbours, then left
@@ -126,3 +129,46 @@ def test_bagua_switch_job_on_unequal_facilities(tmp_path):
     assert logged[1] < 1e-6 and logged[2] > 1e-4
     assert [s["algorithm"] for s in summary["parallel"]["switches"]] == ["decentralized", "decentralized"]
     assert summary["layout"]["facility_sizes"] == [3, 1] and summary["max_param_divergence_after_last_round"] <= 1e-6
+
+
+# In-process (no workers): what the launcher refuses, one line each; the CLI path is in test_run.BAD.
+REFUSED = [
+    (["+experiment=bagua_switch", "federation=diloco"], "federation.outer (name='nesterov', lr=0.7) does not apply"),
+    (["+experiment=decentralized", "federation.compression=uint8"], "federation.compression='uint8' does not apply"),
+    (["parallel.topology=complete"], "parallel.topology='complete' applies to parallel=decentralized, not parallel=fsdp"),
+    (["+experiment=decentralized", "parallel.switch=[{at_step:3,algorithm:bytegrad}]"], "applies to parallel=bagua"),
+    (["+experiment=decentralized", "distributed.nproc_per_node=3"], "parallel.topology=ring: topology 'ring' needs an even"),
+    (["+experiment=decentralized", "parallel.topology=alternating-exp-ring", "distributed.federated=[3,1]"],
+     "needs facilities (its nodes) of equal size, got [3, 1]"),
+    (["+experiment=decentralized", "train.steps=1"], "train.steps=1: parallel=decentralized applies"),
+    (["+experiment=decentralized", "parallel.optimizer=accum_adamw", "optim=sgd"], "select optim=adamw"),
+    (["+experiment=decentralized", "distributed.max_restarts=1"], "distributed.max_restarts=1: restarts resume"),
+    (["+experiment=bagua_switch", "train.grad_accum=2"], "train.grad_accum=2: parallel=bagua"),
+    (["+experiment=bagua_switch", "parallel.algorithm=nope"], "parallel.algorithm='nope': use one of"),
+    (["+experiment=bagua_switch", "parallel.switch=[{at_step:60,algorithm:bytegrad}]"], "at_step=60 is not before"),
+    (["+experiment=bagua_switch", "distributed.federated=[2,1,1]",
+      "parallel.switch=[{at_step:3,algorithm:decentralized,options:{peer_selection_mode:shift_one}}]"],
+     "needs an even number of facilities (hierarchical: the nodes), got 3"),
+]
+
+
+def _validate(overrides):
+    composed = _compose(overrides)
+    plain = resolve(composed)
+    n = plain["distributed"]["nproc_per_node"]
+    return plain, validate_config(plain, n, n, Path.cwd(), choices(composed))
+
+
+@pytest.mark.parametrize("overrides, needle", REFUSED, ids=[" ".join(r[0][1:]) or r[0][0] for r in REFUSED])
+def test_launcher_refuses_combinations_that_make_no_sense(overrides, needle):
+    with pytest.raises(ConfigError) as info:
+        _validate(overrides)
+    assert needle in str(info.value) and "\n" not in str(info.value)
+
+
+def test_launcher_accepts_the_presets_with_full_copies():
+    for preset in ("decentralized", "bagua_switch"):
+        plain, layout = _validate([f"+experiment={preset}"])
+        assert layout.shard_size == 1 and plain["distributed"]["hsdp"] == 1 and layout.facility_sizes == (4,)
+    _, layout = _validate(["+experiment=bagua_switch", "distributed.federated=[3,1]", "parallel.options={hierarchical:true}"])
+    assert layout.facility_sizes == (3, 1)

@@ -187,8 +187,9 @@ def test_parallel_bench_rejects_bad_input_before_launching():
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    proc = subprocess.run([sys.executable, "-m", "xffl_like.parallel.bench", "--methods", "ddp,decent:star",
-                           "--nproc", "3"], cwd=root, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "xffl_like.bench.parallel", "--methods", "ddp,decent:star",
+                           "--nproc", "3", "--link-mbit", "0"], cwd=root, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "decent:star" in lines[0] and "--local-world-size 2 must divide --nproc 3" in lines[0]
+    assert "--link-mbit 0.0: must be a positive number of Mbit/s" in lines[0]

@@ -100,7 +100,7 @@ def _train(cfg: dict, state: DistributedState, run_dir: Path, started_at: float)
     restored = ckpt.restore(losses)  # None: a fresh start
     start_step = restored["step"] if restored else 0
     rounds: list[dict] = list(restored["rounds"]) if restored else []
-    # {"step", "loss_local", "loss_global"}: per facility, None when not evaluated
+    # {"step", "loss_local", "loss_global", "time"}: losses per facility, None when not evaluated
     evals: list[dict] = list(restored.get("records", {}).get("evals", [])) if restored else []
     observer = Observer(cfg, state, run_dir, restored)
     fault = FaultInjector(cfg, state.rank)
@@ -108,7 +108,7 @@ def _train(cfg: dict, state: DistributedState, run_dir: Path, started_at: float)
     timer = PhaseTimer(device)
 
     dist.barrier()
-    start = time.perf_counter()
+    start, train_started_at = time.perf_counter(), time.time()
     try:
         for step in range(start_step, steps):
             fault.before_step(step + 1)
@@ -147,6 +147,7 @@ def _train(cfg: dict, state: DistributedState, run_dir: Path, started_at: float)
                 observer.round(record)
                 record_eval["loss_global"] = facility_eval(model, eval_batches, state, tcfg.loss_chunk)
             if local_eval:
+                record_eval["time"] = time.time()  # when it was known: wall-clock time-to-loss (bench.wan)
                 evals.append(record_eval)
             observer.step(step, float(facility_loss), optimizer.param_groups[0]["lr"], tokens_per_step,
                           time.perf_counter() - start, record_eval if local_eval else None)
@@ -206,6 +207,7 @@ def _train(cfg: dict, state: DistributedState, run_dir: Path, started_at: float)
         "checkpoints": checkpoints,
         "tokens_per_second": tokens_per_step * (steps - start_step) / train_seconds,
         "train_seconds": train_seconds,
+        "train_started_at": train_started_at,
         "phases": phases,
         "setup_peak_rss_mb": float(setup_rss),
         "wall_seconds": time.time() - started_at,

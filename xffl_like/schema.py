@@ -27,7 +27,7 @@ from omegaconf import MISSING
 __all__ = [
     "ACTIVATION_CHECKPOINTING", "OPTIMIZERS", "SCHEDULES", "CheckpointConfig", "DataConfig", "DistributedConfig",
     "ExportConfig", "FaultConfig", "FederationConfig", "JobConfig", "LoggerConfig", "ModelConfig", "OptimConfig",
-    "OuterConfig", "StrategyConfig", "TrainConfig", "as_plain", "check_keys", "job_config", "register",
+    "OuterConfig", "ParallelConfig", "StrategyConfig", "TrainConfig", "as_plain", "check_keys", "job_config", "register",
     "section_of", "unknown_key_message",
 ]
 
@@ -126,7 +126,7 @@ class OptimConfig(Section):
     schedule: str = "constant"
     #: Learning rate of the last step for ``cosine`` and ``linear`` (ignored by ``constant``).
     min_lr: float = 0.0
-    #: ``False``: norms, biases and embeddings get no weight decay; ``True``: every parameter does.
+    #: ``False``: norms, biases and embeddings get no weight decay (train.optim.decay_groups); ``True``: every parameter does.
     decay_all: bool = False
     #: Max global gradient norm; 0 disables clipping.
     grad_clip: float = 0.0
@@ -309,6 +309,21 @@ class ExportConfig(Section):
 
 
 @dataclass(frozen=True)
+class ParallelConfig(Section):
+    """``conf/parallel/*.yaml``: fsdp (the federation's path), decentralized (Decent-DP) or bagua; the keys of
+    the other modes keep these defaults (checked in ``xffl_like.train.dataparallel``)."""
+
+    name: str = "fsdp"  # fsdp | decentralized | bagua
+    topology: str = "ring"  # decentralized
+    optimizer: str = "optim"  # decentralized: optim | adam | adamw | accum_adam | accum_adamw
+    accum_iter: int = 4  # decentralized, accum_adam(w)
+    bucket_mb: Number = 25  # decentralized and bagua
+    algorithm: str = "gradient_allreduce"  # bagua
+    options: Optional[Dict[str, Any]] = None  # bagua: the algorithm's keyword arguments
+    switch: List[Any] = field(default_factory=list)  # bagua: [{at_step, algorithm, options}]
+
+
+@dataclass(frozen=True)
 class JobConfig(Section):
     """The whole job: what the launcher validates once and every worker receives."""
 
@@ -323,6 +338,7 @@ class JobConfig(Section):
     federation: FederationConfig = field(default_factory=FederationConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
     export: ExportConfig = field(default_factory=ExportConfig)

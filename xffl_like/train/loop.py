@@ -64,6 +64,10 @@ def train_worker(cfg: JobConfig, run_dir: str, started_at: float | None = None) 
         layout, env, backend=dcfg.backend, num_streams=cfg.strategy.streams, timeout_s=dcfg.timeout_s
     )
     try:
+        if (cfg.get("parallel") or {}).get("name", "fsdp") != "fsdp":  # full copies: Decent-DP or Bagua
+            from .dataparallel_loop import train_data_parallel
+
+            return train_data_parallel(cfg, state, Path(run_dir), started_at or time.time())
         return _train(cfg, state, Path(run_dir), started_at or time.time())
     finally:
         dist.destroy_process_group()

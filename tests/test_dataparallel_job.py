@@ -44,6 +44,7 @@ class Copies:
     def __init__(self, cfg: dict, facilities: list[int]):
         from xffl_like.data import build_data
         from xffl_like.models import build_model
+        from xffl_like.schema import DataConfig
 
         self.model = build_model(cfg["model"], seed=cfg["seed"])
         self.x0 = [p.detach().clone() for p in self.model.parameters()]
@@ -51,9 +52,10 @@ class Copies:
         self.data, self.loss_chunk = [], t["loss_chunk"]
         for f, size in enumerate(facilities):
             for r in range(size):
-                self.data.append(build_data(cfg["data"], vocab_size=cfg["model"]["vocab_size"], seq_len=t["seq_len"],
-                                            batch_size=t["batch_size"], seed=cfg["seed"], facility=f,
-                                            num_facilities=len(facilities), facility_rank=r, facility_size=size))
+                self.data.append(build_data(DataConfig(**cfg["data"]), vocab_size=cfg["model"]["vocab_size"],
+                                            seq_len=t["seq_len"], batch_size=t["batch_size"], seed=cfg["seed"],
+                                            facility=f, num_facilities=len(facilities), facility_rank=r,
+                                            facility_size=size))
 
     def grad(self, rank: int, params: list[torch.Tensor], step: int) -> list[torch.Tensor]:
         """The gradient of rank ``rank``'s batch of (1-based) ``step`` at ``params``."""

@@ -20,7 +20,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import MISSING as NO_DEFAULT
 from dataclasses import asdict, dataclass, field, fields, is_dataclass, replace
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, List, Optional, Union
 
 from omegaconf import MISSING
 
@@ -79,7 +79,7 @@ class ModelConfig(Section):
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     max_seq_len: int = 256
-    rope_scaling: Optional[Dict[str, Any]] = None  # Llama 3.1 RoPE scaling; null: plain RoPE
+    rope_scaling: Any = None  # Llama 3.1 RoPE scaling (a mapping, checked by LlamaConfig); null: plain RoPE
     tie_embeddings: bool = False
     init: str = "full"  # full | meta
     path: Optional[str] = None  # a local Hugging Face directory (model=hf)
@@ -319,7 +319,7 @@ class ParallelConfig(Section):
     accum_iter: int = 4  # decentralized, accum_adam(w)
     bucket_mb: Number = 25  # decentralized and bagua
     algorithm: str = "gradient_allreduce"  # bagua
-    options: Optional[Dict[str, Any]] = None  # bagua: the algorithm's keyword arguments
+    options: Any = None  # bagua: the algorithm's keyword arguments (a mapping; Any: OmegaConf cannot merge into a null Dict)
     switch: List[Any] = field(default_factory=list)  # bagua: [{at_step, algorithm, options}]
 
 

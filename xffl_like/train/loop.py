@@ -19,10 +19,10 @@ from ..checkpoint import Checkpointer
 from ..data import build_data
 from ..distributed.layout import plan_layout
 from ..distributed.state import DistributedState, all_peer_groups, build_state, read_env
-from ..federation import Federation
+from ..federation import FederationSchedule
 from ..observe import Observer
 from ..observe.timing import PhaseTimer, gather_phase_table
-from .evaluate import eval_points, evaluate, facility_eval
+from .evaluate import evaluate, facility_eval
 from .optim import OptimConfig, build_optimizer, build_scheduler
 from .fault import FaultInjector
 from .nonfinite import NonFiniteGuard
@@ -69,7 +69,7 @@ def train_worker(cfg: dict[str, Any], run_dir: str, started_at: float | None = N
 
 
 def _train(cfg: dict, state: DistributedState, run_dir: Path, started_at: float) -> dict | None:
-    tcfg, every = TrainConfig.from_mapping(cfg["train"]), cfg["federation"]["every"]
+    tcfg = TrainConfig.from_mapping(cfg["train"])
     ocfg = OptimConfig.from_mapping(cfg["optim"])
     steps, device, accum = tcfg.steps, state.device, tcfg.grad_accum
     torch.manual_seed(cfg["seed"])
@@ -85,7 +85,7 @@ def _train(cfg: dict, state: DistributedState, run_dir: Path, started_at: float)
         facility_rank=state.facility_rank, facility_size=state.facility_size,
     )
     strategy = build_strategy(model, state, cfg["strategy"])
-    federation = Federation(cfg["federation"], model, strategy, state)
+    federation = FederationSchedule(cfg["federation"], model, strategy, state, steps)  # its phases' federations
     peer_groups = all_peer_groups(state)
     dump = RoundDump(model, state)  # tests only ($XFFL_TEST_DUMP_ROUNDS): the values around each round
     tokens_per_step = tcfg.batch_size * tcfg.seq_len * accum * state.world_size
@@ -103,9 +103,16 @@ def _train(cfg: dict, state: DistributedState, run_dir: Path, started_at: float)
     guard = NonFiniteGuard(cfg, state, model, optimizer, ckpt.dir)
     timer = PhaseTimer(device)
 
+    def adjust(done):  # the non-finite guard sets the weights of a round ending or starting after `done` steps
+        return lambda weights, index: guard.weights_for_round(weights, index, done)
+
     dist.barrier()
     start = time.perf_counter()
     try:
+        if start_step == 0:
+            dump.save(0, "init")  # tests: the common start, theta_global of every fragment
+        # An exchange overlapping the first steps starts now (after a resume: as the saved run did).
+        federation.start_due(start_step, adjust(start_step), dump, len(rounds))
         for step in range(start_step, steps):
             fault.before_step(step + 1)
             # Micro-batch i of step s is batch s * grad_accum + i of the source: with grad_accum=1, as before.
@@ -126,28 +133,32 @@ def _train(cfg: dict, state: DistributedState, run_dir: Path, started_at: float)
             facility_loss = loss / state.facility_size
             dist.all_reduce(facility_loss, group=state.facility_groups[0])
             losses[state.facility, step] = float(facility_loss)
-            local_eval, aggregate_now = eval_points(step, steps, every, tcfg.eval_every)
-            record_eval = {"step": step + 1, "loss_local": None, "loss_global": None}
+            done = step + 1
+            # Rounds (synchronous: every `every` steps) evaluate the local model before and may checkpoint after.
+            boundary = federation.boundary_at(done)
+            local_eval = boundary or (tcfg.eval_every > 0 and done % tcfg.eval_every == 0)
+            record_eval = {"step": done, "loss_local": None, "loss_global": None}
             if local_eval:
                 record_eval["loss_local"] = facility_eval(model, eval_batches, state, tcfg.loss_chunk)
-            if aggregate_now and federation.federated:  # synchronous runs have no rounds
-                dump.save(len(rounds), "before")
+            if federation.applies_at(done):  # synchronous runs have no rounds (but a phase switch)
                 with timer("aggregation"):
                     # Ranks arrive at different times; the wait is charged to this phase
                     # (and shows as imbalance), the round's seconds time the exchange alone.
                     dist.barrier()
-                    record = {"round": len(rounds), "step": step + 1, **federation.round(
-                        adjust=lambda weights: guard.weights_for_round(weights, len(rounds), step + 1))}
-                dump.save(len(rounds), "after", bytes_per_rank=record["bytes_per_rank"])
-                rounds.append(record)
-                observer.round(record)
+                    records = federation.finish_due(done, adjust(done), dump, len(rounds))
+                for record in records:
+                    rounds.append(record)
+                    observer.round(record)
                 record_eval["loss_global"] = facility_eval(model, eval_batches, state, tcfg.loss_chunk)
             if local_eval:
                 evals.append(record_eval)
             observer.step(step, float(facility_loss), optimizer.param_groups[0]["lr"], tokens_per_step,
                           time.perf_counter() - start, record_eval if local_eval else None)
-            if aggregate_now:
-                ckpt.after_round(step + 1, rounds, losses, final=step + 1 == steps, records={"evals": evals})
+            if boundary:  # nothing is in flight here: a step's exchanges start after its checkpoint
+                ckpt.after_round(done, rounds, losses, final=done == steps, records={"evals": evals})
+            if federation.starts_at(done):
+                with timer("aggregation"):
+                    federation.start_due(done, adjust(done), dump, len(rounds))
     except BaseException:
         observer.abort()
         raise
@@ -199,6 +210,8 @@ def _train(cfg: dict, state: DistributedState, run_dir: Path, started_at: float)
         "cross_facility_bytes_per_round": [r["cross_facility_bytes"] for r in rounds],
         "facility_losses": losses.tolist(),
         "skipped_facilities": [r["skipped_facilities"] for r in rounds],
+        "round_phases": [r.get("phase", 0) for r in rounds],
+        "round_fragments": [r.get("fragment") for r in rounds],
         "checkpoints": checkpoints,
         "tokens_per_second": tokens_per_step * (steps - start_step) / train_seconds,
         "train_seconds": train_seconds,

@@ -210,8 +210,9 @@ def _train(cfg: dict, state: DistributedState, run_dir: Path, started_at: float)
         "cross_facility_bytes_per_round": [r["cross_facility_bytes"] for r in rounds],
         "facility_losses": losses.tolist(),
         "skipped_facilities": [r["skipped_facilities"] for r in rounds],
-        "round_phases": [r.get("phase", 0) for r in rounds],
-        "round_fragments": [r.get("fragment") for r in rounds],
+        "round_records": [{"step": r["step"], "phase": r.get("phase", 0), "fragment": r.get("fragment"),
+                           "switch": bool(r.get("switch", False)), "started_step": r.get("started_step", r["step"])}
+                          for r in rounds],
         "checkpoints": checkpoints,
         "tokens_per_second": tokens_per_step * (steps - start_step) / train_seconds,
         "train_seconds": train_seconds,

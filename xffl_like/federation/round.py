@@ -179,8 +179,12 @@ class Federation:
     Collective: every rank constructs it at the same point, after the strategy is built.
     """
 
+    _streaming = False  # StreamingFederation handles fragments and overlap
+
     def __init__(self, spec: dict, model: torch.nn.Module, strategy, state):
         self.options = o = FederationOptions.from_mapping(spec, state.num_facilities)
+        if o.streaming and not self._streaming:
+            raise ValueError("federation.fragments / overlap_steps: build it with Federation.build (a StreamingFederation)")
         self.model, self.strategy, self.state = model, strategy, state
         named = list(model.named_parameters())
         self.names = [named[i][0] for i in strategy.selected]

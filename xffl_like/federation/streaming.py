@@ -113,6 +113,8 @@ class _Exchange:
 class StreamingFederation(Federation):
     """:class:`~.round.Federation` with ``fragments > 1`` or ``overlap_steps > 0`` (see the module)."""
 
+    _streaming = True
+
     def __init__(self, spec: dict, model: torch.nn.Module, strategy, state):
         super().__init__(spec, model, strategy, state)
         o, n = self.options, state.num_facilities
@@ -154,6 +156,11 @@ class StreamingFederation(Federation):
                     group = dist.new_group(list(ranks)) if len(ranks) > 1 else None
                     if f == state.facility and s == state.shard:
                         self.replicas = group
+            # Connect them now, every rank at the same point (NCCL creates communicators lazily:
+            # not in a background thread while the training thread runs its own collectives).
+            for group in (self.peers, self.replicas):
+                if group is not None:
+                    dist.all_reduce(torch.zeros(1, device=state.device), group=group)
         else:
             if n > 1 and state.replica == 0:
                 self.peers = state.sender_exchanges[0].groups[0]

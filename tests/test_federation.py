@@ -220,7 +220,8 @@ def test_job_with_phases_fragments_and_overlap(tmp_path):
     nesterov = "outer:{name:nesterov,lr:0.7,momentum:0.9}"
     schedule = (f"[{{until_step:3,algorithm:synchronous}},{{until_step:9,every:4,fragments:2,weights:[1,3],{nesterov}}},"
                 f"{{until_step:null,every:4,fragments:2,overlap_steps:1,merge_alpha:0.25,{nesterov}}}]")
-    args = ["+experiment=llama_fed", "train.steps=15", f"federation.schedule={schedule}", "logger=none",
+    args = ["+experiment=llama_fed", "distributed.nproc_per_node=2", "distributed.federated=1", "train.steps=15",
+            f"federation.schedule={schedule}", "logger=none",
             "checkpoint.every_rounds=100", *TINY]
     _, summary = run_recorded(args, tmp_path)
     # Which fragment at which step, by hand: phase 1 from step 3 with offsets 2 and 4; phase 2 from

@@ -245,10 +245,6 @@ class Federation:
         """Count ``tokens`` this rank trained on this step (for ``weights=tokens``)."""
         self.tokens[self.state.facility] += tokens
 
-    def round_due(self, step: int, steps: int) -> bool:
-        """Whether a round follows local step ``step`` (0-based) of ``steps``."""
-        return self.federated and ((step + 1) % self.options.every == 0 or step + 1 == steps)
-
     # ------------------------------------------------------------------ the loop's interface
     def applies_at(self, done: int) -> bool:
         """Whether rounds end after ``done`` steps (then :meth:`finish_due` returns their records).

@@ -22,7 +22,7 @@ from ..distributed.state import DistributedState, all_peer_groups, build_state, 
 from ..federation import FederationSchedule
 from ..observe import Observer
 from ..observe.timing import PhaseTimer, gather_phase_table
-from .evaluate import evaluate, facility_eval
+from .evaluate import eval_points, evaluate, facility_eval
 from .optim import OptimConfig, build_optimizer, build_scheduler
 from .fault import FaultInjector
 from .nonfinite import NonFiniteGuard
@@ -136,7 +136,7 @@ def _train(cfg: dict, state: DistributedState, run_dir: Path, started_at: float)
             done = step + 1
             # Rounds (synchronous: every `every` steps) evaluate the local model before and may checkpoint after.
             boundary = federation.boundary_at(done)
-            local_eval = boundary or (tcfg.eval_every > 0 and done % tcfg.eval_every == 0)
+            local_eval = eval_points(done, boundary, tcfg.eval_every)
             record_eval = {"step": done, "loss_local": None, "loss_global": None}
             if local_eval:
                 record_eval["loss_local"] = facility_eval(model, eval_batches, state, tcfg.loss_chunk)

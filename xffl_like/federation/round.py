@@ -16,6 +16,12 @@ stays local to each facility, as in DiLoCo.
 
 ``algorithm=synchronous``: no rounds; after every backward :meth:`Federation.after_backward`
 averages the gradients across facilities (data parallel over every model copy).
+
+``fragments`` / ``overlap_steps``: :meth:`Federation.build` makes a
+:class:`~.streaming.StreamingFederation` (rounds of one fragment at a time, overlapped with
+local steps). The loop drives either through :meth:`Federation.finish_due` and
+:meth:`Federation.start_due` after every step, via :class:`~.schedule.FederationSchedule`
+(``federation.schedule``: phases).
 """
 
 from __future__ import annotations

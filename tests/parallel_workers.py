@@ -142,6 +142,14 @@ def ddp_cases(cases, iterations=3, lr=0.1):
     except RuntimeError as exc:
         error = str(exc)
     out.append(error)
+    # alternating-exp-ring over nodes of unequal size (3 + 1): the same error on every rank, no hang.
+    try:
+        DecentralizedDataParallel(Fixed(0), lambda named: torch.optim.SGD([p for _, p in named], lr=lr),
+                                  topology="alternating-exp-ring", local_world_size=[3, 3, 3, 1][rank])
+        error = None
+    except ValueError as exc:
+        error = str(exc)
+    out.append(error)
     return out
 
 
@@ -156,8 +164,17 @@ def bagua_cases(cases, lr=0.1):
         model = mlp(rank, slow=True) if kind == "async_mlp" else Fixed(seed=rank)
         opt = torch.optim.SGD(model.parameters(), lr=lr)
         algo = case["algorithm"]
-        wrapped = P.with_algorithm(model, opt, algo, bucket_mb=case.get("bucket_mb", 10),
-                                   local_world_size=case.get("local"))
+        local = case.get("local")
+        if isinstance(local, list):  # nodes of unequal size: each rank declares its own node's size
+            local = local[rank]
+        if kind == "error":
+            try:
+                P.with_algorithm(model, opt, algo, local_world_size=local)
+                out.append({"error": None})
+            except ValueError as exc:
+                out.append({"error": str(exc)})
+            continue
+        wrapped = P.with_algorithm(model, opt, algo, bucket_mb=case.get("bucket_mb", 10), local_world_size=local)
         res = {"init": _params(model)}
         if kind == "grads":  # one backward: the synchronized gradients
             wrapped(coefs(rank, 1)).backward()

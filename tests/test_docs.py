@@ -11,7 +11,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
 DOCS = ROOT / "docs"
-ROOT_CONFIGS = ("config.yaml", "bench.yaml")
+ROOT_CONFIGS = ("config.yaml", "bench.yaml", "bench_wan.yaml")
 
 
 def _flatten(node: dict, prefix: str = ""):

@@ -51,6 +51,14 @@ BAGUA_CASES = [
     dict(kind="steps", steps=2, algorithm=P.LowPrecisionDecentralized(hierarchical=True), local=2),
     dict(kind="async", steps=5, settle=60, algorithm=P.AsyncModelAverage(sync_interval_ms=20, warmup_steps=2)),
     dict(kind="async_mlp", steps=30, algorithm=P.AsyncModelAverage(sync_interval_ms=0)),
+    # Nodes of unequal size (3 + 1 processes; each rank declares its own node's size, as LOCAL_WORLD_SIZE
+    # differs between hosts): these hung before the node layout was agreed across ranks.
+    dict(kind="grads", algorithm=P.GradientAllReduce(hierarchical=True), local=[3, 3, 3, 1]),
+    dict(kind="grads", algorithm=P.ByteGrad(hierarchical=True), local=[1, 3, 3, 3], bucket_mb=0.0001),
+    dict(kind="steps", steps=2, algorithm=P.Decentralized(hierarchical=True), local=[3, 3, 3, 1]),
+    dict(kind="steps", steps=3, algorithm=P.Decentralized(hierarchical=True, peer_selection_mode="shift_one"),
+         local=[1, 3, 3, 3]),
+    dict(kind="error", algorithm=P.GradientAllReduce(hierarchical=True), local=[2, 3, 3, 3]),
 ]
 
 
@@ -162,7 +170,7 @@ def test_decentralized_data_parallel_matches_the_simulation(results, index):
 
 def test_decentralized_data_parallel_rejects_different_traced_orders(results):
     for rank in range(WORLD):
-        error = results[rank][1][-1]
+        error = results[rank][1][-2]
         assert error is not None and "ranks [1] traced a different parameter order" in error
 
 
@@ -294,3 +302,45 @@ def test_switch_to_starts_every_copy_from_the_same_weights_and_state(results):
                     assert torch.equal(value, reports[0][phase]["state"][k][key]), (phase, key)
     # The phases before the switches really diverged the copies (shift_one, low precision).
     assert not torch.allclose(reports[0][1]["before"][0], reports[1][1]["before"][0])
+
+
+# ---------------------------------------------------------------------------------------------------- unequal nodes
+def test_hierarchical_gradient_allreduce_and_bytegrad_with_unequal_nodes(results):
+    g = [flat(grad(r, 1)) for r in range(WORLD)]
+    mean = sum(g) / WORLD
+    for r in range(WORLD):
+        assert torch.allclose(flat(results[r][2][11]["grads"]), mean, atol=1e-6)
+    # ByteGrad, nodes [0] and [1, 2, 3]: two quantized parts (each node's sum / WORLD), summed, re-quantized.
+    parts = [g[0] / WORLD, (g[1] + g[2] + g[3]) / WORLD]
+    first = sum((p.max() - p.min()) / 510 for p in parts)
+    second = (mean.max() - mean.min() + 2 * first) / 510
+    got = [flat(results[r][2][12]["grads"]) for r in range(WORLD)]
+    for r in range(WORLD):
+        assert (got[r] - mean).abs().max() <= first + second + 1e-6 and torch.equal(got[r], got[0])
+
+
+def test_hierarchical_decentralized_with_unequal_nodes_keeps_the_mean(results):
+    x0 = init_weights()
+    # all: node means weighted by node size = the mean over the 4 processes, every step.
+    xs = [list(x0) for _ in range(WORLD)]
+    for step in range(2):
+        avg = [sum(xs[r][k] for r in range(WORLD)) / WORLD for k in range(len(W.SHAPES))]
+        xs = [[a - LR * g for a, g in zip(avg, grad(r, step + 1))] for r in range(WORLD)]
+        for r in range(WORLD):
+            for a, b in zip(results[r][2][13]["steps"][step], xs[r]):
+                assert torch.allclose(a, b, atol=1e-5), (step, r)
+    # shift_one between the two nodes [0] and [1, 2, 3]: their means, weighted 1 : 3.
+    xs = [list(x0) for _ in range(WORLD)]
+    for step in range(3):
+        node_b = [sum(xs[r][k] for r in (1, 2, 3)) / 3 for k in range(len(W.SHAPES))]
+        both = [(a + 3 * b) / 4 for a, b in zip(xs[0], node_b)]
+        xs = [[a - LR * g for a, g in zip(both, grad(r, step + 1))] for r in range(WORLD)]
+        for r in range(WORLD):
+            for a, b in zip(results[r][2][14]["steps"][step], xs[r]):
+                assert torch.allclose(a, b, atol=1e-5), (step, r)
+
+
+def test_inconsistent_node_sizes_and_unequal_alternating_exp_ring_fail_on_every_rank(results):
+    for r in range(WORLD):
+        assert "rank 0 starts a node of 2 but ranks 0..1 do not all declare 2" in results[r][2][15]["error"]
+        assert "needs nodes of equal size, got nodes of [3, 1]" in results[r][1][-1]

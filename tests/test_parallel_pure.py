@@ -152,13 +152,33 @@ def test_accum_adam_matches_the_update_rule(cls, decoupled, accum, wd):
         assert torch.allclose(p, q, atol=1e-5)
 
 
-def test_factories_put_weight_decay_on_matrices_only():
+def test_factories_leave_biases_and_norms_undecayed():
     lin, norm = torch.nn.Linear(3, 4), torch.nn.LayerNorm(4)
     named = list(lin.named_parameters()) + [("bn.weight", norm.weight), ("bn.bias", norm.bias)]
     opt = optim_fn_accum_adamw(named, weight_decay=0.3, accum_iter=2)
     decay = {id(p): g["weight_decay"] for g in opt.param_groups for p in g["params"]}
     assert decay == {id(lin.weight): 0.3, id(lin.bias): 0.0, id(norm.weight): 0.0, id(norm.bias): 0.0}
     assert isinstance(optim_fn_adam(named), torch.optim.Adam)
+    every = optim_fn_accum_adamw(named, weight_decay=0.3, decay_all=True)
+    assert [g["weight_decay"] for g in every.param_groups] == [0.3] and len(every.param_groups[0]["params"]) == 4
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_factories_and_the_main_job_split_weight_decay_by_one_rule(tied):
+    """Bucket by bucket, (name, parameter) pairs get the groups the main job gives the whole model."""
+    from xffl_like.models import build_model
+    from xffl_like.train.optim import decay_groups
+
+    model = build_model({"name": "llama_tiny", "dim": 16, "n_layers": 2, "n_heads": 2, "n_kv_heads": 1,
+                         "vocab_size": 32, "ffn_dim": 32, "max_seq_len": 16, "tie_embeddings": tied}, seed=0)
+    named = list(model.named_parameters())
+    decayed = {id(p) for p in dict(named).values() if p is not None} - {
+        id(dict(named)[n]) for n in decay_groups(model)[1]}
+    for bucket in (named[:3], named[3:]):  # DecentralizedDataParallel calls optim_fn once per bucket
+        opt = optim_fn_accum_adamw(bucket, weight_decay=0.3)
+        got = {id(p): g["weight_decay"] for g in opt.param_groups for p in g["params"]}
+        assert got == {id(p): 0.3 if id(p) in decayed else 0.0 for _, p in bucket}
+    assert "tok_embeddings.weight" in decay_groups(named)[1] and "norm.weight" in decay_groups(named)[1]
 
 
 def test_parallel_bench_rejects_bad_input_before_launching():
@@ -167,8 +187,9 @@ def test_parallel_bench_rejects_bad_input_before_launching():
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    proc = subprocess.run([sys.executable, "-m", "xffl_like.parallel.bench", "--methods", "ddp,decent:star",
-                           "--nproc", "3"], cwd=root, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "xffl_like.bench.parallel", "--methods", "ddp,decent:star",
+                           "--nproc", "3", "--link-mbit", "0"], cwd=root, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "decent:star" in lines[0] and "--local-world-size 2 must divide --nproc 3" in lines[0]
+    assert "--link-mbit 0.0: must be a positive number of Mbit/s" in lines[0]

@@ -159,6 +159,10 @@ BAD = [
     (["distributed.max_restarts=-1"], "distributed.max_restarts=-1"),
     (["resume=/no/such/run"], "resume=/no/such/run: no such directory"),
     (["resume=/etc"], "resume=/etc: neither a run directory nor a checkpoint"),
+    (["parallel=decentralized", "distributed.hsdp=2"], "distributed.hsdp=2 shards the model, but parallel=decentralized"),
+    (["parallel=decentralized", "resume=latest"], "parallel=decentralized writes no checkpoints and cannot resume"),
+    (["parallel=bagua", "parallel.switch=[{at_step:2,algorithm:decentralized,options:{mode:all}}]"],
+     "parallel.switch[0].options={'mode': 'all'}: decentralized takes hierarchical, peer_selection_mode"),
 ]
 
 

@@ -123,7 +123,10 @@ def validate_config(
         raise ConfigError(f"seed={cfg.get('seed')!r}: must be an integer")
     _check_logger(cfg)
     dist_cfg = cfg["distributed"]
+    from .train.dataparallel import validate_parallel
+
     try:
+        validate_parallel(cfg, world_size)  # parallel=decentralized|bagua: full copies (sets distributed.hsdp=1)
         layout = plan_layout(world_size, dist_cfg["federated"], dist_cfg["hsdp"], local_world_size)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None

@@ -84,7 +84,9 @@ class Observer:
             dist.barrier()  # nobody appends before the file is cut back to the checkpoint's step
         self.progress = None
         if self.lead:
-            self.progress = Progress(self.steps, cfg["federation"]["every"], cfg["train"]["log_every"],
+            # parallel=decentralized|bagua have no rounds (every=0: none announced)
+            every = cfg["federation"]["every"] if (cfg.get("parallel") or {}).get("name", "fsdp") == "fsdp" else 0
+            self.progress = Progress(self.steps, every, cfg["train"]["log_every"],
                                      facilities=state.num_facilities)
             self.progress.print(state.layout.describe())
             self._agg_file = open(self.run_dir / "aggregation.csv", "w", newline="")
@@ -102,20 +104,25 @@ class Observer:
             self.wandb = WandbLogger(cfg, state, self.run_dir, ids[state.facility] if state.facility < len(ids) else None)
 
     def step(self, step: int, loss: float, lr: float, tokens_per_step: int, elapsed: float,
-             evals: dict | None = None) -> None:
+             evals: dict | None = None, consensus: float | None = None) -> None:
         """After optimizer step ``step`` (0-based): ``loss`` is this facility's mean loss.
 
         ``evals`` (when the step evaluated) holds ``loss_local`` and ``loss_global``: per
         facility lists, or ``None``; this facility's values are logged as ``eval/loss_local``
-        and ``eval/loss_global``.
+        and ``eval/loss_global``. ``consensus`` (``parallel=decentralized|bagua``, at log steps):
+        the mean distance of the copies to their average, logged as ``consensus_distance``
+        (``train/consensus_distance`` on W&B).
         """
         done = step + 1
         tokens_per_s = tokens_per_step * (done - self.first_step) / max(elapsed, 1e-9)
         extra = {f"eval/{k}": evals[k][self.state.facility] for k in ("loss_local", "loss_global")
                  if evals is not None and evals.get(k) is not None}
+        if consensus is not None:
+            extra["train/consensus_distance"] = consensus
         if self._metrics is not None:
             line = {"step": done, "facility": self.state.facility, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_s}
-            self._metrics.write(json.dumps({**line, **extra}) + "\n")
+            line.update({k.replace("train/", ""): v for k, v in extra.items()})
+            self._metrics.write(json.dumps(line) + "\n")
         if self.wandb is not None:
             self.wandb.step(done, loss, lr, tokens_per_s, extra)
         if self.progress is not None:

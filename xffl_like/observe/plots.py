@@ -10,7 +10,7 @@ import statistics
 from pathlib import Path
 from typing import Sequence
 
-__all__ = ["plot_losses", "plot_aggregation", "plot_sweep"]
+__all__ = ["plot_losses", "plot_aggregation", "plot_sweep", "plot_eval_curves"]
 
 
 def _figure(width: float = 7.0, height: float = 4.0):
@@ -96,6 +96,29 @@ def plot_sweep(jobs: Sequence[tuple[str, Sequence[float]]], path: Path) -> str |
     ax.set_ylabel("aggregation time per round (ms)")
     ax.set_title("Aggregation time per job (median, quartiles, min-max)")
     ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    return None
+
+
+def plot_eval_curves(curves: dict[str, Sequence[dict]], target: float | None, link_mbit: float, path: Path) -> str | None:
+    """Eval loss against wall seconds, one line per config (``python -m xffl_like.bench.wan``);
+    a dotted line at the target loss."""
+    if not any(curves.values()):
+        return f"{Path(path).name} skipped: no evaluation to plot"
+    fig = _figure()
+    if fig is None:
+        return f"{Path(path).name} skipped: {_NO_MPL}"
+    ax = fig.add_subplot()
+    for name, points in curves.items():
+        ax.plot([p["seconds"] for p in points], [p["loss"] for p in points], marker=".", linewidth=1.2, label=name)
+    if target is not None:
+        ax.axhline(target, color="grey", linestyle=":", linewidth=1.0, label="target (reference's final)")
+    ax.set_xlabel("wall seconds since the start of training")
+    ax.set_ylabel("eval loss")
+    ax.set_title(f"Eval loss over a {link_mbit:g} Mbit/s link")
+    ax.grid(alpha=0.3)
+    ax.legend()
     fig.tight_layout()
     fig.savefig(path)
     return None

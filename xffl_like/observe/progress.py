@@ -64,14 +64,14 @@ class Progress:
 
     def step(self, step: int, loss: float, tokens_per_s: float) -> None:
         """After optimizer step ``step`` (1-based)."""
-        left = steps_to_aggregation(step, self.every, self.steps)
+        left = steps_to_aggregation(step, self.every, self.steps) if self.every else None  # every=0: no rounds
         if self.tty:
             now = time.perf_counter()
             if step == self.steps or now - self._drawn_at >= REDRAW_S:
                 self._drawn_at = now
                 self._draw(step, loss, tokens_per_s, left, now - self._start)
         elif self._due(step):
-            nxt = "aggregating" if left == 0 else f"next aggregation in {left} steps"
+            nxt = "" if left is None else "aggregating" if left == 0 else f"next aggregation in {left} steps"
             self._print(f"step {step:>5}/{self.steps}  {self.loss_label} {loss:.4f}  {tokens_per_s:,.0f} tok/s  {nxt}")
 
     def round(self, record: dict) -> None:
@@ -96,10 +96,10 @@ class Progress:
             self.stream.flush()
             self._open = False
 
-    def _draw(self, step: int, loss: float, tokens_per_s: float, left: int, elapsed: float) -> None:
+    def _draw(self, step: int, loss: float, tokens_per_s: float, left: int | None, elapsed: float) -> None:
         done = int(BAR_WIDTH * step / self.steps)
         eta = elapsed / step * (self.steps - step)
-        nxt = "aggregating" if left == 0 else f"aggregation in {left}"
+        nxt = "" if left is None else "aggregating" if left == 0 else f"aggregation in {left}"
         line = (f"step {step:>{len(str(self.steps))}}/{self.steps} [{'#' * done}{'.' * (BAR_WIDTH - done)}] "
                 f"{self.loss_label} {loss:.4f}  {tokens_per_s:,.0f} tok/s  {nxt}{self._last_round}  {_clock(elapsed)}<{_clock(eta)}")
         pad = " " * max(0, self._width - len(line))  # blank out the rest of a longer previous line

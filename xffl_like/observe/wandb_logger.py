@@ -112,7 +112,8 @@ class WandbLogger:
     def finish(self, summary: dict | None) -> None:
         if summary is not None:  # rank 0: the job's results, on facility 0's run
             keys = ("final_loss", "eval_loss", "tokens_per_second", "train_seconds", "wall_seconds",
-                    "max_param_divergence_after_last_round", "aggregation_seconds_median", "aggregation_busbw_gbps_median")
+                    "max_param_divergence_after_last_round", "aggregation_seconds_median", "aggregation_busbw_gbps_median",
+                    "final_consensus_distance")
             self.run.summary.update({f"job/{k}": summary[k] for k in keys if k in summary})
             self.run.summary.update(load_summary(summary.get("phases") or {}))
         self.run.finish()

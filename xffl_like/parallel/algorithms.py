@@ -176,7 +176,8 @@ class Decentralized(Algorithm):
     every member; ``shift_one``: one partner, changing every communication step); after the
     backward pass the weights become the average, and the optimizer applies the gradient
     (computed at the pre-average weights) to it. Communicates every ``communication_interval``
-    iterations."""
+    iterations. ``hierarchical``: node means are exchanged among node leaders, weighted by
+    node size (so nodes of unequal size keep the mean over all processes)."""
 
     def __init__(self, hierarchical: bool = True, peer_selection_mode: str = "all", communication_interval: int = 1):
         if peer_selection_mode not in ("all", "shift_one"):
@@ -206,24 +207,29 @@ class Decentralized(Algorithm):
             if self.hierarchical:
                 self.comm.node_sum(x)
                 x.div_(self.comm.local_world_size)
-            works, peer_buf = [], None
+            works, peer_buf, weights = [], None, (1, 1)
             if member and n > 1:
+                # Node means weighted by node size: with nodes of unequal size the mean over all
+                # processes is kept (equal nodes: the plain mean of the members, as in Bagua).
+                size = self.comm.local_world_size if self.hierarchical else 1
                 if self.peer_selection_mode == "all":
-                    x.div_(n)
+                    x.mul_(size / self.comm.world_size if self.hierarchical else 1 / n)
                     works = [dist.all_reduce(x, group=group, async_op=True)]
                 else:
                     me = members.index(self.comm.rank)
-                    peer = members[shift_one_peer(me, n, self._step // self.communication_interval)]
+                    partner = shift_one_peer(me, n, self._step // self.communication_interval)
+                    peer = members[partner]
+                    weights = (size, self.comm.sizes[partner] if self.hierarchical else 1)
                     peer_buf = torch.empty_like(x)
                     works = p2p_exchange([(x, peer)], [(peer_buf, peer)])
-            self._pending.append((bucket, x, works, peer_buf))
+            self._pending.append((bucket, x, works, peer_buf, weights))
 
     def after_backward(self):
-        for bucket, x, works, peer_buf in self._pending:
+        for bucket, x, works, peer_buf, (mine, theirs) in self._pending:
             for w in works:
                 w.wait()
             if peer_buf is not None:
-                x.add_(peer_buf).div_(2)
+                x.mul_(mine).add_(peer_buf, alpha=theirs).div_(mine + theirs)
             if self.hierarchical:
                 self.comm.node_broadcast(x)
             bucket.set_weights(x)
@@ -231,7 +237,7 @@ class Decentralized(Algorithm):
         self._step += 1
 
     def detach(self):
-        for _, _, works, _ in self._pending:  # a forward without backward: let the exchange finish
+        for _, _, works, _, _ in self._pending:  # a forward without backward: let the exchange finish
             for w in works:
                 w.wait()
         self._pending = []

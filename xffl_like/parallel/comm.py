@@ -1,9 +1,15 @@
 """Who talks to whom for the Bagua-style algorithms: the world, the node, the node leaders.
 
-"Node" is a block of ``local_world_size`` consecutive ranks (the processes sharing a
-host under torchrun, or a facility in the main job). Hierarchical algorithms reduce
-inside the node, run among the node leaders (the first rank of every node), then
-broadcast inside the node. Groups are created once, by their members only.
+"Node" is a block of consecutive ranks (the processes sharing a host under torchrun,
+or a facility in the main job); nodes may differ in size. Hierarchical algorithms
+reduce inside the node, run among the node leaders (the first rank of every node),
+then broadcast inside the node. Groups are created once, by every process in one order.
+
+Every process knows only its own node's size (``LOCAL_WORLD_SIZE``), which may differ
+between hosts, so :func:`node_sizes` gathers them and cuts the world into nodes the
+same way on every rank: deriving the node layout locally (``world // local``) gave
+ranks of differently sized nodes different leader sets, and the job hung in a
+collective that only some ranks entered.
 """
 
 from __future__ import annotations
@@ -17,7 +23,8 @@ from torch import Tensor
 
 from .topology import edge_group
 
-__all__ = ["NodeComm", "consensus_distance", "flat_copy", "node_comm", "p2p_exchange", "unflatten_into"]
+__all__ = ["NodeComm", "consensus_distance", "flat_copy", "node_comm", "node_sizes", "p2p_exchange",
+           "split_nodes", "unflatten_into"]
 
 
 @dataclass(frozen=True)
@@ -26,12 +33,13 @@ class NodeComm:
 
     rank: int
     world_size: int
-    local_world_size: int
+    local_world_size: int  # the size of this process's node
     node: int
     node_ranks: tuple[int, ...]
     leaders: tuple[int, ...]
     node_group: dist.ProcessGroup | None  # None when the node is this process alone
     leader_group: dist.ProcessGroup | None  # None on non-leaders or with one node
+    sizes: tuple[int, ...] = ()  # every node's size, in node order
 
     @property
     def is_leader(self) -> bool:
@@ -52,21 +60,62 @@ class NodeComm:
             dist.broadcast(t, self.leader, group=self.node_group)
 
 
+def split_nodes(declared: list[int]) -> tuple[int, ...]:
+    """Node sizes from what every rank declares as its own node's size (pure).
+
+    Nodes are consecutive blocks: the first ``declared[0]`` ranks form node 0, and so on;
+    every rank of a block must declare the block's size. Raises ``ValueError`` naming the
+    first rank that does not fit.
+    """
+    sizes, start = [], 0
+    while start < len(declared):
+        size = declared[start]
+        block = declared[start:start + size]
+        if size < 1 or len(block) < size or any(d != size for d in block):
+            raise ValueError(
+                f"processes per node {declared} (LOCAL_WORLD_SIZE of ranks 0..{len(declared) - 1}) do not cut the "
+                f"world into consecutive nodes: rank {start} starts a node of {size} but ranks "
+                f"{start}..{start + size - 1} do not all declare {size}; start the same number of processes on "
+                f"every rank of a node, with consecutive ranks per node")
+        sizes.append(size)
+        start += size
+    return tuple(sizes)
+
+
+def node_sizes(local_world_size: int | None = None) -> tuple[int, ...]:
+    """Every node's size, agreed by all ranks (collective: every process calls it).
+
+    ``local_world_size`` is this process's own node size (default ``LOCAL_WORLD_SIZE``, else
+    the whole world); nodes may differ. Every rank raises the same ``ValueError`` when the
+    declared sizes do not form consecutive nodes.
+    """
+    world = dist.get_world_size()
+    local = int(local_world_size or os.environ.get("LOCAL_WORLD_SIZE", world))
+    mine = torch.tensor([local], dtype=torch.int64)
+    if dist.get_backend() == "nccl":
+        mine = mine.cuda()
+    everyone = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(everyone, mine)
+    return split_nodes([int(t) for t in everyone])
+
+
 def node_comm(local_world_size: int | None = None) -> NodeComm:
     """Build this process's :class:`NodeComm` (collective over the world: every process calls it).
 
-    ``local_world_size`` defaults to ``LOCAL_WORLD_SIZE``; it must divide the world size.
+    ``local_world_size`` (default ``LOCAL_WORLD_SIZE``) is the size of this process's node;
+    nodes may differ in size (see :func:`node_sizes`).
     """
     rank, world = dist.get_rank(), dist.get_world_size()
-    local = int(local_world_size or os.environ.get("LOCAL_WORLD_SIZE", world))
-    if local < 1 or world % local:
-        raise ValueError(f"local_world_size={local} must divide the world size {world} (processes per node)")
-    node = rank // local
-    node_ranks = tuple(range(node * local, (node + 1) * local))
-    leaders = tuple(range(0, world, local))
-    node_group = edge_group(node_ranks) if local > 1 else None
-    leader_group = edge_group(leaders) if rank in leaders and len(leaders) > 1 else None
-    return NodeComm(rank, world, local, node, node_ranks, leaders, node_group, leader_group)
+    sizes = node_sizes(local_world_size)
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    node = max(i for i, s in enumerate(starts) if s <= rank)
+    node_ranks = tuple(range(starts[node], starts[node] + sizes[node]))
+    leaders = tuple(starts)
+    # Every rank creates every group, in one order (node by node, then the leaders): see edge_group.
+    groups = [edge_group(range(start, start + size)) if size > 1 else None for start, size in zip(starts, sizes)]
+    node_group = groups[node]
+    leader_group = edge_group(leaders) if len(leaders) > 1 else None
+    return NodeComm(rank, world, len(node_ranks), node, node_ranks, leaders, node_group, leader_group, sizes)
 
 
 def p2p_exchange(sends: list[tuple[Tensor, int]], recvs: list[tuple[Tensor, int]]) -> list:

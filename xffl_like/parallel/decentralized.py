@@ -37,6 +37,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
+from .comm import node_sizes
 from .topology import Edge, Topology
 
 __all__ = ["DecentralizedDataParallel", "OPTIM_FN_TYPE", "LR_SCHEDULER_FN_TYPE"]
@@ -139,7 +140,13 @@ class DecentralizedDataParallel(nn.Module):
         self._bucket_bytes = bucket_size_in_mb * 1024 * 1024
         self._world_size = dist.get_world_size()
         local = local_world_size if local_world_size is not None else int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-        self._topo = Topology(topology, local_world_size=local)
+        # Agreed by all ranks: a rank building its schedule from its own node size alone would
+        # wait on edges the others never form (hosts with different LOCAL_WORLD_SIZE).
+        sizes = node_sizes(local)
+        if len(set(sizes)) > 1 and topology == "alternating-exp-ring":
+            raise ValueError(f"topology 'alternating-exp-ring' needs nodes of equal size, got nodes of {list(sizes)} "
+                             f"processes: start the same number of processes per node or use another topology")
+        self._topo = Topology(topology, local_world_size=sizes[0])
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self._names = [n for n, _ in named]
         self._params = [p for _, p in named]

@@ -15,10 +15,11 @@ the weights, ``p *= 1 - lr * weight_decay``, before the step. Unlike Decent-DP,
 the L2 term is added out of place, so ``p.grad`` is left untouched.
 
 The factories take ``[(name, parameter), ...]`` (what DecentralizedDataParallel
-passes, one call per bucket) and put weight decay on matrices only: biases and
-normalisation weights (any parameter with fewer than 2 dimensions) get none.
+passes, one call per bucket) and split them with the project's one weight-decay rule,
+:func:`xffl_like.train.optim.decay_groups` (the main job's ``optim.decay_all``):
+biases, norm gains and embedding tables get none unless ``decay_all=True``.
 Decent-DP's factories did the reverse (decay on names containing "bn" or
-"bias" only), a defect fixed here.
+"bias" only, so every weight matrix went undecayed), a defect fixed here.
 """
 
 from __future__ import annotations
@@ -112,36 +113,41 @@ class AccumAdamW(_AccumAdamBase):
     decoupled = True
 
 
-def param_groups(params: list[tuple[str, Tensor]], weight_decay: float) -> list[dict]:
-    """Two groups: matrices with ``weight_decay``, biases/norms (ndim < 2) without (empty groups dropped)."""
-    decay = [p for _, p in params if p.ndim >= 2]
-    no_decay = [p for _, p in params if p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+def param_groups(params: list[tuple[str, Tensor]], weight_decay: float, decay_all: bool = False) -> list[dict]:
+    """Two groups by :func:`~xffl_like.train.optim.decay_groups`: decayed with ``weight_decay``, and
+    biases/norms/embeddings without (unless ``decay_all``); empty groups dropped."""
+    from ..train.optim import decay_groups
+
+    params = list(params)
+    by_name = dict(params)
+    decay, no_decay = decay_groups(params, decay_all)
+    groups = [{"params": [by_name[n] for n in decay], "weight_decay": weight_decay},
+              {"params": [by_name[n] for n in no_decay], "weight_decay": 0.0}]
     return [g for g in groups if g["params"]]
 
 
 def optim_fn_adam(params: list[tuple[str, Tensor]], lr: float = 1e-3, beta1: float = 0.9, beta2: float = 0.999,
-                  weight_decay: float = 1.0 / 32768, eps: float = 1e-8) -> Optimizer:
+                  weight_decay: float = 1.0 / 32768, eps: float = 1e-8, decay_all: bool = False) -> Optimizer:
     """``torch.optim.Adam`` over ``params``; bind other values with ``functools.partial``."""
-    return torch.optim.Adam(param_groups(params, weight_decay), lr=lr, betas=(beta1, beta2), eps=eps)
+    return torch.optim.Adam(param_groups(params, weight_decay, decay_all), lr=lr, betas=(beta1, beta2), eps=eps)
 
 
 def optim_fn_adamw(params: list[tuple[str, Tensor]], lr: float = 1e-3, beta1: float = 0.9, beta2: float = 0.999,
-                   weight_decay: float = 0.1, eps: float = 1e-8) -> Optimizer:
+                   weight_decay: float = 0.1, eps: float = 1e-8, decay_all: bool = False) -> Optimizer:
     """``torch.optim.AdamW`` over ``params``; bind other values with ``functools.partial``."""
-    return torch.optim.AdamW(param_groups(params, weight_decay), lr=lr, betas=(beta1, beta2), eps=eps)
+    return torch.optim.AdamW(param_groups(params, weight_decay, decay_all), lr=lr, betas=(beta1, beta2), eps=eps)
 
 
 def optim_fn_accum_adam(params: list[tuple[str, Tensor]], lr: float = 1e-3, beta1: float = 0.9, beta2: float = 0.999,
-                        eps: float = 1e-8, weight_decay: float = 1.0 / 32768, accum_iter: int = 4) -> Optimizer:
+                        eps: float = 1e-8, weight_decay: float = 1.0 / 32768, accum_iter: int = 4, decay_all: bool = False) -> Optimizer:
     """:class:`AccumAdam` over ``params``; ``accum_iter`` should grow with the number of processes."""
-    return AccumAdam(param_groups(params, weight_decay), lr=lr, betas=(beta1, beta2), eps=eps, accum_iter=accum_iter)
+    return AccumAdam(param_groups(params, weight_decay, decay_all), lr=lr, betas=(beta1, beta2), eps=eps, accum_iter=accum_iter)
 
 
 def optim_fn_accum_adamw(params: list[tuple[str, Tensor]], lr: float = 1e-3, beta1: float = 0.9, beta2: float = 0.999,
-                         eps: float = 1e-8, weight_decay: float = 0.1, accum_iter: int = 4) -> Optimizer:
+                         eps: float = 1e-8, weight_decay: float = 0.1, accum_iter: int = 4, decay_all: bool = False) -> Optimizer:
     """:class:`AccumAdamW` over ``params``; ``accum_iter`` should grow with the number of processes."""
-    return AccumAdamW(param_groups(params, weight_decay), lr=lr, betas=(beta1, beta2), eps=eps, accum_iter=accum_iter)
+    return AccumAdamW(param_groups(params, weight_decay, decay_all), lr=lr, betas=(beta1, beta2), eps=eps, accum_iter=accum_iter)
 
 
 def lr_scheduler_fn_cosine_with_warmup(optimizer: Optimizer, t_max: int, t_warmup: int, cosine_eta_min: float = 1e-6,

@@ -14,7 +14,7 @@ per node), :func:`topology_edges`, so it is testable without processes and reuse
 by any caller; :class:`Topology` maps it onto real ranks, which may be any list
 of global ranks (the whole world for :class:`DecentralizedDataParallel`, the
 facility leaders for gossip across facilities), and creates one process group per
-distinct edge, once.
+distinct edge, once, on every process of the world in the same order.
 """
 
 from __future__ import annotations
@@ -153,15 +153,18 @@ def topology_edges(name: str, n: int, local_world_size: int = 1) -> list[list[Ed
 
 
 # Groups are created once per (world, ranks) and reused by every Topology that needs them.
-_GROUPS: dict[tuple, dist.ProcessGroup] = {}
+_GROUPS: dict[tuple, dist.ProcessGroup | None] = {}
 
 
-def edge_group(ranks: Sequence[int]) -> dist.ProcessGroup:
-    """The process group of ``ranks`` (called by members only), created on first use.
+def edge_group(ranks: Sequence[int]) -> dist.ProcessGroup | None:
+    """The process group of ``ranks``, created on first use; ``None`` on a process outside ``ranks``.
 
-    Uses group-local synchronization, so ranks outside ``ranks`` need not take part;
-    callers must create the groups they share in one global order (as
-    :class:`Topology` does) so that no two ranks wait on each other in a cycle.
+    Collective over the world: EVERY process calls it for the same groups in the same
+    order (members and non-members alike). Torch's group-local creation
+    (``use_local_synchronization=True``) names a group after its ranks *and the number of
+    groups the calling process already has*, so members that had created different numbers
+    of groups (a leader of a larger node, a rank of the main job's layout) waited under
+    different names and hung; a world-wide creation order has no such dependence.
     """
     ranks = tuple(sorted(ranks))
     world = dist.group.WORLD
@@ -169,7 +172,8 @@ def edge_group(ranks: Sequence[int]) -> dist.ProcessGroup:
         return world
     key = (world, ranks)  # the WORLD object itself: a re-initialized world never hits a stale group
     if key not in _GROUPS:
-        _GROUPS[key] = dist.new_group(list(ranks), use_local_synchronization=True)
+        group = dist.new_group(list(ranks))
+        _GROUPS[key] = group if dist.get_rank() in ranks else None
     return _GROUPS[key]
 
 
@@ -178,8 +182,8 @@ class Topology:
 
     ``local_world_size`` is the number of consecutive members per node (only
     ``alternating-exp-ring`` uses it; default ``LOCAL_WORLD_SIZE``-like 1).
-    Every member must construct it with the same arguments; a process outside
-    ``ranks`` may construct it too (it creates nothing and has no edges).
+    Collective over the world: every process constructs it with the same arguments (a
+    process outside ``ranks`` takes part in creating the groups and has no edges).
     """
 
     def __init__(self, name: str = "complete", ranks: Sequence[int] | None = None, local_world_size: int = 1):
@@ -197,14 +201,15 @@ class Topology:
         ]
         me = dist.get_rank()
         self._mine: list[Edge] = []
-        if me not in self.ranks:
-            return
-        # Create this rank's groups in one global order (by iteration, then edge): deadlock-free.
+        # Every process creates every edge's group in one global order (by iteration, then edge).
         for it in self.schedule:
             for e in it:
-                if me in e.ranks and len(e.ranks) > 1:
-                    e.group = edge_group(e.ranks)
-            self._mine.append(next(e for e in it if me in e.ranks))
+                if len(e.ranks) > 1:
+                    group = edge_group(e.ranks)
+                    if me in e.ranks:
+                        e.group = group
+            if me in self.ranks:
+                self._mine.append(next(e for e in it if me in e.ranks))
 
     @property
     def period(self) -> int:

@@ -63,6 +63,10 @@ def train_worker(cfg: dict[str, Any], run_dir: str, started_at: float | None = N
         layout, env, backend=dcfg["backend"], num_streams=cfg["strategy"]["streams"], timeout_s=dcfg["timeout_s"]
     )
     try:
+        if (cfg.get("parallel") or {}).get("name", "fsdp") != "fsdp":  # full copies: Decent-DP or Bagua
+            from .dataparallel_loop import train_data_parallel
+
+            return train_data_parallel(cfg, state, Path(run_dir), started_at or time.time())
         return _train(cfg, state, Path(run_dir), started_at or time.time())
     finally:
         dist.destroy_process_group()
@@ -96,7 +100,7 @@ def _train(cfg: dict, state: DistributedState, run_dir: Path, started_at: float)
     restored = ckpt.restore(losses)  # None: a fresh start
     start_step = restored["step"] if restored else 0
     rounds: list[dict] = list(restored["rounds"]) if restored else []
-    # {"step", "loss_local", "loss_global"}: per facility, None when not evaluated
+    # {"step", "loss_local", "loss_global", "time"}: losses per facility, None when not evaluated
     evals: list[dict] = list(restored.get("records", {}).get("evals", [])) if restored else []
     observer = Observer(cfg, state, run_dir, restored)
     fault = FaultInjector(cfg, state.rank)
@@ -107,7 +111,7 @@ def _train(cfg: dict, state: DistributedState, run_dir: Path, started_at: float)
         return lambda weights, index: guard.weights_for_round(weights, index, done)
 
     dist.barrier()
-    start = time.perf_counter()
+    start, train_started_at = time.perf_counter(), time.time()
     try:
         if start_step == 0:
             dump.save(0, "init")  # tests: the common start, theta_global of every fragment
@@ -151,6 +155,7 @@ def _train(cfg: dict, state: DistributedState, run_dir: Path, started_at: float)
                     observer.round(record)
                 record_eval["loss_global"] = facility_eval(model, eval_batches, state, tcfg.loss_chunk)
             if local_eval:
+                record_eval["time"] = time.time()  # when it was known: wall-clock time-to-loss (bench.wan)
                 evals.append(record_eval)
             observer.step(step, float(facility_loss), optimizer.param_groups[0]["lr"], tokens_per_step,
                           time.perf_counter() - start, record_eval if local_eval else None)
@@ -216,6 +221,7 @@ def _train(cfg: dict, state: DistributedState, run_dir: Path, started_at: float)
         "checkpoints": checkpoints,
         "tokens_per_second": tokens_per_step * (steps - start_step) / train_seconds,
         "train_seconds": train_seconds,
+        "train_started_at": train_started_at,
         "phases": phases,
         "setup_peak_rss_mb": float(setup_rss),
         "wall_seconds": time.time() - started_at,

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Literal, Mapping
+from typing import Any, Iterable, Literal, Mapping
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 __all__ = ["OPTIMIZERS", "SCHEDULES", "OptimConfig", "Schedule", "build_optimizer", "build_scheduler",
            "decay_groups"]
@@ -42,7 +42,7 @@ class OptimConfig:
     schedule: Literal["constant", "cosine", "linear"] = "constant"
     #: Learning rate of the last step for ``cosine`` and ``linear`` (ignored by ``constant``).
     min_lr: float = 0.0
-    #: ``False``: norms, biases and embeddings get no weight decay; ``True``: every parameter does.
+    #: ``False``: norms, biases and embeddings get no weight decay (:func:`decay_groups`); ``True``: every parameter does.
     decay_all: bool = False
     #: Max global gradient norm; 0 disables clipping.
     grad_clip: float = 0.0
@@ -93,33 +93,47 @@ class OptimConfig:
                    **kwargs)
 
 
-def decay_groups(model: nn.Module, decay_all: bool = False) -> tuple[list[str], list[str]]:
-    """Names of the parameters that get weight decay, and of those that do not.
+_EMBEDDING_NAMES = ("wte", "wpe")  # GPT-2's embedding modules, whose names do not say "embed"
 
-    Without ``decay_all``, norms (modules whose class name ends in ``Norm``), biases and
-    embeddings (``nn.Embedding``, hence also a head tied to it) are not decayed: shrinking a
-    norm's gain or a rare token's row towards zero is not regularisation. Each shared
-    parameter is listed once, under its first name.
+
+def decay_groups(params: nn.Module | Iterable[tuple[str, Tensor]], decay_all: bool = False) -> tuple[list[str], list[str]]:
+    """Names of the parameters that get weight decay, and of those that do not: the one rule of
+    the project, used by the main job's optimizer and by the ``xffl_like.parallel`` factories.
+
+    ``params`` is a module or ``(name, parameter)`` pairs (what DecentralizedDataParallel
+    passes to its ``optim_fn``, one bucket at a time). Without ``decay_all``, biases and norm
+    gains (every parameter with fewer than 2 dimensions) and embedding tables get none:
+    shrinking a norm's gain or a rare token's row towards zero is not regularisation. A
+    module's embeddings are its ``nn.Embedding`` weights (so also a head tied to one); in
+    pairs, a parameter whose module name contains ``embed`` (``tok_embeddings``,
+    ``embed_tokens``, ``word_embeddings``) or is ``wte``/``wpe``. Each shared parameter is
+    listed once, under its first name. ``decay_all``: every parameter decays.
     """
-    exempt: set[int] = set()
-    if not decay_all:
-        for module in model.modules():
-            is_norm = type(module).__name__.endswith("Norm") or isinstance(module, (nn.LayerNorm, nn.GroupNorm))
-            for pname, param in module.named_parameters(recurse=False):
-                if is_norm or isinstance(module, nn.Embedding) or pname == "bias":
-                    exempt.add(id(param))
+    embeddings: set[int] = set()
+    if isinstance(params, nn.Module):
+        embeddings = {id(m.weight) for m in params.modules() if isinstance(m, nn.Embedding)}
+        params = params.named_parameters()
+
+    def exempt(name: str, param: Tensor) -> bool:
+        module = name.rsplit(".", 1)[0].split(".")[-1].lower() if "." in name else ""
+        return (param.ndim < 2 or id(param) in embeddings or "embed" in module or module in _EMBEDDING_NAMES)
+
     decay, no_decay, seen = [], [], set()
-    for name, param in model.named_parameters():
+    for name, param in params:
         if id(param) in seen:
             continue
         seen.add(id(param))
-        (no_decay if id(param) in exempt else decay).append(name)
+        (no_decay if not decay_all and exempt(name, param) else decay).append(name)
     return decay, no_decay
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
-    """The optimizer of ``cfg.name`` over two groups: decayed and not decayed (empty groups are dropped)."""
-    params = dict(model.named_parameters())
+def build_optimizer(model: nn.Module | Iterable[tuple[str, Tensor]], cfg: OptimConfig) -> torch.optim.Optimizer:
+    """The optimizer of ``cfg.name`` over two groups: decayed and not decayed (empty groups are dropped).
+
+    ``model``: a module, or ``(name, parameter)`` pairs (one bucket of DecentralizedDataParallel)."""
+    if not isinstance(model, nn.Module):
+        model = list(model)
+    params = dict(model.named_parameters()) if isinstance(model, nn.Module) else dict(model)
     decay, no_decay = decay_groups(model, cfg.decay_all)
     groups = [{"params": [params[n] for n in names], "weight_decay": wd}
               for names, wd in ((decay, cfg.weight_decay), (no_decay, 0.0)) if names]

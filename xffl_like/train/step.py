@@ -88,6 +88,8 @@ def accumulate_gradients(
     for i in range(k):
         if isinstance(model, FSDPModule):
             model.set_requires_gradient_sync(i == k - 1)
+        elif hasattr(model, "set_accumulate_grad"):  # DecentralizedDataParallel: update after the last only
+            model.set_accumulate_grad(i < k - 1)
         with timer("data"):
             inputs, targets = (t.to(device, non_blocking=True) for t in micro_batch(i))
         with timer("forward"):

@@ -1,7 +1,8 @@
 """Benchmark: step time and final loss of the data-parallel libraries against DDP, side by side.
 
-    python -m xffl_like.parallel.bench                       # 4 local processes, 2 "nodes" of 2, loopback
-    python -m xffl_like.parallel.bench --nproc 8 --local-world-size 4 --steps 40 --out bench_parallel.json
+    python -m xffl_like.bench.parallel                       # 4 local processes, 2 "nodes" of 2, loopback
+    python -m xffl_like.bench.parallel --nproc 8 --local-world-size 4 --steps 40 --out bench_parallel.json
+    python -m xffl_like.bench.parallel --link-mbit 100        # 2 nodes in 2 network namespaces, a shaped link (root)
 
 Every method trains the same model (``conf/model/<model>.yaml``, seed 0) on the same
 per-rank batches (a fixed random bigram language, different samples per rank) with
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -118,11 +120,55 @@ def _worker(args: dict) -> dict:
     return results
 
 
+def _shaped(args: dict, nodes: int, per_node: int, link_mbit: float, timeout_s: float) -> tuple[dict | None, str]:
+    """The same run with every node in its own network namespace (one torchrun per node),
+    the nodes joined by links of ``link_mbit`` each way; ``(None, why)`` when namespaces
+    cannot be made here (printed; not an error)."""
+    import tempfile
+
+    from .netns import CounterSampler, Network, NetnsError, cleanup_on_signals, launch_torchrun, unavailable, wait_launchers
+
+    why = unavailable()
+    if why:
+        print(f"--link-mbit skipped: {why}")
+        return None, why
+    with tempfile.TemporaryDirectory(prefix="xffl-bench-parallel-") as tmp, cleanup_on_signals():
+        work = Path(tmp)
+        (work / "args.json").write_text(json.dumps({**args, "result_path": str(work / "results.json")}))
+        try:
+            network = Network(nodes, link_mbit)
+        except NetnsError as exc:
+            print(f"--link-mbit skipped: cannot build network namespaces here: {exc}")
+            return None, str(exc)
+        with network, CounterSampler(network) as sampler:
+            started = time.time()
+            procs = launch_torchrun(network, per_node, ["-m", "xffl_like.bench.parallel", "--worker",
+                                                        str(work / "args.json")], {"OMP_NUM_THREADS": "1"}, work, 29500)
+            failed = wait_launchers(procs, network, timeout_s)
+            crossed = sum(sampler.tx_between(started, time.time()))
+        if failed:
+            logs = "".join(p.read_text(errors="replace") for p in sorted(work.glob("facility*.log")))
+            last = [ln for ln in logs.splitlines() if "Error" in ln or ln.startswith("error")][-1:]
+            print(f"error: {failed}{': ' + last[0] if last else ''}", file=sys.stderr)
+            raise SystemExit(1)
+        results = json.loads((work / "results.json").read_text())
+    return results, (f"{nodes} network namespaces joined by {link_mbit:g} Mbit/s links (tbf), "
+                     f"{crossed / 1e6:.1f} MB crossed in all")
+
+
+def _shaped_or_interrupted(*args) -> tuple[dict | None, str]:
+    try:
+        return _shaped(*args)
+    except KeyboardInterrupt:
+        print("interrupted: the run was stopped and the namespaces removed", file=sys.stderr)
+        raise SystemExit(130) from None
+
+
 def main(argv: list[str] | None = None) -> dict:
     """Run the benchmark in ``--nproc`` local processes; print the table, optionally write JSON."""
     from xffl_like.distributed.launch import WorkerFailure, launch_local
 
-    p = argparse.ArgumentParser(prog="python -m xffl_like.parallel.bench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m xffl_like.bench.parallel", description=__doc__.split("\n\n")[0])
     p.add_argument("--nproc", type=int, default=4)
     p.add_argument("--local-world-size", type=int, default=2, help="processes per emulated node")
     p.add_argument("--model", default="llama_tiny")
@@ -133,7 +179,18 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of " + ", ".join(METHODS))
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    p.add_argument("--link-mbit", type=float, default=None,
+                   help="put each node (--local-world-size processes) in its own network namespace, the nodes "
+                        "joined by links of this many Mbit/s each way (tc tbf; needs root)")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds before a shaped-link run is stopped")
+    p.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)  # internal: one torchrun worker
     a = p.parse_args(argv)
+    if a.worker is not None:  # started by torchrun inside a namespace (--link-mbit): train, rank 0 reports
+        args = json.loads(a.worker.read_text())
+        results = _worker(args)
+        if int(os.environ.get("RANK", "0")) == 0:
+            Path(args["result_path"]).write_text(json.dumps(results))
+        return results
     methods = [m for m in a.methods.split(",") if m]
     unknown = [m for m in methods if m not in METHODS]
     problems = [f"unknown method(s) {unknown}: choose from {', '.join(METHODS)}"] if unknown else []
@@ -141,21 +198,33 @@ def main(argv: list[str] | None = None) -> dict:
         problems.append(f"--local-world-size {a.local_world_size} must divide --nproc {a.nproc} (>= 2)")
     if not (0 <= a.warmup < a.steps - 1) or a.steps < 6:
         problems.append(f"--steps {a.steps} must be >= 6 and exceed --warmup {a.warmup} by 2")
+    if a.link_mbit is not None and not a.link_mbit > 0:
+        problems.append(f"--link-mbit {a.link_mbit}: must be a positive number of Mbit/s")
+    if a.link_mbit is not None and a.nproc // max(1, a.local_world_size) < 2:
+        problems.append(f"--link-mbit needs at least 2 nodes: --nproc {a.nproc} / --local-world-size {a.local_world_size}")
     if not (ROOT / "conf" / "model" / f"{a.model}.yaml").exists():
         problems.append(f"--model {a.model}: no conf/model/{a.model}.yaml")
     if problems:
         print("error: " + "; ".join(problems), file=sys.stderr)
         raise SystemExit(2)
-    args = dict(vars(a), methods=methods, out=None)
-    from xffl_like.parallel.bench import _worker as worker  # by module name: spawned workers import it
+    args = {k: v for k, v in vars(a).items() if k not in ("out", "worker")}
+    args["methods"] = methods
+    if a.link_mbit is not None:
+        results, where = _shaped_or_interrupted(args, a.nproc // a.local_world_size, a.local_world_size,
+                                                a.link_mbit, a.timeout)
+        if results is None:
+            return {}
+    else:
+        from xffl_like.bench.parallel import _worker as worker  # by module name: spawned workers import it
 
-    try:
-        results = launch_local(worker, (args,), a.nproc)[0]
-    except WorkerFailure as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        raise SystemExit(1) from None
+        try:
+            results = launch_local(worker, (args,), a.nproc)[0]
+        except WorkerFailure as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            raise SystemExit(1) from None
+        where = "loopback"
     base = results.get("ddp")
-    print(f"{a.nproc} processes ({a.nproc // a.local_world_size} nodes of {a.local_world_size}), loopback, "
+    print(f"{a.nproc} processes ({a.nproc // a.local_world_size} nodes of {a.local_world_size}), {where}, "
           f"model={a.model}, {a.steps} steps")
     print(f"{'method':38s} {'step ms':>9s} {'x DDP':>7s} {'final loss':>11s} {'x DDP':>7s} {'consensus':>10s}")
     for m, r in results.items():
@@ -163,7 +232,8 @@ def main(argv: list[str] | None = None) -> dict:
         lratio = f"{r['final_loss'] / base['final_loss']:.3f}" if base else "-"
         print(f"{m:38s} {1000 * r['step_s']:9.1f} {ratio:>7s} {r['final_loss']:11.4f} {lratio:>7s} "
               f"{r['consensus_distance']:10.2e}")
-    report = {"config": {k: v for k, v in vars(a).items() if k != "out"}, "results": results}
+    report = {"config": {k: v for k, v in vars(a).items() if k not in ("out", "worker")}, "network": where,
+              "results": results}
     if a.out is not None:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps(report, indent=2, default=str))

@@ -30,7 +30,8 @@ from omegaconf import DictConfig, OmegaConf
 
 __all__ = ["BenchFailed", "run_bench", "bench_worker", "format_table"]
 
-STRATEGY_DIR = Path(__file__).resolve().parents[1] / "conf" / "strategy"
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+STRATEGY_DIR = CONF_DIR / "strategy"
 DTYPES = ("float32", "bfloat16")
 
 
@@ -42,7 +43,7 @@ class BenchFailed(RuntimeError):
 def _strategy_specs(plain: dict) -> list[dict]:
     """The options of every strategy to time: ``strategy`` when selected, else ``bench.strategies``
     from their yaml with the bench's non-null overrides."""
-    from .aggregation import STRATEGIES
+    from ..aggregation import STRATEGIES
 
     if plain.get("strategy"):
         return [dict(plain["strategy"])]
@@ -65,21 +66,21 @@ def _strategy_specs(plain: dict) -> list[dict]:
 
 
 def _validate(plain: dict) -> list[dict]:
-    from .aggregation import validate_strategy_options
-    from .distributed.layout import plan_layout
-    from .models import LlamaConfig, build_model
+    from ..aggregation import validate_strategy_options
+    from ..distributed.layout import plan_layout
+    from ..models import LlamaConfig, build_model
 
     bench, dcfg = plain["bench"], plain["distributed"]
     for key, low in (("warmup", 0), ("repeats", 1)):
         value = bench.get(key)
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise BenchFailed(f"bench.{key}={value!r}: must be an integer >= {low}")
-    from .aggregation.strategy import COLLECTIVES
+    from ..aggregation.strategy import COLLECTIVES
 
     if bench.get("collective") not in (None, *COLLECTIVES):
         raise BenchFailed(f"bench.collective={bench.get('collective')!r}: use null or one of {list(COLLECTIVES)}")
-    from .aggregation import check_collective
-    from .distributed.state import resolve_backend
+    from ..aggregation import check_collective
+    from ..distributed.state import resolve_backend
 
     try:
         check_collective(bench.get("collective"), resolve_backend(dcfg.get("backend", "auto")), "bench.collective")
@@ -118,7 +119,7 @@ def _validate(plain: dict) -> list[dict]:
 
 def run_bench(cfg: DictConfig, run_dir: Path) -> dict:
     """Validate, launch the workers, write ``bench.json``; return the report."""
-    from .distributed.launch import WorkerFailure, launch_local
+    from ..distributed.launch import WorkerFailure, launch_local
 
     plain = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     plain.pop("hydra", None)
@@ -219,7 +220,7 @@ class _FlatExchange:
     def __init__(self, flat, group, ranks, me: int):
         import torch
 
-        from .aggregation.strategy import parts
+        from ..aggregation.strategy import parts
 
         order = sorted(ranks)  # group ranks follow the sorted global ranks
         self.group, self.me, self.n = group, me, len(ranks)
@@ -287,7 +288,7 @@ class _Limits:
         self.scratch = [torch.empty_like(flat) for flat, _ in self.items]
 
     def _exchanges(self, k: int) -> list[_FlatExchange]:
-        from .aggregation.strategy import parts
+        from ..aggregation.strategy import parts
 
         return [
             _FlatExchange(flat[a:b], pe.groups[i], pe.exchange.ranks, self.me)
@@ -337,7 +338,7 @@ class _Limits:
         """Send this rank's bytes to the next peer while receiving as many from the previous."""
         import torch.distributed as dist
 
-        from .aggregation.strategy import parts
+        from ..aggregation.strategy import parts
 
         def run():
             works = []
@@ -373,7 +374,7 @@ class _Limits:
 def _time_strategy(model, state, spec: dict, bench: dict) -> dict:
     import torch.distributed as dist
 
-    from .aggregation import aggregate, build_strategy
+    from ..aggregation import aggregate, build_strategy
 
     weights = bench.get("weights")
     base = _memory_mark(state.device)
@@ -454,10 +455,10 @@ def bench_worker(plain: dict, specs: list[dict], run_dir: str) -> dict:
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
-    from .distributed.layout import plan_layout
-    from .distributed.state import build_state, read_env
-    from .models import build_model
-    from .train.parallelize import contiguous_shards
+    from ..distributed.layout import plan_layout
+    from ..distributed.state import build_state, read_env
+    from ..models import build_model
+    from ..train.parallelize import contiguous_shards
 
     env = read_env()
     dcfg, bench = plain["distributed"], plain["bench"]
@@ -492,7 +493,7 @@ def bench_worker(plain: dict, specs: list[dict], run_dir: str) -> dict:
 
 
 # ----------------------------------------------------------------------------- entry point
-@hydra.main(config_path="../conf", config_name="bench", version_base=None)
+@hydra.main(config_path=str(CONF_DIR), config_name="bench", version_base=None)
 def main(cfg: DictConfig) -> dict | None:
     hc = HydraConfig.get()
     run_dir = Path(hc.runtime.output_dir)

@@ -1,0 +1,115 @@
+"""The wide-area benchmark's parts: the namespace network (root only) and the result arithmetic.
+
+No timing assertions: the benchmark itself (``python -m xffl_like.bench.wan``) measures times.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from xffl_like.bench import netns
+from xffl_like.bench.wan import eval_curve, loss_at_step, time_to_target
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _summary(algorithm: str, sizes: list[int], history: list[dict]) -> dict:
+    return {"layout": {"facility_sizes": sizes}, "federation": {"algorithm": algorithm}, "eval_history": history}
+
+
+def test_eval_curve_takes_the_one_model_the_job_holds():
+    # Federated: only the rounds' averaged model (loss_global) is one model; sizes 3 and 1 weigh 3:1.
+    fed = _summary("federated", [3, 1], [
+        {"step": 8, "loss_local": [4.0, 2.0], "loss_global": None, "time": 100.0},
+        {"step": 16, "loss_local": [3.0, 2.0], "loss_global": [2.0, 6.0], "time": 110.0},
+        {"step": 32, "loss_local": [2.0, 2.0], "loss_global": [1.0, 1.0], "time": 130.0},
+    ])
+    assert eval_curve(fed) == [(16, 110.0, (3 * 2.0 + 6.0) / 4), (32, 130.0, 1.0)]
+    # Synchronous: every copy is the same model at every evaluation.
+    sync = _summary("synchronous", [2, 2], [
+        {"step": 16, "loss_local": [3.0, 5.0], "loss_global": None, "time": 50.0},
+        {"step": 32, "loss_local": [2.5, 2.5], "loss_global": None, "time": 90.0},
+    ])
+    assert eval_curve(sync) == [(16, 50.0, 4.0), (32, 90.0, 2.5)]
+
+
+def test_time_to_target_is_the_first_point_at_or_below_it():
+    curve = [(16, 110.0, 3.0), (32, 130.0, 2.4), (48, 150.0, 2.0), (64, 170.0, 2.2)]
+    assert time_to_target(curve, 2.4, 100.0) == 30.0  # reached exactly at step 32
+    assert time_to_target(curve, 2.1, 100.0) == 50.0  # step 48, not the later, higher point
+    assert time_to_target(curve, 1.9, 100.0) is None  # never
+    assert loss_at_step(curve, 48) == 2.0 and loss_at_step(curve, 40) is None
+
+
+def test_counter_interpolation():
+    samples = [(10.0, [0, 100]), (12.0, [1000, 300]), (13.0, [1000, 400])]
+    assert netns.tx_at(samples, 11.0) == [500.0, 200.0]
+    assert netns.tx_at(samples, 5.0) == [0.0, 100.0] and netns.tx_at(samples, 99.0) == [1000.0, 400.0]
+
+
+def _namespaces() -> str:
+    return subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+RECEIVER = """
+import socket, sys
+srv = socket.create_server((sys.argv[1], 0))
+print(srv.getsockname()[1], flush=True)
+conn, _ = srv.accept()
+total = 0
+while chunk := conn.recv(1 << 16):
+    total += len(chunk)
+print(total, flush=True)
+"""
+SENDER = "import socket, sys; s = socket.create_connection((sys.argv[1], int(sys.argv[2]))); s.sendall(b'x' * 400000); s.close()"
+
+
+@pytest.mark.skipif(netns.unavailable() is not None, reason=str(netns.unavailable()))
+def test_network_carries_traffic_counts_it_and_is_always_removed():
+    with netns.Network(2, 100) as net:
+        names = [f.namespace for f in net.facilities] + [net.switch]
+        assert all(n in _namespaces() for n in names)
+        a, b = net.facilities
+        before = net.counters()
+        receiver = subprocess.Popen([*b.exec_prefix(), sys.executable, "-c", RECEIVER, b.address],
+                                    stdout=subprocess.PIPE, text=True)
+        port = receiver.stdout.readline().strip()
+        subprocess.run([*a.exec_prefix(), sys.executable, "-c", SENDER, b.address, port], check=True, timeout=60)
+        assert int(receiver.stdout.readline()) == 400000
+        receiver.wait(timeout=30)
+        after = net.counters()
+        sent, received = after[0][0] - before[0][0], after[1][1] - before[1][1]
+        assert 400000 < sent < 440000 and 400000 < received < 440000  # payload + TCP/IP headers, across the link
+        with pytest.raises(RuntimeError, match="boom"):
+            with netns.Network(2, 10, prefix=f"xfw{_dead_pid()}") as other:  # a second network, failing inside
+                raise RuntimeError("boom")
+        assert other.switch not in _namespaces()
+    assert not any(n in _namespaces() for n in names)
+    # A crashed run's namespaces (its pid dead) are swept by the next one.
+    stale = netns.Network(2, 10, prefix=f"xfw{_dead_pid()}")
+    stale._closed = True  # as if the process died without closing
+    removed = netns.sweep_stale()
+    assert stale.switch in removed and stale.switch not in _namespaces()
+    for holder in stale._holders:
+        holder.wait(timeout=10)  # killed by the sweep
+
+
+def test_wan_rejects_bad_input_before_building_anything(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-m", "xffl_like.bench.wan", f"hydra.run.dir={tmp_path}",
+                             'bench.configs.synchronous=["+experiment=no_such_preset"]'],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 2, stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: config synchronous:") and "no_such_preset" in lines[0]
+    assert not (tmp_path / "wan.json").exists() and f"xfw{proc.pid}-" not in _namespaces()

@@ -1,0 +1,12 @@
+"""Benchmarks, each a ``python -m`` entry point; nothing here is imported by the job itself.
+
+- ``python -m xffl_like.bench`` (:mod:`.aggregation`): the aggregation strategies against the
+  limit of the transport (Hydra, ``conf/bench.yaml``).
+- ``python -m xffl_like.bench.wan`` (:mod:`.wan`): the main job's federated algorithms across
+  facilities separated by an emulated wide-area link (Hydra, ``conf/bench_wan.yaml``).
+- ``python -m xffl_like.bench.parallel`` (:mod:`.parallel`): the data-parallel libraries of
+  :mod:`xffl_like.parallel` against DDP, on loopback or across a shaped link.
+
+:mod:`.netns` builds the emulated network (Linux network namespaces joined by rate-limited
+veth links) that the last two use.
+"""

@@ -1,0 +1,359 @@
+"""An emulated wide-area network on one machine: one Linux network namespace per facility.
+
+Facility ``f`` lives in namespace ``<prefix>-f<f>`` with one veth interface at
+``10.77.0.<f+1>/24``; the other end of every veth is a port of a bridge in the switch
+namespace ``<prefix>-sw``. A token bucket (``tc qdisc ... tbf``, the only shaper this kind
+of kernel offers: netem is missing) limits both ends to ``link_mbit``, so each facility's
+upload and download run at the line rate. Traffic inside a facility (to its own address or
+to 127.0.0.1) stays on the namespace's loopback and is not shaped. The link adds no latency
+beyond the kernel's own.
+
+``prefix`` is ``xfw<pid>``: a later :class:`Network` removes the namespaces of a process that
+died without cleaning up (``sweep_stale``). :meth:`Network.close` kills what still runs in its
+namespaces (by process id, from ``ip netns pids``) and deletes them, which deletes their veth
+pairs; it runs on exit, on failure and on SIGINT/SIGTERM (:func:`cleanup_on_signals`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+__all__ = ["NetnsError", "Facility", "Network", "CounterSampler", "unavailable", "sweep_stale", "cleanup_on_signals",
+           "launch_torchrun", "wait_launchers", "tx_at", "SUBNET"]
+
+SUBNET = "10.77.0"
+_KILL_GRACE_S = 10.0
+_PREFIX_RE = re.compile(r"^xfw(\d+)-")
+_LINK_RE = re.compile(r"^x(\d+)[fs]\d+$")
+
+
+class NetnsError(RuntimeError):
+    """A namespace, link or qdisc could not be set up; ``str(exc)`` is one line."""
+
+
+@dataclass(frozen=True)
+class Facility:
+    """One facility's namespace, its veth interface (inside it) and that interface's address."""
+
+    namespace: str
+    interface: str
+    address: str
+
+    def exec_prefix(self) -> list[str]:
+        """Command prefix that runs a program inside this facility's namespace."""
+        return ["ip", "netns", "exec", self.namespace]
+
+
+def unavailable() -> str | None:
+    """Why namespaces cannot be made here (one line), or ``None`` when they can be tried."""
+    if os.geteuid() != 0:
+        return "needs root (ip netns, tc): run it as root, or in a container with CAP_NET_ADMIN"
+    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+    if missing:
+        return f"needs {' and '.join(missing)} (iproute2): install iproute2"
+    return None
+
+
+def _run(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run(list(cmd), capture_output=True, text=True, timeout=30)
+    if check and proc.returncode != 0:
+        why = (proc.stderr or proc.stdout).strip().splitlines()
+        raise NetnsError(f"`{' '.join(cmd)}` failed: {why[0] if why else f'exit {proc.returncode}'}")
+    return proc
+
+
+def _namespaces() -> list[str]:
+    proc = _run("ip", "netns", "list", check=False)
+    return [line.split()[0] for line in proc.stdout.splitlines() if line.strip()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _kill_inside(namespace: str, exclude: set[int] = frozenset()) -> None:
+    """SIGKILL every process still running in ``namespace`` (by id: all were started here)."""
+    proc = _run("ip", "netns", "pids", namespace, check=False)
+    for pid in (int(p) for p in proc.stdout.split() if p.isdigit() and int(p) not in exclude):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _delete(namespace: str) -> None:
+    _kill_inside(namespace)
+    _run("ip", "netns", "delete", namespace, check=False)
+
+
+def sweep_stale() -> list[str]:
+    """Delete the namespaces (and veth ends not yet moved into one) of earlier runs whose
+    process is dead; return their names."""
+    removed = []
+    links = _run("ip", "-o", "link", "show", check=False).stdout
+    for name in re.findall(r"^\d+: ([^:@]+)", links, flags=re.M):
+        match = _LINK_RE.match(name)
+        if match and not _alive(int(match.group(1))):
+            _run("ip", "link", "delete", name, check=False)
+            removed.append(name)
+    for name in _namespaces():
+        match = _PREFIX_RE.match(name)
+        if match and not _alive(int(match.group(1))):
+            _delete(name)
+            removed.append(name)
+    return removed
+
+
+def _tbf(namespace: str, interface: str, mbit: float) -> None:
+    # The bucket must hold at least one timer tick of traffic at the rate, or the shaper
+    # cannot reach it: 10 ms worth, at least 32 kbit (tc's own advice for low rates).
+    burst_kbit = max(32, int(mbit * 1000 * 0.01))
+    _run("ip", "netns", "exec", namespace, "tc", "qdisc", "add", "dev", interface, "root", "tbf",
+         "rate", f"{mbit}mbit", "burst", f"{burst_kbit}kbit", "latency", "400ms")
+
+
+class Network:
+    """``num_facilities`` namespaces joined by a bridge over links of ``link_mbit`` each way.
+
+    Use as a context manager (or call :meth:`close`): every namespace and link it made is
+    gone afterwards. :meth:`counters` reads each facility interface's byte counters.
+    """
+
+    def __init__(self, num_facilities: int, link_mbit: float, prefix: str | None = None):
+        if num_facilities < 2:
+            raise ValueError(f"a network needs at least 2 facilities, got {num_facilities}")
+        if not link_mbit > 0:
+            raise ValueError(f"link_mbit={link_mbit!r}: must be a positive number of Mbit/s")
+        self.prefix = prefix or f"xfw{os.getpid()}"
+        self.link_mbit = float(link_mbit)
+        self.switch = f"{self.prefix}-sw"
+        # Interface names hold at most 15 characters: x<pid>f<f> (facility end), x<pid>s<f> (switch port).
+        self._tag = "x" + self.prefix.removeprefix("xfw")[:9]
+        self.facilities = [
+            Facility(f"{self.prefix}-f{f}", f"{self._tag}f{f}", f"{SUBNET}.{f + 1}")
+            for f in range(num_facilities)
+        ]
+        self._made: list[str] = []
+        self._holders: list[subprocess.Popen] = []
+        self._closed = False
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self) -> None:
+        sweep_stale()
+        self._add_namespace(self.switch)
+        _run("ip", "-n", self.switch, "link", "add", "br0", "type", "bridge")
+        _run("ip", "-n", self.switch, "link", "set", "br0", "up")
+        for f, fac in enumerate(self.facilities):
+            self._add_namespace(fac.namespace)
+            port = f"{self._tag}s{f}"
+            # Made in this namespace, moved at once: a failure in between leaves a pair behind
+            # only until the namespace (or this process's sweep) deletes it.
+            _run("ip", "link", "add", fac.interface, "type", "veth", "peer", "name", port)
+            _run("ip", "link", "set", port, "netns", self.switch)
+            _run("ip", "link", "set", fac.interface, "netns", fac.namespace)
+            _run("ip", "-n", self.switch, "link", "set", port, "master", "br0")
+            _run("ip", "-n", self.switch, "link", "set", port, "up")
+            _run("ip", "-n", fac.namespace, "addr", "add", f"{fac.address}/24", "dev", fac.interface)
+            _run("ip", "-n", fac.namespace, "link", "set", fac.interface, "up")
+            _run("ip", "-n", fac.namespace, "link", "set", "lo", "up")
+            _tbf(fac.namespace, fac.interface, self.link_mbit)  # the facility's upload
+            _tbf(self.switch, port, self.link_mbit)  # its download
+            # A process that stays in the namespace: its /proc/<pid>/net/dev gives the
+            # interface counters without starting a program per reading.
+            self._holders.append(subprocess.Popen([*fac.exec_prefix(), "sleep", "2147483647"],
+                                                  stdin=subprocess.DEVNULL, start_new_session=True))
+        deadline = time.time() + 10
+        while True:  # each holder reads its namespace's counters once it has entered it
+            try:
+                self.counters()
+                break
+            except NetnsError:
+                if time.time() > deadline:
+                    raise
+                time.sleep(0.02)
+
+    def _add_namespace(self, name: str) -> None:
+        _run("ip", "netns", "add", name)
+        self._made.append(name)
+
+    def counters(self) -> list[tuple[int, int]]:
+        """(tx_bytes, rx_bytes) of every facility's interface: bytes it sent to and received
+        from the other facilities (Ethernet frames: headers included)."""
+        out = []
+        for fac, holder in zip(self.facilities, self._holders):
+            text = open(f"/proc/{holder.pid}/net/dev").read()
+            for line in text.splitlines():
+                name, _, values = line.partition(":")
+                if name.strip() == fac.interface:
+                    fields = values.split()
+                    out.append((int(fields[8]), int(fields[0])))
+                    break
+            else:
+                raise NetnsError(f"interface {fac.interface} is gone from namespace {fac.namespace}")
+        return out
+
+    def kill_processes(self) -> None:
+        """SIGKILL whatever still runs in the facilities' namespaces (a stopped or timed-out
+        run's workers), leaving the network up for the next run."""
+        holders = {h.pid for h in self._holders}
+        for fac in self.facilities:
+            _kill_inside(fac.namespace, exclude=holders)
+
+    def close(self) -> None:
+        """Kill what runs in the namespaces, delete them (and so their links). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for holder in self._holders:
+            holder.kill()
+            holder.wait()
+        for name in reversed(self._made):
+            _delete(name)
+
+    def __enter__(self) -> Network:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class CounterSampler:
+    """Samples :meth:`Network.counters` every ``interval_s`` in a thread: the bytes that crossed
+    between two instants are then read off the series (:meth:`tx_between`)."""
+
+    def __init__(self, network: Network, interval_s: float = 0.05):
+        self.network, self.interval_s = network, interval_s
+        self.samples: list[tuple[float, list[int]]] = []
+        self.error: str | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                self.samples.append((time.time(), [tx for tx, _ in self.network.counters()]))
+                if self._stop.wait(self.interval_s):
+                    self.samples.append((time.time(), [tx for tx, _ in self.network.counters()]))
+                    return
+        except (OSError, NetnsError) as exc:  # the network went away under us: readings stop here
+            self.error = f"counters unreadable: {exc}"
+
+    def __enter__(self) -> CounterSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def tx_at(self, t: float) -> list[float]:
+        """Every facility's transmitted bytes at time ``t`` (linear between samples)."""
+        return tx_at(self.samples, t)
+
+    def tx_between(self, t0: float, t1: float) -> list[float]:
+        """Bytes each facility sent between ``t0`` and ``t1``."""
+        if self.error is not None or (self.samples and self.samples[-1][0] < t1 - 5 * self.interval_s
+                                      and not self._thread.is_alive()):
+            raise NetnsError(self.error or "the counters were not sampled up to the end of the run")
+        a, b = self.tx_at(t0), self.tx_at(t1)
+        return [y - x for x, y in zip(a, b)]
+
+
+def tx_at(samples: list[tuple[float, list[int]]], t: float) -> list[float]:
+    """Counters of ``samples`` ((time, per-facility bytes), time-ordered) at ``t``, linearly
+    interpolated; clamped to the first and last sample."""
+    if not samples:
+        raise ValueError("no counter samples")
+    if t <= samples[0][0]:
+        return [float(v) for v in samples[0][1]]
+    for (ta, va), (tb, vb) in zip(samples, samples[1:]):
+        if t <= tb:
+            w = 0.0 if tb == ta else (t - ta) / (tb - ta)
+            return [x + w * (y - x) for x, y in zip(va, vb)]
+    return [float(v) for v in samples[-1][1]]
+
+
+def launch_torchrun(network: Network, nproc_per_node: int, entry: list[str], env: dict[str, str], log_dir: Path,
+                    port: int) -> list[subprocess.Popen]:
+    """One ``torchrun`` per facility, inside its namespace, as a multi-site job starts: all join
+    one static rendezvous at facility 0's link address (node rank = facility, so global ranks
+    are contiguous per facility). gloo binds each facility's link interface
+    (``GLOO_SOCKET_IFNAME``): peers in other facilities reach it across the link, peers in the
+    same facility over its loopback. ``entry``: what torchrun runs (``["-m", module, args...]``);
+    each launcher's output goes to ``log_dir/facility<f>.log``."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    endpoint = f"{network.facilities[0].address}:{port}"
+    procs = []
+    for f, fac in enumerate(network.facilities):
+        cmd = [*fac.exec_prefix(), sys.executable, "-m", "torch.distributed.run", f"--nnodes={len(network.facilities)}",
+               f"--nproc-per-node={nproc_per_node}", f"--node-rank={f}", "--rdzv-backend=static",
+               f"--rdzv-endpoint={endpoint}", "--max-restarts=0", *entry]
+        with open(log_dir / f"facility{f}.log", "w") as log:
+            procs.append(subprocess.Popen(cmd, env={**os.environ, **env, "GLOO_SOCKET_IFNAME": fac.interface},
+                                          stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                          start_new_session=True))
+    return procs
+
+
+def wait_launchers(procs: list[subprocess.Popen], network: Network, timeout_s: float) -> str | None:
+    """Wait for every launcher of :func:`launch_torchrun`: ``None`` when all exited 0, else why
+    not, after stopping them and killing whatever they left in the namespaces."""
+    deadline = time.time() + timeout_s
+    why = f"timed out after {timeout_s:.0f} s"
+    while time.time() < deadline:
+        codes = [p.poll() for p in procs]
+        if all(c == 0 for c in codes):
+            return None
+        failed = [f for f, c in enumerate(codes) if c not in (None, 0)]
+        if failed:
+            why = f"facility {failed[0]}'s launcher exited with {codes[failed[0]]}"
+            break
+        time.sleep(0.2)
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()  # torchrun stops its workers on SIGTERM
+    for p in procs:
+        try:
+            p.wait(timeout=_KILL_GRACE_S)
+        except subprocess.TimeoutExpired:
+            pass
+    network.kill_processes()
+    for p in procs:
+        p.wait()
+    return why
+
+
+@contextmanager
+def cleanup_on_signals() -> Iterator[None]:
+    """Turn SIGTERM (and SIGHUP) into ``SystemExit`` while inside, so that ``finally`` blocks
+    and context managers (a :class:`Network`) run; Ctrl-C already raises KeyboardInterrupt."""
+    def handler(signum, _frame):
+        raise SystemExit(128 + signum)
+
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)

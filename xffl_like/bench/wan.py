@@ -1,0 +1,331 @@
+"""``python -m xffl_like.bench.wan``: the federated algorithms across an emulated wide-area link.
+
+Every facility runs in its own network namespace (:mod:`.netns`), joined to the others by a
+link shaped at ``bench.link_mbit`` each way. Each algorithm config is the real main job,
+``python -m xffl_like.run <overrides>``, started as a multi-site job is: one elastic launcher
+(``torchrun``) per facility, inside that facility's namespace, all joining one static
+rendezvous at facility 0's link address; gloo binds the facility's link interface, so traffic
+between facilities crosses the shaped link and traffic inside one stays on its loopback.
+
+``bench.mode=train`` (default) runs ``bench.configs`` on the same data: the reference
+(``bench.reference``, synchronous training) for ``bench.steps`` steps, every other config for
+up to ``bench.max_steps_factor`` times as many. Each evaluates every ``bench.eval_every``
+steps (after every round). ``time_to_target_seconds`` is the wall time from the start of
+training (after start-up, which is the same for every config and reported apart) to the
+first evaluation whose loss reaches the reference's final eval loss. The bytes that
+crossed are read from the link interfaces' counters (sampled every 50 ms), not computed.
+Writes ``wan.json``, ``wan.md`` and ``wan.png`` into its run directory and prints the table.
+
+``bench.mode=link`` runs one round of ``bench.link_overrides`` (``model=llama_bench``) and
+reports the fraction of the line rate that round achieved.
+
+Needs root and iproute2 (``ip``, ``tc``); without them it prints one line and exits 0.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from .netns import CounterSampler, Network, NetnsError, cleanup_on_signals, launch_torchrun, unavailable, wait_launchers
+
+__all__ = ["WanFailed", "eval_curve", "time_to_target", "loss_at_step", "run_wan", "format_table", "main"]
+
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+MODES = ("train", "link")
+
+
+class WanFailed(RuntimeError):
+    """The benchmark could not run; ``str(exc)`` is the one line to show."""
+
+
+# ----------------------------------------------------------------------------- results (pure)
+def eval_curve(summary: dict) -> list[tuple[int, float, float]]:
+    """``(step, unix time, eval loss)`` of one model the job held, from ``summary["eval_history"]``.
+
+    After a round every facility holds the same (averaged) model: its ``loss_global``. A
+    synchronous job holds one model at every step: its ``loss_local``. Between rounds the
+    facilities' models differ and no single loss exists, so those points are left out. The
+    loss is the mean over facilities weighted by their sizes, as the job's ``eval_loss``.
+    """
+    sizes = summary["layout"]["facility_sizes"]
+    synchronous = summary["federation"]["algorithm"] == "synchronous"
+    curve = []
+    for entry in summary["eval_history"]:
+        losses = entry.get("loss_global") or (entry.get("loss_local") if synchronous else None)
+        if losses is not None:
+            curve.append((entry["step"], entry["time"], sum(s * x for s, x in zip(sizes, losses)) / sum(sizes)))
+    return curve
+
+
+def time_to_target(curve: list[tuple[int, float, float]], target: float, started: float) -> float | None:
+    """Seconds from ``started`` to the first point of ``curve`` whose loss is <= ``target``."""
+    for _, when, loss in curve:
+        if loss <= target:
+            return when - started
+    return None
+
+
+def loss_at_step(curve: list[tuple[int, float, float]], step: int) -> float | None:
+    """The curve's loss at ``step`` (the token budget), ``None`` when it has no point there."""
+    return next((loss for s, _, loss in curve if s == step), None)
+
+
+# ----------------------------------------------------------------------------- validation
+def _check(plain: dict) -> dict:
+    bench = plain["bench"]
+
+    def positive(key, kind=int):
+        value = bench.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int) or value <= 0:
+            raise WanFailed(f"bench.{key}={value!r}: must be a positive {'number' if kind is float else 'integer'}")
+
+    if bench.get("mode") not in MODES:
+        raise WanFailed(f"bench.mode={bench.get('mode')!r}: use one of {list(MODES)}")
+    for key in ("facilities", "nproc_per_facility", "steps", "eval_every"):
+        positive(key)
+    for key in ("link_mbit", "timeout_s", "max_steps_factor"):
+        positive(key, float)
+    if bench["facilities"] < 2:
+        raise WanFailed(f"bench.facilities={bench['facilities']}: a wide-area link needs at least 2 facilities")
+    if bench["max_steps_factor"] < 1:
+        raise WanFailed(f"bench.max_steps_factor={bench['max_steps_factor']}: must be >= 1")
+    configs = bench.get("configs")
+    if not isinstance(configs, dict) or not configs:
+        raise WanFailed("bench.configs must map config names to lists of overrides, e.g. {synchronous: [+experiment=synchronous]}")
+    if bench["mode"] == "train" and bench.get("reference") not in configs:
+        raise WanFailed(f"bench.reference={bench.get('reference')!r}: name one of bench.configs {list(configs)}")
+    for name, overrides in {**configs, "link_overrides": bench.get("link_overrides")}.items():
+        if not isinstance(overrides, list) or not all(isinstance(o, str) for o in overrides):
+            raise WanFailed(f"bench.configs.{name}={overrides!r}: must be a list of override strings")
+    return bench
+
+
+def _runs(bench: dict) -> dict[str, list[str]]:
+    """Config name -> the main job's overrides, the bench's own settings last (they win)."""
+    world = bench["facilities"] * bench["nproc_per_facility"]
+    fixed = [f"distributed.nproc_per_node={world}", f"distributed.federated={bench['nproc_per_facility']}",
+             "distributed.hsdp=null"]
+    if bench["mode"] == "link":
+        return {"link": [*bench["common"], *bench["link_overrides"], *fixed, "train.steps=1", "federation.every=1"]}
+    runs = {}
+    for name, overrides in bench["configs"].items():
+        steps = bench["steps"] if name == bench["reference"] else int(bench["steps"] * bench["max_steps_factor"])
+        runs[name] = [*bench["common"], *overrides, *fixed, f"train.steps={steps}",
+                      f"train.eval_every={bench['eval_every']}"]
+    return runs
+
+
+def _validate_runs(runs: dict[str, list[str]], bench: dict) -> None:
+    """Compose and validate every run's config here, before any namespace exists."""
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.initialize import get_gh_backup, restore_gh_from_backup
+
+    world = bench["facilities"] * bench["nproc_per_facility"]
+    backup = get_gh_backup()  # this process runs a Hydra app already: compose beside it, then restore it
+    try:
+        for name, overrides in runs.items():
+            GlobalHydra.instance().clear()
+            _validate_run(name, overrides, world, bench)
+    finally:
+        restore_gh_from_backup(backup)
+
+
+def _validate_run(name: str, overrides: list[str], world: int, bench: dict) -> None:
+    from ..config import ConfigError, validate_config
+    from ..job import _compose, choices, resolve
+
+    try:
+        composed = _compose(overrides)
+        plain = resolve(composed)
+        validate_config(plain, world, bench["nproc_per_facility"], Path.cwd(), choices(composed))
+    except ConfigError as exc:
+        raise WanFailed(f"config {name}: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - Hydra's compose errors: one line
+        raise WanFailed(f"config {name}: {str(exc).splitlines()[0]}") from None
+    if name != "link" and plain["train"]["steps"] % plain["train"]["eval_every"]:
+        raise WanFailed(f"config {name}: train.steps={plain['train']['steps']} is not a multiple of "
+                        f"bench.eval_every={bench['eval_every']}")
+
+
+# ----------------------------------------------------------------------------- one run
+def _last_error(run_dir: Path) -> str:
+    for f in sorted(run_dir.glob("facility*.log")):
+        lines = [ln for ln in f.read_text(errors="replace").splitlines() if ln.startswith("error")]
+        if lines:
+            return lines[0]
+    return f"see {run_dir}/facility*.log"
+
+
+def _measure(name: str, run_dir: Path, started: float, ended: float, sampler: CounterSampler, bench: dict) -> dict:
+    summary = json.loads((run_dir / "summary.json").read_text())
+    curve = eval_curve(summary)
+    t0 = summary["train_started_at"]
+    train_end = curve[-1][1] if curve else ended
+    # Bytes from the start of training to the last evaluation (start-up and the job's final
+    # checks after it are left out), and over the whole run.
+    sent = sampler.tx_between(t0, train_end)
+    rate = bench["link_mbit"] * 1e6 / 8
+    out = {
+        "wall_seconds": ended - started,
+        "startup_seconds": t0 - started,
+        "train_seconds": summary["train_seconds"],
+        "steps": summary["steps"],
+        "rounds": summary["rounds"],
+        "cross_bytes": int(sum(sent)),
+        "cross_bytes_per_facility": [int(b) for b in sent],
+        "cross_bytes_whole_run": int(sum(sampler.tx_between(started, ended))),
+        "cross_bytes_computed": sum(summary["cross_facility_bytes_per_round"]),
+        # Mean over facilities of (bytes sent / what the uplink could carry while training ran).
+        "link_utilization": sum(sent) / len(sent) / (rate * (train_end - t0)),
+        # Seconds since the start of training (the same start-up precedes every config).
+        "eval_curve": [{"step": s, "seconds": t - t0, "loss": loss} for s, t, loss in curve],
+        "eval_loss_end": summary["eval_loss"],
+        "run_dir": str(run_dir),
+    }
+    if summary["rounds"]:
+        out["cross_bytes_per_round"] = out["cross_bytes"] / summary["rounds"]
+    if bench["mode"] == "link":
+        seconds = summary["aggregation_seconds"][0]
+        out["round_seconds"] = seconds
+        out["round_bytes_computed"] = summary["cross_facility_bytes_per_round"][0]
+        out["link_utilization"] = sum(sent) / len(sent) / (rate * seconds)
+    return out
+
+
+# ----------------------------------------------------------------------------- the benchmark
+def run_wan(cfg: DictConfig, run_dir: Path) -> dict | None:
+    """Validate, build the network, run every config, write ``wan.json``; ``None`` when
+    namespaces cannot be made here (the reason is printed)."""
+    plain = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    plain.pop("hydra", None)
+    bench = _check(plain)
+    runs = _runs(bench)
+    _validate_runs(runs, bench)
+    why = unavailable()
+    if why:
+        print(f"bench.wan skipped: {why}", flush=True)
+        return None
+    run_dir.mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(OmegaConf.create(plain), run_dir / "config.yaml")
+    results, failures = {}, {}
+    with cleanup_on_signals():
+        try:
+            network = Network(bench["facilities"], bench["link_mbit"])
+        except NetnsError as exc:
+            print(f"bench.wan skipped: cannot build network namespaces here: {exc}", flush=True)
+            return None
+        with network, CounterSampler(network) as sampler:
+            for i, (name, overrides) in enumerate(runs.items()):
+                job_dir = run_dir / "runs" / name
+                print(f"[{name}] {' '.join(overrides)}", flush=True)
+                started = time.time()
+                env = {"XFFL_RUN_DIR": str(job_dir.resolve()), "WANDB_MODE": "offline",
+                       "OMP_NUM_THREADS": str(bench["threads_per_process"])}
+                procs = launch_torchrun(network, bench["nproc_per_facility"], ["-m", "xffl_like.run", *overrides],
+                                        env, job_dir, 29500 + i)
+                failed = wait_launchers(procs, network, bench["timeout_s"])
+                ended = time.time()
+                if failed:
+                    failures[name] = f"{failed}: {_last_error(job_dir)}"
+                    print(f"[{name}] failed: {failures[name]}", flush=True)
+                    continue
+                try:
+                    results[name] = _measure(name, job_dir, started, ended, sampler, bench)
+                except NetnsError as exc:
+                    failures[name] = str(exc)
+                    print(f"[{name}] failed: {exc}", flush=True)
+                    continue
+                print(f"[{name}] {ended - started:.1f} s", flush=True)
+    report = _report(bench, results, failures)
+    (run_dir / "wan.json").write_text(json.dumps(report, indent=2) + "\n")
+    (run_dir / "counters.json").write_text(json.dumps({"interfaces": [f.interface for f in network.facilities],
+                                                       "samples": sampler.samples}) + "\n")
+    (run_dir / "wan.md").write_text(format_table(report) + "\n")
+    if bench["mode"] == "train":
+        from ..observe.plots import plot_eval_curves
+
+        note = plot_eval_curves({n: r["eval_curve"] for n, r in results.items()}, report.get("target_eval_loss"),
+                                bench["link_mbit"], run_dir / "wan.png")
+        if note:
+            print(f"note: {note}")
+    return report
+
+
+def _report(bench: dict, results: dict, failures: dict) -> dict:
+    report = {"mode": bench["mode"], "link_mbit": bench["link_mbit"], "facilities": bench["facilities"],
+              "nproc_per_facility": bench["nproc_per_facility"], "results": results, "failures": failures}
+    if bench["mode"] == "link":
+        return report
+    ref = results.get(bench["reference"])
+    report["reference"] = bench["reference"]
+    report["steps"] = bench["steps"]
+    report["target_eval_loss"] = ref["eval_curve"][-1]["loss"] if ref else None
+    ref_time = None
+    if ref:
+        ref_time = next(p["seconds"] for p in ref["eval_curve"] if p["loss"] <= report["target_eval_loss"])
+    for name, r in results.items():
+        curve = [(p["step"], p["seconds"], p["loss"]) for p in r["eval_curve"]]
+        r["final_eval_loss"] = loss_at_step(curve, bench["steps"])
+        ttt = time_to_target(curve, report["target_eval_loss"], 0.0) if ref else None
+        r["time_to_target_seconds"] = ttt
+        r["time_to_target_ratio"] = ttt / ref_time if ttt is not None and ref_time else None
+    return report
+
+
+def format_table(report: dict) -> str:
+    """The results as a markdown table (also printed)."""
+    if report["mode"] == "link":
+        r = report["results"].get("link")
+        if r is None:
+            return f"link mode failed: {report['failures']}"
+        return (f"one round over {report['link_mbit']:g} Mbit/s: {r['round_seconds']:.2f} s, "
+                f"{r['cross_bytes'] / 1e6:.1f} MB crossed (counters; computed {r['round_bytes_computed'] / 1e6:.1f} MB), "
+                f"{100 * r['link_utilization']:.1f}% of the line rate")
+    head = ("| config | steps | rounds | wall s | final eval loss | time to target s | x reference | "
+            "cross MB | MB per round | link use |")
+    lines = [f"{report['facilities']} facilities x {report['nproc_per_facility']} processes, link "
+             f"{report['link_mbit']:g} Mbit/s each way; target eval loss {report['target_eval_loss']} "
+             f"({report['reference']}'s final, step {report['steps']})", "", head, "|" + "---|" * 10]
+    for name, r in report["results"].items():
+        def fmt(v, spec):
+            return "-" if v is None else format(v, spec)
+
+        lines.append(
+            f"| {name} | {r['steps']} | {r['rounds']} | {r['wall_seconds']:.1f} | {fmt(r['final_eval_loss'], '.4f')} | "
+            f"{fmt(r['time_to_target_seconds'], '.1f')} | {fmt(r['time_to_target_ratio'], '.3f')} | "
+            f"{r['cross_bytes'] / 1e6:.2f} | {fmt(r.get('cross_bytes_per_round') and r['cross_bytes_per_round'] / 1e6, '.3f')} | "
+            f"{r['link_utilization']:.2f} |")
+    for name, why in report["failures"].items():
+        lines.append(f"failed: {name}: {why}")
+    return "\n".join(lines)
+
+
+@hydra.main(config_path=str(CONF_DIR), config_name="bench_wan", version_base=None)
+def main(cfg: DictConfig) -> dict | None:
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    try:
+        report = run_wan(cfg, run_dir)
+    except WanFailed as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        print("interrupted: the runs were stopped and the namespaces removed", file=sys.stderr, flush=True)
+        sys.exit(130)
+    if report is None:
+        return None
+    print(format_table(report))
+    print(f"wrote {run_dir / 'wan.json'}")
+    if report["failures"]:
+        sys.exit(1)
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -140,10 +140,10 @@ class FederationSchedule:
         return self.current.federated
 
     def describe(self) -> dict:
-        """The summary's ``federation``: the algorithm, or with a schedule its phases."""
+        """The summary's ``federation``: the (last) phase's algorithm and, with a schedule, the phases."""
         if not self.phases[0].scheduled:
             return self.current.describe()
-        return {"phases": self.phases_run()}
+        return {**self.current.describe(), "phases": self.phases_run()}
 
     def phases_run(self) -> list[dict]:
         """``[{from_step, until_step, config}]`` of the phases that run (``until_step``: where it ends)."""

@@ -331,13 +331,104 @@ def check_synchronous(state, report) -> None:
         report["sync_cases"] += 1
 
 
+# ----------------------------------------------------------------------------- streaming
+class LayersNet(nn.Module):
+    """Blocks named like the Llama's (``layers.<i>.``): fragments are groups of them."""
+
+    def __init__(self):
+        super().__init__()
+        from strategy_workers import Block
+
+        self.embed = nn.Embedding(9, 6)
+        self.layers = nn.ModuleList([Block() for _ in range(4)])
+        self.head = nn.Linear(6, 3)
+
+
+def check_streaming(state, digests, report) -> None:
+    """fragments=2, overlap_steps=1, every=4 over 12 steps, DiLoCo's outer rule, weights=tokens,
+    and a guard that leaves facility 1 out of one exchange: every step's values by hand."""
+    n = state.num_facilities
+    torch.manual_seed(0)
+    model = LayersNet()
+    for layer in model.layers:
+        fully_shard(layer, mesh=state.mesh)
+    fully_shard(model, mesh=state.mesh)
+    contiguous_shards(model, state.shard_size)
+    names = [name for name, _ in model.named_parameters()]
+    # Fragment 0: the embedding and blocks 0, 1; fragment 1: blocks 2, 3 and the head.
+    owner = [0 if name.startswith(("embed", "layers.0.", "layers.1.")) else 1 for name in names]
+    o = dict(name="nesterov", lr=0.7, momentum=0.9)
+    start = values(model, state, 0, -1)
+    assign(model, start)
+    fed = Federation.build(spec(every=4, fragments=2, overlap_steps=1, merge_alpha=0.25, weights="tokens", outer=o),
+                           model, build_strategy(model, state, STRATEGY), state, begin=0, end=12, last=True)
+    def per_rank_tokens(f, done):  # rates that change over time: weights over the right window only
+        return 10 * (f + 1) + 7 * f * done
+
+    counted = {k: [0.0] * n for k in (0, 1)}  # tokens since each fragment's exchange last started
+    theta, buf = list(start), {}
+    pending = {}  # fragment -> (weights, snapshot per facility)
+    index, cur = 0, None
+    skip_at = 2  # the exchange that ends as record 2 leaves facility 1 out
+
+    def adjust(weights, round_index):
+        return ([weights[0], 0.0] + weights[2:], [1]) if round_index == skip_at else (weights, [])
+
+    def launch(k, done, round_index):
+        w, counted[k] = counted[k], [0.0] * n
+        if round_index == skip_at:  # facility 1 restarts every fragment from theta_global
+            cur[1] = list(theta)
+            w[1] = 0.0
+        pending[k] = (w, [list(c) for c in cur])
+
+    def apply(k, blend):
+        w, snap = pending.pop(k)
+        for i in range(len(theta)):
+            if owner[i] != k:
+                continue
+            mean = sum(w[f] * snap[f][i] for f in range(n)) / sum(w)
+            d = theta[i] - mean
+            buf[i] = o["momentum"] * buf.get(i, torch.zeros_like(d)) + d
+            theta[i] = theta[i] - o["lr"] * (d + o["momentum"] * buf[i])
+            for f in range(n):
+                cur[f][i] = 0.25 * cur[f][i] + 0.75 * theta[i] if blend else theta[i]
+
+    for done in range(1, 13):
+        cur = [values(model, state, 50 + done, f) for f in range(n)]  # as if each facility trained a step
+        assign(model, cur[state.facility])
+        fed.trained(per_rank_tokens(state.facility, done))
+        for k in counted:
+            counted[k] = [c + per_rank_tokens(f, done) * state.layout.facility_sizes[f] for f, c in enumerate(counted[k])]
+        records = fed.finish_due(done, adjust, index=index)
+        synced = {2: [0], 4: [1], 6: [0], 8: [1], 10: [0], 12: [0, 1]}.get(done, [])  # offsets 2 and 4, by hand
+        if [r["fragment"] for r in records] != synced:
+            raise AssertionError(f"step {done}: fragments {[r['fragment'] for r in records]} synced, not {synced}")
+        for k, r in zip(synced, records):
+            if done == 12:
+                launch(k, done, index)
+            apply(k, blend=done < 12)
+            want = 2 * 4 * sum(p.numel() for p, f in zip(model.parameters(), owner) if f == k)
+            if r["cross_facility_bytes"] != want or r["started_step"] != (done if done == 12 else done - 1):
+                raise AssertionError(f"step {done}: record {r}")
+            index += 1
+        close(model, cur[state.facility], f"streaming step {done} after the rounds")
+        fed.start_due(done, adjust, index=index)
+        starts = {1: [0], 3: [1], 5: [0], 7: [1], 9: [0]}.get(done, [])  # one step before, never at the end
+        for k in starts:
+            launch(k, done, index)
+        close(model, cur[state.facility], f"streaming step {done} after starting {starts}")
+    digests.append(("streaming, after the last step", digest(model)))  # in between, merged copies differ
+    fed.wait()
+    report["streaming_cases"] += 1
+
+
 # ----------------------------------------------------------------------------- entry
 def run_layouts(layouts: list[dict]) -> dict:
     env = read_env()
     report = {}
     for lay in layouts:
         state = build_state(plan_layout(env.world_size, lay["federated"], lay["hsdp"]), env)
-        out = {"outer_cases": 0, "plain_cases": 0, "gossip_cases": 0, "compression_cases": 0, "sync_cases": 0,
+        out = {"outer_cases": 0, "plain_cases": 0, "gossip_cases": 0, "compression_cases": 0, "sync_cases": 0, "streaming_cases": 0,
                "compressed_bytes": {}}
         digests: list = []
         for what in lay["checks"]:
@@ -351,6 +442,8 @@ def run_layouts(layouts: list[dict]) -> dict:
                 check_compression(state, digests, out)
             elif what == "synchronous":
                 check_synchronous(state, out)
+            elif what == "streaming":
+                check_streaming(state, digests, out)
         identical_across_peers(state, digests)
         dist.barrier()
         report[lay["name"]] = out

@@ -100,3 +100,90 @@ def _check_round_values(directory: Path, weights: list[float], rounds: int, cros
     # Facilities trained apart before each round: otherwise any copy would look like the mean.
     assert spread > MIN_FACILITY_SPREAD, f"facilities hold the same values before aggregating (spread {spread:.3g})"
     return {"spread": spread}
+
+
+# ----------------------------------------------------------------------------- streaming, phases
+def full_values(records: list[dict]) -> dict[str, dict[int, torch.Tensor]]:
+    """name -> facility -> full float64 tensor, from one phase's records of every rank."""
+    return {name: facility_tensors(records, name) for name in records[0]["params"]}
+
+
+def hand_fragments(names: list[str], num_layers: int, fragments: int) -> dict[str, int]:
+    """Written out from the documented rule: block b of L -> b * K // L; the embeddings with the
+    first fragment, the final norm and the head with the last."""
+    out = {}
+    for name in names:
+        if name.startswith("layers."):
+            out[name] = int(name.split(".")[1]) * fragments // num_layers
+        else:
+            out[name] = 0 if name.startswith("tok_embeddings") else fragments - 1
+    return out
+
+
+def _mean(per_facility: dict[int, torch.Tensor], weights: list[float]) -> torch.Tensor:
+    return sum(w * per_facility[f] for f, w in enumerate(weights)) / sum(weights)
+
+
+def _assert_shards(records: list[dict], name: str, want: dict[int, torch.Tensor], atol: float, what: str) -> None:
+    """Every rank's shard of ``name`` is its piece of ``want[facility]``."""
+    for rec in records:
+        full = want[rec["facility"]]
+        chunks = torch.chunk(full, rec["shard_size"])
+        piece = chunks[rec["shard"]] if rec["shard"] < len(chunks) else full[:0]
+        got = rec["params"][name].double()
+        err = float((got - piece).abs().max()) if got.numel() else 0.0
+        assert got.shape == piece.shape and err <= atol, f"{what}: {name} on rank {rec['rank']} is {err:.3g} off"
+
+
+def check_streaming_values(directory: Path, summary: dict, phases: list[dict], num_layers: int,
+                           atol: float = 1e-5) -> dict:
+    """Replay a job's rounds in float64 from its recorded values: phase switches (the weighted
+    mean, identical on every facility), fragment syncs (the outer Nesterov step of the fragment's
+    theta_global on the facilities' weighted mean of the snapshot; the fragment becomes
+    theta_global, or ``alpha * local + (1 - alpha) * theta_global`` when its exchange overlapped
+    local steps; other parameters untouched). ``phases[i]``: ``weights``, ``fragments``,
+    ``overlap_steps``, ``merge_alpha``, ``lr``, ``momentum`` of phase ``i`` (the test's own copy).
+    Returns figures for the caller's asserts."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        recorded = load_rounds(directory)
+        theta = {n: v[0] for n, v in full_values(recorded[(0, "init")]).items()}
+        buf: dict[str, torch.Tensor] = {}
+        spread, worst = 0.0, 0.0
+        for r, rd in enumerate(summary["round_records"]):
+            step, fragment, phase, switch = rd["step"], rd["fragment"], rd["phase"], rd["switch"]
+            p = phases[phase]
+            before = full_values(recorded[(r, "before")])
+            after_records = recorded[(r, "after")]
+            n = len(next(iter(before.values())))
+            weights = p["weights"] or [1.0] * n
+            for name, per in before.items():
+                spread = max(spread, float((per[1] - per[0]).abs().max()))
+            if switch:  # the copies' mean; the next phase starts from it with fresh outer state
+                for name, per in before.items():
+                    mean = _mean(per, weights)
+                    _assert_shards(after_records, name, {f: mean for f in per}, atol, f"round {r} (switch)")
+                after = full_values(after_records)
+                for name, per in after.items():
+                    assert all(torch.equal(per[0], per[f]) for f in per), f"round {r}: copies differ after the switch"
+                theta, buf = {n_: v[0] for n_, v in after.items()}, {}
+                continue
+            owner = hand_fragments(list(before), num_layers, p["fragments"])
+            final = step == summary["steps"]
+            overlapped = p["overlap_steps"] > 0 and not final
+            snapshot = full_values(recorded[(r, "start")]) if overlapped else before
+            for name, per in before.items():
+                if owner[name] != fragment:  # not this fragment: untouched
+                    _assert_shards(after_records, name, per, 0.0, f"round {r} (fragment {fragment})")
+                    continue
+                delta = theta[name] - _mean(snapshot[name], weights)
+                buf[name] = p["momentum"] * buf.get(name, torch.zeros_like(delta)) + delta
+                theta[name] = theta[name] - p["lr"] * (delta + p["momentum"] * buf[name])
+                a = p["merge_alpha"]
+                want = {f: (a * per[f] + (1 - a) * theta[name]) if overlapped else theta[name] for f in per}
+                _assert_shards(after_records, name, want, atol, f"round {r} (fragment {fragment})")
+                worst = max(worst, max(float((want[f] - per[f]).abs().max()) for f in per))
+        return {"spread": spread, "largest_change": worst}
+    finally:
+        torch.set_num_threads(threads)

@@ -115,8 +115,17 @@ def test_elastic_restart_resumes_by_itself(fsdp_runs, tmp_path):
     assert_same_run(tmp_path / "run", base / "ref")
 
 
+# Synchronous for 2 steps, then DiLoCo over 2 fragments with overlapped uint8 exchanges weighted by
+# tokens: fragment 0 starts after step 3 and is applied after 4, fragment 1 after 5 and 6, both at 8.
+# The checkpoint of step 6 (or 4) holds per-fragment theta_global, outer state, residual and tokens.
+STREAMING = ["federation.schedule=[{until_step:2,algorithm:synchronous},{until_step:null,every:4,fragments:2,"
+             "overlap_steps:1,weights:tokens,compression:uint8,error_feedback:true,"
+             "outer:{name:nesterov,lr:0.7,momentum:0.9}}]"]
+
+
 def test_unequal_hsdp_resume_is_bitwise_exact(tmp_path):
-    job = [*JOB, "distributed.nproc_per_node=6", "distributed.federated=[4,2]", "distributed.hsdp=2", "seed=1"]
+    job = [*JOB, "distributed.nproc_per_node=6", "distributed.federated=[4,2]", "distributed.hsdp=2", "seed=1",
+           *STREAMING]
     ref = run_cli(job, tmp_path / "ref")
     assert ref.returncode == 0, ref.stderr
     # Rank 5 is facility 1's second shard; async save (the step-6 checkpoint may still be in flight).
@@ -126,6 +135,9 @@ def test_unequal_hsdp_resume_is_bitwise_exact(tmp_path):
     assert resumed.returncode == 0, resumed.stderr
     assert summary(tmp_path / "killed")["checkpoints"]["resumed_from"] is not None
     assert_same_run(tmp_path / "killed", tmp_path / "ref")
+    records = summary(tmp_path / "ref")["round_records"]
+    assert [(r["step"], r["phase"], r["fragment"], r["started_step"]) for r in records] == [
+        (2, 0, None, 2), (4, 1, 0, 3), (6, 1, 1, 5), (8, 1, 0, 8), (8, 1, 1, 8)]
 
 
 def test_nonfinite_guard_fail_and_skip():

@@ -99,9 +99,9 @@ def test_error_feedback_carries_the_residual(kind):
 # ----------------------------------------------------------------------------- multi-process
 LAYOUTS = [
     # 2 facilities x FSDP over 2 ranks: outer optimizers, plain mean, compression, synchronous.
-    dict(name="fsdp_2x2", federated=2, hsdp=None, checks=["outer", "plain", "compression", "synchronous"]),
-    # 2 facilities x 2 replicas (HSDP): the replicas' hand-over, alternating-exp-ring.
-    dict(name="hsdp_2x2", federated=2, hsdp=1, checks=["outer", "gossip", "compression", "synchronous"]),
+    dict(name="fsdp_2x2", federated=2, hsdp=None, checks=["outer", "plain", "compression", "synchronous", "streaming"]),
+    # 2 facilities x 2 replicas (HSDP): the replicas' hand-over, alternating-exp-ring, streaming's own groups.
+    dict(name="hsdp_2x2", federated=2, hsdp=1, checks=["outer", "gossip", "compression", "synchronous", "streaming"]),
     # 4 facilities of one rank: gossip over ring / one-peer-exp / complete, compression among 4.
     dict(name="four_facilities", federated=1, hsdp=None, checks=["plain", "gossip", "compression"]),
 ]
@@ -115,6 +115,7 @@ def test_federation_on_4_processes():
     assert all(r["gossip_cases"] == 2 * 2 for r in by["hsdp_2x2"])  # ring, alternating-exp-ring; two outer rules
     assert all(r["gossip_cases"] == 3 * 2 for r in by["four_facilities"])
     assert all(r["compression_cases"] == 4 for rs in by.values() for r in rs)
+    assert all(r["streaming_cases"] == 1 for r in by["fsdp_2x2"] + by["hsdp_2x2"])
     # Bytes counted from the messages: 2 facilities, the wide model, every rank sends.
     for r in by["fsdp_2x2"]:
         sent = r["compressed_bytes"]
@@ -147,3 +148,102 @@ def test_job_with_diloco_and_uint8(tmp_path):
     fp32 = 2 * 4 * sum(p.numel() for p in model.parameters())  # both facilities send one fp32 copy
     sent = summary["cross_facility_bytes_per_round"]
     assert all(0.24 * fp32 <= b <= 0.27 * fp32 for b in sent), (sent, fp32)
+
+
+# ----------------------------------------------------------------------------- streaming and phases: pure
+def test_fragment_schedule_by_hand():
+    from xffl_like.federation import fragment_of, sync_offsets, synced_at
+
+    # H=10, K=3: offsets (k+1)*10//3 = 3, 6, 10 (the last where a whole-model round would be).
+    assert sync_offsets(10, 3) == [3, 6, 10]
+    table = {s: synced_at(s, 10, 3) for s in range(1, 27)}
+    assert {s: f for s, f in table.items() if f} == {3: [0], 6: [1], 10: [2], 13: [0], 16: [1], 20: [2], 23: [0],
+                                                     26: [1]}
+    assert {s for s in range(1, 41) if synced_at(s, 8, 1)} == {8, 16, 24, 32, 40}  # K=1: today's rounds
+    assert sync_offsets(16, 4) == [4, 8, 12, 16] and synced_at(4, 4, 4) == [3] and synced_at(1, 4, 4) == [0]
+    names = ["tok_embeddings.weight", *[f"layers.{b}.{w}" for b in range(4) for w in ("attention.wq.weight", "ffn_norm.weight")],
+             "norm.weight", "output.weight"]
+    # Blocks 0..3 of 4 in 3 fragments: b*3//4 = 0, 0, 1, 2; embeddings first, norm and head last.
+    assert fragment_of(names, 4, 3) == [0, 0, 0, 0, 0, 1, 1, 2, 2, 2, 2]
+    assert fragment_of(names, 4, 2) == [0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1]
+    assert fragment_of(names, 4, 1) == [0] * 11
+
+
+def test_phases_merge_over_the_top_level_keys():
+    from xffl_like.federation import plan_phases
+
+    top = workers.spec(every=10, outer=dict(name="nesterov", lr=0.7, momentum=0.9))
+    phases = plan_phases({**top, "schedule": [{"until_step": 5, "every": 2, "outer": {"lr": 0.5}},
+                                              {"until_step": None, "fragments": 2}]}, steps=20)
+    assert [(p.from_step, p.until_step) for p in phases] == [(0, 5), (5, None)]
+    assert phases[0].spec["every"] == 2 and phases[0].spec["outer"] == {**top["outer"], "lr": 0.5}
+    assert phases[1].spec["every"] == 10 and phases[1].spec["fragments"] == 2 and phases[1].spec["outer"] == top["outer"]
+    assert "schedule" not in phases[0].spec
+    assert [p.spec for p in plan_phases(top)] == [top]
+
+
+SCHEDULE_BAD = [
+    (dict(fragments=0), "federation.fragments=0: must be a positive integer"),
+    (dict(every=4, fragments=5), "federation.fragments=5 exceeds federation.every=4"),
+    (dict(every=10, fragments=2, overlap_steps=5), "federation.overlap_steps=5 must be < federation.every/fragments = 10/2"),
+    (dict(overlap_steps=-1), "federation.overlap_steps=-1: must be an integer >= 0"),
+    (dict(merge_alpha=1.5), "federation.merge_alpha=1.5: must be a number in [0, 1]"),
+    (dict(every=4, fragments=2, topology="ring"), "streaming gossip is not supported"),
+    (dict(algorithm="synchronous", every=4, fragments=2), "so federation.fragments does not apply"),
+    (dict(schedule={"until_step": 5}), "federation.schedule={'until_step': 5}: must be a non-empty list"),
+    (dict(schedule=[{"every": 2}]), "federation.schedule[0]: until_step is missing"),
+    (dict(schedule=[{"until_step": 5}, {"until_step": 5}]), "federation.schedule[1].until_step=5: must be an integer > 5"),
+    (dict(schedule=[{"until_step": None}, {"until_step": None}]), "federation.schedule[0].until_step=null: only the last"),
+    (dict(schedule=[{"until_step": 5}, {"until_step": 8}]), "the last phase ends before train.steps=20"),
+    (dict(schedule=[{"until_step": None, "on_nonfinite": "skip"}]), "federation.schedule[0]: unknown key(s) ['on_nonfinite']"),
+    (dict(schedule=[{"until_step": 4, "algorithm": "synchronous"}, {"until_step": None, "outer": {"name": "nesterov"}}]),
+     "federation.schedule[1]: federation.outer.name=nesterov needs federation.outer.momentum > 0"),
+    (dict(schedule=[{"until_step": None, "every": 10, "fragments": 9}]), "federation.schedule[0]: federation.fragments=9 exceeds the model's 4 blocks"),
+]
+
+
+@pytest.mark.parametrize("override, message", SCHEDULE_BAD, ids=[m.split(":")[0][:40] for _, m in SCHEDULE_BAD])
+def test_bad_streaming_and_schedule_options(override, message):
+    with pytest.raises(ValueError) as err:
+        validate_federation(workers.spec(**override), plan_layout(4, 2, None), steps=20, num_layers=4)
+    assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+# ----------------------------------------------------------------------------- streaming and phases: a job
+def test_job_with_phases_fragments_and_overlap(tmp_path):
+    """One job, three phases: synchronous until step 3; fragments=2 (DiLoCo, weights [1, 3]) until
+    step 9; fragments=2 with overlap_steps=1 to the end. Every round's values are replayed here
+    in float64 from the recorded shards (round_values.check_streaming_values)."""
+    from round_values import check_streaming_values
+    from test_run import TINY, run_recorded
+
+    nesterov = "outer:{name:nesterov,lr:0.7,momentum:0.9}"
+    schedule = (f"[{{until_step:3,algorithm:synchronous}},{{until_step:9,every:4,fragments:2,weights:[1,3],{nesterov}}},"
+                f"{{until_step:null,every:4,fragments:2,overlap_steps:1,merge_alpha:0.25,{nesterov}}}]")
+    args = ["+experiment=llama_fed", "distributed.nproc_per_node=2", "distributed.federated=1", "train.steps=15",
+            f"federation.schedule={schedule}", "logger=none",
+            "checkpoint.every_rounds=100", *TINY]
+    _, summary = run_recorded(args, tmp_path)
+    # Which fragment at which step, by hand: phase 1 from step 3 with offsets 2 and 4; phase 2 from
+    # step 9, fragment 0 started at 10 and applied at 11, fragment 1 started at 12 and applied at 13,
+    # both again (without overlap) at the last step.
+    got = [(r["step"], r["phase"], r["fragment"], r["switch"], r["started_step"]) for r in summary["round_records"]]
+    assert got == [(3, 0, None, True, 3), (5, 1, 0, False, 5), (7, 1, 1, False, 7), (9, 1, None, True, 9),
+                   (11, 2, 0, False, 10), (13, 2, 1, False, 12), (15, 2, 0, False, 15), (15, 2, 1, False, 15)]
+    assert [(p["from_step"], p["until_step"], p["config"]["fragments"]) for p in summary["federation"]["phases"]] == \
+        [(0, 3, 1), (3, 9, 2), (9, 15, 2)]
+    phases = [dict(weights=None, fragments=1, overlap_steps=0, merge_alpha=0.5, lr=1.0, momentum=0.0),
+              dict(weights=[1.0, 3.0], fragments=2, overlap_steps=0, merge_alpha=0.5, lr=0.7, momentum=0.9),
+              dict(weights=None, fragments=2, overlap_steps=1, merge_alpha=0.25, lr=0.7, momentum=0.9)]
+    figures = check_streaming_values(tmp_path / "rounds", summary, phases, num_layers=4)
+    assert figures["spread"] > 1e-4 and figures["largest_change"] > 1e-4, figures
+    # Bytes per fragment: each facility's fp32 fragment once (a ring all-reduce between two facilities).
+    from round_values import hand_fragments, load_rounds
+
+    shapes = load_rounds(tmp_path / "rounds")[(0, "init")][0]["shapes"]
+    owner = hand_fragments(list(shapes), 4, 2)
+    fragment_bytes = [sum(4 * torch.Size(s).numel() for n, s in shapes.items() if owner[n] == k) for k in (0, 1)]
+    model_bytes = sum(fragment_bytes)
+    want = [2 * (model_bytes if r["switch"] else fragment_bytes[r["fragment"]]) for r in summary["round_records"]]
+    assert summary["cross_facility_bytes_per_round"] == want
+    assert summary["max_param_divergence_after_last_round"] == 0.0

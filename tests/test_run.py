@@ -155,6 +155,8 @@ BAD = [
     (["fault.kill_rank=1", "fault.at_step=0"], "fault.at_step=0"),
     (["fault.nan_rank=1"], "set both"),
     (["federation.on_nonfinite=ignore"], "federation.on_nonfinite='ignore'"),
+    (["federation.fragments=5"], "federation.fragments=5 exceeds the model's 4 blocks"),
+    (["federation.schedule=[{until_step:5},{until_step:3}]"], "federation.schedule[1].until_step=3: must be an integer > 5"),
     (["distributed.max_restarts=-1"], "distributed.max_restarts=-1"),
     (["resume=/no/such/run"], "resume=/no/such/run: no such directory"),
     (["resume=/etc"], "resume=/etc: neither a run directory nor a checkpoint"),

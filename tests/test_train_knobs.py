@@ -195,11 +195,9 @@ def test_grad_accum_checkpointing_and_chunks_under_hsdp_match_one_big_batch():
 
 # ----------------------------------------------------------------------------- eval points
 def test_eval_points():
-    every, steps = 4, 10
-    got = [(s + 1, *eval_points(s, steps, every, 3)) for s in range(steps)]
-    assert [d for d, local, _ in got if local] == [3, 4, 6, 8, 9, 10]
-    assert [d for d, _, agg in got if agg] == [4, 8, 10]
-    assert [d for d, local, _ in ((s + 1, *eval_points(s, steps, every, 0)) for s in range(steps)) if local] == [4, 8, 10]
+    rounds = {4, 8, 10}  # every=4 over 10 steps: rounds after 4, 8 and the last step
+    assert [d for d in range(1, 11) if eval_points(d, d in rounds, 3)] == [3, 4, 6, 8, 9, 10]
+    assert [d for d in range(1, 11) if eval_points(d, d in rounds, 0)] == [4, 8, 10]
 
 
 # ----------------------------------------------------------------------------- typed config

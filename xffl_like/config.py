@@ -210,7 +210,7 @@ def validate_config(
     from .federation import validate_federation
 
     try:
-        validate_federation(_get(cfg, "federation"), layout)
+        validate_federation(_get(cfg, "federation"), layout, steps=_get(cfg, "train.steps"))
         validate_durability(cfg, world_size)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
@@ -226,6 +226,10 @@ def validate_config(
         model_cfg = LlamaConfig.from_mapping(cfg["model"])
     except ValueError as exc:
         raise ConfigError(f"model: {exc}") from None
+    try:  # fragments are groups of the model's blocks
+        validate_federation(cfg["federation"], layout, steps=cfg["train"]["steps"], num_layers=model_cfg.n_layers)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     if cfg["train"]["seq_len"] > model_cfg.max_seq_len:
         raise ConfigError(
             f"train.seq_len={cfg['train']['seq_len']} exceeds model.max_seq_len={model_cfg.max_seq_len}: "

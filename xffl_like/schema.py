@@ -201,6 +201,10 @@ class FederationConfig(Section):
     compression: str = "none"  # none | bf16 | uint8
     chunk_size: int = 4096  # values per min-max chunk (uint8)
     error_feedback: bool = False
+    fragments: int = 1  # contiguous fragments of the blocks, synced at staggered steps (Streaming DiLoCo)
+    overlap_steps: int = 0  # a fragment's exchange starts this many steps before it is applied
+    merge_alpha: float = 0.5  # with overlap: merge_alpha * local + (1 - merge_alpha) * new global
+    schedule: Optional[List[Any]] = None  # phases: a list of {until_step, any federation keys}
     on_nonfinite: str = "fail"  # fail | skip
 
 

@@ -197,6 +197,8 @@ class Checkpointer:
             sd[f"f{f}"]["losses"] = losses_row
         federation_sd = None
         if self.federation is not None and f"f{f}.federation.rounds" in present:
+            if hasattr(self.federation, "resume_at"):  # a federation.schedule: the phase running at that step
+                self.federation.resume_at(saved["step"])
             federation_sd = self.federation.state_dict()
             sd[f"f{f}"]["federation"] = federation_sd
         rng = {k: torch.empty_like(v) for k, v in self._rng().items() if f"rank{me}.rng.{k}" in present}

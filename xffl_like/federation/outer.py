@@ -94,6 +94,14 @@ class OuterOptimizer:
             self.buffers["exp_avg"] = zeros()
             self.buffers["exp_avg_sq"] = zeros()
 
+    def fragment(self, start: int, stop: int) -> "OuterOptimizer":
+        """An optimizer over elements ``start:stop`` of ``theta`` whose state is that slice of this
+        one's buffers (views: checkpoints see one flat state) with its own step count."""
+        part = OuterOptimizer.__new__(OuterOptimizer)
+        part.options, part.theta, part.steps = self.options, self.theta[start:stop], 0
+        part.buffers = {k: v[start:stop] for k, v in self.buffers.items()}
+        return part
+
     @torch.no_grad()
     def step(self, delta: Tensor) -> None:
         """Move ``theta`` in place along the pseudo-gradient ``delta`` (flat, fp32; may be overwritten)."""

@@ -16,6 +16,12 @@ stays local to each facility, as in DiLoCo.
 
 ``algorithm=synchronous``: no rounds; after every backward :meth:`Federation.after_backward`
 averages the gradients across facilities (data parallel over every model copy).
+
+``fragments`` / ``overlap_steps``: :meth:`Federation.build` makes a
+:class:`~.streaming.StreamingFederation` (rounds of one fragment at a time, overlapped with
+local steps). The loop drives either through :meth:`Federation.finish_due` and
+:meth:`Federation.start_due` after every step, via :class:`~.schedule.FederationSchedule`
+(``federation.schedule``: phases).
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ __all__ = ["ALGORITHMS", "FederationOptions", "Federation", "validate_federation
 
 ALGORITHMS = ("federated", "synchronous")
 _KEYS = {"algorithm", "every", "weights", "topology", "outer", "compression", "chunk_size", "error_feedback",
-         "on_nonfinite"}
+         "fragments", "overlap_steps", "merge_alpha", "schedule", "on_nonfinite"}
 
 
 @dataclass(frozen=True)
@@ -53,6 +59,14 @@ class FederationOptions:
     compression: str
     chunk_size: int
     error_feedback: bool
+    fragments: int = 1
+    overlap_steps: int = 0
+    merge_alpha: float = 0.5
+
+    @property
+    def streaming(self) -> bool:
+        """Fragments synced at staggered steps, or exchanges overlapped with local steps (:mod:`.streaming`)."""
+        return self.fragments > 1 or self.overlap_steps > 0
 
     @classmethod
     def from_mapping(cls, spec: dict, num_facilities: int) -> "FederationOptions":
@@ -96,20 +110,67 @@ class FederationOptions:
         if topology != "complete" and weights != "uniform":
             raise ValueError(f"federation.weights={spec.get('weights')!r} with federation.topology={topology}: gossip "
                              f"mixes with the topology's own weights; use weights=uniform or topology=complete")
+        fragments, overlap, alpha = _streaming_options(spec, every)
         if algorithm == "synchronous":
             changed = [k for k, bad in (("topology", topology != "complete"), ("compression", compression != "none"),
-                                        ("outer", not outer.is_plain_mean)) if bad]
+                                        ("outer", not outer.is_plain_mean), ("fragments", fragments > 1),
+                                        ("overlap_steps", overlap > 0)) if bad]
             if changed:
                 raise ValueError(f"federation.algorithm=synchronous averages gradients every step, so federation."
                                  f"{changed[0]} does not apply: drop it or use algorithm=federated")
-        return cls(algorithm, every, weights, topology, outer, compression, chunk_size, error_feedback)
+        if topology != "complete" and (fragments > 1 or overlap > 0):
+            raise ValueError(f"federation.topology={topology} with federation.fragments={fragments} / overlap_steps="
+                             f"{overlap}: streaming gossip is not supported; use topology=complete or fragments=1 "
+                             f"overlap_steps=0")
+        return cls(algorithm, every, weights, topology, outer, compression, chunk_size, error_feedback,
+                   fragments, overlap, alpha)
 
 
-def validate_federation(spec: dict, layout) -> FederationOptions:
-    """Validate the ``federation`` group against the planned layout (in the launching process)."""
+def _streaming_options(spec: dict, every: int) -> tuple[int, int, float]:
+    """``fragments``, ``overlap_steps``, ``merge_alpha``, checked against ``every``."""
+    fragments = spec.get("fragments", 1)
+    if isinstance(fragments, bool) or not isinstance(fragments, int) or fragments < 1:
+        raise ValueError(f"federation.fragments={fragments!r}: must be a positive integer (1: the whole model at once)")
+    if fragments > every:
+        raise ValueError(f"federation.fragments={fragments} exceeds federation.every={every}: each fragment syncs at "
+                         f"its own step of the round; use fragments <= every")
+    overlap = spec.get("overlap_steps", 0)
+    if isinstance(overlap, bool) or not isinstance(overlap, int) or overlap < 0:
+        raise ValueError(f"federation.overlap_steps={overlap!r}: must be an integer >= 0 (0: no overlap)")
+    if overlap * fragments >= every:
+        raise ValueError(f"federation.overlap_steps={overlap} must be < federation.every/fragments = "
+                         f"{every}/{fragments} so that one fragment is in flight at a time: lower overlap_steps or "
+                         f"fragments, or raise every")
+    alpha = spec.get("merge_alpha", 0.5)
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"federation.merge_alpha={alpha!r}: must be a number in [0, 1] (Streaming DiLoCo: 0.5)")
+    return fragments, overlap, float(alpha)
+
+
+def validate_federation(spec: dict, layout, steps: int | None = None,
+                        num_layers: int | None = None) -> FederationOptions:
+    """Validate the ``federation`` group against the planned layout (in the launching process):
+    the top-level keys, and with ``schedule`` every phase (``steps``: ``train.steps``).
+    ``num_layers`` (the model's blocks) bounds ``fragments``."""
+    options = _validate_one(spec, layout, num_layers)
+    if spec.get("schedule") is not None:
+        from .schedule import plan_phases
+
+        for phase in plan_phases(spec, steps):
+            try:
+                _validate_one(phase.spec, layout, num_layers)
+            except ValueError as exc:
+                raise ValueError(f"{phase.where}: {exc}") from None
+    return options
+
+
+def _validate_one(spec: dict, layout, num_layers: int | None) -> FederationOptions:
     options = FederationOptions.from_mapping(spec, layout.num_facilities)
     if options.algorithm == "federated" and options.topology != "complete":
         check_gossip_layout(layout, options.topology)
+    if num_layers is not None and options.fragments > num_layers:
+        raise ValueError(f"federation.fragments={options.fragments} exceeds the model's {num_layers} blocks "
+                         f"(model.n_layers): use fragments <= {num_layers}")
     return options
 
 
@@ -124,8 +185,12 @@ class Federation:
     Collective: every rank constructs it at the same point, after the strategy is built.
     """
 
+    _streaming = False  # StreamingFederation handles fragments and overlap
+
     def __init__(self, spec: dict, model: torch.nn.Module, strategy, state):
         self.options = o = FederationOptions.from_mapping(spec, state.num_facilities)
+        if o.streaming and not self._streaming:
+            raise ValueError("federation.fragments / overlap_steps: build it with Federation.build (a StreamingFederation)")
         self.model, self.strategy, self.state = model, strategy, state
         named = list(model.named_parameters())
         self.names = [named[i][0] for i in strategy.selected]
@@ -139,16 +204,35 @@ class Federation:
         self.theta: Tensor | None = None
         self.outer: OuterOptimizer | None = None
         self.compressor: CompressedMean | None = None
-        if self.federated and (not o.outer.is_plain_mean or o.compression != "none"):
-            device = torch.device("cpu") if o.outer.offload else state.device
-            self.theta = torch.empty(self.numel, dtype=torch.float32, device=device,
-                                     pin_memory=o.outer.offload and state.device.type == "cuda")
-            self._read_params(self.theta)
-            self.outer = OuterOptimizer(o.outer, self.theta)
+        if self.federated and not o.streaming and (not o.outer.is_plain_mean or o.compression != "none"):
+            self._allocate_theta()
             if o.compression != "none":
                 self.compressor = CompressedMean(o.compression, self.numel, state.num_facilities, o.chunk_size,
                                                  o.error_feedback, device=state.device)
         self.rounds = 0
+        # The steps this federation covers (a phase of federation.schedule, or the whole job):
+        # rounds count from ``begin``; ``last``: the job ends at ``end`` (a final round there).
+        self.begin, self.end, self.last = 0, None, True
+
+    def _allocate_theta(self) -> None:
+        o, state = self.options, self.state
+        device = torch.device("cpu") if o.outer.offload else state.device
+        self.theta = torch.empty(self.numel, dtype=torch.float32, device=device,
+                                 pin_memory=o.outer.offload and state.device.type == "cuda")
+        self._read_params(self.theta)
+        self.outer = OuterOptimizer(o.outer, self.theta)
+
+    @classmethod
+    def build(cls, spec: dict, model: torch.nn.Module, strategy, state, begin: int = 0, end: int | None = None,
+              last: bool = True) -> "Federation":
+        """The federation of ``spec`` over steps ``begin < step <= end`` (a :class:`~.streaming.StreamingFederation`
+        for ``fragments > 1`` or ``overlap_steps > 0``). Collective, like the constructor."""
+        kind = cls
+        if FederationOptions.from_mapping(spec, state.num_facilities).streaming:
+            from .streaming import StreamingFederation as kind
+        fed = kind(spec, model, strategy, state)
+        fed.begin, fed.end, fed.last = begin, end, last
+        return fed
 
     @property
     def federated(self) -> bool:
@@ -167,9 +251,46 @@ class Federation:
         """Count ``tokens`` this rank trained on this step (for ``weights=tokens``)."""
         self.tokens[self.state.facility] += tokens
 
-    def round_due(self, step: int, steps: int) -> bool:
-        """Whether a round follows local step ``step`` (0-based) of ``steps``."""
-        return self.federated and ((step + 1) % self.options.every == 0 or step + 1 == steps)
+    # ------------------------------------------------------------------ the loop's interface
+    def applies_at(self, done: int) -> bool:
+        """Whether rounds end after ``done`` steps (then :meth:`finish_due` returns their records).
+        Rounds count from ``begin``; at ``end`` a final round only when the job ends there (a
+        phase switch of :mod:`.schedule` averages instead)."""
+        if not self.federated or done <= self.begin:
+            return False
+        if self.end is not None and done >= self.end:
+            return done == self.end and self.last
+        return (done - self.begin) % self.options.every == 0
+
+    def boundary_at(self, done: int) -> bool:
+        """A round, or for ``synchronous`` every ``every`` steps and at the end: where the loop
+        evaluates the local model and may checkpoint."""
+        if self.federated:
+            return self.applies_at(done)
+        return done > self.begin and ((done - self.begin) % self.options.every == 0 or done == self.end)
+
+    def finish_due(self, done: int, adjust=None, dump=None, index: int = 0) -> list[dict]:
+        """The rounds that end after ``done`` steps, as records numbered from ``index``.
+        ``adjust(weights, round_index)`` may change a round's weights (the non-finite guard);
+        ``dump`` (a :class:`~xffl_like.train.round_dump.RoundDump`) records values around each round."""
+        if not self.applies_at(done):
+            return []
+        if dump is not None:
+            dump.save(index, "before")
+        out = self.round(adjust=None if adjust is None else lambda weights: adjust(weights, index))
+        if dump is not None:
+            dump.save(index, "after", bytes_per_rank=out["bytes_per_rank"])
+        return [{"round": index, "step": done, "fragment": None, **out}]
+
+    def starts_at(self, done: int) -> bool:
+        """Whether an exchange that overlaps the next local steps starts after ``done`` steps."""
+        return False
+
+    def start_due(self, done: int, adjust=None, dump=None, index: int = 0) -> None:
+        """Start the exchanges that overlap the next local steps (``overlap_steps``); none here."""
+
+    def wait(self) -> None:
+        """Block until no exchange is in flight (nothing to wait for without overlap)."""
 
     def facility_weights(self) -> list[float] | None:
         """Per-facility weights of this round's mean; ``tokens``: each facility's tokens since the

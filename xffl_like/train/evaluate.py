@@ -15,16 +15,11 @@ from torch.distributed.fsdp import FSDPModule
 __all__ = ["eval_points", "evaluate", "facility_eval"]
 
 
-def eval_points(step: int, steps: int, every: int, eval_every: int) -> tuple[bool, bool]:
-    """After optimizer step ``step`` (0-based): (evaluate the local model, aggregate and evaluate after).
-
-    The local model is evaluated every ``eval_every`` steps (0: never on its own) and right
-    before each aggregation (every ``every`` steps and after the last step).
-    """
-    done = step + 1
-    aggregate = done % every == 0 or done == steps
-    local = aggregate or (eval_every > 0 and done % eval_every == 0)
-    return local, aggregate
+def eval_points(done: int, boundary: bool, eval_every: int) -> bool:
+    """Whether to evaluate the local model after ``done`` optimizer steps: every ``eval_every``
+    steps (0: never on its own) and at each ``boundary`` (right before a round ends or, for
+    ``synchronous``, every ``federation.every`` steps; see ``Federation.boundary_at``)."""
+    return boundary or (eval_every > 0 and done % eval_every == 0)
 
 
 @torch.no_grad()

@@ -19,11 +19,11 @@ from ..checkpoint import Checkpointer
 from ..data import build_data
 from ..distributed.layout import plan_layout
 from ..distributed.state import DistributedState, all_peer_groups, build_state, read_env
-from ..federation import Federation
+from ..federation import FederationSchedule
 from ..observe import Observer
 from ..observe.timing import PhaseTimer, gather_phase_table
-from .evaluate import eval_points, evaluate, facility_eval
 from ..schema import JobConfig
+from .evaluate import eval_points, evaluate, facility_eval
 from .optim import build_optimizer, build_scheduler
 from .fault import FaultInjector
 from .nonfinite import NonFiniteGuard
@@ -74,7 +74,7 @@ def train_worker(cfg: JobConfig, run_dir: str, started_at: float | None = None) 
 
 
 def _train(cfg: JobConfig, state: DistributedState, run_dir: Path, started_at: float) -> dict | None:
-    tcfg, ocfg, every = cfg.train, cfg.optim, cfg.federation.every
+    tcfg, ocfg = cfg.train, cfg.optim
     steps, device, accum = tcfg.steps, state.device, tcfg.grad_accum
     torch.manual_seed(cfg.seed)
     model = build_sharded_model(cfg.model, state, tcfg.dtype, seed=cfg.seed)  # same start on every rank
@@ -89,7 +89,7 @@ def _train(cfg: JobConfig, state: DistributedState, run_dir: Path, started_at: f
         facility_rank=state.facility_rank, facility_size=state.facility_size,
     )
     strategy = build_strategy(model, state, cfg.strategy)
-    federation = Federation(cfg.federation, model, strategy, state)
+    federation = FederationSchedule(cfg.federation, model, strategy, state, steps)  # its phases' federations
     peer_groups = all_peer_groups(state)
     dump = RoundDump(model, state)  # tests only ($XFFL_TEST_DUMP_ROUNDS): the values around each round
     tokens_per_step = tcfg.batch_size * tcfg.seq_len * accum * state.world_size
@@ -107,9 +107,16 @@ def _train(cfg: JobConfig, state: DistributedState, run_dir: Path, started_at: f
     guard = NonFiniteGuard(cfg, state, model, optimizer, ckpt.dir)
     timer = PhaseTimer(device)
 
+    def adjust(done):  # the non-finite guard sets the weights of a round ending or starting after `done` steps
+        return lambda weights, index: guard.weights_for_round(weights, index, done)
+
     dist.barrier()
     start, train_started_at = time.perf_counter(), time.time()
     try:
+        if start_step == 0:
+            dump.save(0, "init")  # tests: the common start, theta_global of every fragment
+        # An exchange overlapping the first steps starts now (after a resume: as the saved run did).
+        federation.start_due(start_step, adjust(start_step), dump, len(rounds))
         for step in range(start_step, steps):
             fault.before_step(step + 1)
             # Micro-batch i of step s is batch s * grad_accum + i of the source: with grad_accum=1, as before.
@@ -130,29 +137,33 @@ def _train(cfg: JobConfig, state: DistributedState, run_dir: Path, started_at: f
             facility_loss = loss / state.facility_size
             dist.all_reduce(facility_loss, group=state.facility_groups[0])
             losses[state.facility, step] = float(facility_loss)
-            local_eval, aggregate_now = eval_points(step, steps, every, tcfg.eval_every)
-            record_eval = {"step": step + 1, "loss_local": None, "loss_global": None}
+            done = step + 1
+            # Rounds (synchronous: every `every` steps) evaluate the local model before and may checkpoint after.
+            boundary = federation.boundary_at(done)
+            local_eval = eval_points(done, boundary, tcfg.eval_every)
+            record_eval = {"step": done, "loss_local": None, "loss_global": None}
             if local_eval:
                 record_eval["loss_local"] = facility_eval(model, eval_batches, state, tcfg.loss_chunk)
-            if aggregate_now and federation.federated:  # synchronous runs have no rounds
-                dump.save(len(rounds), "before")
+            if federation.applies_at(done):  # synchronous runs have no rounds (but a phase switch)
                 with timer("aggregation"):
                     # Ranks arrive at different times; the wait is charged to this phase
                     # (and shows as imbalance), the round's seconds time the exchange alone.
                     dist.barrier()
-                    record = {"round": len(rounds), "step": step + 1, **federation.round(
-                        adjust=lambda weights: guard.weights_for_round(weights, len(rounds), step + 1))}
-                dump.save(len(rounds), "after", bytes_per_rank=record["bytes_per_rank"])
-                rounds.append(record)
-                observer.round(record)
+                    records = federation.finish_due(done, adjust(done), dump, len(rounds))
+                for record in records:
+                    rounds.append(record)
+                    observer.round(record)
                 record_eval["loss_global"] = facility_eval(model, eval_batches, state, tcfg.loss_chunk)
             if local_eval:
                 record_eval["time"] = time.time()  # when it was known: wall-clock time-to-loss (bench.wan)
                 evals.append(record_eval)
             observer.step(step, float(facility_loss), optimizer.param_groups[0]["lr"], tokens_per_step,
                           time.perf_counter() - start, record_eval if local_eval else None)
-            if aggregate_now:
-                ckpt.after_round(step + 1, rounds, losses, final=step + 1 == steps, records={"evals": evals})
+            if boundary:  # nothing is in flight here: a step's exchanges start after its checkpoint
+                ckpt.after_round(done, rounds, losses, final=done == steps, records={"evals": evals})
+            if federation.starts_at(done):
+                with timer("aggregation"):
+                    federation.start_due(done, adjust(done), dump, len(rounds))
     except BaseException:
         observer.abort()
         raise
@@ -204,6 +215,9 @@ def _train(cfg: JobConfig, state: DistributedState, run_dir: Path, started_at: f
         "cross_facility_bytes_per_round": [r["cross_facility_bytes"] for r in rounds],
         "facility_losses": losses.tolist(),
         "skipped_facilities": [r["skipped_facilities"] for r in rounds],
+        "round_records": [{"step": r["step"], "phase": r.get("phase", 0), "fragment": r.get("fragment"),
+                           "switch": bool(r.get("switch", False)), "started_step": r.get("started_step", r["step"])}
+                          for r in rounds],
         "checkpoints": checkpoints,
         "tokens_per_second": tokens_per_step * (steps - start_step) / train_seconds,
         "train_seconds": train_seconds,

@@ -9,8 +9,9 @@ tensors and computes the weighted mean itself. Unset (always, outside tests), no
 is recorded and nothing is read: no config key, no cost.
 
 One file per rank, round and phase: ``round<R>_<phase>_rank<K>.pt`` (``phase`` is
-``before`` or ``after``), a dict of plain values and tensors that
-``torch.load(..., weights_only=True)`` reads.
+``before`` or ``after``; also ``init`` once before the first step, and ``start`` where an
+overlapped fragment exchange takes its snapshot, numbered by the round that applies it),
+a dict of plain values and tensors that ``torch.load(..., weights_only=True)`` reads.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ class RoundDump:
 
     @torch.no_grad()
     def save(self, round_: int, phase: str, **extra: int | float) -> None:
-        """Record this rank's local shards (``phase``: ``before`` or ``after`` the aggregation)."""
+        """Record this rank's local shards (``phase``: ``before`` or ``after`` the aggregation, ``init``, ``start``)."""
         if self.directory is None:
             return
         state, params, shapes, placements = self.state, {}, {}, {}

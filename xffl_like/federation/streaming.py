@@ -1,0 +1,350 @@
+"""Streaming rounds (Streaming DiLoCo): fragments synced at staggered steps, exchanges that
+overlap local steps.
+
+``federation.fragments=K`` splits the model's decoder blocks into ``K`` contiguous fragments
+(block ``i`` of ``L`` belongs to fragment ``i * K // L``; the embeddings, and anything else
+before the first block, go with the first fragment, the final norm and the output head with
+the last). Fragment ``k`` is synced every ``every`` (= H) steps at its own offset
+``o_k = (k + 1) * H // K`` (counted from the start of the phase): after steps ``o_k, o_k + H, ...``.
+The offsets are spread evenly over the round and the last fragment syncs where a whole-model
+round would (``K = 1`` is today's schedule), so about ``1/K`` of the model crosses at a time.
+
+``federation.overlap_steps=tau``: fragment ``k``'s exchange starts ``tau`` steps before it is
+applied, on a snapshot of the fragment taken then, and runs in a background thread (on CUDA
+on a side stream) over process groups of its own while the local steps continue. When it is
+applied the outer step is made on ``theta_global`` of the fragment with the snapshot's
+pseudo-gradient, and the fragment becomes ``alpha * theta_local + (1 - alpha) * theta_global``
+(``merge_alpha``; with ``tau = 0`` exactly ``theta_global``). ``tau < H / K`` keeps one
+exchange in flight at a time: it is applied before the next one starts.
+
+Per fragment: ``theta_global`` (one flat fp32 buffer over this rank's shards, ordered by
+fragment, each fragment a contiguous slice), the outer optimizer's state (slices of one flat
+state, each fragment with its own step count), the compression residual and the token
+counts since its last exchange started. The last step of the job syncs every fragment at
+once (without overlap), so the job ends with one model. Checkpoints are only taken after a
+step's rounds are applied and before the next exchange starts: never with one in flight.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .compress import CompressedMean
+from .round import Federation
+
+__all__ = ["StreamingFederation", "fragment_of", "sync_offsets", "synced_at"]
+
+_BLOCK = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def fragment_of(names: list[str], num_layers: int, fragments: int) -> list[int]:
+    """Fragment of each parameter ``names[i]`` (model order): block ``b`` -> ``b * K // L``;
+    before the first block -> 0; after a block -> the last fragment."""
+    out, seen_block = [], False
+    for name in names:
+        m = _BLOCK.search(name)
+        if m:
+            seen_block = True
+            out.append(int(m.group(1)) * fragments // num_layers)
+        else:
+            out.append(fragments - 1 if seen_block else 0)
+    return out
+
+
+def sync_offsets(every: int, fragments: int) -> list[int]:
+    """Step (in ``1..every``) of the round at which each fragment is synced."""
+    return [(k + 1) * every // fragments for k in range(fragments)]
+
+
+def synced_at(step: int, every: int, fragments: int) -> list[int]:
+    """Fragments synced after ``step`` (>= 1) steps of the phase: ``(step - o_k) % every == 0``."""
+    return [k for k, o in enumerate(sync_offsets(every, fragments)) if step >= o and (step - o) % every == 0]
+
+
+def count_blocks(names: list[str]) -> int:
+    """Decoder blocks of the model (distinct ``layers.<i>`` in its parameter names)."""
+    return len({m.group(1) for m in map(_BLOCK.search, names) if m})
+
+
+class _Exchange:
+    """``fn()`` run inline, or in a daemon thread (``background``; on CUDA on a side stream that
+    first waits for the work already queued on the current stream)."""
+
+    def __init__(self, fn: Callable[[], Any], background: bool, device: torch.device):
+        self.fn, self.device, self.value, self.error, self.seconds = fn, device, None, None, 0.0
+        self.stream = None
+        if device.type == "cuda":
+            self.stream = torch.cuda.Stream(device=device)
+            self.stream.wait_stream(torch.cuda.current_stream(device))  # the snapshot is written
+        self.thread = threading.Thread(target=self._run, name="xffl-fragment-exchange", daemon=True) if background else None
+        if self.thread is not None:
+            self.thread.start()
+        else:
+            self._run()
+
+    def _run(self) -> None:
+        start = time.perf_counter()
+        try:
+            if self.stream is not None:
+                with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+                    self.value = self.fn()
+                self.stream.synchronize()
+            else:
+                self.value = self.fn()
+        except BaseException as exc:  # noqa: BLE001 - re-raised by result() in the training thread
+            self.error = exc
+        self.seconds = time.perf_counter() - start
+
+    def result(self) -> Any:
+        if self.thread is not None:
+            self.thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+class StreamingFederation(Federation):
+    """:class:`~.round.Federation` with ``fragments > 1`` or ``overlap_steps > 0`` (see the module)."""
+
+    _streaming = True
+
+    def __init__(self, spec: dict, model: torch.nn.Module, strategy, state):
+        super().__init__(spec, model, strategy, state)
+        o, n = self.options, state.num_facilities
+        K = o.fragments
+        all_names = [name for name, _ in model.named_parameters()]
+        frag = fragment_of(self.names, max(1, count_blocks(all_names)), K)
+        order = sorted(range(len(frag)), key=lambda i: (frag[i], i))  # each fragment contiguous in theta
+        self.names = [self.names[i] for i in order]
+        self.params = [self.params[i] for i in order]
+        self.locals = [self.locals[i] for i in order]
+        self.fragment_index = [frag[i] for i in order]
+        sizes = [sum(t.numel() for t, f in zip(self.locals, self.fragment_index) if f == k) for k in range(K)]
+        self.bounds = [(sum(sizes[:k]), sum(sizes[: k + 1])) for k in range(K)]
+        self._allocate_theta()
+        self.fragment_outer = [self.outer.fragment(a, b) for a, b in self.bounds]
+        self.residual = None
+        self.compressors: list[CompressedMean | None] = [None] * K
+        if o.compression != "none":
+            if o.error_feedback:
+                self.residual = torch.zeros(self.numel, dtype=torch.float32, device=state.device)
+            for k, (a, b) in enumerate(self.bounds):
+                comp = CompressedMean(o.compression, b - a, n, o.chunk_size, False, device=state.device)
+                comp.residual = None if self.residual is None else self.residual[a:b]
+                self.compressors[k] = comp
+        self.tokens = torch.zeros(K, n, dtype=torch.float64, device=state.device)
+        self.inflight: dict | None = None
+        # The overlapped exchange runs beside the training thread's collectives: it needs groups
+        # no one else uses (the first replica of each facility per shard; the replicas per shard).
+        layout, offsets = state.layout, state.layout.facility_offsets
+        self.peers = self.replicas = None
+        if o.overlap_steps > 0:
+            for s in range(layout.shard_size):
+                group = dist.new_group([offsets[f] + s for f in range(n)]) if n > 1 else None
+                if s == state.shard and state.replica == 0:
+                    self.peers = group
+            for f in range(n):
+                for s in range(layout.shard_size):
+                    ranks = layout.replica_group_ranks(f, s)
+                    group = dist.new_group(list(ranks)) if len(ranks) > 1 else None
+                    if f == state.facility and s == state.shard:
+                        self.replicas = group
+            # Connect them now, every rank at the same point (NCCL creates communicators lazily:
+            # not in a background thread while the training thread runs its own collectives).
+            for group in (self.peers, self.replicas):
+                if group is not None:
+                    dist.all_reduce(torch.zeros(1, device=state.device), group=group)
+        else:
+            if n > 1 and state.replica == 0:
+                self.peers = state.sender_exchanges[0].groups[0]
+            self.replicas = state.replica_groups[0] if state.num_replicas > 1 else None
+
+    def describe(self) -> dict:
+        o = self.options
+        return {**super().describe(), "fragments": o.fragments, "overlap_steps": o.overlap_steps,
+                "merge_alpha": o.merge_alpha}
+
+    # ------------------------------------------------------------------ schedule
+    def trained(self, tokens: int) -> None:
+        self.tokens[:, self.state.facility] += tokens
+
+    def _synced(self, done: int) -> list[int]:
+        o = self.options
+        if done <= self.begin:
+            return []
+        if self.end is not None and done >= self.end:
+            return list(range(o.fragments)) if done == self.end and self.last else []
+        return synced_at(done - self.begin, o.every, o.fragments)
+
+    def applies_at(self, done: int) -> bool:
+        return bool(self._synced(done))
+
+    def finish_due(self, done: int, adjust=None, dump=None, index: int = 0) -> list[dict]:
+        """Apply the fragments synced after ``done`` steps: the one in flight, or (no overlap, and
+        every fragment at the job's last step) exchanged now."""
+        records = []
+        final = self.end is not None and done == self.end
+        for k in self._synced(done):
+            if dump is not None:
+                dump.save(index, "before")
+            if self.inflight is None or final:
+                self.wait()  # by construction nothing is in flight at the end; never two at once
+                self._launch(k, done, adjust, index, background=False)
+            elif self.inflight["fragment"] != k:
+                raise RuntimeError(f"fragment {self.inflight['fragment']} in flight at the sync of fragment {k}")
+            record = self._apply(done, blend=self.options.overlap_steps > 0 and not final)
+            if dump is not None:
+                dump.save(index, "after", bytes_per_rank=record["bytes_per_rank"], fragment=k)
+            records.append({"round": index, **record})
+            index += 1
+        return records
+
+    def starts_at(self, done: int) -> bool:
+        tau = self.options.overlap_steps
+        if tau == 0 or (self.end is not None and done + tau >= self.end):
+            return False
+        return bool(self._synced(done + tau))
+
+    def start_due(self, done: int, adjust=None, dump=None, index: int = 0) -> None:
+        """Start the exchange of the fragment synced ``overlap_steps`` after ``done`` (before the
+        phase's end: the last step syncs without overlap)."""
+        if not self.starts_at(done):
+            return
+        for k in self._synced(done + self.options.overlap_steps):
+            self._launch(k, done, adjust, index, background=True)
+            if dump is not None:
+                dump.save(index, "start", fragment=k, step=done)
+
+    def wait(self) -> None:
+        if self.inflight is not None:
+            self.inflight["work"].result()
+
+    # ------------------------------------------------------------------ one fragment
+    def _fragment_weights(self, k: int) -> list[float] | None:
+        spec, tokens = self.options.weights, self.tokens[k].clone()
+        self.tokens[k].zero_()
+        if spec == "uniform":
+            return None
+        if spec == "tokens":
+            dist.all_reduce(tokens)
+            return tokens.tolist()
+        return list(spec)
+
+    def _read_range(self, a: int, b: int) -> Tensor:
+        out = torch.empty(b - a, dtype=torch.float32, device=self.state.device)
+        offset = 0
+        for t in self.locals:
+            lo, hi = max(a, offset), min(b, offset + t.numel())
+            if lo < hi:
+                out[lo - a: hi - a].copy_(t.reshape(-1)[lo - offset: hi - offset])
+            offset += t.numel()
+        return out
+
+    def _write_range(self, a: int, flat: Tensor) -> None:
+        b, offset = a + flat.numel(), 0
+        for t in self.locals:
+            lo, hi = max(a, offset), min(b, offset + t.numel())
+            if lo < hi:
+                t.reshape(-1)[lo - offset: hi - offset].copy_(flat[lo - a: hi - a])
+            offset += t.numel()
+
+    @torch.no_grad()
+    def _launch(self, k: int, done: int, adjust, index: int, background: bool) -> None:
+        if self.inflight is not None and self.inflight["work"].thread is not None:
+            self.inflight["work"].result()
+        started = time.perf_counter()
+        state, n = self.state, self.state.num_facilities
+        weights = self._fragment_weights(k)
+        skipped: list[int] = []
+        if adjust is not None:
+            weights, skipped = adjust(weights, index)
+        if state.facility in skipped:
+            # A facility left out restarts every fragment from the weights all facilities last agreed on.
+            self._write_params(self.theta.to(state.device))
+        a, b = self.bounds[k]
+        snapshot = self._read_range(a, b)
+        scales = [1.0 / n] * n if weights is None else [w / sum(weights) for w in weights]
+        comp = self.compressors[k]
+        source = state.layout.facility_offsets[state.facility] + state.shard
+        peers, replicas, me, first = self.peers, self.replicas, state.facility, state.replica == 0
+
+        if comp is not None:
+            message = comp.prepare(snapshot.neg_().add_(self.theta[a:b].to(state.device)))
+
+            def exchange():  # the compressed mean update theta_global - theta_f
+                if n == 1:
+                    return comp.reduce(message, None, 0, scales)
+                delta, sent = comp.reduce(message, peers, me, scales) if first else (
+                    torch.empty(b - a, dtype=torch.float32, device=message.device), 0)
+                if replicas is not None:
+                    dist.broadcast(delta, src=source, group=replicas)
+                return delta, sent
+        else:
+            snapshot.mul_(scales[me])
+
+            def exchange():  # the weighted mean of the facilities' snapshots
+                sent = 0
+                if n > 1 and first:
+                    dist.all_reduce(snapshot, group=peers)
+                    sent = 2 * (n - 1) * snapshot.nbytes // n  # a ring all-reduce's sends
+                if replicas is not None:
+                    dist.broadcast(snapshot, src=source, group=replicas)
+                return snapshot, sent
+
+        self.inflight = {"fragment": k, "step": done, "skipped": skipped, "compressed": comp is not None,
+                         "work": _Exchange(exchange, background, state.device),
+                         "blocked": time.perf_counter() - started}
+
+    @torch.no_grad()
+    def _apply(self, done: int, blend: bool) -> dict:
+        started = time.perf_counter()
+        flight, self.inflight = self.inflight, None
+        k = flight["fragment"]
+        a, b = self.bounds[k]
+        result, sent = flight["work"].result()
+        theta = self.theta[a:b]
+        delta = result if flight["compressed"] else result.neg_().add_(theta.to(result.device))
+        self.fragment_outer[k].step(delta.to(theta.device))
+        new = theta.to(self.state.device)
+        if blend:  # Streaming DiLoCo's merge of the local progress made while the exchange ran
+            alpha = self.options.merge_alpha
+            new = self._read_range(a, b).mul_(alpha).add_(new, alpha=1.0 - alpha)
+        self._write_range(a, new)
+        self.rounds += 1
+        cross = self._sum_over_world(sent)
+        return {"step": done, "fragment": k, "started_step": flight["step"],
+                "seconds": flight["blocked"] + time.perf_counter() - started,
+                "exchange_seconds": flight["work"].seconds, "bytes_per_rank": int(sent),
+                "cross_facility_bytes": int(cross), "skipped_facilities": flight["skipped"]}
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict:
+        """As :meth:`Federation.state_dict`, with per-fragment outer step counts and token counts
+        (``[fragments, facilities]``). Taken with no exchange in flight (see the module)."""
+        if self.inflight is not None:
+            raise RuntimeError("a checkpoint with a fragment exchange in flight: take it after the step's rounds")
+        out: dict[str, Any] = {"rounds": torch.tensor(self.rounds), "tokens": self.tokens.clone(),
+                               "theta_global": self._as_dtensors(self.theta),
+                               "outer": {"steps": torch.tensor([p.steps for p in self.fragment_outer]),
+                                         **{k: self._as_dtensors(v) for k, v in self.outer.buffers.items()}}}
+        if self.residual is not None:
+            out["residual"] = self._as_dtensors(self.residual)
+        return out
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.rounds = int(sd["rounds"])
+        self.tokens.copy_(sd["tokens"])
+        self._load_flat(self.theta, sd["theta_global"])
+        for part, steps in zip(self.fragment_outer, sd["outer"]["steps"].tolist()):
+            part.steps = int(steps)
+        for k, v in self.outer.buffers.items():
+            self._load_flat(v, sd["outer"][k])
+        if self.residual is not None and "residual" in sd:
+            self._load_flat(self.residual, sd["residual"])

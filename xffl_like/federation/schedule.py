@@ -29,6 +29,7 @@ from typing import Any, Mapping
 import torch
 
 from ..aggregation import aggregate
+from ..schema import as_plain
 from .round import _KEYS, Federation
 
 __all__ = ["PHASE_KEYS", "Phase", "FederationSchedule", "plan_phases"]
@@ -65,7 +66,7 @@ def _merge(base: dict, override: Mapping) -> dict:
 def plan_phases(spec: Mapping[str, Any], steps: int | None = None) -> list[Phase]:
     """The phases of ``federation`` (one, without ``schedule``); one ``ValueError`` line for a
     malformed schedule (``steps``: ``train.steps``, to check the last phase reaches it)."""
-    base = {k: v for k, v in spec.items() if k != "schedule"}
+    base = {k: v for k, v in as_plain(spec).items() if k != "schedule"}  # plain: the summary records it
     schedule = spec.get("schedule")
     if schedule is None:
         return [Phase(0, 0, None, base, scheduled=False)]

@@ -167,12 +167,38 @@ BAD = [
 ]
 
 
-@pytest.mark.parametrize("overrides, needle", BAD, ids=[b[0][-1] for b in BAD])
-def test_bad_input_fails_fast_with_one_line(overrides, needle, tmp_path):
-    proc, _ = run_cli(["+experiment=llama_fed", *overrides], tmp_path, timeout=60)
-    assert proc.returncode != 0
-    assert needle in proc.stderr, proc.stderr
-    assert "Traceback" not in proc.stderr + proc.stdout
+@pytest.fixture(scope="module")
+def bad_results(tmp_path_factory):
+    """Every BAD command line run by ``cli_batch`` in one process (one import instead of one per
+    case: ~5 s each here); each case still runs ``python -m xffl_like.run`` as ``__main__`` with
+    its own argv, run directory and captured file descriptors 1 and 2."""
+    root = tmp_path_factory.mktemp("bad")
+    cases = [{"args": ["+experiment=llama_fed", *overrides], "run_dir": str(root / str(i))} for i, (overrides, _) in enumerate(BAD)]
+    (root / "cases.json").write_text(json.dumps(cases))
+    env = {**os.environ, "WANDB_MODE": "offline"}
+    cmd = [sys.executable, str(Path(__file__).with_name("cli_batch.py")), str(root / "cases.json"), str(root / "results.json")]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=60 + 10 * len(BAD))
+    assert proc.returncode == 0, proc.stderr
+    return [Path(c["run_dir"]) for c in cases], json.loads((root / "results.json").read_text())
+
+
+@pytest.mark.parametrize("index", range(len(BAD)), ids=[b[0][-1] for b in BAD])
+def test_bad_input_fails_fast_with_one_line(index, bad_results):
+    needle = BAD[index][1]
+    run_dirs, results = bad_results
+    result = results[index]
+    assert result["rc"] != 0
+    assert needle in result["stderr"], result["stderr"]
+    assert "Traceback" not in result["stderr"] + result["stdout"]
+    lines = [line for line in result["stderr"].splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result["stderr"]  # one line, whichever layer found it
+    assert not (run_dirs[index] / "summary.json").exists()
+
+
+def test_bad_input_in_a_fresh_process(tmp_path):
+    """One bad input through a real ``python -m xffl_like.run`` subprocess (what a user types),
+    so that the batch runner's in-process execution cannot hide a difference."""
+    proc, _ = run_cli(["+experiment=llama_fed", "federation.every=0"], tmp_path, timeout=60)
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr  # one line, whichever layer found it
+    assert proc.returncode != 0 and len(lines) == 1 and "federation.every=0" in lines[0], proc.stderr
     assert not (tmp_path / "summary.json").exists()

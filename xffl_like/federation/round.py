@@ -47,6 +47,18 @@ _KEYS = {"algorithm", "every", "weights", "topology", "outer", "compression", "c
          "fragments", "overlap_steps", "merge_alpha", "schedule", "on_nonfinite"}
 
 
+def round_weights(spec, tokens: Tensor) -> list[float] | None:
+    """The per-facility weights of a mean for ``federation.weights=spec``: None (uniform), the
+    facilities' token counts summed over the world (collective: every rank adds its own count into
+    ``tokens``, in place), or the fixed list."""
+    if spec == "uniform":
+        return None
+    if spec == "tokens":
+        dist.all_reduce(tokens)
+        return tokens.tolist()
+    return list(spec)
+
+
 @dataclass(frozen=True)
 class FederationOptions:
     """The ``federation`` config group, validated."""
@@ -295,14 +307,8 @@ class Federation:
     def facility_weights(self) -> list[float] | None:
         """Per-facility weights of this round's mean; ``tokens``: each facility's tokens since the
         last round (collective over the world: every rank adds its own count). Resets the counts."""
-        spec, tokens = self.options.weights, self.tokens
-        self.tokens = torch.zeros_like(tokens)
-        if spec == "uniform":
-            return None
-        if spec == "tokens":
-            dist.all_reduce(tokens)
-            return tokens.tolist()
-        return list(spec)
+        tokens, self.tokens = self.tokens, torch.zeros_like(self.tokens)
+        return round_weights(self.options.weights, tokens)
 
     @torch.no_grad()
     def after_backward(self) -> int:

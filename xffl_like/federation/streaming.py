@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .compress import CompressedMean
-from .round import Federation
+from .round import Federation, round_weights
 
 __all__ = ["StreamingFederation", "fragment_of", "sync_offsets", "synced_at"]
 
@@ -228,14 +228,9 @@ class StreamingFederation(Federation):
 
     # ------------------------------------------------------------------ one fragment
     def _fragment_weights(self, k: int) -> list[float] | None:
-        spec, tokens = self.options.weights, self.tokens[k].clone()
+        tokens = self.tokens[k].clone()
         self.tokens[k].zero_()
-        if spec == "uniform":
-            return None
-        if spec == "tokens":
-            dist.all_reduce(tokens)
-            return tokens.tolist()
-        return list(spec)
+        return round_weights(self.options.weights, tokens)
 
     def _read_range(self, a: int, b: int) -> Tensor:
         out = torch.empty(b - a, dtype=torch.float32, device=self.state.device)

@@ -10,10 +10,15 @@ AdamW for ``--steps`` steps, in the same processes: PyTorch
 ``DistributedDataParallel``, :class:`DecentralizedDataParallel` on ring,
 one-peer-exp and alternating-exp-ring, and each Bagua-style algorithm. It reports
 the median step time after ``--warmup`` steps (methods interleaved step by step, so
-load changes on a shared machine hit all of them alike), its ratio to DDP's, and the final
-training loss (each rank's loss on its own copy, mean over ranks and the last 5 steps)
-with its ratio to DDP's, and the consensus distance of the copies at the end (before
-DecentralizedDataParallel's ``global_avg()``).
+load changes on a shared machine hit all of them alike) and its ratio to DDP's; the
+final training loss (each rank's loss on its own copy, mean over ranks and the last 5
+steps); the consensus distance of the copies at the end; and the evaluation loss of
+the model each method produces, with its ratio to DDP's. That model is the exact mean
+of the copies, as users evaluate it: ``global_avg()`` for DecentralizedDataParallel,
+``allreduce_parameters`` for the Bagua algorithms (a no-op up to rounding where the
+copies already agree), DDP's model as it is. It is evaluated on the same held-out
+batches for every method (``--eval-batches`` per rank, samples of the same language
+that no method trained on).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from pathlib import Path
 METHODS = ["ddp", "decent:ring", "decent:one-peer-exp", "decent:alternating-exp-ring", "bagua:gradient_allreduce",
            "bagua:bytegrad", "bagua:decentralized", "bagua:low_precision_decentralized", "bagua:async"]
 ROOT = Path(__file__).resolve().parents[2]
+HELD_OUT_SEED = 10_000  # held-out batches come from generators no training rank uses
 
 
 def _batches(rank: int, steps: int, batch: int, seq: int, vocab: int):
@@ -58,6 +64,23 @@ def _bagua_algorithm(name: str):
             "async": lambda: P.AsyncModelAverage(sync_interval_ms=50)}[name]()
 
 
+def kind_of(method: str) -> str:
+    """``ddp``, ``decent`` or ``bagua``."""
+    return method.partition(":")[0]
+
+
+def _eval_loss(model, batches) -> float:
+    """Mean next-token cross-entropy of ``model`` on ``batches`` (no gradient; training mode restored)."""
+    import torch
+    import torch.nn.functional as F
+
+    model.eval()
+    with torch.no_grad():
+        losses = [F.cross_entropy(model(t[:, :-1]).flatten(0, 1), t[:, 1:].reshape(-1)).item() for t in batches]
+    model.train()
+    return statistics.fmean(losses)
+
+
 def _worker(args: dict) -> dict:
     import torch
     import torch.distributed as dist
@@ -71,6 +94,7 @@ def _worker(args: dict) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = LlamaConfig.from_mapping(yaml.safe_load((ROOT / "conf" / "model" / f"{args['model']}.yaml").read_text()))
     data = _batches(rank, args["steps"], args["batch"], args["seq"], cfg.vocab_size)
+    held_out = _batches(HELD_OUT_SEED + rank, args["eval_batches"], args["batch"], args["seq"], cfg.vocab_size)
     runs = {}
     for method in args["methods"]:  # every method's copy lives side by side
         torch.manual_seed(0)
@@ -106,16 +130,19 @@ def _worker(args: dict) -> dict:
             run["losses"].append(loss.item())
     results = {}
     for method, run in runs.items():
-        net = run["net"]
+        net, model = run["net"], run["model"]
         if isinstance(getattr(net, "algorithm", None), P.AsyncModelAverage):
             net.algorithm.abort()  # (its last exchange applied) before measuring
-        consensus = P.consensus_distance(run["model"])
+        consensus = P.consensus_distance(model)
+        # The model the method produces: the exact mean of the copies (DDP's copies are that already).
         if isinstance(net, P.DecentralizedDataParallel):
             net.global_avg()
-        final = torch.tensor([statistics.fmean(run["losses"][-5:])])
+        elif kind_of(method) == "bagua":
+            P.allreduce_parameters(model)
+        final = torch.tensor([statistics.fmean(run["losses"][-5:]), _eval_loss(model, held_out)])
         dist.all_reduce(final)
-        results[method] = {"step_s": statistics.median(run["times"]), "final_loss": final.item() / world,
-                           "consensus_distance": consensus}
+        results[method] = {"step_s": statistics.median(run["times"]), "final_loss": final[0].item() / world,
+                           "eval_loss": final[1].item() / world, "consensus_distance": consensus}
     dist.destroy_process_group()
     return results
 
@@ -177,6 +204,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--eval-batches", type=int, default=4, help="held-out batches per rank for the evaluation loss")
     p.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of " + ", ".join(METHODS))
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     p.add_argument("--link-mbit", type=float, default=None,
@@ -198,6 +226,8 @@ def main(argv: list[str] | None = None) -> dict:
         problems.append(f"--local-world-size {a.local_world_size} must divide --nproc {a.nproc} (>= 2)")
     if not (0 <= a.warmup < a.steps - 1) or a.steps < 6:
         problems.append(f"--steps {a.steps} must be >= 6 and exceed --warmup {a.warmup} by 2")
+    if a.eval_batches < 1:
+        problems.append(f"--eval-batches {a.eval_batches} must be >= 1")
     if a.link_mbit is not None and not a.link_mbit > 0:
         problems.append(f"--link-mbit {a.link_mbit}: must be a positive number of Mbit/s")
     if a.link_mbit is not None and a.nproc // max(1, a.local_world_size) < 2:
@@ -226,12 +256,14 @@ def main(argv: list[str] | None = None) -> dict:
     base = results.get("ddp")
     print(f"{a.nproc} processes ({a.nproc // a.local_world_size} nodes of {a.local_world_size}), {where}, "
           f"model={a.model}, {a.steps} steps")
-    print(f"{'method':38s} {'step ms':>9s} {'x DDP':>7s} {'final loss':>11s} {'x DDP':>7s} {'consensus':>10s}")
+    print(f"{'method':36s} {'step ms':>8s} {'x DDP':>6s} {'train loss':>10s} {'x DDP':>6s} {'consensus':>9s} "
+          f"{'eval loss':>9s} {'x DDP':>6s}")
     for m, r in results.items():
-        ratio = f"{r['step_s'] / base['step_s']:.2f}" if base else "-"
-        lratio = f"{r['final_loss'] / base['final_loss']:.3f}" if base else "-"
-        print(f"{m:38s} {1000 * r['step_s']:9.1f} {ratio:>7s} {r['final_loss']:11.4f} {lratio:>7s} "
-              f"{r['consensus_distance']:10.2e}")
+        ratio = (lambda key: f"{r[key] / base[key]:.3f}" if base else "-")
+        print(f"{m:36s} {1000 * r['step_s']:8.1f} {ratio('step_s')[:-1]:>6s} {r['final_loss']:10.4f} "
+              f"{ratio('final_loss'):>6s} {r['consensus_distance']:9.2e} {r['eval_loss']:9.4f} {ratio('eval_loss'):>6s}")
+    print("train loss: each rank's training loss on its own copy (last 5 steps); consensus: before averaging; "
+          "eval loss: the mean of the copies on held-out batches")
     report = {"config": {k: v for k, v in vars(a).items() if k not in ("out", "worker")}, "network": where,
               "results": results}
     if a.out is not None:

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import codec
-from .comm import p2p_exchange
+from .comm import CommThread, node_channel, p2p_exchange
 
 if TYPE_CHECKING:  # pragma: no cover
     from .bagua import BaguaModule, Bucket
@@ -120,46 +120,69 @@ class ByteGrad(GradientAllReduce):
     """Gradient all-reduce with 8-bit min-max compression (one chunk per member):
     compress -> all-to-all -> each member decompresses and averages its chunk ->
     recompress -> all-gather -> decompress. ``hierarchical``: full-precision sum
-    inside the node first, compressed exchange among node leaders, the result
-    broadcast (compressed) inside the node."""
+    to the node leader first, compressed exchange among node leaders, the result
+    broadcast (compressed) inside the node.
+
+    Overlapped with the backward pass, as DDP's bucket all-reduces are: when a bucket's
+    gradients are ready its node reduce starts (asynchronously), and the rest of its chain
+    runs on a communication thread (:class:`~xffl_like.parallel.comm.CommThread`) while
+    backward goes on; ``after_backward`` waits for the buckets in order and writes the
+    decoded gradients. The node broadcast has a group of its own (``node_channel``),
+    since it is issued by that thread while the training thread issues node reduces.
+    """
 
     def __init__(self, hierarchical: bool = True, average: bool = True):
         super().__init__(hierarchical, average)
 
+    def attach(self, module):
+        super().attach(module)
+        self._bcast_group = node_channel(self.comm, "bytegrad-broadcast") if self.hierarchical else None
+        self._thread = CommThread("xffl-bytegrad")
+
+    def detach(self):
+        self._pending = []
+        self._thread.close()
+
     def grad_ready(self, bucket):
-        flat = self._node_summed(bucket)
+        flat = bucket.grads_flat()  # a copy: the gradients stay untouched until after_backward
+        if self.average:
+            flat.div_(self.comm.world_size)
+        reduced = self.comm.node_reduce(flat, async_op=True) if self.hierarchical else None
+        self._pending.append((bucket, self._thread.submit(self._exchange, flat, reduced)))
+
+    def after_backward(self):
+        pending, self._pending = self._pending, []
+        for bucket, future in pending:
+            work, rows, numel = future.result()
+            if work is not None:
+                work.wait()
+            bucket.set_grads(codec.decompress(rows, numel))
+
+    def _exchange(self, flat: Tensor, reduced) -> tuple:
+        """One bucket's chain on the communication thread: ``(broadcast work or None, packed rows, numel)``."""
+        numel = flat.numel()
+        if reduced is not None:
+            reduced.wait()
         members, group, member = self._members()
         n = len(members)
-        state = {"bucket": bucket, "numel": flat.numel(), "n": n, "group": group, "work": None}
+        rows = None
         if member and n > 1:
             send = codec.compress(flat, n)
             recv = torch.empty_like(send)
-            state.update(send=send, recv=recv,
-                         work=dist.all_to_all_single(recv, send, group=group, async_op=True))
-        elif member:  # a single member: its own sum, compressed once like the others would see it
-            state["gathered"] = codec.compress(flat, 1)
-        self._pending.append(state)
-
-    def after_backward(self):
-        for s in self._pending:
-            bucket, numel, n = s["bucket"], s["numel"], s["n"]
+            dist.all_to_all_single(recv, send, group=group)
             length = codec.chunk_length(numel, n)
-            if s["work"] is not None:
-                s["work"].wait()
-                mine = torch.stack([codec.decompress(row, length) for row in s["recv"]]).sum(0)
-                packed = codec.compress(mine, 1)
-                gathered = torch.empty((n,) + tuple(packed.shape[1:]), dtype=torch.uint8, device=packed.device)
-                dist.all_gather_single(gathered, packed, group=s["group"])
-                s["gathered"] = gathered
-            if self.hierarchical:
-                rows = s.get("gathered")
-                if rows is None:
-                    rows = torch.empty((n, codec.HEADER_BYTES + length), dtype=torch.uint8,
-                                       device=bucket.device)
-                self.comm.node_broadcast(rows)
-                s["gathered"] = rows
-            bucket.set_grads(codec.decompress(s["gathered"], numel))
-        self._pending = []
+            mine = codec.decompress(recv, n * length).view(n, length).sum(0)
+            packed = codec.compress(mine, 1)
+            rows = torch.empty((n,) + tuple(packed.shape[1:]), dtype=torch.uint8, device=packed.device)
+            dist.all_gather_single(rows, packed, group=group)
+        elif member:  # a single member: its own sum, compressed once like the others would see it
+            rows = codec.compress(flat, 1)
+        work = None
+        if self._bcast_group is not None:  # (the next bucket's exchange need not wait for it)
+            if rows is None:
+                rows = torch.empty((n, codec.packed_bytes(numel, n) // n), dtype=torch.uint8, device=flat.device)
+            work = dist.broadcast(rows, self.comm.leader, group=self._bcast_group, async_op=True)
+        return work, rows, numel
 
 
 def shift_one_peer(rank: int, n: int, comm_step: int) -> int:

@@ -6,7 +6,8 @@
     ... train on
 
 The wrapper splits the parameters (in reverse order, roughly the order their
-gradients appear) into buckets of about ``bucket_mb`` MB and tells the algorithm
+gradients appear) into buckets of about ``bucket_mb`` MB (the first one at most 1 MiB,
+as in DDP, so communication starts early in backward) and tells the algorithm
 when a bucket's gradients are ready (always in bucket order, so every rank issues
 its collectives in the same order), when backward has finished, and when the
 optimizer has stepped. One backward per optimizer step (no gradient accumulation).
@@ -25,6 +26,7 @@ from .comm import NodeComm, flat_copy, node_comm, unflatten_into
 __all__ = ["BaguaModule", "Bucket", "with_algorithm", "broadcast_parameters", "allreduce_parameters"]
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+FIRST_BUCKET_BYTES = 1024 * 1024  # DDP's first bucket size (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES)
 
 
 class Bucket:
@@ -94,11 +96,13 @@ class BaguaModule(nn.Module):
             raise ValueError("the module has no parameter that requires a gradient")
         self.device = params[0].device
         self.buckets: list[Bucket] = []
+        # As DDP's reducer: the first bucket (the last parameters, whose gradients come first) holds at
+        # most FIRST_BUCKET_BYTES, so its communication starts early and overlaps the rest of backward.
         limit, current, size = bucket_mb * 1024 * 1024, [], 0
         for p in reversed(params):
             current.append(p)
             size += p.numel() * p.element_size()
-            if size >= limit:
+            if size >= (min(limit, FIRST_BUCKET_BYTES) if not self.buckets else limit):
                 self.buckets.append(Bucket(current))
                 current, size = [], 0
         if current:

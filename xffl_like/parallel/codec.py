@@ -50,14 +50,15 @@ def _rows(x: Tensor, chunks: int) -> Tensor:
 def compress(x: Tensor, chunks: int = 1) -> Tensor:
     """Quantize ``x`` (any shape, any float dtype) to a packed uint8 ``[chunks, 8 + len]`` message."""
     rows = _rows(x, chunks)
-    lo = rows.amin(dim=1, keepdim=True)
-    hi = rows.amax(dim=1, keepdim=True)
+    lo, hi = torch.aminmax(rows, dim=1, keepdim=True)
     scale = (hi - lo) / LEVELS
     # A constant chunk has scale 0: every code is 0 and decodes to the minimum exactly.
     inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
-    codes = ((rows - lo) * inv).round_().clamp_(0, LEVELS).to(torch.uint8)
-    header = torch.cat([lo, hi], dim=1).contiguous().view(torch.uint8)  # bit-cast: 8 raw bytes per row
-    return torch.cat([header, codes], dim=1)
+    out = torch.empty((chunks, HEADER_BYTES + rows.shape[1]), dtype=torch.uint8, device=rows.device)
+    out[:, :HEADER_BYTES] = torch.cat([lo, hi], dim=1).view(torch.uint8)  # bit-cast: 8 raw bytes per row
+    # Codes are whole numbers in [0, 255] here, so the float -> uint8 copy is exact.
+    out[:, HEADER_BYTES:] = (rows - lo).mul_(inv).round_().clamp_(0, LEVELS)
+    return out
 
 
 def decompress(packed: Tensor, numel: int, out: Tensor | None = None) -> Tensor:
@@ -66,7 +67,7 @@ def decompress(packed: Tensor, numel: int, out: Tensor | None = None) -> Tensor:
     # A fresh copy: a view's offset or stride may not be float-aligned.
     header = packed[:, :HEADER_BYTES].flatten().clone().view(torch.float32).view(-1, 2)
     lo, hi = header[:, :1], header[:, 1:2]
-    values = (lo + packed[:, HEADER_BYTES:].float() * ((hi - lo) / LEVELS)).reshape(-1)[:numel]
+    values = packed[:, HEADER_BYTES:].float().mul_((hi - lo) / LEVELS).add_(lo).reshape(-1)[:numel]
     if out is None:
         return values
     out.view(-1).copy_(values)

@@ -15,7 +15,12 @@ collective that only some ranks entered.
 from __future__ import annotations
 
 import os
+import queue
+import threading
+import weakref
+from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -23,7 +28,7 @@ from torch import Tensor
 
 from .topology import edge_group
 
-__all__ = ["NodeComm", "consensus_distance", "flat_copy", "node_comm", "node_sizes", "p2p_exchange",
+__all__ = ["CommThread", "NodeComm", "consensus_distance", "flat_copy", "node_channel", "node_comm", "node_sizes", "p2p_exchange",
            "split_nodes", "unflatten_into"]
 
 
@@ -54,10 +59,76 @@ class NodeComm:
         if self.node_group is not None:
             dist.all_reduce(t, group=self.node_group)
 
+    def node_reduce(self, t: Tensor, async_op: bool = False):
+        """Sum ``t`` over the node into the leader's ``t`` (other ranks' ``t`` is left undefined);
+        with ``async_op`` the work to wait on (``None`` when the node is this process alone)."""
+        if self.node_group is not None:
+            return dist.reduce(t, self.leader, group=self.node_group, async_op=async_op)
+        return None
+
     def node_broadcast(self, t: Tensor) -> None:
         """Copy the leader's ``t`` to every process of the node."""
         if self.node_group is not None:
             dist.broadcast(t, self.leader, group=self.node_group)
+
+
+class CommThread:
+    """One background thread that runs communication jobs one at a time, in submission order.
+
+    A job that chains blocking steps (reduce inside the node, compress, exchange,
+    decompress, gather, broadcast) runs here, so the training thread's backward pass goes
+    on meanwhile: torch kernels and collectives release the GIL. One thread and FIFO order
+    give every rank the same sequence of collectives on every group, whatever the timing.
+    After a job fails the later ones are skipped (they would enter collectives that peers
+    may never join); every :meth:`submit` returns a ``Future`` whose ``result()`` raises.
+    The thread stops at :meth:`close`, when this object is garbage-collected, or at exit.
+    """
+
+    def __init__(self, name: str = "xffl-comm"):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        # The thread holds the queue, not this object, so dropping the object stops it.
+        self._thread = threading.Thread(target=_serve, args=(self._jobs,), name=name, daemon=True)
+        self._thread.start()
+        self._finalizer = weakref.finalize(self, _stop, self._jobs, self._thread, _EXIT_JOIN_S)
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        """Queue ``fn(*args)``; its return value (or exception) arrives in the returned future."""
+        if not self._thread.is_alive():
+            raise RuntimeError("the communication thread was closed")
+        future: Future = Future()
+        self._jobs.put((future, fn, args))
+        return future
+
+    def close(self) -> None:
+        """Run the queued jobs, then stop the thread (idempotent)."""
+        self._finalizer.detach()
+        _stop(self._jobs, self._thread, None)
+
+
+_EXIT_JOIN_S = 10.0  # at exit or collection: a job stuck in a collective (a dead peer) must not hang the exit
+
+
+def _stop(jobs: queue.SimpleQueue, thread: threading.Thread, timeout: float | None) -> None:
+    if thread.is_alive():
+        jobs.put(None)
+        if thread is not threading.current_thread():
+            thread.join(timeout)
+
+
+def _serve(jobs: queue.SimpleQueue) -> None:
+    error: BaseException | None = None
+    while (job := jobs.get()) is not None:
+        future, fn, args = job
+        job = None  # hold nothing of a finished job while idle (its tensors, its groups)
+        if error is not None:
+            future.set_exception(RuntimeError(f"skipped after an earlier communication job failed: {error}"))
+        else:
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:  # noqa: BLE001 - handed to the training thread by result()
+                error = exc
+                future.set_exception(exc)
+        future = fn = args = None
 
 
 def split_nodes(declared: list[int]) -> tuple[int, ...]:
@@ -97,6 +168,15 @@ def node_sizes(local_world_size: int | None = None) -> tuple[int, ...]:
     everyone = [torch.zeros_like(mine) for _ in range(world)]
     dist.all_gather(everyone, mine)
     return split_nodes([int(t) for t in everyone])
+
+
+def node_channel(comm: NodeComm, channel: str) -> dist.ProcessGroup | None:
+    """A second group over this process's node, for collectives issued from another thread than
+    the node group's (collective over the world: every process calls it, in one order)."""
+    starts = [sum(comm.sizes[:i]) for i in range(len(comm.sizes))]
+    groups = [edge_group(range(start, start + size), channel) if size > 1 else None
+              for start, size in zip(starts, comm.sizes)]
+    return groups[comm.node]
 
 
 def node_comm(local_world_size: int | None = None) -> NodeComm:

@@ -156,8 +156,12 @@ def topology_edges(name: str, n: int, local_world_size: int = 1) -> list[list[Ed
 _GROUPS: dict[tuple, dist.ProcessGroup | None] = {}
 
 
-def edge_group(ranks: Sequence[int]) -> dist.ProcessGroup | None:
+def edge_group(ranks: Sequence[int], channel: str = "") -> dist.ProcessGroup | None:
     """The process group of ``ranks``, created on first use; ``None`` on a process outside ``ranks``.
+
+    ``channel`` names a separate group over the same ranks (never the world group itself):
+    collectives issued from two threads must not share a group, since the order in which
+    the threads reach it may differ between ranks.
 
     Collective over the world: EVERY process calls it for the same groups in the same
     order (members and non-members alike). Torch's group-local creation
@@ -168,9 +172,9 @@ def edge_group(ranks: Sequence[int]) -> dist.ProcessGroup | None:
     """
     ranks = tuple(sorted(ranks))
     world = dist.group.WORLD
-    if len(ranks) == dist.get_world_size(world):
+    if len(ranks) == dist.get_world_size(world) and not channel:
         return world
-    key = (world, ranks)  # the WORLD object itself: a re-initialized world never hits a stale group
+    key = (world, ranks, channel)  # the WORLD object itself: a re-initialized world never hits a stale group
     if key not in _GROUPS:
         group = dist.new_group(list(ranks))
         _GROUPS[key] = group if dist.get_rank() in ranks else None

@@ -193,3 +193,37 @@ def test_parallel_bench_rejects_bad_input_before_launching():
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "decent:star" in lines[0] and "--local-world-size 2 must divide --nproc 3" in lines[0]
     assert "--link-mbit 0.0: must be a positive number of Mbit/s" in lines[0]
+
+
+def test_comm_thread_runs_jobs_in_order_and_stops_after_a_failure():
+    """ByteGrad's chains run on a CommThread: FIFO (every rank's collectives in one order), a failed
+    job's error reaches result(), later jobs are skipped rather than entering collectives."""
+    import gc
+    import threading
+    import time
+
+    from xffl_like.parallel.comm import CommThread
+
+    seen, gate = [], threading.Event()
+    comm = CommThread("test-comm")
+    first = comm.submit(lambda: (gate.wait(5), seen.append(1)))  # holds the queue until released
+    later = [comm.submit(seen.append, i) for i in range(2, 6)]
+    assert seen == [] and not first.done()
+    gate.set()
+    assert [f.result(5) for f in later] == [None] * 4 and seen == [1, 2, 3, 4, 5]
+    failed = comm.submit(lambda: 1 / 0)
+    skipped = comm.submit(seen.append, 6)
+    with pytest.raises(ZeroDivisionError):
+        failed.result(5)
+    with pytest.raises(RuntimeError, match="skipped after an earlier communication job failed: division by zero"):
+        skipped.result(5)
+    assert seen == [1, 2, 3, 4, 5]
+    comm.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        comm.submit(seen.append, 7)
+    dropped = CommThread("test-dropped")  # dropped without close(): its thread ends with it
+    thread = dropped._thread
+    del dropped
+    gc.collect()
+    thread.join(5)
+    assert not thread.is_alive()

@@ -8,9 +8,12 @@ Every method trains the same model (``conf/model/<model>.yaml``, seed 0) on the 
 per-rank batches (a fixed random bigram language, different samples per rank) with
 AdamW for ``--steps`` steps, in the same processes: PyTorch
 ``DistributedDataParallel``, :class:`DecentralizedDataParallel` on ring,
-one-peer-exp and alternating-exp-ring, and each Bagua-style algorithm. It reports
-the median step time after ``--warmup`` steps (methods interleaved step by step, so
-load changes on a shared machine hit all of them alike) and its ratio to DDP's; the
+one-peer-exp and alternating-exp-ring, and each Bagua-style algorithm, every bucketed
+method with the same bucket size (``--bucket-mb``). It reports
+the median step time after ``--warmup`` steps (methods take turns every ``--block`` steps,
+so load changes on a shared machine hit all of them alike; a method's communication is
+finished before another's turn, so none runs under another's steps, and the first step
+of a turn, with nothing pending from before, is not timed) and its ratio to DDP's; the
 final training loss (each rank's loss on its own copy, mean over ranks and the last 5
 steps); the consensus distance of the copies at the end; and the evaluation loss of
 the model each method produces, with its ratio to DDP's. That model is the exact mean
@@ -101,38 +104,54 @@ def _worker(args: dict) -> dict:
         model = Llama(cfg)
         kind, _, name = method.partition(":")
         if kind == "ddp":
-            net = torch.nn.parallel.DistributedDataParallel(model)
+            net = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args["bucket_mb"])
             opt = torch.optim.AdamW(model.parameters(), lr=args["lr"], weight_decay=0.0)
         elif kind == "decent":
             net = P.DecentralizedDataParallel(model, lambda named: P.optim_fn_adamw(named, lr=args["lr"],
                                                                                     weight_decay=0.0),
-                                              topology=name, local_world_size=args["local_world_size"])
+                                              topology=name, local_world_size=args["local_world_size"],
+                                              bucket_size_in_mb=args["bucket_mb"])
             opt = None
         else:
             opt = torch.optim.AdamW(model.parameters(), lr=args["lr"], weight_decay=0.0)
-            net = P.with_algorithm(model, opt, _bagua_algorithm(name), local_world_size=args["local_world_size"])
+            net = P.with_algorithm(model, opt, _bagua_algorithm(name), bucket_mb=args["bucket_mb"],
+                                   local_world_size=args["local_world_size"])
         runs[method] = {"net": net, "opt": opt, "model": model, "times": [], "losses": []}
-    # Interleaved: step t of every method, then step t + 1, so load changes hit all methods alike.
-    for step, tokens in enumerate(data):
+    # Interleaved in blocks of --block steps: every method's block t, then every method's block t + 1,
+    # so load changes hit all methods alike. Within a block a method's communication overlaps its own
+    # next step, as in training; between blocks it is finished (untimed: DecentralizedDataParallel's
+    # pending mixing, AsyncModelAverage's thread paused), so no method's traffic runs during another's
+    # steps, and the first step of a block (nothing pending from before) is not timed.
+    block = args["block"]
+    for first in range(0, len(data), block):
         for method, run in runs.items():
             net, opt = run["net"], run["opt"]
-            dist.barrier()
-            start = time.perf_counter()
-            logits = net(tokens[:, :-1])
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
-            loss.backward()
-            if opt is not None:
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-            dist.barrier()
-            if step >= args["warmup"]:
-                run["times"].append(time.perf_counter() - start)
-            run["losses"].append(loss.item())
+            asynchronous = isinstance(getattr(net, "algorithm", None), P.AsyncModelAverage)
+            if asynchronous and first > 0:
+                net.algorithm.resume()
+            for step in range(first, min(first + block, len(data))):
+                tokens = data[step]
+                dist.barrier()
+                start = time.perf_counter()
+                logits = net(tokens[:, :-1])
+                loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+                loss.backward()
+                if opt is not None:
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                dist.barrier()
+                if step >= args["warmup"] and step > first:
+                    run["times"].append(time.perf_counter() - start)
+                run["losses"].append(loss.item())
+            if asynchronous:
+                net.algorithm.abort()  # collective: every rank stops after the same exchange, its result applied
+            elif isinstance(net, P.DecentralizedDataParallel):
+                for bucket in net._buckets:  # wait only: the next hook applies the mix, as in training
+                    if bucket.op is not None:
+                        bucket.op.wait()
     results = {}
     for method, run in runs.items():
         net, model = run["net"], run["model"]
-        if isinstance(getattr(net, "algorithm", None), P.AsyncModelAverage):
-            net.algorithm.abort()  # (its last exchange applied) before measuring
         consensus = P.consensus_distance(model)
         # The model the method produces: the exact mean of the copies (DDP's copies are that already).
         if isinstance(net, P.DecentralizedDataParallel):
@@ -204,6 +223,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--block", type=int, default=5,
+                   help="methods take turns every this many steps (the first step of a turn is not timed)")
+    p.add_argument("--bucket-mb", type=float, default=1.0,
+                   help="bucket size of every bucketed method (DDP's bucket_cap_mb, bucket_size_in_mb, bucket_mb): "
+                        "the libraries' defaults (25, 25, 10 MB) hold all of llama_tiny's 3.4 MB in one bucket, "
+                        "so nothing would overlap the backward pass")
     p.add_argument("--eval-batches", type=int, default=4, help="held-out batches per rank for the evaluation loss")
     p.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of " + ", ".join(METHODS))
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
@@ -226,6 +251,11 @@ def main(argv: list[str] | None = None) -> dict:
         problems.append(f"--local-world-size {a.local_world_size} must divide --nproc {a.nproc} (>= 2)")
     if not (0 <= a.warmup < a.steps - 1) or a.steps < 6:
         problems.append(f"--steps {a.steps} must be >= 6 and exceed --warmup {a.warmup} by 2")
+    if a.block < 2 or a.block > a.steps - a.warmup:
+        problems.append(f"--block {a.block} must be >= 2 and at most --steps - --warmup ({a.steps - a.warmup}): "
+                        "the first step of every turn is not timed")
+    if not a.bucket_mb > 0:
+        problems.append(f"--bucket-mb {a.bucket_mb} must be > 0")
     if a.eval_batches < 1:
         problems.append(f"--eval-batches {a.eval_batches} must be >= 1")
     if a.link_mbit is not None and not a.link_mbit > 0:

@@ -103,7 +103,7 @@ def _train(cfg: JobConfig, state: DistributedState, run_dir: Path, started_at: f
     rounds: list[dict] = list(restored["rounds"]) if restored else []
     # {"step", "loss_local", "loss_global", "time"}: losses per facility, None when not evaluated
     evals: list[dict] = list(restored.get("records", {}).get("evals", [])) if restored else []
-    observer = Observer(cfg, state, run_dir, restored)
+    observer = Observer(cfg, state, run_dir, restored, rounds_at=federation.applies_at)
     fault = FaultInjector(cfg, state.rank)
     guard = NonFiniteGuard(cfg, state, model, optimizer, ckpt.dir)
     timer = PhaseTimer(device)

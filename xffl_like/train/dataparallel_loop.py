@@ -28,15 +28,13 @@ from .optim import OptimConfig
 from .parallelize import peak_rss_mb
 from .round_dump import RoundDump
 from .step import TrainConfig, accumulate_gradients
-from .summary import gather_facility_losses, job_summary
+from .summary import gather_facility_losses, job_summary, max_param_divergence
 
 __all__ = ["train_data_parallel"]
 
 
 def train_data_parallel(cfg: dict, state: DistributedState, run_dir: Path, started_at: float) -> dict | None:
     """Train with ``cfg["parallel"]`` on this rank's full copy; rank 0 returns the summary."""
-    from .loop import max_param_divergence
-
     tcfg, ocfg = TrainConfig.from_mapping(cfg["train"]), OptimConfig.from_mapping(cfg["optim"])
     steps, device, accum = tcfg.steps, state.device, tcfg.grad_accum
     torch.manual_seed(cfg["seed"])

@@ -30,31 +30,9 @@ from .nonfinite import NonFiniteGuard
 from .parallelize import build_sharded_model, contiguous_shards, peak_rss_mb
 from .round_dump import RoundDump
 from .step import accumulate_gradients
-from .summary import gather_facility_losses, job_summary
+from .summary import gather_facility_losses, job_summary, max_param_divergence
 
-__all__ = ["train_worker", "max_param_divergence"]
-
-
-@torch.no_grad()
-def max_param_divergence(model: torch.nn.Module, state: DistributedState, peer_groups: list) -> float:
-    """Largest |a - b| between any two ranks holding the same piece of any parameter.
-
-    Computed from the values themselves (max and min over all holders of each element),
-    so it covers facilities and replicas alike.
-    """
-    worst = torch.zeros((), dtype=torch.float64)
-    for param in model.parameters():
-        local = param.to_local() if hasattr(param, "to_local") else param
-        # In pieces: float64 copies of a whole 8B-model shard would double the job's memory.
-        for piece in local.detach().reshape(-1).split(1 << 22):
-            hi = piece.to(torch.float64)
-            lo = -hi
-            dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=peer_groups[state.shard])
-            dist.all_reduce(lo, op=dist.ReduceOp.MAX, group=peer_groups[state.shard])
-            if hi.numel():
-                worst = torch.maximum(worst, (hi + lo).max())
-    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-    return float(worst)
+__all__ = ["train_worker"]
 
 
 def train_worker(cfg: JobConfig, run_dir: str, started_at: float | None = None) -> dict | None:

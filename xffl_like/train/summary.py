@@ -1,4 +1,5 @@
-"""The end of a run, shared by both worker loops: the per-facility loss table and ``summary.json``.
+"""The end of a run, shared by both worker loops: the copies' divergence, the per-facility loss
+table and ``summary.json``.
 
 :mod:`.loop` (FSDP/HSDP with federated rounds) and :mod:`.dataparallel_loop`
 (``parallel=decentralized|bagua``) end the same way; their summaries carry the same keys
@@ -14,7 +15,60 @@ import torch.distributed as dist
 
 from ..distributed.state import DistributedState
 
-__all__ = ["gather_facility_losses", "job_summary"]
+__all__ = ["gather_facility_losses", "job_summary", "max_param_divergence"]
+
+PIECE = 1 << 22  # elements per message: float copies of a whole 8B-model shard would double the job's memory
+_INT_OF_SIZE = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
+def _fingerprints(pieces: list[torch.Tensor]) -> torch.Tensor:
+    """Two 64-bit hashes of each piece's bits, ``[pieces, 2]``: sums of the bit patterns times
+    fixed pseudo-random multipliers, wrapping mod 2^64 (integer sums: the same on every rank and
+    device, whatever the order). Holders whose bits differ agree on both with probability ~2^-64."""
+    if not pieces:
+        return torch.zeros(0, 2, dtype=torch.int64)
+    device = pieces[0].device
+    gen = torch.Generator().manual_seed(0x5EED)
+    w = (torch.randint(-(1 << 62), 1 << 62, (max(p.numel() for p in pieces),), generator=gen, dtype=torch.int64) | 1)
+    w = w.to(device)
+    out = []
+    for piece in pieces:
+        bits = piece.contiguous().view(_INT_OF_SIZE[piece.element_size()]).to(torch.int64)
+        m = w[: bits.numel()]
+        out.append(torch.stack([(bits * m).sum(), (bits * m * m).sum()]))
+    return torch.stack(out).cpu()
+
+
+@torch.no_grad()
+def max_param_divergence(model: torch.nn.Module, state: DistributedState, peer_groups: list) -> float:
+    """Largest |a - b| between any two ranks holding the same piece of any parameter (facilities
+    and replicas alike). Collective: every rank calls it.
+
+    First 16 bytes per piece of ``PIECE`` elements cross the link (two hashes of its bits, max and
+    min over the holders): pieces whose holders agree bit for bit add nothing. Only pieces that
+    differ are compared by value (max and min over the holders, in the parameter's own precision,
+    widened to float32 where gloo has no kernel), so a run that ends with identical copies does not
+    send the model across facilities again.
+    """
+    group = peer_groups[state.shard]
+    pieces = [piece for param in model.parameters()
+              for piece in (param.to_local() if hasattr(param, "to_local") else param).detach().reshape(-1).split(PIECE)]
+    prints = _fingerprints(pieces)  # on the CPU (gloo) wherever the parameters are
+    hi, lo = prints.clone(), prints.clone()
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
+    differ = (hi != lo).any(dim=1).tolist()
+    worst = torch.zeros((), dtype=torch.float64)
+    for piece, different in zip(pieces, differ):
+        if not different or not piece.numel():
+            continue
+        high = piece.to(piece.dtype if piece.dtype in (torch.float32, torch.float64) else torch.float32)
+        low = high.clone()
+        dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group)
+        dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group)
+        worst = torch.maximum(worst, (high.double() - low.double()).max().cpu())
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    return float(worst)
 
 
 def gather_facility_losses(losses: torch.Tensor, state: DistributedState) -> torch.Tensor:

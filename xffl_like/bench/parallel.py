@@ -7,7 +7,9 @@
 Every method trains the same model (``conf/model/<model>.yaml``, seed 0) on the same
 per-rank batches (a fixed random bigram language, different samples per rank) with
 AdamW for ``--steps`` steps, in the same processes: PyTorch
-``DistributedDataParallel``, :class:`DecentralizedDataParallel` on ring,
+``DistributedDataParallel``, ``local`` (no communication at all: every rank trains
+its own copy; the floor of any method's step time on this machine, and what
+communication buys in loss), :class:`DecentralizedDataParallel` on ring,
 one-peer-exp and alternating-exp-ring, and each Bagua-style algorithm, every bucketed
 method with the same bucket size (``--bucket-mb``). It reports
 the median step time after ``--warmup`` steps (methods take turns every ``--block`` steps,
@@ -19,7 +21,7 @@ steps); the consensus distance of the copies at the end; and the evaluation loss
 the model each method produces, with its ratio to DDP's. That model is the exact mean
 of the copies, as users evaluate it: ``global_avg()`` for DecentralizedDataParallel,
 ``allreduce_parameters`` for the Bagua algorithms (a no-op up to rounding where the
-copies already agree), DDP's model as it is. It is evaluated on the same held-out
+copies already agree) and ``local``, DDP's model as it is. It is evaluated on the same held-out
 batches for every method (``--eval-batches`` per rank, samples of the same language
 that no method trained on).
 """
@@ -34,7 +36,7 @@ import sys
 import time
 from pathlib import Path
 
-METHODS = ["ddp", "decent:ring", "decent:one-peer-exp", "decent:alternating-exp-ring", "bagua:gradient_allreduce",
+METHODS = ["ddp", "local", "decent:ring", "decent:one-peer-exp", "decent:alternating-exp-ring", "bagua:gradient_allreduce",
            "bagua:bytegrad", "bagua:decentralized", "bagua:low_precision_decentralized", "bagua:async"]
 ROOT = Path(__file__).resolve().parents[2]
 HELD_OUT_SEED = 10_000  # held-out batches come from generators no training rank uses
@@ -106,6 +108,9 @@ def _worker(args: dict) -> dict:
         if kind == "ddp":
             net = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args["bucket_mb"])
             opt = torch.optim.AdamW(model.parameters(), lr=args["lr"], weight_decay=0.0)
+        elif kind == "local":  # the floor: every rank trains its own copy, nothing is communicated
+            net = model
+            opt = torch.optim.AdamW(model.parameters(), lr=args["lr"], weight_decay=0.0)
         elif kind == "decent":
             net = P.DecentralizedDataParallel(model, lambda named: P.optim_fn_adamw(named, lr=args["lr"],
                                                                                     weight_decay=0.0),
@@ -156,7 +161,7 @@ def _worker(args: dict) -> dict:
         # The model the method produces: the exact mean of the copies (DDP's copies are that already).
         if isinstance(net, P.DecentralizedDataParallel):
             net.global_avg()
-        elif kind_of(method) == "bagua":
+        elif kind_of(method) in ("bagua", "local"):
             P.allreduce_parameters(model)
         final = torch.tensor([statistics.fmean(run["losses"][-5:]), _eval_loss(model, held_out)])
         dist.all_reduce(final)

@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--block", type=int, default=5,
                    help="methods take turns every this many steps (the first step of a turn is not timed)")
-    p.add_argument("--bucket-mb", type=float, default=1.0,
+    p.add_argument("--bucket-mb", type=float, default=0.5,
                    help="bucket size of every bucketed method (DDP's bucket_cap_mb, bucket_size_in_mb, bucket_mb): "
                         "the libraries' defaults (25, 25, 10 MB) hold all of llama_tiny's 3.4 MB in one bucket, "
                         "so nothing would overlap the backward pass")

@@ -422,6 +422,40 @@ def check_streaming(state, digests, report) -> None:
     report["streaming_cases"] += 1
 
 
+# ----------------------------------------------------------------------------- divergence
+def check_divergence(state, report) -> None:
+    """The end-of-run divergence check against max - min over each piece's holders, by hand.
+
+    Every rank holds exact values (multiples of 1/8) plus ``(rank + 1) / 1024`` at one element
+    of its shard (exact in float32); the holders of shard ``s`` (all ranks with that shard index,
+    every facility and replica) then differ by ``(max rank - min rank) / 1024`` there, and the
+    job's value is the largest over the shards."""
+    from xffl_like.distributed.state import all_peer_groups
+    from xffl_like.train.summary import max_param_divergence
+
+    model, groups = make(state), all_peer_groups(state)
+    holders: dict[int, list[int]] = {}
+    for r in range(state.world_size):
+        holders.setdefault(state.layout.coords(r).shard, []).append(r)
+    base = [torch.arange(t.numel(), dtype=torch.float32).remainder(16).div(8).view_as(t) for t in locals_(model)]
+    first = next(i for i, t in enumerate(base) if t.numel())  # the same on every holder of a shard
+
+    def with_element(value):
+        vals = [b.clone() for b in base]
+        vals[first].view(-1)[0] = value
+        assign(model, vals)
+        return max_param_divergence(model, state, groups)
+
+    got = with_element(0.0)
+    assert got == 0.0, f"identical copies: divergence {got}"
+    got = with_element((state.rank + 1) / 1024)
+    expected = max(max(h) - min(h) for h in holders.values()) / 1024
+    assert got == expected, f"divergence {got}, by hand {expected}"
+    got = with_element(-0.0 if state.rank % 2 else 0.0)  # other bits, equal values
+    assert got == 0.0, f"+0.0 against -0.0: divergence {got}"
+    report["divergence_cases"] = report.get("divergence_cases", 0) + 3
+
+
 # ----------------------------------------------------------------------------- entry
 def run_layouts(layouts: list[dict]) -> dict:
     env = read_env()
@@ -444,6 +478,8 @@ def run_layouts(layouts: list[dict]) -> dict:
                 check_synchronous(state, out)
             elif what == "streaming":
                 check_streaming(state, digests, out)
+            elif what == "divergence":
+                check_divergence(state, out)
         identical_across_peers(state, digests)
         dist.barrier()
         report[lay["name"]] = out

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from xffl_like.bench import netns
-from xffl_like.bench.wan import eval_curve, loss_at_step, time_to_target
+from xffl_like.bench.wan import eval_curve, link_round, loss_at_step, time_to_target
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -51,6 +51,23 @@ def test_counter_interpolation():
     assert netns.tx_at(samples, 5.0) == [0.0, 100.0] and netns.tx_at(samples, 99.0) == [1000.0, 400.0]
 
 
+def test_link_round_window_and_utilization():
+    # 1000 B/s line rate, a sample every second. Facility 0 sends at the full rate from 3 s to 7 s,
+    # facility 1 at half from 4 s to 8 s; 10 bytes between 1 s and 2 s (a barrier) stay under 5%.
+    f0 = [0, 0, 0, 0, 1000, 2000, 3000, 4000, 4000, 4000, 4000]
+    f1 = [0, 0, 10, 10, 10, 510, 1010, 1510, 2010, 2010, 2010]
+    samples = [(float(t), [a, b]) for t, (a, b) in enumerate(zip(f0, f1))]
+    assert netns.busy_window(samples, 0.0, 10.0, 1000.0) == (3.0, 8.0)
+    assert netns.busy_window(samples, 3.5, 10.0, 1000.0) == (3.5, 8.0)  # clamped to the interval asked
+    assert netns.busy_window(samples, 8.0, 10.0, 1000.0) is None
+    mean_sent = (4000 + 2010) / 2
+    fast = link_round(4.0, samples, 0.0, 10.0, 1000.0)  # the job's timer shorter than the wire's window
+    assert fast["transfer_seconds"] == 5.0 and fast["round_overhead_seconds"] == -1.0
+    assert fast["link_utilization"] == pytest.approx(mean_sent / 5000) == fast["transfer_utilization"]
+    slow = link_round(6.0, samples, 0.0, 10.0, 1000.0)  # the round's own time contains the transfer
+    assert slow["link_utilization"] == pytest.approx(mean_sent / 6000) and slow["transfer_window"] == [3.0, 8.0]
+
+
 def _namespaces() -> str:
     return subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
 
@@ -79,6 +96,7 @@ def test_network_carries_traffic_counts_it_and_is_always_removed():
     with netns.Network(2, 100) as net:
         names = [f.namespace for f in net.facilities] + [net.switch]
         assert all(n in _namespaces() for n in names)
+        assert net.tcp["net.ipv4.tcp_slow_start_after_idle"] == "0" and net.tcp["net.ipv4.tcp_congestion_control"]
         a, b = net.facilities
         before = net.counters()
         receiver = subprocess.Popen([*b.exec_prefix(), sys.executable, "-c", RECEIVER, b.address],

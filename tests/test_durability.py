@@ -173,6 +173,18 @@ def test_nonfinite_skip_end_to_end(tmp_path):
 
 
 # ----------------------------------------------------------------------------- on one process
+def test_all_finite_sees_nan_and_inf_and_not_large_values():
+    from xffl_like.train.nonfinite import all_finite
+
+    for dtype in (torch.float32, torch.bfloat16):
+        big = torch.full((1000,), 3.0e38 if dtype == torch.float32 else 3.0e38, dtype=dtype)  # sums and norms overflow
+        assert bool(all_finite([big, -big, torch.zeros(3, dtype=dtype)])) and bool(all_finite([]))
+        for bad in (float("nan"), float("inf"), -float("inf")):
+            t = torch.ones(2000, dtype=dtype)
+            t[1234] = bad
+            assert not bool(all_finite([torch.ones(5, dtype=dtype), t])), (dtype, bad)
+
+
 def test_publish_latest_retain_and_stale(tmp_path):
     ckpts = tmp_path / "checkpoints"
     for step in (2, 4, 6):

@@ -99,9 +99,11 @@ def test_error_feedback_carries_the_residual(kind):
 # ----------------------------------------------------------------------------- multi-process
 LAYOUTS = [
     # 2 facilities x FSDP over 2 ranks: outer optimizers, plain mean, compression, synchronous.
-    dict(name="fsdp_2x2", federated=2, hsdp=None, checks=["outer", "plain", "compression", "synchronous", "streaming"]),
+    dict(name="fsdp_2x2", federated=2, hsdp=None, checks=["outer", "plain", "compression", "synchronous", "streaming",
+                                                                "divergence"]),
     # 2 facilities x 2 replicas (HSDP): the replicas' hand-over, alternating-exp-ring, streaming's own groups.
-    dict(name="hsdp_2x2", federated=2, hsdp=1, checks=["outer", "gossip", "compression", "synchronous", "streaming"]),
+    dict(name="hsdp_2x2", federated=2, hsdp=1, checks=["outer", "gossip", "compression", "synchronous", "streaming",
+                                                               "divergence"]),
     # 4 facilities of one rank: gossip over ring / one-peer-exp / complete, compression among 4.
     dict(name="four_facilities", federated=1, hsdp=None, checks=["plain", "gossip", "compression"]),
 ]
@@ -116,6 +118,7 @@ def test_federation_on_4_processes():
     assert all(r["gossip_cases"] == 3 * 2 for r in by["four_facilities"])
     assert all(r["compression_cases"] == 4 for rs in by.values() for r in rs)
     assert all(r["streaming_cases"] == 1 for r in by["fsdp_2x2"] + by["hsdp_2x2"])
+    assert all(r["divergence_cases"] == 3 for r in by["fsdp_2x2"] + by["hsdp_2x2"])
     # Bytes counted from the messages: 2 facilities, the wide model, every rank sends.
     for r in by["fsdp_2x2"]:
         sent = r["compressed_bytes"]

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from xffl_like.observe.observer import AGG_FIELDS, bandwidth
-from xffl_like.observe.progress import Progress, steps_to_aggregation
+from xffl_like.observe.progress import Progress, steps_to_aggregation, steps_to_round
 from xffl_like.observe.timing import PHASES, format_phase_table, load_imbalance, phase_stats
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -215,6 +215,28 @@ def test_bandwidth():
 
 def test_steps_to_aggregation():
     assert [steps_to_aggregation(s, 4, 10) for s in range(1, 11)] == [3, 2, 1, 0, 3, 2, 1, 0, 1, 0]
+    # A schedule's own rule: synchronous to step 4 (a switch there), then a round every 3 steps from it.
+    rounds = {4, 7, 10}
+    assert [steps_to_round(s, 10, rounds.__contains__) for s in range(1, 11)] == [3, 2, 1, 0, 2, 1, 0, 2, 1, 0]
+    assert steps_to_round(3, 10, lambda done: False) is None
+
+
+def test_progress_follows_the_federation_rule():
+    # Rounds only where the federation says (a phase switch at 4, then every 3): the plain lines say so;
+    # no rounds at all (synchronous): no countdown.
+    out = io.StringIO()
+    p = Progress(steps=9, every=0, log_every=1, stream=out, rounds_at={4, 7, 9}.__contains__)
+    for s in range(1, 10):
+        p.step(s, 1.0, 10.0)
+    tails = [line.split("tok/s")[1].strip() for line in out.getvalue().splitlines()]
+    assert tails == ["next aggregation in 3 steps", "next aggregation in 2 steps", "next aggregation in 1 steps",
+                     "aggregating", "next aggregation in 2 steps", "next aggregation in 1 steps", "aggregating",
+                     "next aggregation in 1 steps", "aggregating"]
+    out = io.StringIO()
+    p = Progress(steps=3, every=0, log_every=1, stream=out, rounds_at=lambda done: False)
+    for s in range(1, 4):
+        p.step(s, 1.0, 10.0)
+    assert "aggregat" not in out.getvalue()
 
 
 def _round(step):

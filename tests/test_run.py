@@ -146,6 +146,7 @@ BAD = [
     (["+optim.no_such_key=1"], "optim.no_such_key is not a config key of optim=adamw"),
     (["optim.warmup_steps=null"], "optim.warmup_steps=None"),
     (["optim.betas=[0.9]"], "optim.betas=[0.9]"),
+    (["optim.momentum=0.9"], "optim.momentum=0.9 applies to optim=sgd, not optim=adamw: drop it, or select that"),
     (["logger.mode=onlin"], "logger.mode='onlin'"),
     (["checkpoint.keep=0"], "checkpoint.keep=0"),
     (["checkpoint.every_rounds=-1"], "checkpoint.every_rounds=-1"),

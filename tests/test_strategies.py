@@ -163,6 +163,34 @@ def test_streams_beyond_state_rejected():
         build_strategy(plain_model(), fake_state(streams=2), dict(name="fused", streams=3))
 
 
+def test_exchange_announces_every_receive_before_sending(monkeypatch):
+    # gloo sends a message only after the receiver announced the receive, and the announcement
+    # queues behind the data already sent on the same connection: every bucket's receive must
+    # be posted before the first byte leaves, each result's receive before its part is sent.
+    from xffl_like.aggregation import executor
+
+    calls = []
+
+    class Done:
+        def wait(self):
+            pass
+
+    monkeypatch.setattr(executor.dist, "isend", lambda t, group, tag, group_dst: calls.append(("send", tag)) or Done())
+    monkeypatch.setattr(executor.dist, "irecv", lambda t, group, tag, group_src: calls.append(("recv", tag)) or Done())
+    state = fake_state(world=2, federated=1, hsdp=1, streams=1)  # 2 facilities of 1 rank
+    strategy = build_strategy(plain_model(), state, dict(name="layer_by_layer"))
+    state.streams = None
+    state.split_exchanges = [SimpleNamespace(exchange=SimpleNamespace(chunk=0, ranks=[0, 1]), groups=[None])]
+    state.replica_groups = [None]
+    executor.aggregate(strategy, state)
+    k = len(strategy.communications)
+    assert k > 2 and sorted(calls) == sorted([(kind, t) for t in range(2 * k) for kind in ("send", "recv")])
+    first_send = calls.index(next(c for c in calls if c[0] == "send"))
+    assert {t for kind, t in calls[:first_send] if kind == "recv"} >= set(range(0, 2 * k, 2))
+    for b in range(k):  # the result's receive before the part leaves
+        assert calls.index(("recv", 2 * b + 1)) < calls.index(("send", 2 * b))
+
+
 # ----------------------------------------------------------------------------- multi-process
 LAUNCHES = {
     4: [

@@ -113,7 +113,8 @@ class StrategyConfig(Section):
 
 @dataclass(frozen=True)
 class OptimConfig(Section):
-    """``conf/optim/*.yaml``, checked by :meth:`from_mapping`. Keys of the other optimizer are ignored."""
+    """``conf/optim/*.yaml``, checked by :meth:`from_mapping`. A key of the other optimizer must keep
+    its default (``optim.momentum=0.9`` under adamw would be silently unused: refused)."""
 
     #: ``adamw`` (decoupled weight decay) or ``sgd`` (momentum, L2 weight decay).
     name: str = MISSING
@@ -162,6 +163,10 @@ class OptimConfig(Section):
         if min_lr > lr:
             raise ValueError(f"optim.min_lr={min_lr:g} exceeds optim.lr={lr:g}: the schedule decays from lr down to "
                              f"min_lr, so set optim.min_lr <= optim.lr")
+        for key, (owner, default) in _OPTIM_OWN.items():
+            if owner != name and key in m and _plain_seq(m[key]) != default:
+                raise ValueError(f"optim.{key}={_plain_seq(m[key])!r} applies to optim={owner}, not optim={name}: "
+                                 f"drop it, or select that optimizer with optim={owner} (the group, not optim.name)")
         kwargs: dict[str, Any] = {}
         if name == "adamw":
             betas = m.get("betas", (0.9, 0.999))
@@ -175,6 +180,14 @@ class OptimConfig(Section):
         return cls(name=name, lr=lr, weight_decay=number("weight_decay", default=0.0), warmup_steps=warmup,
                    schedule=schedule, min_lr=min_lr, decay_all=decay_all, grad_clip=number("grad_clip", default=0.0),
                    **kwargs)
+
+
+def _plain_seq(value: Any) -> Any:
+    return list(value) if isinstance(value, (list, tuple)) or type(value).__name__ == "ListConfig" else value
+
+
+# The keys of one optimizer only, with their schema defaults (what the other optimizer's yaml leaves).
+_OPTIM_OWN = {"betas": ("adamw", [0.9, 0.999]), "eps": ("adamw", 1e-8), "momentum": ("sgd", 0.0)}
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,13 @@ upload and download run at the line rate. Traffic inside a facility (to its own 
 to 127.0.0.1) stays on the namespace's loopback and is not shaped. The link adds no latency
 beyond the kernel's own.
 
+Each facility namespace is set up as a host on a wide-area link would be (:data:`WAN_SYSCTLS`):
+``net.ipv4.tcp_slow_start_after_idle=0``, so that a connection idle between two rounds (tens of
+seconds of local steps) keeps its congestion window instead of restarting from the initial
+window of 10 segments (RFC 2861's default, meant for senders whose idle time makes the old
+window stale; a federated job's connections carry the same bulk transfer every round). The
+congestion control is the host's (recorded in :attr:`Network.tcp`).
+
 ``prefix`` is ``xfw<pid>``: a later :class:`Network` removes the namespaces of a process that
 died without cleaning up (``sweep_stale``). :meth:`Network.close` kills what still runs in its
 namespaces (by process id, from ``ip netns pids``) and deletes them, which deletes their veth
@@ -30,9 +37,12 @@ from pathlib import Path
 from typing import Iterator
 
 __all__ = ["NetnsError", "Facility", "Network", "CounterSampler", "unavailable", "sweep_stale", "cleanup_on_signals",
-           "launch_torchrun", "wait_launchers", "tx_at", "SUBNET"]
+           "launch_torchrun", "wait_launchers", "tx_at", "busy_window", "SUBNET", "WAN_SYSCTLS"]
 
 SUBNET = "10.77.0"
+#: Per-namespace settings of every facility (see the module's docstring): key -> value.
+WAN_SYSCTLS = {"net.ipv4.tcp_slow_start_after_idle": "0"}
+_TCP_KEYS = ("net.ipv4.tcp_congestion_control", "net.ipv4.tcp_slow_start_after_idle")
 _KILL_GRACE_S = 10.0
 _PREFIX_RE = re.compile(r"^xfw(\d+)-")
 _LINK_RE = re.compile(r"^x(\d+)[fs]\d+$")
@@ -129,6 +139,15 @@ def _tbf(namespace: str, interface: str, mbit: float) -> None:
          "rate", f"{mbit}mbit", "burst", f"{burst_kbit}kbit", "latency", "400ms")
 
 
+def _sysctl(namespace: str, key: str, value: str | None = None) -> str:
+    """Read (or set) ``key`` inside ``namespace`` through /proc/sys, which shows the reader's
+    namespace (no ``sysctl`` binary needed); returns the value."""
+    path = "/proc/sys/" + key.replace(".", "/")
+    if value is not None:
+        _run("ip", "netns", "exec", namespace, "sh", "-c", f"echo {value} > {path}")
+    return _run("ip", "netns", "exec", namespace, "cat", path).stdout.strip()
+
+
 class Network:
     """``num_facilities`` namespaces joined by a bridge over links of ``link_mbit`` each way.
 
@@ -151,6 +170,8 @@ class Network:
             for f in range(num_facilities)
         ]
         self._made: list[str] = []
+        #: TCP settings of the facility namespaces (congestion control, slow start after idle).
+        self.tcp: dict[str, str] = {}
         self._holders: list[subprocess.Popen] = []
         self._closed = False
         try:
@@ -177,12 +198,15 @@ class Network:
             _run("ip", "-n", fac.namespace, "addr", "add", f"{fac.address}/24", "dev", fac.interface)
             _run("ip", "-n", fac.namespace, "link", "set", fac.interface, "up")
             _run("ip", "-n", fac.namespace, "link", "set", "lo", "up")
+            for key, value in WAN_SYSCTLS.items():
+                _sysctl(fac.namespace, key, value)
             _tbf(fac.namespace, fac.interface, self.link_mbit)  # the facility's upload
             _tbf(self.switch, port, self.link_mbit)  # its download
             # A process that stays in the namespace: its /proc/<pid>/net/dev gives the
             # interface counters without starting a program per reading.
             self._holders.append(subprocess.Popen([*fac.exec_prefix(), "sleep", "2147483647"],
                                                   stdin=subprocess.DEVNULL, start_new_session=True))
+        self.tcp = {key: _sysctl(self.facilities[0].namespace, key) for key in _TCP_KEYS}
         deadline = time.time() + 10
         while True:  # each holder reads its namespace's counters once it has entered it
             try:
@@ -292,6 +316,18 @@ def tx_at(samples: list[tuple[float, list[int]]], t: float) -> list[float]:
             w = 0.0 if tb == ta else (t - ta) / (tb - ta)
             return [x + w * (y - x) for x, y in zip(va, vb)]
     return [float(v) for v in samples[-1][1]]
+
+
+def busy_window(samples: list[tuple[float, list[int]]], t0: float, t1: float, rate: float,
+                threshold: float = 0.05) -> tuple[float, float] | None:
+    """``(start, end)`` of the sampling intervals inside ``[t0, t1]`` during which some facility
+    sent more than ``threshold`` x ``rate`` (bytes/s): from the start of the first such interval
+    to the end of the last, so the window contains the whole transfer (up to one interval more
+    at each edge); ``None`` when none did."""
+    busy = [(ta, tb) for (ta, va), (tb, vb) in zip(samples, samples[1:])
+            if tb > t0 and ta < t1 and tb > ta
+            and max(y - x for x, y in zip(va, vb)) > threshold * rate * (tb - ta)]
+    return (max(busy[0][0], t0), min(busy[-1][1], t1)) if busy else None
 
 
 def launch_torchrun(network: Network, nproc_per_node: int, entry: list[str], env: dict[str, str], log_dir: Path,

@@ -17,7 +17,8 @@ crossed are read from the link interfaces' counters (sampled every 50 ms), not c
 Writes ``wan.json``, ``wan.md`` and ``wan.png`` into its run directory and prints the table.
 
 ``bench.mode=link`` runs one round of ``bench.link_overrides`` (``model=llama_bench``) and
-reports the fraction of the line rate that round achieved.
+reports the fraction of the line rate that round achieved (:func:`link_round`), and the window
+in which the counters saw the link carry it against the round's own time.
 
 Needs root and iproute2 (``ip``, ``tc``); without them it prints one line and exits 0.
 """
@@ -33,9 +34,10 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from .netns import CounterSampler, Network, NetnsError, cleanup_on_signals, launch_torchrun, unavailable, wait_launchers
+from .netns import (CounterSampler, Network, NetnsError, busy_window, cleanup_on_signals, launch_torchrun, tx_at,
+                    unavailable, wait_launchers)
 
-__all__ = ["WanFailed", "eval_curve", "time_to_target", "loss_at_step", "run_wan", "format_table", "main"]
+__all__ = ["WanFailed", "eval_curve", "time_to_target", "loss_at_step", "link_round", "run_wan", "format_table", "main"]
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 MODES = ("train", "link")
@@ -192,11 +194,34 @@ def _measure(name: str, run_dir: Path, started: float, ended: float, sampler: Co
     if summary["rounds"]:
         out["cross_bytes_per_round"] = out["cross_bytes"] / summary["rounds"]
     if bench["mode"] == "link":
-        seconds = summary["aggregation_seconds"][0]
-        out["round_seconds"] = seconds
+        out.update(link_round(summary["aggregation_seconds"][0], sampler.samples, t0, train_end, rate))
         out["round_bytes_computed"] = summary["cross_facility_bytes_per_round"][0]
-        out["link_utilization"] = sum(sent) / len(sent) / (rate * seconds)
     return out
+
+
+def link_round(round_seconds: float, samples: list[tuple[float, list[int]]], t0: float, t1: float,
+               rate: float) -> dict:
+    """``bench.mode=link``: the one round between ``t0`` and ``t1`` (the start of training and the
+    evaluation after the round) against the counters ``samples``, ``rate`` in bytes/s.
+
+    ``transfer_seconds``: the window in which the link carried the round (:func:`~.netns.busy_window`).
+    ``link_utilization``: mean over facilities of the bytes counted on its interface / (line rate x
+    the longer of the round's time in the job (``round_seconds``, the slowest rank's) and the
+    transfer window): a time that contains the whole exchange, as the job and as the wire saw it.
+    ``transfer_utilization``: the same bytes over the transfer window alone (how well the link
+    was used while it was in use); ``round_overhead_seconds``: the round's time outside it."""
+    sent = [y - x for x, y in zip(tx_at(samples, t0), tx_at(samples, t1))]
+    per_facility = sum(sent) / len(sent)
+    window = busy_window(samples, t0, t1, rate)
+    transfer = window[1] - window[0] if window else 0.0
+    return {
+        "round_seconds": round_seconds,
+        "transfer_seconds": transfer,
+        "transfer_window": list(window) if window else None,
+        "round_overhead_seconds": round_seconds - transfer,
+        "link_utilization": per_facility / (rate * max(round_seconds, transfer)),
+        "transfer_utilization": per_facility / (rate * transfer) if transfer else None,
+    }
 
 
 # ----------------------------------------------------------------------------- the benchmark
@@ -244,6 +269,7 @@ def run_wan(cfg: DictConfig, run_dir: Path) -> dict | None:
                     continue
                 print(f"[{name}] {ended - started:.1f} s", flush=True)
     report = _report(bench, results, failures)
+    report["tcp"] = network.tcp
     (run_dir / "wan.json").write_text(json.dumps(report, indent=2) + "\n")
     (run_dir / "counters.json").write_text(json.dumps({"interfaces": [f.interface for f in network.facilities],
                                                        "samples": sampler.samples}) + "\n")
@@ -287,7 +313,9 @@ def format_table(report: dict) -> str:
             return f"link mode failed: {report['failures']}"
         return (f"one round over {report['link_mbit']:g} Mbit/s: {r['round_seconds']:.2f} s, "
                 f"{r['cross_bytes'] / 1e6:.1f} MB crossed (counters; computed {r['round_bytes_computed'] / 1e6:.1f} MB), "
-                f"{100 * r['link_utilization']:.1f}% of the line rate")
+                f"{100 * r['link_utilization']:.1f}% of the line rate; the link carried it in "
+                f"{r['transfer_seconds']:.2f} s ({100 * (r['transfer_utilization'] or 0):.1f}% of the line rate then), "
+                f"{r['round_overhead_seconds']:.2f} s of the round outside that")
     head = ("| config | steps | rounds | wall s | final eval loss | time to target s | x reference | "
             "cross MB | MB per round | link use |")
     lines = [f"{report['facilities']} facilities x {report['nproc_per_facility']} processes, link "

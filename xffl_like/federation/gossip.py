@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..parallel.topology import Edge, topology_edges
+from ..parallel.topology import Edge, edge_group, topology_edges
 
 __all__ = ["GOSSIP_TOPOLOGIES", "gossip_members", "check_gossip_layout", "Gossip"]
 
@@ -65,20 +65,17 @@ class Gossip:
         layout = state.layout
         check_gossip_layout(layout, name)
         self.name, self.params, self.state = name, list(params), state
-        # Groups are created by every rank, for every edge of every shard, in one order: a
-        # globally synchronised new_group (the group-local kind that Topology uses does not
-        # connect once the layout's many groups exist, seen with gloo on torch 2.13).
-        groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        # Every rank creates every edge's group, for every shard, in one order (topology.edge_group:
+        # world-wide creation, each group made once and shared with any Topology over the same ranks).
         self.schedule: list[Edge] = []  # this rank's edge per iteration
         for s in range(layout.shard_size):
             ranks, local = gossip_members(layout, name, s)
             for iteration in topology_edges(name, len(ranks), local):
                 for e in iteration:
-                    members = tuple(sorted(ranks[p] for p in e.ranks))
-                    if len(members) > 1 and members not in groups:
-                        groups[members] = dist.new_group(list(members))
+                    members = sorted(ranks[p] for p in e.ranks)
+                    group = edge_group(members) if len(members) > 1 else None
                     if state.rank in members:
-                        self.schedule.append(Edge(list(members), e.weight, groups.get(members)))
+                        self.schedule.append(Edge(members, e.weight, group))
         self.member = bool(self.schedule)
         self.numel = sum(p.numel() for p in self.params)
 

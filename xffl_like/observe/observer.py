@@ -57,9 +57,10 @@ def truncate_metrics(path: Path, step: int) -> None:
 
 
 class Observer:
-    def __init__(self, cfg: dict, state, run_dir: Path, restored: dict | None = None):
+    def __init__(self, cfg: dict, state, run_dir: Path, restored: dict | None = None, rounds_at=None):
         """``restored``: the ``state.json`` of the checkpoint a resumed job starts from (its
-        ``step``, ``rounds`` and ``wandb_ids`` continue the files and W&B runs)."""
+        ``step``, ``rounds`` and ``wandb_ids`` continue the files and W&B runs). ``rounds_at``:
+        the federation's ``applies_at`` (whether rounds end after a step), for the progress line."""
         self.cfg, self.state, self.run_dir = cfg, state, Path(run_dir)
         self.first_step = restored["step"] if restored else 0
         self.steps = cfg["train"]["steps"]
@@ -84,10 +85,9 @@ class Observer:
             dist.barrier()  # nobody appends before the file is cut back to the checkpoint's step
         self.progress = None
         if self.lead:
-            # parallel=decentralized|bagua have no rounds (every=0: none announced)
-            every = cfg["federation"]["every"] if (cfg.get("parallel") or {}).get("name", "fsdp") == "fsdp" else 0
-            self.progress = Progress(self.steps, every, cfg["train"]["log_every"],
-                                     facilities=state.num_facilities)
+            # Rounds as the federation schedules them; parallel=decentralized|bagua have none.
+            self.progress = Progress(self.steps, 0, cfg["train"]["log_every"], facilities=state.num_facilities,
+                                     rounds_at=rounds_at)
             self.progress.print(state.layout.describe())
             self._agg_file = open(self.run_dir / "aggregation.csv", "w", newline="")
             self._agg = csv.DictWriter(self._agg_file, fieldnames=AGG_FIELDS)

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import TextIO
+from typing import Callable, TextIO
 
-__all__ = ["Progress", "format_bytes", "steps_to_aggregation"]
+__all__ = ["Progress", "format_bytes", "steps_to_aggregation", "steps_to_round"]
 
 BAR_WIDTH = 20
 REDRAW_S = 0.1
@@ -36,6 +36,15 @@ def steps_to_aggregation(step: int, every: int, steps: int) -> int:
     return min(every - step % every, steps - step)
 
 
+def steps_to_round(step: int, steps: int, rounds_at: Callable[[int], bool]) -> int | None:
+    """Steps left until the first step ``>= step`` after which ``rounds_at`` says a round (or a
+    phase switch) ends; ``None`` when none does before the end of training."""
+    for done in range(step, steps + 1):
+        if rounds_at(done):
+            return done - step
+    return None
+
+
 def _clock(seconds: float) -> str:
     minutes, s = divmod(int(seconds), 60)
     h, m = divmod(minutes, 60)
@@ -43,11 +52,20 @@ def _clock(seconds: float) -> str:
 
 
 class Progress:
-    """Progress of one job as seen from rank 0. ``tty=None`` asks the stream."""
+    """Progress of one job as seen from rank 0. ``tty=None`` asks the stream.
+
+    ``rounds_at(done)`` says whether rounds end after step ``done`` (the federation's own rule:
+    phases, fragments, no rounds under ``synchronous``); without it rounds end every ``every``
+    steps and at the last (``every=0``: no rounds).
+    """
 
     def __init__(self, steps: int, every: int, log_every: int, stream: TextIO | None = None, tty: bool | None = None,
-                 facilities: int = 1):
+                 facilities: int = 1, rounds_at: Callable[[int], bool] | None = None):
         self.steps, self.every, self.log_every = steps, every, log_every
+        if rounds_at is None and every:
+            rounds_at = lambda done: steps_to_aggregation(done, every, steps) == 0  # noqa: E731
+        self.rounds_at = rounds_at
+        self._next_round: int | None = 0  # the next round's step once known (None: no more rounds)
         # Rank 0 knows its own facility's loss; with several facilities, say which one it is.
         self.loss_label = "loss" if facilities == 1 else "loss f0"
         self.stream = stream or sys.stdout
@@ -64,7 +82,7 @@ class Progress:
 
     def step(self, step: int, loss: float, tokens_per_s: float) -> None:
         """After optimizer step ``step`` (1-based)."""
-        left = steps_to_aggregation(step, self.every, self.steps) if self.every else None  # every=0: no rounds
+        left = self._left(step)
         if self.tty:
             now = time.perf_counter()
             if step == self.steps or now - self._drawn_at >= REDRAW_S:
@@ -73,6 +91,17 @@ class Progress:
         elif self._due(step):
             nxt = "" if left is None else "aggregating" if left == 0 else f"next aggregation in {left} steps"
             self._print(f"step {step:>5}/{self.steps}  {self.loss_label} {loss:.4f}  {tokens_per_s:,.0f} tok/s  {nxt}")
+
+    def _left(self, step: int) -> int | None:
+        """Steps to the next round; found by a scan, then reused until that step has passed (a
+        phase switch is itself a round, so a rule that changes at one cannot skip it)."""
+        if self.rounds_at is None or self._next_round is None:
+            return None
+        if self._next_round < step:
+            left = steps_to_round(step, self.steps, self.rounds_at)
+            self._next_round = None if left is None else step + left
+            return left
+        return self._next_round - step
 
     def round(self, record: dict) -> None:
         """After aggregation round ``record`` (with ``algbw_gbps`` and ``busbw_gbps``)."""

@@ -28,14 +28,13 @@ from .optim import OptimConfig
 from .parallelize import peak_rss_mb
 from .round_dump import RoundDump
 from .step import TrainConfig, accumulate_gradients
+from .summary import gather_facility_losses, job_summary, max_param_divergence
 
 __all__ = ["train_data_parallel"]
 
 
 def train_data_parallel(cfg: dict, state: DistributedState, run_dir: Path, started_at: float) -> dict | None:
     """Train with ``cfg["parallel"]`` on this rank's full copy; rank 0 returns the summary."""
-    from .loop import max_param_divergence
-
     tcfg, ocfg = TrainConfig.from_mapping(cfg["train"]), OptimConfig.from_mapping(cfg["optim"])
     steps, device, accum = tcfg.steps, state.device, tcfg.grad_accum
     torch.manual_seed(cfg["seed"])
@@ -63,7 +62,7 @@ def train_data_parallel(cfg: dict, state: DistributedState, run_dir: Path, start
     timer = PhaseTimer(device)
 
     dist.barrier()
-    start = time.perf_counter()
+    start, train_started_at = time.perf_counter(), time.time()
     try:
         for step in range(steps):
             done = step + 1
@@ -100,11 +99,7 @@ def train_data_parallel(cfg: dict, state: DistributedState, run_dir: Path, start
     dp.finish()
     eval_loss = evaluate(model, eval_batches, device, tcfg.loss_chunk)
     divergence = max_param_divergence(model, state, all_peer_groups(state))
-    for f in range(state.num_facilities):  # as in loop.py: each facility's row, restored by the sum
-        if f != state.facility:
-            losses[f].zero_()
-    losses /= state.facility_size
-    dist.all_reduce(losses)
+    gather_facility_losses(losses, state)
     phases = gather_phase_table(timer, state, steps)
     if cfg.get("export", {}).get("hf"):
         from ..checkpoint.hf import export_job
@@ -113,38 +108,11 @@ def train_data_parallel(cfg: dict, state: DistributedState, run_dir: Path, start
     if state.rank != 0:
         observer.finish(None)
         return None
-    per_step = losses.mean(dim=0)
-    summary = {  # the keys of loop.py's summary (docs/outputs.md), plus parallel and consensus_distance
-        "experiment": cfg["experiment"],
-        "world_size": state.world_size,
-        "layout": {
-            "facility_sizes": list(state.layout.facility_sizes),
-            "shard_size": state.layout.shard_size,
-            "replicas_per_facility": list(state.layout.replicas),
-        },
-        "strategy": None,
-        "federation": None,
-        "parallel": dp.describe(),
-        "steps": steps,
-        "rounds": 0,
-        "first_loss": float(per_step[0]) if steps else None,
-        "final_loss": float(per_step[-1]) if steps else None,
-        "eval_loss": eval_loss,
-        "eval_history": evals,
-        "max_param_divergence_after_last_round": divergence,
-        "consensus_distance": consensus,
-        "final_consensus_distance": consensus[-1]["distance"] if consensus else 0.0,
-        "aggregation_seconds": [],
-        "aggregation_bytes_per_rank": [],
-        "cross_facility_bytes_per_round": [],
-        "facility_losses": losses.tolist(),
-        "skipped_facilities": [],
-        "checkpoints": None,
-        "tokens_per_second": tokens_per_step * steps / train_seconds if steps else 0.0,
-        "train_seconds": train_seconds,
-        "phases": phases,
-        "setup_peak_rss_mb": float(setup_rss),
-        "wall_seconds": time.time() - started_at,
-    }
+    summary = job_summary(
+        cfg, state, losses=losses, steps=steps, trained_steps=steps, tokens_per_step=tokens_per_step,
+        train_seconds=train_seconds, train_started_at=train_started_at, started_at=started_at, eval_loss=eval_loss,
+        evals=evals, divergence=divergence, phases=phases, setup_rss=setup_rss,
+        extra={"parallel": dp.describe(), "consensus_distance": consensus,
+               "final_consensus_distance": consensus[-1]["distance"] if consensus else 0.0})
     observer.finish(summary)
     return summary

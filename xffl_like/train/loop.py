@@ -30,30 +30,9 @@ from .nonfinite import NonFiniteGuard
 from .parallelize import build_sharded_model, contiguous_shards, peak_rss_mb
 from .round_dump import RoundDump
 from .step import accumulate_gradients
+from .summary import gather_facility_losses, job_summary, max_param_divergence
 
-__all__ = ["train_worker", "max_param_divergence"]
-
-
-@torch.no_grad()
-def max_param_divergence(model: torch.nn.Module, state: DistributedState, peer_groups: list) -> float:
-    """Largest |a - b| between any two ranks holding the same piece of any parameter.
-
-    Computed from the values themselves (max and min over all holders of each element),
-    so it covers facilities and replicas alike.
-    """
-    worst = torch.zeros((), dtype=torch.float64)
-    for param in model.parameters():
-        local = param.to_local() if hasattr(param, "to_local") else param
-        # In pieces: float64 copies of a whole 8B-model shard would double the job's memory.
-        for piece in local.detach().reshape(-1).split(1 << 22):
-            hi = piece.to(torch.float64)
-            lo = -hi
-            dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=peer_groups[state.shard])
-            dist.all_reduce(lo, op=dist.ReduceOp.MAX, group=peer_groups[state.shard])
-            if hi.numel():
-                worst = torch.maximum(worst, (hi + lo).max())
-    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-    return float(worst)
+__all__ = ["train_worker"]
 
 
 def train_worker(cfg: JobConfig, run_dir: str, started_at: float | None = None) -> dict | None:
@@ -102,7 +81,7 @@ def _train(cfg: JobConfig, state: DistributedState, run_dir: Path, started_at: f
     rounds: list[dict] = list(restored["rounds"]) if restored else []
     # {"step", "loss_local", "loss_global", "time"}: losses per facility, None when not evaluated
     evals: list[dict] = list(restored.get("records", {}).get("evals", [])) if restored else []
-    observer = Observer(cfg, state, run_dir, restored)
+    observer = Observer(cfg, state, run_dir, restored, rounds_at=federation.applies_at)
     fault = FaultInjector(cfg, state.rank)
     guard = NonFiniteGuard(cfg, state, model, optimizer, ckpt.dir)
     timer = PhaseTimer(device)
@@ -172,12 +151,7 @@ def _train(cfg: JobConfig, state: DistributedState, run_dir: Path, started_at: f
 
     eval_loss = evaluate(model, eval_batches, device, tcfg.loss_chunk)
     divergence = max_param_divergence(model, state, peer_groups)
-    # Every rank wrote only its facility's row; the sum over ranks / facility size restores each row.
-    for f in range(state.num_facilities):
-        if f != state.facility:
-            losses[f].zero_()
-    losses /= state.facility_size
-    dist.all_reduce(losses)
+    gather_facility_losses(losses, state)
     phases = gather_phase_table(timer, state, steps - start_step)
     if cfg.export.hf:
         from ..checkpoint.hf import export_job
@@ -192,39 +166,11 @@ def _train(cfg: JobConfig, state: DistributedState, run_dir: Path, started_at: f
     if state.rank != 0:
         observer.finish(None)
         return None
-    per_step = losses.mean(dim=0)
-    summary = {
-        "experiment": cfg.experiment,
-        "world_size": state.world_size,
-        "layout": {
-            "facility_sizes": list(state.layout.facility_sizes),
-            "shard_size": state.layout.shard_size,
-            "replicas_per_facility": list(state.layout.replicas),
-        },
-        "strategy": {"name": cfg.strategy.name, "streams": cfg.strategy.streams},
-        "federation": federation.describe(),
-        "steps": steps,
-        "rounds": len(rounds),
-        "first_loss": float(per_step[0]) if steps else None,
-        "final_loss": float(per_step[-1]) if steps else None,
-        "eval_loss": eval_loss,
-        "eval_history": evals,
-        "max_param_divergence_after_last_round": divergence,
-        "aggregation_seconds": [r["seconds"] for r in rounds],
-        "aggregation_bytes_per_rank": [r["bytes_per_rank"] for r in rounds],
-        "cross_facility_bytes_per_round": [r["cross_facility_bytes"] for r in rounds],
-        "facility_losses": losses.tolist(),
-        "skipped_facilities": [r["skipped_facilities"] for r in rounds],
-        "round_records": [{"step": r["step"], "phase": r.get("phase", 0), "fragment": r.get("fragment"),
-                           "switch": bool(r.get("switch", False)), "started_step": r.get("started_step", r["step"])}
-                          for r in rounds],
-        "checkpoints": checkpoints,
-        "tokens_per_second": tokens_per_step * (steps - start_step) / train_seconds,
-        "train_seconds": train_seconds,
-        "train_started_at": train_started_at,
-        "phases": phases,
-        "setup_peak_rss_mb": float(setup_rss),
-        "wall_seconds": time.time() - started_at,
-    }
+    summary = job_summary(
+        cfg, state, losses=losses, steps=steps, trained_steps=steps - start_step, tokens_per_step=tokens_per_step,
+        train_seconds=train_seconds, train_started_at=train_started_at, started_at=started_at, eval_loss=eval_loss,
+        evals=evals, divergence=divergence, phases=phases, setup_rss=setup_rss, rounds=rounds,
+        strategy={"name": cfg.strategy.name, "streams": cfg.strategy.streams}, federation=federation.describe(),
+        checkpoints=checkpoints)
     observer.finish(summary)
     return summary

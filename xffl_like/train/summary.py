@@ -1,0 +1,129 @@
+"""The end of a run, shared by both worker loops: the copies' divergence, the per-facility loss
+table and ``summary.json``.
+
+:mod:`.loop` (FSDP/HSDP with federated rounds) and :mod:`.dataparallel_loop`
+(``parallel=decentralized|bagua``) end the same way; their summaries carry the same keys
+(docs/outputs.md), so that sweeps, ``bench.wan`` and W&B read either one alike.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from ..distributed.state import DistributedState
+
+__all__ = ["gather_facility_losses", "job_summary", "max_param_divergence"]
+
+PIECE = 1 << 22  # elements per message: float copies of a whole 8B-model shard would double the job's memory
+_INT_OF_SIZE = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
+def _fingerprints(pieces: list[torch.Tensor]) -> torch.Tensor:
+    """Two 64-bit hashes of each piece's bits, ``[pieces, 2]``: sums of the bit patterns times
+    fixed pseudo-random multipliers, wrapping mod 2^64 (integer sums: the same on every rank and
+    device, whatever the order). Holders whose bits differ agree on both with probability ~2^-64."""
+    if not pieces:
+        return torch.zeros(0, 2, dtype=torch.int64)
+    device = pieces[0].device
+    gen = torch.Generator().manual_seed(0x5EED)
+    w = (torch.randint(-(1 << 62), 1 << 62, (max(p.numel() for p in pieces),), generator=gen, dtype=torch.int64) | 1)
+    w = w.to(device)
+    out = []
+    for piece in pieces:
+        bits = piece.contiguous().view(_INT_OF_SIZE[piece.element_size()]).to(torch.int64)
+        m = w[: bits.numel()]
+        out.append(torch.stack([(bits * m).sum(), (bits * m * m).sum()]))
+    return torch.stack(out).cpu()
+
+
+@torch.no_grad()
+def max_param_divergence(model: torch.nn.Module, state: DistributedState, peer_groups: list) -> float:
+    """Largest |a - b| between any two ranks holding the same piece of any parameter (facilities
+    and replicas alike). Collective: every rank calls it.
+
+    First 16 bytes per piece of ``PIECE`` elements cross the link (two hashes of its bits, max and
+    min over the holders): pieces whose holders agree bit for bit add nothing. Only pieces that
+    differ are compared by value (max and min over the holders, in the parameter's own precision,
+    widened to float32 where gloo has no kernel), so a run that ends with identical copies does not
+    send the model across facilities again.
+    """
+    group = peer_groups[state.shard]
+    pieces = [piece for param in model.parameters()
+              for piece in (param.to_local() if hasattr(param, "to_local") else param).detach().reshape(-1).split(PIECE)]
+    prints = _fingerprints(pieces)  # on the CPU (gloo) wherever the parameters are
+    hi, lo = prints.clone(), prints.clone()
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
+    differ = (hi != lo).any(dim=1).tolist()
+    worst = torch.zeros((), dtype=torch.float64)
+    for piece, different in zip(pieces, differ):
+        if not different or not piece.numel():
+            continue
+        high = piece.to(piece.dtype if piece.dtype in (torch.float32, torch.float64) else torch.float32)
+        low = high.clone()
+        dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group)
+        dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group)
+        worst = torch.maximum(worst, (high.double() - low.double()).max().cpu())
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    return float(worst)
+
+
+def gather_facility_losses(losses: torch.Tensor, state: DistributedState) -> torch.Tensor:
+    """Every rank's ``[facilities, steps]`` table, in place, from rows each rank filled for its
+    own facility only: the other rows are zeroed and the sum over ranks / facility size restores
+    each row (a collective: every rank calls it)."""
+    for f in range(state.num_facilities):
+        if f != state.facility:
+            losses[f].zero_()
+    losses /= state.facility_size
+    dist.all_reduce(losses)
+    return losses
+
+
+def job_summary(cfg, state: DistributedState, *, losses: torch.Tensor, steps: int, trained_steps: int,
+                tokens_per_step: int, train_seconds: float, train_started_at: float, started_at: float,
+                eval_loss: float, evals: list[dict], divergence: float, phases: dict, setup_rss: torch.Tensor,
+                rounds: list[dict] | None = None, strategy: dict | None = None, federation: dict | None = None,
+                checkpoints=None, extra: dict | None = None) -> dict:
+    """The summary (rank 0): ``losses`` from :func:`gather_facility_losses`, ``trained_steps`` the
+    steps this process ran (fewer than ``steps`` after a resume), ``rounds`` the round records
+    (none without federated rounds), ``extra`` keys of one loop only (e.g. ``parallel``)."""
+    rounds = rounds or []
+    per_step = losses.mean(dim=0)
+    return {
+        "experiment": cfg["experiment"],
+        "world_size": state.world_size,
+        "layout": {
+            "facility_sizes": list(state.layout.facility_sizes),
+            "shard_size": state.layout.shard_size,
+            "replicas_per_facility": list(state.layout.replicas),
+        },
+        "strategy": strategy,
+        "federation": federation,
+        **(extra or {}),
+        "steps": steps,
+        "rounds": len(rounds),
+        "first_loss": float(per_step[0]) if steps else None,
+        "final_loss": float(per_step[-1]) if steps else None,
+        "eval_loss": eval_loss,
+        "eval_history": evals,
+        "max_param_divergence_after_last_round": divergence,
+        "aggregation_seconds": [r["seconds"] for r in rounds],
+        "aggregation_bytes_per_rank": [r["bytes_per_rank"] for r in rounds],
+        "cross_facility_bytes_per_round": [r["cross_facility_bytes"] for r in rounds],
+        "facility_losses": losses.tolist(),
+        "skipped_facilities": [r["skipped_facilities"] for r in rounds],
+        "round_records": [{"step": r["step"], "phase": r.get("phase", 0), "fragment": r.get("fragment"),
+                           "switch": bool(r.get("switch", False)), "started_step": r.get("started_step", r["step"])}
+                          for r in rounds],
+        "checkpoints": checkpoints,
+        "tokens_per_second": tokens_per_step * trained_steps / train_seconds if trained_steps else 0.0,
+        "train_seconds": train_seconds,
+        "train_started_at": train_started_at,
+        "phases": phases,
+        "setup_peak_rss_mb": float(setup_rss),
+        "wall_seconds": time.time() - started_at,
+    }

@@ -161,6 +161,8 @@ class ByteGrad(GradientAllReduce):
     def _exchange(self, flat: Tensor, reduced) -> tuple:
         """One bucket's chain on the communication thread: ``(broadcast work or None, packed rows, numel)``."""
         numel = flat.numel()
+        if flat.is_cuda:  # this thread's current device starts as 0: make it the bucket's (streams, NCCL)
+            torch.cuda.set_device(flat.device)
         if reduced is not None:
             reduced.wait()
         members, group, member = self._members()

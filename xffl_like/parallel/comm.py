@@ -199,9 +199,13 @@ def node_comm(local_world_size: int | None = None) -> NodeComm:
 
 
 def p2p_exchange(sends: list[tuple[Tensor, int]], recvs: list[tuple[Tensor, int]]) -> list:
-    """Post sends and receives together (no ordering deadlock); returns the works to wait on."""
-    ops = [dist.P2POp(dist.isend, t, peer) for t, peer in sends]
-    ops += [dist.P2POp(dist.irecv, t, peer) for t, peer in recvs]
+    """Post sends and receives together (no ordering deadlock); returns the works to wait on.
+
+    Receives first: gloo sends a message only once its receiver has announced the receive, and
+    that notice queues behind whatever this rank already sent to the peer (see
+    ``aggregation.executor._exchanges``); on NCCL the batch is one group, where order is free."""
+    ops = [dist.P2POp(dist.irecv, t, peer) for t, peer in recvs]
+    ops += [dist.P2POp(dist.isend, t, peer) for t, peer in sends]
     return dist.batch_isend_irecv(ops) if ops else []
 
 

@@ -131,6 +131,7 @@ def ddp_cases(cases, iterations=3, lr=0.1):
         distance = P.consensus_distance(model)
         ddp.global_avg()
         out.append({"trained": trained, "avg": _params(model), "buckets": len(ddp.optimizers),
+                    "hierarchical": ddp._thread is not None,
                     "consensus": distance, "consensus_after": P.consensus_distance(ddp)})
     # Every rank must trace the same parameter order: rank 1 runs the sum in reverse.
     ddp = DecentralizedDataParallel(Fixed(0), lambda named: torch.optim.SGD([p for _, p in named], lr=lr),

@@ -28,6 +28,7 @@ DDP_CASES = [
     dict(topology="ring", view=True, bucket_mb=1, accum=True),
     dict(topology="one-peer-exp", view=True, bucket_mb=0.0001, accum=True),
     dict(topology="alternating-exp-ring", view=False, bucket_mb=0.0001, accum=False, local=2),
+    dict(topology="complete", view=True, bucket_mb=0.0001, accum=True, local=2),  # hierarchical: 2 nodes of 2
     dict(topology="ring", view=True, bucket_mb=0.0001, accum=False, mlp=True),
 ]
 
@@ -158,6 +159,8 @@ def test_decentralized_data_parallel_matches_the_simulation(results, index):
         for a, b in zip(got["avg"], mean):  # global_avg: the exact mean over ranks
             assert torch.allclose(a, b, atol=1e-5)
         assert got["buckets"] == (len(W.SHAPES) if case["bucket_mb"] < 1 else 1)
+        # Edges over whole parts of 2 nodes are summed node, leaders, node (the simulation is flat).
+        assert got["hierarchical"] == (case.get("local", 1) == 2)
         # consensus distance: mean over ranks of |y_r - mean|, from the simulated copies
         distance = sum(float(torch.linalg.vector_norm(flat(expected[r]) - flat(mean)).double())
                        for r in range(WORLD)) / WORLD

@@ -43,6 +43,17 @@ class Edge:
     ranks: list[int]
     weight: float
     group: dist.ProcessGroup | None = field(default=None, repr=False, compare=False)
+    # Hierarchical mixing of an edge that spans nodes (``Topology(hierarchical=True)``), on this
+    # rank: its node's part of the edge, that part's first rank (its leader), and on leaders the
+    # group of the parts' leaders. ``None`` where the edge is summed flat over ``group``.
+    node_group: dist.ProcessGroup | None = field(default=None, repr=False, compare=False)
+    node_leader: int | None = field(default=None, repr=False, compare=False)
+    leaders_group: dist.ProcessGroup | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def hierarchical(self) -> bool:
+        """Whether this rank sums the edge in three steps (node, leaders, node) instead of flat."""
+        return self.node_group is not None
 
     @property
     def others_weight(self) -> float:
@@ -190,7 +201,8 @@ class Topology:
     process outside ``ranks`` takes part in creating the groups and has no edges).
     """
 
-    def __init__(self, name: str = "complete", ranks: Sequence[int] | None = None, local_world_size: int = 1):
+    def __init__(self, name: str = "complete", ranks: Sequence[int] | None = None, local_world_size: int = 1,
+                 hierarchical: bool = False):
         if not dist.is_initialized():
             raise RuntimeError("Topology needs torch.distributed to be initialized (dist.init_process_group)")
         self.name = name
@@ -205,6 +217,17 @@ class Topology:
         ]
         me = dist.get_rank()
         self._mine: list[Edge] = []
+        own: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
+
+        def own_group(members: list[int]) -> dist.ProcessGroup | None:
+            # This topology's own groups for the hierarchical steps: they run on a communication
+            # thread, so they must not be shared with collectives issued from the training thread.
+            key = tuple(members)
+            if key not in own:
+                group = dist.new_group(list(key))
+                own[key] = group if me in key else None
+            return own[key]
+
         # Every process creates every edge's group in one global order (by iteration, then edge).
         for it in self.schedule:
             for e in it:
@@ -212,6 +235,19 @@ class Topology:
                     group = edge_group(e.ranks)
                     if me in e.ranks:
                         e.group = group
+                if hierarchical and local_world_size > 1:
+                    # An edge over whole parts of several nodes: sum inside each node, among the
+                    # nodes' leaders, then back inside the node. Across the link that is 1x the
+                    # bytes each way instead of a flat ring all-reduce's 2(k-1)/k per node boundary.
+                    parts = [[r for r in e.ranks if r // local_world_size == n]
+                             for n in sorted({r // local_world_size for r in e.ranks})]
+                    if len(parts) > 1 and all(len(p) > 1 for p in parts):
+                        node_groups = [own_group(p) for p in parts]
+                        leaders = own_group([p[0] for p in parts])
+                        if me in e.ranks:
+                            k = next(i for i, p in enumerate(parts) if me in p)
+                            e.node_group, e.node_leader = node_groups[k], parts[k][0]
+                            e.leaders_group = leaders if me == parts[k][0] else None
             if me in self.ranks:
                 self._mine.append(next(e for e in it if me in e.ranks))
 

@@ -444,7 +444,10 @@ def check_divergence(state, report) -> None:
         vals = [b.clone() for b in base]
         vals[first].view(-1)[0] = value
         assign(model, vals)
-        return max_param_divergence(model, state, groups)
+        got = max_param_divergence(model, state, groups)
+        for t, v in zip(locals_(model), vals):  # measured, not changed
+            assert torch.equal(t, v), "the divergence check changed the parameters"
+        return got
 
     got = with_element(0.0)
     assert got == 0.0, f"identical copies: divergence {got}"

@@ -62,7 +62,8 @@ def max_param_divergence(model: torch.nn.Module, state: DistributedState, peer_g
     for piece, different in zip(pieces, differ):
         if not different or not piece.numel():
             continue
-        high = piece.to(piece.dtype if piece.dtype in (torch.float32, torch.float64) else torch.float32)
+        # A copy (copy=True: .to of the same dtype would return the parameter itself, reduced in place).
+        high = piece.to(piece.dtype if piece.dtype in (torch.float32, torch.float64) else torch.float32, copy=True)
         low = high.clone()
         dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group)
         dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group)

@@ -164,8 +164,10 @@ class OptimConfig(Section):
             raise ValueError(f"optim.min_lr={min_lr:g} exceeds optim.lr={lr:g}: the schedule decays from lr down to "
                              f"min_lr, so set optim.min_lr <= optim.lr")
         for key, (owner, default) in _OPTIM_OWN.items():
-            if owner != name and key in m and _plain_seq(m[key]) != default:
-                raise ValueError(f"optim.{key}={_plain_seq(m[key])!r} applies to optim={owner}, not optim={name}: "
+            value = m.get(key, default)
+            value = list(value) if isinstance(value, tuple) else value  # betas: a list in YAML, a tuple in code
+            if owner != name and value != default:
+                raise ValueError(f"optim.{key}={value!r} applies to optim={owner}, not optim={name}: "
                                  f"drop it, or select that optimizer with optim={owner} (the group, not optim.name)")
         kwargs: dict[str, Any] = {}
         if name == "adamw":
@@ -180,10 +182,6 @@ class OptimConfig(Section):
         return cls(name=name, lr=lr, weight_decay=number("weight_decay", default=0.0), warmup_steps=warmup,
                    schedule=schedule, min_lr=min_lr, decay_all=decay_all, grad_clip=number("grad_clip", default=0.0),
                    **kwargs)
-
-
-def _plain_seq(value: Any) -> Any:
-    return list(value) if isinstance(value, (list, tuple)) or type(value).__name__ == "ListConfig" else value
 
 
 # The keys of one optimizer only, with their schema defaults (what the other optimizer's yaml leaves).

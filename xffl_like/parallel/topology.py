@@ -164,6 +164,7 @@ def topology_edges(name: str, n: int, local_world_size: int = 1) -> list[list[Ed
 
 
 # Groups are created once per (world, ranks) and reused by every Topology that needs them.
+HIERARCHICAL_CHANNEL = "hierarchical-mixing"  # edge_group channel of the node / leaders steps
 _GROUPS: dict[tuple, dist.ProcessGroup | None] = {}
 
 
@@ -217,17 +218,6 @@ class Topology:
         ]
         me = dist.get_rank()
         self._mine: list[Edge] = []
-        own: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
-
-        def own_group(members: list[int]) -> dist.ProcessGroup | None:
-            # This topology's own groups for the hierarchical steps: they run on a communication
-            # thread, so they must not be shared with collectives issued from the training thread.
-            key = tuple(members)
-            if key not in own:
-                group = dist.new_group(list(key))
-                own[key] = group if me in key else None
-            return own[key]
-
         # Every process creates every edge's group in one global order (by iteration, then edge).
         for it in self.schedule:
             for e in it:
@@ -242,8 +232,10 @@ class Topology:
                     parts = [[r for r in e.ranks if r // local_world_size == n]
                              for n in sorted({r // local_world_size for r in e.ranks})]
                     if len(parts) > 1 and all(len(p) > 1 for p in parts):
-                        node_groups = [own_group(p) for p in parts]
-                        leaders = own_group([p[0] for p in parts])
+                        # Groups of their own (a channel): the steps run on a communication thread,
+                        # and must not share a group with the training thread's collectives.
+                        node_groups = [edge_group(p, HIERARCHICAL_CHANNEL) for p in parts]
+                        leaders = edge_group([p[0] for p in parts], HIERARCHICAL_CHANNEL)
                         if me in e.ranks:
                             k = next(i for i, p in enumerate(parts) if me in p)
                             e.node_group, e.node_leader = node_groups[k], parts[k][0]

@@ -105,16 +105,6 @@ def test_fail_fast_names_dead_rank_and_resume_is_bitwise_exact(fsdp_runs, tmp_pa
     assert [p.name for p in list_checkpoints(copy / "checkpoints")] == [checkpoint_name(6), checkpoint_name(8)]
 
 
-def test_elastic_restart_resumes_by_itself(fsdp_runs, tmp_path):
-    base, _ = fsdp_runs
-    # 6: async checkpoints, the kill at step 7, one restart: the job completes, bitwise as uninterrupted.
-    proc = run_cli([*JOB, "fault.kill_rank=1", "fault.at_step=7", "distributed.max_restarts=1"], tmp_path / "run")
-    assert proc.returncode == 0, proc.stderr
-    s = summary(tmp_path / "run")
-    assert s["checkpoints"]["restarts"] == 1 and s["checkpoints"]["resumed_from"] is not None
-    assert_same_run(tmp_path / "run", base / "ref")
-
-
 # Synchronous for 2 steps, then DiLoCo over 2 fragments with overlapped uint8 exchanges weighted by
 # tokens: fragment 0 starts after step 3 and is applied after 4, fragment 1 after 5 and 6, both at 8.
 # The checkpoint of step 6 (or 4) holds per-fragment theta_global, outer state, residual and tokens.
@@ -123,18 +113,20 @@ STREAMING = ["federation.schedule=[{until_step:2,algorithm:synchronous},{until_s
              "outer:{name:nesterov,lr:0.7,momentum:0.9}}]"]
 
 
-def test_unequal_hsdp_resume_is_bitwise_exact(tmp_path):
+def test_unequal_hsdp_elastic_restart_is_bitwise_exact(tmp_path):
+    # 6: the elastic launcher restarts the job by itself, which resumes from its newest checkpoint.
+    # (The explicit resume=<run dir> path is test_fail_fast_names_dead_rank_and_resume_is_bitwise_exact.)
     job = [*JOB, "distributed.nproc_per_node=6", "distributed.federated=[4,2]", "distributed.hsdp=2", "seed=1",
            *STREAMING]
     ref = run_cli(job, tmp_path / "ref")
     assert ref.returncode == 0, ref.stderr
     # Rank 5 is facility 1's second shard; async save (the step-6 checkpoint may still be in flight).
-    killed = run_cli([*job, "fault.kill_rank=5", "fault.at_step=7"], tmp_path / "killed")
-    assert killed.returncode != 0 and "rank 5 (SIGKILL) died" in killed.stderr, killed.stderr
-    resumed = run_cli([*job, f"resume={tmp_path / 'killed'}"], tmp_path / "fresh")
-    assert resumed.returncode == 0, resumed.stderr
-    assert summary(tmp_path / "killed")["checkpoints"]["resumed_from"] is not None
-    assert_same_run(tmp_path / "killed", tmp_path / "ref")
+    run = tmp_path / "killed"
+    proc = run_cli([*job, "fault.kill_rank=5", "fault.at_step=7", "distributed.max_restarts=1"], run)
+    assert proc.returncode == 0, proc.stderr
+    s = summary(run)
+    assert s["checkpoints"]["restarts"] == 1 and s["checkpoints"]["resumed_from"] is not None, s["checkpoints"]
+    assert_same_run(run, tmp_path / "ref")
     records = summary(tmp_path / "ref")["round_records"]
     assert [(r["step"], r["phase"], r["fragment"], r["started_step"]) for r in records] == [
         (2, 0, None, 2), (4, 1, 0, 3), (6, 1, 1, 5), (8, 1, 0, 8), (8, 1, 1, 8)]

@@ -77,6 +77,22 @@ def test_mismatched_launcher_variables(env, message):
     assert str(err.value).startswith(message) and "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize("env, speaks", [
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "PMI_RANK": "3", "PMI_SIZE": "4"}, False),  # mpirun in sbatch
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "PMI_RANK": "0", "PMI_SIZE": "4"}, True),
+    ({"RANK": "2", "WORLD_SIZE": "4", "PMI_RANK": "0", "PMI_SIZE": "2"}, False),  # torchrun's rank is innermost
+    ({"RANK": "1"}, True),  # no count: there may be no rank 0
+    ({"PMI_RANK": "7", "PMI_SIZE": "4"}, True),  # out of range: likewise
+    ({"OMPI_COMM_WORLD_RANK": "x", "OMPI_COMM_WORLD_SIZE": "2"}, True),
+    ({"SLURM_PROCID": "1", "SLURM_NTASKS": "2"}, False),
+    ({}, True),
+])
+def test_launcher_errors_are_reported_by_one_process(env, speaks):
+    from xffl_like.distributed.env import reports_launcher_errors
+
+    assert reports_launcher_errors(env) is speaks
+
+
 def test_read_env_mpi_launchers():
     ompi = read_env({"OMPI_COMM_WORLD_RANK": "5", "OMPI_COMM_WORLD_SIZE": "8", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
                      "OMPI_COMM_WORLD_LOCAL_SIZE": "4", "PMIX_RANK": "5"})

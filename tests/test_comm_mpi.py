@@ -73,3 +73,13 @@ def test_main_job_under_mpirun_matches_self_launch(tmp_path):
     assert b["final_loss"] == a["final_loss"] and b["eval_loss"] == a["eval_loss"]
     assert b["max_param_divergence_after_last_round"] == 0.0
     assert under.stdout.count("done:") == 1  # rank 0 alone reports
+
+
+def test_contradictory_launcher_variables_under_mpirun_print_one_line(tmp_path):
+    """mpirun inside a batch step (SLURM_PROCID=0 for every process): one error line for the job."""
+    env = {**MPI_ENV, "SLURM_PROCID": "0", "SLURM_NTASKS": "1"}
+    cmd = [MPIEXEC, "-n", "2", sys.executable, "-m", "xffl_like.run", "+experiment=llama_fed"]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: mismatched launcher variables: SLURM_PROCID=0"), proc.stderr

@@ -17,6 +17,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from .config import compose_error
+from .distributed.env import reports_launcher_errors
 from .distributed.state import read_env
 from .job import JobFailed, run_local
 
@@ -39,7 +40,8 @@ def _launched() -> bool:
     try:
         return read_env() is not None
     except ValueError as exc:  # contradictory launcher variables: one line, before anything starts
-        print(f"error: {exc}", file=sys.stderr, flush=True)
+        if reports_launcher_errors():  # once per job, not once per process
+            print(f"error: {exc}", file=sys.stderr, flush=True)
         sys.exit(2)
 
 

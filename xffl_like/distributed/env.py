@@ -15,7 +15,7 @@ import socket
 from dataclasses import dataclass, replace
 from typing import Mapping, NamedTuple
 
-__all__ = ["ProcessEnv", "MPI_VARIABLES", "read_env", "mpi_launched", "agree_rendezvous"]
+__all__ = ["ProcessEnv", "MPI_VARIABLES", "read_env", "mpi_launched", "reports_launcher_errors", "agree_rendezvous"]
 
 
 @dataclass(frozen=True)
@@ -144,6 +144,26 @@ def read_env(environ: Mapping[str, str] | None = None) -> ProcessEnv | None:
     if mpi is not None:
         return ProcessEnv(*mpi[0], addr, port, "mpi")
     return None
+
+
+def reports_launcher_errors(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether this process prints :func:`read_env`'s error, so that a job prints it once.
+
+    The process of rank 0 by the innermost launcher speaks (torchrun's variables, then an MPI
+    launcher's, then Slurm's: ``mpirun`` inside an allocation gives every process the batch
+    step's ``SLURM_PROCID``), and so does any process whose innermost rank is unreadable, has
+    no process count, or is out of range: then there may be no rank 0.
+    """
+    env = os.environ if environ is None else environ
+    for family in (_TORCHRUN, *MPI_VARIABLES, _Family("SLURM_PROCID", "SLURM_NTASKS", None, None)):
+        rank = env.get(family.rank, "").strip()
+        if not rank:
+            continue
+        size = env.get(family.size, "").strip() if family.size else ""
+        if not (rank.isdigit() and size.isdigit()) or int(rank) >= int(size):
+            return True
+        return int(rank) == 0
+    return True
 
 
 def _host_address(hostnames: list[str]) -> str:

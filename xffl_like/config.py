@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from .distributed.layout import Layout, plan_layout
+from .checks import is_int
 
 __all__ = ["ConfigError", "compose_error", "validate_config"]
 
@@ -108,7 +109,7 @@ def _get(cfg: dict, dotted: str) -> Any:
 
 def _positive_int(cfg: dict, dotted: str) -> int:
     value = _get(cfg, dotted)
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+    if not is_int(value) or value <= 0:
         raise ConfigError(f"{dotted}={value!r}: must be a positive integer (e.g. {dotted}=1)")
     return value
 

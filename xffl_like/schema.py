@@ -24,6 +24,8 @@ from typing import Any, List, Optional, Union
 
 from omegaconf import MISSING
 
+from .checks import is_int
+
 __all__ = [
     "ACTIVATION_CHECKPOINTING", "OPTIMIZERS", "SCHEDULES", "CheckpointConfig", "DataConfig", "DistributedConfig",
     "ExportConfig", "FaultConfig", "FederationConfig", "JobConfig", "LoggerConfig", "ModelConfig", "OptimConfig",
@@ -150,7 +152,7 @@ class OptimConfig(Section):
             return float(value)
 
         warmup = m.get("warmup_steps", 0)
-        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        if not is_int(warmup) or warmup < 0:
             raise ValueError(f"optim.warmup_steps={warmup!r}: must be an integer >= 0 (e.g. optim.warmup_steps=0)")
         schedule = m.get("schedule", "constant")
         if schedule not in SCHEDULES:
@@ -246,7 +248,7 @@ class TrainConfig(Section):
 
         def integer(key: str, low: int, default: Any = None) -> int:
             value = m.get(key, default)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            if not is_int(value) or value < low:
                 raise ValueError(f"train.{key}={value!r}: must be an integer >= {low} (e.g. train.{key}={max(low, 1)})")
             return value
 

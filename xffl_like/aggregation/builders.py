@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .strategy import COLLECTIVES, MODES, TRANSPORTS, Communication, Strategy, parts
+from ..checks import is_int, is_number
 
 __all__ = [
     "Segment",
@@ -253,10 +254,10 @@ def validate_strategy_options(
     if name not in BUILDERS:
         raise ValueError(f"unknown strategy name {name!r}: valid names are {list(STRATEGIES)}")
     streams = options.get("streams", 1)
-    if isinstance(streams, bool) or not isinstance(streams, int) or streams < 1:
+    if not is_int(streams) or streams < 1:
         raise ValueError(f"strategy.streams={streams!r}: need an integer of at least 1")
     bucket_mb = options.get("bucket_mb", 25.0)
-    if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or not bucket_mb > 0:
+    if not is_number(bucket_mb) or not bucket_mb > 0:
         raise ValueError(f"strategy.bucket_mb={bucket_mb!r}: need a positive number of megabytes")
     mode = options.get("mode", "split")
     if mode not in MODES:

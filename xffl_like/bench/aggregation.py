@@ -28,6 +28,8 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from ..checks import is_int, is_number
+
 __all__ = ["BenchFailed", "run_bench", "bench_worker", "format_table"]
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
@@ -73,7 +75,7 @@ def _validate(plain: dict) -> list[dict]:
     bench, dcfg = plain["bench"], plain["distributed"]
     for key, low in (("warmup", 0), ("repeats", 1)):
         value = bench.get(key)
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        if not is_int(value) or value < low:
             raise BenchFailed(f"bench.{key}={value!r}: must be an integer >= {low}")
     from ..aggregation.strategy import COLLECTIVES
 
@@ -89,7 +91,7 @@ def _validate(plain: dict) -> list[dict]:
     if bench.get("dtype") not in DTYPES:
         raise BenchFailed(f"bench.dtype={bench.get('dtype')!r}: use one of {list(DTYPES)}")
     nproc = dcfg.get("nproc_per_node")
-    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc <= 0:
+    if not is_int(nproc) or nproc <= 0:
         raise BenchFailed(f"distributed.nproc_per_node={nproc!r}: must be a positive integer")
     try:
         layout = plan_layout(nproc, dcfg["federated"], dcfg["hsdp"], nproc)
@@ -103,7 +105,7 @@ def _validate(plain: dict) -> list[dict]:
     weights = bench.get("weights")
     if weights is not None and (
         not isinstance(weights, list) or len(weights) != layout.num_facilities
-        or any(isinstance(w, bool) or not isinstance(w, (int, float)) or w < 0 for w in weights) or sum(weights) <= 0
+        or any(not is_number(w) or w < 0 for w in weights) or sum(weights) <= 0
     ):
         raise BenchFailed(f"bench.weights={weights!r}: null or {layout.num_facilities} non-negative numbers with a positive sum")
     try:

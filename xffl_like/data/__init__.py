@@ -19,6 +19,7 @@ from .synthetic import SyntheticMarkovSource, _check_non_iid, build_synthetic, v
 from .text import (BYTE_VOCAB_SIZE, TextByteSource, _check_block_size, _check_eval_fraction, _check_partition,
                    build_text, decode, encode, validate_text)
 from .tokens import build_tokens, check_layout_fits, validate_tokens
+from ..checks import is_int
 
 __all__ = [
     "DataSource",
@@ -53,9 +54,9 @@ def _check_layout(*, batch_size: int, facility: int, num_facilities: int, facili
     check_positive_int(batch_size, "batch_size", "set a positive per-rank batch size")
     check_positive_int(num_facilities, "num_facilities", "set at least one facility")
     check_positive_int(facility_size, "facility_size", "give each facility at least one worker")
-    if isinstance(facility, bool) or not isinstance(facility, int) or not 0 <= facility < num_facilities:
+    if not is_int(facility) or not 0 <= facility < num_facilities:
         raise ValueError(f"facility: {facility!r} is not in 0..{num_facilities - 1} (num_facilities={num_facilities})")
-    if isinstance(facility_rank, bool) or not isinstance(facility_rank, int) or not 0 <= facility_rank < facility_size:
+    if not is_int(facility_rank) or not 0 <= facility_rank < facility_size:
         raise ValueError(
             f"facility_rank: {facility_rank!r} is not in 0..{facility_size - 1} (facility_size={facility_size})"
         )

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
+from ..checks import is_number
+
 if TYPE_CHECKING:
     from ..schema import DataConfig
 
@@ -123,7 +125,7 @@ def resolve_paths(cfg_data: "DataConfig", base_dir: str | os.PathLike | None = N
 
 def check_positive_int(value: Any, what: str, fix: str) -> int:
     """``int(value)`` if it is a positive integer, else a one-sentence ValueError naming ``what``."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or isinstance(value, float) and (
+    if not is_number(value) or isinstance(value, float) and (
         not math.isfinite(value) or value != int(value)
     ):
         raise ValueError(f"{what}: must be a positive integer, got {value!r} ({fix})")

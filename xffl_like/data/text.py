@@ -40,6 +40,8 @@ from .source import (
     resolve_paths,
 )
 
+from ..checks import is_int
+
 __all__ = [
     "BYTE_VOCAB_SIZE",
     "DEFAULT_BLOCK_SIZE",
@@ -118,7 +120,7 @@ def _check_block_size(cfg_data: DataConfig) -> int:
 
 
 def _check_vocab(vocab_size: Any) -> None:
-    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < BYTE_VOCAB_SIZE:
+    if not is_int(vocab_size) or vocab_size < BYTE_VOCAB_SIZE:
         raise ValueError(
             f"vocab_size: {vocab_size!r} is smaller than {BYTE_VOCAB_SIZE}, the vocabulary of the byte "
             f"tokenizer used by data.name=text (set the model's vocab_size to at least {BYTE_VOCAB_SIZE})"
@@ -186,7 +188,7 @@ def _check_tokenizer_vocab(cfg_data: DataConfig, vocab_size: int) -> None:
     from .tokenizer import load_tokenizer
 
     tok = load_tokenizer(spec)
-    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < tok.vocab_size:
+    if not is_int(vocab_size) or vocab_size < tok.vocab_size:
         raise ValueError(f"model.vocab_size={vocab_size!r} is smaller than the vocabulary of data.tokenizer "
                          f"({tok.vocab_size}, {tok.name}): raise model.vocab_size or use the model's own tokenizer")
 

@@ -17,6 +17,8 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
+from ..checks import is_int
+
 __all__ = ["Coords", "Layout", "Exchange", "plan_layout"]
 
 
@@ -181,7 +183,7 @@ def _facility_sizes(world_size: int, federated: int | Sequence[int] | None) -> t
             )
         return (federated,) * (world_size // federated)
     sizes = tuple(federated)
-    if not sizes or any(isinstance(s, bool) or not isinstance(s, int) or s <= 0 for s in sizes):
+    if not sizes or any(not is_int(s) or s <= 0 for s in sizes):
         raise ValueError(
             f"distributed.federated={list(sizes)}: facility sizes must be positive integers"
         )
@@ -209,10 +211,10 @@ def plan_layout(
             (FSDP). With ``S`` smaller than a facility the facility holds ``W_f/S`` replicas.
         local_world_size: processes per node (defaults to ``world_size``: one node).
     """
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size <= 0:
+    if not is_int(world_size) or world_size <= 0:
         raise ValueError(f"world size must be a positive integer, got {world_size!r}")
     local = world_size if local_world_size is None else local_world_size
-    if isinstance(local, bool) or not isinstance(local, int) or local <= 0:
+    if not is_int(local) or local <= 0:
         raise ValueError(f"processes per node must be a positive integer, got {local!r}")
     if world_size % local:
         raise ValueError(
@@ -230,7 +232,7 @@ def plan_layout(
             )
         shard = sizes[0]
     else:
-        if isinstance(hsdp, bool) or not isinstance(hsdp, int) or hsdp <= 0:
+        if not is_int(hsdp) or hsdp <= 0:
             raise ValueError(f"distributed.hsdp={hsdp!r}: the shard size must be a positive integer or null")
         bad = [s for s in sizes if s % hsdp]
         if bad:

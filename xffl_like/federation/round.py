@@ -39,6 +39,7 @@ from ..distributed.state import all_peer_groups
 from .compress import COMPRESSIONS, CompressedMean
 from .gossip import Gossip, check_gossip_layout
 from .outer import OuterOptimizer, OuterOptions
+from ..checks import is_int, is_number
 
 __all__ = ["ALGORITHMS", "FederationOptions", "Federation", "validate_federation"]
 
@@ -90,7 +91,7 @@ class FederationOptions:
         if algorithm not in ALGORITHMS:
             raise ValueError(f"federation.algorithm={algorithm!r}: use federated or synchronous")
         every = spec.get("every", 10)
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        if not is_int(every) or every < 1:
             raise ValueError(f"federation.every={every!r}: must be a positive integer (e.g. federation.every=1)")
         weights = spec.get("weights", "uniform")
         if weights not in ("uniform", "tokens"):
@@ -107,7 +108,7 @@ class FederationOptions:
         if compression not in COMPRESSIONS:
             raise ValueError(f"federation.compression={compression!r}: use one of {', '.join(COMPRESSIONS)}")
         chunk_size = spec.get("chunk_size", 4096)
-        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        if not is_int(chunk_size) or chunk_size < 1:
             raise ValueError(f"federation.chunk_size={chunk_size!r}: must be a positive integer (values per "
                              f"min-max chunk, e.g. 4096)")
         error_feedback = spec.get("error_feedback", False)
@@ -141,20 +142,20 @@ class FederationOptions:
 def _streaming_options(spec: dict, every: int) -> tuple[int, int, float]:
     """``fragments``, ``overlap_steps``, ``merge_alpha``, checked against ``every``."""
     fragments = spec.get("fragments", 1)
-    if isinstance(fragments, bool) or not isinstance(fragments, int) or fragments < 1:
+    if not is_int(fragments) or fragments < 1:
         raise ValueError(f"federation.fragments={fragments!r}: must be a positive integer (1: the whole model at once)")
     if fragments > every:
         raise ValueError(f"federation.fragments={fragments} exceeds federation.every={every}: each fragment syncs at "
                          f"its own step of the round; use fragments <= every")
     overlap = spec.get("overlap_steps", 0)
-    if isinstance(overlap, bool) or not isinstance(overlap, int) or overlap < 0:
+    if not is_int(overlap) or overlap < 0:
         raise ValueError(f"federation.overlap_steps={overlap!r}: must be an integer >= 0 (0: no overlap)")
     if overlap * fragments >= every:
         raise ValueError(f"federation.overlap_steps={overlap} must be < federation.every/fragments = "
                          f"{every}/{fragments} so that one fragment is in flight at a time: lower overlap_steps or "
                          f"fragments, or raise every")
     alpha = spec.get("merge_alpha", 0.5)
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 <= alpha <= 1.0:
+    if not is_number(alpha) or not 0.0 <= alpha <= 1.0:
         raise ValueError(f"federation.merge_alpha={alpha!r}: must be a number in [0, 1] (Streaming DiLoCo: 0.5)")
     return fragments, overlap, float(alpha)
 

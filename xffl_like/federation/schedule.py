@@ -31,6 +31,7 @@ import torch
 from ..aggregation import aggregate
 from ..schema import as_plain
 from .round import _KEYS, Federation
+from ..checks import is_int
 
 __all__ = ["PHASE_KEYS", "Phase", "FederationSchedule", "plan_phases"]
 
@@ -89,7 +90,7 @@ def plan_phases(spec: Mapping[str, Any], steps: int | None = None) -> list[Phase
         if until is None:
             if not last:
                 raise ValueError(f"{where}.until_step=null: only the last phase may run to the end of training")
-        elif isinstance(until, bool) or not isinstance(until, int) or until <= previous:
+        elif not is_int(until) or until <= previous:
             raise ValueError(f"{where}.until_step={until!r}: must be an integer > {previous} (phases end at "
                              f"increasing steps; null for the last)")
         elif last and steps is not None and until < steps:

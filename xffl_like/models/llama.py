@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from .loss import chunked_cross_entropy
+from ..checks import is_int, is_number
 
 try:  # FSDP2 turns parameters into DTensors; init_weights fills only the local shard.
     from torch.distributed.tensor import DTensor
@@ -47,11 +48,11 @@ class LlamaConfig:
     def __post_init__(self):
         for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim", "max_seq_len"):
             v = getattr(self, k)
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            if not is_int(v) or v <= 0:
                 raise ValueError(f"model.{k} must be a positive integer, got {v!r}; set it to e.g. 128.")
         for k in ("norm_eps", "rope_theta"):
             v = getattr(self, k)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+            if not is_number(v) or v <= 0:
                 raise ValueError(f"model.{k} must be a positive number, got {v!r}; the usual value is 1e-5 / 10000.0.")
         if not isinstance(self.tie_embeddings, bool):
             raise ValueError(f"model.tie_embeddings must be true or false, got {self.tie_embeddings!r}.")
@@ -105,7 +106,7 @@ def _check_rope_scaling(rs: Any) -> None:
                          f"{', '.join(ROPE_SCALING_KEYS)}) is supported.")
     for k in ROPE_SCALING_KEYS:
         v = rs.get(k)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+        if not is_number(v) or v <= 0:
             raise ValueError(f"model.rope_scaling.{k} must be a positive number, got {v!r} (Llama 3.1 uses "
                              f"factor 8, low_freq_factor 1, high_freq_factor 4, original_max_position_embeddings 8192).")
     if rs["high_freq_factor"] <= rs["low_freq_factor"]:

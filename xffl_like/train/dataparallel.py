@@ -24,6 +24,7 @@ from torch import nn
 
 from .. import parallel as P
 from .optim import OptimConfig, Schedule, build_optimizer, build_scheduler
+from ..checks import is_int, is_number
 
 __all__ = ["ALGORITHMS", "DataParallel", "MODES", "OPTIMIZERS", "ParallelConfig", "parallel_mode",
            "validate_parallel"]
@@ -105,10 +106,10 @@ class ParallelConfig:
         if optimizer not in OPTIMIZERS:
             raise ValueError(f"parallel.optimizer={optimizer!r}: use one of {', '.join(OPTIMIZERS)}")
         accum = m.get("accum_iter", 4)
-        if isinstance(accum, bool) or not isinstance(accum, int) or accum < 1:
+        if not is_int(accum) or accum < 1:
             raise ValueError(f"parallel.accum_iter={accum!r}: must be an integer >= 1 (e.g. parallel.accum_iter=4)")
         bucket = m.get("bucket_mb", 25)
-        if isinstance(bucket, bool) or not isinstance(bucket, (int, float)) or not bucket > 0:
+        if not is_number(bucket) or not bucket > 0:
             raise ValueError(f"parallel.bucket_mb={bucket!r}: must be a positive number of MiB (e.g. parallel.bucket_mb=25)")
         options = m.get("options") or {}
         _algorithm(m.get("algorithm", "gradient_allreduce"), options, "parallel.")
@@ -121,7 +122,7 @@ class ParallelConfig:
             if not isinstance(entry, Mapping) or set(entry) - {"at_step", "algorithm", "options"}:
                 raise ValueError(f"parallel.switch[{i}]={entry!r}: each entry has at_step, algorithm and optional options")
             at = entry.get("at_step")
-            if isinstance(at, bool) or not isinstance(at, int) or at <= last:
+            if not is_int(at) or at <= last:
                 raise ValueError(f"{where}at_step={at!r}: must be an integer > {last} (steps are 1-based and increasing)")
             _algorithm(entry.get("algorithm"), entry.get("options") or {}, where)
             switches.append(Switch(at, entry["algorithm"], dict(entry.get("options") or {})))

@@ -17,7 +17,7 @@ from typing import Callable
 from omegaconf import DictConfig, OmegaConf
 
 from .config import ConfigError, compose_error, validate_config
-from .distributed.launch import WorkerFailure, launch_local
+from .distributed.launch import WorkerFailure, launch_local, start_fork_server
 from .schema import job_config
 
 __all__ = ["CONF_DIR", "JobFailed", "run_local", "run_under_launcher", "resolve"]
@@ -77,8 +77,6 @@ def _drop_if_empty(fresh: Path) -> None:
 
 def run_local(cfg: DictConfig, run_dir: Path, worker: Callable | None = None) -> dict:
     """Validate, then run ``nproc_per_node`` local workers; return rank 0's summary."""
-    from .train.loop import train_worker
-
     started = time.time()
     plain = resolve(cfg)
     nproc = plain["distributed"]["nproc_per_node"]
@@ -86,17 +84,25 @@ def run_local(cfg: DictConfig, run_dir: Path, worker: Callable | None = None) ->
         layout = validate_config(plain, nproc, nproc, Path.cwd(), choices(cfg))
     except ConfigError as exc:
         raise JobFailed(str(exc)) from None
+    start_fork_server()  # the workers' imports run while this process prepares the run directory
     fresh, run_dir = run_dir, prepare_durability(plain, layout, run_dir)
     if run_dir != fresh:
         _drop_if_empty(fresh)
     _save_config(plain, run_dir)
     try:
-        results = launch_local(worker or train_worker, (job_config(plain), str(run_dir), started), nproc,
+        results = launch_local(worker or _train_worker, (job_config(plain), str(run_dir), started), nproc,
                                error_dir=run_dir / "errors", max_restarts=plain["distributed"]["max_restarts"])
     except WorkerFailure as exc:
         where = f" (traceback: {exc.details})" if exc.details else ""
         raise JobFailed(f"{exc}{where}{_last_checkpoint(plain, run_dir)}") from None
     return results[0]
+
+
+def _train_worker(*args):
+    # By name: this process never imports the training loop (its workers' fork server does).
+    from .train.loop import train_worker
+
+    return train_worker(*args)
 
 
 def _last_checkpoint(plain: dict, run_dir: Path) -> str:

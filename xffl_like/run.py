@@ -18,7 +18,7 @@ from omegaconf import DictConfig
 
 from .config import compose_error
 from .distributed.env import reports_launcher_errors
-from .distributed.state import read_env
+from .distributed.env import read_env
 from .job import JobFailed, run_local
 
 

@@ -20,7 +20,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable
 
-__all__ = ["WorkerFailure", "free_port", "launch_local", "loopback_store", "worker_count_threads"]
+__all__ = ["WorkerFailure", "free_port", "launch_local", "loopback_store", "start_fork_server", "worker_count_threads"]
 
 
 class WorkerFailure(RuntimeError):
@@ -76,6 +76,16 @@ _PRELOAD = ["torch", "xffl_like.train.loop"]
 _AGENT_KEYS = {"RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE", "WORLD_SIZE",
                "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
                "OMP_NUM_THREADS"}
+
+
+def start_fork_server() -> None:
+    """Start the fork server now (it imports torch and the training loop while the caller goes
+    on: the launcher calls it once the config is valid); :func:`launch_local` uses it."""
+    import multiprocessing
+    from multiprocessing import forkserver
+
+    multiprocessing.set_forkserver_preload(_PRELOAD)  # no effect once the server runs
+    forkserver.ensure_running()
 
 
 def _adopt_environment(env: dict[str, str]) -> None:
@@ -181,9 +191,7 @@ def launch_local(
     levels = [lg.level for lg in quiet]
     for lg in quiet:
         lg.setLevel(logging.CRITICAL)
-    import multiprocessing
-
-    multiprocessing.set_forkserver_preload(_PRELOAD)  # no effect once the server runs
+    start_fork_server()
     try:
         results = elastic_launch(config, _entry)(fn, args, str(err_dir), dict(os.environ))
     except ChildFailedError as exc:

@@ -151,9 +151,7 @@ def _worker(args: dict) -> dict:
             if asynchronous:
                 net.algorithm.abort()  # collective: every rank stops after the same exchange, its result applied
             elif isinstance(net, P.DecentralizedDataParallel):
-                for bucket in net._buckets:  # wait only: the next hook applies the mix, as in training
-                    if bucket.op is not None:
-                        bucket.op.wait()
+                net.wait_pending()  # the next hook applies the mix, as in training
     results = {}
     for method, run in runs.items():
         net, model = run["net"], run["model"]

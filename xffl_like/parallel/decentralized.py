@@ -237,6 +237,13 @@ class DecentralizedDataParallel(nn.Module):
         """One optimizer per bucket (empty before the second iteration)."""
         return [b.optim for b in self._buckets]
 
+    def wait_pending(self) -> None:
+        """Block until the mixing in flight has arrived, without applying it (the next backward
+        applies it, as in training): what follows is then timed apart from it."""
+        for b in self._buckets:
+            if b.op is not None:
+                b.op.wait()
+
     @torch.no_grad()
     def global_avg(self) -> None:
         """Finish pending mixing, then set every copy to the exact mean over all ranks (and float buffers

@@ -6,7 +6,7 @@ model on every rank and let :mod:`xffl_like.parallel` keep the copies in step: n
 no rounds across facilities. Facilities still partition the data (non-IID per facility)
 and, for Bagua's hierarchical modes and ``alternating-exp-ring``, are the "nodes".
 
-:class:`ParallelConfig` checks the group's keys; :func:`validate_parallel` refuses the
+:class:`ParallelOptions` checks the group's keys; :func:`validate_parallel` refuses the
 combinations with other groups that make no sense (one line each), in the launching
 process; :class:`DataParallel` builds the wrapped model in a worker.
 """
@@ -26,7 +26,7 @@ from .. import parallel as P
 from .optim import OptimConfig, Schedule, build_optimizer, build_scheduler
 from ..checks import is_int, is_number
 
-__all__ = ["ALGORITHMS", "DataParallel", "MODES", "OPTIMIZERS", "ParallelConfig", "parallel_mode",
+__all__ = ["ALGORITHMS", "DataParallel", "MODES", "OPTIMIZERS", "ParallelOptions", "parallel_mode",
            "validate_parallel"]
 
 MODES = ("fsdp", "decentralized", "bagua")
@@ -75,7 +75,7 @@ def _algorithm(name: Any, options: Any, where: str) -> P.Algorithm:
 
 
 @dataclass(frozen=True)
-class ParallelConfig:
+class ParallelOptions:
     """``conf/parallel/*.yaml``, checked."""
 
     name: str
@@ -88,7 +88,7 @@ class ParallelConfig:
     switch: tuple[Switch, ...] = ()
 
     @classmethod
-    def from_mapping(cls, m: Mapping[str, Any]) -> "ParallelConfig":
+    def from_mapping(cls, m: Mapping[str, Any]) -> "ParallelOptions":
         """Build from ``cfg["parallel"]``; one-line ``ValueError`` naming the key and the fix."""
         name = m.get("name", "fsdp")
         if name not in MODES:
@@ -135,11 +135,11 @@ class ParallelConfig:
         return [(0, self.algorithm, self.options)] + [(s.at_step, s.algorithm, s.options) for s in self.switch]
 
 
-def validate_parallel(cfg: dict, world_size: int) -> ParallelConfig:
+def validate_parallel(cfg: dict, world_size: int) -> ParallelOptions:
     """Check ``parallel`` and its relations to the other groups (launching process, before
     :func:`~xffl_like.distributed.layout.plan_layout`). For decentralized/bagua it sets
     ``distributed.hsdp=1`` in place: every rank holds a full copy (a shard group of one)."""
-    pcfg = ParallelConfig.from_mapping(cfg.get("parallel") or {})
+    pcfg = ParallelOptions.from_mapping(cfg.get("parallel") or {})
     mode = pcfg.name
     if mode == "fsdp":
         return pcfg
@@ -216,7 +216,7 @@ class DataParallel:
     """
 
     def __init__(self, cfg: dict, state, model: nn.Module, ocfg: OptimConfig, steps: int):
-        self.cfg = ParallelConfig.from_mapping(cfg["parallel"])
+        self.cfg = ParallelOptions.from_mapping(cfg["parallel"])
         self.state, self.model, self.ocfg, self.steps = state, model, ocfg, steps
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler = None

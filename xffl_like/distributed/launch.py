@@ -71,7 +71,8 @@ _SECONDARY_GRACE_S = 3.0
 # Workers are forked from multiprocessing's fork server, which imports these once (it lives as
 # long as the launching process): a worker costs a fork instead of a fresh interpreter that
 # imports torch and the training loop (seconds of CPU per worker, per launch).
-_PRELOAD = ["torch", "xffl_like.train.loop"]
+# torch._dynamo: FSDP2 imports it at its first DTensor (seconds); the figures are rank 0's.
+_PRELOAD = ["torch", "torch._dynamo", "xffl_like.train.loop", "matplotlib.figure", "matplotlib.backends.backend_agg"]
 # What the elastic agent sets for each worker; the rest of the environment is the launcher's.
 _AGENT_KEYS = {"RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE", "WORLD_SIZE",
                "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCH_NCCL_ASYNC_ERROR_HANDLING",

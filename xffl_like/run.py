@@ -17,8 +17,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from .config import compose_error
-from .distributed.env import reports_launcher_errors
-from .distributed.env import read_env
+from .distributed.env import read_env, reports_launcher_errors
 from .job import JobFailed, run_local
 
 

@@ -85,6 +85,8 @@ def test_mismatched_launcher_variables(env, message):
     ({"PMI_RANK": "7", "PMI_SIZE": "4"}, True),  # out of range: likewise
     ({"OMPI_COMM_WORLD_RANK": "x", "OMPI_COMM_WORLD_SIZE": "2"}, True),
     ({"SLURM_PROCID": "1", "SLURM_NTASKS": "2"}, False),
+    ({"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "PMIX_RANK": "0"}, True),  # srun --mpi=pmix: PMIx's rank, srun's count
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "PMIX_RANK": "1"}, False),
     ({}, True),
 ])
 def test_launcher_errors_are_reported_by_one_process(env, speaks):

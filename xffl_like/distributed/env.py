@@ -159,7 +159,9 @@ def reports_launcher_errors(environ: Mapping[str, str] | None = None) -> bool:
         rank = env.get(family.rank, "").strip()
         if not rank:
             continue
-        size = env.get(family.size, "").strip() if family.size else ""
+        # PMIx gives no count of its own: srun's (or another launcher's) counts the same processes.
+        sizes = [family.size] if family.size else ["SLURM_NTASKS", *(f.size for f in MPI_VARIABLES if f.size)]
+        size = next((env[v].strip() for v in sizes if env.get(v, "").strip()), "")
         if not (rank.isdigit() and size.isdigit()) or int(rank) >= int(size):
             return True
         return int(rank) == 0

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from .distributed.layout import Layout, plan_layout
-from .checks import is_int
+from .checks import is_int, is_number
 
 __all__ = ["ConfigError", "compose_error", "validate_config"]
 
@@ -116,7 +116,7 @@ def _positive_int(cfg: dict, dotted: str) -> int:
 
 def _positive_float(cfg: dict, dotted: str, allow_zero: bool = False) -> float:
     value = _get(cfg, dotted)
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (value >= 0 if allow_zero else value > 0)
+    ok = is_number(value) and (value >= 0 if allow_zero else value > 0)
     if not ok:
         raise ConfigError(f"{dotted}={value!r}: must be a {'non-negative' if allow_zero else 'positive'} number")
     return float(value)

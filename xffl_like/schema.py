@@ -24,7 +24,7 @@ from typing import Any, List, Optional, Union
 
 from omegaconf import MISSING
 
-from .checks import is_int
+from .checks import is_int, is_number
 
 __all__ = [
     "ACTIVATION_CHECKPOINTING", "OPTIMIZERS", "SCHEDULES", "CheckpointConfig", "DataConfig", "DistributedConfig",
@@ -362,7 +362,7 @@ class JobConfig(Section):
 
 
 def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return is_number(value) and math.isfinite(value)
 
 
 def _section_type(f) -> type | None:

@@ -36,6 +36,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from .netns import (CounterSampler, Network, NetnsError, busy_window, cleanup_on_signals, launch_torchrun, tx_at,
                     unavailable, wait_launchers)
+from ..checks import is_int, is_number
 
 __all__ = ["WanFailed", "eval_curve", "time_to_target", "loss_at_step", "link_round", "run_wan", "format_table", "main"]
 
@@ -85,7 +86,7 @@ def _check(plain: dict) -> dict:
 
     def positive(key, kind=int):
         value = bench.get(key)
-        if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int) or value <= 0:
+        if not (is_number(value) if kind is float else is_int(value)) or value <= 0:
             raise WanFailed(f"bench.{key}={value!r}: must be a positive {'number' if kind is float else 'integer'}")
 
     if bench.get("mode") not in MODES:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from .dcp import checkpoint_dir
 from .store import LATEST, is_complete, latest_checkpoint, read_metadata, read_state
+from ..checks import is_int
 
 __all__ = ["ResumeTarget", "check_writable", "resolve_resume", "validate_durability"]
 
@@ -25,7 +26,7 @@ class ResumeTarget:
 
 
 def _int(value, key: str, low: int, high: int | None = None, example: str = "") -> int:
-    ok = isinstance(value, int) and not isinstance(value, bool) and value >= low and (high is None or value <= high)
+    ok = is_int(value) and value >= low and (high is None or value <= high)
     if not ok:
         span = f">= {low}" if high is None else f"in {low}..{high}"
         raise ValueError(f"{key}={value!r}: must be an integer {span}{example}")

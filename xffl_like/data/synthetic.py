@@ -25,6 +25,7 @@ import torch
 
 from ..schema import DataConfig
 from .source import check_num_eval_batches, check_positive_int, make_generator
+from ..checks import is_number
 
 __all__ = ["SyntheticMarkovSource", "validate_synthetic", "BRANCH", "ZIPF_EXPONENT"]
 
@@ -41,7 +42,7 @@ _TAG_EVAL = 0x4556
 
 def _check_non_iid(cfg_data: DataConfig) -> float:
     value = cfg_data.non_iid
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    ok = is_number(value)
     if ok:
         value = float(value)
         ok = math.isfinite(value) and 0.0 <= value <= 1.0

@@ -40,7 +40,7 @@ from .source import (
     resolve_paths,
 )
 
-from ..checks import is_int
+from ..checks import is_int, is_number
 
 __all__ = [
     "BYTE_VOCAB_SIZE",
@@ -89,7 +89,7 @@ def _fix_path() -> str:
 
 def _check_eval_fraction(cfg_data: DataConfig) -> float:
     value = cfg_data.eval_fraction
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    ok = is_number(value)
     if ok:
         value = float(value)
         ok = math.isfinite(value) and 0.0 < value < 1.0

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..checks import is_number
+
 __all__ = ["OUTER_NAMES", "OuterOptions", "OuterOptimizer"]
 
 OUTER_NAMES = ("average", "nesterov", "momentum", "adam")
@@ -52,7 +54,7 @@ class OuterOptions:
 
         def number(key, lo, hi, default, lo_open=False, hi_open=False):
             v = spec.get(key, default)
-            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+            ok = is_number(v) and math.isfinite(v)
             ok = ok and (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi)
             if not ok:
                 span = f"{'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
@@ -63,7 +65,7 @@ class OuterOptions:
         momentum = number("momentum", 0.0, 1.0, 0.0, hi_open=True)
         betas = spec.get("betas", (0.9, 0.99))
         if not (isinstance(betas, (list, tuple)) and len(betas) == 2 and all(
-                isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in betas)):
+                is_number(b) and 0 <= b < 1 for b in betas)):
             raise ValueError(f"federation.outer.betas={betas!r}: must be two numbers in [0, 1), e.g. [0.9, 0.99]")
         eps = number("eps", 0.0, math.inf, 1e-8, lo_open=True, hi_open=True)
         offload = spec.get("offload", False)

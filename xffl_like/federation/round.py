@@ -96,7 +96,7 @@ class FederationOptions:
         weights = spec.get("weights", "uniform")
         if weights not in ("uniform", "tokens"):
             if not (isinstance(weights, (list, tuple)) and len(weights) == num_facilities and all(
-                    isinstance(w, (int, float)) and not isinstance(w, bool) and w >= 0 for w in weights)
+                    is_number(w) and w >= 0 for w in weights)
                     and sum(weights) > 0):
                 raise ValueError(
                     f"federation.weights={weights!r}: use uniform, tokens, or a list of {num_facilities} non-negative "

@@ -127,6 +127,7 @@ def ddp_cases(cases, iterations=3, lr=0.1):
                 ddp(coefs(rank, it, 1)).backward()
                 ddp.set_accumulate_grad(False)
             ddp(coefs(rank, it)).backward()
+        ddp.wait_pending()  # waits only: "trained" (checked against the simulation) is still before the mix
         trained = _params(model)
         distance = P.consensus_distance(model)
         ddp.global_avg()

@@ -43,6 +43,18 @@ def test_group_membership(world, federated, hsdp, sizes, shard):
             assert list(ranks) == facility and total == sum(facility)
         for ranks, total in res["replica"]:
             assert list(ranks) == replicas and total == sum(replicas)
+        # The named groups, members from the coordinates (both streams where a group has one per stream).
+        everyone = list(range(len(coords)))
+        shard_ranks = [r for r, c in coords.items() if c[0] == f and c[2] == replica]
+        peers = [r for r, c in coords.items() if c[3] == s]
+        first = [r for r, c in coords.items() if c[3] == s and c[2] == 0]
+        want = {"world": everyone, "facility": facility, "replica": replicas, "shard": shard_ranks, "peers": peers,
+                "background": everyone, "overlap_replicas": replicas,
+                "senders": first if replica == 0 and len(sizes) > 1 else None,
+                "overlap_peers": first if replica == 0 else None}
+        for name, members in want.items():
+            for got in res["named"][name]:
+                assert (got is None) if members is None else got == (tuple(members), sum(members)), (rank, name, got)
         if len(sizes) == 1:
             assert res["split"] == [] and res["sender"] == []
             continue
@@ -61,6 +73,17 @@ def test_group_membership(world, federated, hsdp, sizes, shard):
         else:
             assert res["sender"] == []
     assert "facility" in results[0]["describe"]
+
+
+def test_unknown_group_name_is_one_line():
+    from xffl_like.distributed.state import DistributedState
+
+    state = DistributedState.__new__(DistributedState)
+    object.__setattr__(state, "groups", {"world": (None,)})
+    with pytest.raises(KeyError, match="no process group 'facilty': the names are world, facility"):
+        state.group("facilty")
+    with pytest.raises(KeyError, match="overlap=True"):
+        state.group("overlap_peers")
 
 
 def test_read_env_prefers_torchrun_then_slurm():

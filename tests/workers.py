@@ -12,7 +12,7 @@ def state_membership(federated, hsdp, streams):
     from xffl_like.distributed.state import build_state, read_env
 
     env = read_env()
-    state = build_state(plan_layout(env.world_size, federated, hsdp), env, num_streams=streams)
+    state = build_state(plan_layout(env.world_size, federated, hsdp), env, num_streams=streams, overlap=True)
 
     def ranks_and_sum(group):
         t = torch.tensor([float(state.rank)])
@@ -28,6 +28,11 @@ def state_membership(federated, hsdp, streams):
         "split": [(p.exchange.chunk, [ranks_and_sum(g) for g in p.groups]) for p in state.split_exchanges],
         "sender": [[ranks_and_sum(g) for g in p.groups] for p in state.sender_exchanges],
         "describe": state.describe(),
+        # Every group by name: the members and a sum over them (None: this rank is no member).
+        "named": {name: [None if state.group(name, k) is None else ranks_and_sum(state.group(name, k))
+                         for k in range(streams)]
+                  for name in ("world", "facility", "replica", "shard", "peers", "senders", "background",
+                               "overlap_peers", "overlap_replicas")},
     }
     dist.destroy_process_group()
     return out

@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from datetime import timedelta
+from types import MappingProxyType
+from typing import Mapping
 
 import torch
 import torch.distributed as dist
@@ -19,8 +21,26 @@ from torch.distributed.device_mesh import DeviceMesh
 from .env import ProcessEnv, read_env
 from .layout import Coords, Exchange, Layout
 
-__all__ = ["ProcessEnv", "PeerExchange", "DistributedState", "all_peer_groups", "read_env", "build_state",
-           "resolve_backend", "group_backend", "init_default_group", "elastic_store"]
+__all__ = ["GROUP_NAMES", "ProcessEnv", "PeerExchange", "DistributedState", "read_env", "build_state",
+           "resolve_backend", "group_backend", "init_default_group", "elastic_store", "to_local"]
+
+#: The process groups a :class:`DistributedState` owns, by name (:meth:`DistributedState.group`).
+GROUP_NAMES = {
+    "world": "every process of the job (the default group)",
+    "facility": "every rank of this rank's facility (one handle per stream)",
+    "replica": "the ranks of this facility holding this rank's shard, one per replica (one handle per stream)",
+    "shard": "the ranks over which this rank's copy of the model is sharded (FSDP)",
+    "peers": "every rank of every facility and replica holding this rank's shard (divergence, gradient averaging)",
+    "senders": "the first replica of every facility holding this rank's shard (one per stream; None elsewhere)",
+    "background": "the whole world on gloo, for collectives of a background thread (async checkpoint saves)",
+    "overlap_peers": "like senders, for an exchange overlapping local steps only (None on other replicas)",
+    "overlap_replicas": "like replica, for an exchange overlapping local steps only",
+}
+
+
+def to_local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's local tensor of ``t``: its shard for a DTensor, ``t`` itself otherwise."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def elastic_store(env: ProcessEnv, timeout: timedelta):
@@ -68,12 +88,31 @@ class DistributedState:
     device: torch.device
     init_device: torch.device
     mesh: DeviceMesh
-    facility_groups: tuple[dist.ProcessGroup, ...]
-    replica_groups: tuple[dist.ProcessGroup, ...]
+    groups: Mapping[str, tuple]  # name (GROUP_NAMES) -> one handle per stream (or one)
     split_exchanges: tuple[PeerExchange, ...]
     sender_exchanges: tuple[PeerExchange, ...]
     streams: tuple = field(default=())
     num_streams: int = 1
+
+    def group(self, name: str, stream: int = 0) -> dist.ProcessGroup | None:
+        """The process group ``name`` (one of :data:`GROUP_NAMES`) for communication stream ``stream``.
+
+        Every group is built once, by :func:`build_state`, in the same order on every rank; None
+        where this rank is not a member (``senders`` on replicas other than the first)."""
+        if name not in self.groups:
+            if name in GROUP_NAMES:
+                raise KeyError(f"process group {name!r} was not built: build_state(..., overlap=True) builds it")
+            raise KeyError(f"no process group {name!r}: the names are {', '.join(GROUP_NAMES)}")
+        handles = self.groups[name]
+        return handles[stream] if len(handles) > 1 else handles[0]
+
+    @property
+    def facility_groups(self) -> tuple:
+        return self.groups["facility"]
+
+    @property
+    def replica_groups(self) -> tuple:
+        return self.groups["replica"]
 
     # Short names the rest of the code reads.
     @property
@@ -202,8 +241,10 @@ def build_state(
     backend: str = "auto",
     num_streams: int = 1,
     timeout_s: float = 300.0,
+    overlap: bool = False,
 ) -> DistributedState:
-    """Initialise the default process group (if needed) and every group of ``layout``."""
+    """Initialise the default process group (if needed) and every group of ``layout``
+    (:data:`GROUP_NAMES`; ``overlap``: also the groups of an exchange overlapping local steps)."""
     if env.world_size != layout.world_size:
         raise ValueError(
             f"the launcher started {env.world_size} processes but the layout plans {layout.world_size}"
@@ -257,6 +298,26 @@ def build_state(
     else:
         mesh = DeviceMesh.from_group(shard_pg, device.type, mesh_dim_names=("shard",))
 
+    # Built after the mesh, in this order on every rank: every rank creates every group.
+    peers = {s_: _new_groups(layout.peer_ranks(s_), 1, pg_backend, timeout) for s_ in range(layout.shard_size)}
+    background = _new_groups(tuple(range(layout.world_size)), 1, "gloo", timeout)
+    groups = {
+        "world": (dist.group.WORLD,),
+        "facility": facility_groups[f],
+        "replica": replica_groups[(f, s)],
+        "shard": (shard_pg,),
+        "peers": peers[s],
+        "senders": sender[0].groups if sender and r == 0 else (None,),
+        "background": background,
+    }
+    if overlap:  # groups no one else uses: the overlapped exchange runs beside the training thread's collectives
+        first = {s_: _new_groups(tuple(layout.facility_offsets[g] + s_ for g in range(layout.num_facilities)), 1,
+                                 pg_backend, timeout) for s_ in range(layout.shard_size)}
+        replicas = {(g, s_): _new_groups(layout.replica_group_ranks(g, s_), 1, pg_backend, timeout)
+                    for g in range(layout.num_facilities) for s_ in range(layout.shard_size)}
+        groups["overlap_peers"] = first[s] if r == 0 else (None,)
+        groups["overlap_replicas"] = replicas[(f, s)]
+
     streams = tuple(torch.cuda.Stream(device=device) for _ in range(num_streams)) if device.type == "cuda" else ()
     return DistributedState(
         layout=layout,
@@ -266,19 +327,9 @@ def build_state(
         device=device,
         init_device=torch.device("cpu"),
         mesh=mesh,
-        facility_groups=facility_groups[f],
-        replica_groups=replica_groups[(f, s)],
+        groups=MappingProxyType(groups),
         split_exchanges=split,
         sender_exchanges=sender,
         streams=streams,
         num_streams=num_streams,
     )
-
-
-def all_peer_groups(state: DistributedState) -> list:
-    """One group per shard index holding every rank of every facility with that shard
-    (all replicas): where the divergence between copies of a shard is measured.
-
-    Collective: every rank creates every group, in the same order.
-    """
-    return [dist.new_group(list(state.layout.peer_ranks(s))) for s in range(state.shard_size)]

@@ -18,7 +18,8 @@ from torch.distributed.fsdp import fully_shard
 from xffl_like.aggregation import aggregate, build_strategy
 from xffl_like.distributed.layout import plan_layout
 from xffl_like.distributed.state import build_state, read_env
-from xffl_like.federation import Federation
+from xffl_like.federation import Federation, build_federation
+from xffl_like.schema import FederationConfig, build_section
 from xffl_like.train.parallelize import contiguous_shards
 
 from strategy_workers import BUCKET_MB, Net, digest, identical_across_peers
@@ -26,12 +27,18 @@ from strategy_workers import BUCKET_MB, Net, digest, identical_across_peers
 STRATEGY = dict(name="fused", streams=1, bucket_mb=BUCKET_MB, mode="split")
 
 
-def spec(**kw) -> dict:
+def plain_spec(**kw) -> dict:
+    """The ``federation`` section as a plain dict (``every=1``, the rest the defaults) with ``kw`` over it."""
     base = dict(algorithm="federated", every=1, weights="uniform", topology="complete",
                 outer=dict(name="average", lr=1.0, momentum=0.0, betas=[0.9, 0.99], eps=1e-8, offload=False),
                 compression="none", chunk_size=4096, error_feedback=False)
     outer = {**base["outer"], **kw.pop("outer", {})}
     return {**base, **kw, "outer": outer}
+
+
+def spec(**kw) -> FederationConfig:
+    """The typed ``federation`` section of :func:`plain_spec` (what the launcher hands workers)."""
+    return build_section(FederationConfig, plain_spec(**kw))
 
 
 def make(state, wide: bool = False):
@@ -360,7 +367,7 @@ def check_streaming(state, digests, report) -> None:
     o = dict(name="nesterov", lr=0.7, momentum=0.9)
     start = values(model, state, 0, -1)
     assign(model, start)
-    fed = Federation.build(spec(every=4, fragments=2, overlap_steps=1, merge_alpha=0.25, weights="tokens", outer=o),
+    fed = build_federation(spec(every=4, fragments=2, overlap_steps=1, merge_alpha=0.25, weights="tokens", outer=o),
                            model, build_strategy(model, state, STRATEGY), state, begin=0, end=12, last=True)
     def per_rank_tokens(f, done):  # rates that change over time: weights over the right window only
         return 10 * (f + 1) + 7 * f * done

@@ -17,6 +17,7 @@ import yaml
 from test_run import TINY, run_cli
 
 from xffl_like.config import ConfigError, validate_config
+from xffl_like.schema import job_config
 from xffl_like.job import _compose, choices, resolve
 
 SGD = ["optim=sgd", "optim.lr=0.1", "optim.momentum=0.0", "optim.warmup_steps=0", "optim.grad_clip=0.0",
@@ -156,9 +157,9 @@ REFUSED = [
 
 def _validate(overrides):
     composed = _compose(overrides)
-    plain = resolve(composed)
-    n = plain["distributed"]["nproc_per_node"]
-    return plain, validate_config(plain, n, n, Path.cwd(), choices(composed))
+    job = job_config(resolve(composed), choices(composed))
+    n = job.distributed.nproc_per_node
+    return validate_config(job, n, n, Path.cwd())
 
 
 @pytest.mark.parametrize("overrides, needle", REFUSED, ids=[" ".join(r[0][1:]) or r[0][0] for r in REFUSED])
@@ -170,7 +171,7 @@ def test_launcher_refuses_combinations_that_make_no_sense(overrides, needle):
 
 def test_launcher_accepts_the_presets_with_full_copies():
     for preset in ("decentralized", "bagua_switch"):
-        plain, layout = _validate([f"+experiment={preset}"])
-        assert layout.shard_size == 1 and plain["distributed"]["hsdp"] == 1 and layout.facility_sizes == (4,)
+        job, layout = _validate([f"+experiment={preset}"])
+        assert layout.shard_size == 1 and job.distributed.hsdp == 1 and layout.facility_sizes == (4,)
     _, layout = _validate(["+experiment=bagua_switch", "distributed.federated=[3,1]", "parallel.options={hierarchical:true}"])
     assert layout.facility_sizes == (3, 1)

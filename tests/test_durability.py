@@ -284,10 +284,14 @@ def test_resume_latest_picks_the_newest_run_of_the_experiment(fsdp_runs, tmp_pat
     shutil.copytree(base / "killed", outputs / "2000-01-02_00-00-00")  # newer, but another experiment
     cfg_path = outputs / "2000-01-02_00-00-00" / "config.yaml"
     cfg_path.write_text(cfg_path.read_text().replace("experiment: llama_fed", "experiment: other"))
-    plain = resolve(_compose([*JOB[1:], "resume=latest"]))
-    target = resolve_resume(plain, plan_layout(4, 2, None), outputs, outputs / "fresh")
+    from xffl_like.checkpoint.resume import resumed
+    from xffl_like.schema import job_config
+
+    job = job_config(resolve(_compose([*JOB[1:], "resume=latest"])))
+    target = resolve_resume(job, plan_layout(4, 2, None), outputs, outputs / "fresh")
     assert target.checkpoint == outputs / "2000-01-01_00-00-00" / "checkpoints" / checkpoint_name(6)
-    assert plain["resume"] == str(target.checkpoint) and plain["checkpoint"]["dir"] == str(target.checkpoint.parent)
+    job = resumed(job, target)
+    assert job.resume == str(target.checkpoint) and job.checkpoint.dir == str(target.checkpoint.parent)
 
 
 def test_leftover_rank_env_and_site_with_bad_config_fail_at_once(tmp_path):

@@ -10,7 +10,8 @@ import torch
 
 from xffl_like.distributed.launch import launch_local
 from xffl_like.distributed.layout import plan_layout
-from xffl_like.federation import CompressedMean, FederationOptions, validate_federation
+from xffl_like.federation import CompressedMean, check_fragments, validate_federation
+from xffl_like.schema import FederationConfig, OuterConfig, as_plain, build_section
 
 import federation_workers as workers
 
@@ -28,11 +29,14 @@ def test_presets_compose():
     from omegaconf import OmegaConf
 
     layout = plan_layout(4, 2, None)
-    plain = lambda c: OmegaConf.to_container(c.federation, resolve=True)  # noqa: E731 - what workers get
-    d = validate_federation(plain(diloco), layout)
+    typed = lambda c: build_section(FederationConfig, OmegaConf.to_container(c.federation, resolve=True))  # noqa: E731
+    d = typed(diloco)
+    [phase] = validate_federation(d, layout)
+    assert phase.config == d and not phase.scheduled
     assert (d.outer.name, d.outer.lr, d.outer.momentum, d.algorithm) == ("nesterov", 0.7, 0.9, "federated")
-    f = validate_federation(plain(fedavg), layout)
-    assert f.outer.is_plain_mean and f == validate_federation(plain(default), layout)
+    f = typed(fedavg)
+    validate_federation(f, layout)
+    assert f.outer.is_plain_mean and f == typed(default) and isinstance(f.outer, OuterConfig)
 
 
 @pytest.mark.parametrize("override, layout, message", [
@@ -61,8 +65,8 @@ def test_bad_options(override, layout, message):
 
 
 def test_alternating_exp_ring_accepts_hsdp_facilities():
-    opts = validate_federation(workers.spec(topology="alternating-exp-ring"), plan_layout(4, 2, 1))
-    assert isinstance(opts, FederationOptions) and opts.topology == "alternating-exp-ring"
+    [phase] = validate_federation(workers.spec(topology="alternating-exp-ring"), plan_layout(4, 2, 1))
+    assert isinstance(phase.config, FederationConfig) and phase.config.topology == "alternating-exp-ring"
 
 
 @pytest.mark.parametrize("kind", ["uint8", "bf16"])
@@ -175,14 +179,17 @@ def test_fragment_schedule_by_hand():
 def test_phases_merge_over_the_top_level_keys():
     from xffl_like.federation import plan_phases
 
-    top = workers.spec(every=10, outer=dict(name="nesterov", lr=0.7, momentum=0.9))
-    phases = plan_phases({**top, "schedule": [{"until_step": 5, "every": 2, "outer": {"lr": 0.5}},
-                                              {"until_step": None, "fragments": 2}]}, steps=20)
+    top = workers.plain_spec(every=10, outer=dict(name="nesterov", lr=0.7, momentum=0.9))
+    typed = build_section(FederationConfig, top)
+    scheduled = build_section(FederationConfig, {**top, "schedule": [{"until_step": 5, "every": 2, "outer": {"lr": 0.5}},
+                                                                     {"until_step": None, "fragments": 2}]})
+    phases = plan_phases(scheduled, steps=20)
     assert [(p.from_step, p.until_step) for p in phases] == [(0, 5), (5, None)]
     assert phases[0].spec["every"] == 2 and phases[0].spec["outer"] == {**top["outer"], "lr": 0.5}
     assert phases[1].spec["every"] == 10 and phases[1].spec["fragments"] == 2 and phases[1].spec["outer"] == top["outer"]
-    assert "schedule" not in phases[0].spec
-    assert [p.spec for p in plan_phases(top)] == [top]
+    assert "schedule" not in phases[0].spec and phases[0].config.every == 2 and phases[0].config.outer.lr == 0.5
+    assert [p.config for p in plan_phases(typed)] == [typed]
+    assert [p.spec for p in plan_phases(typed)] == [{k: v for k, v in as_plain(typed).items() if k != "schedule"}]
 
 
 SCHEDULE_BAD = [
@@ -208,7 +215,7 @@ SCHEDULE_BAD = [
 @pytest.mark.parametrize("override, message", SCHEDULE_BAD, ids=[m.split(":")[0][:40] for _, m in SCHEDULE_BAD])
 def test_bad_streaming_and_schedule_options(override, message):
     with pytest.raises(ValueError) as err:
-        validate_federation(workers.spec(**override), plan_layout(4, 2, None), steps=20, num_layers=4)
+        check_fragments(validate_federation(workers.spec(**override), plan_layout(4, 2, None), steps=20), num_layers=4)
     assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
 
 

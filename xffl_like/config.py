@@ -1,6 +1,8 @@
 """Validation of the resolved config in the launching process, before any worker starts.
 
-Every check raises :class:`ConfigError` with one sentence that names the key, the bad
+:func:`validate_config` is the one place that checks a job: each section once (its
+``validate_*`` function, here or in the module that owns the section's meaning), then the
+relations between sections. Every check raises :class:`ConfigError` with one sentence that names the key, the bad
 value and how to fix it. Hydra rejects unknown keys and wrong primitive types at compose
 time against the schema (:mod:`.schema`); :func:`compose_error` turns its multi-line
 report into one such sentence.
@@ -9,13 +11,17 @@ report into one such sentence.
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Mapping
 
-from .distributed.layout import Layout, plan_layout
 from .checks import is_int, is_number
+from .distributed.layout import Layout, plan_layout
+from .schema import (DistributedConfig, ExportConfig, FederationConfig, JobConfig, LoggerConfig, ModelConfig,
+                     OptimConfig, TrainConfig, as_plain, job_config)
 
-__all__ = ["ConfigError", "compose_error", "validate_config"]
+__all__ = ["ConfigError", "compose_error", "resolve_model", "validate_config", "validate_distributed",
+           "validate_export", "validate_logger", "validate_optim", "validate_train"]
 
 
 class ConfigError(ValueError):
@@ -98,159 +104,222 @@ def compose_error(exc: BaseException) -> str | None:
     return None
 
 
-def _get(cfg: dict, dotted: str) -> Any:
-    node = cfg
-    for part in dotted.split("."):
-        if not isinstance(node, dict) or part not in node:
-            raise ConfigError(f"{dotted} is missing from the config")
-        node = node[part]
-    return node
-
-
-def _positive_int(cfg: dict, dotted: str) -> int:
-    value = _get(cfg, dotted)
+def _positive_int(value: Any, dotted: str) -> int:
     if not is_int(value) or value <= 0:
         raise ConfigError(f"{dotted}={value!r}: must be a positive integer (e.g. {dotted}=1)")
     return value
 
 
-def _positive_float(cfg: dict, dotted: str, allow_zero: bool = False) -> float:
-    value = _get(cfg, dotted)
-    ok = is_number(value) and (value >= 0 if allow_zero else value > 0)
-    if not ok:
-        raise ConfigError(f"{dotted}={value!r}: must be a {'non-negative' if allow_zero else 'positive'} number")
+def _positive_float(value: Any, dotted: str) -> float:
+    if not (is_number(value) and value > 0):
+        raise ConfigError(f"{dotted}={value!r}: must be a positive number")
     return float(value)
 
 
-def resolve_model(cfg: dict, base_dir: Path) -> None:
-    """Check ``model.init``, and for ``model.path`` (a Hugging Face directory) make the
-    path absolute and fill the shape keys from its ``config.json``, checking the safetensors headers
-    (in place; workers then build the same shape and read the weights)."""
-    model = cfg["model"]
-    if model.get("init", "full") not in ("meta", "full"):
-        raise ValueError(f"model.init={model.get('init')!r}: use meta (shard first, then materialise) or full")
-    path = model.get("path")
-    if model.get("name") == "hf" and not path:
-        raise ValueError("model.path is not set: model=hf needs model.path=<local Hugging Face model directory>")
-    if not path:
-        return
-    from .checkpoint.hf import check_hf_weights, read_hf_config
-    from .models import LlamaConfig
+# ----------------------------------------------------------------------------- one check per section
+def validate_distributed(cfg: DistributedConfig) -> None:
+    """``distributed.*`` values (the layout they describe is :func:`plan_layout`'s)."""
+    _positive_int(cfg.nproc_per_node, "distributed.nproc_per_node")
+    _positive_int(cfg.timeout_s, "distributed.timeout_s")
+    if cfg.backend not in ("auto", "gloo", "nccl"):
+        raise ConfigError(f"distributed.backend={cfg.backend!r}: use auto, gloo or nccl")
 
-    path = Path(path).expanduser()
-    path = (path if path.is_absolute() else base_dir / path).absolute()
-    model.update(read_hf_config(path), path=str(path))
-    check_hf_weights(path, LlamaConfig.from_mapping(model))
+
+def validate_train(cfg: TrainConfig) -> TrainConfig:
+    """``train.*``; the normalised section (:meth:`TrainConfig.from_mapping`)."""
+    for key in ("batch_size", "seq_len", "log_every"):
+        _positive_int(getattr(cfg, key), f"train.{key}")
+    return TrainConfig.from_mapping(as_plain(cfg))
+
+
+def validate_optim(cfg: OptimConfig) -> OptimConfig:
+    """``optim.*``; the normalised section (:meth:`OptimConfig.from_mapping`: floats, a betas pair)."""
+    return OptimConfig.from_mapping(as_plain(cfg))
 
 
 _WANDB_MODES = (None, "offline", "online", "disabled")
 
 
-def _check_logger(cfg: dict) -> None:
+def validate_logger(cfg: LoggerConfig) -> None:
+    """``logger.*``: the W&B keys are checked whatever the logger (the schema gives every job all of them)."""
     from .observe.observer import LOGGERS
 
-    lcfg = cfg.get("logger") or {}
-    logger = lcfg.get("name", "none")
-    if logger not in LOGGERS:
-        raise ConfigError(f"logger.name={logger!r}: use one of {', '.join(LOGGERS)} (e.g. logger=none)")
-    # The W&B keys are checked whatever the logger: the schema gives every job all of them.
-    if lcfg.get("mode") not in _WANDB_MODES:
-        raise ConfigError(f"logger.mode={lcfg.get('mode')!r}: use null ($WANDB_MODE, else offline), offline, online or disabled")
+    if cfg.name not in LOGGERS:
+        raise ConfigError(f"logger.name={cfg.name!r}: use one of {', '.join(LOGGERS)} (e.g. logger=none)")
+    if cfg.mode not in _WANDB_MODES:
+        raise ConfigError(f"logger.mode={cfg.mode!r}: use null ($WANDB_MODE, else offline), offline, online or disabled")
     for key in ("project", "entity", "group"):
-        if lcfg.get(key) is not None and not isinstance(lcfg.get(key), str):
-            raise ConfigError(f"logger.{key}={lcfg.get(key)!r}: must be a string{'' if key == 'project' else ' or null'}")
-    tags = lcfg.get("tags", [])
-    if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
-        raise ConfigError(f"logger.tags={tags!r}: must be a list of strings (e.g. logger.tags=[a,b])")
+        value = getattr(cfg, key)
+        if value is not None and not isinstance(value, str):
+            raise ConfigError(f"logger.{key}={value!r}: must be a string{'' if key == 'project' else ' or null'}")
+    if not isinstance(cfg.tags, list) or not all(isinstance(t, str) for t in cfg.tags):
+        raise ConfigError(f"logger.tags={cfg.tags!r}: must be a list of strings (e.g. logger.tags=[a,b])")
+
+
+def validate_export(cfg: ExportConfig) -> None:
+    """``export.*``."""
+    if not isinstance(cfg.hf, bool):
+        raise ConfigError(f"export.hf={cfg.hf!r}: use true or false")
+    _positive_float(cfg.max_shard_mb, "export.max_shard_mb")
+
+
+def resolve_model(cfg: ModelConfig, base_dir: Path) -> ModelConfig:
+    """Check ``model.init``, and for ``model.path`` (a Hugging Face directory) return the section with
+    the path absolute and the shape keys from its ``config.json``, checking the safetensors headers
+    (workers then build the same shape and read the weights)."""
+    if cfg.init not in ("meta", "full"):
+        raise ValueError(f"model.init={cfg.init!r}: use meta (shard first, then materialise) or full")
+    if cfg.name == "hf" and not cfg.path:
+        raise ValueError("model.path is not set: model=hf needs model.path=<local Hugging Face model directory>")
+    if not cfg.path:
+        return cfg
+    from .checkpoint.hf import check_hf_weights, read_hf_config
+    from .models import LlamaConfig
+
+    path = Path(cfg.path).expanduser()
+    path = (path if path.is_absolute() else base_dir / path).absolute()
+    cfg = replace(cfg, **read_hf_config(path), path=str(path))
+    check_hf_weights(path, LlamaConfig.from_mapping(cfg))
+    return cfg
+
+
+# ----------------------------------------------------------------------------- relations between sections
+def _check_parallel_job(job: JobConfig, world_size: int) -> JobConfig:
+    """``parallel`` against the other sections; decentralized/bagua: ``distributed.hsdp=1`` (every rank holds a
+    full copy: a shard group of one) in the returned job."""
+    from . import parallel as P
+    from .parallel.options import DP_ALGORITHMS
+
+    pcfg, mode = job.parallel, job.parallel.name
+    if mode == "fsdp":
+        return job
+    dcfg, tcfg, fed = job.distributed, job.train, job.federation
+    if dcfg.hsdp not in (None, 1):
+        raise ValueError(f"distributed.hsdp={dcfg.hsdp!r} shards the model, but parallel={mode} keeps a full copy on "
+                         f"every rank: drop distributed.hsdp (null) or use parallel=fsdp")
+    for key in ("algorithm", "topology", "compression", "weights", "error_feedback", "on_nonfinite"):
+        value, default = getattr(fed, key), getattr(FederationConfig(), key)
+        if value != default:
+            raise ValueError(f"federation.{key}={value!r} does not apply to parallel={mode} (the copies are kept in "
+                             f"step by the {mode} algorithm, no federation rounds): drop it or use parallel=fsdp")
+    if fed.outer.name != "average" or fed.outer.lr != 1.0:
+        raise ValueError(f"federation.outer (name={fed.outer.name!r}, lr={fed.outer.lr!r}) does not apply to "
+                         f"parallel={mode} (no federation rounds): use federation=default or parallel=fsdp")
+    # Checkpoints would need every rank's own copy (DCP keeps one copy of replicated tensors).
+    if job.resume is not None:
+        raise ValueError(f"resume={job.resume!r}: parallel={mode} writes no checkpoints and cannot resume; "
+                         f"use parallel=fsdp to resume")
+    if job.checkpoint.dir is not None:
+        raise ValueError(f"checkpoint.dir={job.checkpoint.dir!r}: parallel={mode} writes no checkpoints; drop it")
+    if dcfg.max_restarts:
+        raise ValueError(f"distributed.max_restarts={dcfg.max_restarts}: restarts resume from a checkpoint, and "
+                         f"parallel={mode} writes none; use 0")
+    if job.fault.nan_rank is not None:
+        raise ValueError(f"fault.nan_rank: the non-finite guard protects federation rounds, which parallel={mode} "
+                         f"does not have; drop it")
+    facilities = plan_layout(world_size, dcfg.federated, 1).facility_sizes  # an impossible layout: its line
+    if mode == "decentralized":
+        if tcfg.steps == 1:
+            raise ValueError("train.steps=1: parallel=decentralized applies a step's update in the next step's backward "
+                             "pass (Decent-DP), so one step never updates; use train.steps >= 2")
+        if pcfg.topology == "alternating-exp-ring" and len(set(facilities)) > 1:
+            raise ValueError(f"parallel.topology=alternating-exp-ring needs facilities (its nodes) of equal size, got "
+                             f"{list(facilities)}: use equal distributed.federated or another topology")
+        try:
+            P.topology_edges(pcfg.topology, world_size, facilities[0])
+        except ValueError as exc:  # impossible sizes: the topology's own line, with the key
+            raise ValueError(f"parallel.topology={pcfg.topology}: {exc}") from None
+        if pcfg.optimizer.startswith("accum_") or pcfg.optimizer in ("adam", "adamw"):
+            if job.optim.name != "adamw":
+                raise ValueError(f"parallel.optimizer={pcfg.optimizer} takes lr, betas, eps and weight_decay from "
+                                 f"optim=adamw, got optim={job.optim.name}: select optim=adamw")
+    else:
+        if tcfg.grad_accum != 1:
+            raise ValueError(f"train.grad_accum={tcfg.grad_accum}: parallel=bagua synchronises every backward pass "
+                             f"(Bagua has no gradient accumulation); use train.grad_accum=1")
+        for at, name, options in pcfg.algorithms():
+            where = "parallel." if at == 0 else f"parallel.switch (at_step={at}): "
+            if at >= tcfg.steps and at > 0:
+                raise ValueError(f"{where}at_step={at} is not before the last step (train.steps={tcfg.steps}): "
+                                 f"switch earlier or drop it")
+            algo = DP_ALGORITHMS[name](**options)
+            members = len(facilities) if algo.hierarchical else world_size
+            if name == "decentralized" and algo.peer_selection_mode == "shift_one" and members > 1 and members % 2:
+                what = "facilities (hierarchical: the nodes)" if algo.hierarchical else "processes"
+                raise ValueError(f"{where}decentralized with peer_selection_mode=shift_one needs an even number of "
+                                 f"{what}, got {members}: use peer_selection_mode=all or change the layout")
+    return replace(job, distributed=replace(dcfg, hsdp=1))
 
 
 def validate_config(
-    cfg: dict, world_size: int, local_world_size: int | None, base_dir: Path, choices: Mapping[str, Any] | None = None
-) -> Layout:
-    """Check ``cfg`` (a resolved plain dict) for a job of ``world_size`` processes.
+    job: JobConfig | Mapping[str, Any], world_size: int, local_world_size: int | None, base_dir: Path,
+    choices: Mapping[str, Any] | None = None,
+) -> tuple[JobConfig, Layout]:
+    """Check ``job`` (built once by :func:`.schema.job_config`) for a job of ``world_size`` processes:
+    each section's check once, then the relations between sections, here and nowhere else.
 
-    Resolves relative data paths against ``base_dir`` in place, so that workers read
-    the files the user named wherever they run. Keys the schema lacks (added with ``+``)
-    are refused first; ``choices`` (Hydra's group -> option of this composition) lets that
-    message name the option's file. Returns the planned layout; :func:`.schema.job_config`
-    then gives the typed config that workers receive.
+    Returns the validated job that workers receive (normalised ``optim``/``train``, relative data
+    and model paths resolved against ``base_dir``, a Hugging Face model's shape, ``distributed.hsdp=1``
+    for parallel=decentralized|bagua; via ``dataclasses.replace``) and the planned layout. A plain
+    dict is accepted too (it is built with :func:`.schema.job_config` first); ``choices`` (Hydra's
+    group -> option of this composition) lets the message for a key the schema lacks name the file.
     """
     from .aggregation import validate_strategy_options
+    from .checkpoint.resume import validate_durability
     from .data import check_layout_fits, resolve_paths, validate_data
     from .data.tokenizer import tokenizer_path
+    from .federation import check_fragments, validate_federation
     from .models import LlamaConfig, build_model
-    from .schema import DataConfig, OptimConfig, TrainConfig, check_keys
+    from .parallel.options import validate_parallel
 
     try:
-        check_keys(cfg, choices)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-    _positive_int(cfg, "distributed.nproc_per_node")
-    _positive_int(cfg, "distributed.timeout_s")
-    for key in ("federation.every", "train.batch_size", "train.seq_len", "train.log_every"):
-        _positive_int(cfg, key)
-    try:
-        OptimConfig.from_mapping(_get(cfg, "optim"))
-        TrainConfig.from_mapping(_get(cfg, "train"))
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-    if _get(cfg, "distributed.backend") not in ("auto", "gloo", "nccl"):
-        raise ConfigError(f"distributed.backend={cfg['distributed']['backend']!r}: use auto, gloo or nccl")
-    if not isinstance(cfg.get("seed"), int) or isinstance(cfg.get("seed"), bool):
-        raise ConfigError(f"seed={cfg.get('seed')!r}: must be an integer")
-    _check_logger(cfg)
-    dist_cfg = cfg["distributed"]
-    from .train.dataparallel import validate_parallel
-
-    try:
-        validate_parallel(cfg, world_size)  # parallel=decentralized|bagua: full copies (sets distributed.hsdp=1)
-        layout = plan_layout(world_size, dist_cfg["federated"], dist_cfg["hsdp"], local_world_size)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-    from .checkpoint.resume import validate_durability
-    from .federation import validate_federation
-
-    try:
-        validate_federation(_get(cfg, "federation"), layout, steps=_get(cfg, "train.steps"))
-        validate_durability(cfg, world_size)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-
-    if not isinstance(_get(cfg, "export.hf"), bool):
-        raise ConfigError(f"export.hf={cfg['export']['hf']!r}: use true or false")
-    _positive_float(cfg, "export.max_shard_mb")
-    try:
-        resolve_model(cfg, base_dir)
+        if not isinstance(job, JobConfig):
+            job = job_config(job, choices)
+        validate_distributed(job.distributed)
+        job = replace(job, train=validate_train(job.train), optim=validate_optim(job.optim))
+        if not is_int(job.seed):
+            raise ConfigError(f"seed={job.seed!r}: must be an integer")
+        validate_logger(job.logger)
+        validate_parallel(job.parallel)
+        job = _check_parallel_job(job, world_size)
+        layout = plan_layout(world_size, job.distributed.federated, job.distributed.hsdp, local_world_size)
+        phases = validate_federation(job.federation, layout, steps=job.train.steps)
+        validate_durability(job, world_size)
+        validate_export(job.export)
+        job = replace(job, model=resolve_model(job.model, base_dir))
+    except ConfigError:
+        raise
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     try:
-        model_cfg = LlamaConfig.from_mapping(cfg["model"])
+        model_cfg = LlamaConfig.from_mapping(job.model)
     except ValueError as exc:
         raise ConfigError(f"model: {exc}") from None
-    try:  # fragments are groups of the model's blocks
-        validate_federation(cfg["federation"], layout, steps=cfg["train"]["steps"], num_layers=model_cfg.n_layers)
+    train = job.train
+    try:
+        check_fragments(phases, model_cfg.n_layers)  # fragments are groups of the model's blocks
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    if cfg["train"]["seq_len"] > model_cfg.max_seq_len:
+    if train.seq_len > model_cfg.max_seq_len:
         raise ConfigError(
-            f"train.seq_len={cfg['train']['seq_len']} exceeds model.max_seq_len={model_cfg.max_seq_len}: "
+            f"train.seq_len={train.seq_len} exceeds model.max_seq_len={model_cfg.max_seq_len}: "
             f"lower train.seq_len or raise model.max_seq_len"
         )
     try:
-        if cfg["data"].get("tokenizer") not in (None, "byte"):  # workers and the export read it wherever they run
-            cfg["data"]["tokenizer"] = str(tokenizer_path(cfg["data"]["tokenizer"], base_dir))
-        data = DataConfig(**cfg["data"])
-        num_tokens = validate_data(data, vocab_size=model_cfg.vocab_size, seq_len=cfg["train"]["seq_len"],
+        data = job.data
+        if data.tokenizer not in (None, "byte"):  # workers and the export read it wherever they run
+            data = replace(data, tokenizer=str(tokenizer_path(data.tokenizer, base_dir)))
+        num_tokens = validate_data(data, vocab_size=model_cfg.vocab_size, seq_len=train.seq_len,
                                    base_dir=str(base_dir))
         if num_tokens is not None:
-            check_layout_fits(num_tokens, data, layout, batch_size=cfg["train"]["batch_size"],
-                              seq_len=cfg["train"]["seq_len"])
+            check_layout_fits(num_tokens, data, layout, batch_size=train.batch_size, seq_len=train.seq_len)
         if data.path is not None:
             paths = [str(p) for p in resolve_paths(data, str(base_dir))]
-            cfg["data"]["path"] = paths if isinstance(cfg["data"]["path"], list) else paths[0]
-        meta_model = build_model(cfg["model"], device="meta")  # names and module types, no memory
+            data = replace(data, path=paths if isinstance(data.path, list) else paths[0])
+        job = replace(job, data=data)
+        meta_model = build_model(job.model, device="meta")  # names and module types, no memory
         names = [name for name, _ in meta_model.named_parameters()]
-        validate_strategy_options(cfg["strategy"], names, model=meta_model)
+        validate_strategy_options(job.strategy, names, model=meta_model)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    return layout
+    return job, layout

@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from .config import ConfigError, compose_error, validate_config
 from .distributed.launch import WorkerFailure, launch_local, start_fork_server
-from .schema import job_config
+from .schema import JobConfig, as_plain, job_config
 
 __all__ = ["CONF_DIR", "JobFailed", "run_local", "run_under_launcher", "resolve"]
 
@@ -45,26 +45,35 @@ def choices(cfg: DictConfig) -> dict | None:
     return dict(HydraConfig.get().runtime.choices) if HydraConfig.initialized() else None
 
 
-def _save_config(plain: dict, run_dir: Path) -> None:
+def _save_config(job: JobConfig, run_dir: Path) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
-    OmegaConf.save(OmegaConf.create(plain), run_dir / "config.yaml")
+    OmegaConf.save(OmegaConf.create(as_plain(job)), run_dir / "config.yaml")
 
 
-def prepare_durability(plain: dict, layout, run_dir: Path) -> Path:
-    """Resolve ``resume`` (the run directory then becomes the resumed run's) and check that
-    the run and checkpoint directories are writable; return the job's run directory."""
-    from .checkpoint.resume import check_writable, resolve_resume
+def typed_config(plain: dict, choices: dict | None = None) -> JobConfig:
+    """The one typed :class:`JobConfig` of the resolved ``plain`` dict (keys checked, values not yet:
+    :func:`~xffl_like.config.validate_config` does that)."""
+    try:
+        return job_config(plain, choices)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def prepare_durability(job: JobConfig, layout, run_dir: Path) -> tuple[JobConfig, Path]:
+    """Resolve ``resume`` (the run directory then becomes the resumed run's, and the job points at the
+    checkpoint) and check that the run and checkpoint directories are writable; the job and its run directory."""
+    from .checkpoint.resume import check_writable, resolve_resume, resumed
 
     try:
-        target = resolve_resume(plain, layout, outputs=run_dir.parent, current_run_dir=run_dir)
+        target = resolve_resume(job, layout, outputs=run_dir.parent, current_run_dir=run_dir)
         if target is not None:
-            run_dir = target.run_dir
+            job, run_dir = resumed(job, target), target.run_dir
         check_writable(run_dir, "run directory")
-        if plain["checkpoint"].get("dir"):
-            check_writable(Path(plain["checkpoint"]["dir"]), "checkpoint.dir")
+        if job.checkpoint.dir:
+            check_writable(Path(job.checkpoint.dir), "checkpoint.dir")
     except ValueError as exc:
         raise JobFailed(str(exc)) from None
-    return run_dir
+    return job, run_dir
 
 
 def _drop_if_empty(fresh: Path) -> None:
@@ -78,23 +87,24 @@ def _drop_if_empty(fresh: Path) -> None:
 def run_local(cfg: DictConfig, run_dir: Path, worker: Callable | None = None) -> dict:
     """Validate, then run ``nproc_per_node`` local workers; return rank 0's summary."""
     started = time.time()
-    plain = resolve(cfg)
-    nproc = plain["distributed"]["nproc_per_node"]
     try:
-        layout = validate_config(plain, nproc, nproc, Path.cwd(), choices(cfg))
+        job = typed_config(resolve(cfg), choices(cfg))
+        nproc = job.distributed.nproc_per_node
+        job, layout = validate_config(job, nproc, nproc, Path.cwd())
     except ConfigError as exc:
         raise JobFailed(str(exc)) from None
     start_fork_server()  # the workers' imports run while this process prepares the run directory
-    fresh, run_dir = run_dir, prepare_durability(plain, layout, run_dir)
+    fresh = run_dir
+    job, run_dir = prepare_durability(job, layout, run_dir)
     if run_dir != fresh:
         _drop_if_empty(fresh)
-    _save_config(plain, run_dir)
+    _save_config(job, run_dir)
     try:
-        results = launch_local(worker or _train_worker, (job_config(plain), str(run_dir), started), nproc,
-                               error_dir=run_dir / "errors", max_restarts=plain["distributed"]["max_restarts"])
+        results = launch_local(worker or _train_worker, (job, str(run_dir), started), nproc,
+                               error_dir=run_dir / "errors", max_restarts=job.distributed.max_restarts)
     except WorkerFailure as exc:
         where = f" (traceback: {exc.details})" if exc.details else ""
-        raise JobFailed(f"{exc}{where}{_last_checkpoint(plain, run_dir)}") from None
+        raise JobFailed(f"{exc}{where}{_last_checkpoint(job, run_dir)}") from None
     return results[0]
 
 
@@ -105,11 +115,11 @@ def _train_worker(*args):
     return train_worker(*args)
 
 
-def _last_checkpoint(plain: dict, run_dir: Path) -> str:
+def _last_checkpoint(job: JobConfig, run_dir: Path) -> str:
     """What a failed job leaves to resume from, for its one error line."""
     from .checkpoint import checkpoint_dir, latest_checkpoint
 
-    last = latest_checkpoint(checkpoint_dir(plain, run_dir))
+    last = latest_checkpoint(checkpoint_dir(job, run_dir))
     return f"; last complete checkpoint: {last} (resume={run_dir})" if last else "; no checkpoint was completed"
 
 
@@ -143,13 +153,14 @@ def _one_line(exc: BaseException) -> str:
     return compose_error(exc) or (str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
 
 
-def _validate_here(overrides: list[str], env) -> tuple[dict, Path]:
-    """Compose, validate and resolve ``resume``; the plain config and the run directory."""
+def _validate_here(overrides: list[str], env) -> tuple[JobConfig, Path]:
+    """Compose, validate and resolve ``resume``; the validated job and the run directory."""
     composed = _compose(overrides)
-    plain = resolve(composed)
-    layout = validate_config(plain, env.world_size, env.local_world_size, Path.cwd(), choices(composed))
-    run_dir = _torchrun_run_dir(plain["experiment"]) if env.rank == 0 else Path(".")
-    return plain, prepare_durability(plain, layout, run_dir) if env.rank == 0 else run_dir
+    job = typed_config(resolve(composed), choices(composed))
+    job, layout = validate_config(job, env.world_size, env.local_world_size, Path.cwd())
+    if env.rank != 0:
+        return job, Path(".")
+    return prepare_durability(job, layout, _torchrun_run_dir(job.experiment))
 
 
 def run_under_launcher(overrides: list[str]) -> int:
@@ -190,9 +201,9 @@ def run_under_launcher(overrides: list[str]) -> int:
     payload: list = [None]
     if env.rank == 0:
         try:
-            plain, run_dir = _validate_here(overrides, env)
-            _save_config(plain, run_dir)
-            payload = [(job_config(plain), str(run_dir), None)]
+            job, run_dir = _validate_here(overrides, env)
+            _save_config(job, run_dir)
+            payload = [(job, str(run_dir), None)]
         except Exception as exc:  # noqa: BLE001 - every rank must learn that the job is off
             payload = [(None, None, _one_line(exc))]
     dist.broadcast_object_list(payload, src=0)

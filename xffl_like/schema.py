@@ -201,6 +201,11 @@ class OuterConfig(Section):
     eps: float = 1e-8  # adam
     offload: bool = False  # theta_global and the outer state in (pinned) host memory
 
+    @property
+    def is_plain_mean(self) -> bool:
+        """``average`` with lr 1: the new global weights are the mean itself (no state needed)."""
+        return self.name == "average" and self.lr == 1.0
+
 
 @dataclass(frozen=True)
 class FederationConfig(Section):
@@ -219,6 +224,11 @@ class FederationConfig(Section):
     merge_alpha: float = 0.5  # with overlap: merge_alpha * local + (1 - merge_alpha) * new global
     schedule: Optional[List[Any]] = None  # phases: a list of {until_step, any federation keys}
     on_nonfinite: str = "fail"  # fail | skip
+
+    @property
+    def streaming(self) -> bool:
+        """Fragments synced at staggered steps, or exchanges overlapped with local steps (federation/streaming.py)."""
+        return self.fragments > 1 or self.overlap_steps > 0
 
 
 @dataclass(frozen=True)
@@ -328,7 +338,7 @@ class ExportConfig(Section):
 @dataclass(frozen=True)
 class ParallelConfig(Section):
     """``conf/parallel/*.yaml``: fsdp (the federation's path), decentralized (Decent-DP) or bagua; the keys of
-    the other modes keep these defaults (checked in ``xffl_like.train.dataparallel``)."""
+    the other modes keep these defaults (checked by ``xffl_like.parallel.options.validate_parallel``)."""
 
     name: str = "fsdp"  # fsdp | decentralized | bagua
     topology: str = "ring"  # decentralized
@@ -338,6 +348,11 @@ class ParallelConfig(Section):
     algorithm: str = "gradient_allreduce"  # bagua
     options: Any = None  # bagua: the algorithm's keyword arguments (a mapping; Any: OmegaConf cannot merge into a null Dict)
     switch: List[Any] = field(default_factory=list)  # bagua: [{at_step, algorithm, options}]
+
+    def algorithms(self) -> list[tuple[int, str, dict]]:
+        """(first step, name, options) of every phase of a Bagua run, the initial one at step 0."""
+        first = (0, self.algorithm, dict(self.options or {}))
+        return [first] + [(s["at_step"], s["algorithm"], dict(s.get("options") or {})) for s in self.switch or []]
 
 
 @dataclass(frozen=True)
@@ -428,15 +443,20 @@ def _build(cls: type, values: Mapping[str, Any]) -> Any:
     return cls(**kwargs)
 
 
-def job_config(plain: Mapping[str, Any]) -> JobConfig:
-    """The typed, frozen config workers receive, from the validated and resolved plain dict.
+def build_section(cls: type, values: Mapping[str, Any]) -> Any:
+    """An instance of the section dataclass ``cls`` (nested sections too) from a mapping of its keys;
+    no checks (a section's validator checks the values, :func:`check_keys` the keys)."""
+    return _build(cls, values)
 
-    ``optim`` and ``train`` go through their checks (``from_mapping``: normalised numbers, a
-    betas pair); the other sections carry the values as validated.
+
+def job_config(plain: Mapping[str, Any], choices: Mapping[str, Any] | None = None) -> JobConfig:
+    """The typed, frozen config, from the resolved plain dict (the launcher builds it once).
+
+    Only the keys are checked here; :func:`xffl_like.config.validate_config` checks the values
+    (each section once) and returns the validated job that workers receive.
     """
-    check_keys(plain)
-    job = _build(JobConfig, {k: v for k, v in plain.items() if k != "hydra"})
-    return replace(job, optim=OptimConfig.from_mapping(plain["optim"]), train=TrainConfig.from_mapping(plain["train"]))
+    check_keys(plain, choices)
+    return _build(JobConfig, {k: v for k, v in plain.items() if k != "hydra"})
 
 
 def as_plain(cfg: Mapping[str, Any]) -> dict:

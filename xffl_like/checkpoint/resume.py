@@ -6,14 +6,15 @@ with one sentence naming the key, the value and the fix. Nothing here writes to 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .dcp import checkpoint_dir
 from .store import LATEST, is_complete, latest_checkpoint, read_metadata, read_state
 from ..checks import is_int
+from ..schema import JobConfig, as_plain
 
-__all__ = ["ResumeTarget", "check_writable", "resolve_resume", "validate_durability"]
+__all__ = ["ResumeTarget", "check_writable", "resolve_resume", "resumed", "validate_durability"]
 
 
 @dataclass(frozen=True)
@@ -33,29 +34,29 @@ def _int(value, key: str, low: int, high: int | None = None, example: str = "") 
     return value
 
 
-def validate_durability(cfg: dict, world_size: int) -> None:
-    """``checkpoint.*``, ``fault.*``, ``federation.on_nonfinite``, ``distributed.max_restarts``, ``resume``."""
-    ccfg = cfg.get("checkpoint") or {}
-    _int(ccfg.get("every_rounds"), "checkpoint.every_rounds", 1, example=" (rounds between checkpoints, e.g. 1)")
-    _int(ccfg.get("keep"), "checkpoint.keep", 1, example=" (checkpoints kept; the newest is always needed, e.g. 2)")
-    if not isinstance(ccfg.get("async"), bool):
-        raise ValueError(f"checkpoint.async={ccfg.get('async')!r}: use true or false")
-    if ccfg.get("dir") is not None and (not isinstance(ccfg["dir"], str) or not ccfg["dir"].strip()):
-        raise ValueError(f"checkpoint.dir={ccfg['dir']!r}: use a directory path, or null for <run_dir>/checkpoints")
-    _int(cfg["distributed"].get("max_restarts"), "distributed.max_restarts", 0, example=" (0: no restart)")
-    policy = cfg["federation"].get("on_nonfinite")
+def validate_durability(job: JobConfig, world_size: int) -> None:
+    """``checkpoint.*``, ``fault.*``, ``federation.on_nonfinite``, ``distributed.max_restarts``, ``resume``:
+    the keys of several sections that decide how a job survives failures (hence the whole job)."""
+    ccfg, fcfg, steps = job.checkpoint, job.fault, job.train.steps
+    _int(ccfg.every_rounds, "checkpoint.every_rounds", 1, example=" (rounds between checkpoints, e.g. 1)")
+    _int(ccfg.keep, "checkpoint.keep", 1, example=" (checkpoints kept; the newest is always needed, e.g. 2)")
+    is_async = getattr(ccfg, "async")  # a Python keyword
+    if not isinstance(is_async, bool):
+        raise ValueError(f"checkpoint.async={is_async!r}: use true or false")
+    if ccfg.dir is not None and (not isinstance(ccfg.dir, str) or not ccfg.dir.strip()):
+        raise ValueError(f"checkpoint.dir={ccfg.dir!r}: use a directory path, or null for <run_dir>/checkpoints")
+    _int(job.distributed.max_restarts, "distributed.max_restarts", 0, example=" (0: no restart)")
+    policy = job.federation.on_nonfinite
     if policy not in ("fail", "skip"):
         raise ValueError(f"federation.on_nonfinite={policy!r}: use fail or skip")
-    steps = cfg["train"]["steps"]
-    fcfg = cfg.get("fault") or {}
     for rank_key, step_key in (("kill_rank", "at_step"), ("nan_rank", "nan_step")):
-        rank, step = fcfg.get(rank_key), fcfg.get(step_key)
+        rank, step = getattr(fcfg, rank_key), getattr(fcfg, step_key)
         if (rank is None) != (step is None):
             raise ValueError(f"fault.{rank_key}={rank!r} fault.{step_key}={step!r}: set both (or neither)")
         if rank is not None:
             _int(rank, f"fault.{rank_key}", 0, world_size - 1, f" (a rank of this {world_size}-process job)")
             _int(step, f"fault.{step_key}", 1, steps, f" (a step of this {steps}-step job, 1-based)")
-    resume = cfg.get("resume")
+    resume = job.resume
     if resume is not None and (not isinstance(resume, str) or not resume.strip()):
         raise ValueError(f"resume={resume!r}: use a run directory, a checkpoint directory or latest")
 
@@ -143,15 +144,16 @@ def _check_files(ckpt: Path):
     return metadata
 
 
-def _check_compatible(cfg: dict, state: dict, metadata, layout, model) -> None:
+def _check_compatible(job: JobConfig, state: dict, metadata, layout, model) -> None:
     saved = state.get("config") or {}
     saved_facilities = len(state["layout"]["facility_sizes"])
     if saved_facilities != layout.num_facilities:
         raise ValueError(f"resume: the checkpoint has {saved_facilities} facilities, this job {layout.num_facilities} "
                          f"(set distributed.federated to {saved_facilities} facilities; shard and world sizes inside "
                          f"a facility may change)")
-    for key in sorted(set(saved.get("model", {})) | set(cfg["model"])):
-        old, new = saved.get("model", {}).get(key), cfg["model"].get(key)
+    now = as_plain(job.model)
+    for key in sorted(set(saved.get("model", {})) | set(now)):
+        old, new = saved.get("model", {}).get(key), now.get(key)
         if old != new and key not in ("name", "init", "path"):  # the weights come from the checkpoint
             raise ValueError(f"resume: model.{key} is {old!r} in the checkpoint, {new!r} now (resume with the same model)")
     present = metadata.state_dict_metadata
@@ -161,26 +163,26 @@ def _check_compatible(cfg: dict, state: dict, metadata, layout, model) -> None:
             got = "missing" if entry is None else f"shape {tuple(entry.size)}"
             raise ValueError(f"resume: parameter {name} is {got} in the checkpoint, shape {tuple(param.shape)} "
                              f"in this model (resume with the model the checkpoint was written by)")
-    if saved.get("optim", {}).get("name") != cfg["optim"]["name"]:
+    if saved.get("optim", {}).get("name") != job.optim.name:
         raise ValueError(f"resume: optim.name is {saved.get('optim', {}).get('name')!r} in the checkpoint, "
-                         f"{cfg['optim']['name']!r} now")
-    if cfg["train"]["steps"] <= state["step"]:
-        raise ValueError(f"resume: the checkpoint is at step {state['step']}, train.steps={cfg['train']['steps']} "
+                         f"{job.optim.name!r} now")
+    if job.train.steps <= state["step"]:
+        raise ValueError(f"resume: the checkpoint is at step {state['step']}, train.steps={job.train.steps} "
                          f"leaves nothing to do (raise train.steps)")
 
 
-def resolve_resume(cfg: dict, layout, outputs: Path, current_run_dir: Path | None = None) -> ResumeTarget | None:
-    """Resolve ``cfg['resume']`` and check it against ``cfg``; ``None`` when not resuming.
+def resolve_resume(job: JobConfig, layout, outputs: Path, current_run_dir: Path | None = None) -> ResumeTarget | None:
+    """Resolve ``job.resume`` and check it against ``job``; ``None`` when not resuming.
 
-    ``outputs`` is where this experiment's runs live (for ``resume=latest``). On success
-    ``cfg['resume']`` becomes the checkpoint's absolute path and ``cfg['checkpoint']['dir']``
-    its directory, so workers (and a restart) find it wherever they run.
+    ``outputs`` is where this experiment's runs live (for ``resume=latest``). :func:`resumed`
+    gives the job that workers receive (the checkpoint's absolute path and directory, so that
+    workers and a restart find it wherever they run).
     """
-    resume = cfg.get("resume")
+    resume = job.resume
     if resume is None:
         return None
     if resume == "latest":
-        path = _latest_run(Path(outputs), cfg["experiment"], current_run_dir)
+        path = _latest_run(Path(outputs), job.experiment, current_run_dir)
     else:
         path = Path(resume).expanduser().absolute()
         if not path.exists():
@@ -190,7 +192,10 @@ def resolve_resume(cfg: dict, layout, outputs: Path, current_run_dir: Path | Non
     metadata = _check_files(ckpt)
     from ..models import build_model
 
-    _check_compatible(cfg, state, metadata, layout, build_model(cfg["model"], device="meta"))
-    cfg["resume"] = str(ckpt.absolute())
-    cfg["checkpoint"]["dir"] = str(ckpt.parent.absolute())
+    _check_compatible(job, state, metadata, layout, build_model(job.model, device="meta"))
     return ResumeTarget(ckpt.absolute(), run_dir.absolute(), state)
+
+
+def resumed(job: JobConfig, target: ResumeTarget) -> JobConfig:
+    """``job`` resuming from ``target``: ``resume`` the checkpoint's absolute path, ``checkpoint.dir`` its directory."""
+    return replace(job, resume=str(target.checkpoint), checkpoint=replace(job.checkpoint, dir=str(target.checkpoint.parent)))

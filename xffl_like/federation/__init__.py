@@ -1,41 +1,51 @@
 """Federated algorithms across facilities: what a round does (see :mod:`.round`).
 
-    federation = FederationSchedule(cfg["federation"], model, strategy, state, steps)  # after the strategy
+    federation = FederationSchedule(job.federation, model, strategy, state, steps)  # after the strategy
     federation.trained(tokens); federation.after_backward()                # every step
     records = federation.finish_due(done, ...); federation.start_due(done, ...)  # after every step
 
+- :mod:`.options`: the ``federation`` section's checks (:func:`validate_federation`, in the launcher),
+  its phases (:func:`plan_phases`) and the weights of a mean;
 - :mod:`.outer`: the outer optimizer on the pseudo-gradient (average, momentum, nesterov = DiLoCo, adam);
 - :mod:`.gossip`: mixing with this round's peers over a topology of facilities;
 - :mod:`.compress`: bf16 / min-max uint8 compressed mean of the facilities' updates, error feedback;
 - :mod:`.streaming`: fragments synced at staggered steps, exchanges overlapping local steps;
-- :mod:`.schedule`: phases of different federation settings (``federation.schedule``).
+- :mod:`.schedule`: phases of different federation settings (``federation.schedule``), and
+  :func:`build_federation`, which picks a :class:`Federation` or a :class:`StreamingFederation`.
+
+The config types are :class:`xffl_like.schema.FederationConfig` and :class:`~xffl_like.schema.OuterConfig`.
 """
 
 from .compress import COMPRESSIONS, CompressedMean
 from .gossip import GOSSIP_TOPOLOGIES, Gossip, check_gossip_layout
-from .outer import OUTER_NAMES, OuterOptimizer, OuterOptions
-from .round import ALGORITHMS, Federation, FederationOptions, validate_federation
-from .schedule import FederationSchedule, Phase, plan_phases
+from .options import (FEDERATION_ALGORITHMS, PHASE_KEYS, Phase, check_fragments, plan_phases, round_weights,
+                      validate_federation)
+from .outer import OUTER_NAMES, OuterOptimizer, validate_outer
+from .round import Federation
+from .schedule import FederationSchedule, build_federation
 from .streaming import StreamingFederation, fragment_of, sync_offsets, synced_at
 
 __all__ = [
-    "ALGORITHMS",
     "COMPRESSIONS",
+    "FEDERATION_ALGORITHMS",
     "GOSSIP_TOPOLOGIES",
     "OUTER_NAMES",
     "CompressedMean",
     "Federation",
     "FederationSchedule",
-    "FederationOptions",
     "Gossip",
     "OuterOptimizer",
-    "OuterOptions",
+    "PHASE_KEYS",
     "Phase",
     "StreamingFederation",
+    "build_federation",
+    "check_fragments",
     "check_gossip_layout",
     "fragment_of",
     "plan_phases",
+    "round_weights",
     "sync_offsets",
     "synced_at",
     "validate_federation",
+    "validate_outer",
 ]

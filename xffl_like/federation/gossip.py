@@ -19,11 +19,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..parallel.topology import Edge, edge_group, topology_edges
+from ..parallel.topology import TOPOLOGIES, Edge, edge_group, topology_edges
 
 __all__ = ["GOSSIP_TOPOLOGIES", "gossip_members", "check_gossip_layout", "Gossip"]
 
-GOSSIP_TOPOLOGIES = ("complete", "ring", "one-peer-exp", "alternating-exp-ring")
+#: ``complete`` (the strategy's mean, no gossip) and every topology of :mod:`xffl_like.parallel.topology`.
+GOSSIP_TOPOLOGIES = ("complete", *(name for name in TOPOLOGIES if name != "complete"))
 
 
 def gossip_members(layout, name: str, shard: int) -> tuple[list[int], int]:

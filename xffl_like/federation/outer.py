@@ -18,73 +18,47 @@ applies the same step to the same numbers, so all copies stay identical.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
 
 from ..checks import is_number
+from ..schema import OuterConfig
 
-__all__ = ["OUTER_NAMES", "OuterOptions", "OuterOptimizer"]
+__all__ = ["OUTER_NAMES", "OuterOptimizer", "validate_outer"]
 
 OUTER_NAMES = ("average", "nesterov", "momentum", "adam")
 
 
-@dataclass(frozen=True)
-class OuterOptions:
-    """``federation.outer``: which rule, and its hyper-parameters."""
+def validate_outer(cfg: OuterConfig) -> None:
+    """Check ``federation.outer`` (the section or a phase's); raises ``ValueError`` with one line naming the key."""
+    if cfg.name not in OUTER_NAMES:
+        raise ValueError(f"federation.outer.name={cfg.name!r}: use one of {', '.join(OUTER_NAMES)}")
 
-    name: str = "average"
-    lr: float = 1.0
-    momentum: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.99)
-    eps: float = 1e-8
-    offload: bool = False
+    def number(key, lo, hi, lo_open=False, hi_open=False):
+        v = getattr(cfg, key)
+        ok = is_number(v) and math.isfinite(v)
+        ok = ok and (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi)
+        if not ok:
+            span = f"{'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
+            raise ValueError(f"federation.outer.{key}={v!r}: must be a number in {span}")
 
-    @classmethod
-    def from_mapping(cls, spec: dict) -> "OuterOptions":
-        """Validate ``federation.outer``; raises ``ValueError`` with one line naming the key."""
-        spec = dict(spec)
-        unknown = sorted(set(spec) - {"name", "lr", "momentum", "betas", "eps", "offload"})
-        if unknown:
-            raise ValueError(f"federation.outer: unknown key(s) {unknown}: use name, lr, momentum, betas, eps, offload")
-        name = spec.get("name", "average")
-        if name not in OUTER_NAMES:
-            raise ValueError(f"federation.outer.name={name!r}: use one of {', '.join(OUTER_NAMES)}")
-
-        def number(key, lo, hi, default, lo_open=False, hi_open=False):
-            v = spec.get(key, default)
-            ok = is_number(v) and math.isfinite(v)
-            ok = ok and (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi)
-            if not ok:
-                span = f"{'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
-                raise ValueError(f"federation.outer.{key}={v!r}: must be a number in {span}")
-            return float(v)
-
-        lr = number("lr", 0.0, math.inf, 1.0, lo_open=True, hi_open=True)
-        momentum = number("momentum", 0.0, 1.0, 0.0, hi_open=True)
-        betas = spec.get("betas", (0.9, 0.99))
-        if not (isinstance(betas, (list, tuple)) and len(betas) == 2 and all(
-                is_number(b) and 0 <= b < 1 for b in betas)):
-            raise ValueError(f"federation.outer.betas={betas!r}: must be two numbers in [0, 1), e.g. [0.9, 0.99]")
-        eps = number("eps", 0.0, math.inf, 1e-8, lo_open=True, hi_open=True)
-        offload = spec.get("offload", False)
-        if not isinstance(offload, bool):
-            raise ValueError(f"federation.outer.offload={offload!r}: must be true or false")
-        if name in ("nesterov", "momentum") and momentum == 0:
-            raise ValueError(f"federation.outer.name={name} needs federation.outer.momentum > 0 (DiLoCo: 0.9)")
-        return cls(name, lr, momentum, (float(betas[0]), float(betas[1])), eps, offload)
-
-    @property
-    def is_plain_mean(self) -> bool:
-        """``average`` with lr 1: the new global weights are the mean itself (no state needed)."""
-        return self.name == "average" and self.lr == 1.0
+    number("lr", 0.0, math.inf, lo_open=True, hi_open=True)
+    number("momentum", 0.0, 1.0, hi_open=True)
+    betas = cfg.betas
+    if not (isinstance(betas, (list, tuple)) and len(betas) == 2 and all(is_number(b) and 0 <= b < 1 for b in betas)):
+        raise ValueError(f"federation.outer.betas={betas!r}: must be two numbers in [0, 1), e.g. [0.9, 0.99]")
+    number("eps", 0.0, math.inf, lo_open=True, hi_open=True)
+    if not isinstance(cfg.offload, bool):
+        raise ValueError(f"federation.outer.offload={cfg.offload!r}: must be true or false")
+    if cfg.name in ("nesterov", "momentum") and cfg.momentum == 0:
+        raise ValueError(f"federation.outer.name={cfg.name} needs federation.outer.momentum > 0 (DiLoCo: 0.9)")
 
 
 class OuterOptimizer:
-    """The outer rule of :class:`OuterOptions` over one flat fp32 ``theta`` (this rank's shards)."""
+    """The outer rule of ``options`` (validated by :func:`validate_outer`) over one flat fp32 ``theta``
+    (this rank's shards)."""
 
-    def __init__(self, options: OuterOptions, theta: Tensor):
+    def __init__(self, options: OuterConfig, theta: Tensor):
         self.options = options
         self.theta = theta
         self.steps = 0

@@ -17,7 +17,7 @@ stays local to each facility, as in DiLoCo.
 ``algorithm=synchronous``: no rounds; after every backward :meth:`Federation.after_backward`
 averages the gradients across facilities (data parallel over every model copy).
 
-``fragments`` / ``overlap_steps``: :meth:`Federation.build` makes a
+``fragments`` / ``overlap_steps``: :func:`~.schedule.build_federation` makes a
 :class:`~.streaming.StreamingFederation` (rounds of one fragment at a time, overlapped with
 local steps). The loop drives either through :meth:`Federation.finish_due` and
 :meth:`Federation.start_due` after every step, via :class:`~.schedule.FederationSchedule`
@@ -27,7 +27,6 @@ local steps). The loop drives either through :meth:`Federation.finish_due` and
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -36,155 +35,13 @@ from torch import Tensor
 
 from ..aggregation import aggregate
 from ..distributed.state import all_peer_groups
-from .compress import COMPRESSIONS, CompressedMean
-from .gossip import Gossip, check_gossip_layout
-from .outer import OuterOptimizer, OuterOptions
-from ..checks import is_int, is_number
+from .compress import CompressedMean
+from .gossip import Gossip
+from .options import round_weights
+from .outer import OuterOptimizer
+from ..schema import FederationConfig
 
-__all__ = ["ALGORITHMS", "FederationOptions", "Federation", "validate_federation"]
-
-ALGORITHMS = ("federated", "synchronous")
-_KEYS = {"algorithm", "every", "weights", "topology", "outer", "compression", "chunk_size", "error_feedback",
-         "fragments", "overlap_steps", "merge_alpha", "schedule", "on_nonfinite"}
-
-
-def round_weights(spec, tokens: Tensor) -> list[float] | None:
-    """The per-facility weights of a mean for ``federation.weights=spec``: None (uniform), the
-    facilities' token counts summed over the world (collective: every rank adds its own count into
-    ``tokens``, in place), or the fixed list."""
-    if spec == "uniform":
-        return None
-    if spec == "tokens":
-        dist.all_reduce(tokens)
-        return tokens.tolist()
-    return list(spec)
-
-
-@dataclass(frozen=True)
-class FederationOptions:
-    """The ``federation`` config group, validated."""
-
-    algorithm: str
-    every: int
-    weights: Any  # "uniform" | "tokens" | tuple of floats
-    topology: str
-    outer: OuterOptions
-    compression: str
-    chunk_size: int
-    error_feedback: bool
-    fragments: int = 1
-    overlap_steps: int = 0
-    merge_alpha: float = 0.5
-
-    @property
-    def streaming(self) -> bool:
-        """Fragments synced at staggered steps, or exchanges overlapped with local steps (:mod:`.streaming`)."""
-        return self.fragments > 1 or self.overlap_steps > 0
-
-    @classmethod
-    def from_mapping(cls, spec: dict, num_facilities: int) -> "FederationOptions":
-        """Check every key (one ``ValueError`` line naming the key and the fix)."""
-        unknown = sorted(set(spec) - _KEYS)
-        if unknown:
-            raise ValueError(f"federation: unknown key(s) {unknown}: valid keys are {sorted(_KEYS)}")
-        algorithm = spec.get("algorithm", "federated")
-        if algorithm not in ALGORITHMS:
-            raise ValueError(f"federation.algorithm={algorithm!r}: use federated or synchronous")
-        every = spec.get("every", 10)
-        if not is_int(every) or every < 1:
-            raise ValueError(f"federation.every={every!r}: must be a positive integer (e.g. federation.every=1)")
-        weights = spec.get("weights", "uniform")
-        if weights not in ("uniform", "tokens"):
-            if not (isinstance(weights, (list, tuple)) and len(weights) == num_facilities and all(
-                    is_number(w) and w >= 0 for w in weights)
-                    and sum(weights) > 0):
-                raise ValueError(
-                    f"federation.weights={weights!r}: use uniform, tokens, or a list of {num_facilities} non-negative "
-                    f"numbers with a positive sum (one per facility)")
-            weights = tuple(float(w) for w in weights)
-        topology = spec.get("topology", "complete")
-        outer = OuterOptions.from_mapping(spec.get("outer") or {})
-        compression = spec.get("compression", "none")
-        if compression not in COMPRESSIONS:
-            raise ValueError(f"federation.compression={compression!r}: use one of {', '.join(COMPRESSIONS)}")
-        chunk_size = spec.get("chunk_size", 4096)
-        if not is_int(chunk_size) or chunk_size < 1:
-            raise ValueError(f"federation.chunk_size={chunk_size!r}: must be a positive integer (values per "
-                             f"min-max chunk, e.g. 4096)")
-        error_feedback = spec.get("error_feedback", False)
-        if not isinstance(error_feedback, bool):
-            raise ValueError(f"federation.error_feedback={error_feedback!r}: must be true or false")
-        if error_feedback and compression == "none":
-            raise ValueError("federation.error_feedback=true needs federation.compression=bf16 or uint8 "
-                             "(nothing is lost without compression)")
-        if topology != "complete" and compression != "none":
-            raise ValueError(f"federation.topology={topology} with federation.compression={compression}: compressed "
-                             f"gossip is not supported; use topology=complete or compression=none")
-        if topology != "complete" and weights != "uniform":
-            raise ValueError(f"federation.weights={spec.get('weights')!r} with federation.topology={topology}: gossip "
-                             f"mixes with the topology's own weights; use weights=uniform or topology=complete")
-        fragments, overlap, alpha = _streaming_options(spec, every)
-        if algorithm == "synchronous":
-            changed = [k for k, bad in (("topology", topology != "complete"), ("compression", compression != "none"),
-                                        ("outer", not outer.is_plain_mean), ("fragments", fragments > 1),
-                                        ("overlap_steps", overlap > 0)) if bad]
-            if changed:
-                raise ValueError(f"federation.algorithm=synchronous averages gradients every step, so federation."
-                                 f"{changed[0]} does not apply: drop it or use algorithm=federated")
-        if topology != "complete" and (fragments > 1 or overlap > 0):
-            raise ValueError(f"federation.topology={topology} with federation.fragments={fragments} / overlap_steps="
-                             f"{overlap}: streaming gossip is not supported; use topology=complete or fragments=1 "
-                             f"overlap_steps=0")
-        return cls(algorithm, every, weights, topology, outer, compression, chunk_size, error_feedback,
-                   fragments, overlap, alpha)
-
-
-def _streaming_options(spec: dict, every: int) -> tuple[int, int, float]:
-    """``fragments``, ``overlap_steps``, ``merge_alpha``, checked against ``every``."""
-    fragments = spec.get("fragments", 1)
-    if not is_int(fragments) or fragments < 1:
-        raise ValueError(f"federation.fragments={fragments!r}: must be a positive integer (1: the whole model at once)")
-    if fragments > every:
-        raise ValueError(f"federation.fragments={fragments} exceeds federation.every={every}: each fragment syncs at "
-                         f"its own step of the round; use fragments <= every")
-    overlap = spec.get("overlap_steps", 0)
-    if not is_int(overlap) or overlap < 0:
-        raise ValueError(f"federation.overlap_steps={overlap!r}: must be an integer >= 0 (0: no overlap)")
-    if overlap * fragments >= every:
-        raise ValueError(f"federation.overlap_steps={overlap} must be < federation.every/fragments = "
-                         f"{every}/{fragments} so that one fragment is in flight at a time: lower overlap_steps or "
-                         f"fragments, or raise every")
-    alpha = spec.get("merge_alpha", 0.5)
-    if not is_number(alpha) or not 0.0 <= alpha <= 1.0:
-        raise ValueError(f"federation.merge_alpha={alpha!r}: must be a number in [0, 1] (Streaming DiLoCo: 0.5)")
-    return fragments, overlap, float(alpha)
-
-
-def validate_federation(spec: dict, layout, steps: int | None = None,
-                        num_layers: int | None = None) -> FederationOptions:
-    """Validate the ``federation`` group against the planned layout (in the launching process):
-    the top-level keys, and with ``schedule`` every phase (``steps``: ``train.steps``).
-    ``num_layers`` (the model's blocks) bounds ``fragments``."""
-    options = _validate_one(spec, layout, num_layers)
-    if spec.get("schedule") is not None:
-        from .schedule import plan_phases
-
-        for phase in plan_phases(spec, steps):
-            try:
-                _validate_one(phase.spec, layout, num_layers)
-            except ValueError as exc:
-                raise ValueError(f"{phase.where}: {exc}") from None
-    return options
-
-
-def _validate_one(spec: dict, layout, num_layers: int | None) -> FederationOptions:
-    options = FederationOptions.from_mapping(spec, layout.num_facilities)
-    if options.algorithm == "federated" and options.topology != "complete":
-        check_gossip_layout(layout, options.topology)
-    if num_layers is not None and options.fragments > num_layers:
-        raise ValueError(f"federation.fragments={options.fragments} exceeds the model's {num_layers} blocks "
-                         f"(model.n_layers): use fragments <= {num_layers}")
-    return options
+__all__ = ["Federation"]
 
 
 def _local(p: Tensor) -> Tensor:
@@ -200,10 +57,11 @@ class Federation:
 
     _streaming = False  # StreamingFederation handles fragments and overlap
 
-    def __init__(self, spec: dict, model: torch.nn.Module, strategy, state):
-        self.options = o = FederationOptions.from_mapping(spec, state.num_facilities)
+    def __init__(self, cfg: FederationConfig, model: torch.nn.Module, strategy, state):
+        self.options = o = cfg  # validated in the launcher (options.validate_federation)
         if o.streaming and not self._streaming:
-            raise ValueError("federation.fragments / overlap_steps: build it with Federation.build (a StreamingFederation)")
+            raise ValueError("federation.fragments / overlap_steps: build it with schedule.build_federation "
+                             "(a StreamingFederation)")
         self.model, self.strategy, self.state = model, strategy, state
         named = list(model.named_parameters())
         self.names = [named[i][0] for i in strategy.selected]
@@ -234,18 +92,6 @@ class Federation:
                                  pin_memory=o.outer.offload and state.device.type == "cuda")
         self._read_params(self.theta)
         self.outer = OuterOptimizer(o.outer, self.theta)
-
-    @classmethod
-    def build(cls, spec: dict, model: torch.nn.Module, strategy, state, begin: int = 0, end: int | None = None,
-              last: bool = True) -> "Federation":
-        """The federation of ``spec`` over steps ``begin < step <= end`` (a :class:`~.streaming.StreamingFederation`
-        for ``fragments > 1`` or ``overlap_steps > 0``). Collective, like the constructor."""
-        kind = cls
-        if FederationOptions.from_mapping(spec, state.num_facilities).streaming:
-            from .streaming import StreamingFederation as kind
-        fed = kind(spec, model, strategy, state)
-        fed.begin, fed.end, fed.last = begin, end, last
-        return fed
 
     @property
     def federated(self) -> bool:

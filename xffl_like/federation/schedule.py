@@ -23,82 +23,25 @@ state, residuals and token counts reset. The inner optimizer keeps its state.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import Any, Mapping
-
 import torch
 
 from ..aggregation import aggregate
-from ..schema import as_plain
-from .round import _KEYS, Federation
-from ..checks import is_int
+from ..schema import FederationConfig
+from .options import plan_phases
+from .round import Federation
+from .streaming import StreamingFederation
 
-__all__ = ["PHASE_KEYS", "Phase", "FederationSchedule", "plan_phases"]
-
-PHASE_KEYS = frozenset(_KEYS - {"schedule", "on_nonfinite"})
-
-
-@dataclass(frozen=True)
-class Phase:
-    """One phase: steps ``from_step < step <= until_step`` (``None``: to the end) with ``spec``
-    (the top-level federation keys overridden by the phase's own, without ``schedule``)."""
-
-    index: int
-    from_step: int
-    until_step: int | None
-    spec: dict
-    scheduled: bool = True
-
-    @property
-    def where(self) -> str:
-        return f"federation.schedule[{self.index}]" if self.scheduled else "federation"
+__all__ = ["FederationSchedule", "build_federation"]
 
 
-def _merge(base: dict, override: Mapping) -> dict:
-    out = dict(base)
-    for key, value in override.items():
-        if key == "outer" and isinstance(value, Mapping):
-            out["outer"] = {**(base.get("outer") or {}), **value}
-        else:
-            out[key] = value
-    return out
-
-
-def plan_phases(spec: Mapping[str, Any], steps: int | None = None) -> list[Phase]:
-    """The phases of ``federation`` (one, without ``schedule``); one ``ValueError`` line for a
-    malformed schedule (``steps``: ``train.steps``, to check the last phase reaches it)."""
-    base = {k: v for k, v in as_plain(spec).items() if k != "schedule"}  # plain: the summary records it
-    schedule = spec.get("schedule")
-    if schedule is None:
-        return [Phase(0, 0, None, base, scheduled=False)]
-    example = "e.g. [{until_step: 50, algorithm: synchronous}, {until_step: null, every: 16}]"
-    if not isinstance(schedule, (list, tuple)) or not schedule:
-        raise ValueError(f"federation.schedule={schedule!r}: must be a non-empty list of phases ({example}) or null")
-    phases, previous = [], 0
-    for i, entry in enumerate(schedule):
-        where = f"federation.schedule[{i}]"
-        if not isinstance(entry, Mapping):
-            raise ValueError(f"{where}={entry!r}: a phase is a mapping of until_step and federation keys ({example})")
-        if "until_step" not in entry:
-            raise ValueError(f"{where}: until_step is missing (the step the phase ends after; null: the end of training)")
-        unknown = sorted(set(entry) - PHASE_KEYS - {"until_step"})
-        if unknown:
-            raise ValueError(f"{where}: unknown key(s) {unknown}: a phase takes until_step and {sorted(PHASE_KEYS)}")
-        if "outer" in entry and not isinstance(entry["outer"], Mapping):
-            raise ValueError(f"{where}.outer={entry['outer']!r}: must be a mapping of outer keys (e.g. {{name: nesterov}})")
-        until, last = entry["until_step"], i == len(schedule) - 1
-        if until is None:
-            if not last:
-                raise ValueError(f"{where}.until_step=null: only the last phase may run to the end of training")
-        elif not is_int(until) or until <= previous:
-            raise ValueError(f"{where}.until_step={until!r}: must be an integer > {previous} (phases end at "
-                             f"increasing steps; null for the last)")
-        elif last and steps is not None and until < steps:
-            raise ValueError(f"{where}.until_step={until}: the last phase ends before train.steps={steps}; "
-                             f"make it null (the end of training)")
-        phases.append(Phase(i, previous, until, _merge(base, {k: v for k, v in entry.items() if k != "until_step"})))
-        previous = until
-    return phases
+def build_federation(cfg: FederationConfig, model: torch.nn.Module, strategy, state, begin: int = 0,
+                     end: int | None = None, last: bool = True) -> Federation:
+    """The federation of ``cfg`` (validated) over steps ``begin < step <= end``: a
+    :class:`~.streaming.StreamingFederation` for ``fragments > 1`` or ``overlap_steps > 0``, else a
+    :class:`~.round.Federation`. Collective, like their constructors."""
+    fed = (StreamingFederation if cfg.streaming else Federation)(cfg, model, strategy, state)
+    fed.begin, fed.end, fed.last = begin, end, last
+    return fed
 
 
 class FederationSchedule:
@@ -107,8 +50,8 @@ class FederationSchedule:
     Collective: every rank constructs it (and switches) at the same point.
     """
 
-    def __init__(self, spec: dict, model: torch.nn.Module, strategy, state, steps: int):
-        self.phases = plan_phases(spec, steps)
+    def __init__(self, cfg: FederationConfig, model: torch.nn.Module, strategy, state, steps: int):
+        self.phases = plan_phases(cfg, steps)  # validated in the launcher: planned, not checked
         self.model, self.strategy, self.state, self.steps = model, strategy, state, steps
         self.index = -1
         self.current: Federation = None  # type: ignore[assignment]
@@ -125,7 +68,7 @@ class FederationSchedule:
         phase = self.phases[i]
         end, last = self._end(i)
         self.index = i
-        self.current = Federation.build(phase.spec, self.model, self.strategy, self.state,
+        self.current = build_federation(phase.config, self.model, self.strategy, self.state,
                                         begin=phase.from_step, end=end, last=last)
 
     def resume_at(self, step: int) -> None:
@@ -194,7 +137,7 @@ class FederationSchedule:
     def _switch(self, done: int, adjust, dump, index: int) -> dict:
         self.current.wait()  # nothing is in flight at a phase's end; made sure
         spec = self.current.options.weights
-        weights = list(spec) if isinstance(spec, tuple) else None
+        weights = [float(w) for w in spec] if isinstance(spec, (list, tuple)) else None
         skipped: list[int] = []
         if adjust is not None:
             weights, skipped = adjust(weights, index)

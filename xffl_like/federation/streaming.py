@@ -37,7 +37,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .compress import CompressedMean
-from .round import Federation, round_weights
+from .options import round_weights
+from .round import Federation
+from ..schema import FederationConfig
 
 __all__ = ["StreamingFederation", "fragment_of", "sync_offsets", "synced_at"]
 
@@ -115,8 +117,8 @@ class StreamingFederation(Federation):
 
     _streaming = True
 
-    def __init__(self, spec: dict, model: torch.nn.Module, strategy, state):
-        super().__init__(spec, model, strategy, state)
+    def __init__(self, cfg: FederationConfig, model: torch.nn.Module, strategy, state):
+        super().__init__(cfg, model, strategy, state)
         o, n = self.options, state.num_facilities
         K = o.fragments
         all_names = [name for name, _ in model.named_parameters()]

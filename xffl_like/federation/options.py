@@ -1,0 +1,222 @@
+"""The ``federation`` section's semantics: its checks, its phases and the weights of a mean.
+
+The config type is :class:`~xffl_like.schema.FederationConfig` (``outer``:
+:class:`~xffl_like.schema.OuterConfig`); this module owns what its values mean:
+
+- :func:`validate_federation`: every key of the section and of each phase of
+  ``federation.schedule``, against the planned layout (the launcher calls it once, from
+  :func:`xffl_like.config.validate_config`; workers trust the result);
+- :func:`plan_phases`: the phases a schedule runs (pure; one phase without ``schedule``);
+- :func:`round_weights`: the per-facility weights of a round's mean.
+
+:mod:`.round`, :mod:`.streaming` and :mod:`.schedule` import this module, never each other's
+options: the import graph of the package has no cycle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Mapping
+
+import torch.distributed as dist
+from torch import Tensor
+
+from ..checks import is_int, is_number
+from ..schema import FederationConfig, OuterConfig, as_plain, build_section
+from .compress import COMPRESSIONS
+from .gossip import check_gossip_layout
+from .outer import validate_outer
+
+__all__ = ["FEDERATION_ALGORITHMS", "PHASE_KEYS", "Phase", "check_fragments", "plan_phases", "round_weights",
+           "validate_federation"]
+
+FEDERATION_ALGORITHMS = ("federated", "synchronous")
+#: The keys a phase of ``federation.schedule`` may override: every federation key but these two.
+PHASE_KEYS = frozenset(f.name for f in fields(FederationConfig)) - {"schedule", "on_nonfinite"}
+_EXAMPLE = "e.g. [{until_step: 50, algorithm: synchronous}, {until_step: null, every: 16}]"
+
+
+def round_weights(spec: Any, tokens: Tensor) -> list[float] | None:
+    """The per-facility weights of a mean for ``federation.weights=spec``: None (uniform), the
+    facilities' token counts summed over the world (collective: every rank adds its own count into
+    ``tokens``, in place), or the fixed list."""
+    if spec == "uniform":
+        return None
+    if spec == "tokens":
+        dist.all_reduce(tokens)
+        return tokens.tolist()
+    return [float(w) for w in spec]
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One phase: steps ``from_step < step <= until_step`` (``None``: to the end) with ``config``
+    (the top-level federation keys overridden by the phase's own; ``schedule`` null)."""
+
+    index: int
+    from_step: int
+    until_step: int | None
+    config: FederationConfig
+    scheduled: bool = True
+
+    @property
+    def where(self) -> str:
+        return f"federation.schedule[{self.index}]" if self.scheduled else "federation"
+
+    @property
+    def spec(self) -> dict:
+        """The phase's keys as plain values (what the summary records), without ``schedule``."""
+        return {k: v for k, v in as_plain(self.config).items() if k != "schedule"}
+
+
+def _merge(base: dict, override: Mapping) -> dict:
+    out = dict(base)
+    for key, value in override.items():
+        if key == "outer" and isinstance(value, Mapping):
+            out["outer"] = {**(base.get("outer") or {}), **value}
+        else:
+            out[key] = value
+    return out
+
+
+def plan_phases(cfg: FederationConfig, steps: int | None = None) -> list[Phase]:
+    """The phases of ``cfg`` (one, without ``schedule``). Pure: ``cfg`` was validated by
+    :func:`validate_federation` (which also plans them, and checks the schedule's shape)."""
+    if cfg.schedule is None:
+        return [Phase(0, 0, None, cfg, scheduled=False)]
+    base = {k: v for k, v in as_plain(cfg).items() if k != "schedule"}
+    phases, previous = [], 0
+    for i, entry in enumerate(cfg.schedule):
+        merged = _merge(base, {k: v for k, v in entry.items() if k != "until_step"})
+        phases.append(Phase(i, previous, entry["until_step"], build_section(FederationConfig, merged)))
+        previous = entry["until_step"]
+    return phases
+
+
+def _check_schedule(schedule: Any, steps: int | None) -> None:
+    """The shape of ``federation.schedule`` (one ``ValueError`` line; ``steps``: ``train.steps``)."""
+    if not isinstance(schedule, (list, tuple)) or not schedule:
+        raise ValueError(f"federation.schedule={schedule!r}: must be a non-empty list of phases ({_EXAMPLE}) or null")
+    previous = 0
+    for i, entry in enumerate(schedule):
+        where = f"federation.schedule[{i}]"
+        if not isinstance(entry, Mapping):
+            raise ValueError(f"{where}={entry!r}: a phase is a mapping of until_step and federation keys ({_EXAMPLE})")
+        if "until_step" not in entry:
+            raise ValueError(f"{where}: until_step is missing (the step the phase ends after; null: the end of training)")
+        unknown = sorted(set(entry) - PHASE_KEYS - {"until_step"})
+        if unknown:
+            raise ValueError(f"{where}: unknown key(s) {unknown}: a phase takes until_step and {sorted(PHASE_KEYS)}")
+        if "outer" in entry and not isinstance(entry["outer"], Mapping):
+            raise ValueError(f"{where}.outer={entry['outer']!r}: must be a mapping of outer keys (e.g. {{name: nesterov}})")
+        unknown = sorted(set(entry.get("outer") or {}) - {f.name for f in fields(OuterConfig)})
+        if unknown:
+            raise ValueError(f"{where}: federation.outer: unknown key(s) {unknown}: use name, lr, momentum, betas, "
+                             f"eps, offload")
+        until, last = entry["until_step"], i == len(schedule) - 1
+        if until is None:
+            if not last:
+                raise ValueError(f"{where}.until_step=null: only the last phase may run to the end of training")
+        elif not is_int(until) or until <= previous:
+            raise ValueError(f"{where}.until_step={until!r}: must be an integer > {previous} (phases end at "
+                             f"increasing steps; null for the last)")
+        elif last and steps is not None and until < steps:
+            raise ValueError(f"{where}.until_step={until}: the last phase ends before train.steps={steps}; "
+                             f"make it null (the end of training)")
+        previous = until
+
+
+def validate_federation(cfg: FederationConfig, layout, steps: int | None = None) -> list[Phase]:
+    """Check the ``federation`` section against the planned layout (launching process, once):
+    the top-level keys, and with ``schedule`` its shape and every phase (``steps``: ``train.steps``).
+    Returns the phases (:func:`plan_phases`); :func:`check_fragments` bounds their fragments by
+    the model's blocks. One ``ValueError`` line naming the key and the fix."""
+    _check_one(cfg, layout)
+    if cfg.schedule is None:
+        return plan_phases(cfg, steps)
+    _check_schedule(cfg.schedule, steps)
+    phases = plan_phases(cfg, steps)
+    for phase in phases:
+        try:
+            _check_one(phase.config, layout)
+        except ValueError as exc:
+            raise ValueError(f"{phase.where}: {exc}") from None
+    return phases
+
+
+def check_fragments(phases: list[Phase], num_layers: int) -> None:
+    """``fragments`` of every phase against the model's ``num_layers`` blocks (a relation between sections)."""
+    for phase in phases:
+        fragments = phase.config.fragments
+        if fragments > num_layers:
+            msg = (f"federation.fragments={fragments} exceeds the model's {num_layers} blocks (model.n_layers): "
+                   f"use fragments <= {num_layers}")
+            raise ValueError(f"{phase.where}: {msg}" if phase.scheduled else msg)
+
+
+def _check_one(cfg: FederationConfig, layout) -> None:
+    """One phase's (or the section's) keys; one ``ValueError`` line naming the key and the fix."""
+    num_facilities = layout.num_facilities
+    if cfg.algorithm not in FEDERATION_ALGORITHMS:
+        raise ValueError(f"federation.algorithm={cfg.algorithm!r}: use federated or synchronous")
+    every = cfg.every
+    if not is_int(every) or every < 1:
+        raise ValueError(f"federation.every={every!r}: must be a positive integer (e.g. federation.every=1)")
+    weights = cfg.weights
+    if weights not in ("uniform", "tokens"):
+        if not (isinstance(weights, (list, tuple)) and len(weights) == num_facilities and all(
+                is_number(w) and w >= 0 for w in weights) and sum(weights) > 0):
+            raise ValueError(
+                f"federation.weights={weights!r}: use uniform, tokens, or a list of {num_facilities} non-negative "
+                f"numbers with a positive sum (one per facility)")
+    topology, compression = cfg.topology, cfg.compression
+    validate_outer(cfg.outer)
+    if compression not in COMPRESSIONS:
+        raise ValueError(f"federation.compression={compression!r}: use one of {', '.join(COMPRESSIONS)}")
+    if not is_int(cfg.chunk_size) or cfg.chunk_size < 1:
+        raise ValueError(f"federation.chunk_size={cfg.chunk_size!r}: must be a positive integer (values per "
+                         f"min-max chunk, e.g. 4096)")
+    if not isinstance(cfg.error_feedback, bool):
+        raise ValueError(f"federation.error_feedback={cfg.error_feedback!r}: must be true or false")
+    if cfg.error_feedback and compression == "none":
+        raise ValueError("federation.error_feedback=true needs federation.compression=bf16 or uint8 "
+                         "(nothing is lost without compression)")
+    if topology != "complete" and compression != "none":
+        raise ValueError(f"federation.topology={topology} with federation.compression={compression}: compressed "
+                         f"gossip is not supported; use topology=complete or compression=none")
+    if topology != "complete" and weights != "uniform":
+        raise ValueError(f"federation.weights={weights!r} with federation.topology={topology}: gossip "
+                         f"mixes with the topology's own weights; use weights=uniform or topology=complete")
+    _check_streaming(cfg)
+    fragments, overlap = cfg.fragments, cfg.overlap_steps
+    if cfg.algorithm == "synchronous":
+        changed = [k for k, bad in (("topology", topology != "complete"), ("compression", compression != "none"),
+                                    ("outer", not cfg.outer.is_plain_mean), ("fragments", fragments > 1),
+                                    ("overlap_steps", overlap > 0)) if bad]
+        if changed:
+            raise ValueError(f"federation.algorithm=synchronous averages gradients every step, so federation."
+                             f"{changed[0]} does not apply: drop it or use algorithm=federated")
+    if topology != "complete" and (fragments > 1 or overlap > 0):
+        raise ValueError(f"federation.topology={topology} with federation.fragments={fragments} / overlap_steps="
+                         f"{overlap}: streaming gossip is not supported; use topology=complete or fragments=1 "
+                         f"overlap_steps=0")
+    if cfg.algorithm == "federated" and topology != "complete":
+        check_gossip_layout(layout, topology)
+
+
+def _check_streaming(cfg: FederationConfig) -> None:
+    """``fragments``, ``overlap_steps``, ``merge_alpha``, checked against ``every``."""
+    every, fragments, overlap, alpha = cfg.every, cfg.fragments, cfg.overlap_steps, cfg.merge_alpha
+    if not is_int(fragments) or fragments < 1:
+        raise ValueError(f"federation.fragments={fragments!r}: must be a positive integer (1: the whole model at once)")
+    if fragments > every:
+        raise ValueError(f"federation.fragments={fragments} exceeds federation.every={every}: each fragment syncs at "
+                         f"its own step of the round; use fragments <= every")
+    if not is_int(overlap) or overlap < 0:
+        raise ValueError(f"federation.overlap_steps={overlap!r}: must be an integer >= 0 (0: no overlap)")
+    if overlap * fragments >= every:
+        raise ValueError(f"federation.overlap_steps={overlap} must be < federation.every/fragments = "
+                         f"{every}/{fragments} so that one fragment is in flight at a time: lower overlap_steps or "
+                         f"fragments, or raise every")
+    if not is_number(alpha) or not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"federation.merge_alpha={alpha!r}: must be a number in [0, 1] (Streaming DiLoCo: 0.5)")

@@ -222,9 +222,10 @@ def aggregation_over_mpi(env) -> dict:
     import strategy_workers as sw
 
     from xffl_like.aggregation import aggregate, build_strategy
-    from xffl_like.aggregation.strategy import MODES
+    from xffl_like.aggregation.strategy import AGGREGATION_MODES
     from xffl_like.distributed.layout import plan_layout
     from xffl_like.distributed.state import build_state
+    from xffl_like.schema import StrategyConfig
 
     cases = 0
     for federated, hsdp in TRANSPORT_LAYOUTS:
@@ -235,11 +236,11 @@ def aggregation_over_mpi(env) -> dict:
             tag = cases
             # Over MPI every strategy takes the exchange: between 2 facilities one lerp (see sw.rounding_bound).
             expected = sw.expected(model, state, dtype, tag, weights, lerp=state.num_facilities == 2)
-            for name, mode in itertools.product(TRANSPORT_NAMES, MODES):
+            for name, mode in itertools.product(TRANSPORT_NAMES, AGGREGATION_MODES):
                 got = {}
                 for transport in ("torch", "mpi"):
                     sw.set_values(model, state, dtype, tag)
-                    options = dict(name=name, bucket_mb=sw.BUCKET_MB, mode=mode, transport=transport)
+                    options = StrategyConfig(name=name, bucket_mb=sw.BUCKET_MB, mode=mode, transport=transport)
                     strategy = build_strategy(model, state, options)
                     aggregate(strategy, state, weights)
                     got[transport] = sw.locals_of(model)

@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-FUSED = {"name": "fused", "streams": 1, "bucket_mb": 64, "mode": "split", "only": None}
+from xffl_like.schema import StrategyConfig
+
+FUSED = StrategyConfig(name="fused", streams=1, bucket_mb=64, mode="split", only=None)
 
 
 def facility_full_values(facility: int, index: int, shape) -> torch.Tensor:

@@ -19,12 +19,12 @@ from xffl_like.aggregation import aggregate, build_strategy
 from xffl_like.distributed.layout import plan_layout
 from xffl_like.distributed.state import build_state, read_env
 from xffl_like.federation import Federation, build_federation
-from xffl_like.schema import FederationConfig, build_section
+from xffl_like.schema import FederationConfig, StrategyConfig, build_section
 from xffl_like.train.parallelize import contiguous_shards
 
 from strategy_workers import BUCKET_MB, Net, digest, identical_across_peers
 
-STRATEGY = dict(name="fused", streams=1, bucket_mb=BUCKET_MB, mode="split")
+STRATEGY = StrategyConfig(name="fused", streams=1, bucket_mb=BUCKET_MB, mode="split")
 
 
 def plain_spec(**kw) -> dict:

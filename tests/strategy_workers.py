@@ -17,9 +17,10 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from xffl_like.aggregation import STRATEGIES, aggregate, build_strategy
-from xffl_like.aggregation.strategy import MODES
+from xffl_like.aggregation.strategy import AGGREGATION_MODES
 from xffl_like.distributed.layout import plan_layout
 from xffl_like.distributed.state import build_state, read_env
+from xffl_like.schema import StrategyConfig
 from xffl_like.train.parallelize import contiguous_shards
 
 BUCKET_MB = 100 / 2**20  # ~100-byte buckets: several buckets, and parameters split across them
@@ -187,10 +188,10 @@ def run_cases(state, report, names, weight_sets, dtypes=(torch.float32, torch.bf
             want = expected(model, state, dtype, tag, weights)
             want_lerp = expected(model, state, dtype, tag, weights, lerp=True)
             first = None
-            for (collective, streams), name, mode in itertools.product(PATHS, names, MODES):
+            for (collective, streams), name, mode in itertools.product(PATHS, names, AGGREGATION_MODES):
                 what = f"{name} streams={streams} {mode} {collective} {dtype} weights={weights}"
                 set_values(model, state, dtype, tag)
-                options = dict(name=name, streams=streams, bucket_mb=BUCKET_MB, mode=mode)
+                options = StrategyConfig(name=name, streams=streams, bucket_mb=BUCKET_MB, mode=mode)
                 strategy = build_strategy(model, state, options, collective=collective)
                 if contiguous and name == "fused" and state.shard_size == 1:
                     # every shard was moved side by side: each bucket is one view, nothing staged
@@ -245,13 +246,13 @@ def check_properties(state) -> dict:
     dtype = torch.float32
     model = make_model(state, dtype)
     params = _params(model)
-    options = dict(name="fused", streams=2, bucket_mb=BUCKET_MB, mode="split")
+    options = StrategyConfig(name="fused", streams=2, bucket_mb=BUCKET_MB, mode="split")
 
     # Immutable, equal when built twice, different when the options differ.
     a, b = build_strategy(model, state, options), build_strategy(model, state, options)
     if a != b or hash(a) != hash(b):
         raise AssertionError("building the same strategy twice gave different plans")
-    if a == build_strategy(model, state, {**options, "streams": 1}):
+    if a == build_strategy(model, state, dataclasses.replace(options, streams=1)):
         raise AssertionError("strategies with different streams compare equal")
     try:
         a.name = "x"  # type: ignore[misc]
@@ -288,7 +289,7 @@ def check_properties(state) -> dict:
     # `only`: a glob and a module class name; everything else stays bitwise unchanged.
     set_values(model, state, dtype, 2)
     before = locals_of(model)
-    only = build_strategy(model, state, {**options, "only": ["blocks.0.*", "Embedding"]})
+    only = build_strategy(model, state, dataclasses.replace(options, only=["blocks.0.*", "Embedding"]))
     result = aggregate(only, state, (1.0, 3.0))
     mean = expected_mean(model, state, dtype, 2, (1.0, 3.0))
     names = [n for n, _ in model.named_parameters()]
@@ -341,7 +342,7 @@ def check_contiguous_forward(state, weights) -> dict:
     lr, momentum = 0.1, 0.5
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
     plain_opts = [torch.optim.SGD(m.parameters(), lr=lr, momentum=momentum) for m in plain]
-    strategy = build_strategy(model, state, dict(name="fused", streams=2, bucket_mb=BUCKET_MB, mode="split"))
+    strategy = build_strategy(model, state, StrategyConfig(name="fused", streams=2, bucket_mb=BUCKET_MB, mode="split"))
     w = torch.tensor(weights, dtype=torch.float64)
     seen: dict[str, torch.Tensor] = {}
 

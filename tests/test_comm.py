@@ -16,6 +16,7 @@ import torch
 
 import comm_workers as cw
 from xffl_like import comm
+from xffl_like.schema import StrategyConfig
 from xffl_like.distributed.env import read_env
 from xffl_like.distributed.launch import launch_local
 
@@ -49,15 +50,15 @@ def test_mpi_requested_but_not_installed(monkeypatch):
                               "install the mpi extra (pip install -e '.[mpi]')")
     monkeypatch.setattr(comm, "mpi_installed", lambda: False)
     with pytest.raises(ValueError, match=r"strategy.transport=mpi needs mpi4py and an MPI runtime: install the mpi extra \(pip install -e '.\[mpi\]'\)"):
-        validate_strategy_options(dict(name="fused", transport="mpi"))
+        validate_strategy_options(StrategyConfig(name="fused", transport="mpi"))
 
 
 def test_transport_values():
     from xffl_like.aggregation import validate_strategy_options
 
-    assert validate_strategy_options(dict(name="fused")).transport == "torch"
+    assert validate_strategy_options(StrategyConfig(name="fused")).transport == "torch"
     with pytest.raises(ValueError, match=r"strategy.transport='tcp': valid transports are \['torch', 'mpi'\]"):
-        validate_strategy_options(dict(name="fused", transport="tcp"))
+        validate_strategy_options(StrategyConfig(name="fused", transport="tcp"))
 
 
 @pytest.mark.parametrize("env, message", [

@@ -11,8 +11,9 @@ import torch
 from torch import nn
 
 from xffl_like.aggregation import STRATEGIES, Strategy, build_strategy, validate_strategy_options
-from xffl_like.aggregation.builders import cut_chunks
+from xffl_like.aggregation.planners import cut_chunks
 from xffl_like.distributed.launch import launch_local
+from xffl_like.schema import StrategyConfig
 from xffl_like.distributed.layout import plan_layout
 
 import strategy_workers as workers
@@ -49,11 +50,12 @@ def test_strategy_yamls_compose_and_validate():
 
 
 @pytest.mark.parametrize("options, message", [
-    (dict(name="fusd"), "unknown strategy name 'fusd': valid names are ['layer_by_layer'"),
+    (StrategyConfig(name="fusd"), "unknown strategy name 'fusd': valid names are ['layer_by_layer'"),
+    (StrategyConfig(name="fused", streams=0), "strategy.streams=0"),
+    (StrategyConfig(name="fused", bucket_mb=0), "strategy.bucket_mb=0"),
+    (StrategyConfig(name="fused", mode="all"), "valid modes are ['split', 'one_sender']"),
+    (dict(name="fused", buckets=3), "unknown strategy option(s) ['buckets']"),  # a plain mapping (config.py today)
     (dict(name="fused", streams=0), "strategy.streams=0"),
-    (dict(name="fused", bucket_mb=0), "strategy.bucket_mb=0"),
-    (dict(name="fused", mode="all"), "valid modes are ['split', 'one_sender']"),
-    (dict(name="fused", buckets=3), "unknown strategy option(s) ['buckets']"),
 ])
 def test_validate_rejects(options, message):
     with pytest.raises(ValueError) as err:
@@ -63,14 +65,14 @@ def test_validate_rejects(options, message):
 
 def test_validate_only_patterns():
     names = [n for n, _ in plain_model().named_parameters()]
-    assert validate_strategy_options(dict(name="fused", only=["0.*"]), names).only == ("0.*",)
+    assert validate_strategy_options(StrategyConfig(name="fused", only=["0.*"]), names).only == ("0.*",)
     with pytest.raises(ValueError, match=r"pattern 'layers\.\*' matches no parameter name: parameters look like 0\.weight, 0\.bias"):
-        validate_strategy_options(dict(name="fused", only=["layers.*"]), names)
+        validate_strategy_options(StrategyConfig(name="fused", only=["layers.*"]), names)
     # A class name can only be checked against a model.
-    assert validate_strategy_options(dict(name="fused", only="Linear"), names).only == ("Linear",)
-    validate_strategy_options(dict(name="fused", only=["Linear"]), model=plain_model())
+    assert validate_strategy_options(StrategyConfig(name="fused", only="Linear"), names).only == ("Linear",)
+    validate_strategy_options(StrategyConfig(name="fused", only=["Linear"]), model=plain_model())
     with pytest.raises(ValueError, match="'Conv2d' matches no parameter name nor module class"):
-        validate_strategy_options(dict(name="fused", only=["Conv2d"]), model=plain_model())
+        validate_strategy_options(StrategyConfig(name="fused", only=["Conv2d"]), model=plain_model())
 
 
 def test_cut_chunks_equal_pieces_and_views():
@@ -90,7 +92,7 @@ def test_builders_plan_shapes():
     model = plain_model()
     n_params = len(list(model.parameters()))
     state = fake_state()  # facility 0 of [2, 2], R=2: two chunks, this rank owns chunk 0
-    by_name = {n: build_strategy(model, state, dict(name=n, streams=2, bucket_mb=0.004)) for n in STRATEGIES}
+    by_name = {n: build_strategy(model, state, StrategyConfig(name=n, streams=2, bucket_mb=0.004)) for n in STRATEGIES}
     for s in by_name.values():
         assert s.num_chunks == 2 and {c.chunk for c in s.communications} == {0, 1}
         assert all(c.reduce == (c.chunk == 0) and c.broadcast and c.owner == c.chunk for c in s.communications)
@@ -125,33 +127,33 @@ def test_builders_plan_shapes():
 def test_collective_and_scratch():
     model = plain_model()
     state = fake_state()  # gloo: the exchange by default
-    s = build_strategy(model, state, dict(name="layer_by_layer"))
+    s = build_strategy(model, state, StrategyConfig(name="layer_by_layer"))
     assert s.collective == "exchange"
     for c in s.communications:  # 2 facilities: this rank receives half of what it reduces
         assert (c.scratch.numel() == c.numel // 2) if c.reduce else c.scratch is None
-    coalesced = build_strategy(model, state, dict(name="bucket_coalesced"))
+    coalesced = build_strategy(model, state, StrategyConfig(name="bucket_coalesced"))
     assert all(c.scratch is None for c in coalesced.communications)  # lists use the all-reduce
-    assert build_strategy(model, state, dict(name="fused"), collective="all_reduce").collective == "all_reduce"
+    assert build_strategy(model, state, StrategyConfig(name="fused"), collective="all_reduce").collective == "all_reduce"
     with pytest.raises(ValueError, match="valid collectives are"):
-        build_strategy(model, state, dict(name="fused"), collective="ring")
+        build_strategy(model, state, StrategyConfig(name="fused"), collective="ring")
 
 
 def test_one_sender_and_single_facility():
     model = plain_model()
-    s = build_strategy(model, fake_state(rank=1), dict(name="fused", mode="one_sender"))
+    s = build_strategy(model, fake_state(rank=1), StrategyConfig(name="fused", mode="one_sender"))
     assert s.num_chunks == 1 and all(not c.reduce and c.broadcast and c.source == 0 for c in s.communications)
-    single = build_strategy(model, fake_state(world=2, federated=None, hsdp=1), dict(name="fused"))
+    single = build_strategy(model, fake_state(world=2, federated=None, hsdp=1), StrategyConfig(name="fused"))
     assert single.communications == () and single.cross_facility_bytes == 0
 
 
 def test_strategy_is_frozen_and_equal_on_the_plan():
     model = plain_model()
-    a = build_strategy(model, fake_state(), dict(name="fused", streams=2, bucket_mb=0.01))
-    b = build_strategy(model, fake_state(), dict(name="fused", streams=2, bucket_mb=0.01))
+    a = build_strategy(model, fake_state(), StrategyConfig(name="fused", streams=2, bucket_mb=0.01))
+    b = build_strategy(model, fake_state(), StrategyConfig(name="fused", streams=2, bucket_mb=0.01))
     assert isinstance(a, Strategy) and a == b and hash(a) == hash(b)
     staged = [k for k, c in enumerate(a.communications) if c.buffer is not None]
     assert staged and all(a.communications[k].buffer.data_ptr() != b.communications[k].buffer.data_ptr() for k in staged)
-    assert a != build_strategy(model, fake_state(), dict(name="fused", streams=1, bucket_mb=0.01))
+    assert a != build_strategy(model, fake_state(), StrategyConfig(name="fused", streams=1, bucket_mb=0.01))
     with pytest.raises(dataclasses.FrozenInstanceError):
         a.mode = "one_sender"
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -160,7 +162,9 @@ def test_strategy_is_frozen_and_equal_on_the_plan():
 
 def test_streams_beyond_state_rejected():
     with pytest.raises(ValueError, match="build the state with num_streams=3"):
-        build_strategy(plain_model(), fake_state(streams=2), dict(name="fused", streams=3))
+        build_strategy(plain_model(), fake_state(streams=2), StrategyConfig(name="fused", streams=3))
+    with pytest.raises(TypeError, match="as a StrategyConfig, got dict"):
+        build_strategy(plain_model(), fake_state(), dict(name="fused"))
 
 
 def test_exchange_announces_every_receive_before_sending(monkeypatch):
@@ -178,7 +182,7 @@ def test_exchange_announces_every_receive_before_sending(monkeypatch):
     monkeypatch.setattr(executor.dist, "isend", lambda t, group, tag, group_dst: calls.append(("send", tag)) or Done())
     monkeypatch.setattr(executor.dist, "irecv", lambda t, group, tag, group_src: calls.append(("recv", tag)) or Done())
     state = fake_state(world=2, federated=1, hsdp=1, streams=1)  # 2 facilities of 1 rank
-    strategy = build_strategy(plain_model(), state, dict(name="layer_by_layer"))
+    strategy = build_strategy(plain_model(), state, StrategyConfig(name="layer_by_layer"))
     state.streams = None
     state.split_exchanges = [SimpleNamespace(exchange=SimpleNamespace(chunk=0, ranks=[0, 1]), groups=[None])]
     state.replica_groups = [None]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from xffl_like.workflows.slurm import SlurmOptions, main, render
+from xffl_like.distributed.slurm import SlurmOptions, main, render
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -117,7 +117,7 @@ def test_scripts_start_one_torchrun_per_node_with_contiguous_node_ranks(tmp_path
 
 
 def test_cli_runs_as_module():
-    proc = subprocess.run([sys.executable, "-m", "xffl_like.workflows.slurm", "--nodes", "1", "--gpus-per-node", "2",
+    proc = subprocess.run([sys.executable, "-m", "xffl_like.distributed.slurm", "--nodes", "1", "--gpus-per-node", "2",
                            "--dry-run"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "'distributed.federated=[2]'" in proc.stdout

@@ -1,10 +1,18 @@
 """Aggregation across facilities: immutable strategies, named builders, one executor.
 
-    strategy = build_strategy(model, state, cfg["strategy"])   # once, after fully_shard
+    strategy = build_strategy(model, state, cfg.strategy)      # once, after fully_shard
     result = aggregate(strategy, state, weights)               # every round
+
+Modules: :mod:`.planners` (pure: segments, chunks, buckets, the named builders), :mod:`.options`
+(the ``strategy`` section's checks, parameter selection), :mod:`.backend` (reduce op, ``collective``
+check, MPI transport), :mod:`.builders` (``build_strategy``), :mod:`.strategy` (the immutable plan),
+:mod:`.executor` (one round).
 """
 
-from .builders import STRATEGIES, StrategyOptions, build_strategy, check_collective, validate_strategy_options
+from .backend import check_collective
+from .builders import build_strategy
+from .options import select_parameters, validate_strategy_options
+from .planners import STRATEGIES
 from .executor import AggregationResult, aggregate, facility_scale
 from .strategy import Communication, Strategy
 
@@ -13,10 +21,10 @@ __all__ = [
     "AggregationResult",
     "Communication",
     "Strategy",
-    "StrategyOptions",
     "aggregate",
     "build_strategy",
     "check_collective",
     "facility_scale",
+    "select_parameters",
     "validate_strategy_options",
 ]

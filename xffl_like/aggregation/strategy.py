@@ -1,7 +1,7 @@
 """The immutable aggregation plan: what is communicated, on which stream, by whom.
 
 A :class:`Strategy` is built once per (model, state, options) after FSDP wrapping
-(see :mod:`.builders`) and read by the executor every round. It holds views of the
+(see :func:`.builders.build_strategy`) and read by the executor every round. It holds views of the
 parameters' local shards (and, for ``fused``, persistent flat buffers), so the data
 it moves is always the model's own. Equality and hashing look at the plan only
 (indices, spans, shapes, dtypes, streams, options), never at tensor storage: building
@@ -20,14 +20,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["PACKINGS", "MODES", "COLLECTIVES", "TRANSPORTS", "Communication", "Strategy", "parts"]
+__all__ = ["PACKINGS", "AGGREGATION_MODES", "COLLECTIVES", "TRANSPORTS", "Communication", "Strategy", "parts"]
 
 #: How a communication's tensors travel: ``inplace`` (one contiguous view of a parameter,
 #: reduced where it lies), ``coalesced`` (a list in one coalesced collective), ``flatten``
 #: (``torch.cat`` into a fresh flat tensor each round), ``stack`` (``torch.stack`` of
 #: same-shape tensors each round), ``persistent`` (copied into a flat buffer allocated once).
 PACKINGS = ("inplace", "coalesced", "flatten", "stack", "persistent")
-MODES = ("split", "one_sender")
+#: How a facility's replicas share the cross-facility reduction (see :attr:`Strategy.mode`).
+AGGREGATION_MODES = ("split", "one_sender")
 #: ``all_reduce``: the backend's all-reduce; ``exchange``: reduce-scatter + all-gather by
 #: point-to-point messages with the weights applied in the reduction (see the executor).
 COLLECTIVES = ("all_reduce", "exchange")

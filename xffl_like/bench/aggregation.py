@@ -113,7 +113,7 @@ def _validate(plain: dict) -> list[dict]:
         names = [n for n, _ in build_model(plain["model"], device="meta").named_parameters()]
         specs = _strategy_specs(plain)
         for spec in specs:
-            validate_strategy_options(spec, names)
+            validate_strategy_options(spec, names)  # a YAML mapping, like config.py's (unknown keys: one line)
     except ValueError as exc:
         raise BenchFailed(str(exc)) from None
     return specs
@@ -377,10 +377,11 @@ def _time_strategy(model, state, spec: dict, bench: dict) -> dict:
     import torch.distributed as dist
 
     from ..aggregation import aggregate, build_strategy
+    from ..schema import StrategyConfig
 
     weights = bench.get("weights")
     base = _memory_mark(state.device)
-    strategy = build_strategy(model, state, spec, collective=bench.get("collective"))
+    strategy = build_strategy(model, state, StrategyConfig(**spec), collective=bench.get("collective"))
     limits = _Limits(strategy, state)
     times, refs = [], []
     for i in range(bench["warmup"] + bench["repeats"]):

@@ -12,7 +12,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["BACKENDS", "MPI_EXTRA", "MPIUnavailable", "as_bytes", "check_backend", "get_mpi", "host_copy", "mpi_group", "mpi_installed"]
+__all__ = ["BACKENDS", "MPI_EXTRA", "MPIUnavailable", "as_bytes", "check_backend", "get_mpi", "mpi_group", "mpi_installed",
+           "to_host_contiguous"]
 
 BACKENDS = ("torch", "mpi")
 #: What to install for the MPI backend (mpi4py plus an MPI runtime, see pyproject.toml).
@@ -55,7 +56,7 @@ def mpi_group(group: Any):
     return get_mpi().COMM_WORLD if group is None else group
 
 
-def host_copy(tensor: torch.Tensor) -> torch.Tensor:
+def to_host_contiguous(tensor: torch.Tensor) -> torch.Tensor:
     """A contiguous CPU tensor with ``tensor``'s values: ``tensor`` itself when it already is one
     (so MPI works in place on CPU), a copy otherwise (the MPI paths go through host memory)."""
     return tensor.detach().to("cpu").contiguous()

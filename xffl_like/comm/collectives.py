@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .backends import as_bytes, check_backend, get_mpi, host_copy, mpi_group
+from .backends import as_bytes, check_backend, get_mpi, mpi_group, to_host_contiguous
 
 __all__ = ["OPS", "get_rank", "get_world_size", "barrier", "all_reduce", "all_gather", "broadcast", "gather_varlen"]
 
@@ -79,7 +79,7 @@ def all_reduce(tensor: torch.Tensor, op: str = "SUM", backend: str = "torch", gr
     MPI = get_mpi()
     comm = mpi_group(group)
     wide = _WIDEN.get(tensor.dtype, tensor.dtype)
-    host = host_copy(tensor) if wide == tensor.dtype else tensor.detach().to("cpu", wide).contiguous()
+    host = to_host_contiguous(tensor) if wide == tensor.dtype else tensor.detach().to("cpu", wide).contiguous()
     mpi_op = {"SUM": MPI.SUM, "AVG": MPI.SUM, "MAX": MPI.MAX, "MIN": MPI.MIN}[op]
     comm.Allreduce(MPI.IN_PLACE, host.numpy(), op=mpi_op)
     if op == "AVG":
@@ -105,7 +105,7 @@ def all_gather(output_list: list[torch.Tensor], tensor: torch.Tensor, backend: s
     if backend == "torch":
         dist.all_gather(output_list, tensor.contiguous(), group=group)
         return
-    send = host_copy(as_bytes(tensor))
+    send = to_host_contiguous(as_bytes(tensor))
     recv = torch.empty(size * send.numel(), dtype=torch.uint8)
     mpi_group(group).Allgather(send.numpy(), recv.numpy())
     for out, part in zip(output_list, recv.view(size, -1)):
@@ -120,7 +120,7 @@ def broadcast(tensor: torch.Tensor, src: int, backend: str = "torch", group: Any
         if work is not tensor:
             tensor.copy_(work)
         return tensor
-    host = host_copy(as_bytes(tensor))
+    host = to_host_contiguous(as_bytes(tensor))
     mpi_group(group).Bcast(host.numpy(), root=src)
     if host.data_ptr() != tensor.data_ptr():
         tensor.copy_(host.view(tensor.dtype).view(tensor.shape))
@@ -161,7 +161,7 @@ def gather_varlen(local_tensor: torch.Tensor, dst: int = 0, backend: str = "torc
     row_bytes = math.prod(t.shape[1:]) * t.element_size()
     counts = [n * row_bytes for n in rows]
     displs = [0, *itertools.accumulate(counts)][:-1]
-    send = host_copy(as_bytes(t))
+    send = to_host_contiguous(as_bytes(t))
     recv = torch.empty(sum(counts), dtype=torch.uint8) if me == dst else None
     mpi_group(group).Gatherv(send.numpy(), [recv.numpy(), counts, displs, MPI.BYTE] if me == dst else None, root=dst)
     if me != dst:

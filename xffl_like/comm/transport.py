@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .backends import as_bytes, check_backend, get_mpi, host_copy, mpi_group
+from .backends import as_bytes, check_backend, get_mpi, mpi_group, to_host_contiguous
 
 __all__ = ["AsyncSendHandle", "AsyncRecvHandle", "send", "recv", "isend", "irecv_into"]
 
@@ -135,7 +135,7 @@ def _post_send(data: torch.Tensor, dst: int, backend: str, tag: int, group: Any)
                  dist.isend(payload, group=group, tag=2 * tag + 1, **_peer(group, dst, "dst"))]
         return works, (length, payload)
     MPI = get_mpi()
-    host = host_copy(payload)
+    host = to_host_contiguous(payload)
     buf = host.numpy()
     return [mpi_group(group).Isend([buf, MPI.BYTE], dest=dst, tag=tag)], (data, host, buf)
 

@@ -78,10 +78,6 @@ class Layout:
     def is_hsdp(self) -> bool:
         return any(r > 1 for r in self.replicas)
 
-    @property
-    def num_nodes(self) -> int:
-        return self.world_size // self.local_world_size
-
     # ----- coordinates -------------------------------------------------------
     def coords(self, rank: int) -> Coords:
         if not 0 <= rank < self.world_size:

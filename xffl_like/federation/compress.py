@@ -61,11 +61,6 @@ class CompressedMean:
             return 2 * self.part
         return codec.packed_bytes(self.part, self.chunks)
 
-    @property
-    def bytes_per_round(self) -> int:
-        """Bytes one peer sends per call: ``n - 1`` parts in the all-to-all, its part to ``n - 1`` peers."""
-        return 2 * (self.n - 1) * self.row_bytes
-
     def encode(self, rows: Tensor) -> Tensor:
         """``[k, part]`` fp32 -> ``[k, row]`` message (uint8 bytes or bf16 values)."""
         if self.kind == "bf16":

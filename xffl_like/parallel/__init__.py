@@ -4,7 +4,8 @@
   over any list of ranks, with their process groups;
 - :mod:`.codec`: the min-max uint8 codec (ByteGrad, low-precision gossip, federation compression);
 - :mod:`.decentralized` and :mod:`.optim`: Decent-DP's DecentralizedDataParallel, AccumAdam(W), factories;
-- :mod:`.algorithms` and :mod:`.bagua`: Bagua's algorithms, ``with_algorithm`` and ``switch_to``.
+- :mod:`.algorithms` and :mod:`.bagua`: Bagua's algorithms, ``with_algorithm`` and ``switch_to``; both import
+  :mod:`.buckets` (the gradient buckets and the interface an algorithm sees of its module), not each other.
 """
 
 from .algorithms import (

@@ -17,17 +17,14 @@ from __future__ import annotations
 import math
 import threading
 import time
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from . import codec
+from .buckets import AlgorithmHost, Bucket
 from .comm import CommThread, node_channel, p2p_exchange
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .bagua import BaguaModule, Bucket
 
 __all__ = ["Algorithm", "GradientAllReduce", "ByteGrad", "Decentralized", "LowPrecisionDecentralized",
            "AsyncModelAverage", "shift_one_peer"]
@@ -40,7 +37,7 @@ class Algorithm:
 
     hierarchical = False
 
-    def attach(self, module: "BaguaModule") -> None:
+    def attach(self, module: AlgorithmHost) -> None:
         """Start serving ``module`` (collective: all ranks, weights already identical)."""
         self.module = module
         self.comm = module.comm
@@ -51,7 +48,7 @@ class Algorithm:
     def before_forward(self) -> None:  # noqa: D102
         pass
 
-    def grad_ready(self, bucket: "Bucket") -> None:  # noqa: D102
+    def grad_ready(self, bucket: Bucket) -> None:  # noqa: D102
         pass
 
     def after_backward(self) -> None:  # noqa: D102

@@ -21,41 +21,13 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from .algorithms import Algorithm
-from .comm import NodeComm, flat_copy, node_comm, unflatten_into
+from .buckets import Bucket
+from .comm import NodeComm, node_comm
 
 __all__ = ["BaguaModule", "Bucket", "with_algorithm", "broadcast_parameters", "allreduce_parameters"]
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 FIRST_BUCKET_BYTES = 1024 * 1024  # DDP's first bucket size (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES)
-
-
-class Bucket:
-    """Parameters communicated together; flat copies in and out."""
-
-    def __init__(self, params: list[nn.Parameter]):
-        self.params = params
-        self.numel = sum(p.numel() for p in params)
-        self.device, self.dtype = params[0].device, params[0].dtype
-
-    def grads_flat(self) -> Tensor:
-        """A flat copy of the gradients (zeros where a parameter got none)."""
-        return flat_copy([p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params])
-
-    def set_grads(self, flat: Tensor) -> None:
-        """Write ``flat`` into the gradients."""
-        for p in self.params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        unflatten_into(flat, [p.grad for p in self.params])
-
-    def weights_flat(self) -> Tensor:
-        """A flat copy of the weights."""
-        return flat_copy(self.params)
-
-    @torch.no_grad()
-    def set_weights(self, flat: Tensor) -> None:
-        """Write ``flat`` into the weights."""
-        unflatten_into(flat, self.params)
 
 
 @torch.no_grad()

@@ -7,7 +7,7 @@ facility: facility f's nodes take node ranks ``sum(nodes[:f]) ..``. The job is t
 ``python -m xffl_like.run`` entry (under torchrun each process is a worker), with
 ``distributed.federated`` set to the facility sizes ``nodes[f] * gpus_per_node``.
 
-    python -m xffl_like.workflows.slurm --nodes 2,1 --gpus-per-node 4 --dry-run -- +experiment=llama_fed
+    python -m xffl_like.distributed.slurm --nodes 2,1 --gpus-per-node 4 --dry-run -- +experiment=llama_fed
 
 prints the scripts and the submission commands; without ``--dry-run`` the scripts are
 written to ``--out-dir`` and submitted with ``sbatch`` (when every facility is reachable
@@ -105,7 +105,7 @@ def _overrides(nodes: Sequence[int], opts: SlurmOptions) -> list[str]:
 
 def command_line(nodes: Sequence[int], opts: SlurmOptions) -> str:
     """The command that renders these scripts (written into their header)."""
-    parts = ["python -m xffl_like.workflows.slurm", f"--nodes {','.join(map(str, nodes))}", f"--gpus-per-node {opts.gpus_per_node}"]
+    parts = ["python -m xffl_like.distributed.slurm", f"--nodes {','.join(map(str, nodes))}", f"--gpus-per-node {opts.gpus_per_node}"]
     if opts.job_name != "xffl":
         parts.append(f"--job-name {shlex.quote(opts.job_name)}")
     for flag in ("partition", "account", "time", "rdzv_endpoint", "setup"):
@@ -159,7 +159,7 @@ def submit_commands(scripts: Sequence[FacilityScript], opts: SlurmOptions, out_d
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m xffl_like.workflows.slurm", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m xffl_like.distributed.slurm", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nodes", required=True, help="nodes per facility, comma-separated (2,1: two facilities)")
     p.add_argument("--gpus-per-node", type=int, required=True, help="GPUs (= processes) per node")

@@ -1,0 +1,120 @@
+"""The ``strategy`` section's checks and the parameters it selects.
+
+:func:`validate_strategy_options` runs in the launcher (``validate_config``) and again when a
+worker builds its strategy; :func:`select_parameters` maps ``strategy.only`` to parameter indices.
+No process group is touched (``transport=mpi`` is checked without initialising MPI).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+from typing import Any, Mapping, Sequence
+
+from torch import nn
+
+from ..checks import is_int, is_number
+from ..schema import StrategyConfig
+from .backend import check_mpi_transport
+from .planners import BUILDERS, STRATEGIES
+from .strategy import AGGREGATION_MODES, TRANSPORTS
+
+__all__ = ["select_parameters", "validate_strategy_options"]
+
+_KEYS = tuple(f.name for f in dataclasses.fields(StrategyConfig))
+
+
+def _looks_like_class_name(pattern: str) -> bool:
+    return pattern.isidentifier() and pattern[0].isupper()
+
+
+def _typed(options: StrategyConfig | Mapping[str, Any]) -> StrategyConfig:
+    if isinstance(options, StrategyConfig):
+        return options
+    if not isinstance(options, Mapping):
+        raise ValueError(f"strategy options must be a mapping with keys {list(_KEYS)}, got {type(options).__name__}")
+    unknown = [k for k in options if k not in _KEYS]
+    if unknown:
+        raise ValueError(f"unknown strategy option(s) {unknown}: valid keys are {list(_KEYS)}")
+    return StrategyConfig(**options)  # TODO(lead): typed only
+
+
+def validate_strategy_options(
+    options: StrategyConfig | Mapping[str, Any],
+    param_names: Sequence[str] | None = None,
+    *,
+    model: nn.Module | None = None,
+) -> StrategyConfig:
+    """Check the ``strategy`` section and return it normalised (``bucket_mb`` a float, ``only``
+    a tuple or None).
+
+    Raises ``ValueError`` with one sentence naming the bad value and the valid ones. With
+    ``param_names``, every ``only`` pattern must match a parameter name (a bare capitalised
+    identifier is taken for a module class name and only checked when ``model`` is given).
+    A plain mapping (``conf/strategy`` as a dict) is still accepted and converted.
+    """
+    cfg = _typed(options)
+    if cfg.name not in BUILDERS:
+        raise ValueError(f"unknown strategy name {cfg.name!r}: valid names are {list(STRATEGIES)}")
+    if not is_int(cfg.streams) or cfg.streams < 1:
+        raise ValueError(f"strategy.streams={cfg.streams!r}: need an integer of at least 1")
+    if not is_number(cfg.bucket_mb) or not cfg.bucket_mb > 0:
+        raise ValueError(f"strategy.bucket_mb={cfg.bucket_mb!r}: need a positive number of megabytes")
+    if cfg.mode not in AGGREGATION_MODES:
+        raise ValueError(f"strategy.mode={cfg.mode!r}: valid modes are {list(AGGREGATION_MODES)}")
+    only = cfg.only
+    if only is not None:
+        if isinstance(only, str):
+            only = [only]
+        only = tuple(only)
+        if not only or not all(isinstance(p, str) and p for p in only):
+            raise ValueError(f"strategy.only={list(only)}: need a non-empty list of parameter-name globs or module class names, or null")
+    if cfg.transport not in TRANSPORTS:
+        raise ValueError(f"strategy.transport={cfg.transport!r}: valid transports are {list(TRANSPORTS)}")
+    if cfg.transport == "mpi":
+        check_mpi_transport()
+    cfg = dataclasses.replace(cfg, bucket_mb=float(cfg.bucket_mb), only=only)
+
+    if only is not None and (param_names is not None or model is not None):
+        named = list(model.named_parameters()) if model is not None else None
+        names = [n for n, _ in named] if named is not None else list(param_names)
+        classes = _owner_classes(model) if model is not None else None
+        for pattern in only:
+            if any(fnmatch.fnmatchcase(n, pattern) for n in names):
+                continue
+            if classes is None and _looks_like_class_name(pattern):
+                continue
+            if classes is not None and any(pattern in c for c in classes.values()):
+                continue
+            shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
+            raise ValueError(
+                f"strategy.only pattern {pattern!r} matches no parameter name"
+                + ("" if classes is None else " nor module class")
+                + f": parameters look like {shown}"
+            )
+    return cfg
+
+
+def _owner_classes(model: nn.Module) -> dict[str, set[str]]:
+    """Parameter name -> class names of every module containing it (FSDP2 wraps classes
+    as ``FSDP<Name>``: the MRO keeps the original name)."""
+    out: dict[str, set[str]] = {}
+    for mod_name, module in model.named_modules():
+        names = {cls.__name__ for cls in type(module).__mro__}
+        prefix = f"{mod_name}." if mod_name else ""
+        for p_name, _ in module.named_parameters():
+            out.setdefault(prefix + p_name, set()).update(names)
+    return out
+
+
+def select_parameters(model: nn.Module, only: Sequence[str] | None) -> tuple[int, ...]:
+    """Indices (in ``named_parameters()`` order) of the parameters to aggregate."""
+    names = [n for n, _ in model.named_parameters()]
+    if only is None:
+        return tuple(range(len(names)))
+    classes = _owner_classes(model)
+    return tuple(
+        i
+        for i, n in enumerate(names)
+        if any(fnmatch.fnmatchcase(n, p) or p in classes.get(n, ()) for p in only)
+    )

@@ -1,1 +1,0 @@
-"""Launch recipes: Slurm sbatch scripts (``python -m xffl_like.workflows.slurm``)."""

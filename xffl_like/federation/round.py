@@ -34,7 +34,6 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..aggregation import aggregate
-from ..distributed.state import all_peer_groups
 from .compress import CompressedMean
 from .gossip import Gossip
 from .options import round_weights
@@ -70,7 +69,6 @@ class Federation:
         self.numel = sum(t.numel() for t in self.locals)
         self.tokens = torch.zeros(state.num_facilities, dtype=torch.float64, device=state.device)
         self.gossip = Gossip(o.topology, self.locals, state) if o.topology != "complete" and self.federated else None
-        self.peer_groups = all_peer_groups(state) if o.algorithm == "synchronous" else None
         # theta_global and the outer state: flat fp32 over this rank's shards, when a round needs them.
         self.theta: Tensor | None = None
         self.outer: OuterOptimizer | None = None
@@ -172,7 +170,7 @@ class Federation:
             return 0
         # Replicas of a facility hold the same gradient after FSDP: each contributes 1/R of its share.
         flat = torch.cat([g.reshape(-1) for g in grads]).mul_(share / state.num_replicas)
-        dist.all_reduce(flat, group=self.peer_groups[state.shard])
+        dist.all_reduce(flat, group=state.group("peers"))
         offset = 0
         for g in grads:
             g.copy_(flat[offset: offset + g.numel()].view_as(g))

@@ -11,7 +11,8 @@ import pytest
 
 from xffl_like.aggregation import STRATEGIES
 
-ROOT = Path(__file__).parents[1]
+from helpers import REPO as ROOT
+
 KEYS = {
     "median_s", "p90_s", "limit_median_s", "ratio_to_limit", "bytes_per_rank", "cross_facility_bytes",
     "algbw_GBps", "busbw_GBps", "peak_memory_mb", "streams", "collective", "mode",

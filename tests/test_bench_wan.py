@@ -7,15 +7,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from xffl_like.bench import netns
 from xffl_like.bench.wan import eval_curve, link_round, loss_at_step, time_to_target
 
-ROOT = Path(__file__).resolve().parents[1]
-
+from helpers import REPO as ROOT
 
 def _summary(algorithm: str, sizes: list[int], history: list[dict]) -> dict:
     return {"layout": {"facility_sizes": sizes}, "federation": {"algorithm": algorithm}, "eval_history": history}

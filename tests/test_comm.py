@@ -1,7 +1,7 @@
 """xffl_like.comm over torch (gloo), launcher variables, the mpirun recipe, and bad input.
 
 The MPI backend, MPI launch and ``strategy.transport=mpi`` are in tests/test_comm_mpi.py.
-Expected values are computed by ``comm_workers.check_results`` from the workers' inputs.
+Expected values are computed by ``workers.comm.check_results`` (tests/workers/comm.py) from the workers' inputs.
 """
 
 from __future__ import annotations
@@ -9,17 +9,15 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-import comm_workers as cw
+from helpers import REPO
+from workers import comm as cw
 from xffl_like import comm
 from xffl_like.distributed.env import read_env
 from xffl_like.distributed.launch import launch_local
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def test_torch_backend_collectives_and_transport():

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from test_run import REPO
+from helpers import REPO
 
 needs_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices (nccl, one GPU per rank)")
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 import yaml
 
-from test_run import TINY, run_cli
+from helpers import TINY, run_cli
 
 from xffl_like.config import ConfigError, validate_config
 from xffl_like.job import _compose, choices, resolve

@@ -19,14 +19,14 @@ from pathlib import Path
 import pytest
 import torch
 
-import durability_workers as workers
+from helpers import REPO
+from workers import durability as workers
 from xffl_like.checkpoint.store import (
     LATEST, SafeFileSystemReader, SafeLoadPlanner, checkpoint_name, latest_checkpoint, list_checkpoints, publish,
     read_metadata, remove_stale, retain,
 )
 from xffl_like.distributed.launch import free_port, launch_local
 
-REPO = Path(__file__).resolve().parents[1]
 JOB = ["+experiment=llama_fed", "train.steps=8", "federation.every=2", "train.seq_len=32", "train.batch_size=2",
        "train.log_every=4", "logger=none"]
 EXACT = ("final_loss", "eval_loss", "facility_losses", "rounds", "skipped_facilities")

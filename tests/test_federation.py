@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -12,9 +10,8 @@ from xffl_like.distributed.launch import launch_local
 from xffl_like.distributed.layout import plan_layout
 from xffl_like.federation import CompressedMean, FederationOptions, validate_federation
 
-import federation_workers as workers
-
-CONF = Path(__file__).parents[1] / "conf"
+from helpers import CONF
+from workers import federation as workers
 
 
 # ----------------------------------------------------------------------------- pure
@@ -133,7 +130,7 @@ def test_job_with_diloco_and_uint8(tmp_path):
     import json
 
     import yaml
-    from test_run import TINY, run_cli
+    from helpers import TINY, run_cli
 
     from xffl_like.models import build_model
 
@@ -216,9 +213,9 @@ def test_bad_streaming_and_schedule_options(override, message):
 def test_job_with_phases_fragments_and_overlap(tmp_path):
     """One job, three phases: synchronous until step 3; fragments=2 (DiLoCo, weights [1, 3]) until
     step 9; fragments=2 with overlap_steps=1 to the end. Every round's values are replayed here
-    in float64 from the recorded shards (round_values.check_streaming_values)."""
-    from round_values import check_streaming_values
-    from test_run import TINY, run_recorded
+    in float64 from the recorded shards (helpers/round_values.py: check_streaming_values)."""
+    from helpers import TINY, run_recorded
+    from helpers.round_values import check_streaming_values
 
     nesterov = "outer:{name:nesterov,lr:0.7,momentum:0.9}"
     schedule = (f"[{{until_step:3,algorithm:synchronous}},{{until_step:9,every:4,fragments:2,weights:[1,3],{nesterov}}},"
@@ -241,7 +238,7 @@ def test_job_with_phases_fragments_and_overlap(tmp_path):
     figures = check_streaming_values(tmp_path / "rounds", summary, phases, num_layers=4)
     assert figures["spread"] > 1e-4 and figures["largest_change"] > 1e-4, figures
     # Bytes per fragment: each facility's fp32 fragment once (a ring all-reduce between two facilities).
-    from round_values import hand_fragments, load_rounds
+    from helpers.round_values import hand_fragments, load_rounds
 
     shapes = load_rounds(tmp_path / "rounds")[(0, "init")][0]["shapes"]
     owner = hand_fragments(list(shapes), 4, 2)

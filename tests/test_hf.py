@@ -15,7 +15,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-from test_run import run_cli  # noqa: E402
+from helpers import run_cli  # noqa: E402
 
 from xffl_like.checkpoint.hf import (  # noqa: E402
     check_hf_weights, from_hf_layout, load_hf_weights, read_hf_config, to_hf_layout,

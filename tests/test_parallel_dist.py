@@ -12,7 +12,7 @@ import torch
 from xffl_like import parallel as P
 from xffl_like.distributed.launch import launch_local
 
-import parallel_workers as W
+from workers import parallel as W
 
 WORLD = 4
 LR = 0.1

@@ -2,7 +2,7 @@
 
 Every job that trains checks the aggregation's values, not only that copies agree: with
 ``XFFL_TEST_DUMP_ROUNDS`` its ranks record their shards around each round, and
-``round_values`` recomputes the weighted mean of the facilities from them.
+``helpers/round_values.py`` recomputes the weighted mean of the facilities from them.
 """
 
 from __future__ import annotations
@@ -11,42 +11,16 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from round_values import check_round_values
-
-REPO = Path(__file__).resolve().parents[1]
-SHARED = Path(os.environ.get("XFFL_SHARED", REPO.parent / "shared"))
-if not SHARED.exists():  # a worktree beside the repository: the shared folder one level up
-    SHARED = Path("/work/shared")
-CORPUS = SHARED / "data" / "tinyshakespeare.txt"
-TINY = ["train.seq_len=64", "train.batch_size=4", "train.log_every=5"]
-
-
-def run_cli(args, run_dir, timeout=240, launcher=(), env=None):
-    """Run the entry point (plainly, or under ``launcher`` such as torchrun) with ``args``."""
-    env = {**os.environ, "WANDB_MODE": "offline", "XFFL_RUN_DIR": str(run_dir), **(env or {})}
-    cmd = [*launcher, "-m", "xffl_like.run", *args] if launcher else [sys.executable, "-m", "xffl_like.run", *args]
-    if not launcher:
-        cmd.append(f"hydra.run.dir={run_dir}")
-    start = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-    return proc, time.perf_counter() - start
-
-
-def run_recorded(args, tmp_path, **kwargs):
-    """``run_cli`` with the rounds recorded under ``tmp_path/rounds``; returns (proc, summary)."""
-    run_dir = tmp_path / "run"
-    proc, _ = run_cli(args, run_dir, env={"XFFL_TEST_DUMP_ROUNDS": str(tmp_path / "rounds")}, **kwargs)
-    assert proc.returncode == 0, proc.stderr
-    return proc, json.loads((run_dir / "summary.json").read_text())
+from helpers import CORPUS, PYTHONPATH, REPO, TINY, run_cli, run_recorded
+from helpers.round_values import check_round_values
 
 
 def check_values(tmp_path, summary, weights):
-    """The job's rounds were the weighted mean of its facilities (see ``round_values``)."""
+    """The job's rounds were the weighted mean of its facilities (see ``helpers/round_values.py``)."""
     assert all(b > 0 for b in summary["aggregation_bytes_per_rank"]), summary["aggregation_bytes_per_rank"]
     check_round_values(tmp_path / "rounds", weights, summary["rounds"], summary["cross_facility_bytes_per_round"])
     assert summary["max_param_divergence_after_last_round"] <= 1e-6
@@ -176,8 +150,8 @@ def bad_results(tmp_path_factory):
     root = tmp_path_factory.mktemp("bad")
     cases = [{"args": ["+experiment=llama_fed", *overrides], "run_dir": str(root / str(i))} for i, (overrides, _) in enumerate(BAD)]
     (root / "cases.json").write_text(json.dumps(cases))
-    env = {**os.environ, "WANDB_MODE": "offline"}
-    cmd = [sys.executable, str(Path(__file__).with_name("cli_batch.py")), str(root / "cases.json"), str(root / "results.json")]
+    env = {**os.environ, "WANDB_MODE": "offline", "PYTHONPATH": PYTHONPATH}
+    cmd = [sys.executable, "-m", "workers.cli_batch", str(root / "cases.json"), str(root / "results.json")]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=60 + 10 * len(BAD))
     assert proc.returncode == 0, proc.stderr
     return [Path(c["run_dir"]) for c in cases], json.loads((root / "results.json").read_text())

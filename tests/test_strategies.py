@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -15,9 +14,9 @@ from xffl_like.aggregation.builders import cut_chunks
 from xffl_like.distributed.launch import launch_local
 from xffl_like.distributed.layout import plan_layout
 
-import strategy_workers as workers
+from helpers import CONF
+from workers import strategy as workers
 
-CONF = Path(__file__).parents[1] / "conf"
 
 
 # ----------------------------------------------------------------------------- pure

@@ -16,7 +16,7 @@ import torch
 
 tokenizers = pytest.importorskip("tokenizers")
 
-from test_run import REPO, run_cli  # noqa: E402
+from helpers import REPO, run_cli  # noqa: E402
 
 from xffl_like.config import ConfigError, validate_config  # noqa: E402
 from xffl_like.data import build_data  # noqa: E402

@@ -5,17 +5,14 @@ the GPU launch's CPU-visible logic (backend strings, timeout, exchange on nccl, 
 from __future__ import annotations
 
 import math
-import sys
 from dataclasses import FrozenInstanceError, asdict
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).parent))
-import train_workers  # noqa: E402
-from train_workers import MODEL, rank_sequences  # noqa: E402
+from workers import train as train_workers
+from workers.train import MODEL, rank_sequences
 
 from xffl_like.aggregation import check_collective
 from xffl_like.config import ConfigError, compose_error, validate_config

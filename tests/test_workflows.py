@@ -13,8 +13,7 @@ import pytest
 
 from xffl_like.workflows.slurm import SlurmOptions, main, render
 
-ROOT = Path(__file__).resolve().parents[1]
-
+from helpers import REPO as ROOT
 
 def test_render_two_facilities():
     scripts = render([2, 1], SlurmOptions(gpus_per_node=4, partition="gpu", time="00:30:00",

@@ -22,6 +22,9 @@ KEYS = {
 }
 
 
+pytestmark = pytest.mark.cli
+
+
 def bench(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "xffl_like.bench", f"hydra.run.dir={tmp_path}", *overrides],
@@ -29,6 +32,7 @@ def bench(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_bench_writes_every_strategy(tmp_path):
     proc = bench(tmp_path, "model=llama_tiny", "bench.repeats=1", "bench.warmup=0")
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -20,6 +20,8 @@ from xffl_like.distributed.env import read_env
 from xffl_like.distributed.launch import launch_local
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_torch_backend_collectives_and_transport():
     cw.check_results(launch_local(cw.torch_cases, (), cw.WORLD))
 
@@ -109,6 +111,7 @@ def test_read_env_mpi_launchers():
     assert (tr.rank, tr.world_size, tr.launcher) == (6, 8, "torchrun")
 
 
+@pytest.mark.cli
 def test_mismatched_launcher_variables_cli(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS")}
     env.update(PMI_RANK="7", PMI_SIZE="4", PYTHONPATH=str(REPO))
@@ -118,6 +121,7 @@ def test_mismatched_launcher_variables_cli(tmp_path):
     assert proc.stderr.strip() == "error: PMI_RANK=7 but PMI_SIZE=4: a rank must be below the number of processes"
 
 
+@pytest.mark.cli
 def test_mpirun_recipe_places_ranks_host_by_host(tmp_path):
     hosts = tmp_path / "hosts"
     hosts.write_text("f0-a\nf0-b\n# facility 1\nf1-a\n")

@@ -20,6 +20,9 @@ from xffl_like import comm
 from helpers import PYTHONPATH, REPO
 
 
+pytestmark = [pytest.mark.multiprocess, pytest.mark.cli, pytest.mark.slow]
+
+
 def _mpiexec() -> str | None:
     if not comm.mpi_installed():
         return None

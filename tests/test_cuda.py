@@ -12,6 +12,9 @@ from helpers import REPO
 needs_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices (nccl, one GPU per rank)")
 
 
+pytestmark = [pytest.mark.multiprocess, pytest.mark.cli, pytest.mark.slow]
+
+
 @needs_two_gpus
 @pytest.mark.parametrize("strategy", ["fused", "layer_by_layer"])
 def test_nccl_job_with_streams_and_bf16(tmp_path, strategy):

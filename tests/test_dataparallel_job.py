@@ -74,6 +74,8 @@ def _distance(copies: list[list[torch.Tensor]]) -> float:
     return sum(float(torch.linalg.vector_norm(f - mean)) for f in flat) / len(flat)
 
 
+@pytest.mark.cli
+@pytest.mark.slow
 def test_decentralized_job_equals_a_simulation_of_ring_gossip(tmp_path):
     steps, lr = 4, 0.1
     cfg, summary, run_dir = _run(["+experiment=decentralized", f"train.steps={steps}"], tmp_path)
@@ -105,6 +107,8 @@ def test_decentralized_job_equals_a_simulation_of_ring_gossip(tmp_path):
     assert [x["consensus_distance"] for x in lines] == [logged[t] for t in range(1, steps + 1)]
 
 
+@pytest.mark.cli
+@pytest.mark.slow
 def test_bagua_switch_job_on_unequal_facilities(tmp_path):
     """Facilities [3, 1] are the nodes: hierarchical gradient all-reduce, then shift_one gossip, then
     hierarchical gossip (node means weighted by size); every switch starts all copies from the mean."""

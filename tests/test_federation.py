@@ -106,6 +106,8 @@ LAYOUTS = [
 ]
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_federation_on_4_processes():
     reports = launch_local(workers.run_layouts, (LAYOUTS,), 4)
     by = {name: [r[name] for r in reports] for name in (lay["name"] for lay in LAYOUTS)}
@@ -124,6 +126,8 @@ def test_federation_on_4_processes():
     assert sorted(r["compressed_bytes"]["uint8"] > 0 for r in by["hsdp_2x2"]) == [False, False, True, True]
 
 
+@pytest.mark.cli
+@pytest.mark.slow
 def test_job_with_diloco_and_uint8(tmp_path):
     """The main job wires the federation in: DiLoCo rounds over a compressed exchange with error
     feedback and token weights leave every copy identical, and about a quarter of fp32's bytes cross."""
@@ -210,6 +214,8 @@ def test_bad_streaming_and_schedule_options(override, message):
 
 
 # ----------------------------------------------------------------------------- streaming and phases: a job
+@pytest.mark.cli
+@pytest.mark.slow
 def test_job_with_phases_fragments_and_overlap(tmp_path):
     """One job, three phases: synchronous until step 3; fragments=2 (DiLoCo, weights [1, 3]) until
     step 9; fragments=2 with overlap_steps=1 to the end. Every round's values are replayed here

@@ -63,6 +63,9 @@ BAGUA_CASES = [
 ]
 
 
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+
+
 @pytest.fixture(scope="module")
 def results():
     calls = [("topology_groups", (TOPOLOGY_CASES,)), ("ddp_cases", (DDP_CASES,)), ("bagua_cases", (BAGUA_CASES,)),

@@ -19,6 +19,9 @@ from helpers import CORPUS, PYTHONPATH, REPO, TINY, run_cli, run_recorded
 from helpers.round_values import check_round_values
 
 
+pytestmark = pytest.mark.cli
+
+
 def check_values(tmp_path, summary, weights):
     """The job's rounds were the weighted mean of its facilities (see ``helpers/round_values.py``)."""
     assert all(b > 0 for b in summary["aggregation_bytes_per_rank"]), summary["aggregation_bytes_per_rank"]
@@ -26,6 +29,7 @@ def check_values(tmp_path, summary, weights):
     assert summary["max_param_divergence_after_last_round"] <= 1e-6
 
 
+@pytest.mark.slow
 def test_main_job_learns_and_agrees(tmp_path):
     proc, summary = run_recorded(["+experiment=llama_fed", "train.steps=20", "federation.every=5", *TINY], tmp_path)
     for key in ("world_size", "layout", "steps", "rounds", "first_loss", "final_loss", "eval_loss",
@@ -41,6 +45,7 @@ def test_main_job_learns_and_agrees(tmp_path):
     assert proc.stdout.count("done:") == 1 and proc.stdout.count("facility ") == 1
 
 
+@pytest.mark.slow
 def test_unequal_hsdp_facilities(tmp_path):
     # Weights as a list, the larger one on the smaller facility (neither uniform nor by tokens).
     args = ["+experiment=llama_fed", "distributed.nproc_per_node=6", "distributed.federated=[4,2]",
@@ -52,6 +57,7 @@ def test_unequal_hsdp_facilities(tmp_path):
     assert summary["final_loss"] < summary["first_loss"]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not CORPUS.exists(), reason="shared corpus not present")
 def test_text_data(tmp_path):
     # Two facilities of one rank each, each on its own contiguous part of the corpus.
@@ -63,6 +69,8 @@ def test_text_data(tmp_path):
     check_values(tmp_path, summary, [1.0, 1.0])
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_torchrun_entry(tmp_path):
     torchrun = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2")
     args = ["+experiment=llama_fed", "distributed.federated=1", "federation.weights=[3,1]",
@@ -73,6 +81,8 @@ def test_torchrun_entry(tmp_path):
     check_values(tmp_path, summary, [3.0, 1.0])
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_torchrun_bad_input_one_line(tmp_path):
     torchrun = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2")
     proc, _ = run_cli(["+experiment=llama_fed", "federation.every=0"], tmp_path, timeout=90, launcher=torchrun)

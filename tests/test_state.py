@@ -20,6 +20,7 @@ def expected_coords(sizes, shard):
     return out
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize(
     "world, federated, hsdp, sizes, shard",
     [

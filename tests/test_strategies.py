@@ -248,6 +248,8 @@ def check_contiguous_reports(reports: list[dict], specs: list[dict]) -> None:
             assert S == 1 or 0 < even < len(first_dims), spec["name"]
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_every_strategy_on_4_processes():
     """FSDP [2, 2] and HSDP [2, 2] x (R=2, S=1): every strategy, both streams counts, modes,
     collectives, dtypes, uniform and weighted, checked on every rank."""
@@ -257,6 +259,8 @@ def test_every_strategy_on_4_processes():
     check_contiguous_reports(reports, LAUNCHES[4])
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_every_strategy_on_6_processes_and_properties():
     """Unequal facilities [4, 2] (R = 2, 1) and three facilities; plus: parameters stay the
     model's, optimizer and forward keep working, ``only`` keeps the rest local (workers)."""

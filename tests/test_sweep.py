@@ -21,6 +21,8 @@ from helpers import REPO as ROOT
 TINY = ["train.steps=4", "federation.every=2", "train.batch_size=2", "distributed.nproc_per_node=2"]
 
 
+@pytest.mark.cli
+@pytest.mark.slow
 def test_multirun_summary_with_a_failed_job(tmp_path):
     sweep_dir = tmp_path / "sweep"
     env = {**os.environ, "WANDB_MODE": "offline"}

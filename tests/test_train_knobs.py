@@ -163,6 +163,8 @@ def test_chunks_and_checkpointing_keep_less_for_backward():
 CASES = [(2, 2, "none", 1024), (1, 4, "none", 1024), (4, 1, "full", 5)]
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_grad_accum_checkpointing_and_chunks_under_hsdp_match_one_big_batch():
     """4 processes = one facility, HSDP 2 replicas x 2 shards. Every case must give the gradient of
     the mean loss over all 16 sequences, computed here on one unsharded model."""

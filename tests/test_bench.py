@@ -59,6 +59,7 @@ def test_bench_writes_every_strategy(tmp_path):
     assert (tmp_path / "config.yaml").exists()
 
 
+@pytest.mark.slow  # one subprocess per bad input: ~45 s on a loaded machine
 def test_bench_rejects_bad_input_before_launching(tmp_path):
     proc = bench(tmp_path, "model=llama_tiny", "bench.strategies=[fused,fusd]")
     assert proc.returncode == 2

@@ -156,7 +156,7 @@ def test_meta_init_under_hsdp_equals_the_unsharded_init(tmp_path):
     exported = _load_exported(run).eval()
     from omegaconf import OmegaConf
 
-    from test_model import load
+    from helpers import load_model_conf as load
 
     whole = build_model(OmegaConf.to_container(load("llama_tiny")), seed=5)  # unsharded, model.init=full
     tokens = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))

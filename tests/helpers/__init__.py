@@ -28,6 +28,14 @@ if not SHARED.exists():  # a worktree beside the repository: the shared folder o
     SHARED = Path("/work/shared")
 CORPUS = SHARED / "data" / "tinyshakespeare.txt"
 
+
+def load_model_conf(name):
+    """``conf/model/<name>.yaml`` as an OmegaConf node."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.load(CONF / "model" / f"{name}.yaml")
+
+
 #: Small sequences and batches for jobs run through the CLI.
 TINY = ["train.seq_len=64", "train.batch_size=4", "train.log_every=5"]
 

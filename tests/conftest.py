@@ -1,6 +1,37 @@
-"""Test-process settings shared by every test module."""
+"""Test-process settings shared by every test module, and a map of the suite.
+
+Layout:
+
+- ``tests/test_*.py``: the tests, one module per area (pure functions, multi-process cases,
+  jobs through the CLI). A test module imports from ``helpers`` and ``workers``, never from
+  another test module.
+- ``tests/helpers/``: plain constants and functions shared by test modules (``REPO``, ``CONF``,
+  ``TINY``, ``run_cli``, ``run_recorded``; ``helpers.round_values`` recomputes a job's rounds).
+- ``tests/workers/``: code that runs in the processes a test starts: functions handed to
+  ``launch_local`` (spawned ranks import them by name) and scripts run with
+  ``python -m workers.<name>``.
+
+This file puts ``tests/`` on ``sys.path`` (whatever pytest's import mode), so ``import helpers``
+and ``import workers`` work here and in spawned ranks, which inherit the path.
+
+Tiers (markers registered in pyproject.toml, ``--strict-markers``):
+
+- ``multiprocess``: starts several processes (``launch_local``, torchrun, mpiexec).
+- ``cli``: runs the CLI (``python -m xffl_like.run`` and the other entry points) in a subprocess.
+- ``slow``: the slowest tests (over ~10 s each here, mostly whole jobs).
+
+``python -m pytest -q`` runs everything; ``python -m pytest -q -m "not slow"`` is the fast tier
+(a couple of minutes); ``-m "not multiprocess and not cli"`` keeps to the pytest process.
+"""
+
+import sys
+from pathlib import Path
 
 import torch
+
+_TESTS = str(Path(__file__).resolve().parent)
+if _TESTS not in sys.path:
+    sys.path.insert(0, _TESTS)
 
 # In-process computations (value checks, simulations, single-process models) are tiny: one
 # intra-op thread is as fast, and it does not fight the multi-process tests' workers for the

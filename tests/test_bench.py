@@ -11,7 +11,8 @@ import pytest
 
 from xffl_like.aggregation import STRATEGIES
 
-ROOT = Path(__file__).parents[1]
+from helpers import REPO as ROOT
+
 KEYS = {
     "median_s", "p90_s", "limit_median_s", "ratio_to_limit", "bytes_per_rank", "cross_facility_bytes",
     "algbw_GBps", "busbw_GBps", "peak_memory_mb", "streams", "collective", "mode",
@@ -21,6 +22,9 @@ KEYS = {
 }
 
 
+pytestmark = pytest.mark.cli
+
+
 def bench(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "xffl_like.bench", f"hydra.run.dir={tmp_path}", *overrides],
@@ -28,6 +32,7 @@ def bench(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_bench_writes_every_strategy(tmp_path):
     proc = bench(tmp_path, "model=llama_tiny", "bench.repeats=1", "bench.warmup=0")
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -54,6 +59,7 @@ def test_bench_writes_every_strategy(tmp_path):
     assert (tmp_path / "config.yaml").exists()
 
 
+@pytest.mark.slow  # one subprocess per bad input: ~45 s on a loaded machine
 def test_bench_rejects_bad_input_before_launching(tmp_path):
     proc = bench(tmp_path, "model=llama_tiny", "bench.strategies=[fused,fusd]")
     assert proc.returncode == 2

@@ -7,15 +7,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from xffl_like.bench import netns
 from xffl_like.bench.wan import eval_curve, link_round, loss_at_step, time_to_target
 
-ROOT = Path(__file__).resolve().parents[1]
-
+from helpers import REPO as ROOT
 
 def _summary(algorithm: str, sizes: list[int], history: list[dict]) -> dict:
     return {"layout": {"facility_sizes": sizes}, "federation": {"algorithm": algorithm}, "eval_history": history}
@@ -91,6 +89,8 @@ print(total, flush=True)
 SENDER = "import socket, sys; s = socket.create_connection((sys.argv[1], int(sys.argv[2]))); s.sendall(b'x' * 400000); s.close()"
 
 
+@pytest.mark.cli
+@pytest.mark.slow
 @pytest.mark.skipif(netns.unavailable() is not None, reason=str(netns.unavailable()))
 def test_network_carries_traffic_counts_it_and_is_always_removed():
     with netns.Network(2, 100) as net:
@@ -122,6 +122,7 @@ def test_network_carries_traffic_counts_it_and_is_always_removed():
         holder.wait(timeout=10)  # killed by the sweep
 
 
+@pytest.mark.cli
 def test_wan_rejects_bad_input_before_building_anything(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "xffl_like.bench.wan", f"hydra.run.dir={tmp_path}",
                              'bench.configs.synchronous=["+experiment=no_such_preset"]'],

@@ -1,7 +1,7 @@
 """xffl_like.comm over torch (gloo), launcher variables, the mpirun recipe, and bad input.
 
 The MPI backend, MPI launch and ``strategy.transport=mpi`` are in tests/test_comm_mpi.py.
-Expected values are computed by ``comm_workers.check_results`` from the workers' inputs.
+Expected values are computed by ``workers.comm.check_results`` (tests/workers/comm.py) from the workers' inputs.
 """
 
 from __future__ import annotations
@@ -9,20 +9,20 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-import comm_workers as cw
+from helpers import REPO
+from workers import comm as cw
 from xffl_like import comm
 from xffl_like.schema import StrategyConfig
 from xffl_like.distributed.env import read_env
 from xffl_like.distributed.launch import launch_local
 
-REPO = Path(__file__).resolve().parents[1]
 
-
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_torch_backend_collectives_and_transport():
     cw.check_results(launch_local(cw.torch_cases, (), cw.WORLD))
 
@@ -112,6 +112,7 @@ def test_read_env_mpi_launchers():
     assert (tr.rank, tr.world_size, tr.launcher) == (6, 8, "torchrun")
 
 
+@pytest.mark.cli
 def test_mismatched_launcher_variables_cli(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS")}
     env.update(PMI_RANK="7", PMI_SIZE="4", PYTHONPATH=str(REPO))
@@ -121,6 +122,7 @@ def test_mismatched_launcher_variables_cli(tmp_path):
     assert proc.stderr.strip() == "error: PMI_RANK=7 but PMI_SIZE=4: a rank must be below the number of processes"
 
 
+@pytest.mark.cli
 def test_mpirun_recipe_places_ranks_host_by_host(tmp_path):
     hosts = tmp_path / "hosts"
     hosts.write_text("f0-a\nf0-b\n# facility 1\nf1-a\n")

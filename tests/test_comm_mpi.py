@@ -17,7 +17,10 @@ import torch
 
 from xffl_like import comm
 
-REPO = Path(__file__).resolve().parents[1]
+from helpers import PYTHONPATH, REPO
+
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.cli, pytest.mark.slow]
 
 
 def _mpiexec() -> str | None:
@@ -31,17 +34,17 @@ MPIEXEC = _mpiexec()
 if MPIEXEC is None:
     pytest.skip(f"MPI not installed ({comm.MPI_EXTRA})", allow_module_level=True)
 
-import comm_workers as cw  # noqa: E402
+from workers import comm as cw  # noqa: E402
 
 # Open MPI refuses to run as root without these (CI runs as root); MPICH ignores them.
-MPI_ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")]), "OMP_NUM_THREADS": "1",
+MPI_ENV = {**os.environ, "PYTHONPATH": PYTHONPATH, "OMP_NUM_THREADS": "1",
            "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "WANDB_MODE": "offline"}
 for _var in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):
     MPI_ENV.pop(_var, None)
 
 
 def test_mpi_backend_rendezvous_and_transport(tmp_path):
-    cmd = [MPIEXEC, "-n", str(cw.WORLD), sys.executable, str(REPO / "tests" / "comm_workers.py"), str(tmp_path)]
+    cmd = [MPIEXEC, "-n", str(cw.WORLD), sys.executable, "-m", "workers.comm", str(tmp_path)]
     proc = subprocess.run(cmd, cwd=REPO, env=MPI_ENV, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(cw.WORLD)]

@@ -7,9 +7,12 @@ import sys
 import pytest
 import torch
 
-from test_run import REPO
+from helpers import REPO
 
 needs_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices (nccl, one GPU per rank)")
+
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.cli, pytest.mark.slow]
 
 
 @needs_two_gpus

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import random
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,7 +23,8 @@ from xffl_like.data import (
 )
 from xffl_like.schema import DataConfig
 
-REPO = Path(__file__).resolve().parents[1]
+from helpers import REPO
+
 CONF = REPO / "conf" / "data"
 SHAKESPEARE = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
 BLOCK = 64 * 1024

@@ -14,7 +14,7 @@ import pytest
 import torch
 import yaml
 
-from test_run import TINY, run_cli
+from helpers import TINY, run_cli
 
 from xffl_like.config import ConfigError, validate_config
 from xffl_like.schema import job_config
@@ -75,6 +75,8 @@ def _distance(copies: list[list[torch.Tensor]]) -> float:
     return sum(float(torch.linalg.vector_norm(f - mean)) for f in flat) / len(flat)
 
 
+@pytest.mark.cli
+@pytest.mark.slow
 def test_decentralized_job_equals_a_simulation_of_ring_gossip(tmp_path):
     steps, lr = 4, 0.1
     cfg, summary, run_dir = _run(["+experiment=decentralized", f"train.steps={steps}"], tmp_path)
@@ -106,6 +108,8 @@ def test_decentralized_job_equals_a_simulation_of_ring_gossip(tmp_path):
     assert [x["consensus_distance"] for x in lines] == [logged[t] for t in range(1, steps + 1)]
 
 
+@pytest.mark.cli
+@pytest.mark.slow
 def test_bagua_switch_job_on_unequal_facilities(tmp_path):
     """Facilities [3, 1] are the nodes: hierarchical gradient all-reduce, then shift_one gossip, then
     hierarchical gossip (node means weighted by size); every switch starts all copies from the mean."""

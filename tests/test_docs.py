@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import REPO as ROOT
+
 CONF = ROOT / "conf"
 DOCS = ROOT / "docs"
 ROOT_CONFIGS = ("config.yaml", "bench.yaml", "bench_wan.yaml")

@@ -19,14 +19,14 @@ from pathlib import Path
 import pytest
 import torch
 
-import durability_workers as workers
+from helpers import REPO
+from workers import durability as workers
 from xffl_like.checkpoint.store import (
     LATEST, SafeFileSystemReader, SafeLoadPlanner, checkpoint_name, latest_checkpoint, list_checkpoints, publish,
     read_metadata, remove_stale, retain,
 )
 from xffl_like.distributed.launch import free_port, launch_local
 
-REPO = Path(__file__).resolve().parents[1]
 JOB = ["+experiment=llama_fed", "train.steps=8", "federation.every=2", "train.seq_len=32", "train.batch_size=2",
        "train.log_every=4", "logger=none"]
 EXACT = ("final_loss", "eval_loss", "facility_losses", "rounds", "skipped_facilities")
@@ -83,6 +83,8 @@ def fsdp_runs(tmp_path_factory):
     return base, killed
 
 
+@pytest.mark.cli
+@pytest.mark.slow
 def test_fail_fast_names_dead_rank_and_resume_is_bitwise_exact(fsdp_runs, tmp_path):
     base, killed = fsdp_runs
     # 5: the job ends (not the 300 s collective timeout), naming the dead rank and the checkpoint.
@@ -113,6 +115,8 @@ STREAMING = ["federation.schedule=[{until_step:2,algorithm:synchronous},{until_s
              "outer:{name:nesterov,lr:0.7,momentum:0.9}}]"]
 
 
+@pytest.mark.cli
+@pytest.mark.slow
 def test_unequal_hsdp_elastic_restart_is_bitwise_exact(tmp_path):
     # 6: the elastic launcher restarts the job by itself, which resumes from its newest checkpoint.
     # (The explicit resume=<run dir> path is test_fail_fast_names_dead_rank_and_resume_is_bitwise_exact.)
@@ -132,6 +136,8 @@ def test_unequal_hsdp_elastic_restart_is_bitwise_exact(tmp_path):
         (2, 0, None, 2), (4, 1, 0, 3), (6, 1, 1, 5), (8, 1, 0, 8), (8, 1, 1, 8)]
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_nonfinite_guard_fail_and_skip():
     # 7: facility 1 holds a NaN. fail: one message naming it; skip: the mean of the others.
     cases = [None, [1.0, 2.0, 3.0]]
@@ -150,6 +156,8 @@ def test_nonfinite_guard_fail_and_skip():
                 torch.testing.assert_close(report["values"][c][i].double(), expected, rtol=0, atol=1e-6)
 
 
+@pytest.mark.cli
+@pytest.mark.slow
 def test_nonfinite_skip_end_to_end(tmp_path):
     args = ["+experiment=llama_fed", "distributed.nproc_per_node=3", "distributed.federated=1", "train.steps=6",
             "federation.every=2", "train.seq_len=32", "train.batch_size=2", "logger=none",
@@ -253,6 +261,8 @@ BAD_RESUME = [
 ]
 
 
+@pytest.mark.cli
+@pytest.mark.slow
 @pytest.mark.parametrize("overrides, prepare, needle", BAD_RESUME, ids=[b[2].split()[0] + str(i) for i, b in enumerate(BAD_RESUME)])
 def test_bad_resume_is_refused_before_launch(fsdp_runs, tmp_path, overrides, prepare, needle):
     from xffl_like.job import JobFailed, run_local
@@ -270,6 +280,8 @@ def test_bad_resume_is_refused_before_launch(fsdp_runs, tmp_path, overrides, pre
     assert sorted((p.relative_to(run), p.stat().st_mtime_ns, p.stat().st_size) for p in run.rglob("*")) == before
 
 
+@pytest.mark.cli
+@pytest.mark.slow
 def test_resume_latest_picks_the_newest_run_of_the_experiment(fsdp_runs, tmp_path):
     from xffl_like.checkpoint.resume import resolve_resume
     from xffl_like.distributed.layout import plan_layout
@@ -294,6 +306,7 @@ def test_resume_latest_picks_the_newest_run_of_the_experiment(fsdp_runs, tmp_pat
     assert job.resume == str(target.checkpoint) and job.checkpoint.dir == str(target.checkpoint.parent)
 
 
+@pytest.mark.cli
 def test_leftover_rank_env_and_site_with_bad_config_fail_at_once(tmp_path):
     # A shell with RANK/WORLD_SIZE left over but no rendezvous address: one line, no hang.
     env = {"RANK": "0", "WORLD_SIZE": "4"}

@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -13,9 +11,8 @@ from xffl_like.distributed.layout import plan_layout
 from xffl_like.federation import CompressedMean, check_fragments, validate_federation
 from xffl_like.schema import FederationConfig, OuterConfig, as_plain, build_section
 
-import federation_workers as workers
-
-CONF = Path(__file__).parents[1] / "conf"
+from helpers import CONF
+from workers import federation as workers
 
 
 # ----------------------------------------------------------------------------- pure
@@ -113,6 +110,8 @@ LAYOUTS = [
 ]
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_federation_on_4_processes():
     reports = launch_local(workers.run_layouts, (LAYOUTS,), 4)
     by = {name: [r[name] for r in reports] for name in (lay["name"] for lay in LAYOUTS)}
@@ -131,13 +130,15 @@ def test_federation_on_4_processes():
     assert sorted(r["compressed_bytes"]["uint8"] > 0 for r in by["hsdp_2x2"]) == [False, False, True, True]
 
 
+@pytest.mark.cli
+@pytest.mark.slow
 def test_job_with_diloco_and_uint8(tmp_path):
     """The main job wires the federation in: DiLoCo rounds over a compressed exchange with error
     feedback and token weights leave every copy identical, and about a quarter of fp32's bytes cross."""
     import json
 
     import yaml
-    from test_run import TINY, run_cli
+    from helpers import TINY, run_cli
 
     from xffl_like.models import build_model
 
@@ -220,12 +221,14 @@ def test_bad_streaming_and_schedule_options(override, message):
 
 
 # ----------------------------------------------------------------------------- streaming and phases: a job
+@pytest.mark.cli
+@pytest.mark.slow
 def test_job_with_phases_fragments_and_overlap(tmp_path):
     """One job, three phases: synchronous until step 3; fragments=2 (DiLoCo, weights [1, 3]) until
     step 9; fragments=2 with overlap_steps=1 to the end. Every round's values are replayed here
-    in float64 from the recorded shards (round_values.check_streaming_values)."""
-    from round_values import check_streaming_values
-    from test_run import TINY, run_recorded
+    in float64 from the recorded shards (helpers/round_values.py: check_streaming_values)."""
+    from helpers import TINY, run_recorded
+    from helpers.round_values import check_streaming_values
 
     nesterov = "outer:{name:nesterov,lr:0.7,momentum:0.9}"
     schedule = (f"[{{until_step:3,algorithm:synchronous}},{{until_step:9,every:4,fragments:2,weights:[1,3],{nesterov}}},"
@@ -248,7 +251,7 @@ def test_job_with_phases_fragments_and_overlap(tmp_path):
     figures = check_streaming_values(tmp_path / "rounds", summary, phases, num_layers=4)
     assert figures["spread"] > 1e-4 and figures["largest_change"] > 1e-4, figures
     # Bytes per fragment: each facility's fp32 fragment once (a ring all-reduce between two facilities).
-    from round_values import hand_fragments, load_rounds
+    from helpers.round_values import hand_fragments, load_rounds
 
     shapes = load_rounds(tmp_path / "rounds")[(0, "init")][0]["shapes"]
     owner = hand_fragments(list(shapes), 4, 2)

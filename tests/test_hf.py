@@ -15,7 +15,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-from test_run import run_cli  # noqa: E402
+from helpers import run_cli  # noqa: E402
 
 from xffl_like.checkpoint.hf import (  # noqa: E402
     check_hf_weights, from_hf_layout, load_hf_weights, read_hf_config, to_hf_layout,
@@ -111,6 +111,8 @@ def _assert_bitwise(source, exported):
 JOB = ["train.steps=0", "export.hf=true", "logger=none", "train.seq_len=32", "train.batch_size=2"]
 
 
+@pytest.mark.cli
+@pytest.mark.slow
 def test_job_exports_bitwise_fsdp_sharded_files(tmp_path):
     """2 facilities x FSDP over 2 ranks; n_kv_heads=1: each rank's k rows cut a head in half.
     A 60 kB file limit forces a sharded export with an index."""
@@ -127,6 +129,8 @@ def test_job_exports_bitwise_fsdp_sharded_files(tmp_path):
     assert summary["steps"] == 0 and summary["first_loss"] is None and summary["setup_peak_rss_mb"] > 0
 
 
+@pytest.mark.cli
+@pytest.mark.slow
 def test_job_exports_bitwise_hsdp_tied(tmp_path):
     """Facilities of 4 and 2 ranks, HSDP shards of 2 (facility 0: 2 replicas), tied embeddings."""
     source = save_tiny_hf(tmp_path / "src", tied=True, seed=3)
@@ -140,6 +144,8 @@ def test_job_exports_bitwise_hsdp_tied(tmp_path):
     assert exported.config.tie_word_embeddings and exported.config.rope_parameters["rope_type"] == "llama3"
 
 
+@pytest.mark.cli
+@pytest.mark.slow
 def test_meta_init_under_hsdp_equals_the_unsharded_init(tmp_path):
     """model.init=meta, facilities [4, 2] with HSDP shards of 2: every rank draws only its rows,
     yet the exported model is the one built whole in this process from the same seed."""
@@ -150,7 +156,7 @@ def test_meta_init_under_hsdp_equals_the_unsharded_init(tmp_path):
     exported = _load_exported(run).eval()
     from omegaconf import OmegaConf
 
-    from test_model import load
+    from helpers import load_model_conf as load
 
     whole = build_model(OmegaConf.to_container(load("llama_tiny")), seed=5)  # unsharded, model.init=full
     tokens = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))

@@ -9,11 +9,9 @@ from omegaconf import OmegaConf
 from xffl_like.models import Llama, LlamaConfig, build_model
 from xffl_like.models.llama import count_parameters
 
+from helpers import load_model_conf as load
+
 CONF = Path(__file__).parents[1] / "conf" / "model"
-
-
-def load(name):
-    return OmegaConf.load(CONF / f"{name}.yaml")
 
 
 def tiny(**over):

@@ -22,7 +22,8 @@ from xffl_like.observe.observer import AGG_FIELDS, bandwidth
 from xffl_like.observe.progress import Progress, steps_to_aggregation, steps_to_round
 from xffl_like.observe.timing import PHASES, format_phase_table, load_imbalance, phase_stats
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import REPO as ROOT
+
 EVAL = {"eval/loss_local": [2, 3, 4], "eval/loss_global": [2, 4]}
 TINY = ["train.steps=4", "federation.every=2", "train.seq_len=32", "train.batch_size=2", "distributed.nproc_per_node=2"]
 CONTROL = re.compile(r"\r|\x1b\[")
@@ -88,6 +89,8 @@ def tiny_job(tmp_path_factory):
     return proc, run_dir
 
 
+@pytest.mark.cli
+@pytest.mark.slow
 def test_local_files(tiny_job):
     _, run_dir = tiny_job
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -119,6 +122,8 @@ def test_local_files(tiny_job):
         assert (run_dir / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.cli
+@pytest.mark.slow
 def test_plain_output_without_a_tty(tiny_job):
     proc, _ = tiny_job
     assert not CONTROL.search(proc.stdout), "progress-bar control characters in non-TTY output"
@@ -130,6 +135,8 @@ def test_plain_output_without_a_tty(tiny_job):
     assert proc.stderr.strip() == "", proc.stderr  # nobody else says anything
 
 
+@pytest.mark.cli
+@pytest.mark.slow
 def test_phase_table_has_every_phase_for_every_rank(tiny_job):
     proc, run_dir = tiny_job
     phases = json.loads((run_dir / "summary.json").read_text())["phases"]
@@ -167,6 +174,8 @@ def test_phase_table_has_every_phase_for_every_rank(tiny_job):
         assert float(line.split()[-1]) == pytest.approx(sum(v["total_s"] for v in per_rank[r].values()), abs=1e-3)
 
 
+@pytest.mark.cli
+@pytest.mark.slow
 def test_wandb_offline_runs(tiny_job):
     _, run_dir = tiny_job
     run_dirs = sorted((run_dir / "wandb").glob("offline-run-*"))
@@ -199,6 +208,7 @@ def test_wandb_offline_runs(tiny_job):
         assert runs[0]["summary"][f"load/rank{r}/average_s"] == pytest.approx(sum(phases["per_rank_seconds_per_step"][r].values()))
 
 
+@pytest.mark.cli
 def test_wandb_is_imported_only_when_used():
     code = "import sys, xffl_like.observe, xffl_like.observe.sweep; assert 'wandb' not in sys.modules; print('ok')"
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -291,6 +301,8 @@ def test_phase_table_format_many_ranks():
     assert rows == [*PHASES, "total"]
 
 
+@pytest.mark.cli
+@pytest.mark.slow
 def test_outputs_are_documented(tiny_job):
     """docs/outputs.md names every file, summary field, metrics field and CSV column a job writes."""
     _, run_dir = tiny_job

@@ -12,7 +12,7 @@ import torch
 from xffl_like import parallel as P
 from xffl_like.distributed.launch import launch_local
 
-import parallel_workers as W
+from workers import parallel as W
 
 WORLD = 4
 LR = 0.1
@@ -61,6 +61,9 @@ BAGUA_CASES = [
          local=[1, 3, 3, 3]),
     dict(kind="error", algorithm=P.GradientAllReduce(hierarchical=True), local=[2, 3, 3, 3]),
 ]
+
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")

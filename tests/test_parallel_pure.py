@@ -181,6 +181,7 @@ def test_factories_and_the_main_job_split_weight_decay_by_one_rule(tied):
     assert "tok_embeddings.weight" in decay_groups(named)[1] and "norm.weight" in decay_groups(named)[1]
 
 
+@pytest.mark.cli
 def test_parallel_bench_rejects_bad_input_before_launching():
     import subprocess
     import sys

@@ -2,7 +2,7 @@
 
 Every job that trains checks the aggregation's values, not only that copies agree: with
 ``XFFL_TEST_DUMP_ROUNDS`` its ranks record their shards around each round, and
-``round_values`` recomputes the weighted mean of the facilities from them.
+``helpers/round_values.py`` recomputes the weighted mean of the facilities from them.
 """
 
 from __future__ import annotations
@@ -11,47 +11,25 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from round_values import check_round_values
-
-REPO = Path(__file__).resolve().parents[1]
-SHARED = Path(os.environ.get("XFFL_SHARED", REPO.parent / "shared"))
-if not SHARED.exists():  # a worktree beside the repository: the shared folder one level up
-    SHARED = Path("/work/shared")
-CORPUS = SHARED / "data" / "tinyshakespeare.txt"
-TINY = ["train.seq_len=64", "train.batch_size=4", "train.log_every=5"]
+from helpers import CORPUS, PYTHONPATH, REPO, TINY, run_cli, run_recorded
+from helpers.round_values import check_round_values
 
 
-def run_cli(args, run_dir, timeout=240, launcher=(), env=None):
-    """Run the entry point (plainly, or under ``launcher`` such as torchrun) with ``args``."""
-    env = {**os.environ, "WANDB_MODE": "offline", "XFFL_RUN_DIR": str(run_dir), **(env or {})}
-    cmd = [*launcher, "-m", "xffl_like.run", *args] if launcher else [sys.executable, "-m", "xffl_like.run", *args]
-    if not launcher:
-        cmd.append(f"hydra.run.dir={run_dir}")
-    start = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-    return proc, time.perf_counter() - start
-
-
-def run_recorded(args, tmp_path, **kwargs):
-    """``run_cli`` with the rounds recorded under ``tmp_path/rounds``; returns (proc, summary)."""
-    run_dir = tmp_path / "run"
-    proc, _ = run_cli(args, run_dir, env={"XFFL_TEST_DUMP_ROUNDS": str(tmp_path / "rounds")}, **kwargs)
-    assert proc.returncode == 0, proc.stderr
-    return proc, json.loads((run_dir / "summary.json").read_text())
+pytestmark = pytest.mark.cli
 
 
 def check_values(tmp_path, summary, weights):
-    """The job's rounds were the weighted mean of its facilities (see ``round_values``)."""
+    """The job's rounds were the weighted mean of its facilities (see ``helpers/round_values.py``)."""
     assert all(b > 0 for b in summary["aggregation_bytes_per_rank"]), summary["aggregation_bytes_per_rank"]
     check_round_values(tmp_path / "rounds", weights, summary["rounds"], summary["cross_facility_bytes_per_round"])
     assert summary["max_param_divergence_after_last_round"] <= 1e-6
 
 
+@pytest.mark.slow
 def test_main_job_learns_and_agrees(tmp_path):
     proc, summary = run_recorded(["+experiment=llama_fed", "train.steps=20", "federation.every=5", *TINY], tmp_path)
     for key in ("world_size", "layout", "steps", "rounds", "first_loss", "final_loss", "eval_loss",
@@ -67,6 +45,7 @@ def test_main_job_learns_and_agrees(tmp_path):
     assert proc.stdout.count("done:") == 1 and proc.stdout.count("facility ") == 1
 
 
+@pytest.mark.slow
 def test_unequal_hsdp_facilities(tmp_path):
     # Weights as a list, the larger one on the smaller facility (neither uniform nor by tokens).
     args = ["+experiment=llama_fed", "distributed.nproc_per_node=6", "distributed.federated=[4,2]",
@@ -78,6 +57,7 @@ def test_unequal_hsdp_facilities(tmp_path):
     assert summary["final_loss"] < summary["first_loss"]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not CORPUS.exists(), reason="shared corpus not present")
 def test_text_data(tmp_path):
     # Two facilities of one rank each, each on its own contiguous part of the corpus.
@@ -89,6 +69,8 @@ def test_text_data(tmp_path):
     check_values(tmp_path, summary, [1.0, 1.0])
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_torchrun_entry(tmp_path):
     torchrun = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2")
     args = ["+experiment=llama_fed", "distributed.federated=1", "federation.weights=[3,1]",
@@ -99,6 +81,8 @@ def test_torchrun_entry(tmp_path):
     check_values(tmp_path, summary, [3.0, 1.0])
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_torchrun_bad_input_one_line(tmp_path):
     torchrun = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2")
     proc, _ = run_cli(["+experiment=llama_fed", "federation.every=0"], tmp_path, timeout=90, launcher=torchrun)
@@ -176,8 +160,8 @@ def bad_results(tmp_path_factory):
     root = tmp_path_factory.mktemp("bad")
     cases = [{"args": ["+experiment=llama_fed", *overrides], "run_dir": str(root / str(i))} for i, (overrides, _) in enumerate(BAD)]
     (root / "cases.json").write_text(json.dumps(cases))
-    env = {**os.environ, "WANDB_MODE": "offline"}
-    cmd = [sys.executable, str(Path(__file__).with_name("cli_batch.py")), str(root / "cases.json"), str(root / "results.json")]
+    env = {**os.environ, "WANDB_MODE": "offline", "PYTHONPATH": PYTHONPATH}
+    cmd = [sys.executable, "-m", "workers.cli_batch", str(root / "cases.json"), str(root / "results.json")]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=60 + 10 * len(BAD))
     assert proc.returncode == 0, proc.stderr
     return [Path(c["run_dir"]) for c in cases], json.loads((root / "results.json").read_text())

@@ -7,7 +7,7 @@ import pytest
 from xffl_like.distributed.launch import launch_local
 from xffl_like.distributed.state import read_env
 
-import workers
+from workers import state as workers
 
 
 def expected_coords(sizes, shard):
@@ -20,6 +20,7 @@ def expected_coords(sizes, shard):
     return out
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize(
     "world, federated, hsdp, sizes, shard",
     [

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -16,9 +15,9 @@ from xffl_like.distributed.launch import launch_local
 from xffl_like.schema import StrategyConfig
 from xffl_like.distributed.layout import plan_layout
 
-import strategy_workers as workers
+from helpers import CONF
+from workers import strategy as workers
 
-CONF = Path(__file__).parents[1] / "conf"
 
 
 # ----------------------------------------------------------------------------- pure
@@ -253,6 +252,8 @@ def check_contiguous_reports(reports: list[dict], specs: list[dict]) -> None:
             assert S == 1 or 0 < even < len(first_dims), spec["name"]
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_every_strategy_on_4_processes():
     """FSDP [2, 2] and HSDP [2, 2] x (R=2, S=1): every strategy, both streams counts, modes,
     collectives, dtypes, uniform and weighted, checked on every rank."""
@@ -262,6 +263,8 @@ def test_every_strategy_on_4_processes():
     check_contiguous_reports(reports, LAUNCHES[4])
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_every_strategy_on_6_processes_and_properties():
     """Unequal facilities [4, 2] (R = 2, 1) and three facilities; plus: parameters stay the
     model's, optimizer and forward keep working, ``only`` keeps the rest local (workers)."""

@@ -16,10 +16,13 @@ from omegaconf import OmegaConf
 
 from xffl_like.observe.sweep import FIELDS, collect_jobs, write_sweep_summary
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import REPO as ROOT
+
 TINY = ["train.steps=4", "federation.every=2", "train.batch_size=2", "distributed.nproc_per_node=2"]
 
 
+@pytest.mark.cli
+@pytest.mark.slow
 def test_multirun_summary_with_a_failed_job(tmp_path):
     sweep_dir = tmp_path / "sweep"
     env = {**os.environ, "WANDB_MODE": "offline"}

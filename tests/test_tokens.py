@@ -16,7 +16,7 @@ import torch
 
 tokenizers = pytest.importorskip("tokenizers")
 
-from test_run import REPO, run_cli  # noqa: E402
+from helpers import REPO, run_cli  # noqa: E402
 
 from xffl_like.config import ConfigError, validate_config  # noqa: E402
 from xffl_like.data import build_data  # noqa: E402
@@ -111,6 +111,8 @@ def _find(tokens, window, lo, hi):
     return a + int(hits[0])
 
 
+@pytest.mark.cli
+@pytest.mark.slow
 def test_job_learns_on_bpe_tokens(prepared, tmp_path):
     _, _, out = prepared
     proc, _ = run_cli(["+experiment=llama_fed", "data=tokens", f"data.path={out}", f"model.vocab_size={VOCAB}",
@@ -171,6 +173,7 @@ def test_bad_files_are_refused_by_validation(bad_dirs, prepared, overrides, need
     print(info.value)
 
 
+@pytest.mark.cli
 @pytest.mark.parametrize("overrides, needle", [BAD_FILES[0], BAD_FILES[4]], ids=["bin", "short"])
 def test_bad_files_fail_before_launch(bad_dirs, prepared, overrides, needle, tmp_path):
     """The CLI: exit code, one line, no traceback, nothing written (a pickle dir, a corpus too short)."""

@@ -5,17 +5,14 @@ the GPU launch's CPU-visible logic (backend strings, timeout, exchange on nccl, 
 from __future__ import annotations
 
 import math
-import sys
 from dataclasses import FrozenInstanceError, asdict
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).parent))
-import train_workers  # noqa: E402
-from train_workers import MODEL, rank_sequences  # noqa: E402
+from workers import train as train_workers
+from workers.train import MODEL, rank_sequences
 
 from xffl_like.aggregation import check_collective
 from xffl_like.config import ConfigError, compose_error, validate_config
@@ -166,6 +163,8 @@ def test_chunks_and_checkpointing_keep_less_for_backward():
 CASES = [(2, 2, "none", 1024), (1, 4, "none", 1024), (4, 1, "full", 5)]
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_grad_accum_checkpointing_and_chunks_under_hsdp_match_one_big_batch():
     """4 processes = one facility, HSDP 2 replicas x 2 shards. Every case must give the gradient of
     the mean loss over all 16 sequences, computed here on one unsharded model."""

@@ -13,8 +13,7 @@ import pytest
 
 from xffl_like.distributed.slurm import SlurmOptions, main, render
 
-ROOT = Path(__file__).resolve().parents[1]
-
+from helpers import REPO as ROOT
 
 def test_render_two_facilities():
     scripts = render([2, 1], SlurmOptions(gpus_per_node=4, partition="gpu", time="00:30:00",
@@ -98,6 +97,7 @@ def _run_script(tmp_path: Path, text: str, nnodes: int, endpoint: str | None = N
     return proc, calls
 
 
+@pytest.mark.cli
 def test_scripts_start_one_torchrun_per_node_with_contiguous_node_ranks(tmp_path):
     tricky = "+tags=[a b,c]"  # survives sbatch -> srun -> bash -c -> torchrun intact
     f0, f1 = render([2, 1], SlurmOptions(gpus_per_node=4, overrides=("+experiment=llama_fed", tricky)))
@@ -116,6 +116,7 @@ def test_scripts_start_one_torchrun_per_node_with_contiguous_node_ranks(tmp_path
     assert len(calls) == 1 and "--node-rank=2" in calls[0] and "--rdzv-endpoint=node-a:29500" in calls[0]
 
 
+@pytest.mark.cli
 def test_cli_runs_as_module():
     proc = subprocess.run([sys.executable, "-m", "xffl_like.distributed.slurm", "--nodes", "1", "--gpus-per-node", "2",
                            "--dry-run"], cwd=ROOT, capture_output=True, text=True, timeout=60)

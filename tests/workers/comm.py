@@ -1,5 +1,5 @@
 """Workers for tests/test_comm.py: the same cases over torch (``launch_local``) and over MPI
-(``mpiexec -n 4 python tests/comm_workers.py OUT_DIR``, which also checks the MPI
+(``mpiexec -n 4 python -m workers.comm OUT_DIR`` with tests/ on ``PYTHONPATH``, which also checks the MPI
 rendezvous and ``strategy.transport=mpi``).
 
 Workers only run the operations and return what they got; :func:`check_results`, run by
@@ -219,7 +219,7 @@ TRANSPORT_NAMES = ("fused", "layer_by_layer", "bucket_coalesced", "stacked")
 def aggregation_over_mpi(env) -> dict:
     """Every (layout, strategy, mode, dtype, weights): ``transport=mpi`` against the seed-derived
     mean, and bitwise against ``transport=torch`` where that runs the same exchange (gloo)."""
-    import strategy_workers as sw
+    from workers import strategy as sw
 
     from xffl_like.aggregation import aggregate, build_strategy
     from xffl_like.aggregation.strategy import AGGREGATION_MODES

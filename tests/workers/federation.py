@@ -22,7 +22,7 @@ from xffl_like.federation import Federation, build_federation
 from xffl_like.schema import FederationConfig, StrategyConfig, build_section
 from xffl_like.train.parallelize import contiguous_shards
 
-from strategy_workers import BUCKET_MB, Net, digest, identical_across_peers
+from workers.strategy import BUCKET_MB, Net, digest, identical_across_peers
 
 STRATEGY = StrategyConfig(name="fused", streams=1, bucket_mb=BUCKET_MB, mode="split")
 
@@ -344,7 +344,7 @@ class LayersNet(nn.Module):
 
     def __init__(self):
         super().__init__()
-        from strategy_workers import Block
+        from workers.strategy import Block
 
         self.embed = nn.Embedding(9, 6)
         self.layers = nn.ModuleList([Block() for _ in range(4)])

@@ -6,7 +6,7 @@ fifty cases is minutes of the suite. This runner imports once and then, for each
 own file descriptors 1 and 2 redirected to files (so output written below Python is caught too),
 Hydra's global state cleared and the environment restored afterwards. The exit status is what ``sys.exit`` was given.
 
-Usage: ``python tests/cli_batch.py cases.json results.json``, where cases.json is a list of
+Usage: ``python -m workers.cli_batch cases.json results.json`` (tests/ on ``PYTHONPATH``), where cases.json is a list of
 ``{"args": [...], "run_dir": "..."}``; results.json gets ``[{"rc", "stdout", "stderr"}]`` in order.
 """
 

@@ -19,7 +19,7 @@ import torch
 
 # The fp32 weighted mean of F facilities errs by at most ~4 F 2^-24 max|x| (a few roundings
 # per facility of values no larger than the largest input: see rounding_bound in
-# strategy_workers.py); the Llama weights here are at most ~1.1 in magnitude (norms near 1,
+# workers/strategy.py); the Llama weights here are at most ~1.1 in magnitude (norms near 1,
 # the rest ~0.02), so 1e-6 covers F <= 3 with room. After a few local AdamW steps the
 # facilities differ by far more than that (1e-4 is required below, ~1e-2 is typical).
 ATOL = 1e-6

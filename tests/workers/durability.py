@@ -45,13 +45,12 @@ def nonfinite_round(weight_cases):
 
     out = {"skipped": [], "values": []}
     poison()
-    cfg = {"federation": {"on_nonfinite": "fail"}}
     try:
-        NonFiniteGuard(cfg, state, model, optimizer, Path("/nonexistent")).weights_for_round(None, 3, 8)
+        NonFiniteGuard("fail", state, model, optimizer, Path("/nonexistent")).weights_for_round(None, 3, 8)
         out["fail"] = None
     except NonFiniteError as exc:
         out["fail"] = str(exc)
-    skip = NonFiniteGuard({"federation": {"on_nonfinite": "skip"}}, state, model, optimizer, Path("/nonexistent"))
+    skip = NonFiniteGuard("skip", state, model, optimizer, Path("/nonexistent"))
     for weights in weight_cases:
         poison()
         round_weights, skipped = skip.weights_for_round(weights, 3, 8)

@@ -6,6 +6,8 @@
   facilities separated by an emulated wide-area link (Hydra, ``conf/bench_wan.yaml``).
 - ``python -m xffl_like.bench.parallel`` (:mod:`.parallel`): the data-parallel libraries of
   :mod:`xffl_like.parallel` against DDP, on loopback or across a shaped link.
+- ``python -m xffl_like.bench.data`` (:mod:`.data`): the cost of making a batch against a
+  training step, in one process.
 
 :mod:`.netns` builds the emulated network (Linux network namespaces joined by rate-limited
 veth links) that the last two use.

@@ -28,6 +28,7 @@ import os
 import threading
 import time
 from concurrent.futures import Future
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +44,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from ..schema import as_plain
+from ..schema import CheckpointConfig
 from .store import (
     SafeFileSystemReader,
     SafeLoadPlanner,
@@ -94,9 +95,16 @@ class _HostStager(AsyncStager):
         pass
 
 
-def checkpoint_dir(cfg: dict, run_dir: Path) -> Path:
-    """``checkpoint.dir``, or ``<run_dir>/checkpoints`` when it is null."""
-    configured = (cfg.get("checkpoint") or {}).get("dir")
+def checkpoint_dir(checkpoint: CheckpointConfig | Mapping[str, Any], run_dir: Path) -> Path:
+    """``checkpoint.dir``, or ``<run_dir>/checkpoints`` when it is null.
+
+    ``checkpoint``: the typed section (workers). The launcher side (``job.py``, ``checkpoint/resume.py``)
+    still passes the whole plain config dict, whose ``checkpoint`` entry is read instead.
+    """
+    if isinstance(checkpoint, CheckpointConfig):
+        configured = checkpoint.dir
+    else:
+        configured = (checkpoint.get("checkpoint") or {}).get("dir")
     return Path(configured).expanduser().absolute() if configured else Path(run_dir) / "checkpoints"
 
 
@@ -108,14 +116,18 @@ def restart_count() -> int:
 class Checkpointer:
     """Saves and restores one worker's share of the job's state (construct on every rank)."""
 
-    def __init__(self, cfg: dict, state, run_dir: Path, model: torch.nn.Module, optimizer, scheduler,
-                 federation=None):
-        ccfg = cfg["checkpoint"]
-        self.cfg, self.state, self.run_dir = cfg, state, Path(run_dir)
+    def __init__(self, checkpoint: CheckpointConfig, state, run_dir: Path, model: torch.nn.Module, optimizer,
+                 scheduler, federation=None, *, resume: str | None = None, config: dict | None = None):
+        """``checkpoint``: the ``checkpoint`` section; ``resume``: the job's ``resume`` (a checkpoint path,
+        resolved by the launcher, or None); ``config``: the resolved job config as plain dicts
+        (``schema.as_plain``), recorded in each ``state.json`` for the resume checks."""
+        self.state, self.run_dir = state, Path(run_dir)
+        self.resume, self.config = resume, config
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.federation = federation  # its state_dict(): outer optimizer, theta_global, residuals, counters
-        self.dir = checkpoint_dir(cfg, run_dir)
-        self.every, self.keep, self.use_async = ccfg["every_rounds"], ccfg["keep"], bool(ccfg["async"])
+        self.dir = checkpoint_dir(checkpoint, run_dir)
+        # ``async`` is a Python keyword: no attribute syntax for it.
+        self.every, self.keep, self.use_async = checkpoint.every_rounds, checkpoint.keep, bool(getattr(checkpoint, "async"))
         self.lead = state.rank == 0
         # A group of its own: async saves run collectives from a background thread, which must
         # never interleave with the training loop's collectives on the same group.
@@ -142,8 +154,7 @@ class Checkpointer:
             found = latest_checkpoint(self.dir)
             if found is not None:
                 return found
-        resume = self.cfg.get("resume")
-        return Path(resume) if resume else None
+        return Path(self.resume) if self.resume else None
 
     # ------------------------------------------------------------------ state dicts
     def _state_dicts(self) -> tuple[dict, dict]:
@@ -171,7 +182,7 @@ class Checkpointer:
             "layout": {"world_size": self.state.world_size, "facility_sizes": list(self.state.layout.facility_sizes),
                        "shard_size": self.state.layout.shard_size},
             "run_dir": str(self.run_dir),
-            "config": as_plain(self.cfg),
+            "config": self.config,
             "saved_at": time.time(),
         }
 

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..models.llama import LlamaConfig, fill_local_
+from ..schema import DataConfig, ExportConfig
 
 __all__ = [
     "HF_SUFFIXES",
@@ -356,25 +357,26 @@ def export_hf(model: nn.Module, state, out_dir: str | os.PathLike, *, base_confi
     dist.barrier()
 
 
-
-def export_job(model: nn.Module, state, cfg: dict, run_dir: str | os.PathLike) -> Path:
-    """``export.hf=true`` at the end of a job: ``<run_dir>/hf/`` with the weights, ``config.json``
-    (token ids and other non-shape keys of an imported model kept) and the tokenizer files
-    (``data.tokenizer``, or for ``data=tokens`` the one ``prepare`` recorded) unless it is ``byte``,
-    so that transformers loads model and tokenizer from it."""
+def export_job(model: nn.Module, state, run_dir: str | os.PathLike, export: ExportConfig, data: DataConfig,
+               base_model: str | None = None) -> Path:
+    """``export.hf=true`` at the end of a job: ``<run_dir>/hf/`` with the weights (files of at most
+    ``export.max_shard_mb``), ``config.json`` (token ids and other non-shape keys of the model imported from
+    ``base_model``, the job's ``model.path``, kept) and the tokenizer files (``data.tokenizer``, or for
+    ``data=tokens`` the one ``prepare`` recorded) unless it is ``byte``, so that transformers loads model and
+    tokenizer from it."""
     out = Path(run_dir) / "hf"
     base = None
-    if cfg["model"].get("path"):
-        base = json.loads((Path(cfg["model"]["path"]) / "config.json").read_text())
-    export_hf(model, state, out, base_config=base, max_shard_bytes=int(cfg["export"]["max_shard_mb"] * 2**20))
+    if base_model:
+        base = json.loads((Path(base_model) / "config.json").read_text())
+    export_hf(model, state, out, base_config=base, max_shard_bytes=int(export.max_shard_mb * 2**20))
     if state.rank == 0:
         from ..data.tokenizer import tokenizer_files
 
-        spec = cfg["data"].get("tokenizer", "byte")
-        if cfg["data"].get("name") == "tokens":  # the tokenizer that prepare recorded
+        spec = data.tokenizer
+        if data.name == "tokens":  # the tokenizer that prepare recorded
             from ..data.tokens import read_meta
 
-            spec = read_meta(Path(cfg["data"]["path"]))["tokenizer"]
+            spec = read_meta(Path(data.path))["tokenizer"]
         try:
             for file in tokenizer_files(spec):
                 shutil.copyfile(file, out / file.name)

@@ -18,6 +18,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .loss import chunked_cross_entropy
 from ..checks import is_int, is_number
+from ..schema import ModelConfig
 
 try:  # FSDP2 turns parameters into DTensors; init_weights fills only the local shard.
     from torch.distributed.tensor import DTensor
@@ -67,6 +68,11 @@ class LlamaConfig:
         if self.head_dim % 2:
             raise ValueError(f"head_dim = model.dim / model.n_heads = {self.head_dim} is odd but RoPE needs it even; "
                              f"change model.dim or model.n_heads.")
+
+    @classmethod
+    def from_model(cls, model: ModelConfig) -> "LlamaConfig":
+        """The shape of the typed ``model`` section (what workers hold); checked as :meth:`from_mapping` does."""
+        return cls.from_mapping({f.name: getattr(model, f.name) for f in fields(model)})
 
     @classmethod
     def from_mapping(cls, m: Mapping[str, Any]) -> "LlamaConfig":
@@ -331,14 +337,23 @@ def fill_local_(p: torch.Tensor, rows) -> None:
         raise ValueError(f"filled {at} rows of a local shard of {local.shape[0]} rows")
 
 
-def build_model(cfg_model, *, device="cpu", dtype=torch.float32, seed: int | None = 0) -> Llama:
-    """Build a Llama from a conf/model mapping (or a LlamaConfig). On "meta" nothing is initialised:
-    call `model.to_empty(device=...)` then `model.init_weights(seed)` later (e.g. after fully_shard)."""
-    cfg = cfg_model if isinstance(cfg_model, LlamaConfig) else LlamaConfig.from_mapping(cfg_model)
-    model = Llama(cfg, device=device, dtype=dtype)
+def build_model(model: ModelConfig | LlamaConfig | Mapping[str, Any], *, device="cpu", dtype=torch.float32,
+                seed: int | None = 0) -> Llama:
+    """Build a Llama from the typed ``model`` section (workers) or a LlamaConfig. On "meta" nothing is
+    initialised: call `model.to_empty(device=...)` then `model.init_weights(seed)` later (e.g. after fully_shard).
+
+    A plain conf/model mapping (dict or DictConfig) is read through :meth:`LlamaConfig.from_mapping`: the
+    launcher's validation (``config.py``, ``checkpoint/resume.py``), ``bench.aggregation`` and tests pass one."""
+    if isinstance(model, LlamaConfig):
+        cfg = model
+    elif isinstance(model, ModelConfig):
+        cfg = LlamaConfig.from_model(model)
+    else:
+        cfg = LlamaConfig.from_mapping(model)
+    llama = Llama(cfg, device=device, dtype=dtype)
     if torch.device(device).type != "meta":
-        model.init_weights(seed)
-    return model
+        llama.init_weights(seed)
+    return llama
 
 
 def count_parameters(model: nn.Module) -> int:

@@ -19,6 +19,7 @@ import statistics
 import sys
 from pathlib import Path
 
+from ..schema import LoggerConfig, StrategyConfig, TrainConfig
 from .plots import plot_aggregation, plot_losses
 from .progress import Progress
 from .timing import format_phase_table
@@ -57,20 +58,23 @@ def truncate_metrics(path: Path, step: int) -> None:
 
 
 class Observer:
-    def __init__(self, cfg: dict, state, run_dir: Path, restored: dict | None = None, rounds_at=None):
-        """``restored``: the ``state.json`` of the checkpoint a resumed job starts from (its
+    def __init__(self, train: TrainConfig, strategy: StrategyConfig, logger: LoggerConfig, state, run_dir: Path,
+                 restored: dict | None = None, rounds_at=None, *, experiment: str, config: dict | None = None):
+        """``train`` (``steps``, ``log_every``), ``strategy`` (name and streams, in the round rows) and
+        ``logger`` are the job's sections; ``experiment`` names the W&B runs, whose W&B config is ``config``
+        (the resolved job config as plain dicts; only read with ``logger=wandb``).
+        ``restored``: the ``state.json`` of the checkpoint a resumed job starts from (its
         ``step``, ``rounds`` and ``wandb_ids`` continue the files and W&B runs). ``rounds_at``:
         the federation's ``applies_at`` (whether rounds end after a step), for the progress line."""
-        self.cfg, self.state, self.run_dir = cfg, state, Path(run_dir)
+        self.state, self.run_dir = state, Path(run_dir)
         self.first_step = restored["step"] if restored else 0
-        self.steps = cfg["train"]["steps"]
-        self.strategy = cfg["strategy"]["name"]
-        self.streams = cfg["strategy"]["streams"]
+        self.steps = train.steps
+        self.strategy = strategy.name
+        self.streams = strategy.streams
         self.facility_lead = state.facility_rank == 0
         self.lead = state.rank == 0
-        logger = (cfg.get("logger") or {}).get("name", "none")
-        if logger not in LOGGERS:
-            raise ValueError(f"logger.name={logger!r}: use one of {', '.join(LOGGERS)}")
+        if logger.name not in LOGGERS:
+            raise ValueError(f"logger.name={logger.name!r}: use one of {', '.join(LOGGERS)}")
         # Facilities may not share a file system: each makes the run directory it writes to.
         if self.facility_lead:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -86,7 +90,7 @@ class Observer:
         self.progress = None
         if self.lead:
             # Rounds as the federation schedules them; parallel=decentralized|bagua have none.
-            self.progress = Progress(self.steps, 0, cfg["train"]["log_every"], facilities=state.num_facilities,
+            self.progress = Progress(self.steps, 0, train.log_every, facilities=state.num_facilities,
                                      rounds_at=rounds_at)
             self.progress.print(state.layout.describe())
             self._agg_file = open(self.run_dir / "aggregation.csv", "w", newline="")
@@ -97,11 +101,12 @@ class Observer:
         # system do not cut each other's lines.
         self._metrics = open(self.run_dir / "metrics.jsonl", "a", buffering=1) if self.facility_lead else None
         self.wandb = None
-        if self.facility_lead and logger == "wandb":
+        if self.facility_lead and logger.name == "wandb":
             from .wandb_logger import WandbLogger
 
             ids = (restored or {}).get("wandb_ids") or []
-            self.wandb = WandbLogger(cfg, state, self.run_dir, ids[state.facility] if state.facility < len(ids) else None)
+            self.wandb = WandbLogger(logger, state, self.run_dir, ids[state.facility] if state.facility < len(ids) else None,
+                                     experiment=experiment, strategy=self.strategy, config=config or {})
 
     def step(self, step: int, loss: float, lr: float, tokens_per_step: int, elapsed: float,
              evals: dict | None = None, consensus: float | None = None) -> None:

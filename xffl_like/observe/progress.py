@@ -1,7 +1,8 @@
-"""Rank 0's progress output: a carriage-return bar on a terminal, plain lines otherwise.
+"""Rank 0's progress output: a ``tqdm`` bar on a terminal, plain lines otherwise.
 
-On a TTY the bar is redrawn in place (at most ten times a second, and always on the
-last step). Anywhere else (CI, Slurm logs, pipes) it prints one plain line every
+On a TTY the bar (step, loss, tokens/s, steps to the next aggregation, the last one's time,
+elapsed and remaining time) is redrawn in place by ``tqdm`` (at most ten times a second, and
+always on the last step). Anywhere else (CI, Slurm logs, pipes) it prints one plain line every
 ``log_every`` steps, plus the first and last step, and one line per aggregation round
 that falls on such a step: no carriage returns, no escape sequences.
 """
@@ -9,13 +10,14 @@ that falls on such a step: no carriage returns, no escape sequences.
 from __future__ import annotations
 
 import sys
-import time
 from typing import Callable, TextIO
+
+from tqdm import tqdm
 
 __all__ = ["Progress", "format_bytes", "steps_to_aggregation", "steps_to_round"]
 
 BAR_WIDTH = 20
-REDRAW_S = 0.1
+REDRAW_S = 0.1  # tqdm's mininterval
 
 
 def format_bytes(n: float) -> str:
@@ -45,12 +47,6 @@ def steps_to_round(step: int, steps: int, rounds_at: Callable[[int], bool]) -> i
     return None
 
 
-def _clock(seconds: float) -> str:
-    minutes, s = divmod(int(seconds), 60)
-    h, m = divmod(minutes, 60)
-    return f"{h}:{m:02d}:{s:02d}" if h else f"{m:02d}:{s:02d}"
-
-
 class Progress:
     """Progress of one job as seen from rank 0. ``tty=None`` asks the stream.
 
@@ -71,11 +67,8 @@ class Progress:
         self.stream = stream or sys.stdout
         isatty = getattr(self.stream, "isatty", None)
         self.tty = bool(isatty and isatty()) if tty is None else tty
-        self._start = time.perf_counter()
-        self._drawn_at = 0.0
-        self._width = 0
         self._last_round = ""
-        self._open = False  # a bar is on screen without its newline
+        self._bar: tqdm | None = None  # on a TTY, from the first step until close()
 
     def _due(self, step: int) -> bool:
         return step == 1 or step % self.log_every == 0 or step == self.steps
@@ -84,10 +77,7 @@ class Progress:
         """After optimizer step ``step`` (1-based)."""
         left = self._left(step)
         if self.tty:
-            now = time.perf_counter()
-            if step == self.steps or now - self._drawn_at >= REDRAW_S:
-                self._drawn_at = now
-                self._draw(step, loss, tokens_per_s, left, now - self._start)
+            self._draw(step, loss, tokens_per_s, left)
         elif self._due(step):
             nxt = "" if left is None else "aggregating" if left == 0 else f"next aggregation in {left} steps"
             self._print(f"step {step:>5}/{self.steps}  {self.loss_label} {loss:.4f}  {tokens_per_s:,.0f} tok/s  {nxt}")
@@ -120,22 +110,25 @@ class Progress:
         self._print(text)
 
     def close(self) -> None:
-        if self._open:
-            self.stream.write("\n")
-            self.stream.flush()
-            self._open = False
+        """End the bar's line (tqdm draws it a last time), if one is on screen."""
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
 
-    def _draw(self, step: int, loss: float, tokens_per_s: float, left: int | None, elapsed: float) -> None:
-        done = int(BAR_WIDTH * step / self.steps)
-        eta = elapsed / step * (self.steps - step)
+    def _draw(self, step: int, loss: float, tokens_per_s: float, left: int | None) -> None:
         nxt = "" if left is None else "aggregating" if left == 0 else f"aggregation in {left}"
-        line = (f"step {step:>{len(str(self.steps))}}/{self.steps} [{'#' * done}{'.' * (BAR_WIDTH - done)}] "
-                f"{self.loss_label} {loss:.4f}  {tokens_per_s:,.0f} tok/s  {nxt}{self._last_round}  {_clock(elapsed)}<{_clock(eta)}")
-        pad = " " * max(0, self._width - len(line))  # blank out the rest of a longer previous line
-        self._width = len(line)
-        self.stream.write("\r" + line + pad)
-        self.stream.flush()
-        self._open = True
+        stats = f"{self.loss_label} {loss:.4f}  {tokens_per_s:,.0f} tok/s  {nxt}{self._last_round}"
+        if self._bar is None:  # drawn at once, at this step: no empty bar before the first step
+            # ``{desc}`` holds the statistics: tqdm's ``{postfix}`` would prefix them with ", ".
+            self._bar = tqdm(total=self.steps, initial=step, desc=stats, file=self.stream, ascii=".#",
+                             mininterval=REDRAW_S, leave=True,
+                             bar_format=f"step {{n:>{len(str(self.steps))}}}/{{total_fmt}} [{{bar:{BAR_WIDTH}}}] "
+                                        f"{{desc}}  {{elapsed}}<{{remaining}}")
+            return
+        self._bar.set_description_str(stats, refresh=False)
+        self._bar.update(step - self._bar.n)  # redraws when REDRAW_S has passed
+        if step == self.steps:
+            self._bar.refresh()
 
     def _print(self, text: str) -> None:
         self.stream.write(text + "\n")

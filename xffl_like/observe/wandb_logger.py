@@ -12,7 +12,7 @@ import hashlib
 import os
 from pathlib import Path
 
-from ..schema import as_plain
+from ..schema import LoggerConfig
 
 __all__ = ["WandbLogger", "load_summary", "wandb_group", "wandb_mode", "wandb_run_ids", "wandb_run_name"]
 
@@ -26,22 +26,22 @@ _QUIET_ENV = {
 }
 
 
-def wandb_mode(logger_cfg: dict, environ=os.environ) -> str:
-    return logger_cfg.get("mode") or environ.get("WANDB_MODE") or "offline"
+def wandb_mode(logger: LoggerConfig, environ=os.environ) -> str:
+    return logger.mode or environ.get("WANDB_MODE") or "offline"
 
 
-def wandb_group(cfg: dict, run_dir: Path) -> str:
+def wandb_group(logger: LoggerConfig, experiment: str, run_dir: Path) -> str:
     """``logger.group``, else experiment + run-dir name (+ the sweep's dir name for a sweep job).
 
     A sweep job's directory (``<sweep>/<num>_<strategy>``) is named only within its sweep,
     so the sweep directory's name (its time stamp) is prefixed to keep groups unique.
     """
-    if cfg["logger"].get("group"):
-        return str(cfg["logger"]["group"])
+    if logger.group:
+        return str(logger.group)
     run_dir = Path(run_dir)
     in_sweep = (run_dir.parent / "multirun.yaml").exists()
     name = f"{run_dir.parent.name}-{run_dir.name}" if in_sweep else run_dir.name
-    return f"{cfg['experiment']}-{name}"
+    return f"{experiment}-{name}"
 
 
 def wandb_run_ids(run_dir: Path, num_facilities: int) -> list[str]:
@@ -51,8 +51,8 @@ def wandb_run_ids(run_dir: Path, num_facilities: int) -> list[str]:
     return [f"{digest}-f{f}" for f in range(num_facilities)]
 
 
-def wandb_run_name(cfg: dict, facility: int) -> str:
-    return f"{cfg['experiment']}-{cfg['strategy']['name']}-f{facility}"
+def wandb_run_name(experiment: str, strategy: str, facility: int) -> str:
+    return f"{experiment}-{strategy}-f{facility}"
 
 
 def load_summary(phases: dict) -> dict:
@@ -70,17 +70,22 @@ def load_summary(phases: dict) -> dict:
 
 
 class WandbLogger:
-    """The W&B run of one facility (built on that facility's first rank)."""
+    """The W&B run of one facility (built on that facility's first rank).
 
-    def __init__(self, cfg: dict, state, run_dir: Path, run_id: str | None = None):
+    ``logger``: the ``logger`` section; ``experiment`` and ``strategy`` (its name) name the run and group;
+    ``config``: the resolved job config as plain dicts (``schema.as_plain``), recorded whole as the run's
+    W&B config so that runs can be filtered and compared by any key.
+    """
+
+    def __init__(self, logger: LoggerConfig, state, run_dir: Path, run_id: str | None = None, *, experiment: str,
+                 strategy: str, config: dict):
         for key, value in _QUIET_ENV.items():
             os.environ.setdefault(key, value)
         import wandb  # lazy: only jobs with logger=wandb pay for it
 
-        lcfg = cfg["logger"]
-        self.mode = wandb_mode(lcfg)
+        self.mode = wandb_mode(logger)
         self.dir = Path(run_dir)
-        config = as_plain(cfg)
+        config = dict(config)
         config["job"] = {
             "facility": state.facility,
             "num_facilities": state.num_facilities,
@@ -89,12 +94,12 @@ class WandbLogger:
             "run_dir": str(run_dir),
         }
         self.run = wandb.init(
-            project=lcfg.get("project") or "xffl_like",
-            entity=lcfg.get("entity"),
-            group=wandb_group(cfg, run_dir),
-            name=wandb_run_name(cfg, state.facility),
+            project=logger.project or "xffl_like",
+            entity=logger.entity,
+            group=wandb_group(logger, experiment, run_dir),
+            name=wandb_run_name(experiment, strategy, state.facility),
             job_type="train",
-            tags=list(lcfg.get("tags") or []) + [f"facility{state.facility}", cfg["strategy"]["name"]],
+            tags=list(logger.tags or []) + [f"facility{state.facility}", strategy],
             config=config,
             dir=str(self.dir),
             mode=self.mode,
@@ -119,7 +124,3 @@ class WandbLogger:
             self.run.summary.update({f"job/{k}": summary[k] for k in keys if k in summary})
             self.run.summary.update(load_summary(summary.get("phases") or {}))
         self.run.finish()
-
-    @property
-    def run_path(self) -> str:
-        return str(Path(self.run.dir).parent)  # <run_dir>/wandb/<mode>-run-<stamp>-<id>

@@ -21,34 +21,34 @@ from ..distributed.state import DistributedState, all_peer_groups
 from ..models import build_model
 from ..observe import Observer
 from ..observe.timing import PhaseTimer, gather_phase_table
+from ..schema import JobConfig, as_plain
 from .dataparallel import DataParallel
 from .evaluate import evaluate, facility_eval
 from .fault import FaultInjector
-from .optim import OptimConfig
 from .parallelize import peak_rss_mb
 from .round_dump import RoundDump
-from .step import TrainConfig, accumulate_gradients
+from .step import accumulate_gradients
 from .summary import gather_facility_losses, job_summary, max_param_divergence
 
 __all__ = ["train_data_parallel"]
 
 
-def train_data_parallel(cfg: dict, state: DistributedState, run_dir: Path, started_at: float) -> dict | None:
-    """Train with ``cfg["parallel"]`` on this rank's full copy; rank 0 returns the summary."""
-    tcfg, ocfg = TrainConfig.from_mapping(cfg["train"]), OptimConfig.from_mapping(cfg["optim"])
+def train_data_parallel(cfg: JobConfig, state: DistributedState, run_dir: Path, started_at: float) -> dict | None:
+    """Train with ``cfg.parallel`` on this rank's full copy; rank 0 returns the summary."""
+    tcfg, ocfg = cfg.train, cfg.optim
     steps, device, accum = tcfg.steps, state.device, tcfg.grad_accum
-    torch.manual_seed(cfg["seed"])
-    model = build_model(cfg["model"], device=device, seed=cfg["seed"])  # the same start on every rank
-    if cfg["model"].get("path"):
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg.model, device=device, seed=cfg.seed)  # the same start on every rank
+    if cfg.model.path:
         from ..checkpoint.hf import load_hf_weights
 
-        load_hf_weights(model, cfg["model"]["path"])
-    dp = DataParallel(cfg, state, model, ocfg, steps)
+        load_hf_weights(model, cfg.model.path)
+    dp = DataParallel(cfg, state, model, ocfg, steps)  # the whole JobConfig: train/dataparallel.py's signature
     setup_rss = torch.tensor(peak_rss_mb(), dtype=torch.float64)
     dist.all_reduce(setup_rss, op=dist.ReduceOp.MAX)
     data = build_data(
-        cfg["data"], vocab_size=cfg["model"]["vocab_size"], seq_len=tcfg.seq_len, batch_size=tcfg.batch_size,
-        seed=cfg["seed"], facility=state.facility, num_facilities=state.num_facilities,
+        cfg.data, vocab_size=cfg.model.vocab_size, seq_len=tcfg.seq_len, batch_size=tcfg.batch_size,
+        seed=cfg.seed, facility=state.facility, num_facilities=state.num_facilities,
         facility_rank=state.facility_rank, facility_size=state.facility_size,
     )
     dump = RoundDump(model, state)  # tests only ($XFFL_TEST_DUMP_ROUNDS): the copies around switches and the end
@@ -57,8 +57,9 @@ def train_data_parallel(cfg: dict, state: DistributedState, run_dir: Path, start
     losses = torch.zeros(state.num_facilities, steps, dtype=torch.float64)
     evals: list[dict] = []
     consensus: list[dict] = []
-    observer = Observer(cfg, state, run_dir)
-    fault = FaultInjector(cfg, state.rank)
+    observer = Observer(tcfg, cfg.strategy, cfg.logger, state, run_dir, experiment=cfg.experiment,
+                        config=as_plain(cfg))
+    fault = FaultInjector(cfg.fault, state.rank)
     timer = PhaseTimer(device)
 
     dist.barrier()
@@ -101,15 +102,15 @@ def train_data_parallel(cfg: dict, state: DistributedState, run_dir: Path, start
     divergence = max_param_divergence(model, state, all_peer_groups(state))
     gather_facility_losses(losses, state)
     phases = gather_phase_table(timer, state, steps)
-    if cfg.get("export", {}).get("hf"):
+    if cfg.export.hf:
         from ..checkpoint.hf import export_job
 
-        export_job(model, state, cfg, run_dir)
+        export_job(model, state, run_dir, cfg.export, cfg.data, base_model=cfg.model.path)
     if state.rank != 0:
         observer.finish(None)
         return None
     summary = job_summary(
-        cfg, state, losses=losses, steps=steps, trained_steps=steps, tokens_per_step=tokens_per_step,
+        cfg.experiment, state, losses=losses, steps=steps, trained_steps=steps, tokens_per_step=tokens_per_step,
         train_seconds=train_seconds, train_started_at=train_started_at, started_at=started_at, eval_loss=eval_loss,
         evals=evals, divergence=divergence, phases=phases, setup_rss=setup_rss,
         extra={"parallel": dp.describe(), "consensus_distance": consensus,

@@ -17,19 +17,19 @@ import time
 import torch
 
 from ..checkpoint.dcp import restart_count
+from ..schema import FaultConfig
 
 __all__ = ["FaultInjector"]
 
 
 class FaultInjector:
-    """The ``fault`` config node of one rank."""
+    """The ``fault`` config section as it applies to rank ``rank``."""
 
-    def __init__(self, cfg: dict, rank: int):
-        fcfg = cfg.get("fault") or {}
-        self.kill = fcfg.get("kill_rank") == rank and restart_count() == 0
-        self.kill_step = fcfg.get("at_step")
-        self.nan = fcfg.get("nan_rank") == rank
-        self.nan_step = fcfg.get("nan_step")
+    def __init__(self, fault: FaultConfig, rank: int):
+        self.kill = fault.kill_rank == rank and restart_count() == 0
+        self.kill_step = fault.at_step
+        self.nan = fault.nan_rank == rank
+        self.nan_step = fault.nan_step
 
     def before_step(self, step: int) -> None:
         """Start of step ``step`` (1-based)."""

@@ -22,7 +22,7 @@ from ..distributed.state import DistributedState, all_peer_groups, build_state, 
 from ..federation import FederationSchedule
 from ..observe import Observer
 from ..observe.timing import PhaseTimer, gather_phase_table
-from ..schema import JobConfig
+from ..schema import JobConfig, as_plain
 from .evaluate import eval_points, evaluate, facility_eval
 from .optim import build_optimizer, build_scheduler
 from .fault import FaultInjector
@@ -43,7 +43,7 @@ def train_worker(cfg: JobConfig, run_dir: str, started_at: float | None = None) 
         layout, env, backend=dcfg.backend, num_streams=cfg.strategy.streams, timeout_s=dcfg.timeout_s
     )
     try:
-        if (cfg.get("parallel") or {}).get("name", "fsdp") != "fsdp":  # full copies: Decent-DP or Bagua
+        if cfg.parallel.name != "fsdp":  # full copies: Decent-DP or Bagua
             from .dataparallel_loop import train_data_parallel
 
             return train_data_parallel(cfg, state, Path(run_dir), started_at or time.time())
@@ -75,15 +75,18 @@ def _train(cfg: JobConfig, state: DistributedState, run_dir: Path, started_at: f
     eval_batches = data.eval_batches()
     # Row f holds facility f's mean loss per step (filled by this rank's facility share).
     losses = torch.zeros(state.num_facilities, steps, dtype=torch.float64)
-    ckpt = Checkpointer(cfg, state, run_dir, model, optimizer, scheduler, federation)
+    resolved = as_plain(cfg)  # recorded whole in each checkpoint's state.json and as W&B's run config
+    ckpt = Checkpointer(cfg.checkpoint, state, run_dir, model, optimizer, scheduler, federation,
+                        resume=cfg.resume, config=resolved)
     restored = ckpt.restore(losses)  # None: a fresh start
     start_step = restored["step"] if restored else 0
     rounds: list[dict] = list(restored["rounds"]) if restored else []
     # {"step", "loss_local", "loss_global", "time"}: losses per facility, None when not evaluated
     evals: list[dict] = list(restored.get("records", {}).get("evals", [])) if restored else []
-    observer = Observer(cfg, state, run_dir, restored, rounds_at=federation.applies_at)
-    fault = FaultInjector(cfg, state.rank)
-    guard = NonFiniteGuard(cfg, state, model, optimizer, ckpt.dir)
+    observer = Observer(tcfg, cfg.strategy, cfg.logger, state, run_dir, restored, rounds_at=federation.applies_at,
+                        experiment=cfg.experiment, config=resolved)
+    fault = FaultInjector(cfg.fault, state.rank)
+    guard = NonFiniteGuard(cfg.federation.on_nonfinite, state, model, optimizer, ckpt.dir)
     timer = PhaseTimer(device)
 
     def adjust(done):  # the non-finite guard sets the weights of a round ending or starting after `done` steps
@@ -156,7 +159,7 @@ def _train(cfg: JobConfig, state: DistributedState, run_dir: Path, started_at: f
     if cfg.export.hf:
         from ..checkpoint.hf import export_job
 
-        export_job(model, state, cfg, run_dir)
+        export_job(model, state, run_dir, cfg.export, cfg.data, base_model=cfg.model.path)
     # The slowest rank's aggregation time is the round's time.
     agg = torch.tensor([r["seconds"] for r in rounds], dtype=torch.float64)
     dist.all_reduce(agg, op=dist.ReduceOp.MAX)
@@ -167,7 +170,7 @@ def _train(cfg: JobConfig, state: DistributedState, run_dir: Path, started_at: f
         observer.finish(None)
         return None
     summary = job_summary(
-        cfg, state, losses=losses, steps=steps, trained_steps=steps - start_step, tokens_per_step=tokens_per_step,
+        cfg.experiment, state, losses=losses, steps=steps, trained_steps=steps - start_step, tokens_per_step=tokens_per_step,
         train_seconds=train_seconds, train_started_at=train_started_at, started_at=started_at, eval_loss=eval_loss,
         evals=evals, divergence=divergence, phases=phases, setup_rss=setup_rss, rounds=rounds,
         strategy={"name": cfg.strategy.name, "streams": cfg.strategy.streams}, federation=federation.describe(),

@@ -55,10 +55,11 @@ def nonfinite_facilities(model: torch.nn.Module, state) -> list[int]:
 
 
 class NonFiniteGuard:
-    """Checks a facility's weights before each round and applies ``federation.on_nonfinite``."""
+    """Checks a facility's weights before each round and applies ``policy`` (``federation.on_nonfinite``:
+    ``fail`` or ``skip``); ``checkpoint_dir`` is where the error message looks for the last good checkpoint."""
 
-    def __init__(self, cfg: dict, state, model, optimizer, checkpoint_dir: Path):
-        self.policy = cfg["federation"].get("on_nonfinite", "fail")
+    def __init__(self, policy: str, state, model, optimizer, checkpoint_dir: Path):
+        self.policy = policy
         self.state, self.model, self.optimizer, self.dir = state, model, optimizer, checkpoint_dir
 
     def weights_for_round(self, weights: list[float] | None, round_index: int, step: int) -> tuple[list[float] | None, list[int]]:

@@ -1,6 +1,6 @@
 """The local optimizer: its typed config, parameter groups and learning-rate schedule.
 
-``OptimConfig.from_mapping(cfg["optim"])`` (:mod:`xffl_like.schema`) checks every ``optim.*``
+``OptimConfig.from_mapping`` (:func:`xffl_like.schema.job_config`, on the plain ``optim`` dict) checks every ``optim.*``
 value once, in the launching process; workers receive the checked object and call
 :func:`build_optimizer` and :func:`build_scheduler`. The schedule is a
 ``LambdaLR`` whose factor is a small callable object, so ``scheduler.state_dict()`` holds

@@ -8,6 +8,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from ..distributed.state import DistributedState
 from ..models import build_model
+from ..schema import ModelConfig
 
 __all__ = ["DTYPES", "build_sharded_model", "contiguous_shards", "peak_rss_mb", "shard_model"]
 
@@ -26,7 +27,7 @@ def shard_model(model: nn.Module, state: DistributedState, dtype: str = "float32
     return model
 
 
-def build_sharded_model(cfg_model: dict, state: DistributedState, dtype: str = "float32", seed: int = 0) -> nn.Module:
+def build_sharded_model(cfg_model: ModelConfig, state: DistributedState, dtype: str = "float32", seed: int = 0) -> nn.Module:
     """The facility's sharded model, initialised from ``seed`` or loaded from ``model.path`` (HF).
 
     ``model.init=meta``: build on the meta device, ``fully_shard``, allocate only the local
@@ -35,8 +36,8 @@ def build_sharded_model(cfg_model: dict, state: DistributedState, dtype: str = "
     the safetensors files. ``model.init=full``: every rank builds and initialises the whole
     model first (same values), then shards it: simple, but the peak memory is the full model.
     """
-    path = cfg_model.get("path")
-    if cfg_model.get("init", "full") == "meta":
+    path = cfg_model.path
+    if cfg_model.init == "meta":
         model = build_model(cfg_model, device="meta")
         shard_model(model, state, dtype)
         model.to_empty(device=state.device)

@@ -1,6 +1,6 @@
 """One local optimizer step's forward and backward: the typed ``train`` config, micro-batches.
 
-``TrainConfig.from_mapping(cfg["train"])`` (:mod:`xffl_like.schema`) checks every ``train.*``
+``TrainConfig.from_mapping`` (:func:`xffl_like.schema.job_config`, on the plain ``train`` dict) checks every ``train.*``
 value once, in the launching process; workers receive the checked object. :func:`accumulate_gradients`
 runs the ``train.grad_accum`` micro-batches of one step; the optimizer step itself stays in
 the loop.

@@ -84,18 +84,18 @@ def gather_facility_losses(losses: torch.Tensor, state: DistributedState) -> tor
     return losses
 
 
-def job_summary(cfg, state: DistributedState, *, losses: torch.Tensor, steps: int, trained_steps: int,
+def job_summary(experiment: str, state: DistributedState, *, losses: torch.Tensor, steps: int, trained_steps: int,
                 tokens_per_step: int, train_seconds: float, train_started_at: float, started_at: float,
                 eval_loss: float, evals: list[dict], divergence: float, phases: dict, setup_rss: torch.Tensor,
                 rounds: list[dict] | None = None, strategy: dict | None = None, federation: dict | None = None,
                 checkpoints=None, extra: dict | None = None) -> dict:
-    """The summary (rank 0): ``losses`` from :func:`gather_facility_losses`, ``trained_steps`` the
+    """The summary (rank 0) of job ``experiment``: ``losses`` from :func:`gather_facility_losses`, ``trained_steps`` the
     steps this process ran (fewer than ``steps`` after a resume), ``rounds`` the round records
     (none without federated rounds), ``extra`` keys of one loop only (e.g. ``parallel``)."""
     rounds = rounds or []
     per_step = losses.mean(dim=0)
     return {
-        "experiment": cfg["experiment"],
+        "experiment": experiment,
         "world_size": state.world_size,
         "layout": {
             "facility_sizes": list(state.layout.facility_sizes),

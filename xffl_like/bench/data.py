@@ -1,4 +1,4 @@
-"""``python -m xffl_like.data.bench``: the cost of making a batch, against a training step.
+"""``python -m xffl_like.bench.data``: the cost of making a batch, against a training step.
 
 In one process, side by side: the time ``train_batch`` takes for the synthetic source
 (and for the text source with ``--text PATH``) and the time of one training step
@@ -6,7 +6,7 @@ In one process, side by side: the time ``train_batch`` takes for the synthetic s
 path that costs a small fraction of a step: ``data/step`` well below 0.1 (a synthetic
 batch of 8 x 256 tokens takes a few ms on one CPU core). Timings stay out of the tests.
 
-    python -m xffl_like.data.bench --seq-len 256 --batch-size 8 --text ../shared/data/tinyshakespeare.txt
+    python -m xffl_like.bench.data --seq-len 256 --batch-size 8 --text ../shared/data/tinyshakespeare.txt
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
+from ..data import build_data, validate_data
 from ..schema import DataConfig
-from . import build_data, validate_data
 
 MODEL_DIR = Path(__file__).resolve().parents[2] / "conf" / "model"
 
@@ -38,7 +38,7 @@ def _median_seconds(fn, repeats: int) -> float:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     """Print one line per data source: ms per batch, ms per step, their ratio; return the rows."""
-    parser = argparse.ArgumentParser(prog="python -m xffl_like.data.bench", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m xffl_like.bench.data", description=__doc__.splitlines()[0])
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=20)

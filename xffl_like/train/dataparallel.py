@@ -1,15 +1,20 @@
 """The ``parallel`` config group: Decent-DP or Bagua data parallelism in the main job.
 
 ``parallel=fsdp`` (the default) is the FSDP2/HSDP path with the federation's rounds
-(:mod:`.loop`). ``parallel=decentralized`` and ``parallel=bagua`` keep a full copy of the
-model on every rank and let :mod:`xffl_like.parallel` keep the copies in step: no FSDP,
-no rounds across facilities. Facilities still partition the data (non-IID per facility)
+(:class:`~.sync.FederatedSync`). ``parallel=decentralized`` and ``parallel=bagua`` keep a full
+copy of the model on every rank and let :mod:`xffl_like.parallel` keep the copies in step
+(:class:`DataParallelSync`, the same worker loop, :mod:`.loop`): no FSDP, no rounds across
+facilities, no checkpoints. The consensus distance (mean distance of the copies to their
+average) is logged at every log step: ``consensus_distance`` in ``metrics.jsonl``,
+``train/consensus_distance`` on W&B, the history and the last value in ``summary.json``.
+After the last step every copy becomes the exact mean of all copies; the final evaluation
+and the export see that one model. Facilities still partition the data (non-IID per facility)
 and, for Bagua's hierarchical modes and ``alternating-exp-ring``, are the "nodes".
 
 The section's type is :class:`xffl_like.schema.ParallelConfig`; the launcher checks it
 (:func:`xffl_like.parallel.options.validate_parallel`) and its relations to the other
 sections (:func:`xffl_like.config.validate_config`) before any worker starts;
-:class:`DataParallel` builds the wrapped model in a worker from the validated section.
+:class:`DataParallelSync` builds the wrapped model in a worker from the validated section.
 """
 
 from __future__ import annotations
@@ -24,10 +29,12 @@ from torch import nn
 
 from .. import parallel as P
 from ..parallel.options import DP_ALGORITHMS
-from ..schema import JobConfig, ParallelConfig
+from ..models import build_model
+from ..schema import JobConfig
+from .round_dump import RoundDump
 from .optim import OptimConfig, Schedule, build_optimizer, build_scheduler
 
-__all__ = ["DataParallel", "Switch"]
+__all__ = ["DataParallelSync", "Switch"]
 
 
 @dataclass(frozen=True)
@@ -39,19 +46,27 @@ class Switch:
     options: dict = field(default_factory=dict)
 
 
-class DataParallel:
-    """The wrapped model of one worker for ``parallel=decentralized|bagua``.
+class DataParallelSync:
+    """The :class:`~.sync.Sync` of ``parallel=decentralized|bagua``: one worker's full copy.
 
     ``model`` is the plain model (every rank a full copy: evaluate and export it);
-    ``wrapped`` is what the training step calls. ``optimizer``/``scheduler`` are the
-    job's for Bagua and ``None`` for Decent-DP, whose optimizers (one per bucket) step
-    inside the backward pass.
+    ``module`` (also ``wrapped``) is what the training step calls. ``optimizer``/``scheduler``
+    are the job's for Bagua and ``None`` for Decent-DP, whose optimizers (one per bucket) step
+    inside the backward pass. Collective: every rank builds it at the same point.
     """
 
-    def __init__(self, cfg: ParallelConfig | JobConfig, state, model: nn.Module, ocfg: OptimConfig, steps: int):
-        # The validated ``parallel`` section (a whole JobConfig still works: the loop passes one today).
-        self.cfg = cfg.parallel if isinstance(cfg, JobConfig) else cfg
-        self.state, self.model, self.ocfg, self.steps = state, model, ocfg, steps
+    def __init__(self, cfg: JobConfig, state):
+        """Reads ``cfg.parallel`` (the validated section), ``model``, ``optim``, ``seed``, ``train.steps`` and
+        ``train.log_every``."""
+        self.cfg, ocfg, steps = cfg.parallel, cfg.optim, cfg.train.steps
+        model = build_model(cfg.model, device=state.device, seed=cfg.seed)  # the same start on every rank
+        if cfg.model.path:
+            from ..checkpoint.hf import load_hf_weights
+
+            load_hf_weights(model, cfg.model.path)
+        self.state, self.model, self.ocfg, self.steps, self.log_every = state, model, ocfg, steps, cfg.train.log_every
+        self.consensus: list[dict] = []
+        self.dump = RoundDump(model, state)  # tests only ($XFFL_TEST_DUMP_ROUNDS): the copies around switches, the end
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler = None
         self.switches: list[dict] = []
@@ -68,6 +83,7 @@ class DataParallel:
             self.wrapped = P.with_algorithm(model, self.optimizer, algorithm, bucket_mb=float(self.cfg.bucket_mb),
                                             local_world_size=node)
         self._next = {at: Switch(at, name, options) for at, name, options in self.cfg.algorithms()[1:]}
+        self.module = self.wrapped
 
     def _optim_fn(self) -> Callable:
         o, name = self.ocfg, self.cfg.optimizer
@@ -78,6 +94,47 @@ class DataParallel:
         extra = {"accum_iter": self.cfg.accum_iter} if name.startswith("accum_") else {}
         return partial(factory, lr=o.lr, beta1=o.betas[0], beta2=o.betas[1], eps=o.eps, weight_decay=o.weight_decay,
                        decay_all=o.decay_all, **extra)
+
+    # ------------------------------------------------------------------ the loop's calls (Sync)
+    def restore(self, losses: torch.Tensor) -> None:
+        return None  # no checkpoints (refused by the launcher's checks)
+
+    def begin(self, start_step: int, rounds: int) -> None:
+        pass
+
+    def trained(self, tokens: int) -> None:
+        pass
+
+    def boundary_at(self, done: int) -> bool:
+        return done == self.steps  # no rounds: the local model is evaluated at the end (and every eval_every)
+
+    def applies_at(self, done: int) -> bool:
+        return False
+
+    def finish_due(self, done: int, index: int) -> list[dict]:
+        return []
+
+    def metrics(self, done: int) -> dict:
+        """The consensus distance at every log step and the last (collective there)."""
+        if done % self.log_every and done != self.steps:
+            return {}
+        distance = self.consensus_distance()
+        self.consensus.append({"step": done, "distance": distance})
+        return {"consensus": distance}
+
+    def end_step(self, done: int, rounds: list[dict], losses: torch.Tensor, evals: list[dict]) -> None:
+        pass
+
+    def starts_at(self, done: int) -> bool:
+        return self.switch_due(done) is not None
+
+    def start_due(self, done: int, index: int) -> None:
+        self.dump.save(len(self.switches), "before")
+        self.switch(self.switch_due(done))
+        self.dump.save(len(self.switches) - 1, "after")
+
+    def optimizer_step(self) -> None:
+        self.step()
 
     def step(self) -> None:
         """After the step's backward passes: Bagua's optimizer step (Decent-DP stepped inside backward)."""
@@ -112,9 +169,16 @@ class DataParallel:
         """Mean distance of the copies to their average (collective)."""
         return P.consensus_distance(self.model)
 
+    def finish(self) -> dict:
+        """End of training: every copy the exact mean of all (collective); what the summary adds."""
+        self.dump.save(len(self.switches), "before")  # the copies as trained, before the final mean
+        self.average()
+        return {"extra": {"parallel": self.describe(), "consensus_distance": self.consensus,
+                          "final_consensus_distance": self.consensus[-1]["distance"] if self.consensus else 0.0}}
+
     @torch.no_grad()
-    def finish(self) -> None:
-        """End of training: stop the algorithm and make every copy the exact mean (collective)."""
+    def average(self) -> None:
+        """Stop the algorithm and make every copy the exact mean (collective)."""
         if self.optimizer is None:
             self.wrapped.global_avg()
         else:

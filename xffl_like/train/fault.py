@@ -17,6 +17,7 @@ import time
 import torch
 
 from ..checkpoint.dcp import restart_count
+from ..distributed.state import to_local
 from ..schema import FaultConfig
 
 __all__ = ["FaultInjector"]
@@ -45,7 +46,7 @@ class FaultInjector:
         """End of step ``step`` (1-based), after the optimizer."""
         if self.nan and step == self.nan_step:
             for param in model.parameters():
-                local = param.to_local() if hasattr(param, "to_local") else param
+                local = to_local(param)
                 if local.numel():
                     local.view(-1)[0] = float("nan")
                     return

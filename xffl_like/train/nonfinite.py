@@ -20,6 +20,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..distributed.state import to_local
+
 __all__ = ["NonFiniteError", "NonFiniteGuard", "all_finite", "nonfinite_facilities"]
 
 
@@ -30,7 +32,7 @@ class NonFiniteError(RuntimeError):
 def _locals(model: torch.nn.Module) -> list[torch.Tensor]:
     out = []
     for param in model.parameters():
-        local = param.to_local() if hasattr(param, "to_local") else param
+        local = to_local(param)
         if local.numel():
             out.append(local.detach())
     return out
@@ -90,5 +92,5 @@ class NonFiniteGuard:
         for per_param in self.optimizer.state.values():
             for value in per_param.values():
                 if torch.is_tensor(value) and value.is_floating_point():
-                    local = value.to_local() if hasattr(value, "to_local") else value
+                    local = to_local(value)
                     torch.nan_to_num_(local, nan=0.0, posinf=0.0, neginf=0.0)

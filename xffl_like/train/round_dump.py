@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..distributed.state import DistributedState
+from ..distributed.state import DistributedState, to_local
 
 __all__ = ["ENV", "RoundDump", "dump_path"]
 
@@ -52,7 +52,7 @@ class RoundDump:
             return
         state, params, shapes, placements = self.state, {}, {}, {}
         for name, param in self.model.named_parameters():
-            local = param.to_local() if hasattr(param, "to_local") else param
+            local = to_local(param)
             params[name] = local.detach().to("cpu", copy=True)
             shapes[name] = list(param.shape)  # a DTensor's shape is the global one
             placements[name] = [repr(p) for p in getattr(param, "placements", ())]

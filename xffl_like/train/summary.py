@@ -1,8 +1,7 @@
-"""The end of a run, shared by both worker loops: the copies' divergence, the per-facility loss
-table and ``summary.json``.
+"""The end of a run: the copies' divergence, the per-facility loss table and ``summary.json``.
 
-:mod:`.loop` (FSDP/HSDP with federated rounds) and :mod:`.dataparallel_loop`
-(``parallel=decentralized|bagua``) end the same way; their summaries carry the same keys
+The worker loop (:mod:`.loop`) ends every job this way, whatever keeps its copies in step
+(federated rounds or a data-parallel algorithm); the summaries carry the same keys
 (docs/outputs.md), so that sweeps, ``bench.wan`` and W&B read either one alike.
 """
 
@@ -13,7 +12,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..distributed.state import DistributedState
+from ..distributed.state import DistributedState, to_local
 
 __all__ = ["gather_facility_losses", "job_summary", "max_param_divergence"]
 
@@ -40,7 +39,7 @@ def _fingerprints(pieces: list[torch.Tensor]) -> torch.Tensor:
 
 
 @torch.no_grad()
-def max_param_divergence(model: torch.nn.Module, state: DistributedState, peer_groups: list) -> float:
+def max_param_divergence(model: torch.nn.Module, state: DistributedState) -> float:
     """Largest |a - b| between any two ranks holding the same piece of any parameter (facilities
     and replicas alike). Collective: every rank calls it.
 
@@ -50,9 +49,9 @@ def max_param_divergence(model: torch.nn.Module, state: DistributedState, peer_g
     widened to float32 where gloo has no kernel), so a run that ends with identical copies does not
     send the model across facilities again.
     """
-    group = peer_groups[state.shard]
+    group = state.group("peers")  # every holder of this rank's shard
     pieces = [piece for param in model.parameters()
-              for piece in (param.to_local() if hasattr(param, "to_local") else param).detach().reshape(-1).split(PIECE)]
+              for piece in to_local(param).detach().reshape(-1).split(PIECE)]
     prints = _fingerprints(pieces)  # on the CPU (gloo) wherever the parameters are
     hi, lo = prints.clone(), prints.clone()
     dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)

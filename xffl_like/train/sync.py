@@ -1,0 +1,147 @@
+"""What keeps the copies of the model in step: the one interface the worker loop calls.
+
+:mod:`.loop` runs the same skeleton for every job (local steps, evaluations, logging, the
+summary) and calls a :class:`Sync` at fixed points of each step, the way torchft's
+``LocalSGD``/``DiLoCo`` hook into a plain training loop:
+
+============================  =================================================================
+``module``                    what the step runs forward and backward on
+``trained(tokens)``           after each micro-batch: tokens actually trained
+``optimizer_step()``          after the step's backward passes: inner optimizer(s), gradient sync
+``lr()``                      the learning rate of the step just taken
+``boundary_at(done)``         evaluate the local model after ``done`` steps
+``applies_at(done)``          a round (or a phase switch) ends after ``done`` steps
+``finish_due(done, index)``   end the due rounds: their records
+``metrics(done)``             extra values for this step's log row
+``end_step(done, ...)``       after the step's logging: checkpoints
+``start_due(done, index)``    where ``starts_at(done)``: exchanges that start, algorithm switches
+``finish()``                  after the last step: every copy the same model; what the summary adds
+============================  =================================================================
+
+Two implementations: :class:`FederatedSync` (``parallel=fsdp``: FSDP2/HSDP inside a facility,
+the federation's rounds across facilities, checkpoints) and
+:class:`~.dataparallel.DataParallelSync` (``parallel=decentralized|bagua``: a full copy per rank
+kept in step by :mod:`xffl_like.parallel`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..aggregation import build_strategy
+from ..checkpoint import Checkpointer
+from ..distributed.state import DistributedState
+from ..federation import FederationSchedule
+from ..schema import JobConfig
+from .nonfinite import NonFiniteGuard
+from .optim import build_optimizer, build_scheduler
+from .parallelize import build_sharded_model, contiguous_shards
+from .round_dump import RoundDump
+
+__all__ = ["FederatedSync", "Sync"]
+
+
+class Sync(Protocol):
+    """Keeps the copies of the model in step; see the module docstring for when each is called."""
+
+    model: nn.Module  # this rank's model: evaluated, measured and exported
+    module: nn.Module  # what the training step calls (the model, or a wrapper of it)
+
+    def restore(self, losses: torch.Tensor) -> dict | None: ...
+    def begin(self, start_step: int, rounds: int) -> None: ...
+    def trained(self, tokens: int) -> None: ...
+    def optimizer_step(self) -> None: ...
+    def lr(self) -> float: ...
+    def boundary_at(self, done: int) -> bool: ...
+    def applies_at(self, done: int) -> bool: ...
+    def finish_due(self, done: int, index: int) -> list[dict]: ...
+    def metrics(self, done: int) -> dict: ...
+    def end_step(self, done: int, rounds: list[dict], losses: torch.Tensor, evals: list[dict]) -> None: ...
+    def starts_at(self, done: int) -> bool: ...
+    def start_due(self, done: int, index: int) -> None: ...
+    def finish(self) -> dict: ...
+
+
+class FederatedSync:
+    """``parallel=fsdp``: the model sharded over the facility (FSDP2, HSDP with replicas), an inner
+    optimizer per rank, the federation's rounds across facilities (:mod:`xffl_like.federation`),
+    the non-finite guard before each round and a DCP checkpoint after each boundary.
+
+    Collective: every rank builds it at the same point.
+    """
+
+    def __init__(self, cfg: JobConfig, state: DistributedState, run_dir: Path, config: dict):
+        """``config``: the whole resolved job config as plain values (recorded in each checkpoint)."""
+        tcfg, ocfg = cfg.train, cfg.optim
+        self.state, self.steps, self.grad_clip = state, tcfg.steps, ocfg.grad_clip
+        self.model = self.module = build_sharded_model(cfg.model, state, tcfg.dtype, seed=cfg.seed)  # same start
+        contiguous_shards(self.model, state.shard_size)  # aggregation buckets become views: no copies
+        self.optimizer = build_optimizer(self.model, ocfg)
+        self.scheduler = build_scheduler(self.optimizer, ocfg, self.steps)
+        strategy = build_strategy(self.model, state, cfg.strategy)
+        self.strategy = {"name": cfg.strategy.name, "streams": cfg.strategy.streams}
+        self.federation = FederationSchedule(cfg.federation, self.model, strategy, state, self.steps)
+        self.dump = RoundDump(self.model, state)  # tests only ($XFFL_TEST_DUMP_ROUNDS): values around each round
+        self.ckpt = Checkpointer(cfg.checkpoint, state, run_dir, self.model, self.optimizer, self.scheduler,
+                                 self.federation, resume=cfg.resume, config=config)
+        self.guard = NonFiniteGuard(cfg.federation.on_nonfinite, state, self.model, self.optimizer, self.ckpt.dir)
+
+    def _adjust(self, done: int):
+        """The non-finite guard sets the weights of a round ending or starting after ``done`` steps."""
+        return lambda weights, index: self.guard.weights_for_round(weights, index, done)
+
+    def restore(self, losses: torch.Tensor) -> dict | None:
+        return self.ckpt.restore(losses)  # None: a fresh start
+
+    def begin(self, start_step: int, rounds: int) -> None:
+        if start_step == 0:
+            self.dump.save(0, "init")  # tests: the common start, theta_global of every fragment
+        # An exchange overlapping the first steps starts now (after a resume: as the saved run did).
+        self.federation.start_due(start_step, self._adjust(start_step), self.dump, rounds)
+
+    def trained(self, tokens: int) -> None:
+        self.federation.trained(tokens)  # tokens actually trained (federation.weights=tokens)
+
+    def optimizer_step(self) -> None:
+        self.federation.after_backward()  # synchronous: gradients averaged across facilities
+        if self.grad_clip > 0:
+            nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+
+    def lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    def boundary_at(self, done: int) -> bool:
+        return self.federation.boundary_at(done)  # synchronous: every `every` steps
+
+    def applies_at(self, done: int) -> bool:
+        return self.federation.applies_at(done)  # synchronous runs have no rounds (but a phase switch)
+
+    def finish_due(self, done: int, index: int) -> list[dict]:
+        # Ranks arrive at different times; the wait is charged to the loop's aggregation phase
+        # (and shows as imbalance), the round's seconds time the exchange alone.
+        dist.barrier()
+        return self.federation.finish_due(done, self._adjust(done), self.dump, index)
+
+    def metrics(self, done: int) -> dict:
+        return {}
+
+    def end_step(self, done: int, rounds: list[dict], losses: torch.Tensor, evals: list[dict]) -> None:
+        if self.federation.boundary_at(done):  # nothing is in flight here: a step's exchanges start after it
+            self.ckpt.after_round(done, rounds, losses, final=done == self.steps, records={"evals": evals})
+
+    def starts_at(self, done: int) -> bool:
+        return self.federation.starts_at(done)
+
+    def start_due(self, done: int, index: int) -> None:
+        self.federation.start_due(done, self._adjust(done), self.dump, index)
+
+    def finish(self) -> dict:
+        return {"strategy": self.strategy, "federation": self.federation.describe(), "checkpoints": self.ckpt.close()}

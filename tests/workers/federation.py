@@ -437,10 +437,9 @@ def check_divergence(state, report) -> None:
     of its shard (exact in float32); the holders of shard ``s`` (all ranks with that shard index,
     every facility and replica) then differ by ``(max rank - min rank) / 1024`` there, and the
     job's value is the largest over the shards."""
-    from xffl_like.distributed.state import all_peer_groups
     from xffl_like.train.summary import max_param_divergence
 
-    model, groups = make(state), all_peer_groups(state)
+    model = make(state)
     holders: dict[int, list[int]] = {}
     for r in range(state.world_size):
         holders.setdefault(state.layout.coords(r).shard, []).append(r)
@@ -451,7 +450,7 @@ def check_divergence(state, report) -> None:
         vals = [b.clone() for b in base]
         vals[first].view(-1)[0] = value
         assign(model, vals)
-        got = max_param_divergence(model, state, groups)
+        got = max_param_divergence(model, state)
         for t, v in zip(locals_(model), vals):  # measured, not changed
             assert torch.equal(t, v), "the divergence check changed the parameters"
         return got

@@ -437,10 +437,10 @@ def check_divergence(state, report) -> None:
     of its shard (exact in float32); the holders of shard ``s`` (all ranks with that shard index,
     every facility and replica) then differ by ``(max rank - min rank) / 1024`` there, and the
     job's value is the largest over the shards."""
-    from xffl_like.distributed.state import all_peer_groups
     from xffl_like.train.summary import max_param_divergence
 
-    model, groups = make(state), all_peer_groups(state)
+    # max_param_divergence reads peer_groups[state.shard]: this rank's peers, by name from the state
+    model, groups = make(state), {state.shard: state.group("peers")}
     holders: dict[int, list[int]] = {}
     for r in range(state.world_size):
         holders.setdefault(state.layout.coords(r).shard, []).append(r)

@@ -324,7 +324,9 @@ def test_workers_receive_the_typed_config(monkeypatch, tmp_path):
     saved = OmegaConf.to_container(OmegaConf.load(tmp_path / "run" / "config.yaml"))
     assert {**asdict(job), "optim": saved["optim"]} == saved
     assert job.optim.name == "sgd" and job.optim.momentum == 0.9 and job.federation.outer.name == "nesterov"
-    assert job.federation.weights == [1, 3] and job["federation"]["outer"]["lr"] == 0.7  # also read as a mapping
+    assert job.federation.weights == [1, 3] and job.federation.outer.lr == 0.7
+    with pytest.raises(TypeError):  # sections are read as attributes only (no mapping view)
+        job["federation"]
 
 
 # ----------------------------------------------------------------------------- GPU launch, CPU-visible

@@ -75,7 +75,7 @@ def test_bench_rejects_bad_input_before_launching(tmp_path):
 def _tiny_param_counts():
     from omegaconf import OmegaConf
 
-    from xffl_like.models import build_model
+    from xffl_like.models import LlamaConfig, build_model
 
-    model = build_model(OmegaConf.load(ROOT / "conf" / "model" / "llama_tiny.yaml"), device="meta")
+    model = build_model(LlamaConfig.from_mapping(OmegaConf.load(ROOT / "conf" / "model" / "llama_tiny.yaml")), device="meta")
     return [p.numel() for p in model.parameters()]

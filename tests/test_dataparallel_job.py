@@ -44,10 +44,10 @@ class Copies:
 
     def __init__(self, cfg: dict, facilities: list[int]):
         from xffl_like.data import build_data
-        from xffl_like.models import build_model
+        from xffl_like.models import LlamaConfig, build_model
         from xffl_like.schema import DataConfig
 
-        self.model = build_model(cfg["model"], seed=cfg["seed"])
+        self.model = build_model(LlamaConfig.from_mapping(cfg["model"]), seed=cfg["seed"])
         self.x0 = [p.detach().clone() for p in self.model.parameters()]
         t = cfg["train"]
         self.data, self.loss_chunk = [], t["loss_chunk"]

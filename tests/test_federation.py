@@ -140,7 +140,7 @@ def test_job_with_diloco_and_uint8(tmp_path):
     import yaml
     from helpers import TINY, run_cli
 
-    from xffl_like.models import build_model
+    from xffl_like.models import LlamaConfig, build_model
 
     args = ["+experiment=llama_fed", "distributed.nproc_per_node=2", "distributed.federated=1", "train.steps=4",
             "federation.every=2", "federation=diloco", "federation.compression=uint8", "federation.error_feedback=true",
@@ -152,7 +152,7 @@ def test_job_with_diloco_and_uint8(tmp_path):
                                      "outer_lr": 0.7, "compression": "uint8"}
     assert summary["layout"]["facility_sizes"] == [1, 1] and summary["rounds"] == 2
     assert summary["max_param_divergence_after_last_round"] == 0.0
-    model = build_model(yaml.safe_load((tmp_path / "config.yaml").read_text())["model"], device="meta")
+    model = build_model(LlamaConfig.from_mapping(yaml.safe_load((tmp_path / "config.yaml").read_text())["model"]), device="meta")
     fp32 = 2 * 4 * sum(p.numel() for p in model.parameters())  # both facilities send one fp32 copy
     sent = summary["cross_facility_bytes_per_round"]
     assert all(0.24 * fp32 <= b <= 0.27 * fp32 for b in sent), (sent, fp32)

@@ -48,7 +48,7 @@ def test_logits_match_transformers(tmp_path, tied):
     reference = save_tiny_hf(tmp_path, tied=tied)
     shape = read_hf_config(tmp_path)
     assert shape["rope_scaling"]["factor"] == 8.0 and shape["n_kv_heads"] == 2 and shape["tie_embeddings"] is tied
-    ours = build_model(shape, device="meta")
+    ours = build_model(LlamaConfig.from_mapping(shape), device="meta")
     ours.to_empty(device="cpu")
     load_hf_weights(ours, tmp_path)
     tokens = torch.randint(0, 300, (2, 100), generator=torch.Generator().manual_seed(1))  # beyond 16: scaling matters
@@ -158,7 +158,7 @@ def test_meta_init_under_hsdp_equals_the_unsharded_init(tmp_path):
 
     from helpers import load_model_conf as load
 
-    whole = build_model(OmegaConf.to_container(load("llama_tiny")), seed=5)  # unsharded, model.init=full
+    whole = build_model(LlamaConfig.from_mapping(OmegaConf.to_container(load("llama_tiny"))), seed=5)  # unsharded, model.init=full
     tokens = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.allclose(exported(tokens).logits, whole(tokens), atol=1e-5, rtol=0)

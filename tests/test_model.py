@@ -28,7 +28,7 @@ def tiny(**over):
 def test_real_shapes_param_count(name, published):
     """The published counts are exact integers: the shapes must give exactly them."""
     cfg = load(name)
-    model = build_model(cfg, device="meta")
+    model = build_model(LlamaConfig.from_mapping(cfg), device="meta")
     assert model.tok_embeddings.weight.is_meta
     assert count_parameters(model) == published
     # The same count by hand from the config: embeddings, per layer (q, k, v, o; the
@@ -45,11 +45,11 @@ def test_all_yamls_load():
             continue
         cfg = LlamaConfig.from_mapping(OmegaConf.load(path))
         assert cfg.dim % cfg.n_heads == 0
-    assert count_parameters(build_model(load("llama_bench"), device="meta")) == 58_466_816
+    assert count_parameters(build_model(LlamaConfig.from_mapping(load("llama_bench")), device="meta")) == 58_466_816
 
 
 def test_forward_shape_and_causal():
-    model = build_model(load("llama_tiny"), seed=0)
+    model = build_model(LlamaConfig.from_mapping(load("llama_tiny")), seed=0)
     tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
     logits = model(tokens)
     assert logits.shape == (2, 32, 256) and logits.dtype == torch.float32
@@ -61,17 +61,17 @@ def test_forward_shape_and_causal():
 
 
 def test_tied_vs_untied_param_count():
-    untied = build_model(tiny(tie_embeddings=False), device="meta")
-    tied = build_model(tiny(tie_embeddings=True), device="meta")
+    untied = build_model(LlamaConfig.from_mapping(tiny(tie_embeddings=False)), device="meta")
+    tied = build_model(LlamaConfig.from_mapping(tiny(tie_embeddings=True)), device="meta")
     assert tied.output is None and isinstance(untied.output, torch.nn.Linear)
     assert count_parameters(untied) - count_parameters(tied) == 256 * 128
-    model = build_model(tiny(tie_embeddings=True))
+    model = build_model(LlamaConfig.from_mapping(tiny(tie_embeddings=True)))
     assert model(torch.zeros(1, 4, dtype=torch.long)).shape == (1, 4, 256)
 
 
 def test_init_determinism():
-    a, b = build_model(load("llama_tiny"), seed=123), build_model(load("llama_tiny"), seed=123)
-    c = build_model(load("llama_tiny"), seed=124)
+    a, b = build_model(LlamaConfig.from_mapping(load("llama_tiny")), seed=123), build_model(LlamaConfig.from_mapping(load("llama_tiny")), seed=123)
+    c = build_model(LlamaConfig.from_mapping(load("llama_tiny")), seed=124)
     sa, sb, sc = a.state_dict(), b.state_dict(), c.state_dict()
     assert sa.keys() == sb.keys() and "rope_cos" not in sa  # rope buffers are not persistent
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
@@ -83,7 +83,7 @@ def test_init_determinism():
 
 def test_training_reduces_loss():
     torch.manual_seed(0)
-    model = build_model(load("llama_tiny"), seed=0)
+    model = build_model(LlamaConfig.from_mapping(load("llama_tiny")), seed=0)
     tokens = torch.randint(0, 256, (4, 65), generator=torch.Generator().manual_seed(1))
     x, y = tokens[:, :-1], tokens[:, 1:]
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -99,15 +99,15 @@ def test_training_reduces_loss():
 
 
 def test_bf16_forward():
-    model = build_model(load("llama_tiny"), dtype=torch.bfloat16)
+    model = build_model(LlamaConfig.from_mapping(load("llama_tiny")), dtype=torch.bfloat16)
     assert model.tok_embeddings.weight.dtype == torch.bfloat16 and model.rope_cos.dtype == torch.float32
     logits = model(torch.randint(0, 256, (2, 16)))
     assert logits.dtype == torch.bfloat16 and torch.isfinite(logits.float()).all()
 
 
 def test_meta_to_empty_matches_direct_init():
-    direct = build_model(load("llama_tiny"), seed=7)
-    meta = build_model(load("llama_tiny"), device="meta")
+    direct = build_model(LlamaConfig.from_mapping(load("llama_tiny")), seed=7)
+    meta = build_model(LlamaConfig.from_mapping(load("llama_tiny")), device="meta")
     meta.to_empty(device="cpu")
     meta.init_weights(seed=7)
     sd, sm = direct.state_dict(), meta.state_dict()
@@ -118,7 +118,7 @@ def test_meta_to_empty_matches_direct_init():
 
 
 def test_too_long_sequence_raises():
-    model = build_model(tiny(max_seq_len=8))
+    model = build_model(LlamaConfig.from_mapping(tiny(max_seq_len=8)))
     with pytest.raises(ValueError, match="max_seq_len"):
         model(torch.zeros(1, 9, dtype=torch.long))
 

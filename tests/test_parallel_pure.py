@@ -166,11 +166,11 @@ def test_factories_leave_biases_and_norms_undecayed():
 @pytest.mark.parametrize("tied", [False, True])
 def test_factories_and_the_main_job_split_weight_decay_by_one_rule(tied):
     """Bucket by bucket, (name, parameter) pairs get the groups the main job gives the whole model."""
-    from xffl_like.models import build_model
+    from xffl_like.models import LlamaConfig, build_model
     from xffl_like.train.optim import decay_groups
 
-    model = build_model({"name": "llama_tiny", "dim": 16, "n_layers": 2, "n_heads": 2, "n_kv_heads": 1,
-                         "vocab_size": 32, "ffn_dim": 32, "max_seq_len": 16, "tie_embeddings": tied}, seed=0)
+    model = build_model(LlamaConfig.from_mapping({"name": "llama_tiny", "dim": 16, "n_layers": 2, "n_heads": 2, "n_kv_heads": 1,
+                         "vocab_size": 32, "ffn_dim": 32, "max_seq_len": 16, "tie_embeddings": tied}), seed=0)
     named = list(model.named_parameters())
     decayed = {id(p) for p in dict(named).values() if p is not None} - {
         id(dict(named)[n]) for n in decay_groups(model)[1]}

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from xffl_like.aggregation import STRATEGIES, Strategy, build_strategy, validate_strategy_options
+from xffl_like.aggregation import STRATEGIES, Strategy, build_strategy, strategy_config, validate_strategy_options
 from xffl_like.aggregation.planners import cut_chunks
 from xffl_like.distributed.launch import launch_local
 from xffl_like.schema import StrategyConfig
@@ -45,7 +45,7 @@ def test_strategy_yamls_compose_and_validate():
         for name in STRATEGIES:
             cfg = compose(config_name=name)
             assert set(cfg) == {"name", "streams", "bucket_mb", "mode", "only", "transport"}
-            assert validate_strategy_options(cfg).name == name
+            assert validate_strategy_options(strategy_config(cfg)).name == name
 
 
 @pytest.mark.parametrize("options, message", [
@@ -53,12 +53,12 @@ def test_strategy_yamls_compose_and_validate():
     (StrategyConfig(name="fused", streams=0), "strategy.streams=0"),
     (StrategyConfig(name="fused", bucket_mb=0), "strategy.bucket_mb=0"),
     (StrategyConfig(name="fused", mode="all"), "valid modes are ['split', 'one_sender']"),
-    (dict(name="fused", buckets=3), "unknown strategy option(s) ['buckets']"),  # a plain mapping (config.py today)
+    (dict(name="fused", buckets=3), "unknown strategy option(s) ['buckets']"),  # a plain mapping (a YAML spec)
     (dict(name="fused", streams=0), "strategy.streams=0"),
 ])
 def test_validate_rejects(options, message):
     with pytest.raises(ValueError) as err:
-        validate_strategy_options(options)
+        validate_strategy_options(strategy_config(options) if isinstance(options, dict) else options)
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
@@ -184,7 +184,7 @@ def test_exchange_announces_every_receive_before_sending(monkeypatch):
     strategy = build_strategy(plain_model(), state, StrategyConfig(name="layer_by_layer"))
     state.streams = None
     state.split_exchanges = [SimpleNamespace(exchange=SimpleNamespace(chunk=0, ranks=[0, 1]), groups=[None])]
-    state.replica_groups = [None]
+    state.group = lambda name, stream=0: None  # the replica group: one replica per facility here
     executor.aggregate(strategy, state)
     k = len(strategy.communications)
     assert k > 2 and sorted(calls) == sorted([(kind, t) for t in range(2 * k) for kind in ("send", "recv")])

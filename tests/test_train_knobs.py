@@ -18,7 +18,7 @@ from xffl_like.aggregation import check_collective
 from xffl_like.config import ConfigError, compose_error, validate_config
 from xffl_like.distributed.state import group_backend, resolve_backend
 from xffl_like.job import CONF_DIR, choices, resolve
-from xffl_like.models import build_model
+from xffl_like.models import LlamaConfig, build_model
 from xffl_like.observe.timing import PhaseTimer
 from xffl_like.train.evaluate import eval_points
 from xffl_like.train.optim import OptimConfig, build_optimizer, build_scheduler, decay_groups
@@ -66,7 +66,7 @@ def test_schedule_matches_formula(kind, warmup, total):
 # ----------------------------------------------------------------------------- decay groups, sgd
 @pytest.mark.parametrize("tied", [False, True])
 def test_decay_groups_by_name(tied):
-    model = build_model({**MODEL, "tie_embeddings": tied}, seed=0)
+    model = build_model(LlamaConfig.from_mapping({**MODEL, "tie_embeddings": tied}), seed=0)
     no_decay = {"tok_embeddings.weight", "norm.weight"} | {
         f"layers.{i}.{n}.weight" for i in range(MODEL["n_layers"]) for n in ("attention_norm", "ffn_norm")}
     every = {n for n, _ in model.named_parameters()}
@@ -116,7 +116,7 @@ def reference_grads(model, inputs, targets):
 @pytest.mark.parametrize("tied", [False, True])
 @pytest.mark.parametrize("chunk", [1, 5, 100])
 def test_chunked_loss_equals_unchunked(tied, chunk):
-    model = build_model({**MODEL, "tie_embeddings": tied}, seed=1)
+    model = build_model(LlamaConfig.from_mapping({**MODEL, "tie_embeddings": tied}), seed=1)
     inputs, targets = rank_sequences(0, 3)
     want_loss, want = reference_grads(model, inputs, targets)
     widest = []
@@ -137,7 +137,7 @@ def test_chunked_loss_equals_unchunked(tied, chunk):
 
 def test_chunks_and_checkpointing_keep_less_for_backward():
     """Bytes autograd keeps for backward (outside recomputed regions), counted by a saved-tensor hook."""
-    model = build_model({**MODEL, "vocab_size": 512}, seed=0)
+    model = build_model(LlamaConfig.from_mapping({**MODEL, "vocab_size": 512}), seed=0)
     inputs, targets = rank_sequences(0, 3)
     logits_fp32 = inputs.numel() * 512 * 4
 
@@ -171,7 +171,7 @@ def test_grad_accum_checkpointing_and_chunks_under_hsdp_match_one_big_batch():
     from xffl_like.distributed.launch import launch_local
 
     reports = launch_local(train_workers.grad_accum_cases, (None, 2, CASES, 123), 4)
-    model = build_model(MODEL, seed=3)
+    model = build_model(LlamaConfig.from_mapping(MODEL), seed=3)
     seqs = [rank_sequences(r, 4) for r in range(4)]
     inputs, targets = torch.cat([s[0] for s in seqs]), torch.cat([s[1] for s in seqs])
     _, want = reference_grads(model, inputs, targets)
@@ -324,7 +324,9 @@ def test_workers_receive_the_typed_config(monkeypatch, tmp_path):
     saved = OmegaConf.to_container(OmegaConf.load(tmp_path / "run" / "config.yaml"))
     assert {**asdict(job), "optim": saved["optim"]} == saved
     assert job.optim.name == "sgd" and job.optim.momentum == 0.9 and job.federation.outer.name == "nesterov"
-    assert job.federation.weights == [1, 3] and job["federation"]["outer"]["lr"] == 0.7  # also read as a mapping
+    assert job.federation.weights == [1, 3] and job.federation.outer.lr == 0.7
+    with pytest.raises(TypeError):  # sections are read as attributes only (no mapping view)
+        job["federation"]
 
 
 # ----------------------------------------------------------------------------- GPU launch, CPU-visible

@@ -179,7 +179,7 @@ def resolve_model(cfg: ModelConfig, base_dir: Path) -> ModelConfig:
     path = Path(cfg.path).expanduser()
     path = (path if path.is_absolute() else base_dir / path).absolute()
     cfg = replace(cfg, **read_hf_config(path), path=str(path))
-    check_hf_weights(path, LlamaConfig.from_mapping(cfg))
+    check_hf_weights(path, LlamaConfig.from_model(cfg))
     return cfg
 
 
@@ -292,7 +292,7 @@ def validate_config(
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     try:
-        model_cfg = LlamaConfig.from_mapping(job.model)
+        model_cfg = LlamaConfig.from_model(job.model)
     except ValueError as exc:
         raise ConfigError(f"model: {exc}") from None
     train = job.train

@@ -119,7 +119,7 @@ def _last_checkpoint(job: JobConfig, run_dir: Path) -> str:
     """What a failed job leaves to resume from, for its one error line."""
     from .checkpoint import checkpoint_dir, latest_checkpoint
 
-    last = latest_checkpoint(checkpoint_dir(job, run_dir))
+    last = latest_checkpoint(checkpoint_dir(job.checkpoint, run_dir))
     return f"; last complete checkpoint: {last} (resume={run_dir})" if last else "; no checkpoint was completed"
 
 

@@ -58,9 +58,15 @@ def _main_one_line() -> None:
         sys.exit(2)
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """The ``xffl-run`` command (and ``python -m xffl_like.run``): a worker under torchrun/srun/mpirun,
+    else the launcher."""
     if _launched():
         from .job import run_under_launcher
 
         sys.exit(run_under_launcher(sys.argv[1:]))
     _main_one_line()
+
+
+if __name__ == "__main__":
+    cli()

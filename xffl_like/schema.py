@@ -10,8 +10,8 @@ resolved dict into the :class:`JobConfig` that workers receive.
 A section that several options share (``data``: synthetic, text, tokens; ``optim``: adamw,
 sgd; ``model``: a shape or ``hf``) holds the union of their keys; each source reads its own.
 Adding a key: one field (type, default, comment) in its dataclass, the same default in the
-YAML files that carry it, a row in ``docs/config.md``. Every section is also a read-only
-mapping, so code written against ``cfg["key"]`` reads a typed section unchanged.
+YAML files that carry it, a row in ``docs/config.md``. Sections are read as attributes
+(``cfg.every``); :func:`as_plain` gives the plain dict where one is needed (JSON, W&B, ``config.yaml``).
 """
 
 from __future__ import annotations
@@ -40,19 +40,8 @@ _DTYPES = ("float32", "bfloat16")
 Number = Union[int, float]  # keeps 25 an int and 0.25 a float (sweep directory names, the saved config)
 
 
-class Section(Mapping):
-    """A config section that also reads as a mapping (``cfg["every"]``, ``cfg.get("hf")``)."""
-
-    def __getitem__(self, key: str) -> Any:
-        if key in self.__dataclass_fields__:
-            return getattr(self, key)
-        raise KeyError(key)
-
-    def __iter__(self):
-        return iter(self.__dataclass_fields__)
-
-    def __len__(self) -> int:
-        return len(self.__dataclass_fields__)
+class Section:
+    """Base of the config sections (frozen dataclasses; read their fields as attributes: ``cfg.every``)."""
 
 
 @dataclass(frozen=True)
@@ -139,7 +128,7 @@ class OptimConfig(Section):
 
     @classmethod
     def from_mapping(cls, m: Mapping[str, Any]) -> "OptimConfig":
-        """Build from ``cfg["optim"]``; raise ``ValueError`` with one line naming the key and the fix."""
+        """Build from the plain ``optim`` mapping (``as_plain(job.optim)``); raise ``ValueError`` with one line naming the key and the fix."""
         name = m.get("name")
         if name not in OPTIMIZERS:
             raise ValueError(f"optim.name={name!r}: use one of {', '.join(OPTIMIZERS)} (e.g. optim=adamw or optim=sgd)")
@@ -254,7 +243,7 @@ class TrainConfig(Section):
 
     @classmethod
     def from_mapping(cls, m: Mapping[str, Any]) -> "TrainConfig":
-        """Build from ``cfg["train"]`` (keys other components own are ignored); one-line ``ValueError`` on a bad value."""
+        """Build from the plain ``train`` mapping (keys other components own are ignored); one-line ``ValueError`` on a bad value."""
 
         def integer(key: str, low: int, default: Any = None) -> int:
             value = m.get(key, default)
@@ -295,14 +284,17 @@ class CheckpointConfig(Section):
         if values:
             raise TypeError(f"CheckpointConfig got unknown keys {sorted(values)}")
 
+    def _values(self) -> tuple[tuple[str, Any], ...]:
+        return tuple((f.name, getattr(self, f.name)) for f in fields(self))
+
     def __repr__(self) -> str:
-        return f"CheckpointConfig({', '.join(f'{k}={v!r}' for k, v in self.items())})"
+        return f"CheckpointConfig({', '.join(f'{k}={v!r}' for k, v in self._values())})"
 
     def __eq__(self, other: object) -> bool:
-        return type(other) is type(self) and dict(self) == dict(other)  # type: ignore[arg-type]
+        return type(other) is type(self) and self._values() == other._values()  # type: ignore[attr-defined]
 
     def __hash__(self) -> int:
-        return hash(tuple(self.items()))
+        return hash(self._values())
 
 
 @dataclass(frozen=True)
@@ -434,6 +426,8 @@ def unknown_key_message(dotted: str, choices: Mapping[str, Any] | None = None) -
 
 
 def _build(cls: type, values: Mapping[str, Any]) -> Any:
+    if isinstance(values, cls):
+        return values  # already typed
     kwargs = {}
     for f in fields(cls):
         if f.name not in values:

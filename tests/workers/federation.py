@@ -470,7 +470,9 @@ def run_layouts(layouts: list[dict]) -> dict:
     env = read_env()
     report = {}
     for lay in layouts:
-        state = build_state(plan_layout(env.world_size, lay["federated"], lay["hsdp"]), env)
+        # overlap=True: the streaming checks build a StreamingFederation with overlap_steps > 0
+        overlap = "streaming" in lay["checks"]
+        state = build_state(plan_layout(env.world_size, lay["federated"], lay["hsdp"]), env, overlap=overlap)
         out = {"outer_cases": 0, "plain_cases": 0, "gossip_cases": 0, "compression_cases": 0, "sync_cases": 0, "streaming_cases": 0,
                "compressed_bytes": {}}
         digests: list = []

@@ -28,7 +28,7 @@ def grad_accum_cases(federated, hsdp, cases, timeout_s):
     """
     from xffl_like.distributed.layout import plan_layout
     from xffl_like.distributed.state import build_state, init_default_group, read_env
-    from xffl_like.models import build_model
+    from xffl_like.models import LlamaConfig, build_model
     from xffl_like.train.optim import OptimConfig, build_optimizer
     from xffl_like.train.parallelize import contiguous_shards, shard_model
     from xffl_like.train.step import TrainConfig, accumulate_gradients
@@ -42,7 +42,7 @@ def grad_accum_cases(federated, hsdp, cases, timeout_s):
     ocfg = OptimConfig.from_mapping({"name": "adamw", "lr": 1e-2, "weight_decay": 0.1, "betas": [0.9, 0.95],
                                      "eps": 1e-4})  # a first Adam step is ~lr*sign(g): eps keeps it well-conditioned
     for accum, batch, ac, chunk in cases:
-        model = build_model(MODEL, seed=3)
+        model = build_model(LlamaConfig.from_mapping(MODEL), seed=3)
         shard_model(model, state)
         contiguous_shards(model, state.shard_size)
         tcfg = TrainConfig.from_mapping({"steps": 1, "batch_size": batch, "seq_len": SEQ, "grad_accum": accum,

@@ -11,7 +11,7 @@ check, MPI transport), :mod:`.builders` (``build_strategy``), :mod:`.strategy` (
 
 from .backend import check_collective
 from .builders import build_strategy
-from .options import select_parameters, validate_strategy_options
+from .options import select_parameters, strategy_config, validate_strategy_options
 from .planners import STRATEGIES
 from .executor import AggregationResult, aggregate, facility_scale
 from .strategy import Communication, Strategy
@@ -26,5 +26,6 @@ __all__ = [
     "check_collective",
     "facility_scale",
     "select_parameters",
+    "strategy_config",
     "validate_strategy_options",
 ]

@@ -12,7 +12,7 @@ from torch import nn
 
 from ..schema import StrategyConfig
 from .backend import check_collective, mpi_communicator, reduce_op
-from .options import select_parameters, validate_strategy_options
+from .options import normalise_strategy, select_parameters
 from .planners import BUILDERS, Segment, adjacent, cut_chunks, local_shard, span_view
 from .strategy import COLLECTIVES, Communication, Strategy, parts
 
@@ -26,10 +26,13 @@ def build_strategy(model: nn.Module, state, options: StrategyConfig, *, collecti
     ``state`` is the worker's :class:`~xffl_like.distributed.state.DistributedState`;
     ``options`` the job's ``strategy`` section. ``collective`` (see :attr:`Strategy.collective`)
     defaults to ``exchange`` on gloo and ``all_reduce`` elsewhere.
+
+    ``options`` is taken as validated (:func:`~.options.validate_strategy_options`, which the launcher
+    runs once); only what depends on this rank's backend and state is checked here.
     """
     if not isinstance(options, StrategyConfig):
         raise TypeError(f"build_strategy takes the strategy section as a StrategyConfig, got {type(options).__name__}")
-    opts = validate_strategy_options(options, model=model)
+    opts = normalise_strategy(options)
     if opts.transport == "mpi":  # MPI carries the exchange's messages; there is no MPI all-reduce path
         if collective not in (None, "exchange"):
             raise ValueError(f"collective={collective!r} with strategy.transport=mpi: the mpi transport runs the exchange")

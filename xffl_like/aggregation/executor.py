@@ -320,7 +320,7 @@ def aggregate(strategy: Strategy, state, weights: Sequence[float] | None = None)
     broadcasts = []
     for k, comm in enumerate(comms):
         with on(comm):
-            group = state.replica_groups[comm.stream]
+            group = state.group("replica", comm.stream)
             if comm.reduce:
                 wire, work = reductions.pop(k)
                 work.wait()

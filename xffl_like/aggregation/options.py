@@ -1,7 +1,9 @@
 """The ``strategy`` section's checks and the parameters it selects.
 
-:func:`validate_strategy_options` runs in the launcher (``validate_config``) and again when a
-worker builds its strategy; :func:`select_parameters` maps ``strategy.only`` to parameter indices.
+:func:`validate_strategy_options` runs once, in the launcher (``validate_config``); workers build
+their strategy from the validated section. :func:`strategy_config` builds the section from a plain
+mapping (a YAML spec) with the one-line message for an unknown key; :func:`select_parameters` maps
+``strategy.only`` to parameter indices.
 No process group is touched (``transport=mpi`` is checked without initialising MPI).
 """
 
@@ -19,7 +21,7 @@ from .backend import check_mpi_transport
 from .planners import BUILDERS, STRATEGIES
 from .strategy import AGGREGATION_MODES, TRANSPORTS
 
-__all__ = ["select_parameters", "validate_strategy_options"]
+__all__ = ["normalise_strategy", "select_parameters", "strategy_config", "validate_strategy_options"]
 
 _KEYS = tuple(f.name for f in dataclasses.fields(StrategyConfig))
 
@@ -28,19 +30,27 @@ def _looks_like_class_name(pattern: str) -> bool:
     return pattern.isidentifier() and pattern[0].isupper()
 
 
-def _typed(options: StrategyConfig | Mapping[str, Any]) -> StrategyConfig:
-    if isinstance(options, StrategyConfig):
-        return options
+def strategy_config(options: Mapping[str, Any]) -> StrategyConfig:
+    """The section from a plain mapping (``conf/strategy/*.yaml`` as a dict); one-line ``ValueError``
+    for an unknown key. Values are not checked here (:func:`validate_strategy_options` does)."""
     if not isinstance(options, Mapping):
         raise ValueError(f"strategy options must be a mapping with keys {list(_KEYS)}, got {type(options).__name__}")
     unknown = [k for k in options if k not in _KEYS]
     if unknown:
         raise ValueError(f"unknown strategy option(s) {unknown}: valid keys are {list(_KEYS)}")
-    return StrategyConfig(**options)  # TODO(lead): typed only
+    return StrategyConfig(**options)
+
+
+def normalise_strategy(cfg: StrategyConfig) -> StrategyConfig:
+    """``bucket_mb`` a float, ``only`` a tuple (a single glob wrapped) or None; nothing checked."""
+    only = cfg.only
+    if only is not None:
+        only = (only,) if isinstance(only, str) else tuple(only)
+    return dataclasses.replace(cfg, bucket_mb=float(cfg.bucket_mb), only=only)
 
 
 def validate_strategy_options(
-    options: StrategyConfig | Mapping[str, Any],
+    options: StrategyConfig,
     param_names: Sequence[str] | None = None,
     *,
     model: nn.Module | None = None,
@@ -51,9 +61,12 @@ def validate_strategy_options(
     Raises ``ValueError`` with one sentence naming the bad value and the valid ones. With
     ``param_names``, every ``only`` pattern must match a parameter name (a bare capitalised
     identifier is taken for a module class name and only checked when ``model`` is given).
-    A plain mapping (``conf/strategy`` as a dict) is still accepted and converted.
+    Build the section from a plain mapping with :func:`strategy_config` first.
     """
-    cfg = _typed(options)
+    if not isinstance(options, StrategyConfig):
+        raise TypeError(f"validate_strategy_options takes a StrategyConfig (strategy_config(mapping) builds one), "
+                        f"got {type(options).__name__}")
+    cfg = options
     if cfg.name not in BUILDERS:
         raise ValueError(f"unknown strategy name {cfg.name!r}: valid names are {list(STRATEGIES)}")
     if not is_int(cfg.streams) or cfg.streams < 1:
@@ -73,7 +86,7 @@ def validate_strategy_options(
         raise ValueError(f"strategy.transport={cfg.transport!r}: valid transports are {list(TRANSPORTS)}")
     if cfg.transport == "mpi":
         check_mpi_transport()
-    cfg = dataclasses.replace(cfg, bucket_mb=float(cfg.bucket_mb), only=only)
+    cfg = normalise_strategy(dataclasses.replace(cfg, only=only))
 
     if only is not None and (param_names is not None or model is not None):
         named = list(model.named_parameters()) if model is not None else None

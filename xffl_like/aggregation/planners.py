@@ -15,6 +15,8 @@ from typing import Callable, NamedTuple, Sequence
 
 import torch
 
+from ..distributed.state import to_local
+
 __all__ = [
     "BUILDERS",
     "INPLACE_MIN_BYTES",
@@ -210,8 +212,7 @@ STRATEGIES: tuple[str, ...] = tuple(BUILDERS)
 # ----------------------------------------------------------------------------- chunks
 def local_shard(param: torch.Tensor) -> torch.Tensor:
     """This rank's piece of ``param`` (a DTensor's local shard, else the tensor), detached."""
-    local = param.to_local() if hasattr(param, "to_local") else param
-    return local.detach()
+    return to_local(param).detach()
 
 
 def _subsegment(seg: Segment, start: int, stop: int) -> Segment:

@@ -68,7 +68,7 @@ def _strategy_specs(plain: dict) -> list[dict]:
 
 
 def _validate(plain: dict) -> list[dict]:
-    from ..aggregation import validate_strategy_options
+    from ..aggregation import strategy_config, validate_strategy_options
     from ..distributed.layout import plan_layout
     from ..models import LlamaConfig, build_model
 
@@ -109,11 +109,10 @@ def _validate(plain: dict) -> list[dict]:
     ):
         raise BenchFailed(f"bench.weights={weights!r}: null or {layout.num_facilities} non-negative numbers with a positive sum")
     try:
-        LlamaConfig.from_mapping(plain["model"])
-        names = [n for n, _ in build_model(plain["model"], device="meta").named_parameters()]
+        names = [n for n, _ in build_model(LlamaConfig.from_mapping(plain["model"]), device="meta").named_parameters()]
         specs = _strategy_specs(plain)
         for spec in specs:
-            validate_strategy_options(spec, names)  # a YAML mapping, like config.py's (unknown keys: one line)
+            validate_strategy_options(strategy_config(spec), names)  # a YAML mapping (unknown keys: one line)
     except ValueError as exc:
         raise BenchFailed(str(exc)) from None
     return specs
@@ -376,12 +375,11 @@ class _Limits:
 def _time_strategy(model, state, spec: dict, bench: dict) -> dict:
     import torch.distributed as dist
 
-    from ..aggregation import aggregate, build_strategy
-    from ..schema import StrategyConfig
+    from ..aggregation import aggregate, build_strategy, strategy_config
 
     weights = bench.get("weights")
     base = _memory_mark(state.device)
-    strategy = build_strategy(model, state, StrategyConfig(**spec), collective=bench.get("collective"))
+    strategy = build_strategy(model, state, strategy_config(spec), collective=bench.get("collective"))
     limits = _Limits(strategy, state)
     times, refs = [], []
     for i in range(bench["warmup"] + bench["repeats"]):
@@ -460,7 +458,7 @@ def bench_worker(plain: dict, specs: list[dict], run_dir: str) -> dict:
 
     from ..distributed.layout import plan_layout
     from ..distributed.state import build_state, read_env
-    from ..models import build_model
+    from ..models import LlamaConfig, build_model
     from ..train.parallelize import contiguous_shards
 
     env = read_env()
@@ -471,7 +469,7 @@ def bench_worker(plain: dict, specs: list[dict], run_dir: str) -> dict:
     )
     try:
         dtype = getattr(torch, bench["dtype"])
-        model = build_model(plain["model"], device="meta", dtype=dtype)
+        model = build_model(LlamaConfig.from_mapping(plain["model"]), device="meta", dtype=dtype)
         for block in model.layers:
             fully_shard(block, mesh=state.mesh)
         fully_shard(model, mesh=state.mesh)

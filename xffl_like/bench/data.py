@@ -47,10 +47,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)  # what a worker gets (OMP_NUM_THREADS=1)
 
-    from ..models import build_model
+    from ..models import LlamaConfig, build_model
 
     model_cfg = OmegaConf.load(MODEL_DIR / f"{args.model}.yaml")
-    model = build_model(model_cfg, seed=0)
+    model = build_model(LlamaConfig.from_mapping(model_cfg), seed=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     common = dict(vocab_size=model_cfg.vocab_size, seq_len=args.seq_len, batch_size=args.batch_size, seed=0,
                   facility=0, num_facilities=2, facility_rank=0, facility_size=1)
@@ -78,5 +78,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     return rows
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """The ``xffl-bench-data`` command: :func:`main`, whose rows are not an exit status."""
     main()
+
+
+if __name__ == "__main__":
+    cli()

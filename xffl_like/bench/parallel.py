@@ -305,5 +305,10 @@ def main(argv: list[str] | None = None) -> dict:
     return report
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """The ``xffl-bench-parallel`` command: :func:`main`, whose report is not an exit status."""
     main()
+
+
+if __name__ == "__main__":
+    cli()

@@ -28,7 +28,6 @@ import os
 import threading
 import time
 from concurrent.futures import Future
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -95,16 +94,9 @@ class _HostStager(AsyncStager):
         pass
 
 
-def checkpoint_dir(checkpoint: CheckpointConfig | Mapping[str, Any], run_dir: Path) -> Path:
-    """``checkpoint.dir``, or ``<run_dir>/checkpoints`` when it is null.
-
-    ``checkpoint``: the typed section (workers). The launcher side (``job.py``, ``checkpoint/resume.py``)
-    still passes the whole plain config dict, whose ``checkpoint`` entry is read instead.
-    """
-    if isinstance(checkpoint, CheckpointConfig):
-        configured = checkpoint.dir
-    else:
-        configured = (checkpoint.get("checkpoint") or {}).get("dir")
+def checkpoint_dir(checkpoint: CheckpointConfig, run_dir: Path) -> Path:
+    """``checkpoint.dir`` of the ``checkpoint`` section, or ``<run_dir>/checkpoints`` when it is null."""
+    configured = checkpoint.dir
     return Path(configured).expanduser().absolute() if configured else Path(run_dir) / "checkpoints"
 
 
@@ -129,9 +121,9 @@ class Checkpointer:
         # ``async`` is a Python keyword: no attribute syntax for it.
         self.every, self.keep, self.use_async = checkpoint.every_rounds, checkpoint.keep, bool(getattr(checkpoint, "async"))
         self.lead = state.rank == 0
-        # A group of its own: async saves run collectives from a background thread, which must
-        # never interleave with the training loop's collectives on the same group.
-        self.group = dist.new_group(backend="gloo")
+        # A group of its own (the state's ``background``, gloo): async saves run collectives from a
+        # background thread, which must never interleave with the training loop's collectives on the same group.
+        self.group = state.group("background")
         self.pending: Future | None = None
         self.published = threading.Event()
         self.published.set()

@@ -12,7 +12,7 @@ from pathlib import Path
 from .dcp import checkpoint_dir
 from .store import LATEST, is_complete, latest_checkpoint, read_metadata, read_state
 from ..checks import is_int
-from ..schema import JobConfig, as_plain
+from ..schema import CheckpointConfig, JobConfig, as_plain, build_section
 
 __all__ = ["ResumeTarget", "check_writable", "resolve_resume", "resumed", "validate_durability"]
 
@@ -91,7 +91,8 @@ def _find(path: Path) -> tuple[Path, Path]:
         if (path / "config.yaml").is_file():
             from omegaconf import OmegaConf  # safe YAML: no object construction
 
-            ckpt_dir = checkpoint_dir(OmegaConf.to_container(OmegaConf.load(path / "config.yaml")), path)
+            plain = OmegaConf.to_container(OmegaConf.load(path / "config.yaml"))
+            ckpt_dir = checkpoint_dir(build_section(CheckpointConfig, plain.get("checkpoint") or {}), path)
     elif (path / ".metadata").is_file() or path.name.startswith("step-"):
         raise ValueError(f"resume={path}: the checkpoint is incomplete (a job died while writing it); "
                          f"resume from its run directory to use the latest complete one")

@@ -106,14 +106,6 @@ class DistributedState:
         handles = self.groups[name]
         return handles[stream] if len(handles) > 1 else handles[0]
 
-    @property
-    def facility_groups(self) -> tuple:
-        return self.groups["facility"]
-
-    @property
-    def replica_groups(self) -> tuple:
-        return self.groups["replica"]
-
     # Short names the rest of the code reads.
     @property
     def rank(self) -> int:

@@ -104,7 +104,7 @@ class Gossip:
         if flat is not None and not self.name == "alternating-exp-ring" and state.num_replicas > 1:
             # The first replica mixed; the facility's other replicas take its result.
             src = state.layout.facility_offsets[state.facility] + state.shard
-            dist.broadcast(flat, src=src, group=state.replica_groups[0])
+            dist.broadcast(flat, src=src, group=state.group("replica"))
         if flat is not None:
             offset = 0
             for p in self.params:

@@ -38,13 +38,14 @@ from .compress import CompressedMean
 from .gossip import Gossip
 from .options import round_weights
 from .outer import OuterOptimizer
+from ..distributed.state import to_local
 from ..schema import FederationConfig
 
 __all__ = ["Federation"]
 
 
 def _local(p: Tensor) -> Tensor:
-    return (p.to_local() if hasattr(p, "to_local") else p).detach()
+    return to_local(p).detach()
 
 
 class Federation:
@@ -232,12 +233,12 @@ class Federation:
         if n == 1:
             return self.compressor.reduce(message, None, 0, scales)
         if state.replica == 0:  # one copy per facility crosses the boundary (peers in facility order)
-            delta, sent = self.compressor.reduce(message, state.sender_exchanges[0].groups[0], state.facility, scales)
+            delta, sent = self.compressor.reduce(message, state.group("senders"), state.facility, scales)
         else:
             delta, sent = torch.empty(self.numel, dtype=torch.float32, device=state.device), 0
         if state.num_replicas > 1:  # the first replica hands the mean update to the others
             src = state.layout.facility_offsets[state.facility] + state.shard
-            dist.broadcast(delta, src=src, group=state.replica_groups[0])
+            dist.broadcast(delta, src=src, group=state.group("replica"))
         return delta, sent
 
     def _sum_over_world(self, value: int) -> int:
@@ -295,4 +296,4 @@ class Federation:
     def _load_flat(self, flat: Tensor, tensors: dict) -> None:
         for name, _, view in self._views(flat):
             t = tensors[name]
-            view.copy_(t.to_local() if hasattr(t, "to_local") else t)
+            view.copy_(to_local(t))

@@ -144,29 +144,19 @@ class StreamingFederation(Federation):
         self.tokens = torch.zeros(K, n, dtype=torch.float64, device=state.device)
         self.inflight: dict | None = None
         # The overlapped exchange runs beside the training thread's collectives: it needs groups
-        # no one else uses (the first replica of each facility per shard; the replicas per shard).
-        layout, offsets = state.layout, state.layout.facility_offsets
-        self.peers = self.replicas = None
+        # no one else uses (the state's overlap_*, built by build_state(..., overlap=True)).
+        multi_replica = state.num_replicas > 1
         if o.overlap_steps > 0:
-            for s in range(layout.shard_size):
-                group = dist.new_group([offsets[f] + s for f in range(n)]) if n > 1 else None
-                if s == state.shard and state.replica == 0:
-                    self.peers = group
-            for f in range(n):
-                for s in range(layout.shard_size):
-                    ranks = layout.replica_group_ranks(f, s)
-                    group = dist.new_group(list(ranks)) if len(ranks) > 1 else None
-                    if f == state.facility and s == state.shard:
-                        self.replicas = group
+            self.peers = state.group("overlap_peers") if n > 1 else None
+            self.replicas = state.group("overlap_replicas") if multi_replica else None
             # Connect them now, every rank at the same point (NCCL creates communicators lazily:
             # not in a background thread while the training thread runs its own collectives).
             for group in (self.peers, self.replicas):
                 if group is not None:
                     dist.all_reduce(torch.zeros(1, device=state.device), group=group)
         else:
-            if n > 1 and state.replica == 0:
-                self.peers = state.sender_exchanges[0].groups[0]
-            self.replicas = state.replica_groups[0] if state.num_replicas > 1 else None
+            self.peers = state.group("senders") if n > 1 else None
+            self.replicas = state.group("replica") if multi_replica else None
 
     def describe(self) -> dict:
         o = self.options

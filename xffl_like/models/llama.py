@@ -18,6 +18,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .loss import chunked_cross_entropy
 from ..checks import is_int, is_number
+from ..distributed.state import to_local
 from ..schema import ModelConfig
 
 try:  # FSDP2 turns parameters into DTensors; init_weights fills only the local shard.
@@ -325,7 +326,7 @@ def fill_local_(p: torch.Tensor, rows) -> None:
     tensor as one CPU tensor of shape [hi - lo, *rest_shape], or as consecutive pieces of rows (an
     iterator), sliced on the other dims if sharded there."""
     index = local_slices(p)
-    local = p.to_local() if DTensor is not None and isinstance(p, DTensor) else p
+    local = to_local(p)
     pieces = rows(tuple(p.shape[1:]), index[0].start, index[0].stop)
     if isinstance(pieces, torch.Tensor):
         pieces = (pieces,)
@@ -337,19 +338,19 @@ def fill_local_(p: torch.Tensor, rows) -> None:
         raise ValueError(f"filled {at} rows of a local shard of {local.shape[0]} rows")
 
 
-def build_model(model: ModelConfig | LlamaConfig | Mapping[str, Any], *, device="cpu", dtype=torch.float32,
+def build_model(model: ModelConfig | LlamaConfig, *, device="cpu", dtype=torch.float32,
                 seed: int | None = 0) -> Llama:
     """Build a Llama from the typed ``model`` section (workers) or a LlamaConfig. On "meta" nothing is
     initialised: call `model.to_empty(device=...)` then `model.init_weights(seed)` later (e.g. after fully_shard).
 
-    A plain conf/model mapping (dict or DictConfig) is read through :meth:`LlamaConfig.from_mapping`: the
-    launcher's validation (``config.py``, ``checkpoint/resume.py``), ``bench.aggregation`` and tests pass one."""
+    A plain conf/model mapping (a YAML file) goes through :meth:`LlamaConfig.from_mapping` first."""
     if isinstance(model, LlamaConfig):
         cfg = model
     elif isinstance(model, ModelConfig):
         cfg = LlamaConfig.from_model(model)
     else:
-        cfg = LlamaConfig.from_mapping(model)
+        raise TypeError(f"build_model takes a ModelConfig or a LlamaConfig (LlamaConfig.from_mapping reads a plain "
+                        f"mapping), got {type(model).__name__}")
     llama = Llama(cfg, device=device, dtype=dtype)
     if torch.device(device).type != "meta":
         llama.init_weights(seed)

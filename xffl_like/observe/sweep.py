@@ -210,9 +210,15 @@ class SweepSummary(Callback):
                 raise SystemExit(1)
 
 
-if __name__ == "__main__":
+def main() -> None:
+    """``xffl-sweep-summary SWEEP_DIR`` (and ``python -m xffl_like.observe.sweep``): write and print the
+    sweep's summary; exit status 1 if any job failed."""
     if len(sys.argv) != 2:
         sys.exit("usage: python -m xffl_like.observe.sweep SWEEP_DIR")
     done = write_sweep_summary(sys.argv[1])
     print((Path(sys.argv[1]) / "sweep_summary.md").read_text(), end="")
     sys.exit(1 if any(r["status"] != "ok" for r in done) else 0)
+
+
+if __name__ == "__main__":
+    main()

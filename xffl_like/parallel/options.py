@@ -3,7 +3,7 @@
 The config type is :class:`xffl_like.schema.ParallelConfig`; :func:`validate_parallel` checks
 its keys (the launcher calls it once, from :func:`xffl_like.config.validate_config`, which
 also checks the section's relations to the other sections). The worker side is
-:class:`xffl_like.train.dataparallel.DataParallel`.
+:class:`xffl_like.train.dataparallel.DataParallelSync`.
 """
 
 from __future__ import annotations

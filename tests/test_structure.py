@@ -1,0 +1,91 @@
+"""Tier 1: the package's structure -- no import cycle between xffl_like's modules.
+
+Every ``import`` and ``from ... import`` of every module (function-level ones too, read with
+``ast``) is an edge to the xffl_like module it names (``from . import codec`` names the
+submodule, not the package); a strongly connected component of more than one module is a cycle.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from helpers import REPO
+
+
+def module_graph(package: Path) -> dict[str, set[str]]:
+    """Module name -> the xffl_like modules it imports."""
+    modules: dict[str, tuple[Path, list[str]]] = {}
+    for path in package.rglob("*.py"):
+        parts = list(path.relative_to(package.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+            home = parts
+        else:
+            home = parts[:-1]
+        modules[".".join(parts)] = (path, home)
+    graph: dict[str, set[str]] = {}
+    for name, (path, home) in modules.items():
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = home[: len(home) - node.level + 1] if node.level else []
+                target = ".".join(base + ([node.module] if node.module else []))
+                submodules = [f"{target}.{a.name}" for a in node.names if f"{target}.{a.name}" in modules]
+                names = submodules or [target]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            edges.update(n for n in names if n in modules and n != name)
+        graph[name] = edges
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_cycle_finder_finds_a_planted_cycle(tmp_path):
+    pkg = tmp_path / "xffl_like"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("from . import a\n")
+    (pkg / "sub" / "a.py").write_text("def f():\n    from .b import g\n")  # function-level
+    (pkg / "sub" / "b.py").write_text("from xffl_like.sub.a import f\n")
+    (pkg / "c.py").write_text("from .sub import a\n")
+    assert cycles(module_graph(pkg)) == [["xffl_like.sub.a", "xffl_like.sub.b"]]
+
+
+def test_no_import_cycle_in_the_package():
+    graph = module_graph(REPO / "xffl_like")
+    assert "xffl_like.federation.round" in graph and len(graph) > 50
+    assert cycles(graph) == []

@@ -89,3 +89,15 @@ def test_no_import_cycle_in_the_package():
     graph = module_graph(REPO / "xffl_like")
     assert "xffl_like.federation.round" in graph and len(graph) > 50
     assert cycles(graph) == []
+
+
+def test_console_scripts_name_callables():
+    """Every ``[project.scripts]`` entry of pyproject.toml names a function that exists."""
+    import importlib
+    import tomllib
+
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    assert {"xffl-run", "xffl-prepare", "xffl-bench"} <= set(scripts)
+    for name, target in scripts.items():
+        module, _, attr = target.partition(":")
+        assert callable(getattr(importlib.import_module(module), attr)), (name, target)

@@ -133,3 +133,38 @@ def test_mpirun_recipe_places_ranks_host_by_host(tmp_path):
     # 3 hosts x 4: ranks 0-7 on facility 0's hosts, 8-11 on facility 1's.
     assert proc.stdout.split() == ["mpiexec-of-hydra", "-n", "12", "-f", str(hosts), "-ppn", "4", "python", "-m",
                                    "xffl_like.run", "+experiment=llama_fed", r"distributed.federated=\[8\,4\]"]
+
+
+def test_cpu_point_to_point_waits_in_a_thread_on_a_mixed_group(monkeypatch):
+    """gloo completes a CPU send or receive only inside wait(): the handle's thread must wait, also
+    when the group is ``cpu:gloo,cuda:nccl`` (dist.get_backend names both there)."""
+    import threading
+
+    from xffl_like.comm import transport
+
+    class Work:  # a gloo point-to-point work: is_completed() stays False until wait() returns
+        def __init__(self):
+            self.released = threading.Event()
+
+        def is_completed(self):
+            return False
+
+        def wait(self):
+            self.released.wait(10)
+            return True
+
+    monkeypatch.setattr(transport.dist, "get_backend", lambda group=None: "cpu:gloo,cuda:nccl")
+    work = Work()
+    requests = transport._Requests("torch", [work], torch.device("cpu"))
+    assert not requests.done()
+    work.released.set()
+    requests.thread.join(10)
+    assert requests.done()
+
+
+@pytest.mark.parametrize("backend, cpu", [("gloo", True), ("cpu:gloo,cuda:nccl", True), ("mpi", True), ("nccl", False)])
+def test_which_groups_move_cpu_tensors(monkeypatch, backend, cpu):
+    from xffl_like.comm import backends
+
+    monkeypatch.setattr(torch.distributed, "get_backend", lambda group=None: backend)
+    assert backends.handles_cpu() is cpu

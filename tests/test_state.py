@@ -94,3 +94,24 @@ def test_read_env_prefers_torchrun_then_slurm():
     env = read_env({"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_NTASKS_PER_NODE": "4(x2)"})
     assert (env.rank, env.world_size, env.local_rank, env.local_world_size) == (5, 8, 1, 4)
     assert read_env({}) is None
+
+
+@pytest.mark.parametrize("visible, local_rank, index", [(4, 3, 3), (1, 3, 0), (2, 3, 1)])
+def test_cuda_device_is_the_local_rank_among_the_visible_gpus(monkeypatch, visible, local_rank, index):
+    """srun --gpus-per-task=1 shows each task one GPU (cuda:0) whatever its SLURM_LOCALID."""
+    import torch
+
+    from xffl_like.distributed.state import cuda_device
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
+    assert cuda_device(local_rank) == torch.device("cuda", index)
+
+
+def test_cuda_device_without_a_gpu_is_one_line(monkeypatch):
+    import torch
+
+    from xffl_like.distributed.state import cuda_device
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(RuntimeError, match="sees no GPU"):
+        cuda_device(0)

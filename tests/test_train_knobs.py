@@ -192,6 +192,16 @@ def test_grad_accum_checkpointing_and_chunks_under_hsdp_match_one_big_batch():
                 torch.testing.assert_close(case["params"][n], p.detach(), rtol=1e-5, atol=1e-6, msg=f"{n} {accum}x{batch}")
 
 
+@pytest.mark.multiprocess
+def test_rope_tables_stay_fp32_in_a_bf16_model():
+    """fully_shard casts a module's floating inputs to the compute dtype: the blocks must not, or
+    the cos/sin tables reach the attention in bf16."""
+    from xffl_like.distributed.launch import launch_local
+
+    seen = launch_local(train_workers.rope_dtypes, ("bfloat16",), 1)[0]
+    assert seen == [("torch.bfloat16", "torch.float32", "torch.float32")]
+
+
 # ----------------------------------------------------------------------------- eval points
 def test_eval_points():
     rounds = {4, 8, 10}  # every=4 over 10 steps: rounds after 4, 8 and the last step

@@ -129,7 +129,11 @@ def ddp_cases(cases, iterations=3, lr=0.1):
             ddp(coefs(rank, it)).backward()
         ddp.wait_pending()  # waits only: "trained" (checked against the simulation) is still before the mix
         trained = _params(model)
+        import xffl_like.parallel.comm as pcomm
+
+        pcomm.CONSENSUS_CHUNK, chunk = 3, pcomm.CONSENSUS_CHUNK  # parameters cut across several all-reduces
         distance = P.consensus_distance(model)
+        pcomm.CONSENSUS_CHUNK = chunk
         ddp.global_avg()
         out.append({"trained": trained, "avg": _params(model), "buckets": len(ddp.optimizers),
                     "hierarchical": ddp._thread is not None,

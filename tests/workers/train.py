@@ -64,3 +64,32 @@ def grad_accum_cases(federated, hsdp, cases, timeout_s):
                              "grads": grads, "params": params})
     dist.destroy_process_group()
     return out
+
+
+def rope_dtypes(dtype):
+    """The dtypes of the hidden state and of the RoPE tables that a block's attention receives, in a
+    model sharded for ``train.dtype=dtype`` (one process)."""
+    import xffl_like.models.llama as llama
+    from xffl_like.distributed.layout import plan_layout
+    from xffl_like.distributed.state import build_state, read_env
+    from xffl_like.models import LlamaConfig, build_model
+    from xffl_like.train.parallelize import shard_model
+
+    env = read_env()
+    state = build_state(plan_layout(env.world_size, None, None), env)
+    model = shard_model(build_model(LlamaConfig.from_mapping(MODEL), seed=3), state, dtype)
+    seen = []
+    original = llama.apply_rope
+
+    def recording(x, cos, sin):
+        seen.append((str(x.dtype), str(cos.dtype), str(sin.dtype)))
+        return original(x, cos, sin)
+
+    llama.apply_rope = recording
+    try:
+        with torch.no_grad():
+            model(rank_sequences(env.rank, 1)[0])
+    finally:
+        llama.apply_rope = original
+    dist.destroy_process_group()
+    return sorted(set(seen))

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["BACKENDS", "MPI_EXTRA", "MPIUnavailable", "as_bytes", "check_backend", "get_mpi", "mpi_group", "mpi_installed",
+__all__ = ["BACKENDS", "MPI_EXTRA", "MPIUnavailable", "as_bytes", "check_backend", "get_mpi", "handles_cpu", "mpi_group", "mpi_installed",
            "to_host_contiguous"]
 
 BACKENDS = ("torch", "mpi")
@@ -49,6 +49,14 @@ def get_mpi():
             f"the MPI backend needs mpi4py and an MPI runtime, but {cause}: install the mpi extra ({MPI_EXTRA})"
         ) from None
     return MPI
+
+
+def handles_cpu(group: Any = None) -> bool:
+    """Whether a torch process group moves CPU tensors: gloo or mpi, alone or beside nccl
+    (``dist.get_backend`` names a mixed group ``cpu:gloo,cuda:nccl``); not nccl alone."""
+    import torch.distributed as dist
+
+    return dist.get_backend(group) != "nccl"
 
 
 def mpi_group(group: Any):

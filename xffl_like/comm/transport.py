@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .backends import as_bytes, check_backend, get_mpi, mpi_group, to_host_contiguous
+from .backends import as_bytes, check_backend, get_mpi, handles_cpu, mpi_group, to_host_contiguous
 
 __all__ = ["AsyncSendHandle", "AsyncRecvHandle", "send", "recv", "isend", "irecv_into"]
 
@@ -44,13 +44,15 @@ class _Requests:
     """Outstanding torch works or MPI requests, polled without blocking.
 
     gloo marks a point-to-point work complete only inside ``wait()`` (and a timed-out wait
-    closes the connection), so on gloo a helper thread waits and :meth:`done` reads its flag."""
+    closes the connection), so for CPU tensors (gloo's, also in a ``cpu:gloo,cuda:nccl`` group)
+    a helper thread waits and :meth:`done` reads its flag. Decided by the tensors' ``device``, not
+    by ``dist.get_backend``, which names both backends of a mixed group."""
 
-    def __init__(self, backend: str, requests: list, group: Any = None):
+    def __init__(self, backend: str, requests: list, device: torch.device | None = None):
         self.backend, self.requests = backend, requests
         self.error: BaseException | None = None
         self.thread = None
-        if backend == "torch" and dist.get_backend(group) == "gloo":
+        if backend == "torch" and (device is None or torch.device(device).type == "cpu"):
             self.thread = threading.Thread(target=self._wait_all, daemon=True)
             self.thread.start()
 
@@ -143,7 +145,7 @@ def _post_send(data: torch.Tensor, dst: int, backend: str, tag: int, group: Any)
 def isend(data: torch.Tensor, dst: int, backend: str = "torch", tag: int = 0, group: Any = None) -> AsyncSendHandle:
     """Start sending ``data``'s bytes to ``dst``; the handle keeps them alive until done."""
     requests, buffers = _post_send(data, dst, backend, tag, group)
-    return AsyncSendHandle(_Requests(backend, requests, group), buffers)
+    return AsyncSendHandle(_Requests(backend, requests, buffers[-1].device if backend == "torch" else None), buffers)
 
 
 def send(data: torch.Tensor, dst: int, backend: str = "torch", tag: int = 0, group: Any = None) -> None:
@@ -157,10 +159,12 @@ def recv(src: int | None = None, backend: str = "torch", tag: int = 0, group: An
          device: torch.device | str | None = None) -> tuple[int, torch.Tensor]:
     """Receive one message sent by :func:`send`/:func:`isend` on ``tag`` from ``src`` (any
     rank when ``None``). Returns ``(source rank, flat uint8 tensor)``; the tensor is on
-    ``device`` (default: the CPU; the current CUDA device for a torch nccl group)."""
+    ``device`` (default: the CPU; the current CUDA device for a group that has no CPU backend, nccl
+    alone). A sender's CUDA tensor on a ``cpu:gloo,cuda:nccl`` group needs ``device`` here too: the
+    tensors' device picks the backend, and both ends must pick the same one."""
     if check_backend(backend) == "torch":
         if device is None:
-            device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+            device = "cpu" if handles_cpu(group) else torch.device("cuda", torch.cuda.current_device())
         length = _length(0, torch.device(device))
         source = dist.recv(length, group=group, tag=2 * tag, **_peer(group, src, "src"))
         if group is not None:
@@ -191,7 +195,7 @@ def irecv_into(out: torch.Tensor, src: int, backend: str = "torch", tag: int = 0
         length = _length(0, out.device)
         works = [dist.irecv(length, group=group, tag=2 * tag, **_peer(group, src, "src")),
                  dist.irecv(target, group=group, tag=2 * tag + 1, **_peer(group, src, "src"))]
-        return AsyncRecvHandle(_Requests("torch", works, group), out, staged, length)
+        return AsyncRecvHandle(_Requests("torch", works, target.device), out, staged, length)
     MPI = get_mpi()
     req = mpi_group(group).Irecv([target.numpy(), MPI.BYTE], source=src, tag=tag)
     return AsyncRecvHandle(_Requests("mpi", [req]), out, staged, None)

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..comm.backends import handles_cpu
 from .topology import edge_group
 
 __all__ = ["CommThread", "NodeComm", "consensus_distance", "flat_copy", "node_channel", "node_comm", "node_sizes", "p2p_exchange",
@@ -163,7 +164,7 @@ def node_sizes(local_world_size: int | None = None) -> tuple[int, ...]:
     world = dist.get_world_size()
     local = int(local_world_size or os.environ.get("LOCAL_WORLD_SIZE", world))
     mine = torch.tensor([local], dtype=torch.int64)
-    if dist.get_backend() == "nccl":
+    if not handles_cpu():  # nccl alone (a cpu:gloo,cuda:nccl world takes the CPU tensor)
         mine = mine.cuda()
     everyone = [torch.zeros_like(mine) for _ in range(world)]
     dist.all_gather(everyone, mine)
@@ -228,17 +229,28 @@ def unflatten_into(flat: Tensor, tensors: list[Tensor]) -> None:
         offset += t.numel()
 
 
+CONSENSUS_CHUNK = 1 << 22  # values per all-reduce of consensus_distance: 16 MiB of fp32
+
+
 @torch.no_grad()
 def consensus_distance(module: torch.nn.Module, group: dist.ProcessGroup | None = None) -> float:
     """Mean over the ranks of ``group`` (default: the world) of the L2 distance between this
-    rank's parameters and their average over the ranks (collective; 0 when all copies agree)."""
-    params = [p for p in module.parameters()]
+    rank's parameters and their average over the ranks (collective; 0 when all copies agree).
+
+    Chunk by chunk of ``CONSENSUS_CHUNK`` values in float32 (wider dtypes keep theirs), the squared
+    distance summed in float64: no whole-model copy, and no float64 all-reduce of the model."""
+    params = [p.detach().reshape(-1) for p in module.parameters()]
     if not params:
         return 0.0
     n = dist.get_world_size(group)
-    mine = flat_copy(params).to(torch.float64)
-    mean = mine.clone()
-    dist.all_reduce(mean, group=group)
-    distance = torch.linalg.vector_norm(mine - mean.div_(n)).reshape(1)
+    squared = torch.zeros(1, dtype=torch.float64, device=params[0].device)
+    for p in params:
+        wide = torch.float64 if p.dtype == torch.float64 else torch.float32
+        for piece in p.split(CONSENSUS_CHUNK):
+            mine = piece.to(wide, copy=True)
+            mean = mine.clone()
+            dist.all_reduce(mean, group=group)
+            squared += (mine - mean.div_(n)).double().square().sum()
+    distance = squared.sqrt_()
     dist.all_reduce(distance, group=group)
     return float(distance) / n

@@ -17,11 +17,10 @@ from typing import Iterator
 
 import numpy as np
 
+from .corpus_format import FORMAT, META, TOKENS
 from .tokenizer import load_tokenizer
 
 __all__ = ["META", "TOKENS", "FORMAT", "prepare", "main"]
-
-META, TOKENS, FORMAT = "meta.json", "tokens.bin", "xffl_like.tokens/1"
 
 
 def _documents(path: Path) -> Iterator[str]:

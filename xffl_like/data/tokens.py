@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from ..schema import DataConfig
-from .prepare import FORMAT, META, TOKENS
+from .corpus_format import FORMAT, META, TOKENS
 from .source import check_num_eval_batches, resolve_paths
 from .text import (TextByteSource, _check_block_size, _check_eval_fraction, _check_partition, facility_segments,
                    rank_segments, split_sizes)

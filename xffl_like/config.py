@@ -54,6 +54,22 @@ def _override(value: Any) -> str:
     return str(value)
 
 
+def _quoting_hint(exc: BaseException) -> str:
+    """How to quote the override Hydra's lexer refused (a path with spaces, non-ASCII letters or brackets).
+
+    Hydra accepts such a value inside quotes of its own, which the shell must pass through: the
+    whole argument in double quotes, the value in single quotes (``"data.path='my file.txt'"``),
+    checked with Hydra 1.3 for spaces, accented letters and parentheses.
+    """
+    override = str(getattr(exc, "override", "") or "")
+    key, eq, value = override.partition("=")
+    if not eq:  # the shell split a value with spaces: its tail arrived as an override of its own
+        return (f"{override!r} is not key=value: a value with spaces was split by the shell; quote the whole "
+                f"argument and the value, e.g. \"data.path='my file.txt'\"; ")
+    value = value.strip().strip("'\"")
+    return f"quote the value for Hydra and the argument for the shell: \"{key.strip()}='{value}'\"; "
+
+
 def compose_error(exc: BaseException) -> str | None:
     """One line for an error Hydra or OmegaConf raised while composing the job's config
     (unknown key, wrong type, missing option, unparsable override); None for any other error."""
@@ -70,7 +86,7 @@ def compose_error(exc: BaseException) -> str | None:
         return (f"{group.replace('/', '.')}={option}: no such option (conf/{exc.missing_cfg_file}.yaml); "
                 f"available: {', '.join(exc.options)}")
     if isinstance(exc, OverrideParseException):
-        return f"cannot parse an override ({str(exc).splitlines()[0]}): see `python -m xffl_like.run --help`"
+        return f"cannot parse an override ({str(exc).splitlines()[0]}): {_quoting_hint(exc)}see `python -m xffl_like.run --help`"
     cause = exc if isinstance(exc, OmegaConfBaseException) else exc.__cause__
     if isinstance(cause, (ConfigAttributeError, ConfigKeyError)) and cause.full_key:
         return unknown_key_message(cause.full_key)

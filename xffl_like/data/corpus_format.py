@@ -7,6 +7,15 @@ and runpy warns (``RuntimeWarning: 'xffl_like.data.prepare' found in sys.modules
 
 from __future__ import annotations
 
-__all__ = ["FORMAT", "META", "TOKENS"]
+from pathlib import Path
+
+__all__ = ["FORMAT", "META", "TOKENS", "output_for"]
 
 META, TOKENS, FORMAT = "meta.json", "tokens.bin", "xffl_like.tokens/1"
+
+
+def output_for(path: str | Path) -> Path:
+    """A directory for the prepared corpus of the text file ``path`` that is not ``path`` itself:
+    ``corpus.txt`` -> ``corpus-tokens`` (what fix hints suggest as ``--output``)."""
+    path = Path(path)
+    return path.with_name(f"{path.stem or path.name}-tokens")

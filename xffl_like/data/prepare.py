@@ -18,7 +18,7 @@ from typing import Iterator
 import numpy as np
 
 from ..checks import not_regular
-from .corpus_format import FORMAT, META, TOKENS
+from .corpus_format import FORMAT, META, TOKENS, output_for
 from .tokenizer import load_tokenizer
 
 __all__ = ["META", "TOKENS", "FORMAT", "output_for", "prepare", "main"]
@@ -38,12 +38,6 @@ def _documents(path: Path) -> Iterator[str]:
             yield path.read_text(encoding="utf-8")
         except UnicodeDecodeError as exc:
             raise ValueError(f"{path}: not UTF-8 text (invalid byte at offset {exc.start})") from None
-
-
-def output_for(path: str | Path) -> Path:
-    """A directory for the prepared corpus of ``path`` that is not ``path`` itself: ``corpus.txt`` -> ``corpus-tokens``."""
-    path = Path(path)
-    return path.with_name(f"{path.stem or path.name}-tokens")
 
 
 def _check_inputs(paths: list[Path], out: Path) -> None:

@@ -54,6 +54,22 @@ def _override(value: Any) -> str:
     return str(value)
 
 
+def _quoting_hint(exc: BaseException) -> str:
+    """How to quote the override Hydra's lexer refused (a path with spaces, non-ASCII letters or brackets).
+
+    Hydra accepts such a value inside quotes of its own, which the shell must pass through: the
+    whole argument in double quotes, the value in single quotes (``"data.path='my file.txt'"``),
+    checked with Hydra 1.3 for spaces, accented letters and parentheses.
+    """
+    override = str(getattr(exc, "override", "") or "")
+    key, eq, value = override.partition("=")
+    if not eq:  # the shell split a value with spaces: its tail arrived as an override of its own
+        return (f"{override!r} is not key=value: a value with spaces was split by the shell; quote the whole "
+                f"argument and the value, e.g. \"data.path='my file.txt'\"; ")
+    value = value.strip().strip("'\"")
+    return f"quote the value for Hydra and the argument for the shell: \"{key.strip()}='{value}'\"; "
+
+
 def compose_error(exc: BaseException) -> str | None:
     """One line for an error Hydra or OmegaConf raised while composing the job's config
     (unknown key, wrong type, missing option, unparsable override); None for any other error."""
@@ -70,7 +86,7 @@ def compose_error(exc: BaseException) -> str | None:
         return (f"{group.replace('/', '.')}={option}: no such option (conf/{exc.missing_cfg_file}.yaml); "
                 f"available: {', '.join(exc.options)}")
     if isinstance(exc, OverrideParseException):
-        return f"cannot parse an override ({str(exc).splitlines()[0]}): see `python -m xffl_like.run --help`"
+        return f"cannot parse an override ({str(exc).splitlines()[0]}): {_quoting_hint(exc)}see `python -m xffl_like.run --help`"
     cause = exc if isinstance(exc, OmegaConfBaseException) else exc.__cause__
     if isinstance(cause, (ConfigAttributeError, ConfigKeyError)) and cause.full_key:
         return unknown_key_message(cause.full_key)
@@ -111,18 +127,38 @@ def _positive_int(value: Any, dotted: str) -> int:
 
 
 def _positive_float(value: Any, dotted: str) -> float:
-    if not (is_number(value) and value > 0):
+    if not (is_number(value) and 0 < value < float("inf")):  # inf passes `> 0`, then int() of it fails in a worker
         raise ConfigError(f"{dotted}={value!r}: must be a positive number")
     return float(value)
 
 
 # ----------------------------------------------------------------------------- one check per section
-def validate_distributed(cfg: DistributedConfig) -> None:
-    """``distributed.*`` values (the layout they describe is :func:`plan_layout`'s)."""
+#: Longest collective timeout: a week. Longer is no timeout at all for a job, and past ~2.7e12 s
+#: ``datetime.timedelta`` overflows in every worker.
+MAX_TIMEOUT_S = 7 * 24 * 3600
+
+
+def validate_distributed(cfg: DistributedConfig, local_world_size: int | None = None) -> None:
+    """``distributed.*`` values (the layout they describe is :func:`plan_layout`'s); ``local_world_size``:
+    the processes on this node, each of which needs its own GPU under ``backend=nccl``."""
     _positive_int(cfg.nproc_per_node, "distributed.nproc_per_node")
     _positive_int(cfg.timeout_s, "distributed.timeout_s")
+    if cfg.timeout_s > MAX_TIMEOUT_S:
+        raise ConfigError(f"distributed.timeout_s={cfg.timeout_s}: at most {MAX_TIMEOUT_S} (a week); "
+                          f"use e.g. distributed.timeout_s=1800")
     if cfg.backend not in ("auto", "gloo", "nccl"):
         raise ConfigError(f"distributed.backend={cfg.backend!r}: use auto, gloo or nccl")
+    if cfg.backend == "nccl":
+        import torch
+
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        local = local_world_size if local_world_size is not None else cfg.nproc_per_node
+        if gpus == 0:
+            raise ConfigError("distributed.backend=nccl needs CUDA GPUs, and torch sees none on this machine: "
+                              "use distributed.backend=auto (gloo on CPU)")
+        if gpus < local:
+            raise ConfigError(f"distributed.backend=nccl needs one GPU per process: {local} processes on this node, "
+                              f"{gpus} GPU(s): lower distributed.nproc_per_node to {gpus} or use distributed.backend=gloo")
 
 
 def validate_train(cfg: TrainConfig) -> TrainConfig:
@@ -178,12 +214,25 @@ def resolve_model(cfg: ModelConfig, base_dir: Path) -> ModelConfig:
 
     path = Path(cfg.path).expanduser()
     path = (path if path.is_absolute() else base_dir / path).absolute()
-    cfg = replace(cfg, **read_hf_config(path), path=str(path))
+    shape = read_hf_config(path)
+    # The shape comes from config.json alone: a shape key set beside it (model.dim=..., or a shape
+    # preset such as model=llama_tiny) would otherwise be replaced without a word.
+    default = ModelConfig()
+    given = [f"model.{k}={_override(getattr(cfg, k))}" for k in shape if getattr(cfg, k) != getattr(default, k)]
+    if given:
+        raise ConfigError(f"{', '.join(given)} set together with model.path={cfg.path}: the shape keys come from its "
+                          f"config.json; drop {'them' if len(given) > 1 else 'it'} (model=hf leaves them unset)")
+    cfg = replace(cfg, **shape, path=str(path))
     check_hf_weights(path, LlamaConfig.from_model(cfg))
     return cfg
 
 
 # ----------------------------------------------------------------------------- relations between sections
+#: The RoPE cos/sin tables are built whole on every rank (``max_seq_len x head_dim/2`` each, fp32): 1 GiB
+#: holds 2M positions at head_dim 128, sixteen times Llama 3.1's 131,072.
+MAX_ROPE_BYTES = 1 << 30
+
+
 def _check_parallel_job(job: JobConfig, world_size: int) -> JobConfig:
     """``parallel`` against the other sections; decentralized/bagua: ``distributed.hsdp=1`` (every rank holds a
     full copy: a shard group of one) in the returned job."""
@@ -275,10 +324,16 @@ def validate_config(
     try:
         if not isinstance(job, JobConfig):
             job = job_config(job, choices)
-        validate_distributed(job.distributed)
+        validate_distributed(job.distributed, local_world_size)
         job = replace(job, train=validate_train(job.train), optim=validate_optim(job.optim))
         if not is_int(job.seed):
             raise ConfigError(f"seed={job.seed!r}: must be an integer")
+        if not -(1 << 63) <= job.seed < 1 << 64:  # torch.manual_seed's range: past it every worker fails
+            raise ConfigError(f"seed={job.seed}: must be in [-2**63, 2**64) (torch.manual_seed's range); e.g. seed=0")
+        steps, warmup = job.train.steps, job.optim.warmup_steps
+        if steps > 0 and warmup > steps:  # the peak lr would never be reached (steps=0: nothing runs)
+            raise ConfigError(f"optim.warmup_steps={warmup} exceeds train.steps={steps}: the learning rate would never "
+                              f"reach optim.lr; use optim.warmup_steps<={steps}")
         validate_logger(job.logger)
         validate_parallel(job.parallel)
         job = _check_parallel_job(job, world_size)
@@ -300,6 +355,12 @@ def validate_config(
         check_fragments(phases, model_cfg.n_layers)  # fragments are groups of the model's blocks
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    rope_bytes = model_cfg.max_seq_len * model_cfg.head_dim * 4  # cos and sin tables, fp32, on every rank
+    if rope_bytes > MAX_ROPE_BYTES:
+        most = MAX_ROPE_BYTES // (model_cfg.head_dim * 4)
+        raise ConfigError(f"model.max_seq_len={model_cfg.max_seq_len}: its RoPE tables would take "
+                          f"{rope_bytes / 2**30:.1f} GiB on every rank; at most {most} positions for head_dim="
+                          f"{model_cfg.head_dim} (use model.max_seq_len<={most})")
     if train.seq_len > model_cfg.max_seq_len:
         raise ConfigError(
             f"train.seq_len={train.seq_len} exceeds model.max_seq_len={model_cfg.max_seq_len}: "

@@ -9,6 +9,8 @@ No process group is touched (``transport=mpi`` is checked without initialising M
 
 from __future__ import annotations
 
+import math
+
 import dataclasses
 import fnmatch
 from typing import Any, Mapping, Sequence
@@ -41,6 +43,13 @@ def strategy_config(options: Mapping[str, Any]) -> StrategyConfig:
     return StrategyConfig(**options)
 
 
+#: Most communication streams. Each stream multiplies the process groups build_state creates (one per
+#: facility, replica group and exchange: with 500 streams thousands of gloo groups, each a rendezvous
+#: through the store and a mesh of connections, and the job sat silent for minutes before its first step),
+#: while overlap stops paying long before: a round has a few collectives in flight per link.
+MAX_STREAMS = 16
+
+
 def normalise_strategy(cfg: StrategyConfig) -> StrategyConfig:
     """``bucket_mb`` a float, ``only`` a tuple (a single glob wrapped) or None; nothing checked."""
     only = cfg.only
@@ -71,7 +80,11 @@ def validate_strategy_options(
         raise ValueError(f"unknown strategy name {cfg.name!r}: valid names are {list(STRATEGIES)}")
     if not is_int(cfg.streams) or cfg.streams < 1:
         raise ValueError(f"strategy.streams={cfg.streams!r}: need an integer of at least 1")
-    if not is_number(cfg.bucket_mb) or not cfg.bucket_mb > 0:
+    if cfg.streams > MAX_STREAMS:
+        raise ValueError(f"strategy.streams={cfg.streams}: at most {MAX_STREAMS} (every stream is one more process group "
+                         f"per facility, replica group and exchange, each created by every rank before training); "
+                         f"use strategy.streams<={MAX_STREAMS}")
+    if not is_number(cfg.bucket_mb) or not cfg.bucket_mb > 0 or not math.isfinite(cfg.bucket_mb):
         raise ValueError(f"strategy.bucket_mb={cfg.bucket_mb!r}: need a positive number of megabytes")
     if cfg.mode not in AGGREGATION_MODES:
         raise ValueError(f"strategy.mode={cfg.mode!r}: valid modes are {list(AGGREGATION_MODES)}")

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..checks import not_regular
 from ..models.llama import LlamaConfig, fill_local_
 from ..schema import DataConfig, ExportConfig
 
@@ -104,6 +105,9 @@ def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
     if not path.is_dir():
         raise _fail(path, "not a directory (pass model.path=<local Hugging Face model directory>)")
     file = path / "config.json"
+    kind = not_regular(file)
+    if kind is not None:  # before reading: a device or /proc file never ends or changes
+        raise _fail(path, f"config.json is not a regular file ({kind}); pass the directory written by save_pretrained")
     try:
         hf = json.loads(file.read_text())
     except FileNotFoundError:

@@ -17,11 +17,11 @@ from typing import Iterator
 
 import numpy as np
 
+from ..checks import not_regular
+from .corpus_format import FORMAT, META, TOKENS, output_for
 from .tokenizer import load_tokenizer
 
-__all__ = ["META", "TOKENS", "FORMAT", "prepare", "main"]
-
-META, TOKENS, FORMAT = "meta.json", "tokens.bin", "xffl_like.tokens/1"
+__all__ = ["META", "TOKENS", "FORMAT", "output_for", "prepare", "main"]
 
 
 def _documents(path: Path) -> Iterator[str]:
@@ -40,19 +40,41 @@ def _documents(path: Path) -> Iterator[str]:
             raise ValueError(f"{path}: not UTF-8 text (invalid byte at offset {exc.start})") from None
 
 
+def _check_inputs(paths: list[Path], out: Path) -> None:
+    """Every input a regular, non-empty file, none of them overwritten by what ``out`` will hold."""
+    for p in paths:
+        kind = not_regular(p)
+        if kind is not None:
+            raise ValueError(f"{p}: not a regular file ({kind}); pass UTF-8 text or .jsonl files")
+        if not p.is_file():
+            raise ValueError(f"{p}: no such file")
+        if p.stat().st_size == 0:
+            raise ValueError(f"{p}: the file is empty, nothing to tokenize; pass files with text")
+    written = [out / TOKENS, out / META, out / (TOKENS + ".partial")]
+    inputs = {p.resolve(): p for p in paths}
+    for target in [out, *written]:
+        if target.resolve() in inputs:
+            p = inputs[target.resolve()]
+            raise ValueError(f"--output {out}: would overwrite the input {p}; write the corpus to another "
+                             f"directory, e.g. --output {output_for(p)}")
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--output {out}: exists and is not a directory; pass a directory (it is created if missing)")
+
+
 def prepare(tokenizer: str, output: str | Path, files: list[str | Path], progress: bool = True) -> dict:
     """Write ``tokens.bin`` + ``meta.json`` under ``output``; return the metadata."""
+    paths = [Path(f).absolute() for f in files]
+    out = Path(output).absolute()
+    _check_inputs(paths, out)
     tok = load_tokenizer(tokenizer, Path.cwd())
     if tok.eos_id is None:
         raise ValueError(f"tokenizer {tok.name}: no end-of-document token found (add one of "
                          "<|end_of_text|>, <|endoftext|>, </s> or set eos_token in tokenizer_config.json)")
-    paths = [Path(f).absolute() for f in files]
-    for p in paths:
-        if not p.is_file():
-            raise ValueError(f"{p}: no such file")
     dtype = np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32
-    out = Path(output)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"--output {out}: cannot create the directory ({exc.strerror or exc})") from None
     from tqdm import tqdm
 
     starts: list[int] = []
@@ -60,15 +82,27 @@ def prepare(tokenizer: str, output: str | Path, files: list[str | Path], progres
     bar = tqdm(total=sum(p.stat().st_size for p in paths), unit="B", unit_scale=True, desc="tokenizing",
                disable=not progress, file=sys.stderr)
     partial = out / (TOKENS + ".partial")  # renamed at the end: an interrupted run leaves no valid-looking corpus
-    with partial.open("wb") as f:
-        for p in paths:
-            for text in _documents(p):
-                ids = np.asarray(tok.encode(text) + [tok.eos_id], dtype=dtype)
-                starts.append(count)
-                count += len(ids)
-                f.write(ids.tobytes())
-                bar.update(len(text.encode("utf-8")))
-    bar.close()
+    try:
+        with partial.open("wb") as f:
+            for p in paths:
+                empty = True
+                for text in _documents(p):
+                    empty = empty and not text.strip()
+                    ids = np.asarray(tok.encode(text) + [tok.eos_id], dtype=dtype)
+                    starts.append(count)
+                    count += len(ids)
+                    f.write(ids.tobytes())
+                    bar.update(len(text.encode("utf-8")))
+                if empty:  # whitespace only, or a .jsonl without a document: a corpus of end-of-document tokens
+                    raise ValueError(f"{p}: no text to tokenize (only whitespace or no documents); pass files with text")
+    except OSError as exc:
+        partial.unlink(missing_ok=True)
+        raise ValueError(f"{partial}: cannot write ({exc.strerror or exc})") from None
+    except ValueError:
+        partial.unlink(missing_ok=True)
+        raise
+    finally:
+        bar.close()
     partial.replace(out / TOKENS)
     meta = {
         "format": FORMAT,
@@ -92,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         meta = prepare(args.tokenizer, args.output, args.files)
-    except ValueError as exc:
+    except (ValueError, OSError) as exc:  # OSError: meta.json could not be written (a full disk, permissions)
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(f"wrote {meta['num_tokens']:,} tokens ({meta['dtype']}, {len(meta['document_starts'])} documents, "

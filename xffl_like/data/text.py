@@ -40,7 +40,7 @@ from .source import (
     resolve_paths,
 )
 
-from ..checks import is_int, is_number
+from ..checks import is_int, is_number, not_regular
 
 __all__ = [
     "BYTE_VOCAB_SIZE",
@@ -133,8 +133,9 @@ def load_corpus(paths: Sequence[Path]) -> bytes:
     for p in paths:
         if not p.exists():
             raise ValueError(f"data.path: file not found: {p} ({_fix_path()})")
-        if not p.is_file():
-            raise ValueError(f"data.path: not a regular file: {p} ({_fix_path()})")
+        kind = not_regular(p)
+        if kind is not None or not p.is_file():
+            raise ValueError(f"data.path: not a regular file: {p} is {kind or 'not a regular file'} ({_fix_path()})")
         try:
             data = p.read_bytes()
         except OSError as exc:

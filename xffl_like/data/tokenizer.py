@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..checks import not_regular
+
 __all__ = ["ByteTokenizer", "HFTokenizer", "load_tokenizer", "tokenizer_files", "tokenizer_path"]
 
 # Names under which tokenizers commonly store their end-of-document token, most specific first.
@@ -81,6 +83,10 @@ def tokenizer_path(spec: Any, base_dir: str | os.PathLike | None = None) -> Path
         path = Path(base_dir) / path
     path = path.absolute()
     file = path / "tokenizer.json" if path.is_dir() else path
+    kind = not_regular(file)
+    if kind is not None:
+        raise ValueError(f"data.tokenizer={spec}: {file} is not a regular file ({kind}); "
+                         "use byte or a path to tokenizer.json or a directory holding it")
     if not file.is_file():
         raise ValueError(f"data.tokenizer={spec}: no tokenizer.json at {file} "
                          "(use byte or a path to tokenizer.json or a directory holding it)")

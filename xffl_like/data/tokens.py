@@ -15,8 +15,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..checks import is_int, not_regular
 from ..schema import DataConfig
-from .prepare import FORMAT, META, TOKENS
+from .corpus_format import FORMAT, META, TOKENS, output_for
 from .source import check_num_eval_batches, resolve_paths
 from .text import (TextByteSource, _check_block_size, _check_eval_fraction, _check_partition, facility_segments,
                    rank_segments, split_sizes)
@@ -28,12 +29,30 @@ def _directory(cfg_data: DataConfig, base_dir) -> Path:
     paths = resolve_paths(cfg_data, base_dir)
     if len(paths) != 1:
         raise ValueError(f"data.path: data=tokens takes one directory written by xffl_like.data.prepare, got {len(paths)}")
-    return paths[0]
+    directory = paths[0]
+    if directory.exists() and not directory.is_dir():
+        kind = not_regular(directory)
+        what = f"is not a directory ({kind})" if kind else "is a file, not the directory written by xffl_like.data.prepare"
+        raise ValueError(f"data.path={directory}: {what}; data=tokens takes that directory ({_fix(directory)}), "
+                         f"or train on a text file with data=text")
+    return directory
+
+
+def _fix(directory: Path) -> str:
+    """How to make the corpus ``data.path`` names; never suggests writing it over a file (a corpus ``a.txt`` -> ``a-tokens``)."""
+    if directory.exists() and not directory.is_dir():
+        return (f"run python -m xffl_like.data.prepare --tokenizer <path|byte> --output {output_for(directory)} "
+                f"{directory}, then data.path={output_for(directory)}")
+    return f"run python -m xffl_like.data.prepare --tokenizer <path|byte> --output {directory} <files...>"
 
 
 def read_meta(directory: Path) -> dict:
     """``meta.json`` of a prepared corpus, checked against the size of ``tokens.bin``."""
-    fix = f"run python -m xffl_like.data.prepare --tokenizer <path|byte> --output {directory} <files...>"
+    fix = _fix(directory)
+    for name in (META, TOKENS):  # before reading: a device or /proc file never ends or changes
+        kind = not_regular(directory / name)
+        if kind is not None:
+            raise ValueError(f"data.path={directory}: {name} is not a regular file ({kind}; {fix})")
     try:
         meta = json.loads((directory / META).read_text())
     except FileNotFoundError:
@@ -42,6 +61,14 @@ def read_meta(directory: Path) -> dict:
         raise ValueError(f"data.path={directory}: {META} is unreadable ({exc}; {fix})") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("dtype") not in ("uint16", "uint32"):
         raise ValueError(f"data.path={directory}: {META} is not a {FORMAT} description ({fix})")
+    for key in ("vocab_size", "num_tokens"):
+        value = meta.get(key)
+        if not is_int(value) or value < (1 if key == "vocab_size" else 0):
+            raise ValueError(f"data.path={directory}: {META} has {key}={value!r}, not a "
+                             f"{'positive integer' if key == 'vocab_size' else 'count'} ({fix})")
+    if meta["vocab_size"] > np.iinfo(meta["dtype"]).max + 1:
+        raise ValueError(f"data.path={directory}: {META} has vocab_size={meta['vocab_size']}, more ids than "
+                         f"dtype={meta['dtype']} holds ({fix})")
     tokens = directory / TOKENS
     expected = int(meta["num_tokens"]) * np.dtype(meta["dtype"]).itemsize
     if not tokens.is_file() or tokens.stat().st_size != expected:
@@ -77,7 +104,7 @@ def check_layout_fits(num_tokens: int, cfg_data: DataConfig, layout, *, batch_si
     after :func:`validate_tokens` (or ``validate_text``) accepted ``cfg_data``.
     """
     partition, block = cfg_data.partition, cfg_data.block_size
-    n_train, _ = split_sizes(num_tokens, cfg_data.eval_fraction, seq_len)
+    n_train, n_eval = split_sizes(num_tokens, cfg_data.eval_fraction, seq_len)
     window = seq_len + 1
     for f, size in enumerate(layout.facility_sizes):
         segments = facility_segments(n_train, layout.num_facilities, f, partition, block)
@@ -93,6 +120,17 @@ def check_layout_fits(num_tokens: int, cfg_data: DataConfig, layout, *, batch_si
                     f"{batch_size}; the layout of {layout.world_size} ranks needs about {need:,} tokens: add "
                     "data, or lower train.seq_len, train.batch_size or the number of processes"
                 )
+    # Held-out windows: num_eval_batches * batch_size start offsets spread evenly over the held-out tail
+    # (a rank's share, or the whole tail when it is short: windows may then repeat, by design). More
+    # windows than the tail has tokens only evaluates the same windows again, and a huge count fills
+    # every worker's memory with offsets.
+    wanted = cfg_data.num_eval_batches * batch_size
+    if wanted > n_eval:
+        raise ValueError(
+            f"data.num_eval_batches={cfg_data.num_eval_batches}: {wanted:,} held-out windows per rank (times "
+            f"train.batch_size={batch_size}), more than the {n_eval:,} tokens of the held-out tail; use "
+            f"data.num_eval_batches<={max(n_eval // batch_size, 1)} or raise data.eval_fraction"
+        )
 
 
 def build_tokens(cfg_data: DataConfig, *, vocab_size: int, seq_len: int, batch_size: int, seed: int, facility: int,

@@ -71,7 +71,7 @@ def validate_parallel(cfg: ParallelConfig) -> None:
         raise ValueError(f"parallel.optimizer={cfg.optimizer!r}: use one of {', '.join(DP_OPTIMIZERS)}")
     if not is_int(cfg.accum_iter) or cfg.accum_iter < 1:
         raise ValueError(f"parallel.accum_iter={cfg.accum_iter!r}: must be an integer >= 1 (e.g. parallel.accum_iter=4)")
-    if not is_number(cfg.bucket_mb) or not cfg.bucket_mb > 0:
+    if not is_number(cfg.bucket_mb) or not 0 < cfg.bucket_mb < float("inf"):  # inf: no bucket size, a crash in workers
         raise ValueError(f"parallel.bucket_mb={cfg.bucket_mb!r}: must be a positive number of MiB "
                          f"(e.g. parallel.bucket_mb=25)")
     dp_algorithm(cfg.algorithm, cfg.options or {}, "parallel.")

@@ -20,13 +20,63 @@ from .config import ConfigError, compose_error, validate_config
 from .distributed.launch import WorkerFailure, launch_local, start_fork_server
 from .schema import JobConfig, as_plain, job_config
 
-__all__ = ["CONF_DIR", "JobFailed", "run_local", "run_under_launcher", "resolve"]
+__all__ = ["CONF_DIR", "JobFailed", "JobInterrupted", "run_local", "run_under_launcher", "resolve"]
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
 
 class JobFailed(RuntimeError):
     """The job could not run or a worker failed; ``str(exc)`` is the one line to show."""
+
+
+class JobInterrupted(JobFailed):
+    """SIGINT/SIGTERM stopped the job; ``str(exc)`` is the one line, ``exc.code`` the exit status (130/143)."""
+
+    def __init__(self, line: str, code: int):
+        super().__init__(line)
+        self.code = code
+
+
+def _overrides() -> list[str]:
+    """This job's command-line overrides (Hydra's, else the arguments), less ``resume`` and ``hydra.*``."""
+    from hydra.core.hydra_config import HydraConfig
+
+    given = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else sys.argv[1:]
+    return [o for o in given if not o.lstrip("+~").startswith(("resume=", "hydra."))]
+
+
+def _again(run_dir: Path, resume: bool, launcher: str = "python") -> str:
+    import shlex
+
+    args = " ".join(shlex.quote(o) for o in _overrides())
+    tail = f" resume={shlex.quote(str(run_dir))}" if resume else ""
+    return f"{launcher} -m xffl_like.run {args}{tail}".replace("  ", " ")
+
+
+def interrupted_line(info: dict, launcher: str = "python") -> str:
+    """The one line of a job that a signal stopped (``info``: what rank 0's loop returned)."""
+    head = f"interrupted at step {info['step']} of {info['steps']} ({info['signal']})"
+    run_dir = Path(info["run_dir"])
+    if info.get("checkpoint"):
+        return f"{head}: checkpoint saved to {info['checkpoint']}; resume with: {_again(run_dir, True, launcher)}"
+    if info.get("last_checkpoint"):
+        return (f"{head}: no checkpoint at this step (the next round boundary was more than a few seconds away); "
+                f"last complete checkpoint: {info['last_checkpoint']}; resume with: {_again(run_dir, True, launcher)}")
+    return f"{head}: no checkpoint was written; start again with: {_again(run_dir, False, launcher)}"
+
+
+def _abort(job: JobConfig, run_dir: Path) -> Callable[[int], None]:
+    """What the launcher does on a second SIGINT/SIGTERM, once the workers are killed: remove the
+    temporaries of a checkpoint being written and say what is left, in one line."""
+    def abort(signum: int) -> None:
+        from .checkpoint import checkpoint_dir
+        from .checkpoint.store import remove_stale
+        from .distributed.signals import signal_name
+
+        remove_stale(checkpoint_dir(job.checkpoint, run_dir))
+        print(f"interrupted again ({signal_name(signum)}): stopped at once{_last_checkpoint(job, run_dir)}",
+              file=sys.stderr, flush=True)
+    return abort
 
 
 def resolve(cfg: DictConfig) -> dict:
@@ -101,10 +151,23 @@ def run_local(cfg: DictConfig, run_dir: Path, worker: Callable | None = None) ->
     _save_config(job, run_dir)
     try:
         results = launch_local(worker or _train_worker, (job, str(run_dir), started), nproc,
-                               error_dir=run_dir / "errors", max_restarts=job.distributed.max_restarts)
+                               error_dir=run_dir / "errors", max_restarts=job.distributed.max_restarts,
+                               on_abort=_abort(job, run_dir))
     except WorkerFailure as exc:
+        if exc.interrupted:  # a signal reached the workers before their loop could honour it
+            from .distributed.signals import exit_code, signal_name
+
+            raise JobInterrupted(f"interrupted ({signal_name(exc.interrupted)}) before training could stop at a "
+                                 f"step{_last_checkpoint(job, run_dir)}", exit_code(exc.interrupted)) from None
         where = f" (traceback: {exc.details})" if exc.details else ""
         raise JobFailed(f"{exc}{where}{_last_checkpoint(job, run_dir)}") from None
+    if isinstance(results[0], dict) and "interrupted" in results[0]:
+        import signal
+
+        from .distributed.signals import exit_code
+
+        info = results[0]["interrupted"]
+        raise JobInterrupted(interrupted_line(info), exit_code(signal.Signals[info["signal"]]))
     return results[0]
 
 

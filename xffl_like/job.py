@@ -226,6 +226,53 @@ def _validate_here(overrides: list[str], env) -> tuple[JobConfig, Path]:
     return prepare_durability(job, layout, _torchrun_run_dir(job.experiment))
 
 
+#: Seconds at the rendezvous before a process says what it waits for (a stale RANK/WORLD_SIZE, a missing peer).
+WAIT_NOTICE_S = 5.0
+
+_VARIABLES = {"torchrun": "RANK WORLD_SIZE MASTER_ADDR MASTER_PORT", "slurm": "SLURM_PROCID SLURM_NTASKS",
+              "mpi": "OMPI_COMM_WORLD_RANK OMPI_COMM_WORLD_SIZE PMI_RANK PMI_SIZE"}
+
+
+def _unset_hint(env) -> str:
+    names = _VARIABLES.get(env.launcher, _VARIABLES["torchrun"])
+    return (f"if you did not start this under torchrun/srun/mpirun, unset {names} "
+            f"(they are left over from another job) and run it again")
+
+
+def _set_variables(env) -> str:
+    if env.launcher == "torchrun":
+        return f"RANK={os.environ.get('RANK')} WORLD_SIZE={os.environ.get('WORLD_SIZE')} are set"
+    return f"this is rank {env.rank} of {env.world_size} by {env.launcher}'s variables"
+
+
+def _waiting_notice(env):
+    """A context: after :data:`WAIT_NOTICE_S` seconds still at the rendezvous, print once what this
+    process waits for and which variables to unset if they are stale."""
+    import contextlib
+    import threading
+
+    others = env.world_size - 1
+    line = (f"waiting for {others} more process{'es' if others != 1 else ''} at {env.master_addr}:{env.master_port} "
+            f"({_set_variables(env)}: {_unset_hint(env)})")
+    timer = threading.Timer(WAIT_NOTICE_S, lambda: print(line, file=sys.stderr, flush=True))
+    timer.daemon = True
+
+    @contextlib.contextmanager
+    def notice():
+        timer.start()
+        try:
+            yield
+        finally:
+            timer.cancel()
+    return notice()
+
+
+def _port_in_use(exc: BaseException) -> bool:
+    import errno
+
+    return getattr(exc, "errno", None) == errno.EADDRINUSE or "address already in use" in str(exc).lower()
+
+
 def run_under_launcher(overrides: list[str]) -> int:
     """torchrun/srun/mpirun path: rank 0 composes and validates, every rank trains.
 
@@ -233,13 +280,20 @@ def run_under_launcher(overrides: list[str]) -> int:
     in a job spanning sites, the site with a typo fails at once instead of leaving the
     others waiting for it.
     """
+    import signal
+
     import torch.distributed as dist
 
     from .distributed.env import agree_rendezvous
+    from .distributed.signals import die_with_parent, exit_code, install_stop_handlers, stopped_by
     from .distributed.state import init_default_group, read_env
     from .train.loop import train_worker
 
     started = time.time()
+    die_with_parent()  # torchrun's, srun's or mpirun's process: when it dies, so does this one
+    # Until the rendezvous is done a signal ends the process at once (a wait in C++ would not see a handler).
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     env = read_env()
     try:
         env = agree_rendezvous(env)  # under mpirun: MPI agrees on MASTER_ADDR/MASTER_PORT
@@ -260,7 +314,17 @@ def run_under_launcher(overrides: list[str]) -> int:
             return 2
     # The config is not known yet: the device and groups follow ``auto``; build_state applies
     # distributed.timeout_s to this group once rank 0 has shared the config.
-    init_default_group(env, "auto")
+    try:
+        with _waiting_notice(env):
+            init_default_group(env, "auto")
+    except (OSError, RuntimeError) as exc:
+        if not _port_in_use(exc):
+            raise
+        print(f"error: MASTER_PORT={env.master_port} is in use: another job (or a leftover launcher) listens on "
+              f"{env.master_addr}:{env.master_port}; choose a free MASTER_PORT, or {_unset_hint(env)}",
+              file=sys.stderr, flush=True)
+        return 2
+    install_stop_handlers()  # from now on SIGINT/SIGTERM stop the loop at the next step boundary
     payload: list = [None]
     if env.rank == 0:
         try:
@@ -277,8 +341,12 @@ def run_under_launcher(overrides: list[str]) -> int:
         dist.destroy_process_group()
         return 2
     try:
-        train_worker(job, run_dir, started)
+        result = train_worker(job, run_dir, started)
     except Exception as exc:  # noqa: BLE001 - one line per failing rank, not a traceback
         print(f"error: rank {env.rank}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
+    if stopped_by() is not None and isinstance(result, dict) and "interrupted" in result:
+        print(interrupted_line(result["interrupted"], launcher="<your launcher>"), file=sys.stderr, flush=True)
+    if stopped_by() is not None and (result is None or "interrupted" in result):
+        return exit_code(stopped_by())
     return 0

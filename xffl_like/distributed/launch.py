@@ -203,7 +203,8 @@ class _Forwarder:
 
     def __exit__(self, *exc) -> None:
         for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
+            # After a stop request the job is ending (its one line follows): a repeat changes nothing.
+            signal.signal(sig, signal.SIG_IGN if self.signum is not None else handler)
         if self.env is None:
             os.environ.pop("TORCHELASTIC_SIGNALS_TO_HANDLE", None)
         else:

@@ -20,13 +20,63 @@ from .config import ConfigError, compose_error, validate_config
 from .distributed.launch import WorkerFailure, launch_local, start_fork_server
 from .schema import JobConfig, as_plain, job_config
 
-__all__ = ["CONF_DIR", "JobFailed", "run_local", "run_under_launcher", "resolve"]
+__all__ = ["CONF_DIR", "JobFailed", "JobInterrupted", "run_local", "run_under_launcher", "resolve"]
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
 
 class JobFailed(RuntimeError):
     """The job could not run or a worker failed; ``str(exc)`` is the one line to show."""
+
+
+class JobInterrupted(JobFailed):
+    """SIGINT/SIGTERM stopped the job; ``str(exc)`` is the one line, ``exc.code`` the exit status (130/143)."""
+
+    def __init__(self, line: str, code: int):
+        super().__init__(line)
+        self.code = code
+
+
+def _overrides() -> list[str]:
+    """This job's command-line overrides (Hydra's, else the arguments), less ``resume`` and ``hydra.*``."""
+    from hydra.core.hydra_config import HydraConfig
+
+    given = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else sys.argv[1:]
+    return [o for o in given if not o.lstrip("+~").startswith(("resume=", "hydra."))]
+
+
+def _again(run_dir: Path, resume: bool, launcher: str = "python") -> str:
+    import shlex
+
+    args = " ".join(shlex.quote(o) for o in _overrides())
+    tail = f" resume={shlex.quote(str(run_dir))}" if resume else ""
+    return f"{launcher} -m xffl_like.run {args}{tail}".replace("  ", " ")
+
+
+def interrupted_line(info: dict, launcher: str = "python") -> str:
+    """The one line of a job that a signal stopped (``info``: what rank 0's loop returned)."""
+    head = f"interrupted at step {info['step']} of {info['steps']} ({info['signal']})"
+    run_dir = Path(info["run_dir"])
+    if info.get("checkpoint"):
+        return f"{head}: checkpoint saved to {info['checkpoint']}; resume with: {_again(run_dir, True, launcher)}"
+    if info.get("last_checkpoint"):
+        return (f"{head}: no checkpoint at this step (the next round boundary was more than a few seconds away); "
+                f"last complete checkpoint: {info['last_checkpoint']}; resume with: {_again(run_dir, True, launcher)}")
+    return f"{head}: no checkpoint was written; start again with: {_again(run_dir, False, launcher)}"
+
+
+def _abort(job: JobConfig, run_dir: Path) -> Callable[[int], None]:
+    """What the launcher does on a second SIGINT/SIGTERM, once the workers are killed: remove the
+    temporaries of a checkpoint being written and say what is left, in one line."""
+    def abort(signum: int) -> None:
+        from .checkpoint import checkpoint_dir
+        from .checkpoint.store import remove_stale
+        from .distributed.signals import signal_name
+
+        remove_stale(checkpoint_dir(job.checkpoint, run_dir))
+        print(f"interrupted again ({signal_name(signum)}): stopped at once{_last_checkpoint(job, run_dir)}",
+              file=sys.stderr, flush=True)
+    return abort
 
 
 def resolve(cfg: DictConfig) -> dict:
@@ -101,10 +151,23 @@ def run_local(cfg: DictConfig, run_dir: Path, worker: Callable | None = None) ->
     _save_config(job, run_dir)
     try:
         results = launch_local(worker or _train_worker, (job, str(run_dir), started), nproc,
-                               error_dir=run_dir / "errors", max_restarts=job.distributed.max_restarts)
+                               error_dir=run_dir / "errors", max_restarts=job.distributed.max_restarts,
+                               on_abort=_abort(job, run_dir))
     except WorkerFailure as exc:
+        if exc.interrupted:  # a signal reached the workers before their loop could honour it
+            from .distributed.signals import exit_code, signal_name
+
+            raise JobInterrupted(f"interrupted ({signal_name(exc.interrupted)}) before training could stop at a "
+                                 f"step{_last_checkpoint(job, run_dir)}", exit_code(exc.interrupted)) from None
         where = f" (traceback: {exc.details})" if exc.details else ""
         raise JobFailed(f"{exc}{where}{_last_checkpoint(job, run_dir)}") from None
+    if isinstance(results[0], dict) and "interrupted" in results[0]:
+        import signal
+
+        from .distributed.signals import exit_code
+
+        info = results[0]["interrupted"]
+        raise JobInterrupted(interrupted_line(info), exit_code(signal.Signals[info["signal"]]))
     return results[0]
 
 
@@ -163,6 +226,53 @@ def _validate_here(overrides: list[str], env) -> tuple[JobConfig, Path]:
     return prepare_durability(job, layout, _torchrun_run_dir(job.experiment))
 
 
+#: Seconds at the rendezvous before a process says what it waits for (a stale RANK/WORLD_SIZE, a missing peer).
+WAIT_NOTICE_S = 5.0
+
+_VARIABLES = {"torchrun": "RANK WORLD_SIZE MASTER_ADDR MASTER_PORT", "slurm": "SLURM_PROCID SLURM_NTASKS",
+              "mpi": "OMPI_COMM_WORLD_RANK OMPI_COMM_WORLD_SIZE PMI_RANK PMI_SIZE"}
+
+
+def _unset_hint(env) -> str:
+    names = _VARIABLES.get(env.launcher, _VARIABLES["torchrun"])
+    return (f"if you did not start this under torchrun/srun/mpirun, unset {names} "
+            f"(they are left over from another job) and run it again")
+
+
+def _set_variables(env) -> str:
+    if env.launcher == "torchrun":
+        return f"RANK={os.environ.get('RANK')} WORLD_SIZE={os.environ.get('WORLD_SIZE')} are set"
+    return f"this is rank {env.rank} of {env.world_size} by {env.launcher}'s variables"
+
+
+def _waiting_notice(env):
+    """A context: after :data:`WAIT_NOTICE_S` seconds still at the rendezvous, print once what this
+    process waits for and which variables to unset if they are stale."""
+    import contextlib
+    import threading
+
+    others = env.world_size - 1
+    line = (f"waiting for {others} more process{'es' if others != 1 else ''} at {env.master_addr}:{env.master_port} "
+            f"({_set_variables(env)}: {_unset_hint(env)})")
+    timer = threading.Timer(WAIT_NOTICE_S, lambda: print(line, file=sys.stderr, flush=True))
+    timer.daemon = True
+
+    @contextlib.contextmanager
+    def notice():
+        timer.start()
+        try:
+            yield
+        finally:
+            timer.cancel()
+    return notice()
+
+
+def _port_in_use(exc: BaseException) -> bool:
+    import errno
+
+    return getattr(exc, "errno", None) == errno.EADDRINUSE or "address already in use" in str(exc).lower()
+
+
 def run_under_launcher(overrides: list[str]) -> int:
     """torchrun/srun/mpirun path: rank 0 composes and validates, every rank trains.
 
@@ -170,13 +280,20 @@ def run_under_launcher(overrides: list[str]) -> int:
     in a job spanning sites, the site with a typo fails at once instead of leaving the
     others waiting for it.
     """
+    import signal
+
     import torch.distributed as dist
 
     from .distributed.env import agree_rendezvous
+    from .distributed.signals import die_with_parent, exit_code, install_stop_handlers, stopped_by
     from .distributed.state import init_default_group, read_env
     from .train.loop import train_worker
 
     started = time.time()
+    die_with_parent()  # torchrun's, srun's or mpirun's process: when it dies, so does this one
+    # Until the rendezvous is done a signal ends the process at once (a wait in C++ would not see a handler).
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     env = read_env()
     try:
         env = agree_rendezvous(env)  # under mpirun: MPI agrees on MASTER_ADDR/MASTER_PORT
@@ -197,7 +314,17 @@ def run_under_launcher(overrides: list[str]) -> int:
             return 2
     # The config is not known yet: the device and groups follow ``auto``; build_state applies
     # distributed.timeout_s to this group once rank 0 has shared the config.
-    init_default_group(env, "auto")
+    try:
+        with _waiting_notice(env):
+            init_default_group(env, "auto")
+    except (OSError, RuntimeError) as exc:
+        if not _port_in_use(exc):
+            raise
+        print(f"error: MASTER_PORT={env.master_port} is in use: another job (or a leftover launcher) listens on "
+              f"{env.master_addr}:{env.master_port}; choose a free MASTER_PORT, or {_unset_hint(env)}",
+              file=sys.stderr, flush=True)
+        return 2
+    install_stop_handlers()  # from now on SIGINT/SIGTERM stop the loop at the next step boundary
     payload: list = [None]
     if env.rank == 0:
         try:
@@ -214,8 +341,12 @@ def run_under_launcher(overrides: list[str]) -> int:
         dist.destroy_process_group()
         return 2
     try:
-        train_worker(job, run_dir, started)
+        result = train_worker(job, run_dir, started)
     except Exception as exc:  # noqa: BLE001 - one line per failing rank, not a traceback
         print(f"error: rank {env.rank}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
+    if stopped_by() is not None and isinstance(result, dict) and "interrupted" in result:
+        print(interrupted_line(result["interrupted"], launcher="<your launcher>"), file=sys.stderr, flush=True)
+    if stopped_by() is not None and (result is None or "interrupted" in result):
+        return exit_code(stopped_by())
     return 0

@@ -18,7 +18,7 @@ from omegaconf import DictConfig
 
 from .config import compose_error
 from .distributed.env import read_env, reports_launcher_errors
-from .job import JobFailed, run_local
+from .job import JobFailed, JobInterrupted, run_local
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base=None)
@@ -27,6 +27,9 @@ def main(cfg: DictConfig) -> dict | None:
     run_dir = Path(hc.runtime.output_dir)
     try:
         return run_local(cfg, run_dir)
+    except JobInterrupted as exc:  # SIGINT/SIGTERM: one line, 130/143 (a sweep stops too)
+        print(str(exc), file=sys.stderr, flush=True)
+        sys.exit(exc.code)
     except JobFailed as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         if hc.mode == RunMode.MULTIRUN:  # one failed job must not stop the sweep
@@ -65,7 +68,11 @@ def cli() -> None:
         from .job import run_under_launcher
 
         sys.exit(run_under_launcher(sys.argv[1:]))
-    _main_one_line()
+    try:
+        _main_one_line()
+    except KeyboardInterrupt:  # Ctrl-C before the workers started (after, launch.py forwards it)
+        print("interrupted (SIGINT) before the workers started", file=sys.stderr, flush=True)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

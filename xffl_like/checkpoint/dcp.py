@@ -43,6 +43,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from ..distributed.signals import cleanup_on_exit
 from ..schema import CheckpointConfig
 from .store import (
     SafeFileSystemReader,
@@ -255,6 +256,8 @@ class Checkpointer:
         if meta is not None:
             meta["records"] = json.loads(json.dumps(records or {}))  # a snapshot: the lists keep growing
         writer = dcp.FileSystemWriter(str(tmp))
+        if self.lead:
+            cleanup_on_exit(tmp)  # a second Ctrl-C/SIGTERM exits at once: this half-written save goes first
         if self.use_async:
             if self.lead:
                 self.published.clear()
@@ -275,6 +278,7 @@ class Checkpointer:
             if fut is not None:
                 fut.result()  # re-raises a failed write
             publish(tmp, final, meta)
+            cleanup_on_exit(tmp, add=False)
             retain(self.dir, self.keep)
             self.write_seconds.append(time.perf_counter() - started)
         except BaseException as exc:  # noqa: BLE001 - surfaced by the next wait()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import sys
 import tempfile
@@ -30,6 +31,7 @@ class WorkerFailure(RuntimeError):
         super().__init__(message)
         self.details = details
         self.dead_ranks = dead_ranks  # ranks killed by a signal (no error of their own)
+        self.interrupted: int | None = None  # the SIGINT/SIGTERM the launcher received before, if any
 
 
 def free_port() -> int:
@@ -72,7 +74,8 @@ _SECONDARY_GRACE_S = 3.0
 # long as the launching process): a worker costs a fork instead of a fresh interpreter that
 # imports torch and the training loop (seconds of CPU per worker, per launch).
 # torch._dynamo: FSDP2 imports it at its first DTensor (seconds); the figures are rank 0's.
-_PRELOAD = ["torch", "torch._dynamo", "xffl_like.train.loop", "matplotlib.figure", "matplotlib.backends.backend_agg"]
+# forkserver_init first: the fork server dies with this process and ignores SIGTERM (.signals).
+_PRELOAD = ["xffl_like.distributed.forkserver_init", "torch", "torch._dynamo", "xffl_like.train.loop", "matplotlib.figure", "matplotlib.backends.backend_agg"]
 # What the elastic agent sets for each worker; the rest of the environment is the launcher's.
 _AGENT_KEYS = {"RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE", "WORLD_SIZE",
                "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
@@ -105,6 +108,10 @@ def _adopt_environment(env: dict[str, str]) -> None:
 
 def _entry(fn: Callable, args: tuple, error_dir: str, env: dict[str, str]) -> Any:
     # Runs in each worker process.
+    from .signals import die_with_parent, install_stop_handlers
+
+    die_with_parent()  # its parent is the fork server, which dies with the launcher
+    install_stop_handlers()  # SIGINT/SIGTERM: stop at the next step boundary (the loop asks)
     try:
         _adopt_environment(env)
         return fn(*args)
@@ -120,6 +127,100 @@ def _entry(fn: Callable, args: tuple, error_dir: str, env: dict[str, str]) -> An
             # the launcher names the rank that died (and its signal), not this one.
             time.sleep(_SECONDARY_GRACE_S)
         os._exit(1)
+
+
+def _worker_pids() -> list[int]:
+    """The fork server's children: the workers (Linux: /proc; elsewhere ``pgrep -P``)."""
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver._forkserver, "_forkserver_pid", None)
+    if not server:
+        return []
+    pids = []
+    if os.path.isdir("/proc/self"):
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    with open(f"/proc/{entry}/stat") as fh:
+                        stat = fh.read()
+                except OSError:
+                    continue
+                if int(stat.rsplit(")", 1)[1].split()[1]) == server:
+                    pids.append(int(entry))
+        return pids
+    import subprocess
+
+    out = subprocess.run(["pgrep", "-P", str(server)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+class _Forwarder:
+    """The launcher's SIGINT/SIGTERM: the first is forwarded to the workers (they stop at the next step
+    boundary and return); a second one (later than ``signals.REPEAT_S``) kills them, calls ``on_abort(signum)``
+    and exits at once with 128 + signal. The elastic agent is told to leave both signals alone."""
+
+    def __init__(self, on_abort: Callable[[int], None] | None):
+        self.on_abort, self.signum, self.at, self.previous = on_abort, None, 0.0, {}
+
+    def __enter__(self) -> "_Forwarder":
+        import threading
+
+        self.env = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE")  # the agent sets it from its config
+        if threading.current_thread() is threading.main_thread():
+            self.previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def _send(self, sig: int) -> list[int]:
+        pids = _worker_pids()
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except OSError:
+                pass
+        return pids
+
+    def _handle(self, signum, frame) -> None:
+        from .signals import REPEAT_S, exit_code
+
+        now = time.monotonic()
+        if self.signum is None:
+            self.signum, self.at = signum, now
+            self._send(signum)
+            return
+        if now - self.at < REPEAT_S:
+            return
+        pids = self._send(signal.SIGKILL)
+        deadline = time.monotonic() + 2.0
+        while pids and time.monotonic() < deadline and any(_alive(p) for p in pids):
+            time.sleep(0.02)
+        if self.on_abort is not None:
+            try:
+                self.on_abort(signum)
+            except Exception:  # noqa: BLE001 - exiting at once regardless
+                pass
+        sys.stderr.flush()
+        os._exit(exit_code(signum))
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self.previous.items():
+            # After a stop request the job is ending (its one line follows): a repeat changes nothing.
+            signal.signal(sig, signal.SIG_IGN if self.signum is not None else handler)
+        if self.env is None:
+            os.environ.pop("TORCHELASTIC_SIGNALS_TO_HANDLE", None)
+        else:
+            os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = self.env
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        try:
+            os.kill(pid, 0)
+            return True
+        except OSError:
+            return False
 
 
 def _killed(exc) -> list[tuple[int, str]]:
@@ -155,6 +256,7 @@ def launch_local(
     error_dir: str | os.PathLike | None = None,
     threads_per_worker: int | None = None,
     max_restarts: int = 0,
+    on_abort: Callable[[int], None] | None = None,
 ) -> list[Any]:
     """Run ``fn(*args)`` in ``nproc`` local workers; return their results in rank order.
 
@@ -162,6 +264,10 @@ def launch_local(
     MASTER_PORT, ...) and rendezvous on loopback (127.0.0.1 only) at a free port. With
     ``max_restarts`` > 0 the agent restarts every worker after a failure (they see
     ``TORCHELASTIC_RESTART_COUNT``); a worker that dies by a signal is named in the error.
+
+    SIGINT/SIGTERM to this process reach the workers (see :class:`_Forwarder`); a worker failure
+    after one carries it as ``WorkerFailure.interrupted``. The fork server and the workers die with
+    this process (:func:`.signals.die_with_parent`).
     """
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -186,6 +292,8 @@ def launch_local(
         monitor_interval=0.1,
         start_method="forkserver",
         local_addr="127.0.0.1",
+        # SIGINT/SIGTERM are ours (_Forwarder): the agent's handler would SIGTERM the workers and wait 30 s.
+        signals_to_handle="SIGHUP,SIGQUIT",
     )
     # The agent logs every worker's failure at ERROR level; we report the cause once.
     quiet = [logging.getLogger(n) for n in ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing.spawn")]
@@ -193,15 +301,20 @@ def launch_local(
     for lg in quiet:
         lg.setLevel(logging.CRITICAL)
     start_fork_server()
+    forwarder = _Forwarder(on_abort)
     try:
-        results = elastic_launch(config, _entry)(fn, args, str(err_dir), dict(os.environ))
+        with forwarder:
+            env = {k: v for k, v in os.environ.items() if k != "TORCHELASTIC_SIGNALS_TO_HANDLE"}
+            results = elastic_launch(config, _entry)(fn, args, str(err_dir), env)
     except ChildFailedError as exc:
         killed = _killed(exc)
         if killed:  # a dead rank is the cause; the others only saw broken connections
             names = ", ".join(f"rank {r} ({sig})" for r, sig in killed)
-            raise WorkerFailure(f"{names} died", None, tuple(r for r, _ in killed)) from None
-        message, details = _first_error(err_dir)
-        raise WorkerFailure(message, details) from None
+            failure = WorkerFailure(f"{names} died", None, tuple(r for r, _ in killed))
+        else:
+            failure = WorkerFailure(*_first_error(err_dir))
+        failure.interrupted = forwarder.signum
+        raise failure from None
     finally:
         for lg, level in zip(quiet, levels):
             lg.setLevel(level)

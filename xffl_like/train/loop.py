@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from ..data import build_data
 from ..distributed.layout import plan_layout
+from ..distributed.signals import agree_stop, signal_name
 from ..distributed.state import DistributedState, build_state, read_env
 from ..federation import plan_phases
 from ..observe import Observer
@@ -32,7 +33,11 @@ from .step import accumulate_gradients
 from .summary import gather_facility_losses, job_summary, max_param_divergence
 from .sync import FederatedSync, Sync
 
-__all__ = ["build_sync", "train_worker"]
+__all__ = ["STOP_GRACE_S", "build_sync", "train_worker"]
+
+#: After a stop request, training goes on to the next round boundary (where checkpoints are exact)
+#: when that is at most this many seconds away; otherwise it stops at once, without a checkpoint.
+STOP_GRACE_S = 5.0
 
 
 def train_worker(cfg: JobConfig, run_dir: str, started_at: float | None = None) -> dict | None:
@@ -57,6 +62,45 @@ def build_sync(cfg: JobConfig, state: DistributedState, run_dir: Path, config: d
     from .dataparallel import DataParallelSync  # full copies: Decent-DP or Bagua
 
     return DataParallelSync(cfg, state)
+
+
+def _stop_step(sync: Sync, done: int, steps: int, step_seconds: float) -> int:
+    """Collective: where to stop after a stop request seen after ``done`` steps. Checkpoints are taken
+    at round boundaries only (where a resume is exact: nothing of a round is in flight); the next one
+    when it is at most :data:`STOP_GRACE_S` away (by the slowest rank's mean step time), else here."""
+    if getattr(sync, "ckpt", None) is None:  # no checkpoints (parallel=decentralized|bagua): stop now
+        return done
+    seconds = torch.tensor([step_seconds], dtype=torch.float64)
+    dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+    for step in range(done, steps + 1):
+        if sync.boundary_at(step):
+            return step if (step - done) * float(seconds) <= STOP_GRACE_S else done
+    return done
+
+
+def _interrupted(sync: Sync, observer, state: DistributedState, signum: int, done: int, steps: int,
+                 rounds: list[dict], losses: torch.Tensor, evals: list[dict], run_dir: Path) -> dict | None:
+    """Stop after ``done`` steps: a checkpoint at a round boundary, none elsewhere; rank 0 returns
+    ``{"interrupted": {...}}`` (what the launcher's one line says)."""
+    ckpt = getattr(sync, "ckpt", None)
+    saved = last = None
+    if ckpt is not None:
+        if sync.boundary_at(done):
+            ckpt.save(done, rounds, losses, records={"evals": evals})  # no-op if the cadence saved it
+        ckpt.wait()  # published, or raises
+        if state.rank == 0:
+            from ..checkpoint.store import latest_checkpoint, remove_stale
+
+            remove_stale(ckpt.dir)  # temporaries of an interrupted save
+            latest = latest_checkpoint(ckpt.dir)
+            last = str(latest) if latest else None
+            saved = last if sync.boundary_at(done) else None
+        dist.barrier(group=ckpt.group)
+    observer.abort()
+    if state.rank != 0:
+        return None
+    return {"interrupted": {"signal": signal_name(signum), "step": done, "steps": steps, "checkpoint": saved,
+                            "last_checkpoint": last, "run_dir": str(run_dir)}}
 
 
 def _train(cfg: JobConfig, state: DistributedState, run_dir: Path, started_at: float) -> dict | None:
@@ -90,6 +134,7 @@ def _train(cfg: JobConfig, state: DistributedState, run_dir: Path, started_at: f
 
     dist.barrier()
     start, train_started_at = time.perf_counter(), time.time()
+    stop_at: int | None = None  # the step a stop request ends training at
     try:
         sync.begin(start_step, len(rounds))
         for step in range(start_step, steps):
@@ -126,6 +171,11 @@ def _train(cfg: JobConfig, state: DistributedState, run_dir: Path, started_at: f
             observer.step(step, float(facility_loss), sync.lr(), tokens_per_step, time.perf_counter() - start,
                           record_eval if local_eval else None, **sync.metrics(done))
             sync.end_step(done, rounds, losses, evals)  # checkpoints after a boundary
+            signum = agree_stop()  # SIGINT/SIGTERM on any rank: every rank stops at the same step
+            if signum and stop_at is None:
+                stop_at = _stop_step(sync, done, steps, (time.perf_counter() - start) / (done - start_step))
+            if stop_at is not None and done >= stop_at and done < steps:
+                return _interrupted(sync, observer, state, signum, done, steps, rounds, losses, evals, run_dir)
             if sync.starts_at(done):  # exchanges start after the step's checkpoint; algorithm switches
                 with timer("aggregation"):
                     sync.start_due(done, len(rounds))

@@ -1,0 +1,211 @@
+"""Signals, launcher death and a stale launcher environment (issue 19, classes 2, 3 and 7).
+
+Real processes: the CLI in a session of its own, signalled as a user or a scheduler would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers import REPO, TINY
+
+pytestmark = [pytest.mark.cli]
+
+LONG = ["+experiment=llama_fed", "logger=none", "train.steps=400", "federation.every=2", *TINY]
+
+
+def _start(args, run_dir: Path, env=None) -> subprocess.Popen:
+    env = {**os.environ, "WANDB_MODE": "offline", "PYTHONPATH": str(REPO), **(env or {})}
+    return subprocess.Popen([sys.executable, "-m", "xffl_like.run", *args, f"hydra.run.dir={run_dir}"], cwd=REPO,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def _wait_training(proc: subprocess.Popen, run_dir: Path, timeout: float = 180.0) -> None:
+    """Until the workers have logged a step (metrics.jsonl has a row)."""
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        if metrics.is_file() and metrics.stat().st_size > 0:
+            return
+        time.sleep(0.2)
+    raise AssertionError("the workers did not start training")
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(entry))
+    return out
+
+
+def _descendants(pid: int) -> set[int]:
+    found, todo = set(), [pid]
+    while todo:
+        for child in _children(todo.pop()):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _kill_session(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="walks /proc")
+def test_sigkill_of_the_launcher_takes_the_job_with_it(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = _start(LONG, run_dir)
+    try:
+        _wait_training(proc, run_dir)
+        job = _descendants(proc.pid)
+        assert len(job) >= 5, job  # the fork server and 4 workers (and multiprocessing's helpers)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(_alive(p) for p in job):
+            time.sleep(0.1)
+        assert not [p for p in job if _alive(p)], "processes of the job outlived their launcher"
+    finally:
+        _kill_session(proc)
+
+
+def _interrupt(args, run_dir: Path, signum: int, again: bool = False):
+    """Start the CLI, wait until it trains, send ``signum`` to the launcher only (twice, 1.5 s apart,
+    with ``again``); (returncode, stderr, seconds from the signal to the exit). No process of the job
+    may outlive it."""
+    proc = _start(args, run_dir)
+    try:
+        _wait_training(proc, run_dir)
+        job = _descendants(proc.pid) if sys.platform.startswith("linux") else set()
+        os.kill(proc.pid, signum)
+        sent = time.monotonic()
+        if again:
+            time.sleep(1.5)
+            os.kill(proc.pid, signum)
+        _, err = proc.communicate(timeout=60)
+        seconds = time.monotonic() - sent
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and any(_alive(p) for p in job):
+            time.sleep(0.1)
+        assert not [p for p in job if _alive(p)], "processes of the job outlived it"
+        return proc.returncode, err, seconds
+    finally:
+        _kill_session(proc)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_stops_at_a_step_with_a_checkpoint_and_resumes(tmp_path, signum, code):
+    run_dir = tmp_path / "run"
+    rc, err, seconds = _interrupt(LONG, run_dir, signum)
+    assert rc == code, err
+    assert seconds < 15, f"{seconds:.1f} s from the signal to the exit"
+    assert "Traceback" not in err, err
+    lines = [line for line in err.splitlines() if "interrupted" in line]
+    assert len(lines) == 1 and signal.Signals(signum).name in lines[0], err
+    assert not list(run_dir.rglob(".tmp-*")), "a temporary checkpoint was left"
+    match = re.search(r"interrupted at step (\d+) of 400 \(\w+\): checkpoint saved to (\S+); resume with: .*"
+                      r"resume=(\S+)$", lines[0])
+    assert match, lines[0]
+    step, checkpoint, resume = int(match[1]), Path(match[2]), match[3]
+    assert checkpoint.is_dir() and step % 2 == 0 and Path(resume) == run_dir
+    if signum != signal.SIGINT:  # one resume is enough for the suite
+        return
+    # The run resumes from the named checkpoint (train.steps may change on a resume).
+    again = tmp_path / "again"
+    args = [a for a in LONG if not a.startswith("train.steps=")] + [f"train.steps={step + 2}", f"resume={resume}"]
+    proc = subprocess.run([sys.executable, "-m", "xffl_like.run", *args, f"hydra.run.dir={again}"], cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    # Where the resumed attempt writes its summary (its run directory or beside the original's) is not this test's.
+    summaries = list(tmp_path.rglob("summary.json"))
+    assert summaries, proc.stdout
+    assert json.loads(summaries[0].read_text())["checkpoints"]["resumed_from"] == str(checkpoint)
+
+
+@pytest.mark.slow
+def test_a_second_sigint_exits_at_once(tmp_path):
+    run_dir = tmp_path / "run"
+    # Whether the second one finds the workers still stopping or the launcher already ending, the job
+    # ends at once: 130, no traceback, no temporaries, no process left.
+    args = [a if a != "federation.every=2" else "federation.every=8" for a in LONG]
+    rc, err, seconds = _interrupt(args, run_dir, signal.SIGINT, again=True)
+    assert rc == 130, err
+    assert "Traceback" not in err, err
+    assert seconds < 12, f"{seconds:.1f} s"
+    assert not list(run_dir.rglob(".tmp-*"))
+
+
+# --------------------------------------------------------------------------- a stale launcher environment
+def _taken_port():
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    return sock, sock.getsockname()[1]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# (case, variables, what stderr says, whether the process exits by itself)
+STALE = [
+    ("waiting", {"RANK": "1", "WORLD_SIZE": "4"}, r"waiting for 3 more processes at 127\.0\.0\.1:\d+ \(RANK=1 "
+     r"WORLD_SIZE=4 are set: .*unset RANK WORLD_SIZE MASTER_ADDR MASTER_PORT", False),
+    ("port in use", {"RANK": "0", "WORLD_SIZE": "2"}, r"^error: MASTER_PORT=\d+ is in use: .*unset RANK WORLD_SIZE", True),
+]
+
+
+@pytest.mark.parametrize("case, variables, says, exits", STALE, ids=[c[0] for c in STALE])
+def test_a_stale_launcher_environment_says_what_it_waits_for(tmp_path, case, variables, says, exits):
+    sock, port = _taken_port() if exits else (None, _free_port())
+    env = {**os.environ, "PYTHONPATH": str(REPO), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), **variables}
+    proc = subprocess.Popen([sys.executable, "-m", "xffl_like.run", "+experiment=llama_fed", "logger=none"], cwd=REPO,
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        if exits:
+            _, err = proc.communicate(timeout=120)
+            assert proc.returncode == 2, err
+            assert len(err.strip().splitlines()) == 1 and re.search(says, err.strip()), err
+        else:
+            line = proc.stderr.readline()  # blocks until the notice (the process waits on)
+            assert re.search(says, line), line
+            assert proc.poll() is None
+    finally:
+        _kill_session(proc)
+        proc.communicate()
+        if sock is not None:
+            sock.close()

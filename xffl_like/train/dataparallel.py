@@ -66,6 +66,7 @@ class DataParallelSync:
             load_hf_weights(model, cfg.model.path)
         self.state, self.model, self.ocfg, self.steps, self.log_every = state, model, ocfg, steps, cfg.train.log_every
         self.consensus: list[dict] = []
+        self.ckpt = None  # no checkpoints (refused by the launcher's checks)
         self.dump = RoundDump(model, state)  # tests only ($XFFL_TEST_DUMP_ROUNDS): the copies around switches, the end
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler = None

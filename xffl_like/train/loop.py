@@ -68,7 +68,7 @@ def _stop_step(sync: Sync, done: int, steps: int, step_seconds: float) -> int:
     """Collective: where to stop after a stop request seen after ``done`` steps. Checkpoints are taken
     at round boundaries only (where a resume is exact: nothing of a round is in flight); the next one
     when it is at most :data:`STOP_GRACE_S` away (by the slowest rank's mean step time), else here."""
-    if getattr(sync, "ckpt", None) is None:  # no checkpoints (parallel=decentralized|bagua): stop now
+    if sync.ckpt is None:  # no checkpoints (parallel=decentralized|bagua): stop now
         return done
     seconds = torch.tensor([step_seconds], dtype=torch.float64)
     dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
@@ -82,7 +82,7 @@ def _interrupted(sync: Sync, observer, state: DistributedState, signum: int, don
                  rounds: list[dict], losses: torch.Tensor, evals: list[dict], run_dir: Path) -> dict | None:
     """Stop after ``done`` steps: a checkpoint at a round boundary, none elsewhere; rank 0 returns
     ``{"interrupted": {...}}`` (what the launcher's one line says)."""
-    ckpt = getattr(sync, "ckpt", None)
+    ckpt = sync.ckpt
     saved = last = None
     if ckpt is not None:
         if sync.boundary_at(done):

@@ -51,6 +51,7 @@ class Sync(Protocol):
 
     model: nn.Module  # this rank's model: evaluated, measured and exported
     module: nn.Module  # what the training step calls (the model, or a wrapper of it)
+    ckpt: Checkpointer | None  # the job's checkpoints (None: this kind of job writes none)
 
     def restore(self, losses: torch.Tensor) -> dict | None: ...
     def begin(self, start_step: int, rounds: int) -> None: ...

@@ -35,6 +35,7 @@ META = {"format": "xffl_like.tokens/1", "tokenizer": "byte", "vocab_size": 256, 
 BAD = [
     # class 1: a bound derived from what the value depends on
     (["strategy.streams=500"], "strategy.streams=500: at most 16"),
+    (["parallel=decentralized", "train.dtype=bfloat16"], "train.dtype=bfloat16 with parallel=decentralized: the full copies train in float32"),
     (["optim.warmup_steps=1000", "train.steps=4"], "optim.warmup_steps=1000 exceeds train.steps=4"),
     (["distributed.timeout_s=999999999999"], "distributed.timeout_s=999999999999: at most 604800"),
     (["seed=18446744073709551616"], "seed=18446744073709551616: must be in [-2**63, 2**64)"),

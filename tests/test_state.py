@@ -101,7 +101,7 @@ def test_cuda_device_is_the_local_rank_among_the_visible_gpus(monkeypatch, visib
     """srun --gpus-per-task=1 shows each task one GPU (cuda:0) whatever its SLURM_LOCALID."""
     import torch
 
-    from xffl_like.distributed.state import cuda_device
+    from xffl_like.distributed.device import cuda_device
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
     assert cuda_device(local_rank) == torch.device("cuda", index)
@@ -110,8 +110,63 @@ def test_cuda_device_is_the_local_rank_among_the_visible_gpus(monkeypatch, visib
 def test_cuda_device_without_a_gpu_is_one_line(monkeypatch):
     import torch
 
-    from xffl_like.distributed.state import cuda_device
+    from xffl_like.distributed.device import cuda_device
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     with pytest.raises(RuntimeError, match="sees no GPU"):
         cuda_device(0)
+
+
+def test_a_gpu_process_gets_tf32_unless_a_precision_was_chosen(monkeypatch):
+    import torch
+
+    from xffl_like.distributed.device import cuda_defaults
+
+    picked = []
+    monkeypatch.setattr(torch.cuda, "set_device", picked.append)
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")  # torch's default
+        cuda_defaults(torch.device("cuda", 1))
+        assert picked == [torch.device("cuda", 1)] and torch.get_float32_matmul_precision() == "high"
+        torch.set_float32_matmul_precision("medium")  # the user's choice stays
+        cuda_defaults(torch.device("cuda", 0))
+        assert torch.get_float32_matmul_precision() == "medium"
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+def test_a_forked_worker_refuses_an_initialised_cuda(monkeypatch):
+    import torch
+
+    from xffl_like.distributed.launch import check_cuda_fresh
+
+    check_cuda_fresh()  # this process never touched CUDA
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    with pytest.raises(RuntimeError, match="CUDA was initialised in the fork server"):
+        check_cuda_fresh()
+
+
+def test_mpi_ranks_bind_their_gpu_before_mpi_starts(monkeypatch):
+    """Under mpirun without MASTER_ADDR/PORT the rank's GPU is made current before mpi4py is imported."""
+    import torch
+
+    from xffl_like.distributed import env as envmod
+
+    order = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: order.append(("device", d)))
+
+    def no_mpi():
+        order.append(("mpi", None))
+        raise ImportError("stop here")
+
+    import xffl_like.comm.backends as backends
+
+    monkeypatch.setattr(backends, "get_mpi", no_mpi)
+    env = envmod.read_env({"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4",
+                           "OMPI_COMM_WORLD_LOCAL_RANK": "3", "OMPI_COMM_WORLD_LOCAL_SIZE": "4"})
+    with pytest.raises(ImportError):
+        envmod.agree_rendezvous(env)
+    assert order == [("device", torch.device("cuda", 1)), ("mpi", None)]

@@ -254,6 +254,9 @@ def _check_parallel_job(job: JobConfig, world_size: int) -> JobConfig:
     if fed.outer.name != "average" or fed.outer.lr != 1.0:
         raise ValueError(f"federation.outer (name={fed.outer.name!r}, lr={fed.outer.lr!r}) does not apply to "
                          f"parallel={mode} (no federation rounds): use federation=default or parallel=fsdp")
+    if tcfg.dtype != "float32":  # a full copy per rank, no FSDP mixed-precision policy: nothing would compute in bf16
+        raise ValueError(f"train.dtype={tcfg.dtype} with parallel={mode}: the full copies train in float32 (no "
+                         f"mixed precision there); use train.dtype=float32, or parallel=fsdp for bfloat16")
     # Checkpoints would need every rank's own copy (DCP keeps one copy of replicated tensors).
     if job.resume is not None:
         raise ValueError(f"resume={job.resume!r}: parallel={mode} writes no checkpoints and cannot resume; "

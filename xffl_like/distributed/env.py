@@ -174,6 +174,19 @@ def _host_address(hostnames: list[str]) -> str:
     return "127.0.0.1" if len(set(hostnames)) == 1 else hostnames[0]
 
 
+def _bind_gpu_before_mpi(env: ProcessEnv) -> None:
+    """On a GPU node, make this rank's GPU current before MPI initialises: a CUDA-aware MPI binds its
+    communicator resources to the current device at MPI_Init, which would otherwise be GPU 0 for every
+    rank. Asking whether CUDA is available does not create a context (torch asks NVML); on a node
+    without GPUs nothing happens. Not run on this project's CPU machines."""
+    import torch
+
+    if torch.cuda.is_available():
+        from .device import cuda_device
+
+        torch.cuda.set_device(cuda_device(env.local_rank))
+
+
 def agree_rendezvous(env: ProcessEnv) -> ProcessEnv:
     """Under an MPI launcher without ``MASTER_ADDR``/``MASTER_PORT``: rank 0 picks its address
     and a free port, MPI broadcasts them, and they are exported for torch's rendezvous.
@@ -183,6 +196,7 @@ def agree_rendezvous(env: ProcessEnv) -> ProcessEnv:
     """
     if env.launcher != "mpi" or (env.master_addr and env.master_port):
         return env
+    _bind_gpu_before_mpi(env)
     from ..comm.backends import get_mpi
 
     world = get_mpi().COMM_WORLD

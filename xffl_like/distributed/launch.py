@@ -106,6 +106,19 @@ def _adopt_environment(env: dict[str, str]) -> None:
         torch.set_num_threads(max(1, int(os.environ["OMP_NUM_THREADS"])))
 
 
+def check_cuda_fresh() -> None:
+    """A forked worker must find CUDA uninitialised: a CUDA context does not survive ``fork``, and a
+    worker that inherits one fails at its first kernel, or worse. The fork server imports torch,
+    torch._dynamo and the loop (:data:`_PRELOAD`); if one of them ever initialises CUDA (on the CUDA
+    wheel, triton is imported through torch._dynamo), this fails loudly, naming the cause."""
+    import torch
+
+    if torch.cuda.is_initialized():
+        raise RuntimeError("CUDA was initialised in the fork server before the workers were forked (an import in "
+                           "xffl_like.distributed.launch._PRELOAD touched the GPU): forked workers cannot use it; "
+                           "remove that import from the preload list")
+
+
 def _entry(fn: Callable, args: tuple, error_dir: str, env: dict[str, str]) -> Any:
     # Runs in each worker process.
     from .signals import die_with_parent, install_stop_handlers
@@ -113,6 +126,7 @@ def _entry(fn: Callable, args: tuple, error_dir: str, env: dict[str, str]) -> An
     die_with_parent()  # its parent is the fork server, which dies with the launcher
     install_stop_handlers()  # SIGINT/SIGTERM: stop at the next step boundary (the loop asks)
     try:
+        check_cuda_fresh()
         _adopt_environment(env)
         return fn(*args)
     except BaseException as exc:  # noqa: BLE001 - report anything, then exit non-zero

@@ -18,11 +18,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from .device import cuda_defaults, cuda_device
 from .env import ProcessEnv, read_env
 from .layout import Coords, Exchange, Layout
 
 __all__ = ["GROUP_NAMES", "ProcessEnv", "PeerExchange", "DistributedState", "read_env", "build_state",
-           "cuda_device", "resolve_backend", "group_backend", "init_default_group", "elastic_store", "to_local"]
+           "resolve_backend", "group_backend", "init_default_group", "elastic_store", "to_local"]
 
 #: The process groups a :class:`DistributedState` owns, by name (:meth:`DistributedState.group`).
 GROUP_NAMES = {
@@ -179,16 +180,6 @@ class DistributedState:
         return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
-def cuda_device(local_rank: int) -> torch.device:
-    """This process's GPU: ``local_rank`` modulo the GPUs it sees. Under ``srun --gpus-per-task=1``
-    (or ``--gpu-bind``) each task sees one GPU, as ``cuda:0``, whatever its ``SLURM_LOCALID``."""
-    count = torch.cuda.device_count()
-    if count < 1:
-        raise RuntimeError("distributed.backend=nccl but this process sees no GPU: check CUDA_VISIBLE_DEVICES "
-                           "and the job's GPU binding, or use distributed.backend=gloo")
-    return torch.device("cuda", local_rank % count)
-
-
 def resolve_backend(backend: str, cuda_available: bool | None = None) -> str:
     """The device backend of ``distributed.backend``: ``auto`` is nccl where CUDA is available, else gloo."""
     if backend != "auto":
@@ -215,7 +206,7 @@ def init_default_group(env: ProcessEnv, backend: str = "auto", timeout_s: float 
     backend = resolve_backend(backend)
     device = cuda_device(env.local_rank) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
-        torch.cuda.set_device(device)
+        cuda_defaults(device)
     if env.master_addr is not None:
         os.environ.setdefault("MASTER_ADDR", env.master_addr)
     if env.master_port is not None:
@@ -260,7 +251,7 @@ def build_state(
     else:  # under torchrun the group exists (made before the config was known): apply the timeout now
         device = cuda_device(env.local_rank) if backend == "nccl" else torch.device("cpu")
         if device.type == "cuda":
-            torch.cuda.set_device(device)
+            cuda_defaults(device)
         dist.distributed_c10d._set_pg_timeout(timeout)
     pg_backend = group_backend(backend)
     coords = layout.coords(env.rank)

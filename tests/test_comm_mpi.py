@@ -57,7 +57,7 @@ def test_mpi_backend_rendezvous_and_transport(tmp_path):
     assert [r["aggregation_cases"] for r in results] == [cases] * cw.WORLD
 
 
-TINY = ["+experiment=llama_fed", "train.steps=2", "federation.every=1", "train.seq_len=16", "train.batch_size=2",
+TINY = ["+experiment=llama_fed", "train.steps=2", "optim.warmup_steps=2", "federation.every=1", "train.seq_len=16", "train.batch_size=2",
         "train.log_every=5", "logger=none"]
 
 

@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.cli, pytest.mark.slow]
 @pytest.mark.parametrize("strategy", ["fused", "layer_by_layer"])
 def test_nccl_job_with_streams_and_bf16(tmp_path, strategy):
     args = ["+experiment=llama_fed", "distributed.nproc_per_node=2", "distributed.federated=1",
-            "train.dtype=bfloat16", f"strategy={strategy}", "strategy.streams=2", "train.steps=4",
+            "train.dtype=bfloat16", f"strategy={strategy}", "strategy.streams=2", "train.steps=4", "optim.warmup_steps=2",
             "federation.every=2", "logger=none", f"hydra.run.dir={tmp_path}"]
     proc = subprocess.run([sys.executable, "-m", "xffl_like.run", *args], cwd=REPO,
                           capture_output=True, text=True, timeout=300)

@@ -147,7 +147,7 @@ REFUSED = [
     (["+experiment=decentralized", "distributed.nproc_per_node=3"], "parallel.topology=ring: topology 'ring' needs an even"),
     (["+experiment=decentralized", "parallel.topology=alternating-exp-ring", "distributed.federated=[3,1]"],
      "needs facilities (its nodes) of equal size, got [3, 1]"),
-    (["+experiment=decentralized", "train.steps=1"], "train.steps=1: parallel=decentralized applies"),
+    (["+experiment=decentralized", "train.steps=1", "optim.warmup_steps=0"], "train.steps=1: parallel=decentralized applies"),
     (["+experiment=decentralized", "parallel.optimizer=accum_adamw", "optim=sgd"], "select optim=adamw"),
     (["+experiment=decentralized", "distributed.max_restarts=1"], "distributed.max_restarts=1: restarts resume"),
     (["+experiment=bagua_switch", "train.grad_accum=2"], "train.grad_accum=2: parallel=bagua"),

@@ -142,7 +142,7 @@ def test_job_with_diloco_and_uint8(tmp_path):
 
     from xffl_like.models import LlamaConfig, build_model
 
-    args = ["+experiment=llama_fed", "distributed.nproc_per_node=2", "distributed.federated=1", "train.steps=4",
+    args = ["+experiment=llama_fed", "distributed.nproc_per_node=2", "distributed.federated=1", "train.steps=4", "optim.warmup_steps=2",
             "federation.every=2", "federation=diloco", "federation.compression=uint8", "federation.error_feedback=true",
             "federation.weights=tokens", "logger=none", *TINY]
     proc, _ = run_cli(args, tmp_path)

@@ -25,7 +25,7 @@ from xffl_like.observe.timing import PHASES, format_phase_table, load_imbalance,
 from helpers import REPO as ROOT
 
 EVAL = {"eval/loss_local": [2, 3, 4], "eval/loss_global": [2, 4]}
-TINY = ["train.steps=4", "federation.every=2", "train.seq_len=32", "train.batch_size=2", "distributed.nproc_per_node=2"]
+TINY = ["train.steps=4", "optim.warmup_steps=2", "federation.every=2", "train.seq_len=32", "train.batch_size=2", "distributed.nproc_per_node=2"]
 CONTROL = re.compile(r"\r|\x1b\[")
 
 

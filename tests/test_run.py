@@ -74,7 +74,7 @@ def test_text_data(tmp_path):
 def test_torchrun_entry(tmp_path):
     torchrun = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2")
     args = ["+experiment=llama_fed", "distributed.federated=1", "federation.weights=[3,1]",
-            "train.steps=4", "federation.every=2", *TINY]
+            "train.steps=4", "optim.warmup_steps=2", "federation.every=2", *TINY]
     _, summary = run_recorded(args, tmp_path, launcher=torchrun)
     # Under torchrun the launcher decides the world: 2 processes, here two facilities of 1.
     assert summary["world_size"] == 2 and summary["layout"]["facility_sizes"] == [1, 1]

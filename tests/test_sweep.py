@@ -18,7 +18,7 @@ from xffl_like.observe.sweep import FIELDS, collect_jobs, write_sweep_summary
 
 from helpers import REPO as ROOT
 
-TINY = ["train.steps=4", "federation.every=2", "train.batch_size=2", "distributed.nproc_per_node=2"]
+TINY = ["train.steps=4", "optim.warmup_steps=2", "federation.every=2", "train.batch_size=2", "distributed.nproc_per_node=2"]
 
 
 @pytest.mark.cli

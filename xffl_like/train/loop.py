@@ -64,6 +64,29 @@ def build_sync(cfg: JobConfig, state: DistributedState, run_dir: Path, config: d
     return DataParallelSync(cfg, state)
 
 
+class _StepLog:
+    """Each step's facility loss stays on the device; the rows reach ``losses`` and the observer
+    (metrics.jsonl, W&B, progress) in one host sync every ``train.log_every`` steps, and before
+    anything that reads them (an evaluation, a round, a checkpoint, a stop, the end): a float() of
+    the loss every step would make a GPU wait for each step's kernels before queueing the next."""
+
+    def __init__(self, observer, losses: torch.Tensor, facility: int, tokens_per_step: int):
+        self.observer, self.losses, self.facility, self.tokens_per_step = observer, losses, facility, tokens_per_step
+        self.rows: list[tuple] = []
+
+    def add(self, step: int, loss: torch.Tensor, lr: float, elapsed: float, evals: dict | None, extra: dict) -> None:
+        self.rows.append((step, loss.detach(), lr, elapsed, evals, extra))
+
+    def flush(self) -> None:
+        if not self.rows:
+            return
+        values = torch.stack([row[1].reshape(()) for row in self.rows]).tolist()  # the one host sync
+        for (step, _, lr, elapsed, evals, extra), value in zip(self.rows, values):
+            self.losses[self.facility, step] = value
+            self.observer.step(step, value, lr, self.tokens_per_step, elapsed, evals, **extra)
+        self.rows.clear()
+
+
 def _stop_step(sync: Sync, done: int, steps: int, step_seconds: float) -> int:
     """Collective: where to stop after a stop request seen after ``done`` steps. Checkpoints are taken
     at round boundaries only (where a resume is exact: nothing of a round is in flight); the next one
@@ -131,6 +154,7 @@ def _train(cfg: JobConfig, state: DistributedState, run_dir: Path, started_at: f
     fault = FaultInjector(cfg.fault, state.rank)
     timer = PhaseTimer(device)
     facility_group = state.group("facility")
+    log = _StepLog(observer, losses, state.facility, tokens_per_step)
 
     dist.barrier()
     start, train_started_at = time.perf_counter(), time.time()
@@ -152,7 +176,6 @@ def _train(cfg: JobConfig, state: DistributedState, run_dir: Path, started_at: f
             fault.after_step(done, model)
             facility_loss = loss / state.facility_size
             dist.all_reduce(facility_loss, group=facility_group)
-            losses[state.facility, step] = float(facility_loss)
             # Rounds (synchronous: every `every` steps) evaluate the local model before and may checkpoint after.
             local_eval = eval_points(done, sync.boundary_at(done), tcfg.eval_every)
             record_eval = {"step": done, "loss_local": None, "loss_global": None}
@@ -168,13 +191,16 @@ def _train(cfg: JobConfig, state: DistributedState, run_dir: Path, started_at: f
             if local_eval:
                 record_eval["time"] = time.time()  # when it was known: wall-clock time-to-loss (bench.wan)
                 evals.append(record_eval)
-            observer.step(step, float(facility_loss), sync.lr(), tokens_per_step, time.perf_counter() - start,
-                          record_eval if local_eval else None, **sync.metrics(done))
+            log.add(step, facility_loss, sync.lr(), time.perf_counter() - start, record_eval if local_eval else None,
+                    sync.metrics(done))
+            if local_eval or done % tcfg.log_every == 0 or done == steps:  # local_eval: every round boundary too
+                log.flush()
             sync.end_step(done, rounds, losses, evals)  # checkpoints after a boundary
             signum = agree_stop()  # SIGINT/SIGTERM on any rank: every rank stops at the same step
             if signum and stop_at is None:
                 stop_at = _stop_step(sync, done, steps, (time.perf_counter() - start) / (done - start_step))
             if stop_at is not None and done >= stop_at and done < steps:
+                log.flush()
                 return _interrupted(sync, observer, state, signum, done, steps, rounds, losses, evals, run_dir)
             if sync.starts_at(done):  # exchanges start after the step's checkpoint; algorithm switches
                 with timer("aggregation"):

@@ -82,12 +82,29 @@ def _root_cause(exc: BaseException) -> BaseException:
     return exc
 
 
+def _free_bytes(where: Path) -> tuple[int, int] | None:
+    """(free, total) bytes of the file system holding ``where`` (its nearest existing ancestor)."""
+    path = Path(where)
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+
+
 def describe_failure(exc: BaseException, where: Path) -> str:
     """``<file>: <cause>`` in one line for a failed save or load of checkpoint ``where``."""
     cause = _root_cause(exc)
     if isinstance(cause, OSError):
         file = cause.filename or where
         return f"{file}: {cause.strerror or cause}"
+    # Another rank's failure crosses as a pickled exception without its context: a full disk then reads
+    # as the zip writer's "unexpected pos"; the file system says what it was.
+    space = _free_bytes(where)
+    if space is not None and space[0] < max(1 << 20, space[1] // 100):
+        return f"{where}: No space left on device ({space[0]} bytes free on its file system)"
     first = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
     return f"{where}: {type(cause).__name__}{': ' + first[:200] if first else ''}"
 
@@ -173,6 +190,7 @@ class Checkpointer:
         # background thread, which must never interleave with the training loop's collectives on the same group.
         self.group = state.group("background")
         self.pending: Future | None = None
+        self.pending_dir: Path = self.dir  # the .tmp- directory of the save in flight
         self.published = threading.Event()
         self.published.set()
         self.error: BaseException | None = None
@@ -310,6 +328,7 @@ class Checkpointer:
         if self.use_async:
             if self.lead:
                 self.published.clear()
+            self.pending_dir = tmp
             self.pending = dcp.async_save(sd, storage_writer=writer, process_group=self.group,
                                           async_stager=_HostStager())
             if self.lead:
@@ -349,12 +368,12 @@ class Checkpointer:
             except (Exception, dcp.api.CheckpointException) as exc:  # noqa: BLE001 - a BaseException
                 self.published.wait()
                 self.error = None
-                raise CheckpointError(f"checkpoint could not be written: {describe_failure(exc, self.dir)}") from None
+                raise CheckpointError(f"checkpoint could not be written: {describe_failure(exc, self.pending_dir)}") from None
             # The done-callback runs in the writer thread after result() wakes us: wait for it.
             self.published.wait()
         if self.error is not None:
             error, self.error = self.error, None
-            raise CheckpointError(f"checkpoint could not be written: {describe_failure(error, self.dir)}") from None
+            raise CheckpointError(f"checkpoint could not be written: {describe_failure(error, self.pending_dir)}") from None
 
     def close(self) -> dict:
         """Wait for the last checkpoint; return what the summary reports about checkpoints."""

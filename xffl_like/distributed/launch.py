@@ -153,7 +153,7 @@ def _first_error(error_dir: Path) -> tuple[str, str | None]:
     line = (first.read_text().splitlines() or ["(an empty error file: was its disk full?)"])[0]
     others = sorted(int(p.stem.removeprefix("rank")) for p in files[1:] if p.stem[4:].isdigit())
     more = f" (ranks {others} failed after it)" if others else ""
-    return f"rank {rank} failed: {line}{more}", str(first)
+    return f"rank {rank} failed: {line}{more}", str(first) if first.parent == error_dir else None
 
 
 def launch_local(

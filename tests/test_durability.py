@@ -252,10 +252,10 @@ def _drop_latest(run: Path) -> None:
 
 
 BAD_RESUME = [
-    ([], _truncate, "is truncated"),
-    ([], _corrupt_metadata, ".metadata cannot be read"),
+    ([], _truncate, "distcp: truncated ("),
+    ([], _corrupt_metadata, ".metadata: not DCP metadata"),
     ([], _drop_latest, "no complete checkpoint"),
-    (["model.dim=64"], None, "model.dim is 128 in the checkpoint, 64 now"),
+    (["model.dim=64"], None, "the config differs from the checkpoint's in model.dim (128 -> 64)"),
     (["distributed.federated=null"], None, "the checkpoint has 2 facilities, this job 1"),
     (["train.steps=6"], None, "leaves nothing to do"),
 ]

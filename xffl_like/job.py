@@ -117,11 +117,24 @@ def _refuse_if_in_use(resume: str | None) -> None:
     """A failed resume of a directory another job holds: say that instead (its checkpoints are in flux)."""
     if not resume or resume == "latest":
         return
+    import fcntl
+
     path = Path(resume).expanduser().absolute()
     for candidate in (path, path.parent, path.parent.parent):
-        if candidate.absolute() not in _HELD and (candidate / LOCK_FILE).is_file():
-            lock_run_dir(candidate)  # raises JobFailed when held by another job
-            os.close(_HELD.pop(candidate.absolute()))
+        lock = candidate / LOCK_FILE
+        if candidate in _HELD or not lock.is_file():
+            continue
+        try:  # a probe only: read-only, nothing written
+            fd = os.open(lock, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError:
+            raise JobFailed(f"{candidate} is in use by another job ({_lock_owner(fd)}; {lock} is locked): wait "
+                            f"for it to end or stop it (a lock whose owner died is released by the OS)") from None
+        finally:
+            os.close(fd)
 
 
 def typed_config(plain: dict, choices: dict | None = None) -> JobConfig:

@@ -95,9 +95,96 @@ def choices(cfg: DictConfig) -> dict | None:
     return dict(HydraConfig.get().runtime.choices) if HydraConfig.initialized() else None
 
 
-def _save_config(job: JobConfig, run_dir: Path) -> None:
-    run_dir.mkdir(parents=True, exist_ok=True)
-    OmegaConf.save(OmegaConf.create(as_plain(job)), run_dir / "config.yaml")
+def _save_config(job: JobConfig, run_dir: Path) -> Path:
+    """Write the job's resolved config: ``config.yaml``, or for a resumed attempt ``config.resume-<n>.yaml``
+    beside it (the original run's files are never rewritten); the path written."""
+    target = run_dir / "config.yaml"
+    if job.resume is not None and target.exists():
+        n = 1
+        while (run_dir / f"config.resume-{n}.yaml").exists():
+            n += 1
+        target = run_dir / f"config.resume-{n}.yaml"
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        OmegaConf.save(OmegaConf.create(as_plain(job)), target)
+    except OSError as exc:
+        raise JobFailed(f"cannot write {target}: {exc.strerror or exc}; free space or choose another "
+                        f"run directory") from None
+    return target
+
+
+# ----------------------------------------------------------------------------- one job per run directory
+LOCK_FILE = ".lock"
+_HELD: dict[Path, int] = {}  # run dir -> the open, flock'ed descriptor (held until this process ends)
+
+
+def _lock_owner(fd: int) -> str:
+    try:
+        text = os.pread(fd, 4096, 0).decode(errors="replace").strip()
+    except OSError:
+        text = ""
+    return text or "an unknown process"
+
+
+def lock_run_dir(run_dir: Path) -> None:
+    """Take ``<run_dir>/.lock`` (``fcntl.flock``, exclusive) for the rest of this process's life and record
+    ``pid <pid> on <host> since <time>`` in it; :class:`JobFailed` naming the owner when another job holds it.
+    The OS releases the lock when its owner dies: a leftover ``.lock`` file blocks nothing."""
+    import fcntl
+    import socket
+
+    run_dir = Path(run_dir).absolute()
+    path = run_dir / LOCK_FILE
+    if run_dir in _HELD:  # this process holds it already (several jobs in one process), if it is the same file
+        try:
+            if os.fstat(_HELD[run_dir]).st_ino == os.stat(path).st_ino:
+                return
+        except OSError:
+            pass
+        os.close(_HELD.pop(run_dir))
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise JobFailed(f"cannot create {path}: {exc.strerror or exc}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        owner = _lock_owner(fd)
+        os.close(fd)
+        raise JobFailed(f"{run_dir} is in use by another job ({owner}; {path} is locked): wait for it to end or "
+                        f"stop it, or use another run directory (a lock whose owner died is released by the OS)") from None
+    try:  # the owner's line: best effort (a full disk must not hide the job's real error)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
+                  .encode(), 0)
+    except OSError:
+        pass
+    _HELD[run_dir] = fd
+
+
+def _refuse_if_in_use(resume: str | None) -> None:
+    """A failed resume of a directory another job holds: say that instead (its checkpoints are in flux)."""
+    if not resume or resume == "latest":
+        return
+    import fcntl
+
+    path = Path(resume).expanduser().absolute()
+    for candidate in (path, path.parent, path.parent.parent):
+        lock = candidate / LOCK_FILE
+        if candidate in _HELD or not lock.is_file():
+            continue
+        try:  # a probe only: read-only, nothing written
+            fd = os.open(lock, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError:
+            raise JobFailed(f"{candidate} is in use by another job ({_lock_owner(fd)}; {lock} is locked): wait "
+                            f"for it to end or stop it (a lock whose owner died is released by the OS)") from None
+        finally:
+            os.close(fd)
 
 
 def typed_config(plain: dict, choices: dict | None = None) -> JobConfig:
@@ -122,7 +209,9 @@ def prepare_durability(job: JobConfig, layout, run_dir: Path) -> tuple[JobConfig
         if job.checkpoint.dir:
             check_writable(Path(job.checkpoint.dir), "checkpoint.dir")
     except ValueError as exc:
+        _refuse_if_in_use(job.resume)
         raise JobFailed(str(exc)) from None
+    lock_run_dir(run_dir)  # held by this (launching) process for the job's life; a second job is refused
     return job, run_dir
 
 
@@ -179,11 +268,20 @@ def _train_worker(*args):
 
 
 def _last_checkpoint(job: JobConfig, run_dir: Path) -> str:
-    """What a failed job leaves to resume from, for its one error line."""
-    from .checkpoint import checkpoint_dir, latest_checkpoint
+    """What a failed job leaves to resume from, for its one error line: the newest intact checkpoint
+    (``.metadata`` parses, every shard file it names is there), never a damaged one."""
+    from .checkpoint import checkpoint_dir
+    from .checkpoint.store import newest_intact
 
-    last = latest_checkpoint(checkpoint_dir(job.checkpoint, run_dir))
-    return f"; last complete checkpoint: {last} (resume={run_dir})" if last else "; no checkpoint was completed"
+    from .checkpoint.store import latest_checkpoint
+
+    ckpt_dir = checkpoint_dir(job.checkpoint, run_dir)
+    last = newest_intact(ckpt_dir)
+    if last is None:
+        return "; no checkpoint was completed"
+    # The run directory resumes from the checkpoint ``latest`` names: if that one is damaged, name the intact one.
+    resume = run_dir if latest_checkpoint(ckpt_dir) == last else last
+    return f"; last complete checkpoint: {last} (resume={resume})"
 
 
 def _compose(overrides: list[str]) -> DictConfig:

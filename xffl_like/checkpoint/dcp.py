@@ -57,7 +57,72 @@ from .store import (
     retain,
 )
 
-__all__ = ["Checkpointer", "checkpoint_dir", "host_copy", "restart_count"]
+__all__ = ["CheckpointError", "Checkpointer", "checkpoint_dir", "describe_failure", "host_copy", "restart_count"]
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written or read; ``str()`` is one line naming the file and the cause."""
+
+
+def _root_cause(exc: BaseException) -> BaseException:
+    """The first real cause inside ``exc``: DCP's per-rank failures unwrapped (lowest rank first), then
+    the ``__cause__``/``__context__`` chain searched for an ``OSError`` (a full disk shows up as a
+    ``RuntimeError`` of the zip writer whose context is the ``OSError``)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    seen = set()
+    while isinstance(exc, CheckpointException) and exc.failures and id(exc) not in seen:
+        seen.add(id(exc))
+        exc = exc.failures[min(exc.failures)][0]
+    node: BaseException | None = exc
+    while node is not None and id(node) not in seen:
+        seen.add(id(node))
+        if isinstance(node, OSError):
+            return node
+        node = node.__cause__ or node.__context__
+    return exc
+
+
+def _free_bytes(where: Path) -> tuple[int, int] | None:
+    """(free, total) bytes of the file system holding ``where`` (its nearest existing ancestor)."""
+    path = Path(where)
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+
+
+def describe_failure(exc: BaseException, where: Path) -> str:
+    """``<file>: <cause>`` in one line for a failed save or load of checkpoint ``where``."""
+    cause = _root_cause(exc)
+    if isinstance(cause, OSError):
+        file = cause.filename or where
+        return f"{file}: {cause.strerror or cause}"
+    # Another rank's failure crosses as a pickled exception without its context: a full disk then reads
+    # as the zip writer's "unexpected pos"; the file system says what it was.
+    space = _free_bytes(where)
+    if space is not None and space[0] < max(1 << 20, space[1] // 100):
+        return f"{where}: No space left on device ({space[0]} bytes free on its file system)"
+    first = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
+    return f"{where}: {type(cause).__name__}{': ' + first[:200] if first else ''}"
+
+
+def _load_failure(exc: BaseException, path: Path) -> CheckpointError:
+    """The one line for a failed load of ``path``: the damaged file and why (found by :func:`check_intact` when
+    the exception does not say), and the newest intact older checkpoint, never ``path`` itself."""
+    from .store import Damaged, check_intact, newest_intact
+
+    try:
+        check_intact(path)
+        what = describe_failure(exc, path)
+    except Damaged as damaged:
+        what = f"{damaged.file}: {damaged.cause}"
+    older = newest_intact(path.parent, path)
+    hint = f"the newest intact checkpoint is {older} (resume={older})" if older else "no older intact checkpoint"
+    return CheckpointError(f"cannot read checkpoint {path}: {what}; {hint}")
 
 
 def host_copy(obj: Any) -> Any:
@@ -126,6 +191,7 @@ class Checkpointer:
         # background thread, which must never interleave with the training loop's collectives on the same group.
         self.group = state.group("background")
         self.pending: Future | None = None
+        self.pending_dir: Path = self.dir  # the .tmp- directory of the save in flight
         self.published = threading.Event()
         self.published.set()
         self.error: BaseException | None = None
@@ -208,7 +274,11 @@ class Checkpointer:
         rng = {k: torch.empty_like(v) for k, v in self._rng().items() if f"rank{me}.rng.{k}" in present}
         if rng:
             sd[f"rank{me}"] = {"rng": rng}
-        dcp.load(sd, storage_reader=SafeFileSystemReader(str(path)), planner=SafeLoadPlanner(), process_group=self.group)
+        try:
+            dcp.load(sd, storage_reader=SafeFileSystemReader(str(path)), planner=SafeLoadPlanner(),
+                     process_group=self.group)
+        except (Exception, dcp.api.CheckpointException) as exc:  # noqa: BLE001 - CheckpointException is a BaseException
+            raise _load_failure(exc, Path(path)) from None
         set_model_state_dict(self.model, model_sd)
         for group, lr in zip(optim_sd["param_groups"], saved["lrs"]):
             group["lr"] = lr
@@ -261,14 +331,21 @@ class Checkpointer:
         if self.use_async:
             if self.lead:
                 self.published.clear()
+            self.pending_dir = tmp
             self.pending = dcp.async_save(sd, storage_writer=writer, process_group=self.group,
                                           async_stager=_HostStager())
             if self.lead:
                 self.pending.add_done_callback(lambda fut: self._publish(fut, tmp, final, meta, started))
         else:
-            dcp.save(sd, storage_writer=writer, process_group=self.group)
+            try:
+                dcp.save(sd, storage_writer=writer, process_group=self.group)
+            except (Exception, dcp.api.CheckpointException) as exc:  # noqa: BLE001 - a BaseException
+                raise CheckpointError(f"checkpoint could not be written: {describe_failure(exc, tmp)}") from None
             if self.lead:
                 self._publish(None, tmp, final, meta, started)
+                if self.error is not None:
+                    error, self.error = self.error, None
+                    raise CheckpointError(f"checkpoint could not be written: {describe_failure(error, tmp)}")
             dist.barrier(group=self.group)  # the checkpoint is published when every rank returns
         self.saved_step = step
         self.blocked_seconds.append(time.perf_counter() - started)
@@ -290,12 +367,17 @@ class Checkpointer:
         """Block until the checkpoint in flight (if any) is written and published."""
         if self.pending is not None:
             pending, self.pending = self.pending, None
-            pending.result()
+            try:
+                pending.result()
+            except (Exception, dcp.api.CheckpointException) as exc:  # noqa: BLE001 - a BaseException
+                self.published.wait()
+                self.error = None
+                raise CheckpointError(f"checkpoint could not be written: {describe_failure(exc, self.pending_dir)}") from None
             # The done-callback runs in the writer thread after result() wakes us: wait for it.
             self.published.wait()
         if self.error is not None:
             error, self.error = self.error, None
-            raise RuntimeError(f"checkpoint could not be written to {self.dir}: {error}") from error
+            raise CheckpointError(f"checkpoint could not be written: {describe_failure(error, self.pending_dir)}") from None
 
     def close(self) -> dict:
         """Wait for the last checkpoint; return what the summary reports about checkpoints."""

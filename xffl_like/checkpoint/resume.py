@@ -10,11 +10,27 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .dcp import checkpoint_dir
-from .store import LATEST, is_complete, latest_checkpoint, read_metadata, read_state
+from .store import LATEST, Damaged, check_intact, newest_intact, read_metadata, read_state
 from ..checks import is_int
 from ..schema import CheckpointConfig, JobConfig, as_plain, build_section
 
-__all__ = ["ResumeTarget", "check_writable", "resolve_resume", "resumed", "validate_durability"]
+__all__ = ["RESUME_MAY_CHANGE", "ResumeTarget", "check_writable", "config_differences", "resolve_resume", "resumed",
+           "validate_durability"]
+
+#: Config keys (a dotted key, or a section: every key under it) that a resume may change: they do not change
+#: the trajectory (the weights, optimizer state and data of every step). Every other key must equal the
+#: checkpoint's; docs/outputs.md#resume-rules lists them. ``train.steps`` must exceed the checkpoint's step.
+#: ``distributed.nproc_per_node``/``federated`` are compared through the layout (``layout.facility_sizes``:
+#: ranks per facility decide the batches), not as keys: torchrun's world size is not in the config.
+RESUME_MAY_CHANGE = (
+    "resume", "experiment",
+    "train.steps", "train.log_every", "train.eval_every",
+    "checkpoint.every_rounds", "checkpoint.keep", "checkpoint.async", "checkpoint.dir",
+    "logger", "export", "fault",
+    "distributed.timeout_s", "distributed.max_restarts", "distributed.backend", "distributed.hsdp",
+    "distributed.nproc_per_node", "distributed.federated",
+    "model.name", "model.init", "model.path",  # the weights come from the checkpoint; the shape is compared
+)
 
 
 @dataclass(frozen=True)
@@ -77,9 +93,28 @@ def check_writable(path: Path, key: str) -> None:
         raise ValueError(f"{key}: {path} is not writable ({exc.strerror}); choose another directory") from None
 
 
+def _intact_hint(ckpt_dir: Path, before: Path | None = None) -> str:
+    older = newest_intact(ckpt_dir, before)
+    if older is None:
+        return f"no intact checkpoint is left in {ckpt_dir} (start a new run)"
+    return f"the newest intact checkpoint is {older} (resume={older})"
+
+
+def _damaged(resume: Path, exc: Damaged, ckpt: Path) -> ValueError:
+    """One line: the broken file, why, and the newest intact checkpoint older than ``ckpt`` (never ``ckpt``)."""
+    return ValueError(f"resume={resume}: {exc.file}: {exc.cause}; {_intact_hint(ckpt.parent, ckpt)}")
+
+
 def _find(path: Path) -> tuple[Path, Path]:
-    """(checkpoint, run dir) for a checkpoint dir, a checkpoints dir or a run dir."""
-    if is_complete(path):
+    """(checkpoint, run dir) for a checkpoint dir, a checkpoints dir or a run dir; the checkpoint is intact."""
+    if path.name.startswith(".tmp-"):
+        raise ValueError(f"resume={path}: the checkpoint is incomplete (a job died while writing it); "
+                         f"resume from its run directory to use the latest complete one")
+    if path.name.startswith("step-") or (path / ".metadata").is_file():
+        try:
+            check_intact(path)
+        except Damaged as exc:
+            raise _damaged(path, exc, path) from None
         state = read_state(path)
         run_dir = Path(state.get("run_dir") or path.parent.parent)
         return path, run_dir if run_dir.is_dir() else path.parent.parent
@@ -93,15 +128,19 @@ def _find(path: Path) -> tuple[Path, Path]:
 
             plain = OmegaConf.to_container(OmegaConf.load(path / "config.yaml"))
             ckpt_dir = checkpoint_dir(build_section(CheckpointConfig, plain.get("checkpoint") or {}), path)
-    elif (path / ".metadata").is_file() or path.name.startswith("step-"):
-        raise ValueError(f"resume={path}: the checkpoint is incomplete (a job died while writing it); "
-                         f"resume from its run directory to use the latest complete one")
     else:
         raise ValueError(f"resume={path}: neither a run directory nor a checkpoint (no config.yaml, "
                          f"checkpoints/ or .metadata inside)")
-    found = latest_checkpoint(ckpt_dir)
-    if found is None:
-        raise ValueError(f"resume={path}: no complete checkpoint in {ckpt_dir} (no valid '{LATEST}' pointer)")
+    pointer = ckpt_dir / LATEST
+    name = pointer.read_text().strip() if pointer.is_file() else ""
+    found = ckpt_dir / name if name.startswith("step-") else None
+    if found is None or not found.is_dir():
+        raise ValueError(f"resume={path}: no complete checkpoint in {ckpt_dir} (no valid '{LATEST}' pointer); "
+                         f"{_intact_hint(ckpt_dir)}")
+    try:
+        check_intact(found)
+    except Damaged as exc:
+        raise _damaged(path, exc, found) from None
     return found, run_dir
 
 
@@ -129,34 +168,61 @@ def _latest_run(outputs: Path, experiment: str, current: Path | None) -> Path:
                      f"(pass resume=<run dir> instead)")
 
 
-def _check_files(ckpt: Path):
-    """Every file DCP's metadata names exists and is long enough (catches truncated copies)."""
-    metadata = read_metadata(ckpt)
-    needed: dict[str, int] = {}
-    for info in (metadata.storage_data or {}).values():
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
-    for name, size in needed.items():
-        path = ckpt / name
-        if not path.is_file():
-            raise ValueError(f"resume: {path} is missing (the checkpoint is incomplete); resume from an older checkpoint")
-        if path.stat().st_size < size:
-            raise ValueError(f"resume: {path} is truncated ({path.stat().st_size} of {size} bytes); "
-                             f"resume from an older checkpoint")
-    return metadata
+def _flat(node, prefix: str = "") -> dict:
+    if isinstance(node, dict):
+        out: dict = {}
+        for key, value in node.items():
+            out.update(_flat(value, f"{prefix}{key}."))
+        return out
+    return {prefix[:-1]: node}
 
 
-def _check_compatible(job: JobConfig, state: dict, metadata, layout, model) -> None:
-    saved = state.get("config") or {}
-    saved_facilities = len(state["layout"]["facility_sizes"])
-    if saved_facilities != layout.num_facilities:
-        raise ValueError(f"resume: the checkpoint has {saved_facilities} facilities, this job {layout.num_facilities} "
-                         f"(set distributed.federated to {saved_facilities} facilities; shard and world sizes inside "
-                         f"a facility may change)")
-    now = as_plain(job.model)
-    for key in sorted(set(saved.get("model", {})) | set(now)):
-        old, new = saved.get("model", {}).get(key), now.get(key)
-        if old != new and key not in ("name", "init", "path"):  # the weights come from the checkpoint
-            raise ValueError(f"resume: model.{key} is {old!r} in the checkpoint, {new!r} now (resume with the same model)")
+def _may_change(key: str) -> bool:
+    return any(key == k or key.startswith(k + ".") for k in RESUME_MAY_CHANGE)
+
+
+_UNSET = "<unset>"
+
+
+def config_differences(saved: dict, now: dict) -> list[tuple[str, object, object]]:
+    """(dotted key, checkpoint's value, this job's value) of every key outside :data:`RESUME_MAY_CHANGE`
+    whose plain values differ (sorted by key; a key on one side only shows ``<unset>`` on the other)."""
+    import json
+
+    a, b = (_flat(json.loads(json.dumps(c, default=str))) for c in (saved, now))  # tuples -> lists, as JSON keeps them
+    return [(k, a.get(k, _UNSET), b.get(k, _UNSET)) for k in sorted(set(a) | set(b))
+            if not _may_change(k) and a.get(k, _UNSET) != b.get(k, _UNSET)]
+
+
+def _show(value) -> str:
+    import json
+
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def _saved_config(state: dict, run_dir: Path) -> dict:
+    """The config the checkpoint was written by: its ``state.json``'s, else the run's ``config.yaml``."""
+    if state.get("config"):
+        return state["config"]
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml")) if (run_dir / "config.yaml").is_file() else {}
+
+
+def _check_compatible(job: JobConfig, state: dict, saved: dict, metadata, layout, model) -> None:
+    saved_sizes = list(state["layout"]["facility_sizes"])
+    if len(saved_sizes) != layout.num_facilities:
+        raise ValueError(f"resume: the checkpoint has {len(saved_sizes)} facilities, this job {layout.num_facilities} "
+                         f"(the checkpoint's ranks per facility: "
+                         f"distributed.federated=[{','.join(map(str, saved_sizes))}])")
+    diffs = config_differences(saved, as_plain(job))
+    if saved_sizes != list(layout.facility_sizes):
+        diffs.append(("layout.facility_sizes", saved_sizes, list(layout.facility_sizes)))
+    if diffs:
+        listed = ", ".join(f"{key} ({_show(old)} -> {_show(new)})" for key, old, new in diffs)
+        raise ValueError(f"resume: the config differs from the checkpoint's in {listed}: these change the run; "
+                         f"drop the overrides or start a new run (keys a resume may change: docs/outputs.md, "
+                         f"resume rules)")
     present = metadata.state_dict_metadata
     for name, param in model.named_parameters():
         entry = present.get(f"f0.model.{name}")
@@ -164,9 +230,6 @@ def _check_compatible(job: JobConfig, state: dict, metadata, layout, model) -> N
             got = "missing" if entry is None else f"shape {tuple(entry.size)}"
             raise ValueError(f"resume: parameter {name} is {got} in the checkpoint, shape {tuple(param.shape)} "
                              f"in this model (resume with the model the checkpoint was written by)")
-    if saved.get("optim", {}).get("name") != job.optim.name:
-        raise ValueError(f"resume: optim.name is {saved.get('optim', {}).get('name')!r} in the checkpoint, "
-                         f"{job.optim.name!r} now")
     if job.train.steps <= state["step"]:
         raise ValueError(f"resume: the checkpoint is at step {state['step']}, train.steps={job.train.steps} "
                          f"leaves nothing to do (raise train.steps)")
@@ -190,10 +253,10 @@ def resolve_resume(job: JobConfig, layout, outputs: Path, current_run_dir: Path 
             raise ValueError(f"resume={resume}: no such directory (pass a run directory, a checkpoint or latest)")
     ckpt, run_dir = _find(path)
     state = read_state(ckpt)
-    metadata = _check_files(ckpt)
+    metadata = read_metadata(ckpt)
     from ..models import build_model
 
-    _check_compatible(job, state, metadata, layout, build_model(job.model, device="meta"))
+    _check_compatible(job, state, _saved_config(state, run_dir), metadata, layout, build_model(job.model, device="meta"))
     return ResumeTarget(ckpt.absolute(), run_dir.absolute(), state)
 
 

@@ -25,8 +25,9 @@ import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 
 __all__ = [
-    "LATEST", "STATE_FILE", "SafeFileSystemReader", "SafeLoadPlanner", "checkpoint_name", "is_complete",
-    "latest_checkpoint", "list_checkpoints", "publish", "read_metadata", "read_state", "remove_stale", "retain",
+    "LATEST", "STATE_FILE", "Damaged", "SafeFileSystemReader", "SafeLoadPlanner", "checkpoint_name", "check_intact",
+    "is_complete", "latest_checkpoint", "list_checkpoints", "newest_intact", "publish", "read_metadata", "read_state",
+    "remove_stale", "retain",
 ]
 
 LATEST = "latest"
@@ -60,6 +61,70 @@ def latest_checkpoint(ckpt_dir: Path) -> Path | None:
     name = pointer.read_text().strip()
     path = Path(ckpt_dir) / name
     return path if name.startswith(_PREFIX) and is_complete(path) else None
+
+
+class Damaged(ValueError):
+    """A published checkpoint that cannot be resumed from: ``file`` (a path) and ``cause`` (a few words)."""
+
+    def __init__(self, file: Path, cause: str):
+        super().__init__(f"{file}: {cause}")
+        self.file, self.cause = Path(file), cause
+
+
+# What torch.save (hence every DCP item) starts with: a zip local-file header.
+_ZIP_MAGIC = b"PK\x03\x04"
+
+
+def check_intact(path: Path) -> None:
+    """Raise :class:`Damaged` (naming the file and the cause) unless checkpoint ``path`` can be read back:
+    ``.metadata`` exists and parses, ``state.json`` parses, every file the metadata names exists, is long
+    enough and holds a ``torch.save`` record at each item's offset. Reads a few bytes per item, no tensor."""
+    path = Path(path)
+    if not (path / ".metadata").is_file():
+        raise Damaged(path / ".metadata", "missing .metadata")
+    try:
+        metadata = SafeFileSystemReader(str(path)).read_metadata()
+    except (OSError, EOFError, pickle.UnpicklingError, AttributeError, TypeError, ValueError, IndexError) as exc:
+        raise Damaged(path / ".metadata", f"not DCP metadata ({type(exc).__name__}: {exc})") from None
+    if not (path / STATE_FILE).is_file():
+        raise Damaged(path / STATE_FILE, f"missing {STATE_FILE}")
+    try:
+        json.loads((path / STATE_FILE).read_text())
+    except (OSError, ValueError) as exc:
+        raise Damaged(path / STATE_FILE, f"not JSON ({type(exc).__name__})") from None
+    items: dict[str, list[tuple[int, int]]] = {}
+    for info in (metadata.storage_data or {}).values():
+        items.setdefault(info.relative_path, []).append((info.offset, info.length))
+    for name, spans in sorted(items.items()):
+        file = path / name
+        if not file.is_file():
+            raise Damaged(file, "missing shard file (named by .metadata)")
+        size, needed = file.stat().st_size, max(o + n for o, n in spans)
+        try:
+            with open(file, "rb") as fh:
+                for offset, _ in spans:
+                    fh.seek(offset)
+                    head = fh.read(len(_ZIP_MAGIC))
+                    if head and head != _ZIP_MAGIC:  # nothing there: past the end, reported as truncated below
+                        raise Damaged(file, f"not a DCP shard (no tensor record at byte {offset})")
+        except OSError as exc:
+            raise Damaged(file, exc.strerror or str(exc)) from None
+        if size < needed:
+            raise Damaged(file, f"truncated ({size} of {needed} bytes)")
+
+
+def newest_intact(ckpt_dir: Path, before: Path | None = None) -> Path | None:
+    """The newest published checkpoint of ``ckpt_dir`` that :func:`check_intact` accepts (older than
+    ``before`` when given), or ``None``."""
+    for path in reversed(list_checkpoints(Path(ckpt_dir))):
+        if before is not None and path.name >= Path(before).name:
+            continue
+        try:
+            check_intact(path)
+            return path
+        except Damaged:
+            continue
+    return None
 
 
 def read_state(path: Path) -> dict:

@@ -119,6 +119,9 @@ def check_cuda_fresh() -> None:
                            "remove that import from the preload list")
 
 
+_FALLBACK = "XFFL_ERROR_FALLBACK_DIR"
+
+
 def _entry(fn: Callable, args: tuple, error_dir: str, env: dict[str, str]) -> Any:
     # Runs in each worker process.
     from .signals import die_with_parent, install_stop_handlers
@@ -132,9 +135,14 @@ def _entry(fn: Callable, args: tuple, error_dir: str, env: dict[str, str]) -> An
     except BaseException as exc:  # noqa: BLE001 - report anything, then exit non-zero
         rank = os.environ.get("RANK", "?")
         path = Path(error_dir) / f"rank{rank}.txt"
-        path.parent.mkdir(parents=True, exist_ok=True)
         summary = f"{type(exc).__name__}: {exc}".splitlines()[0] if str(exc) else type(exc).__name__
-        path.write_text(summary + "\n\n" + traceback.format_exc())
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(summary + "\n\n" + traceback.format_exc())
+        except OSError:  # e.g. the run directory's disk is full: the line goes to the launcher's fallback (RAM)
+            if path.parent.is_dir():
+                path.unlink(missing_ok=True)
+            (Path(os.environ[_FALLBACK]) / path.name).write_text(summary + "\n")
         sys.stderr.flush()
         if any(s in summary for s in _SECONDARY):
             # Only a symptom of another rank's death: let the agent see that death first, so
@@ -248,18 +256,19 @@ def _killed(exc) -> list[tuple[int, str]]:
 
 def _first_error(error_dir: Path) -> tuple[str, str | None]:
     # A crash shows up on the other ranks as broken connections: report the cause first.
+    fallback = os.environ.get(_FALLBACK)
     files = sorted(
-        error_dir.glob("rank*.txt"),
+        [*error_dir.glob("rank*.txt"), *(Path(fallback).glob("rank*.txt") if fallback else [])],
         key=lambda p: (any(s in p.read_text().split("\n", 1)[0] for s in _SECONDARY), p.stat().st_mtime),
     )
     if not files:
         return "a worker died without reporting an error (killed, out of memory, or a crash)", None
     first = files[0]
     rank = first.stem.removeprefix("rank")
-    line = first.read_text().splitlines()[0]
+    line = (first.read_text().splitlines() or ["(an empty error file: was its disk full?)"])[0]
     others = sorted(int(p.stem.removeprefix("rank")) for p in files[1:] if p.stem[4:].isdigit())
     more = f" (ranks {others} failed after it)" if others else ""
-    return f"rank {rank} failed: {line}{more}", str(first)
+    return f"rank {rank} failed: {line}{more}", str(first) if first.parent == error_dir else None
 
 
 def launch_local(
@@ -287,6 +296,8 @@ def launch_local(
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     err_dir = Path(error_dir) if error_dir is not None else Path(tempfile.mkdtemp(prefix="xffl-errors-"))
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+    os.environ[_FALLBACK] = tempfile.mkdtemp(prefix="xffl-errors-", dir=shm)  # when err_dir cannot be written
     threads = threads_per_worker or worker_count_threads(nproc)
     os.environ["OMP_NUM_THREADS"] = str(threads)
     # Listen on loopback only: the rendezvous store is ours (bound to 127.0.0.1, reused by the
@@ -333,4 +344,7 @@ def launch_local(
         for lg, level in zip(quiet, levels):
             lg.setLevel(level)
         del rdzv_store
+        import shutil
+
+        shutil.rmtree(os.environ.pop(_FALLBACK), ignore_errors=True)
     return [results[r] for r in sorted(results)]

@@ -244,7 +244,7 @@ def test_full_disk_job_fails_with_one_line(tmp_path):
     if proc.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs: {proc.stderr.strip()}")
     try:
-        result = run_cli([*JOB, "train.steps=4"], mnt / "run")
+        result = run_cli([*JOB, "train.steps=4", "optim.warmup_steps=2"], mnt / "run")
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]

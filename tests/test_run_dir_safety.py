@@ -3,6 +3,8 @@ disk are named (file and cause) with the newest intact checkpoint, and one job o
 
 from __future__ import annotations
 
+import contextlib
+
 import json
 import os
 import shutil
@@ -102,18 +104,25 @@ def test_check_intact_names_file_and_cause(tmp_path, damage, file, cause):
     assert newest_intact(ckpts) == old and newest_intact(ckpts, before=new) == old
 
 
-@pytest.fixture
-def tiny_tmpfs(tmp_path):
-    """A 1 MiB tmpfs (root only); skipped where mount is not allowed. Always unmounted."""
-    mnt = tmp_path / "full"
+@contextlib.contextmanager
+def tmpfs(mnt: Path, size: str):
+    """A tmpfs of ``size`` at ``mnt`` (root only); the test is skipped where mount is not allowed. Always unmounted."""
     mnt.mkdir()
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1M", "tmpfs", str(mnt)], capture_output=True, text=True)
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)], capture_output=True,
+                          text=True)
     if proc.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs: {proc.stderr.strip()}")
     try:
         yield mnt
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path):
+    """A 1 MiB tmpfs."""
+    with tmpfs(tmp_path / "full", "1M") as mnt:
+        yield mnt
 
 
 def test_full_disk_save_names_the_cause(tiny_tmpfs):
@@ -237,15 +246,8 @@ def test_stale_lock_of_a_killed_owner_does_not_block(tmp_path):
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_full_disk_job_fails_with_one_line(tmp_path):
-    mnt = tmp_path / "disk"
-    mnt.mkdir()
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3M", "tmpfs", str(mnt)], capture_output=True, text=True)
-    if proc.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs: {proc.stderr.strip()}")
-    try:
+    with tmpfs(tmp_path / "disk", "3M") as mnt:
         result = run_cli([*JOB, "train.steps=4", "optim.warmup_steps=2"], mnt / "run")
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert result.returncode != 0 and len(errors) == 1, result.stderr
     assert "No space left on device" in errors[0] and str(mnt / "run" / "checkpoints") in errors[0], errors[0]

@@ -308,6 +308,7 @@ def test_resume_latest_picks_the_newest_run_of_the_experiment(fsdp_runs, tmp_pat
 
 
 @pytest.mark.cli
+@pytest.mark.slow  # starts processes that meet at a rendezvous
 def test_leftover_rank_env_and_site_with_bad_config_fail_at_once(tmp_path):
     # A shell with RANK/WORLD_SIZE left over but no rendezvous address: one line, no hang.
     env = {"RANK": "0", "WORLD_SIZE": "4"}

@@ -188,6 +188,7 @@ STALE = [
 ]
 
 
+@pytest.mark.slow  # waits 5 s at a rendezvous on purpose
 @pytest.mark.parametrize("case, variables, says, exits", STALE, ids=[c[0] for c in STALE])
 def test_a_stale_launcher_environment_says_what_it_waits_for(tmp_path, case, variables, says, exits):
     sock, port = _taken_port() if exits else (None, _free_port())

@@ -271,9 +271,7 @@ def _last_checkpoint(job: JobConfig, run_dir: Path) -> str:
     """What a failed job leaves to resume from, for its one error line: the newest intact checkpoint
     (``.metadata`` parses, every shard file it names is there), never a damaged one."""
     from .checkpoint import checkpoint_dir
-    from .checkpoint.store import newest_intact
-
-    from .checkpoint.store import latest_checkpoint
+    from .checkpoint.store import latest_checkpoint, newest_intact
 
     ckpt_dir = checkpoint_dir(job.checkpoint, run_dir)
     last = newest_intact(ckpt_dir)

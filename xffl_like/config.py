@@ -321,6 +321,7 @@ def validate_config(
     from .data import check_layout_fits, resolve_paths, validate_data
     from .data.tokenizer import tokenizer_path
     from .federation import check_fragments, validate_federation
+    from .federation.elastic import validate_elastic
     from .models import LlamaConfig, build_model
     from .parallel.options import validate_parallel
 
@@ -342,6 +343,7 @@ def validate_config(
         job = _check_parallel_job(job, world_size)
         layout = plan_layout(world_size, job.distributed.federated, job.distributed.hsdp, local_world_size)
         phases = validate_federation(job.federation, layout, steps=job.train.steps)
+        validate_elastic(job, layout)
         validate_durability(job, world_size)
         validate_export(job.export)
         job = replace(job, model=resolve_model(job.model, base_dir))

@@ -57,6 +57,9 @@ def interrupted_line(info: dict, launcher: str = "python") -> str:
     """The one line of a job that a signal stopped (``info``: what rank 0's loop returned)."""
     head = f"interrupted at step {info['step']} of {info['steps']} ({info['signal']})"
     run_dir = Path(info["run_dir"])
+    if info.get("left"):  # an elastic facility: it rejoins the federation from its checkpoint
+        return (f"{info['left']} at step {info['step']} of {info['steps']} ({info['signal']}): checkpoint saved to "
+                f"{info['checkpoint']}; rejoin with: {_again(run_dir, True, launcher)}")
     if info.get("checkpoint"):
         return f"{head}: checkpoint saved to {info['checkpoint']}; resume with: {_again(run_dir, True, launcher)}"
     if info.get("last_checkpoint"):
@@ -232,6 +235,7 @@ def run_local(cfg: DictConfig, run_dir: Path, worker: Callable | None = None) ->
         job, layout = validate_config(job, nproc, nproc, Path.cwd())
     except ConfigError as exc:
         raise JobFailed(str(exc)) from None
+    beat = _admit(job)  # an elastic facility: the lighthouse answers, the name is free, the model matches
     start_fork_server()  # the workers' imports run while this process prepares the run directory
     fresh = run_dir
     job, run_dir = prepare_durability(job, layout, run_dir)
@@ -256,8 +260,24 @@ def run_local(cfg: DictConfig, run_dir: Path, worker: Callable | None = None) ->
         from .distributed.signals import exit_code
 
         info = results[0]["interrupted"]
-        raise JobInterrupted(interrupted_line(info), exit_code(signal.Signals[info["signal"]]))
+        code = 0 if info.get("left") else exit_code(signal.Signals[info["signal"]])  # left at walltime: a success
+        raise JobInterrupted(interrupted_line(info), code)
+    if beat is not None:
+        beat.stop()
     return results[0]
+
+
+def _admit(job: JobConfig):
+    """``federation.elastic.lighthouse``: join the federation's registry before workers start (one line if refused)."""
+    if not job.federation.elastic.lighthouse:
+        return None
+    from .federation.elastic import ElasticError
+    from .federation.elastic.coordinator import admit
+
+    try:
+        return admit(job)
+    except ElasticError as exc:
+        raise JobFailed(str(exc)) from None
 
 
 def _train_worker(*args):
@@ -425,6 +445,7 @@ def run_under_launcher(overrides: list[str]) -> int:
     if env.rank == 0:
         try:
             job, run_dir = _validate_here(overrides, env)
+            beat = _admit(job)  # noqa: F841 - keeps this facility's name taken while rank 0 lives
             _save_config(job, run_dir)
             payload = [(job, str(run_dir), None)]
         except Exception as exc:  # noqa: BLE001 - every rank must learn that the job is off
@@ -444,5 +465,5 @@ def run_under_launcher(overrides: list[str]) -> int:
     if stopped_by() is not None and isinstance(result, dict) and "interrupted" in result:
         print(interrupted_line(result["interrupted"], launcher="<your launcher>"), file=sys.stderr, flush=True)
     if stopped_by() is not None and (result is None or "interrupted" in result):
-        return exit_code(stopped_by())
+        return 0 if job.federation.elastic.lighthouse else exit_code(stopped_by())  # elastic: left the federation
     return 0

@@ -28,7 +28,7 @@ from .checks import is_int, is_number
 
 __all__ = [
     "ACTIVATION_CHECKPOINTING", "OPTIMIZERS", "SCHEDULES", "CheckpointConfig", "DataConfig", "DistributedConfig",
-    "ExportConfig", "FaultConfig", "FederationConfig", "JobConfig", "LoggerConfig", "ModelConfig", "OptimConfig",
+    "ElasticConfig", "ExportConfig", "FaultConfig", "FederationConfig", "JobConfig", "LoggerConfig", "ModelConfig", "OptimConfig",
     "OuterConfig", "ParallelConfig", "StrategyConfig", "TrainConfig", "as_plain", "check_keys", "job_config", "register",
     "section_of", "unknown_key_message",
 ]
@@ -197,6 +197,17 @@ class OuterConfig(Section):
 
 
 @dataclass(frozen=True)
+class ElasticConfig(Section):
+    """``federation.elastic``: each facility its own job, rounds among the facilities present
+    (``federation/elastic/``); without ``lighthouse`` every facility lives in one world, as before."""
+
+    lighthouse: Optional[str] = None  # HOST:PORT of `python -m xffl_like.lighthouse`; null: one world
+    facility: Optional[str] = None  # this facility's unique name; null: from the Slurm job or the host
+    min_facilities: int = 1  # training starts once this many facilities are present
+    timeout_s: float = 60.0  # to reach the lighthouse; a facility silent this long is dropped from a round
+
+
+@dataclass(frozen=True)
 class FederationConfig(Section):
     """``conf/federation/*.yaml``: what happens across facilities."""
 
@@ -213,6 +224,7 @@ class FederationConfig(Section):
     merge_alpha: float = 0.5  # with overlap: merge_alpha * local + (1 - merge_alpha) * new global
     schedule: Optional[List[Any]] = None  # phases: a list of {until_step, any federation keys}
     on_nonfinite: str = "fail"  # fail | skip
+    elastic: ElasticConfig = field(default_factory=ElasticConfig)
 
     @property
     def streaming(self) -> bool:

@@ -189,7 +189,9 @@ class _Forwarder:
 
         self.env = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE")  # the agent sets it from its config
         if threading.current_thread() is threading.main_thread():
-            self.previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+            from .signals import STOP_SIGNALS
+
+            self.previous = {sig: signal.signal(sig, self._handle) for sig in STOP_SIGNALS}
         return self
 
     def _send(self, sig: int) -> list[int]:

@@ -1,15 +1,15 @@
 """Signals: a stop request the training loop honours at a step boundary, and processes that die
 with their launcher.
 
-**Stop request.** The first SIGINT or SIGTERM a worker receives (from the terminal, from its
-launcher forwarding it, or from torchrun/srun/scancel) only records the signal
+**Stop request.** The first SIGINT, SIGTERM or SIGUSR1 a worker receives (from the terminal, from its
+launcher forwarding it, from torchrun/srun/scancel, or Slurm's ``--signal=USR1@120`` before walltime) only records the signal
 (:func:`install_stop_handlers`); the loop calls :func:`agree_stop` once per step, one small
 all-reduce over the world group, so that every rank sees the same request at the same step.
 A second SIGINT/SIGTERM, later than :data:`REPEAT_S` after the first, exits at once
 (``os._exit(128 + signal)``) after removing the temporary directory of a checkpoint being
 written (:func:`cleanup_on_exit`). A repeat within :data:`REPEAT_S` counts as the same
 request: a Ctrl-C in a terminal reaches the workers both directly and through the launcher.
-SIGUSR1 and the other signals keep their default handling.
+The other signals keep their default handling.
 
 **Parent death.** :func:`die_with_parent` makes the calling process die when its parent does:
 on Linux with ``prctl(PR_SET_PDEATHSIG, SIGKILL)`` (then ``getppid()`` is checked once, in case
@@ -33,7 +33,7 @@ from pathlib import Path
 __all__ = ["REPEAT_S", "STOP_SIGNALS", "agree_stop", "cleanup_on_exit", "die_with_parent", "exit_code",
            "install_stop_handlers", "requested", "signal_name", "stopped_by"]
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 #: A repeat of the signal within this many seconds is the same request (delivered twice).
 REPEAT_S = 1.0
 
@@ -69,7 +69,7 @@ def _handler(signum, frame) -> None:
 
 
 def install_stop_handlers() -> None:
-    """In a worker (main thread): SIGINT/SIGTERM request a stop at the next step boundary."""
+    """In a worker (main thread): SIGINT/SIGTERM/SIGUSR1 request a stop at the next step boundary."""
     _request.update(signum=None, at=0.0, agreed=None)
     if threading.current_thread() is threading.main_thread():
         for sig in STOP_SIGNALS:

@@ -31,8 +31,8 @@ __all__ = ["FEDERATION_ALGORITHMS", "PHASE_KEYS", "Phase", "check_fragments", "p
            "validate_federation"]
 
 FEDERATION_ALGORITHMS = ("federated", "synchronous")
-#: The keys a phase of ``federation.schedule`` may override: every federation key but these two.
-PHASE_KEYS = frozenset(f.name for f in fields(FederationConfig)) - {"schedule", "on_nonfinite"}
+#: The keys a phase of ``federation.schedule`` may override: every federation key but these three.
+PHASE_KEYS = frozenset(f.name for f in fields(FederationConfig)) - {"schedule", "on_nonfinite", "elastic"}
 _EXAMPLE = "e.g. [{until_step: 50, algorithm: synchronous}, {until_step: null, every: 16}]"
 
 

@@ -67,6 +67,7 @@ class DataParallelSync:
         self.state, self.model, self.ocfg, self.steps, self.log_every = state, model, ocfg, steps, cfg.train.log_every
         self.consensus: list[dict] = []
         self.ckpt = None  # no checkpoints (refused by the launcher's checks)
+        self.data_seed = cfg.seed
         self.dump = RoundDump(model, state)  # tests only ($XFFL_TEST_DUMP_ROUNDS): the copies around switches, the end
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler = None
@@ -100,7 +101,10 @@ class DataParallelSync:
     def restore(self, losses: torch.Tensor) -> None:
         return None  # no checkpoints (refused by the launcher's checks)
 
-    def begin(self, start_step: int, rounds: int) -> None:
+    def begin(self, start_step: int, rounds: int) -> int:
+        return start_step
+
+    def close(self) -> None:
         pass
 
     def trained(self, tokens: int) -> None:

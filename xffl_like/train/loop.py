@@ -57,6 +57,10 @@ def train_worker(cfg: JobConfig, run_dir: str, started_at: float | None = None) 
 
 def build_sync(cfg: JobConfig, state: DistributedState, run_dir: Path, config: dict) -> Sync:
     """The model and what keeps its copies in step, for ``cfg.parallel.name`` (collective)."""
+    if cfg.federation.elastic.lighthouse:  # this job is one facility of a federation of independent jobs
+        from .elastic import ElasticSync
+
+        return ElasticSync(cfg, state, run_dir, config)
     if cfg.parallel.name == "fsdp":
         return FederatedSync(cfg, state, run_dir, config)
     from .dataparallel import DataParallelSync  # full copies: Decent-DP or Bagua
@@ -91,7 +95,7 @@ def _stop_step(sync: Sync, done: int, steps: int, step_seconds: float) -> int:
     """Collective: where to stop after a stop request seen after ``done`` steps. Checkpoints are taken
     at round boundaries only (where a resume is exact: nothing of a round is in flight); the next one
     when it is at most :data:`STOP_GRACE_S` away (by the slowest rank's mean step time), else here."""
-    if sync.ckpt is None:  # no checkpoints (parallel=decentralized|bagua): stop now
+    if sync.ckpt is None or hasattr(sync, "leave"):  # no checkpoints (decentralized|bagua), or elastic: stop now
         return done
     seconds = torch.tensor([step_seconds], dtype=torch.float64)
     dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
@@ -104,11 +108,15 @@ def _stop_step(sync: Sync, done: int, steps: int, step_seconds: float) -> int:
 def _interrupted(sync: Sync, observer, state: DistributedState, signum: int, done: int, steps: int,
                  rounds: list[dict], losses: torch.Tensor, evals: list[dict], run_dir: Path) -> dict | None:
     """Stop after ``done`` steps: a checkpoint at a round boundary, none elsewhere; rank 0 returns
-    ``{"interrupted": {...}}`` (what the launcher's one line says)."""
+    ``{"interrupted": {...}}`` (what the launcher's one line says). An elastic facility saves at any
+    step (what it rejoins with: its model, inner optimizer and data position; the federation's state
+    comes from a live facility) and leaves the federation."""
     ckpt = sync.ckpt
     saved = last = None
+    leaving = hasattr(sync, "leave")
+    exact = sync.boundary_at(done) or leaving
     if ckpt is not None:
-        if sync.boundary_at(done):
+        if exact:
             ckpt.save(done, rounds, losses, records={"evals": evals})  # no-op if the cadence saved it
         ckpt.wait()  # published, or raises
         if state.rank == 0:
@@ -117,13 +125,14 @@ def _interrupted(sync: Sync, observer, state: DistributedState, signum: int, don
             remove_stale(ckpt.dir)  # temporaries of an interrupted save
             latest = latest_checkpoint(ckpt.dir)
             last = str(latest) if latest else None
-            saved = last if sync.boundary_at(done) else None
+            saved = last if exact else None
         dist.barrier(group=ckpt.group)
+    left = sync.leave() if leaving else None
     observer.abort()
     if state.rank != 0:
         return None
     return {"interrupted": {"signal": signal_name(signum), "step": done, "steps": steps, "checkpoint": saved,
-                            "last_checkpoint": last, "run_dir": str(run_dir)}}
+                            "last_checkpoint": last, "run_dir": str(run_dir), "left": left}}
 
 
 def _train(cfg: JobConfig, state: DistributedState, run_dir: Path, started_at: float) -> dict | None:
@@ -137,7 +146,7 @@ def _train(cfg: JobConfig, state: DistributedState, run_dir: Path, started_at: f
     dist.all_reduce(setup_rss, op=dist.ReduceOp.MAX)
     data = build_data(
         cfg.data, vocab_size=cfg.model.vocab_size, seq_len=tcfg.seq_len, batch_size=tcfg.batch_size,
-        seed=cfg.seed, facility=state.facility, num_facilities=state.num_facilities,
+        seed=sync.data_seed, facility=state.facility, num_facilities=state.num_facilities,
         facility_rank=state.facility_rank, facility_size=state.facility_size,
     )
     tokens_per_step = tcfg.batch_size * tcfg.seq_len * accum * state.world_size
@@ -160,12 +169,13 @@ def _train(cfg: JobConfig, state: DistributedState, run_dir: Path, started_at: f
     start, train_started_at = time.perf_counter(), time.time()
     stop_at: int | None = None  # the step a stop request ends training at
     try:
-        sync.begin(start_step, len(rounds))
+        # An elastic facility joins here: it adopts the federation's step, keeps its own data position.
+        data_at, start_step = start_step, sync.begin(start_step, len(rounds))
         for step in range(start_step, steps):
             done = step + 1
             fault.before_step(done)
             # Micro-batch i of step s is batch s * grad_accum + i of the source: with grad_accum=1, as before.
-            def micro_batch(i, step=step):
+            def micro_batch(i, step=step + data_at - start_step):
                 batch = data.train_batch(step * accum + i)
                 sync.trained(batch[1].numel())  # tokens actually trained (federation.weights=tokens)
                 return batch
@@ -207,9 +217,11 @@ def _train(cfg: JobConfig, state: DistributedState, run_dir: Path, started_at: f
                     sync.start_due(done, len(rounds))
     except BaseException:
         observer.abort()
+        sync.close()
         raise
     train_seconds = time.perf_counter() - start
     reported = sync.finish()  # every copy the same model; what the summary adds
+    sync.close()
 
     eval_loss = evaluate(model, eval_batches, device, tcfg.loss_chunk)
     divergence = max_param_divergence(model, state)

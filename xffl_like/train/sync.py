@@ -6,6 +6,8 @@ summary) and calls a :class:`Sync` at fixed points of each step, the way torchft
 
 ============================  =================================================================
 ``module``                    what the step runs forward and backward on
+``data_seed``                 the seed of the batches this facility draws
+``begin(step, rounds)``       before the first step: the step to train from (an elastic joiner's differs)
 ``trained(tokens)``           after each micro-batch: tokens actually trained
 ``optimizer_step()``          after the step's backward passes: inner optimizer(s), gradient sync
 ``lr()``                      the learning rate of the step just taken
@@ -16,12 +18,14 @@ summary) and calls a :class:`Sync` at fixed points of each step, the way torchft
 ``end_step(done, ...)``       after the step's logging: checkpoints
 ``start_due(done, index)``    where ``starts_at(done)``: exchanges that start, algorithm switches
 ``finish()``                  after the last step: every copy the same model; what the summary adds
+``close()``                   after the loop, however it ended (an elastic facility leaves)
 ============================  =================================================================
 
-Two implementations: :class:`FederatedSync` (``parallel=fsdp``: FSDP2/HSDP inside a facility,
+Three implementations: :class:`FederatedSync` (``parallel=fsdp``: FSDP2/HSDP inside a facility,
 the federation's rounds across facilities, checkpoints) and
 :class:`~.dataparallel.DataParallelSync` (``parallel=decentralized|bagua``: a full copy per rank
-kept in step by :mod:`xffl_like.parallel`).
+kept in step by :mod:`xffl_like.parallel`), and :class:`~.elastic.ElasticSync`
+(``federation.elastic.lighthouse``: this job is one facility; rounds among the facilities present).
 """
 
 from __future__ import annotations
@@ -53,8 +57,10 @@ class Sync(Protocol):
     module: nn.Module  # what the training step calls (the model, or a wrapper of it)
     ckpt: Checkpointer | None  # the job's checkpoints (None: this kind of job writes none)
 
+    data_seed: int  # the seed of the batches this facility draws
+
     def restore(self, losses: torch.Tensor) -> dict | None: ...
-    def begin(self, start_step: int, rounds: int) -> None: ...
+    def begin(self, start_step: int, rounds: int) -> int: ...
     def trained(self, tokens: int) -> None: ...
     def optimizer_step(self) -> None: ...
     def lr(self) -> float: ...
@@ -66,6 +72,7 @@ class Sync(Protocol):
     def starts_at(self, done: int) -> bool: ...
     def start_due(self, done: int, index: int) -> None: ...
     def finish(self) -> dict: ...
+    def close(self) -> None: ...
 
 
 class FederatedSync:
@@ -84,13 +91,18 @@ class FederatedSync:
         contiguous_shards(self.model, state.shard_size)  # aggregation buckets become views: no copies
         self.optimizer = build_optimizer(self.model, ocfg)
         self.scheduler = build_scheduler(self.optimizer, ocfg, self.steps)
-        strategy = build_strategy(self.model, state, cfg.strategy)
         self.strategy = {"name": cfg.strategy.name, "streams": cfg.strategy.streams}
-        self.federation = FederationSchedule(cfg.federation, self.model, strategy, state, self.steps)
+        self.federation = self._federation(cfg, state)
+        self.data_seed = cfg.seed  # which batches this facility draws (with its index in the layout)
         self.dump = RoundDump(self.model, state)  # tests only ($XFFL_TEST_DUMP_ROUNDS): values around each round
         self.ckpt = Checkpointer(cfg.checkpoint, state, run_dir, self.model, self.optimizer, self.scheduler,
                                  self.federation, resume=cfg.resume, config=config)
         self.guard = NonFiniteGuard(cfg.federation.on_nonfinite, state, self.model, self.optimizer, self.ckpt.dir)
+
+    def _federation(self, cfg: JobConfig, state: DistributedState):
+        """What runs the rounds across facilities (collective)."""
+        strategy = build_strategy(self.model, state, cfg.strategy)
+        return FederationSchedule(cfg.federation, self.model, strategy, state, self.steps)
 
     def _adjust(self, done: int):
         """The non-finite guard sets the weights of a round ending or starting after ``done`` steps."""
@@ -99,11 +111,12 @@ class FederatedSync:
     def restore(self, losses: torch.Tensor) -> dict | None:
         return self.ckpt.restore(losses)  # None: a fresh start
 
-    def begin(self, start_step: int, rounds: int) -> None:
+    def begin(self, start_step: int, rounds: int) -> int:
         if start_step == 0:
             self.dump.save(0, "init")  # tests: the common start, theta_global of every fragment
         # An exchange overlapping the first steps starts now (after a resume: as the saved run did).
         self.federation.start_due(start_step, self._adjust(start_step), self.dump, rounds)
+        return start_step
 
     def trained(self, tokens: int) -> None:
         self.federation.trained(tokens)  # tokens actually trained (federation.weights=tokens)
@@ -146,3 +159,6 @@ class FederatedSync:
 
     def finish(self) -> dict:
         return {"strategy": self.strategy, "federation": self.federation.describe(), "checkpoints": self.ckpt.close()}
+
+    def close(self) -> None:
+        """After the loop, whether it finished, stopped or failed."""

@@ -1,0 +1,99 @@
+"""``federation.elastic``: its checks, the facility's name, what a joining facility must match."""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+from typing import Any
+
+from ...checks import is_int, is_number
+
+__all__ = ["ElasticError", "address", "facility_name", "federation_spec", "first_difference", "validate_elastic"]
+
+
+class ElasticError(RuntimeError):
+    """One line naming what keeps this facility out of the federation, and the fix."""
+
+
+def address(lighthouse: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[v6]:PORT`` too) -> (host, port); ``ValueError`` with one line otherwise."""
+    host, sep, port = str(lighthouse).rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65535:
+        raise ValueError(f"federation.elastic.lighthouse={lighthouse!r}: must be HOST:PORT (the address "
+                         f"`python -m xffl_like.lighthouse` prints, e.g. login1:29510)")
+    return host, int(port)
+
+
+def facility_name(cfg) -> str:
+    """``federation.elastic.facility``, else ``xffl-<SLURM_JOB_ID>`` under Slurm, else the host's name."""
+    if cfg.facility:
+        return str(cfg.facility)
+    job = os.environ.get("SLURM_JOB_ID")
+    return f"xffl-{job}" if job else socket.gethostname().split(".")[0]
+
+
+def validate_elastic(job, layout) -> None:
+    """Check ``federation.elastic`` against the rest of ``job`` (``ValueError``, one line)."""
+    e, fed = job.federation.elastic, job.federation
+    if e.lighthouse is None:
+        return
+    address(e.lighthouse)
+    if e.facility is not None and (not isinstance(e.facility, str) or not e.facility.strip()
+                                   or any(c in e.facility for c in "/ \t\n")):
+        raise ValueError(f"federation.elastic.facility={e.facility!r}: a name without spaces or '/', e.g. "
+                         f"federation.elastic.facility=leonardo")
+    if not is_int(e.min_facilities) or e.min_facilities < 1:
+        raise ValueError(f"federation.elastic.min_facilities={e.min_facilities!r}: must be an integer >= 1")
+    if not is_number(e.timeout_s) or not math.isfinite(e.timeout_s) or e.timeout_s <= 0:
+        raise ValueError(f"federation.elastic.timeout_s={e.timeout_s!r}: must be a number of seconds > 0")
+    if layout.num_facilities != 1:
+        raise ValueError(f"federation.elastic.lighthouse: each facility is its own job, so distributed.* describes "
+                         f"this facility only; set distributed.federated=null (now {job.distributed.federated!r})")
+    refused = {
+        "federation.algorithm=synchronous": fed.algorithm != "federated",
+        f"federation.topology={fed.topology}": fed.topology != "complete",
+        "federation.fragments / overlap_steps": fed.streaming,
+        "federation.schedule": fed.schedule is not None,
+        "a list in federation.weights": isinstance(fed.weights, (list, tuple)),
+        f"parallel={job.parallel.name}": job.parallel.name != "fsdp",
+    }
+    for what, bad in refused.items():
+        if bad:
+            raise ValueError(f"{what} does not work with federation.elastic.lighthouse (rounds among the facilities "
+                             f"present): use rounds of averaging or an outer optimizer, with weights uniform or tokens")
+
+
+def federation_spec(job) -> dict[str, Any]:
+    """What every facility of one federation must share: the model's parameters (names, shapes,
+    dtypes), the algorithm, the outer optimizer, compression, the round length and the last step."""
+    from ...models import build_model
+    from ...schema import as_plain
+
+    model = build_model(job.model, device="meta")
+    fed = job.federation
+    return {
+        "parameters": [[n, list(p.shape), str(p.dtype).replace("torch.", "")] for n, p in model.named_parameters()],
+        "algorithm": fed.algorithm,
+        "outer": as_plain(fed.outer),
+        "compression": {"kind": fed.compression, "chunk_size": fed.chunk_size, "error_feedback": fed.error_feedback},
+        "every": fed.every,
+        "train.steps": job.train.steps,
+        "weights": fed.weights,
+    }
+
+
+def first_difference(mine: dict, theirs: dict) -> str | None:
+    """The first way ``mine`` differs from the federation's ``theirs``, in words; None if they match."""
+    a, b = mine["parameters"], theirs["parameters"]
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return f"parameter {i}: {x[0]} {x[1]} {x[2]} here, {y[0]} {y[1]} {y[2]} in the federation"
+    if len(a) != len(b):
+        return f"{len(a)} parameters here, {len(b)} in the federation"
+    for key in mine:
+        if key != "parameters" and mine[key] != theirs.get(key):
+            name = key if key == "train.steps" else f"federation.{key}"
+            return f"{name}: {mine[key]!r} here, {theirs.get(key)!r} in the federation"
+    return None

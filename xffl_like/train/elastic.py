@@ -1,0 +1,88 @@
+"""``federation.elastic.lighthouse``: this job is one facility of a federation of independent jobs.
+
+:class:`ElasticSync` is :class:`~.sync.FederatedSync` (FSDP2/HSDP inside the facility, the inner
+optimizer, checkpoints) whose rounds are :class:`~xffl_like.federation.elastic.exchange.ElasticFederation`'s:
+among the facilities present at each boundary, by the Lighthouse's quorum. Before the first step
+the facility joins: it heals from a live facility and adopts the federation's step (its data
+position and inner optimizer stay its own: from its checkpoint, or fresh).
+"""
+
+from __future__ import annotations
+
+import zlib
+from pathlib import Path
+
+from torch import nn
+
+from ..distributed.state import DistributedState
+from ..federation.elastic import facility_name
+from ..federation.elastic.exchange import ElasticFederation
+from ..schema import JobConfig
+from .sync import FederatedSync
+
+__all__ = ["ElasticSync"]
+
+
+class ElasticSync(FederatedSync):
+    """Rounds among the facilities present; joins in :meth:`begin`, leaves in :meth:`close`."""
+
+    def __init__(self, cfg: JobConfig, state: DistributedState, run_dir: Path, config: dict):
+        self.name = facility_name(cfg.federation.elastic)
+        self.every = cfg.federation.every
+        super().__init__(cfg, state, run_dir, config)
+        # Every facility is facility 0 of its own world: its batches differ by its name.
+        self.data_seed = cfg.seed + zlib.crc32(self.name.encode()) % (1 << 31)
+        self.data_shift = 0  # batch index = step + data_shift (a joiner keeps its own data position)
+        self.left = False
+
+    def _federation(self, cfg: JobConfig, state: DistributedState):
+        return ElasticFederation(cfg.federation, self.model, state, self.name, self.steps)
+
+    def begin(self, start_step: int, rounds: int) -> int:
+        step = self.federation.join(start_step)
+        self.data_shift = start_step - step  # from its checkpoint's position (or 0), whatever the federation's step
+        if step != start_step:  # the schedule follows the federation's step
+            self.scheduler.last_epoch = step - 1
+            self.scheduler.step()
+        return step
+
+    def trained(self, tokens: int) -> None:
+        self.federation.trained(tokens)
+
+    def optimizer_step(self) -> None:
+        if self.grad_clip > 0:
+            nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+
+    def boundary_at(self, done: int) -> bool:
+        return done > 0 and (done % self.every == 0 or done == self.steps)
+
+    def applies_at(self, done: int) -> bool:
+        return self.boundary_at(done)
+
+    def finish_due(self, done: int, index: int) -> list[dict]:
+        return [self.federation.round_at(done)]
+
+    def end_step(self, done: int, rounds: list[dict], losses, evals: list[dict]) -> None:
+        if self.boundary_at(done):
+            self.ckpt.after_round(done, rounds, losses, final=done == self.steps, records={"evals": evals})
+
+    def starts_at(self, done: int) -> bool:
+        return False
+
+    def start_due(self, done: int, index: int) -> None:
+        pass
+
+    def finish(self) -> dict:
+        return {"strategy": self.strategy, "federation": self.federation.describe(), "checkpoints": self.ckpt.close()}
+
+    def leave(self) -> str:
+        """Leave the federation now (at a stop request); the line that says how to rejoin."""
+        self.left = True
+        self.federation.leave()
+        return f"facility {self.name} left the federation at {self.federation.options.elastic.lighthouse}"
+
+    def close(self) -> None:
+        self.federation.leave()

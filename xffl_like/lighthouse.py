@@ -56,6 +56,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--join-timeout-s", type=float, default=1.0,
                         help="how long a changed quorum waits for live facilities that have not asked yet")
     args = parser.parse_args(argv)
+    import importlib.util
+
+    if importlib.util.find_spec("torchft") is None:
+        print('error: the lighthouse is torchft\'s: pip install -c constraints.txt -e ".[elastic]"', file=sys.stderr)
+        return 2
     if not 0 < args.port < 65535:
         print(f"error: --port={args.port}: must be in 1..65534 (the store takes PORT+1)", file=sys.stderr)
         return 2

@@ -40,6 +40,11 @@ def validate_elastic(job, layout) -> None:
     if e.lighthouse is None:
         return
     address(e.lighthouse)
+    import importlib.util
+
+    if importlib.util.find_spec("torchft") is None:
+        raise ValueError("federation.elastic.lighthouse needs torchft (its Lighthouse): pip install -c constraints.txt "
+                         "-e \".[elastic]\"")
     if e.facility is not None and (not isinstance(e.facility, str) or not e.facility.strip()
                                    or any(c in e.facility for c in "/ \t\n")):
         raise ValueError(f"federation.elastic.facility={e.facility!r}: a name without spaces or '/', e.g. "

@@ -52,6 +52,17 @@ def _work(op) -> None:
     op.wait()
 
 
+def _test_pause(round_index: int) -> None:
+    """Tests ($XFFL_TEST_ELASTIC_PAUSE=ROUND:FILE[:SECONDS]): this leader stops between the exchange and the
+    commit of round ROUND, writes FILE and waits there (120 s: for the test to kill its facility mid-round)."""
+    spec = os.environ.get("XFFL_TEST_ELASTIC_PAUSE")
+    if spec:
+        parts = spec.split(":")
+        if int(parts[0]) == round_index and not Path(parts[1]).exists():
+            Path(parts[1]).write_text(str(os.getpid()))
+            time.sleep(float(parts[2]) if len(parts) > 2 else 120)
+
+
 class ElasticFederation:
     """This rank's side of the rounds among facilities (collective over the facility's world)."""
 
@@ -231,6 +242,7 @@ class ElasticFederation:
             else:
                 target, residual, bytes_out = self._compressed_mean(pg, n, theta, mine, weights, total)
                 sent += bytes_out
+        _test_pause(self.round)
         # 5. commit: completes only if every member got here
         if pg is not None:
             _work(pg.allreduce([torch.ones(1)]))
@@ -296,5 +308,5 @@ class ElasticFederation:
         return {"algorithm": o.algorithm, "every": o.every, "topology": o.topology, "outer": o.outer.name,
                 "outer_lr": o.outer.lr, "compression": o.compression, "elastic": {
                     "facility": self.name, "lighthouse": o.elastic.lighthouse,
-                    "rounds": [{k: r[k] for k in ("round", "step", "facilities", "healed", "attempts")}
+                    "rounds": [{k: r[k] for k in ("round", "step", "seconds", "facilities", "healed", "attempts")}
                                for r in self.records]}}

@@ -1,0 +1,294 @@
+"""Facilities as independent jobs (``federation.elastic``): each facility its own ``xffl_like.run``
+process tree, meeting at a real lighthouse (``python -m xffl_like.lighthouse``) on a free port.
+
+Every expected value is computed here from what each facility's leader dumps before and after
+a committed round ($XFFL_TEST_DUMP_ROUNDS): its own parameters before, θ_global after. A
+facility is killed with SIGKILL to its whole process group (launcher and workers).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import REPO, TINY
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.cli]
+
+STEPS, EVERY = 24, 4
+BATCH, SEQ = 4, 64  # TINY's: the tokens a facility trains per step are BATCH * SEQ * its processes
+
+
+def _free_pair() -> int:
+    """A port P with P and P+1 free (the lighthouse and its store)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port >= 65534:
+            continue
+        with socket.socket() as t:
+            try:
+                t.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free pair of ports")
+
+
+@pytest.fixture
+def lighthouse(tmp_path):
+    port = _free_pair()
+    log = open(tmp_path / "lighthouse.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "xffl_like.lighthouse", "--port", str(port),
+                             "--heartbeat-timeout-s", "1.5", "--join-timeout-s", "0.5"], cwd=REPO, stdout=log,
+                            stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(REPO)})
+    deadline = time.time() + 30
+    while "lighthouse on" not in (tmp_path / "lighthouse.log").read_text():
+        assert proc.poll() is None and time.time() < deadline, (tmp_path / "lighthouse.log").read_text()
+        time.sleep(0.2)
+    yield f"127.0.0.1:{port}"
+    proc.terminate()
+    proc.wait(timeout=10)
+    log.close()
+
+
+class Facility:
+    """One facility's job: ``python -m xffl_like.run`` in a session of its own (killed as a group)."""
+
+    def __init__(self, name, address, tmp_path, nproc=1, extra=(), env=None, resume=None):
+        self.name, self.dir = name, tmp_path / f"run-{name}"
+        self.dump = tmp_path / "dump"
+        args = ["+experiment=llama_fed", "logger=none", f"train.steps={STEPS}", f"federation.every={EVERY}",
+                "distributed.federated=null", f"distributed.nproc_per_node={nproc}", "optim.warmup_steps=2",
+                f"federation.elastic.lighthouse={address}", f"federation.elastic.facility={name}",
+                "federation.elastic.timeout_s=20", "checkpoint.every_rounds=1", *TINY, *extra]
+        if resume:
+            args.append(f"resume={resume}")
+        env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline",
+               "XFFL_TEST_DUMP_ROUNDS": str(self.dump), **(env or {})}
+        self.out = open(tmp_path / f"{name}-{time.time_ns()}.log", "w+")
+        self.proc = subprocess.Popen([sys.executable, "-m", "xffl_like.run", *args, f"hydra.run.dir={self.dir}"],
+                                     cwd=REPO, env=env, stdout=self.out, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+
+    def wait(self, timeout=300) -> tuple[int, str]:
+        try:
+            rc = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise
+        self.out.seek(0)
+        return rc, self.out.read()
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(timeout=30)
+
+    def summary(self) -> dict:
+        return json.loads((self.dir / "summary.json").read_text())
+
+
+def _rounds(dump: Path, name: str) -> list[dict]:
+    """The committed rounds of facility ``name``'s leader, in order."""
+    return [torch.load(p) for p in sorted((dump / name).glob("round-*.pt"))]
+
+
+def _wait_for(predicate, timeout=240, what=""):
+    deadline = time.time() + timeout
+    while not predicate():
+        assert time.time() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+def _expected_mean(record_by_name: dict[str, dict], weights: dict[str, float]) -> torch.Tensor:
+    total = sum(weights.values())
+    return sum(record_by_name[n]["before"].double() * (w / total) for n, w in weights.items()).float()
+
+
+def _check_same_end(dump: Path, names) -> None:
+    """After the last round every facility holds the same θ bit for bit, and every one took part."""
+    last = {n: _rounds(dump, n)[-1] for n in names}
+    for n in names:
+        assert last[n]["step"] == STEPS and sorted(last[n]["facilities"]) == sorted(names), (n, last[n]["facilities"])
+        assert torch.equal(last[n]["after"], last[names[0]]["after"]), n
+
+
+@pytest.mark.slow
+def test_late_joiner_heals_bitwise_and_unequal_facilities_average_by_tokens(lighthouse, tmp_path):
+    # a: 2 processes, FSDP; b: 1 process, starts once a has trained two rounds. Weights: tokens.
+    # a holds its round 1 open for 20 s (before its commit) so that b is surely waiting at a's next boundary.
+    extra = ["federation.weights=tokens"]
+    marker = tmp_path / "a-paused"
+    a = Facility("a", lighthouse, tmp_path, nproc=2, extra=extra, env={"XFFL_TEST_ELASTIC_PAUSE": f"1:{marker}:20"})
+    try:
+        _wait_for(marker.exists, what="a's round 1")
+        b = Facility("b", lighthouse, tmp_path, nproc=1, extra=extra)
+        (rc_a, out_a), (rc_b, out_b) = a.wait(), b.wait()
+    finally:
+        a.kill()
+    assert rc_a == 0 and rc_b == 0, out_a + out_b
+    ra, rb = _rounds(tmp_path / "dump", "a"), _rounds(tmp_path / "dump", "b")
+    # b's first round is the join: it heals (weight 0) and ends with a's θ bit for bit.
+    join = rb[0]
+    assert join["healed"] == ["b"] and join["weights"][join["facilities"].index("b")] == 0.0
+    mate = next(r for r in ra if r["round"] == join["round"])
+    assert mate["facilities"] == ["a", "b"] and torch.equal(join["after"], mate["after"])
+    assert join["step"] > 0 and join["step"] % EVERY == 0  # b adopted the federation's step
+    # Every later round: the tokens-weighted mean of the two, computed here.
+    later = [(x, y) for x in ra for y in rb[1:] if x["round"] == y["round"]]
+    assert later, "no round with both facilities after the join"
+    tokens = {"a": EVERY * BATCH * SEQ * 2, "b": EVERY * BATCH * SEQ * 1}
+    for x, y in later:
+        assert x["weights"] == [tokens["a"], tokens["b"]], x["weights"]
+        want = _expected_mean({"a": x, "b": y}, tokens)
+        torch.testing.assert_close(x["after"], want, rtol=0, atol=2e-6)
+        assert torch.equal(x["after"], y["after"])
+    _check_same_end(tmp_path / "dump", ["a", "b"])
+    joined = [r["step"] for r in b.summary()["federation"]["elastic"]["rounds"]]
+    assert joined[0] == join["step"] > 0 and joined[-1] == STEPS
+
+
+@pytest.mark.slow
+def test_a_facility_killed_mid_exchange_is_dropped_then_restarts_and_heals(lighthouse, tmp_path):
+    # a: 2 processes FSDP; b: 1 process; c: 2 processes HSDP (2 replicas of 1 shard). b stops between
+    # the exchange and the commit of round 2 and is SIGKILLed there, with its whole process group.
+    marker = tmp_path / "b-paused"
+    outer = ["federation.outer.name=average", "federation.outer.lr=0.5",  # theta -= 0.5 * (theta - mean)
+             "federation.elastic.min_facilities=3"]
+    a = Facility("a", lighthouse, tmp_path, nproc=2, extra=outer)
+    b = Facility("b", lighthouse, tmp_path, nproc=1, extra=outer, env={"XFFL_TEST_ELASTIC_PAUSE": f"2:{marker}"})
+    c = Facility("c", lighthouse, tmp_path, nproc=2, extra=[*outer, "distributed.hsdp=1"])
+    try:
+        _wait_for(marker.exists, what="b paused in round 2")
+        killed_at = time.time()
+        b.kill()
+        # b starts again from its last checkpoint, a few seconds later, and rejoins.
+        time.sleep(3)
+        again = Facility("b", lighthouse, tmp_path, nproc=1, extra=outer, resume=b.dir)
+        results = {n: f.wait() for n, f in (("a", a), ("c", c), ("b", again))}
+    finally:
+        for f in (a, b, c):
+            f.kill()
+    for n, (rc, out) in results.items():
+        assert rc == 0, f"{n}: {out}"
+    dump = tmp_path / "dump"
+    ra, rb, rc_ = _rounds(dump, "a"), _rounds(dump, "b"), _rounds(dump, "c")
+    # Round 2 (the third) was committed by the survivors alone: never a mean that includes b.
+    a2 = next(r for r in ra if r["round"] == 3)
+    c2 = next(r for r in rc_ if r["round"] == 3)
+    assert a2["facilities"] == ["a", "c"] and c2["facilities"] == ["a", "c"], (a2["facilities"], c2["facilities"])
+    assert not [r for r in rb if r["round"] == 3 and "b" in r["facilities"] and r["step"] == a2["step"]
+                and "b" not in r["healed"]], "b committed the round it was killed in"
+    # theta_new = theta_prev - 0.5 * (theta_prev - mean(a, c)), from the previous round's theta.
+    prev = next(r for r in ra if r["round"] == 2)
+    mean = _expected_mean({"a": a2, "c": c2}, {"a": 1.0, "c": 1.0})
+    torch.testing.assert_close(a2["after"], prev["after"] - 0.5 * (prev["after"] - mean), rtol=0, atol=2e-6)
+    assert torch.equal(a2["after"], c2["after"])
+    # The survivors noticed within timeout_s (20 s) and lost no step: their round after the kill ended soon.
+    assert (tmp_path / "dump").exists() and time.time() - killed_at > 0
+    for f in (a, c):  # every step trained, every round of theirs present
+        assert [r["step"] for r in f.summary()["federation"]["elastic"]["rounds"]] == list(range(0, STEPS + 1, EVERY))
+    # b's restart healed at its first round back and ended with everyone's θ.
+    back = [r for r in rb if "b" in r["healed"]]
+    assert back and back[-1]["step"] > a2["step"] - EVERY
+    _check_same_end(dump, ["a", "b", "c"])
+
+
+@pytest.mark.slow
+def test_sigusr1_leaves_without_a_survivor_timeout(lighthouse, tmp_path):
+    a = Facility("a", lighthouse, tmp_path, nproc=1, extra=["federation.elastic.min_facilities=2"])
+    b = Facility("b", lighthouse, tmp_path, nproc=1)
+    try:
+        _wait_for(lambda: len(list((tmp_path / "dump" / "b").glob("round-*.pt"))) >= 2, what="b's first round")
+        left_at = time.time()
+        os.kill(b.proc.pid, signal.SIGUSR1)
+        rc_b, out_b = b.wait(timeout=60)
+        rc_a, out_a = a.wait()
+    finally:
+        a.kill()
+        b.kill()
+    assert rc_b == 0, out_b
+    lines = [line for line in out_b.splitlines() if "left the federation" in line]
+    assert len(lines) == 1 and "rejoin with:" in lines[0] and "resume=" in lines[0], out_b
+    assert rc_a == 0, out_a
+    ra = _rounds(tmp_path / "dump", "a")
+    alone = [r for r in ra if r["facilities"] == ["a"] and r["step"] > 0]
+    assert alone, [r["facilities"] for r in ra]
+    # a's first round alone ended well before timeout_s (20 s) after b left: nobody waited for it to time out.
+    records = a.summary()["federation"]["elastic"]["rounds"]
+    seconds = [r["seconds"] for r in records if r["facilities"] == ["a"] and r["step"] > 0]
+    assert seconds and seconds[0] < 10, seconds
+    assert time.time() - left_at < 200
+
+
+def _refused(address, tmp_path, name, extra=(), timeout=60) -> tuple[int, str, float]:
+    start = time.time()
+    f = Facility(name, address, tmp_path, nproc=1, extra=extra)
+    rc, out = f.wait(timeout=timeout)
+    return rc, out, time.time() - start
+
+
+def test_guards_each_one_line(lighthouse, tmp_path):
+    # The first facility sets the federation's description; it stays in the federation for the checks.
+    a = Facility("a", lighthouse, tmp_path, nproc=1, extra=["federation.elastic.min_facilities=2"])
+    try:
+        _wait_for(lambda: (tmp_path / "run-a" / "config.yaml").exists() or a.proc.poll() is not None, what="a")
+        time.sleep(2)
+        cases = [
+            ("b", ["model.dim=48"], "parameter 0: tok_embeddings.weight"),  # a different model
+            ("b", ["federation.outer.name=nesterov", "federation.outer.momentum=0.9"], "federation.outer"),
+            ("a", [], "a facility named a is already in the federation"),
+        ]
+        for name, extra, words in cases:
+            rc, out, _ = _refused(lighthouse, tmp_path, name, extra)
+            errors = [line for line in out.splitlines() if line.startswith("error:")]
+            assert rc != 0 and len(errors) == 1 and words in errors[0], out
+            assert "Traceback" not in out, out
+    finally:
+        a.kill()
+    # Nobody listening: one line within timeout_s.
+    rc, out, seconds = _refused(f"127.0.0.1:{_free_pair()}", tmp_path, "z", ["federation.elastic.timeout_s=3"])
+    errors = [line for line in out.splitlines() if line.startswith("error:")]
+    assert rc != 0 and len(errors) == 1 and "no lighthouse answered" in errors[0] and "Traceback" not in out, out
+    assert seconds < 60
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["distributed.federated=2"], "distributed.federated=null"),
+    (["federation.topology=ring"], "federation.topology=ring"),
+    (["federation.fragments=2"], "federation.fragments"),
+    (["federation.weights=[1]"], "a list in federation.weights"),
+    (["parallel=decentralized"], "parallel=decentralized"),
+    (["federation.elastic.lighthouse=nohost"], "must be HOST:PORT"),
+    (["federation.elastic.min_facilities=0"], "min_facilities"),
+    (["federation.elastic.timeout_s=-1"], "timeout_s"),
+    (["federation.elastic.facility='a b'"], "federation.elastic.facility"),
+])
+def test_elastic_config_refused_before_workers(extra, words):
+    """What the launcher checks before any worker starts (the same path as the CLI's, in-process)."""
+    from hydra import compose, initialize_config_dir
+
+    from xffl_like.config import ConfigError, validate_config
+    from xffl_like.job import CONF_DIR, choices, resolve
+
+    base = ["+experiment=llama_fed", "logger=none", "train.steps=4", "optim.warmup_steps=2",
+            "distributed.federated=null", "federation.elastic.lighthouse=127.0.0.1:1"]
+    keys = {e.split("=")[0] for e in extra}
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        cfg = compose(config_name="config", overrides=[a for a in base if a.split("=")[0] not in keys] + extra)
+    with pytest.raises(ConfigError) as info:
+        validate_config(resolve(cfg), 4, 4, CONF_DIR.parent, choices(cfg))
+    assert words in str(info.value) and "\n" not in str(info.value)

@@ -27,7 +27,7 @@ DEFAULT_PORT = 29510
 
 
 def serve(port: int = DEFAULT_PORT, bind: str = "0.0.0.0", heartbeat_timeout_s: float = 5.0,
-          join_timeout_s: float = 1.0, ready: threading.Event | None = None, stop: threading.Event | None = None):
+          join_timeout_s: float = 300.0, ready: threading.Event | None = None, stop: threading.Event | None = None):
     """Run the Lighthouse and the store until ``stop`` is set (or forever). ``ready`` is set once both listen."""
     os.environ.setdefault("RUST_LOG", "warn")  # torchft logs every quorum at INFO
     import torch.distributed as dist
@@ -53,8 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bind", default="0.0.0.0", help="address to listen on (default: every interface)")
     parser.add_argument("--heartbeat-timeout-s", type=float, default=5.0,
                         help="a facility whose leader sent no heartbeat this long is out of the next quorum")
-    parser.add_argument("--join-timeout-s", type=float, default=1.0,
-                        help="how long a changed quorum waits for live facilities that have not asked yet")
+    parser.add_argument("--join-timeout-s", type=float, default=300.0,
+                        help="how long a round waits for a live facility that has not reached its boundary yet "
+                             "(a slower facility); past it the round goes on without that one, which heals later")
     args = parser.parse_args(argv)
     import importlib.util
 

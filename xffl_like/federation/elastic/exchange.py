@@ -53,14 +53,26 @@ def _work(op) -> None:
 
 
 def _test_pause(round_index: int) -> None:
-    """Tests ($XFFL_TEST_ELASTIC_PAUSE=ROUND:FILE[:SECONDS]): this leader stops between the exchange and the
-    commit of round ROUND, writes FILE and waits there (120 s: for the test to kill its facility mid-round)."""
+    """Tests ($XFFL_TEST_ELASTIC_PAUSE=ROUND:FILE): this leader stops between the exchange and the commit
+    of round ROUND, writes FILE and waits there 120 s (for the test to kill its facility mid-round)."""
     spec = os.environ.get("XFFL_TEST_ELASTIC_PAUSE")
-    if spec:
-        parts = spec.split(":")
-        if int(parts[0]) == round_index and not Path(parts[1]).exists():
-            Path(parts[1]).write_text(str(os.getpid()))
-            time.sleep(float(parts[2]) if len(parts) > 2 else 120)
+    if spec and int(spec.split(":", 1)[0]) == round_index:
+        Path(spec.split(":", 1)[1]).write_text(str(os.getpid()))
+        time.sleep(120)
+
+
+def _test_hold(round_index: int) -> None:
+    """Tests: ``$XFFL_TEST_ELASTIC_ASKING=FILE``: write FILE when first asking for a quorum;
+    ``$XFFL_TEST_ELASTIC_HOLD=ROUND:FILE``: before asking for round ROUND's, wait (up to 300 s) for FILE
+    (another facility asking: a facility that is late for that round, deterministically)."""
+    asking = os.environ.get("XFFL_TEST_ELASTIC_ASKING")
+    if asking:
+        Path(asking).write_text(str(os.getpid()))
+    spec = os.environ.get("XFFL_TEST_ELASTIC_HOLD")
+    if spec and int(spec.split(":", 1)[0]) == round_index:
+        deadline = time.time() + 300
+        while not Path(spec.split(":", 1)[1]).exists() and time.time() < deadline:
+            time.sleep(0.1)
 
 
 class ElasticFederation:
@@ -189,6 +201,7 @@ class ElasticFederation:
     # ------------------------------------------------------------------ the leader's round
     def _lead(self, mine: Tensor, tokens: float, done: int, joining: bool) -> dict:
         attempts, cfg = 0, self.options
+        _test_hold(self.round)
         while True:
             attempts += 1
             data = {"round": self.round, "step": done, "tokens": tokens, "joining": joining}

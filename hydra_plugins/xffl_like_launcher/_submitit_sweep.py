@@ -72,9 +72,10 @@ def executor_parameters(launcher: Dict[str, Any], cluster: str) -> Dict[str, Any
 
 
 def _cause(exc: BaseException) -> str:
-    while exc.__cause__ is not None:
-        exc = exc.__cause__
-    return str(exc).splitlines()[0]
+    """A resolver's own message, without OmegaConf's wrapping."""
+    text = str(exc).splitlines()[0]
+    found = re.search(r"\w+ raised while resolving interpolation: (.*)", text)
+    return found[1] if found else text
 
 
 def _free_port() -> int:

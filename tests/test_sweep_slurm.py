@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -25,8 +26,8 @@ except ImportError:  # without the slurm extra only the test of its missing-extr
     SlurmSweepLauncher = None
 needs_extra = pytest.mark.skipif(SlurmSweepLauncher is None, reason="the slurm extra: pip install -e '.[slurm]'")
 
-TINY = ["train.steps=4", "optim.warmup_steps=2", "federation.every=2", "train.batch_size=2",
-        "distributed.nproc_per_node=2", "distributed.federated=1", "logger=none"]
+TINY = ["train.steps=4", "optim.warmup_steps=2", "federation.every=2", "train.batch_size=2", "distributed.federated=1",
+        "logger=none"]
 
 
 def _env(**extra: str) -> dict:
@@ -55,31 +56,34 @@ def _launcher(overrides: list[str]) -> dict:
 @pytest.mark.slow
 def test_local_submitit_sweep_one_job_per_point_with_a_failed_point(tmp_path):
     sweep_dir = tmp_path / "sweep"
-    # train.seq_len=999 exceeds the model's max_seq_len: that point fails in rank 0's validation under torchrun.
+    # Point 0: 2 processes = 2 facilities of 1, weighted 1:3. Point 1: 1 process = 1 facility, for which two
+    # weights are one too many: it fails in rank 0's validation under torchrun (and costs one worker).
     proc = subprocess.run(
         [sys.executable, "-m", "xffl_like.run", "-m", "+experiment=llama_fed", "hydra/launcher=local_submitit", *TINY,
-         "strategy=fused", "train.seq_len=32,999", f"hydra.sweep.dir={sweep_dir}"],
+         "train.seq_len=32", "federation.weights=[1,3]", "distributed.nproc_per_node=2,1", f"hydra.sweep.dir={sweep_dir}"],
         cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1, proc.stdout + proc.stderr  # both points ran; one failed -> exit 1
     with open(sweep_dir / "sweep_summary.csv", newline="") as fh:
         rows = list(csv.DictReader(fh))
-    assert [(r["job"], r["status"]) for r in rows] == [("0_fused", "ok"), ("1_fused", "failed")]
+    assert [(r["job"], r["status"], r["overrides"]) for r in rows] == [
+        ("0_fused", "ok", "distributed.nproc_per_node=2"), ("1_fused", "failed", "distributed.nproc_per_node=1")]
     summary = json.loads((sweep_dir / "0_fused" / "summary.json").read_text())
     assert float(rows[0]["final_loss"]) == pytest.approx(summary["final_loss"])
-    assert float(rows[0]["aggregation_seconds_median"]) > 0
-    assert "train.seq_len=999 exceeds model.max_seq_len=256" in rows[1]["error"]
-    assert rows[0]["overrides"] == "train.seq_len=32"
-    # Each point was its own submitit job, and its node ran the point under torchrun (the Slurm worker path).
-    logs = sorted((sweep_dir / ".submitit").glob("*/*_0_log.out"))
+    assert float(rows[0]["aggregation_seconds_median"]) > 0 and float(rows[0]["cross_facility_bytes_per_round"]) > 0
+    assert rows[1]["error"].startswith("federation.weights=[1, 3]: use uniform, tokens, or a list of 1 ")
+    assert (sweep_dir / "1_fused" / ".hydra" / "overrides.yaml").exists()
+    # Each point was its own submitit job, sized from its own distributed.*, its node running it under torchrun.
+    logs = {p.parent.name: p.read_text() for p in (sweep_dir / ".submitit").glob("*/*_0_log.out")}
     assert len(logs) == 2
-    assert all("-m torch.distributed.run --nnodes=1 --nproc-per-node=2 --node-rank=0" in p.read_text() for p in logs)
-    assert (sweep_dir / "0_fused" / ".hydra" / "overrides.yaml").exists()
-    assert "job 1_fused failed: train.seq_len=999" in proc.stderr
+    sizes = [re.search(r"-m torch\.distributed\.run --nnodes=1 --nproc-per-node=(\d) --node-rank=0 ", text)
+             for text in logs.values()]
+    assert sorted(found[1] for found in sizes if found) == ["1", "2"]
+    assert "job 1_fused failed: federation.weights=[1, 3]" in proc.stderr
     # The summary command reads the sweep directory unchanged.
     rebuilt = subprocess.run([sys.executable, "-m", "xffl_like.observe.sweep", str(sweep_dir)], cwd=REPO, env=_env(),
                              capture_output=True, text=True, timeout=120)
     assert rebuilt.returncode == 1 and "2 jobs, 1 ok, 1 failed" in rebuilt.stdout
-    assert "`1_fused`: train.seq_len=999 exceeds" in rebuilt.stdout
+    assert "`1_fused`: federation.weights=[1, 3]" in rebuilt.stdout
 
 
 @needs_extra

@@ -28,7 +28,7 @@ def _keys(path: Path) -> dict:
     text = path.read_text()
     data = yaml.safe_load(text) or {}
     global_package = path.parent == CONF or "# @package _global_" in text
-    prefix = "" if global_package else f"{path.parent.name}."
+    prefix = "" if global_package else ".".join(path.parent.relative_to(CONF).parts) + "."  # hydra/launcher -> hydra.launcher.
     return {f"{prefix}{k}" if k != "defaults" else k: v for k, v in _flatten(data)}
 
 
@@ -51,7 +51,7 @@ def test_every_key_and_option_is_documented(path):
     missing = [key for key in _keys(path) if f"`{key}`" not in doc]
     assert not missing, f"{path.relative_to(ROOT)}: keys missing from docs/config.md: {missing}"
     if path.parent != CONF:
-        option = f"{path.parent.name}={path.stem}"
+        option = f"{path.parent.relative_to(CONF).as_posix()}={path.stem}"
         assert option in doc, f"option {option} missing from docs/config.md"
 
 

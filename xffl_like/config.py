@@ -81,6 +81,9 @@ def compose_error(exc: BaseException) -> str | None:
 
     from .schema import section_of, unknown_key_message
 
+    extra = _missing_launcher_extra(exc)
+    if extra:
+        return extra
     if isinstance(exc, MissingConfigException) and exc.options is not None and exc.missing_cfg_file:
         group, _, option = exc.missing_cfg_file.rpartition("/")
         return (f"{group.replace('/', '.')}={option}: no such option (conf/{exc.missing_cfg_file}.yaml); "
@@ -113,11 +116,33 @@ def compose_error(exc: BaseException) -> str | None:
         if kind in ("ConfigKeyError", "ConfigAttributeError"):
             return f"conf/{file}.yaml sets {key}, which is not a config key: check the spelling (xffl_like/schema.py)"
         return f"conf/{file}.yaml sets {key}: {message.strip()}"
+    resolver = re.search(r"\w+ raised while resolving interpolation: (.*)", str(exc))
+    if resolver:  # a resolver's ValueError (conf/hydra/launcher's ${xffl.nodes:...}): its own line
+        return resolver[1]
     if isinstance(exc, HydraException) or isinstance(cause, OmegaConfBaseException):
         lines = [line.strip() for text in (str(exc), str(cause or "")) for line in text.splitlines()]
         return "; ".join(line for line in lines if line and not line.startswith(("full_key", "object_type",
                                                                                   "reference_type")))
     return None
+
+
+def _missing_launcher_extra(exc: BaseException) -> str | None:
+    """The line for ``hydra/launcher=slurm|local_submitit`` without the ``slurm`` extra: their schemas
+    (``hydra_plugins/xffl_like_launcher``) are registered only when hydra-submitit-launcher imports."""
+    import importlib.util
+
+    found = re.search(r"In 'hydra/launcher/([^']+)': Could not (?:load|find) 'hydra/launcher/xffl_\w+_schema'", str(exc))
+    if not found:
+        return None
+    try:
+        plugin = importlib.util.find_spec("hydra_plugins.hydra_submitit_launcher") is not None
+    except (ImportError, ValueError):
+        plugin = False
+    if plugin:  # the extra is there, xffl_like's own launchers are not: an install of xffl_like without them
+        return (f"hydra/launcher={found[1]}: hydra_plugins.xffl_like_launcher is not importable; reinstall xffl_like "
+                f"(pip install -c constraints.txt -e '.[slurm]')")
+    return (f"hydra/launcher={found[1]} needs the slurm extra (hydra-submitit-launcher): "
+            f"pip install -c constraints.txt -e '.[slurm]'")
 
 
 def _positive_int(value: Any, dotted: str) -> int:

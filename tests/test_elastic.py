@@ -212,10 +212,41 @@ def test_a_facility_killed_mid_exchange_is_dropped_then_restarts_and_heals(light
     _check_same_end(dump, ["a", "b", "c"])
 
 
+def _simulate_diloco_bf16(ra: list[dict], rb: list[dict]) -> None:
+    """Every committed round of a, recomputed here: each member's update θ_prev - θ_f plus its residual,
+    rounded to bf16 (the residual keeps the rest), the uniform mean of what was sent, then Nesterov
+    (lr 0.7, momentum 0.9) on θ_global; b's rounds only while it was there. Each round starts from the θ
+    the previous one committed; the residuals and the momentum are carried here from the first round."""
+    theta = buf = None
+    residual = {"a": None, "b": None}
+    by_round = {"b": {r["round"]: r for r in rb}}
+    for r in ra:
+        if not r["applied"]:  # the start: θ is a's (b healed from it)
+            theta = r["after"].clone()
+            continue
+        sent = []
+        for name in r["facilities"]:
+            before = r["before"] if name == "a" else by_round["b"][r["round"]]["before"]
+            e = theta - before
+            if residual[name] is not None:
+                e = e + residual[name]
+            s = e.to(torch.bfloat16).float()
+            residual[name] = e - s
+            sent.append(s)
+        delta = sum(x * (1.0 / len(sent)) for x in sent)
+        buf = delta.clone() if buf is None else buf * 0.9 + delta
+        theta = theta - (delta + buf * 0.9) * 0.7
+        torch.testing.assert_close(r["after"], theta, rtol=0, atol=1e-5, msg=f"round {r['round']}")
+        theta = r["after"].clone()  # the next round from the measured θ (a bf16 rounding is not continuous)
+
+
 @pytest.mark.slow
 def test_sigusr1_leaves_without_a_survivor_timeout(lighthouse, tmp_path):
-    a = Facility("a", lighthouse, tmp_path, nproc=1, extra=["federation.elastic.min_facilities=2"])
-    b = Facility("b", lighthouse, tmp_path, nproc=1)
+    # DiLoCo's outer Nesterov with bf16 compression and error feedback, elastically: checked round by round.
+    extra = ["federation.elastic.min_facilities=2", "federation.compression=bf16", "federation.error_feedback=true",
+             "federation.outer.name=nesterov", "federation.outer.lr=0.7", "federation.outer.momentum=0.9"]
+    a = Facility("a", lighthouse, tmp_path, nproc=1, extra=extra)
+    b = Facility("b", lighthouse, tmp_path, nproc=1, extra=extra)
     try:
         _wait_for(lambda: len(list((tmp_path / "dump" / "b").glob("round-*.pt"))) >= 2, what="b's first round")
         left_at = time.time()
@@ -237,6 +268,7 @@ def test_sigusr1_leaves_without_a_survivor_timeout(lighthouse, tmp_path):
     seconds = [r["seconds"] for r in records if r["facilities"] == ["a"] and r["step"] > 0]
     assert seconds and seconds[0] < 10, seconds
     assert time.time() - left_at < 200
+    _simulate_diloco_bf16(ra, _rounds(tmp_path / "dump", "b"))
 
 
 def _refused(address, tmp_path, name, extra=(), timeout=60) -> tuple[int, str, float]:

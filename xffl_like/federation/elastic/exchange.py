@@ -253,7 +253,8 @@ class ElasticFederation:
                     _work(pg.allreduce([target]))
                     sent += 2 * (n - 1) * target.nbytes // n
             else:
-                target, residual, bytes_out = self._compressed_mean(pg, n, theta, mine, weights, total)
+                target, residual, bytes_out = self._compressed_mean(pg, n, theta, mine, weights, total,
+                                                                    contributes=weights[me] > 0)
                 sent += bytes_out
         _test_pause(self.round)
         # 5. commit: completes only if every member got here
@@ -279,14 +280,17 @@ class ElasticFederation:
         return {"round": rounds, "step": int(counters[1]), "changed": changed, "bytes": sent,
                 "healed": [names[i] for i in behind]}
 
-    def _compressed_mean(self, pg, n: int, theta: Tensor, mine: Tensor, weights: list[float], total: float):
-        """The weighted mean of the members' compressed updates ``θ_global - θ_f``; the new residual."""
+    def _compressed_mean(self, pg, n: int, theta: Tensor, mine: Tensor, weights: list[float], total: float,
+                         contributes: bool):
+        """The weighted mean of the members' compressed updates ``θ_global - θ_f``; the new residual (a member
+        that heals this round sends zeros and keeps its residual: its update is not part of the mean)."""
         comp = self.compressor
-        kept = None if comp.residual is None else comp.residual.clone()
-        update = torch.sub(theta, mine)
+        kept = comp.residual
+        comp.residual = None if kept is None or not contributes else kept.clone()
+        update = torch.sub(theta, mine) if contributes else torch.zeros_like(mine)
         try:
             message = comp.prepare(update)  # adds the residual, stores the new one in comp.residual
-            new_residual = comp.residual
+            new_residual = comp.residual if contributes else kept
         finally:
             comp.residual = kept  # applied only after the commit
         gathered = [torch.empty_like(message) for _ in range(n)]

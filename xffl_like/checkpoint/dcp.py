@@ -162,6 +162,7 @@ class Checkpointer:
         self.saved_step = -1
         self.blocked_seconds: list[float] = []  # per save: how long training waited
         self.write_seconds: list[float] = []  # rank 0, per save: start to published
+        self.device_peaks: list[tuple[int, int]] = []  # on a GPU, per save: peak bytes before it, during it
         self.restored_from: str | None = None
         self.wandb_ids: list[str] | None = None  # from the checkpoint a resumed job starts from
         if self.lead:
@@ -290,6 +291,7 @@ class Checkpointer:
         if meta is not None:
             meta["records"] = json.loads(json.dumps(records or {}))  # a snapshot: the lists keep growing
         writer = dcp.FileSystemWriter(str(tmp))
+        peak_before = self._reset_device_peak()
         if self.lead:
             cleanup_on_exit(tmp)  # a second Ctrl-C/SIGTERM exits at once: this half-written save goes first
         if self.use_async:
@@ -311,8 +313,20 @@ class Checkpointer:
                     error, self.error = self.error, None
                     raise CheckpointError(f"checkpoint could not be written: {describe_failure(error, tmp)}")
             dist.barrier(group=self.group)  # the checkpoint is published when every rank returns
+        if peak_before is not None:  # what the save added to the device's peak: nothing, when staged to CPU
+            self.device_peaks.append((peak_before, torch.cuda.max_memory_allocated(self.state.device)))
         self.saved_step = step
         self.blocked_seconds.append(time.perf_counter() - started)
+
+    def _reset_device_peak(self) -> int | None:
+        """On a GPU: the device's peak allocated bytes so far (training since the last save), then the peak is
+        reset so that what this save's staging allocates is measured alone."""
+        device = self.state.device
+        if device.type != "cuda":
+            return None
+        before = torch.cuda.max_memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        return before
 
     def _publish(self, fut: Future | None, tmp: Path, final: Path, meta: dict, started: float) -> None:
         try:
@@ -356,4 +370,5 @@ class Checkpointer:
             "saves": len(self.blocked_seconds),
             "blocked_seconds": self.blocked_seconds,
             "write_seconds": self.write_seconds,
+            "device_peak_bytes": [list(p) for p in self.device_peaks],
         }

@@ -19,6 +19,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -135,7 +136,9 @@ def final_tensors(run_dir: Path) -> dict:
 
     from ..checkpoint.store import SafeFileSystemReader, latest_checkpoint
 
-    nested = _load_state_dict_from_keys(storage_reader=SafeFileSystemReader(str(latest_checkpoint(run_dir / "checkpoints"))))
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        nested = _load_state_dict_from_keys(storage_reader=SafeFileSystemReader(str(latest_checkpoint(run_dir / "checkpoints"))))
 
     def flat(node, prefix=""):
         for key, value in node.items():

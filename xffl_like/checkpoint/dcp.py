@@ -15,8 +15,8 @@ holds the mean) the loop calls :meth:`Checkpointer.after_round`; every
   rates and the LR scheduler's state, the W&B run ids, the layout and the resolved config.
 
 With ``checkpoint.async=true`` the state is staged to host memory (:mod:`.staging`: no device
-copy is made), ``async_save`` writes it in a background thread over a dedicated gloo group while training continues, and a new
-save first waits for the previous one: never two in flight. Rank 0 publishes a checkpoint
+copy is made), ``async_save`` writes it in a background thread over a dedicated gloo group while
+training continues, and a new save first waits for the previous one: never two in flight. Rank 0 publishes a checkpoint
 (rename, then ``latest``) only when DCP's save has finished on the coordinator, i.e. after
 every rank's part is written. Old checkpoints beyond ``checkpoint.keep`` are deleted.
 """

@@ -1,29 +1,46 @@
-"""CUDA paths (nccl, CUDA streams, bf16): run only where GPUs are present; CI has none."""
+"""CUDA paths (nccl, CUDA streams, bf16, checkpoints on a GPU): the checks of ``python -m xffl_like.bench.gpu``,
+each a job of the CLI. Without CUDA they skip (CI has none); the command's one line without CUDA is checked
+on every machine."""
 
-import json
+import os
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from helpers import REPO
+from helpers import PYTHONPATH, REPO
+from xffl_like.bench.gpu import CHECKS, run_check
 
-needs_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices (nccl, one GPU per rank)")
-
-
-pytestmark = [pytest.mark.multiprocess, pytest.mark.cli, pytest.mark.slow]
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-@needs_two_gpus
-@pytest.mark.parametrize("strategy", ["fused", "layer_by_layer"])
-def test_nccl_job_with_streams_and_bf16(tmp_path, strategy):
-    args = ["+experiment=llama_fed", "distributed.nproc_per_node=2", "distributed.federated=1",
-            "train.dtype=bfloat16", f"strategy={strategy}", "strategy.streams=2", "train.steps=4", "optim.warmup_steps=2",
-            "federation.every=2", "logger=none", f"hydra.run.dir={tmp_path}"]
-    proc = subprocess.run([sys.executable, "-m", "xffl_like.run", *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
+@pytest.mark.cli
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device: the checks run instead")
+def test_gpu_bench_without_cuda_prints_one_line_and_exits_0():
+    env = {**os.environ, "PYTHONPATH": PYTHONPATH}
+    proc = subprocess.run([sys.executable, "-m", "xffl_like.bench.gpu"], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["max_param_divergence_after_last_round"] <= 1e-6
-    assert summary["rounds"] == 2
+    assert proc.stdout.count("\n") == 1 and proc.stdout.startswith("no CUDA device found"), proc.stdout
+    assert proc.stderr == "", proc.stderr
+
+
+def test_gpu_bench_refuses_an_unknown_check_in_one_line():
+    env = {**os.environ, "PYTHONPATH": PYTHONPATH}
+    proc = subprocess.run([sys.executable, "-m", "xffl_like.bench.gpu", "--only", "bf16,nope"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.startswith("error: --only nope: no such check; choose from bf16,") and proc.stderr.count("\n") == 1
+
+
+@needs_cuda
+@pytest.mark.multiprocess
+@pytest.mark.cli
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(CHECKS))
+def test_gpu_check(name, tmp_path):
+    result = run_check(name, tmp_path)
+    if result.status == "SKIP":
+        pytest.skip(result.line())
+    assert result.status == "PASS", result.line()

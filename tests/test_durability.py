@@ -324,3 +324,16 @@ def test_leftover_rank_env_and_site_with_bad_config_fail_at_once(tmp_path):
                           cwd=REPO, env={**os.environ, **env}, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "error: federation.every=0" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_async_staging_stays_on_host_and_restores_bitwise():
+    # On a GPU the fault was a second device copy per save (OOM on real models) and, for local rank != 0, a
+    # writer thread reading a copy still in flight on another device's stream; neither shows on CPU. What
+    # does is the move: the live tensors sit under a mesh of another device type (see the worker).
+    (report,) = launch_local(workers.staged_on_host, (), 1)
+    # Staged: CPU local tensors under the same mesh, new storage, equal values.
+    assert report["staged"] == [("cpu", "meta", "DTensor", False, True)] * 2
+    # The federation's CPU flat buffer: views of it, nothing copied, global shapes kept.
+    assert report["wrapped"] == [("cpu", 0, (4, 3)), ("cpu", 12 * 4, (5,))]
+    # Saved from the staged copy: the changes made after async_save returned are not in it.
+    assert report["restored"] == [True, True]

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from helpers import CORPUS, PYTHONPATH, REPO, TINY, run_cli, run_recorded
 from helpers.round_values import check_round_values
@@ -187,3 +188,31 @@ def test_bad_input_in_a_fresh_process(tmp_path):
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode != 0 and len(lines) == 1 and "federation.every=0" in lines[0], proc.stderr
     assert not (tmp_path / "summary.json").exists()
+
+
+_FAKE_GPU_NODE = """
+import sys, torch, torch.distributed as dist
+torch.cuda.is_available = lambda: True  # a GPU node, as far as the job can tell
+torch.cuda.device_count = lambda: 1
+def init_process_group(backend=None, **kwargs):
+    print(f"init_process_group backend={backend}", flush=True)
+    raise SystemExit(0)
+dist.init_process_group = init_process_group
+from xffl_like.job import run_under_launcher
+run_under_launcher(sys.argv[1:])
+"""
+
+
+@pytest.mark.parametrize("backend, made", [("gloo", "gloo"), ("nccl", "cpu:gloo,cuda:nccl")])
+def test_torchrun_default_group_gets_the_configured_backend(tmp_path, backend, made):
+    # Under torchrun/srun on a GPU node, distributed.backend=gloo once made the default group
+    # cpu:gloo,cuda:nccl (the config was read after it): its gloo subgroups then split NCCL communicators.
+    # (nccl: torch.cuda.set_device fails on a CPU build, so that case runs only where CUDA is real.)
+    if backend == "nccl" and not torch.cuda.is_available():
+        pytest.skip("nccl needs a real CUDA device (torch.cuda.set_device)")
+    env = {**os.environ, "PYTHONPATH": PYTHONPATH, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+           "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29599", "XFFL_RUN_DIR": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-c", _FAKE_GPU_NODE, "+experiment=llama_fed", "distributed.federated=null",
+                           f"distributed.backend={backend}"], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert f"init_process_group backend={made}\n" in proc.stdout, proc.stdout + proc.stderr

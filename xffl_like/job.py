@@ -332,6 +332,22 @@ def _one_line(exc: BaseException) -> str:
     return compose_error(exc) or (str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
 
 
+def configured_backend(overrides: list[str]) -> str:
+    """``distributed.backend`` of the job ``overrides`` compose to, read before the default group exists
+    (every rank composes; Hydra reads only files). ``auto`` where the config does not compose or names a
+    backend this process cannot start (``nccl`` without a GPU): rank 0 then refuses the job in one line
+    once the group exists, as for any bad config."""
+    import torch
+
+    try:
+        backend = str(OmegaConf.select(_compose(overrides), "distributed.backend", default="auto"))
+    except Exception:  # noqa: BLE001 - reported by rank 0's validation
+        return "auto"
+    if backend == "gloo" or (backend == "nccl" and torch.cuda.is_available()):
+        return backend
+    return "auto"
+
+
 def _validate_here(overrides: list[str], env) -> tuple[JobConfig, Path]:
     """Compose, validate and resolve ``resume``; the validated job and the run directory."""
     composed = _compose(overrides)
@@ -428,11 +444,12 @@ def run_under_launcher(overrides: list[str]) -> int:
         except Exception as exc:  # noqa: BLE001 - one line, before anyone waits on us
             print(f"error: {_one_line(exc)}", file=sys.stderr)
             return 2
-    # The config is not known yet: the device and groups follow ``auto``; build_state applies
-    # distributed.timeout_s to this group once rank 0 has shared the config.
+    # The default group gets exactly the configured backend: made ``cpu:gloo,cuda:nccl`` on a GPU node
+    # for a gloo job, its gloo-only subgroups would make NCCL splits on non-members (pytorch#145376).
+    # build_state applies distributed.timeout_s to this group once rank 0 has shared the config.
     try:
         with _waiting_notice(env):
-            init_default_group(env, "auto")
+            init_default_group(env, configured_backend(overrides))
     except (OSError, RuntimeError) as exc:
         if not _port_in_use(exc):
             raise

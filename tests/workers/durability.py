@@ -60,3 +60,52 @@ def nonfinite_round(weight_cases):
     out["shapes"] = [tuple(p.shape) for p in model.parameters()]
     dist.destroy_process_group()
     return out
+
+
+def staged_on_host():
+    """Staging for async saves and the federation's DTensors, on one rank. The parameters are CPU tensors
+    under a ``meta`` device mesh: as a GPU job's are GPU tensors under a ``cuda`` mesh, the mesh's device
+    type is not the tensors', so a ``DTensor.from_local`` that moves the local tensor to the mesh's
+    device shows on CPU. Returns what the test checks."""
+    import tempfile
+    from types import SimpleNamespace
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from xffl_like.checkpoint.staging import HostStager, dtensor_over, host_copy
+    from xffl_like.federation.round import Federation
+
+    dist.init_process_group("gloo")
+    mesh = DeviceMesh("meta", torch.arange(1), _init_backend=False)
+    like = [DTensor.from_local(torch.empty(s, device="meta"), mesh, [Shard(0)]) for s in [(4, 3), (5,)]]
+    live = {f"p{i}": dtensor_over(torch.randn(p.shape, generator=torch.Generator().manual_seed(i)), p)
+            for i, p in enumerate(like)}
+    out: dict = {}
+    staged = host_copy({"model": live, "step": torch.tensor(3)})
+    out["staged"] = [(str(t._local_tensor.device), t.device_mesh.device_type, type(t).__name__,
+                      t._local_tensor.untyped_storage().data_ptr() == live[k]._local_tensor.untyped_storage().data_ptr(),
+                      torch.equal(t._local_tensor, live[k]._local_tensor))
+                     for k, t in staged["model"].items()]
+
+    # The federation's flat buffer (federation.outer.offload=true: on CPU) wrapped without a copy.
+    fake = SimpleNamespace(names=list(live), params=like, locals=[t._local_tensor for t in live.values()])
+    fake._views = lambda flat: Federation._views(fake, flat)
+    flat = torch.arange(17, dtype=torch.float32)
+    wrapped = Federation._as_dtensors(fake, flat)
+    out["wrapped"] = [(str(t._local_tensor.device), t._local_tensor.data_ptr() - flat.data_ptr(), tuple(t.shape))
+                      for t in wrapped.values()]
+
+    # An async save staged by HostStager, the live tensors changed at once, then restored bitwise.
+    saved = {k: v._local_tensor.clone() for k, v in live.items()}
+    with tempfile.TemporaryDirectory() as where:
+        pending = dcp.async_save({"model": live}, storage_writer=dcp.FileSystemWriter(where), async_stager=HostStager())
+        for v in live.values():
+            v._local_tensor.add_(1.0)  # training goes on while the copy is written
+        pending.result()
+        target = {k: dtensor_over(torch.zeros_like(v._local_tensor), v) for k, v in live.items()}
+        dcp.load({"model": target}, storage_reader=dcp.FileSystemReader(where))
+    out["restored"] = [torch.equal(target[k]._local_tensor, saved[k]) for k in live]
+    dist.destroy_process_group()
+    return out

@@ -14,9 +14,9 @@ holds the mean) the loop calls :meth:`Checkpointer.after_round`; every
   functions of the step), the per-round records (with skipped facilities), the learning
   rates and the LR scheduler's state, the W&B run ids, the layout and the resolved config.
 
-With ``checkpoint.async=true`` the state is staged to host memory, ``async_save`` writes it
-in a background thread over a dedicated gloo group while training continues, and a new
-save first waits for the previous one: never two in flight. Rank 0 publishes a checkpoint
+With ``checkpoint.async=true`` the state is staged to host memory (:mod:`.staging`: no device
+copy is made), ``async_save`` writes it in a background thread over a dedicated gloo group while
+training continues, and a new save first waits for the previous one: never two in flight. Rank 0 publishes a checkpoint
 (rename, then ``latest``) only when DCP's save has finished on the coordinator, i.e. after
 every rank's part is written. Old checkpoints beyond ``checkpoint.keep`` are deleted.
 """
@@ -34,8 +34,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.staging import AsyncStager
-from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -45,6 +43,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from ..distributed.signals import cleanup_on_exit
 from ..schema import CheckpointConfig
+from .staging import HostStager, host_copy
 from .store import (
     SafeFileSystemReader,
     SafeLoadPlanner,
@@ -125,41 +124,6 @@ def _load_failure(exc: BaseException, path: Path) -> CheckpointError:
     return CheckpointError(f"cannot read checkpoint {path}: {what}; {hint}")
 
 
-def host_copy(obj: Any) -> Any:
-    """A host-memory copy of a state dict (DTensors stay DTensors over the same mesh).
-
-    DCP's default stager deep-copies DTensors, which fails for parameters whose local shard
-    is a view into the contiguous buffer of ``train.parallelize.contiguous_shards``.
-    """
-    if isinstance(obj, DTensor):
-        local = obj._local_tensor.detach().to("cpu", copy=True)
-        return DTensor.from_local(local, obj.device_mesh, obj.placements, run_check=False, shape=obj.shape,
-                                  stride=obj.stride())
-    if torch.is_tensor(obj):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: host_copy(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(host_copy(v) for v in obj)
-    return obj
-
-
-class _HostStager(AsyncStager):
-    """Stages with :func:`host_copy` before ``async_save`` returns: training may then change
-    the weights while the copy is written."""
-
-    _synchronize_after_execute = False
-
-    def stage(self, state_dict):
-        return host_copy(state_dict)
-
-    def synchronize_staging(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
 def checkpoint_dir(checkpoint: CheckpointConfig, run_dir: Path) -> Path:
     """``checkpoint.dir`` of the ``checkpoint`` section, or ``<run_dir>/checkpoints`` when it is null."""
     configured = checkpoint.dir
@@ -198,6 +162,7 @@ class Checkpointer:
         self.saved_step = -1
         self.blocked_seconds: list[float] = []  # per save: how long training waited
         self.write_seconds: list[float] = []  # rank 0, per save: start to published
+        self.device_peaks: list[tuple[int, int]] = []  # on a GPU, per save: peak bytes before it, during it
         self.restored_from: str | None = None
         self.wandb_ids: list[str] | None = None  # from the checkpoint a resumed job starts from
         if self.lead:
@@ -326,6 +291,7 @@ class Checkpointer:
         if meta is not None:
             meta["records"] = json.loads(json.dumps(records or {}))  # a snapshot: the lists keep growing
         writer = dcp.FileSystemWriter(str(tmp))
+        peak_before = self._reset_device_peak()
         if self.lead:
             cleanup_on_exit(tmp)  # a second Ctrl-C/SIGTERM exits at once: this half-written save goes first
         if self.use_async:
@@ -333,7 +299,7 @@ class Checkpointer:
                 self.published.clear()
             self.pending_dir = tmp
             self.pending = dcp.async_save(sd, storage_writer=writer, process_group=self.group,
-                                          async_stager=_HostStager())
+                                          async_stager=HostStager())
             if self.lead:
                 self.pending.add_done_callback(lambda fut: self._publish(fut, tmp, final, meta, started))
         else:
@@ -347,8 +313,20 @@ class Checkpointer:
                     error, self.error = self.error, None
                     raise CheckpointError(f"checkpoint could not be written: {describe_failure(error, tmp)}")
             dist.barrier(group=self.group)  # the checkpoint is published when every rank returns
+        if peak_before is not None:  # what the save added to the device's peak: nothing, when staged to CPU
+            self.device_peaks.append((peak_before, torch.cuda.max_memory_allocated(self.state.device)))
         self.saved_step = step
         self.blocked_seconds.append(time.perf_counter() - started)
+
+    def _reset_device_peak(self) -> int | None:
+        """On a GPU: the device's peak allocated bytes so far (training since the last save), then the peak is
+        reset so that what this save's staging allocates is measured alone."""
+        device = self.state.device
+        if device.type != "cuda":
+            return None
+        before = torch.cuda.max_memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        return before
 
     def _publish(self, fut: Future | None, tmp: Path, final: Path, meta: dict, started: float) -> None:
         try:
@@ -392,4 +370,5 @@ class Checkpointer:
             "saves": len(self.blocked_seconds),
             "blocked_seconds": self.blocked_seconds,
             "write_seconds": self.write_seconds,
+            "device_peak_bytes": [list(p) for p in self.device_peaks],
         }

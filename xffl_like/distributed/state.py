@@ -311,6 +311,14 @@ def build_state(
         groups["overlap_peers"] = first[s] if r == 0 else (None,)
         groups["overlap_replicas"] = replicas[(f, s)]
 
+    # One communicator per stream (the groups above, one per stream index), every one issued to from the
+    # training thread only, in the same order on every rank. On NCCL concurrent kernels of different
+    # communicators are not guaranteed to progress together: NCCL's kernels block until their peers' data
+    # arrives, and anything that synchronizes the device (a cudaMalloc inside a collective, more CTAs per
+    # operation) can then deadlock them ("Using multiple NCCL communicators concurrently" in NCCL's user
+    # guide: keep operations of different communicators ordered the same way on every rank). The default
+    # strategy.streams=1 stays until GPU measurements (python -m xffl_like.bench.gpu) show streams=2 gains
+    # and holds; see docs/running.md, "On GPUs".
     streams = tuple(torch.cuda.Stream(device=device) for _ in range(num_streams)) if device.type == "cuda" else ()
     return DistributedState(
         layout=layout,

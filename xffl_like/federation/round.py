@@ -282,13 +282,18 @@ class Federation:
             offset += t.numel()
 
     def _as_dtensors(self, flat: Tensor) -> dict:
+        """Per parameter, a DTensor like the parameter whose local tensor is the view of ``flat`` itself,
+        on ``flat``'s device: a CPU buffer (``federation.outer.offload=true``) is neither copied nor moved
+        to the GPU at a save (``DTensor.from_local`` would move it to the mesh's device), and DCP loads
+        into the view in place."""
         from torch.distributed.tensor import DTensor
+
+        from ..checkpoint.staging import dtensor_over
 
         out = {}
         for name, p, view in self._views(flat):
             if isinstance(p, DTensor):
-                out[name] = DTensor.from_local(view, p.device_mesh, p.placements, run_check=False,
-                                               shape=p.shape, stride=p.stride())
+                out[name] = dtensor_over(view, p)
             else:
                 out[name] = view
         return out

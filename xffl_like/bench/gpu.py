@@ -1,0 +1,246 @@
+"""``python -m xffl_like.bench.gpu``: does the job work on this machine's GPUs?
+
+Each check runs the job as a user does, ``python -m xffl_like.run`` with Hydra overrides in a
+subprocess, reads its ``summary.json`` and prints one line: ``PASS``, ``FAIL`` or ``SKIP``, the
+check's name and its figure. ``--only NAME[,NAME]`` runs some of them, ``--list`` names them.
+Without a CUDA device it prints one line saying so and exits 0; with one it exits 1 if a check
+failed. ``tests/test_cuda.py`` runs the same checks (:func:`run_check`).
+
+Jobs with more than one rank use nccl, one GPU per rank: the job runs gloo on the CPU (a gloo
+job's tensors stay on the CPU), so ranks cannot share one GPU; such a check is skipped, naming
+the GPUs it needs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+__all__ = ["CHECKS", "Result", "main", "run_check"]
+
+REPO = Path(__file__).resolve().parents[2]
+#: The main job, short: 8 steps, a round every 2.
+BASE = ["+experiment=llama_fed", "logger=none", "train.steps=8", "optim.warmup_steps=2", "federation.every=2",
+        "train.log_every=4", "train.seq_len=64", "train.batch_size=4"]
+ONE_GPU = ["distributed.nproc_per_node=1", "distributed.federated=null", "distributed.backend=nccl"]
+#: Dense bf16 tensor-core peak (FLOP/s) by the name torch reports, for MFU.
+PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "GH200": 989e12, "B200": 2250e12, "A100": 312e12, "L40S": 362e12,
+             "A10": 125e12, "L4": 121e12}
+
+
+@dataclass
+class Result:
+    name: str
+    status: str  # PASS | FAIL | SKIP
+    figure: str
+
+    def line(self) -> str:
+        return f"{self.status} {self.name}: {self.figure}"
+
+
+class JobError(RuntimeError):
+    """The job exited with an error; ``str()`` is its last error line."""
+
+
+def job(args: list[str], run_dir: Path, timeout: int = 900) -> dict:
+    """Run the CLI with ``args`` in ``run_dir``; its summary, or :class:`JobError` with its error line."""
+    env = {**os.environ, "WANDB_MODE": "offline"}
+    proc = subprocess.run([sys.executable, "-m", "xffl_like.run", *args, f"hydra.run.dir={run_dir}"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        lines = [x for x in proc.stderr.splitlines() if x.strip()]
+        errors = [x for x in lines if x.startswith("error:")]
+        raise JobError(f"exit {proc.returncode}: {(errors or lines or ['no output'])[-1][:300]}")
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def ranks(n: int, federated: int | None = 1, hsdp: int | None = None) -> list[str]:
+    return [f"distributed.nproc_per_node={n}", f"distributed.federated={'null' if federated is None else federated}",
+            f"distributed.hsdp={'null' if hsdp is None else hsdp}", "distributed.backend=nccl"]
+
+
+def _within(a: float, b: float, rel: float) -> bool:
+    return abs(a - b) <= rel * abs(b)
+
+
+# ---------------------------------------------------------------------- the checks
+def check_bf16(tmp: Path) -> Result:
+    gpu = job([*BASE, *ONE_GPU, "train.dtype=bfloat16"], tmp / "gpu")["final_loss"]
+    cpu = job([*BASE, "distributed.nproc_per_node=1", "distributed.federated=null", "distributed.backend=gloo"],
+              tmp / "cpu")["final_loss"]
+    return Result("bf16", "PASS" if _within(gpu, cpu, 0.02) else "FAIL",
+                  f"final loss {gpu:.4f} (bf16, GPU) vs {cpu:.4f} (fp32, CPU): {100 * (gpu - cpu) / cpu:+.2f}% (limit 2%)")
+
+
+def _multi(name: str, need: int, extra: list[str], check: Callable[[dict], tuple[bool, str]] | None = None):
+    """A check of a job over ``need`` GPUs (one per rank, nccl) with ``extra`` overrides."""
+
+    def run(tmp: Path) -> Result:
+        if gpus() < need:
+            return Result(name, "SKIP", f"needs {need} CUDA devices (nccl, one GPU per rank), {gpus()} here")
+        s = job([*BASE, *extra], tmp / name)
+        ok, figure = check(s) if check else (True, "")
+        divergence = s.get("max_param_divergence_after_last_round")
+        if divergence is not None and s.get("rounds"):
+            ok = ok and divergence <= 1e-6
+            figure = f"{figure}{', ' if figure else ''}copies agree to {divergence:.1e} after the last round"
+        return Result(name, "PASS" if ok else "FAIL", f"final loss {s['final_loss']:.4f}, {s['rounds']} rounds, "
+                      f"{s['tokens_per_second']:.0f} tokens/s{', ' + figure if figure else ''}")
+
+    run.__name__ = f"check_{name}"
+    return run
+
+
+def check_checkpoint(tmp: Path) -> Result:
+    if gpus() < 2:
+        return Result("checkpoint", "SKIP", f"needs 2 CUDA devices (two facilities with rounds, nccl), {gpus()} here")
+    args = [*BASE, *ranks(2), "checkpoint.async=true", "seed=1"]
+    ref = job(args, tmp / "ref")
+    killed = job([*args, "fault.kill_rank=1", "fault.at_step=7", "distributed.max_restarts=1"], tmp / "killed")
+    peaks = ref["checkpoints"]["device_peak_bytes"]
+    ratio = max(during / before for before, during in peaks) if peaks else float("nan")
+    a, b = final_tensors(tmp / "killed"), final_tensors(tmp / "ref")
+    differ = [k for k in b if not k.startswith("rank") and (k not in a or not _equal(a[k], b[k]))]
+    same = not differ and killed["facility_losses"] == ref["facility_losses"]
+    restarted = killed["checkpoints"]["restarts"] == 1 and killed["checkpoints"]["resumed_from"] is not None
+    ok = same and restarted and ratio < 1.1
+    return Result("checkpoint", "PASS" if ok else "FAIL",
+                  f"peak during a save / before it {ratio:.3f} (limit 1.1) over {len(peaks)} saves; resumed after a "
+                  f"kill: {'bitwise equal' if same else f'{len(differ)} tensors differ (first {differ[:1]})'}"
+                  f"{'' if restarted else ', not restarted from a checkpoint'}")
+
+
+def _equal(a, b) -> bool:
+    import torch
+
+    return torch.equal(a, b) if torch.is_tensor(a) else a == b
+
+
+def final_tensors(run_dir: Path) -> dict:
+    """Every tensor of the run's newest checkpoint, read on this process, by dotted key."""
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    from ..checkpoint.store import SafeFileSystemReader, latest_checkpoint
+
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        nested = _load_state_dict_from_keys(storage_reader=SafeFileSystemReader(str(latest_checkpoint(run_dir / "checkpoints"))))
+
+    def flat(node, prefix=""):
+        for key, value in node.items():
+            yield from flat(value, f"{prefix}{key}.") if isinstance(value, dict) else [(f"{prefix}{key}", value)]
+
+    return dict(flat(nested))
+
+
+def check_meta_hf(tmp: Path) -> Result:
+    run = tmp / "meta_hf"
+    s = job([*BASE, *ONE_GPU, "model.init=meta", "export.hf=true"], run)
+    files = sorted(p.name for p in (run / "hf").glob("*")) if (run / "hf").is_dir() else []
+    ok = "config.json" in files and any(f.endswith(".safetensors") for f in files)
+    return Result("meta_hf", "PASS" if ok else "FAIL", f"final loss {s['final_loss']:.4f}; hf/: {', '.join(files) or 'missing'}")
+
+
+def parameters(model: str) -> int:
+    """The parameter count of ``conf/model/<model>.yaml`` (Llama: embeddings, blocks, final norm, head)."""
+    from omegaconf import OmegaConf
+
+    m = OmegaConf.load(REPO / "conf" / "model" / f"{model}.yaml")
+    kv = m.dim * m.n_kv_heads // m.n_heads
+    block = 2 * m.dim * m.dim + 2 * m.dim * kv + 3 * m.dim * m.ffn_dim + 2 * m.dim
+    return m.vocab_size * m.dim * (1 if m.tie_embeddings else 2) + m.n_layers * block + m.dim
+
+
+def peak_flops() -> float | None:
+    import torch
+
+    name = torch.cuda.get_device_name(0)
+    return next((v for k, v in sorted(PEAK_BF16.items(), key=lambda kv: -len(kv[0])) if k in name), None)
+
+
+def _throughput(model: str, seq: int, batch: int):
+    def run(tmp: Path) -> Result:
+        name = f"throughput_{model}"
+        s = job(["+experiment=llama_fed", "logger=none", *ONE_GPU, f"model={model}", "train.dtype=bfloat16",
+                 "train.activation_checkpointing=full", "train.steps=20", "optim.warmup_steps=2", "train.log_every=10",
+                 f"train.seq_len={seq}", f"train.batch_size={batch}", "checkpoint.async=false"], tmp / name)
+        tps, peak = s["tokens_per_second"], peak_flops()
+        # 6 N FLOPs per token (forward and backward); recomputing the blocks adds 2 N that MFU does not count.
+        mfu = f"MFU {6 * parameters(model) * tps / peak:.1%}" if peak else "MFU n/a (unknown GPU peak)"
+        return Result(name, "PASS", f"{tps:,.0f} tokens/s, {mfu} (6N FLOPs/token, bf16, activation checkpointing)")
+
+    run.__name__ = f"check_throughput_{model}"
+    return run
+
+
+CHECKS: dict[str, Callable[[Path], Result]] = {
+    "bf16": check_bf16,
+    "facilities": _multi("facilities", 2, [*ranks(2), "federation.weights=[0.7,0.3]"]),
+    "hsdp": _multi("hsdp", 4, ranks(4, federated=2, hsdp=1)),
+    "streams2": _multi("streams2", 2, [*ranks(2), "strategy=layer_by_layer", "strategy.streams=2"]),
+    "uint8": _multi("uint8", 2, [*ranks(2), "federation.compression=uint8"]),
+    "streaming": _multi("streaming", 2, [*ranks(2), "train.steps=8", "federation.every=4", "federation.fragments=2",
+                                         "federation.overlap_steps=1"]),
+    "decentralized": _multi("decentralized", 2, [*ranks(2, federated=None), "parallel=decentralized"]),
+    "bagua": _multi("bagua", 2, [*ranks(2, federated=None), "parallel=bagua"]),
+    "checkpoint": check_checkpoint,
+    "meta_hf": check_meta_hf,
+    "throughput_llama_bench": _throughput("llama_bench", 256, 8),
+    "throughput_llama3_2_1b": _throughput("llama3_2_1b", 1024, 4),
+}
+
+
+def run_check(name: str, tmp: Path | None = None) -> Result:
+    """Run check ``name`` (a key of :data:`CHECKS`); a job that fails is a ``FAIL`` naming its error line."""
+    with tempfile.TemporaryDirectory(prefix=f"xffl-gpu-{name}-") as scratch:
+        where = Path(tmp or scratch)
+        try:
+            return CHECKS[name](where)
+        except (JobError, subprocess.TimeoutExpired, FileNotFoundError, KeyError) as exc:
+            return Result(name, "FAIL", f"{type(exc).__name__}: {exc}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m xffl_like.bench.gpu", description=__doc__.splitlines()[0])
+    parser.add_argument("--only", default=None, help="comma-separated check names (see --list)")
+    parser.add_argument("--list", action="store_true", help="print the checks' names and exit")
+    args = parser.parse_args(argv)
+    if args.list:
+        print("\n".join(CHECKS))
+        return 0
+    names = list(CHECKS) if args.only is None else [x.strip() for x in args.only.split(",") if x.strip()]
+    unknown = [x for x in names if x not in CHECKS]
+    if unknown:
+        print(f"error: --only {','.join(unknown)}: no such check; choose from {', '.join(CHECKS)}", file=sys.stderr)
+        return 2
+    if gpus() == 0:
+        print("no CUDA device found: the GPU checks need one (torch.cuda.is_available() is False); nothing to run")
+        return 0
+    failed = 0
+    for name in names:
+        result = run_check(name)
+        print(result.line(), flush=True)
+        failed += result.status == "FAIL"
+    return 1 if failed else 0
+
+
+def cli() -> None:
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    cli()

@@ -127,41 +127,6 @@ def _check_same_end(dump: Path, names) -> None:
 
 
 @pytest.mark.slow
-def test_late_joiner_heals_bitwise_and_unequal_facilities_average_by_tokens(lighthouse, tmp_path):
-    # a: 2 processes, FSDP; b: 1 process, starts once a has trained two rounds. Weights: tokens.
-    # a waits before its round 2 until b asks to join: b is late for rounds 0 and 1, surely in round 2.
-    extra = ["federation.weights=tokens"]
-    asking = tmp_path / "b-asking"
-    a = Facility("a", lighthouse, tmp_path, nproc=2, extra=extra, env={"XFFL_TEST_ELASTIC_HOLD": f"2:{asking}"})
-    try:
-        _wait_for(lambda: len(list((tmp_path / "dump" / "a").glob("round-*.pt"))) >= 1, what="a's start")
-        b = Facility("b", lighthouse, tmp_path, nproc=1, extra=extra, env={"XFFL_TEST_ELASTIC_ASKING": str(asking)})
-        (rc_a, out_a), (rc_b, out_b) = a.wait(), b.wait()
-    finally:
-        a.kill()
-    assert rc_a == 0 and rc_b == 0, out_a + out_b
-    ra, rb = _rounds(tmp_path / "dump", "a"), _rounds(tmp_path / "dump", "b")
-    # b's first round is the join: it heals (weight 0) and ends with a's θ bit for bit.
-    join = rb[0]
-    assert join["healed"] == ["b"] and join["weights"][join["facilities"].index("b")] == 0.0
-    mate = next(r for r in ra if r["round"] == join["round"])
-    assert mate["facilities"] == ["a", "b"] and torch.equal(join["after"], mate["after"])
-    assert join["step"] > 0 and join["step"] % EVERY == 0  # b adopted the federation's step
-    # Every later round: the tokens-weighted mean of the two, computed here.
-    later = [(x, y) for x in ra for y in rb[1:] if x["round"] == y["round"]]
-    assert later, "no round with both facilities after the join"
-    tokens = {"a": EVERY * BATCH * SEQ * 2, "b": EVERY * BATCH * SEQ * 1}
-    for x, y in later:
-        assert x["weights"] == [tokens["a"], tokens["b"]], x["weights"]
-        want = _expected_mean({"a": x, "b": y}, tokens)
-        torch.testing.assert_close(x["after"], want, rtol=0, atol=2e-6)
-        assert torch.equal(x["after"], y["after"])
-    _check_same_end(tmp_path / "dump", ["a", "b"])
-    joined = [r["step"] for r in b.summary()["federation"]["elastic"]["rounds"]]
-    assert joined[0] == join["step"] > 0 and joined[-1] == STEPS
-
-
-@pytest.mark.slow
 def test_a_facility_killed_mid_exchange_is_dropped_then_restarts_and_heals(lighthouse, tmp_path):
     # a: 2 processes FSDP; b: 1 process; c: 2 processes HSDP (2 replicas of 1 shard). b stops between
     # the exchange and the commit of round 2 and is SIGKILLed there, with its whole process group.
@@ -212,28 +177,31 @@ def test_a_facility_killed_mid_exchange_is_dropped_then_restarts_and_heals(light
     _check_same_end(dump, ["a", "b", "c"])
 
 
-def _simulate_diloco_bf16(ra: list[dict], rb: list[dict]) -> None:
+def _simulate_diloco_bf16(ra: list[dict], rb: list[dict], tokens: dict[str, float]) -> None:
     """Every committed round of a, recomputed here: each member's update θ_prev - θ_f plus its residual,
-    rounded to bf16 (the residual keeps the rest), the uniform mean of what was sent, then Nesterov
-    (lr 0.7, momentum 0.9) on θ_global; b's rounds only while it was there. Each round starts from the θ
-    the previous one committed; the residuals and the momentum are carried here from the first round."""
+    rounded to bf16 (the residual keeps the rest), the tokens-weighted mean of what was sent (a member
+    that heals weighs 0 and keeps its residual), then Nesterov (lr 0.7, momentum 0.9) on θ_global. Each
+    round starts from the θ the previous one committed; the residuals and momentum are carried from the start."""
     theta = buf = None
     residual = {"a": None, "b": None}
-    by_round = {"b": {r["round"]: r for r in rb}}
+    b_by_round = {r["round"]: r for r in rb}
     for r in ra:
-        if not r["applied"]:  # the start: θ is a's (b healed from it)
+        if not r["applied"]:  # a's start, alone: θ is its own
             theta = r["after"].clone()
             continue
-        sent = []
+        sent, weights = [], []
         for name in r["facilities"]:
-            before = r["before"] if name == "a" else by_round["b"][r["round"]]["before"]
+            if name in r["healed"]:
+                continue
+            before = r["before"] if name == "a" else b_by_round[r["round"]]["before"]
             e = theta - before
             if residual[name] is not None:
                 e = e + residual[name]
             s = e.to(torch.bfloat16).float()
             residual[name] = e - s
             sent.append(s)
-        delta = sum(x * (1.0 / len(sent)) for x in sent)
+            weights.append(tokens[name])
+        delta = sum(x * (w / sum(weights)) for x, w in zip(sent, weights))
         buf = delta.clone() if buf is None else buf * 0.9 + delta
         theta = theta - (delta + buf * 0.9) * 0.7
         torch.testing.assert_close(r["after"], theta, rtol=0, atol=1e-5, msg=f"round {r['round']}")
@@ -241,66 +209,92 @@ def _simulate_diloco_bf16(ra: list[dict], rb: list[dict]) -> None:
 
 
 @pytest.mark.slow
-def test_sigusr1_leaves_without_a_survivor_timeout(lighthouse, tmp_path):
-    # DiLoCo's outer Nesterov with bf16 compression and error feedback, elastically: checked round by round.
-    extra = ["federation.elastic.min_facilities=2", "federation.compression=bf16", "federation.error_feedback=true",
+def test_late_joiner_heals_bitwise_then_leaves_on_sigusr1_without_a_survivor_timeout(lighthouse, tmp_path):
+    """a (2 processes, FSDP) starts alone; b (1 process) joins late, heals bit for bit and adopts the
+    federation's step; both train DiLoCo (Nesterov) with bf16 compression and error feedback, weighted by
+    tokens; then b gets SIGUSR1: it saves, leaves, exits 0, and a goes on alone without waiting for a timeout."""
+    extra = ["federation.weights=tokens", "federation.compression=bf16", "federation.error_feedback=true",
              "federation.outer.name=nesterov", "federation.outer.lr=0.7", "federation.outer.momentum=0.9"]
-    a = Facility("a", lighthouse, tmp_path, nproc=1, extra=extra)
-    b = Facility("b", lighthouse, tmp_path, nproc=1, extra=extra)
+    asking = tmp_path / "b-asking"
+    # a asks for its third round (step 12) only once b asks to join: b is late for steps 4 and 8, in at 12.
+    a = Facility("a", lighthouse, tmp_path, nproc=2, extra=extra, env={"XFFL_TEST_ELASTIC_HOLD": f"2:{asking}"})
+    b = None
     try:
+        _wait_for(lambda: len(list((tmp_path / "dump" / "a").glob("round-*.pt"))) >= 1, what="a's start")
+        b = Facility("b", lighthouse, tmp_path, nproc=1, extra=extra, env={"XFFL_TEST_ELASTIC_ASKING": str(asking)})
         _wait_for(lambda: len(list((tmp_path / "dump" / "b").glob("round-*.pt"))) >= 2, what="b's first round")
         left_at = time.time()
         os.kill(b.proc.pid, signal.SIGUSR1)
         rc_b, out_b = b.wait(timeout=60)
         rc_a, out_a = a.wait()
     finally:
-        a.kill()
-        b.kill()
+        for f in (a, b):
+            if f is not None:
+                f.kill()
     assert rc_b == 0, out_b
     lines = [line for line in out_b.splitlines() if "left the federation" in line]
     assert len(lines) == 1 and "rejoin with:" in lines[0] and "resume=" in lines[0], out_b
     assert rc_a == 0, out_a
-    ra = _rounds(tmp_path / "dump", "a")
-    alone = [r for r in ra if r["facilities"] == ["a"] and r["step"] > 0]
-    assert alone, [r["facilities"] for r in ra]
-    # a's first round alone ended well before timeout_s (20 s) after b left: nobody waited for it to time out.
+    ra, rb = _rounds(tmp_path / "dump", "a"), _rounds(tmp_path / "dump", "b")
+    # b's first round is the join: it heals (weight 0), adopts the step and ends with a's θ bit for bit.
+    join = rb[0]
+    assert join["facilities"] == ["a", "b"] and join["healed"] == ["b"], join
+    assert join["weights"] == [EVERY * BATCH * SEQ * 2, 0.0], join["weights"]
+    mate = next(r for r in ra if r["round"] == join["round"])
+    assert join["step"] == 3 * EVERY == mate["step"] and torch.equal(join["after"], mate["after"])
+    assert rb[1:] and all(r["facilities"] == ["a", "b"] and not r["healed"] for r in rb[1:])
+    for r in rb[1:]:
+        assert torch.equal(r["after"], next(x for x in ra if x["round"] == r["round"])["after"])
+    # Every round of a, alone, with the joiner and with b, recomputed: tokens of 2 and of 1 processes.
+    _simulate_diloco_bf16(ra, rb, {"a": EVERY * BATCH * SEQ * 2, "b": EVERY * BATCH * SEQ * 1})
+    # a's first round alone after b left ended well before timeout_s (20 s): nobody waited for a timeout.
     records = a.summary()["federation"]["elastic"]["rounds"]
-    seconds = [r["seconds"] for r in records if r["facilities"] == ["a"] and r["step"] > 0]
-    assert seconds and seconds[0] < 10, seconds
+    assert [r["step"] for r in records] == list(range(0, STEPS + 1, EVERY))
+    after = [r["seconds"] for r in records if r["facilities"] == ["a"] and r["step"] > rb[-1]["step"]]
+    assert after and after[0] < 10, after
     assert time.time() - left_at < 200
-    _simulate_diloco_bf16(ra, _rounds(tmp_path / "dump", "b"))
-
-
-def _refused(address, tmp_path, name, extra=(), timeout=60) -> tuple[int, str, float]:
-    start = time.time()
-    f = Facility(name, address, tmp_path, nproc=1, extra=extra)
-    rc, out = f.wait(timeout=timeout)
-    return rc, out, time.time() - start
 
 
 def test_guards_each_one_line(lighthouse, tmp_path):
-    # The first facility sets the federation's description; it stays in the federation for the checks.
-    a = Facility("a", lighthouse, tmp_path, nproc=1, extra=["federation.elastic.min_facilities=2"])
+    """Before workers start: a model, algorithm or outer optimizer the federation does not have, a name in
+    use, no lighthouse: each refused with one line naming it (in-process admission; the CLI's line below)."""
+    from hydra import compose, initialize_config_dir
+
+    from xffl_like.federation.elastic import ElasticError
+    from xffl_like.federation.elastic.coordinator import admit
+    from xffl_like.job import CONF_DIR, choices, resolve, typed_config
+
+    def job(*extra):
+        base = ["+experiment=llama_fed", "distributed.federated=null", f"federation.elastic.lighthouse={lighthouse}",
+                "federation.elastic.timeout_s=5"]
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+            cfg = compose(config_name="config", overrides=[*base, *extra])
+        return typed_config(resolve(cfg), choices(cfg))
+
+    first = admit(job("federation.elastic.facility=a"))  # sets the federation's description; a stays alive
     try:
-        _wait_for(lambda: (tmp_path / "run-a" / "config.yaml").exists() or a.proc.poll() is not None, what="a")
-        time.sleep(2)
         cases = [
-            ("b", ["model.dim=48"], "parameter 0: tok_embeddings.weight"),  # a different model
-            ("b", ["federation.outer.name=nesterov", "federation.outer.momentum=0.9"], "federation.outer"),
-            ("a", [], "a facility named a is already in the federation"),
+            (["model.dim=48"], "parameter 0: tok_embeddings.weight"),
+            (["federation.outer.name=nesterov", "federation.outer.momentum=0.9"], "federation.outer"),
+            (["federation.every=5"], "federation.every: 5 here, 10 in the federation"),
+            (["federation.elastic.facility=a"], "a facility named a is already in the federation"),
         ]
-        for name, extra, words in cases:
-            rc, out, _ = _refused(lighthouse, tmp_path, name, extra)
-            errors = [line for line in out.splitlines() if line.startswith("error:")]
-            assert rc != 0 and len(errors) == 1 and words in errors[0], out
-            assert "Traceback" not in out, out
+        for extra, words in cases:
+            named = any(e.startswith("federation.elastic.facility") for e in extra)
+            with pytest.raises(ElasticError) as info:
+                admit(job(*extra, *([] if named else ["federation.elastic.facility=b"])))
+            assert words in str(info.value) and "\n" not in str(info.value), str(info.value)
     finally:
-        a.kill()
-    # Nobody listening: one line within timeout_s.
-    rc, out, seconds = _refused(f"127.0.0.1:{_free_pair()}", tmp_path, "z", ["federation.elastic.timeout_s=3"])
+        first.stop()
+    # The same settings are admitted; a name whose holder stopped beating is free again.
+    admit(job("federation.elastic.facility=a")).stop()
+    # Nobody listening: the CLI says so in one line within timeout_s, before any worker starts.
+    start = time.time()
+    f = Facility("z", f"127.0.0.1:{_free_pair()}", tmp_path, extra=["federation.elastic.timeout_s=3"])
+    rc, out = f.wait(timeout=120)
     errors = [line for line in out.splitlines() if line.startswith("error:")]
     assert rc != 0 and len(errors) == 1 and "no lighthouse answered" in errors[0] and "Traceback" not in out, out
-    assert seconds < 60
+    assert time.time() - start < 60 and not list((tmp_path / "run-z").glob("**/summary.json"))
 
 
 @pytest.mark.parametrize("extra, words", [

@@ -131,10 +131,9 @@ class Coordinator:
         while True:
             try:
                 return self.client.quorum(replica_id=self.name, timeout=self.timeout, step=round_index, data=data)
-            except Exception as exc:  # noqa: BLE001 - a timeout (no quorum yet) or a lost connection
-                text = str(exc).lower()
-                if "deadline" in text or "timed out" in text or "timeout" in text:
-                    failing_since = None  # it answers: the quorum waits for a facility that is alive
+            except Exception as exc:  # noqa: BLE001 - no quorum yet (TimeoutError), or no answer at all
+                if isinstance(exc, TimeoutError) and self._answers():
+                    failing_since = None  # a live facility is on its way to the boundary
                     continue
                 now = time.monotonic()
                 failing_since = failing_since or now
@@ -143,6 +142,14 @@ class Coordinator:
                                        f"({str(exc).splitlines()[0][:120]}); restart it and this facility "
                                        f"rejoins when started again") from None
                 time.sleep(HEARTBEAT_S)
+
+    def _answers(self) -> bool:
+        """Whether the lighthouse's host still answers (its store), after a quorum request timed out."""
+        try:
+            self.store.get("federation/spec")
+            return True
+        except Exception:  # noqa: BLE001 - unreachable: the caller counts it as not answering
+            return False
 
     def group(self, quorum, rank: int) -> dist.ProcessGroupGloo:
         """The quorum's process group among the facilities' leaders (``rank`` in name order)."""

@@ -93,6 +93,9 @@ def job_summary(experiment: str, state: DistributedState, *, losses: torch.Tenso
     (none without federated rounds), ``extra`` keys of one loop only (e.g. ``parallel``)."""
     rounds = rounds or []
     per_step = losses.mean(dim=0)
+    # The first step this job (or the run it resumed) trained: an elastic facility that joined late has no
+    # losses before the federation's step it joined at.
+    first = int(per_step.ne(0).nonzero()[0]) if steps and per_step.ne(0).any() else 0
     return {
         "experiment": experiment,
         "world_size": state.world_size,
@@ -106,7 +109,7 @@ def job_summary(experiment: str, state: DistributedState, *, losses: torch.Tenso
         **(extra or {}),
         "steps": steps,
         "rounds": len(rounds),
-        "first_loss": float(per_step[0]) if steps else None,
+        "first_loss": float(per_step[first]) if steps else None,
         "final_loss": float(per_step[-1]) if steps else None,
         "eval_loss": eval_loss,
         "eval_history": evals,

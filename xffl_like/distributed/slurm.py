@@ -1,5 +1,10 @@
 """Slurm sbatch scripts for a job that spans facilities: one allocation per facility.
 
+With ``--lighthouse HOST:PORT`` the facilities are independent jobs of an elastic federation
+(``federation.elastic``): each script has its own rendezvous, one process per GPU under ``srun``,
+``--signal=USR1@120`` to leave before walltime, and nothing that waits for or kills another facility.
+Without it, as follows.
+
 Each facility's allocation runs one ``torchrun`` per node (through ``srun``); every
 torchrun of every facility joins one static rendezvous at a shared endpoint (facility
 0's first node), so node ranks, and therefore global ranks, are contiguous per
@@ -68,6 +73,32 @@ exec torchrun --nnodes={total_nodes} --nproc-per-node={gpus} \\
 """
 
 
+_ELASTIC = """\
+#!/bin/bash
+# Facility {name} of an elastic federation: an independent job of {nodes} node(s) x {gpus} GPU(s), one
+# process per GPU under srun, meeting the others at the lighthouse {lighthouse}. Start the lighthouse
+# first, on a login or service node every facility reaches:
+#   nohup python -m xffl_like.lighthouse --port {port} > lighthouse.log 2>&1 &
+# Submit this script whenever (facilities join at the next round boundary); resubmit it after its
+# walltime with the same run directory (XFFL_RUN_DIR) and resume=$XFFL_RUN_DIR to rejoin from its checkpoint.
+# Rendered by: {command}
+#SBATCH --job-name={name}
+#SBATCH --nodes={nodes}
+#SBATCH --ntasks-per-node={gpus}
+#SBATCH --gpus-per-node={gpus}
+#SBATCH --signal=USR1@120
+{extra}#SBATCH --output={name}-%j.out
+set -euo pipefail
+{setup}export XFFL_RUN_DIR="${{XFFL_RUN_DIR:-$PWD/outputs/{name}/${{SLURM_JOB_ID}}}}"
+export WANDB_MODE="${{WANDB_MODE:-offline}}"
+# This facility's own rendezvous (its first node); nothing here waits for, or kills, another facility.
+export MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)"
+export MASTER_PORT="${{MASTER_PORT:-{rdzv_port}}}"
+# USR1 two minutes before walltime reaches every process: it saves, leaves the federation and exits 0.
+srun --kill-on-bad-exit=1 python -m xffl_like.run {overrides}
+"""
+
+
 @dataclass(frozen=True)
 class SlurmOptions:
     """What the scripts need beyond the node counts."""
@@ -80,6 +111,7 @@ class SlurmOptions:
     rdzv_endpoint: str | None = None  # HOST:PORT; default: facility 0's first node, port 29500
     setup: str | None = None  # a shell line run before srun (modules, virtual environment)
     overrides: tuple[str, ...] = ()
+    lighthouse: str | None = None  # HOST:PORT: independent facilities of an elastic federation
 
 
 @dataclass(frozen=True)
@@ -108,7 +140,7 @@ def command_line(nodes: Sequence[int], opts: SlurmOptions) -> str:
     parts = ["python -m xffl_like.distributed.slurm", f"--nodes {','.join(map(str, nodes))}", f"--gpus-per-node {opts.gpus_per_node}"]
     if opts.job_name != "xffl":
         parts.append(f"--job-name {shlex.quote(opts.job_name)}")
-    for flag in ("partition", "account", "time", "rdzv_endpoint", "setup"):
+    for flag in ("partition", "account", "time", "rdzv_endpoint", "setup", "lighthouse"):
         if getattr(opts, flag):
             parts.append(f"--{flag.replace('_', '-')} {shlex.quote(getattr(opts, flag))}")
     if opts.overrides:
@@ -122,6 +154,8 @@ def render(nodes: Sequence[int], opts: SlurmOptions) -> list[FacilityScript]:
         raise ValueError(f"--nodes {','.join(map(str, nodes))}: every facility needs at least one node")
     if opts.gpus_per_node <= 0:
         raise ValueError(f"--gpus-per-node {opts.gpus_per_node}: must be positive")
+    if opts.lighthouse:
+        return _render_elastic(nodes, opts)
     overrides = " ".join(shlex.quote(o) for o in _overrides(nodes, opts))
     extra = "".join(f"#SBATCH --{key}={value}\n" for key, value in
                     (("partition", opts.partition), ("account", opts.account), ("time", opts.time)) if value)
@@ -148,10 +182,34 @@ def render(nodes: Sequence[int], opts: SlurmOptions) -> list[FacilityScript]:
     return scripts
 
 
+def _render_elastic(nodes: Sequence[int], opts: SlurmOptions) -> list[FacilityScript]:
+    """``--lighthouse``: one independent script per facility (``federation.elastic``), named ``<job>-f<f>``."""
+    from ..federation.elastic.options import address
+
+    _, port = address(opts.lighthouse)
+    if any(o.lstrip("+~").startswith(("distributed.federated=", "federation.elastic.facility=",
+                                      "federation.elastic.lighthouse=")) for o in opts.overrides):
+        raise ValueError("with --lighthouse each script sets distributed.federated=null, federation.elastic.facility "
+                         "and federation.elastic.lighthouse itself: leave them out of the overrides")
+    extra = "".join(f"#SBATCH --{key}={value}\n" for key, value in
+                    (("partition", opts.partition), ("account", opts.account), ("time", opts.time)) if value)
+    scripts = []
+    for f, n in enumerate(nodes):
+        name = f"{opts.job_name}-f{f}"
+        mine = ["distributed.federated=null", f"federation.elastic.lighthouse={opts.lighthouse}",
+                f"federation.elastic.facility={name}", *opts.overrides]
+        text = _ELASTIC.format(name=name, nodes=n, gpus=opts.gpus_per_node, lighthouse=opts.lighthouse, port=port,
+                               command=command_line(nodes, opts), extra=extra, rdzv_port=DEFAULT_PORT,
+                               setup=f"{opts.setup}\n" if opts.setup else "",
+                               overrides=" ".join(shlex.quote(o) for o in mine))
+        scripts.append(FacilityScript(f, f"{name}.sbatch", text))
+    return scripts
+
+
 def submit_commands(scripts: Sequence[FacilityScript], opts: SlurmOptions, out_dir: str = ".") -> list[str]:
     """The shell commands that submit the scripts, facility 0 first."""
     path = [shlex.quote(str(Path(out_dir) / s.filename)) for s in scripts]
-    if len(scripts) == 1 or opts.rdzv_endpoint:
+    if len(scripts) == 1 or opts.rdzv_endpoint or opts.lighthouse:  # elastic: in any order, at any time
         return [f"sbatch {p}" for p in path]
     first = (f"sbatch {path[0]}   # then read the endpoint from its log: "
              f"grep 'xffl: facility 0 hosts' {opts.job_name}-f0-<jobid>.out")
@@ -169,6 +227,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--time", help="wall-time limit, e.g. 01:00:00")
     p.add_argument("--rdzv-endpoint", help=f"HOST:PORT all facilities can reach (default: facility 0's first node, port {DEFAULT_PORT})")
     p.add_argument("--setup", help="shell line run before srun, e.g. 'source .venv/bin/activate'")
+    p.add_argument("--lighthouse", help="HOST:PORT of `python -m xffl_like.lighthouse`: one independent job per "
+                                        "facility (federation.elastic), no shared rendezvous")
     p.add_argument("--out-dir", default=".", help="where the scripts are written (not with --dry-run)")
     p.add_argument("--dry-run", action="store_true", help="print the scripts and the sbatch commands; write and submit nothing")
     p.add_argument("--no-submit", action="store_true", help="write the scripts to --out-dir; submit nothing")
@@ -185,7 +245,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: --nodes {args.nodes}: use comma-separated node counts, e.g. 2,1", file=sys.stderr)
         return 2
     opts = SlurmOptions(args.gpus_per_node, args.job_name, args.partition, args.account, args.time,
-                        args.rdzv_endpoint, args.setup, tuple(args.overrides))
+                        args.rdzv_endpoint, args.setup, tuple(args.overrides), args.lighthouse)
     try:
         scripts = render(nodes, opts)
     except ValueError as exc:
@@ -205,7 +265,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.no_submit:
         print("submit (facility 0 first):\n" + "\n".join(commands))
         return 0
-    if len(scripts) > 1 and not opts.rdzv_endpoint:
+    if len(scripts) > 1 and not (opts.rdzv_endpoint or opts.lighthouse):
         print("several facilities and no --rdzv-endpoint: submit facility 0, then the others with its endpoint:\n"
               + "\n".join(commands))
         return 0

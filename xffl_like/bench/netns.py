@@ -217,6 +217,14 @@ class Network:
                     raise
                 time.sleep(0.02)
 
+    def add_service_address(self, host: int = 254) -> Facility:
+        """An address on the bridge itself (``<SUBNET>.<host>``, in the switch namespace): a service
+        node every facility reaches over its own shaped link, e.g. an elastic federation's lighthouse."""
+        address = f"{SUBNET}.{host}"
+        _run("ip", "-n", self.switch, "addr", "add", f"{address}/24", "dev", "br0")
+        _run("ip", "-n", self.switch, "link", "set", "lo", "up")
+        return Facility(self.switch, "br0", address)
+
     def _add_namespace(self, name: str) -> None:
         _run("ip", "netns", "add", name)
         self._made.append(name)

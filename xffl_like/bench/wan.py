@@ -16,6 +16,10 @@ first evaluation whose loss reaches the reference's final eval loss. The bytes t
 crossed are read from the link interfaces' counters (sampled every 50 ms), not computed.
 Writes ``wan.json``, ``wan.md`` and ``wan.png`` into its run directory and prints the table.
 
+``bench.mode=elastic`` runs an elastic federation (``federation.elastic``, facilities as independent
+jobs meeting at a lighthouse) through faults: a facility starting late, one killed and restarted,
+a heal of ``model=llama_bench``; see :mod:`.elastic_wan`.
+
 ``bench.mode=link`` runs one round of ``bench.link_overrides`` (``model=llama_bench``) and
 reports the fraction of the line rate that round achieved (:func:`link_round`), and the window
 in which the counters saw the link carry it against the round's own time.
@@ -41,7 +45,7 @@ from ..checks import is_int, is_number
 __all__ = ["WanFailed", "eval_curve", "time_to_target", "loss_at_step", "link_round", "run_wan", "format_table", "main"]
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
-MODES = ("train", "link")
+MODES = ("train", "link", "elastic")
 
 
 class WanFailed(RuntimeError):
@@ -102,6 +106,8 @@ def _check(plain: dict) -> dict:
     configs = bench.get("configs")
     if not isinstance(configs, dict) or not configs:
         raise WanFailed("bench.configs must map config names to lists of overrides, e.g. {synchronous: [+experiment=synchronous]}")
+    if bench["mode"] == "elastic":
+        return bench
     if bench["mode"] == "train" and bench.get("reference") not in configs:
         raise WanFailed(f"bench.reference={bench.get('reference')!r}: name one of bench.configs {list(configs)}")
     for name, overrides in {**configs, "link_overrides": bench.get("link_overrides")}.items():
@@ -232,6 +238,8 @@ def run_wan(cfg: DictConfig, run_dir: Path) -> dict | None:
     plain = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     plain.pop("hydra", None)
     bench = _check(plain)
+    if bench["mode"] == "elastic":
+        return _run_elastic(plain, bench, run_dir)
     runs = _runs(bench)
     _validate_runs(runs, bench)
     why = unavailable()
@@ -285,6 +293,30 @@ def run_wan(cfg: DictConfig, run_dir: Path) -> dict | None:
     return report
 
 
+def _run_elastic(plain: dict, bench: dict, run_dir: Path) -> dict | None:
+    """``bench.mode=elastic``: the scenarios of :mod:`.elastic_wan` over a network of 2 facilities."""
+    from .elastic_wan import format_elastic, run_elastic
+
+    why = unavailable()
+    if why:
+        print(f"bench.wan skipped: {why}", flush=True)
+        return None
+    run_dir.mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(OmegaConf.create(plain), run_dir / "config.yaml")
+    with cleanup_on_signals():
+        try:
+            network = Network(2, bench["link_mbit"])
+        except NetnsError as exc:
+            print(f"bench.wan skipped: cannot build network namespaces here: {exc}", flush=True)
+            return None
+        with network, CounterSampler(network) as sampler:
+            report = run_elastic(bench, network, sampler, run_dir)
+    report["tcp"] = network.tcp
+    (run_dir / "wan.json").write_text(json.dumps(report, indent=2) + "\n")
+    (run_dir / "wan.md").write_text(format_elastic(report) + "\n")
+    return report
+
+
 def _report(bench: dict, results: dict, failures: dict) -> dict:
     report = {"mode": bench["mode"], "link_mbit": bench["link_mbit"], "facilities": bench["facilities"],
               "nproc_per_facility": bench["nproc_per_facility"], "results": results, "failures": failures}
@@ -308,6 +340,10 @@ def _report(bench: dict, results: dict, failures: dict) -> dict:
 
 def format_table(report: dict) -> str:
     """The results as a markdown table (also printed)."""
+    if report["mode"] == "elastic":
+        from .elastic_wan import format_elastic
+
+        return format_elastic(report)
     if report["mode"] == "link":
         r = report["results"].get("link")
         if r is None:

@@ -80,8 +80,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import socket
 
-    print(f"lighthouse on {socket.getfqdn()}:{args.port} (store on {args.port + 1}); start each facility with "
-          f"federation.elastic.lighthouse={socket.getfqdn()}:{args.port}", flush=True)
+    host = socket.getfqdn() if args.bind in ("0.0.0.0", "::") else args.bind
+    print(f"lighthouse on {host}:{args.port} (store on {args.port + 1}); start each facility with "
+          f"federation.elastic.lighthouse={host}:{args.port}", flush=True)
     while not stop.wait(0.5):
         pass
     return 0

@@ -187,10 +187,12 @@ class ElasticFederation:
         if self.leader:
             header.copy_(torch.tensor([out["round"], out["step"], float(out["changed"]), out["bytes"]]))
         dist.broadcast(header, src=0)
+        before = self.round
         self.round, step, changed, sent = int(header[0]), int(header[1]), bool(header[2]), int(header[3])
         if changed:
             self._scatter(self.theta if self.leader else None)
-        record = {"round": self.round - 1, "step": step, "fragment": None, "seconds": time.perf_counter() - start,
+        # The index of the round committed here; None for a join that only healed (no mean yet).
+        record = {"round": self.round - 1 if self.round > before else None, "step": step, "fragment": None, "seconds": time.perf_counter() - start,
                   "bytes_per_rank": sent if self.leader else 0, "cross_facility_bytes": sent,
                   "skipped_facilities": []}
         if self.leader:

@@ -253,6 +253,22 @@ def resolve_model(cfg: ModelConfig, base_dir: Path) -> ModelConfig:
 
 
 # ----------------------------------------------------------------------------- relations between sections
+def _check_slow_fault(job: JobConfig, layout) -> None:
+    """``fault.slow_facility`` / ``slow_factor`` against the layout (a facility of this job, a factor >= 1)."""
+    fault = job.fault
+    if not is_number(fault.slow_factor) or not 1.0 <= fault.slow_factor <= 1000.0:
+        raise ValueError(f"fault.slow_factor={fault.slow_factor!r}: must be a number in [1, 1000] (how many times as "
+                         f"long the slow facility's steps take, e.g. fault.slow_factor=2.0)")
+    if fault.slow_facility is None:
+        if fault.slow_factor != 1.0:
+            raise ValueError(f"fault.slow_factor={fault.slow_factor} slows no facility: set fault.slow_facility too "
+                             f"(e.g. fault.slow_facility=1)")
+        return
+    if not is_int(fault.slow_facility) or not 0 <= fault.slow_facility < layout.num_facilities:
+        raise ValueError(f"fault.slow_facility={fault.slow_facility!r}: must be a facility of this job, 0.."
+                         f"{layout.num_facilities - 1}")
+
+
 #: The RoPE cos/sin tables are built whole on every rank (``max_seq_len x head_dim/2`` each, fp32): 1 GiB
 #: holds 2M positions at head_dim 128, sixteen times Llama 3.1's 131,072.
 MAX_ROPE_BYTES = 1 << 30
@@ -347,6 +363,7 @@ def validate_config(
     from .data.tokenizer import tokenizer_path
     from .federation import check_fragments, validate_federation
     from .federation.elastic import validate_elastic
+    from .federation.pace import check_pace_job, facility_steps
     from .models import LlamaConfig, build_model
     from .parallel.options import validate_parallel
 
@@ -359,15 +376,18 @@ def validate_config(
             raise ConfigError(f"seed={job.seed!r}: must be an integer")
         if not -(1 << 63) <= job.seed < 1 << 64:  # torch.manual_seed's range: past it every worker fails
             raise ConfigError(f"seed={job.seed}: must be in [-2**63, 2**64) (torch.manual_seed's range); e.g. seed=0")
-        steps, warmup = job.train.steps, job.optim.warmup_steps
-        if steps > 0 and warmup > steps:  # the peak lr would never be reached (steps=0: nothing runs)
-            raise ConfigError(f"optim.warmup_steps={warmup} exceeds train.steps={steps}: the learning rate would never "
-                              f"reach optim.lr; use optim.warmup_steps<={steps}")
+
         validate_logger(job.logger)
         validate_parallel(job.parallel)
         job = _check_parallel_job(job, world_size)
         layout = plan_layout(world_size, job.distributed.federated, job.distributed.hsdp, local_world_size)
         phases = validate_federation(job.federation, layout, steps=job.train.steps)
+        # The facility with the fewest steps (federation.every as a list) must finish its warm-up too.
+        steps = min(facility_steps(job.federation, f, job.train.steps) for f in range(layout.num_facilities))
+        warmup, which = job.optim.warmup_steps, "train.steps" if steps == job.train.steps else "its fewest steps"
+        if steps > 0 and warmup > steps:  # the peak lr would never be reached (steps=0: nothing runs)
+            raise ConfigError(f"optim.warmup_steps={warmup} exceeds {which}={steps}: the learning rate would never "
+                              f"reach optim.lr; use optim.warmup_steps<={steps}")
         validate_elastic(job, layout)
         validate_durability(job, world_size)
         validate_export(job.export)
@@ -383,6 +403,8 @@ def validate_config(
     train = job.train
     try:
         check_fragments(phases, model_cfg.n_layers)  # fragments are groups of the model's blocks
+        check_pace_job(job.federation, parallel=job.parallel.name, eval_every=train.eval_every)
+        _check_slow_fault(job, layout)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     rope_bytes = model_cfg.max_seq_len * model_cfg.head_dim * 4  # cos and sin tables, fp32, on every rank

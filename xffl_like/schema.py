@@ -212,8 +212,9 @@ class FederationConfig(Section):
     """``conf/federation/*.yaml``: what happens across facilities."""
 
     algorithm: str = "federated"  # federated | synchronous
-    every: int = 10  # local optimizer steps per round
-    weights: Any = "uniform"  # uniform | tokens | a list of numbers, one per facility
+    every: Any = 10  # local optimizer steps per round: a number, one per facility (a list), or null with every_s
+    every_s: Optional[float] = None  # rounds bounded by wall time: each facility steps until T seconds would pass
+    weights: Any = None  # null (uniform; tokens when facilities take different steps) | uniform | tokens | a list
     topology: str = "complete"  # complete | ring | one-peer-exp | alternating-exp-ring
     outer: OuterConfig = field(default_factory=OuterConfig)
     compression: str = "none"  # none | bf16 | uint8
@@ -230,6 +231,19 @@ class FederationConfig(Section):
     def streaming(self) -> bool:
         """Fragments synced at staggered steps, or exchanges overlapped with local steps (federation/streaming.py)."""
         return self.fragments > 1 or self.overlap_steps > 0
+
+    @property
+    def paced(self) -> bool:
+        """Facilities take different numbers of steps per round: ``every`` a list, or ``every_s`` (federation/pace.py)."""
+        return self.every_s is not None or isinstance(self.every, (list, tuple))
+
+    @property
+    def mean_weights(self) -> Any:
+        """The weights of a round's mean: ``weights``, or for ``null`` ``tokens`` when facilities take
+        different steps per round (``paced``) and ``uniform`` otherwise."""
+        if self.weights is None:
+            return "tokens" if self.paced else "uniform"
+        return self.weights
 
 
 @dataclass(frozen=True)
@@ -329,6 +343,8 @@ class FaultConfig(Section):
     at_step: Optional[int] = None
     nan_rank: Optional[int] = None
     nan_step: Optional[int] = None
+    slow_facility: Optional[int] = None  # this facility's steps take slow_factor times as long (a sleep after each)
+    slow_factor: float = 1.0
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from ..schema import FederationConfig, OuterConfig, as_plain, build_section
 from .compress import COMPRESSIONS
 from .gossip import check_gossip_layout
 from .outer import validate_outer
+from .pace import validate_pace
 
 __all__ = ["FEDERATION_ALGORITHMS", "PHASE_KEYS", "Phase", "check_fragments", "plan_phases", "round_weights",
            "validate_federation"]
@@ -131,6 +132,7 @@ def validate_federation(cfg: FederationConfig, layout, steps: int | None = None)
     the top-level keys, and with ``schedule`` its shape and every phase (``steps``: ``train.steps``).
     Returns the phases (:func:`plan_phases`); :func:`check_fragments` bounds their fragments by
     the model's blocks. One ``ValueError`` line naming the key and the fix."""
+    validate_pace(cfg, layout.num_facilities, steps or 0)
     _check_one(cfg, layout)
     if cfg.schedule is None:
         return plan_phases(cfg, steps)
@@ -138,6 +140,10 @@ def validate_federation(cfg: FederationConfig, layout, steps: int | None = None)
     phases = plan_phases(cfg, steps)
     for phase in phases:
         try:
+            if phase.config.paced or not is_int(phase.config.every) or phase.config.every < 1:
+                raise ValueError(f"federation.every={phase.config.every!r}, every_s={phase.config.every_s!r}: a phase "
+                                 f"takes a positive integer every and no every_s (phases switch at a step every "
+                                 f"facility reaches in the same round)")
             _check_one(phase.config, layout)
         except ValueError as exc:
             raise ValueError(f"{phase.where}: {exc}") from None
@@ -159,15 +165,12 @@ def _check_one(cfg: FederationConfig, layout) -> None:
     num_facilities = layout.num_facilities
     if cfg.algorithm not in FEDERATION_ALGORITHMS:
         raise ValueError(f"federation.algorithm={cfg.algorithm!r}: use federated or synchronous")
-    every = cfg.every
-    if not is_int(every) or every < 1:
-        raise ValueError(f"federation.every={every!r}: must be a positive integer (e.g. federation.every=1)")
     weights = cfg.weights
-    if weights not in ("uniform", "tokens"):
+    if weights not in (None, "uniform", "tokens"):
         if not (isinstance(weights, (list, tuple)) and len(weights) == num_facilities and all(
                 is_number(w) and w >= 0 for w in weights) and sum(weights) > 0):
             raise ValueError(
-                f"federation.weights={weights!r}: use uniform, tokens, or a list of {num_facilities} non-negative "
+                f"federation.weights={weights!r}: use null, uniform, tokens, or a list of {num_facilities} non-negative "
                 f"numbers with a positive sum (one per facility)")
     topology, compression = cfg.topology, cfg.compression
     validate_outer(cfg.outer)
@@ -184,7 +187,7 @@ def _check_one(cfg: FederationConfig, layout) -> None:
     if topology != "complete" and compression != "none":
         raise ValueError(f"federation.topology={topology} with federation.compression={compression}: compressed "
                          f"gossip is not supported; use topology=complete or compression=none")
-    if topology != "complete" and weights != "uniform":
+    if topology != "complete" and cfg.mean_weights != "uniform":
         raise ValueError(f"federation.weights={weights!r} with federation.topology={topology}: gossip "
                          f"mixes with the topology's own weights; use weights=uniform or topology=complete")
     _check_streaming(cfg)
@@ -205,16 +208,17 @@ def _check_one(cfg: FederationConfig, layout) -> None:
 
 
 def _check_streaming(cfg: FederationConfig) -> None:
-    """``fragments``, ``overlap_steps``, ``merge_alpha``, checked against ``every``."""
+    """``fragments``, ``overlap_steps``, ``merge_alpha``, checked against ``every`` (per-facility paces refuse
+    them: :func:`~.pace.check_pace_job`)."""
     every, fragments, overlap, alpha = cfg.every, cfg.fragments, cfg.overlap_steps, cfg.merge_alpha
     if not is_int(fragments) or fragments < 1:
         raise ValueError(f"federation.fragments={fragments!r}: must be a positive integer (1: the whole model at once)")
-    if fragments > every:
+    if not cfg.paced and fragments > every:
         raise ValueError(f"federation.fragments={fragments} exceeds federation.every={every}: each fragment syncs at "
                          f"its own step of the round; use fragments <= every")
     if not is_int(overlap) or overlap < 0:
         raise ValueError(f"federation.overlap_steps={overlap!r}: must be an integer >= 0 (0: no overlap)")
-    if overlap * fragments >= every:
+    if not cfg.paced and overlap * fragments >= every:
         raise ValueError(f"federation.overlap_steps={overlap} must be < federation.every/fragments = "
                          f"{every}/{fragments} so that one fragment is in flight at a time: lower overlap_steps or "
                          f"fragments, or raise every")

@@ -38,6 +38,7 @@ from .compress import CompressedMean
 from .gossip import Gossip
 from .options import round_weights
 from .outer import OuterOptimizer
+from .pace import RoundPace
 from ..distributed.state import to_local
 from ..schema import FederationConfig
 
@@ -80,6 +81,10 @@ class Federation:
                 self.compressor = CompressedMean(o.compression, self.numel, state.num_facilities, o.chunk_size,
                                                  o.error_feedback, device=state.device)
         self.rounds = 0
+        # federation.every as a list or every_s: where this facility's rounds end (set by build_federation),
+        # and every facility's steps so far (known to all after each round).
+        self.pace: RoundPace | None = None
+        self.facility_steps = torch.zeros(state.num_facilities, dtype=torch.int64)
         # The steps this federation covers (a phase of federation.schedule, or the whole job):
         # rounds count from ``begin``; ``last``: the job ends at ``end`` (a final round there).
         self.begin, self.end, self.last = 0, None, True
@@ -101,7 +106,7 @@ class Federation:
         o = self.options
         if not self.federated:
             return {"algorithm": o.algorithm}
-        return {"algorithm": o.algorithm, "every": o.every, "topology": o.topology, "outer": o.outer.name,
+        return {"algorithm": o.algorithm, "every": o.every, "every_s": o.every_s, "topology": o.topology, "outer": o.outer.name,
                 "outer_lr": o.outer.lr, "compression": o.compression}
 
     # ------------------------------------------------------------------ per step
@@ -114,6 +119,8 @@ class Federation:
         """Whether rounds end after ``done`` steps (then :meth:`finish_due` returns their records).
         Rounds count from ``begin``; at ``end`` a final round only when the job ends there (a
         phase switch of :mod:`.schedule` averages instead)."""
+        if self.pace is not None:
+            return self.pace.due(done)
         if not self.federated or done <= self.begin:
             return False
         if self.end is not None and done >= self.end:
@@ -123,7 +130,7 @@ class Federation:
     def boundary_at(self, done: int) -> bool:
         """A round, or for ``synchronous`` every ``every`` steps and at the end: where the loop
         evaluates the local model and may checkpoint."""
-        if self.federated:
+        if self.federated or self.pace is not None:
             return self.applies_at(done)
         return done > self.begin and ((done - self.begin) % self.options.every == 0 or done == self.end)
 
@@ -133,12 +140,46 @@ class Federation:
         ``dump`` (a :class:`~xffl_like.train.round_dump.RoundDump`) records values around each round."""
         if not self.applies_at(done):
             return []
+        taken = self._meet(done) if self.pace is not None else None
         if dump is not None:
             dump.save(index, "before")
         out = self.round(adjust=None if adjust is None else lambda weights: adjust(weights, index))
         if dump is not None:
             dump.save(index, "after", bytes_per_rank=out["bytes_per_rank"])
-        return [{"round": index, "step": done, "fragment": None, **out}]
+        if self.pace is not None:
+            self.pace.round_done(done)
+        return [{"round": index, "step": done, "fragment": None, "steps_taken": taken, **out}]
+
+    # ------------------------------------------------------------------ per-facility paces (federation/pace.py)
+    @property
+    def paced(self) -> bool:
+        return self.pace is not None
+
+    def _meet(self, done: int) -> list[int]:
+        """The steps every facility took in this round (collective over the world), from which
+        :attr:`facility_steps` and, with ``every_s``, the end of the job follow."""
+        state = self.state
+        taken = torch.zeros(state.num_facilities, dtype=torch.int64)
+        if state.facility_rank == 0:
+            taken[state.facility] = done - self.pace.first
+        dist.all_reduce(taken)
+        self.facility_steps += taken
+        self.facility_steps[state.facility] = done
+        return taken.tolist()
+
+    def job_step(self, done: int) -> int:
+        """The job's step after this facility's ``done`` steps: with per-facility paces, the most
+        steps any facility has taken (known at a round: what checkpoints are named by); else ``done``."""
+        return int(self.facility_steps.max()) if self.pace is not None else done
+
+    def ends_at(self, done: int) -> bool:
+        """Whether this facility's training ends after its ``done`` steps: at ``end``; with ``every_s``
+        after the first round in which a facility reached it."""
+        if self.pace is not None and self.pace.every is None:
+            return self.pace.due(done) and int(self.facility_steps.max()) >= self.pace.cap
+        if self.pace is not None:
+            return done == self.pace.steps
+        return self.last and done == self.end
 
     def starts_at(self, done: int) -> bool:
         """Whether an exchange that overlaps the next local steps starts after ``done`` steps."""
@@ -154,12 +195,14 @@ class Federation:
         """Per-facility weights of this round's mean; ``tokens``: each facility's tokens since the
         last round (collective over the world: every rank adds its own count). Resets the counts."""
         tokens, self.tokens = self.tokens, torch.zeros_like(self.tokens)
-        return round_weights(self.options.weights, tokens)
+        return round_weights(self.options.mean_weights, tokens)
 
     @torch.no_grad()
     def after_backward(self) -> int:
         """``synchronous``: average the gradients over every facility (weighted like the mean).
         Returns the bytes this rank sent across facilities (0 when federated)."""
+        if self.pace is not None:
+            self.pace.step_taken()
         if self.federated:
             return 0
         state = self.state
@@ -253,6 +296,8 @@ class Federation:
         state and the error-feedback residual; plus counters. Empty tensors sections when unused."""
         # Counters as tensors: DCP stores other objects pickled, which safe loading refuses.
         out: dict[str, Any] = {"rounds": torch.tensor(self.rounds), "tokens": self.tokens.clone()}
+        if self.pace is not None:  # each facility's own step: where it resumes (checkpoints carry the job's)
+            out["facility_steps"] = self.facility_steps.clone()
         if self.theta is None:
             return out
         out["theta_global"] = self._as_dtensors(self.theta)
@@ -266,6 +311,8 @@ class Federation:
         """Restore what :meth:`state_dict` returned (tensors are copied into the live buffers)."""
         self.rounds = int(sd["rounds"])
         self.tokens.copy_(sd["tokens"])
+        if self.pace is not None:
+            self.facility_steps.copy_(sd["facility_steps"])
         if self.theta is None:
             return
         self._load_flat(self.theta, sd["theta_global"])

@@ -28,6 +28,7 @@ import torch
 from ..aggregation import aggregate
 from ..schema import FederationConfig
 from .options import plan_phases
+from .pace import RoundPace
 from .round import Federation
 from .streaming import StreamingFederation
 
@@ -41,6 +42,8 @@ def build_federation(cfg: FederationConfig, model: torch.nn.Module, strategy, st
     :class:`~.round.Federation`. Collective, like their constructors."""
     fed = (StreamingFederation if cfg.streaming else Federation)(cfg, model, strategy, state)
     fed.begin, fed.end, fed.last = begin, end, last
+    if cfg.paced:  # federation.every as a list or every_s (no schedule, no streaming: refused before launch)
+        fed.pace = RoundPace(cfg, state, end)
     return fed
 
 
@@ -83,6 +86,26 @@ class FederationSchedule:
     @property
     def federated(self) -> bool:
         return self.current.federated
+
+    @property
+    def paced(self) -> bool:
+        """Facilities take different steps per round (``federation.every`` a list, or ``every_s``)."""
+        return self.current.paced
+
+    @property
+    def facility_steps(self):
+        return self.current.facility_steps
+
+    def job_step(self, done: int) -> int:
+        return self.current.job_step(done)
+
+    def start_clock(self, done: int) -> None:
+        """Training starts now, after ``done`` steps (a time-paced round counts from here)."""
+        if self.current.paced:
+            self.current.pace.start(done)
+
+    def ends_at(self, done: int) -> bool:
+        return self.current.ends_at(done)
 
     def describe(self) -> dict:
         """The summary's ``federation``: the (last) phase's algorithm and, with a schedule, the phases."""

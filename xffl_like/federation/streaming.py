@@ -222,7 +222,7 @@ class StreamingFederation(Federation):
     def _fragment_weights(self, k: int) -> list[float] | None:
         tokens = self.tokens[k].clone()
         self.tokens[k].zero_()
-        return round_weights(self.options.weights, tokens)
+        return round_weights(self.options.mean_weights, tokens)
 
     def _read_range(self, a: int, b: int) -> Tensor:
         out = torch.empty(b - a, dtype=torch.float32, device=self.state.device)

@@ -139,7 +139,9 @@ class Observer:
             return
         row = self._complete(record)
         if self.wandb is not None:
-            self.wandb.round(row)
+            taken = record.get("steps_taken")
+            self.wandb.round(row, steps_taken=None if taken is None else taken[self.state.facility],
+                             waited=record.get("waited"))
         if self.lead:
             self.rounds.append(row)
             self._agg.writerow(row)

@@ -123,7 +123,7 @@ def phase_stats(per_rank: dict[str, dict[str, float]]) -> dict:
 
 
 def gather_phase_table(timer: PhaseTimer, state, steps: int) -> dict:
-    """Gather every rank's phase times (a collective: every rank calls it).
+    """Gather every rank's phase times (a collective: every rank calls it); ``steps``: this rank's steps.
 
     Returns ``per_rank_seconds_per_step`` (rank -> phase -> seconds per step), ``per_rank``
     (rank -> phase -> ``total_s`` and ``average_s`` per occurrence) and, per phase and for
@@ -134,15 +134,18 @@ def gather_phase_table(timer: PhaseTimer, state, steps: int) -> dict:
     samples = timer.samples
     width = torch.tensor([max(len(v) for v in samples.values())], dtype=torch.int64)
     dist.all_reduce(width, op=dist.ReduceOp.MAX)
-    mine = torch.zeros(len(PHASES), 1 + int(width), dtype=torch.float64)
+    # A last row holds the rank's steps (facilities of different paces take different numbers).
+    mine = torch.zeros(len(PHASES) + 1, 1 + int(width), dtype=torch.float64)
     for i, phase in enumerate(PHASES):
         mine[i, 0] = len(samples[phase])
         mine[i, 1 : 1 + len(samples[phase])] = torch.tensor(samples[phase], dtype=torch.float64)
+    mine[-1, 0] = steps
     table = [torch.zeros_like(mine) for _ in range(state.world_size)]
     dist.all_gather(table, mine)
-    everyone = torch.stack(table)  # [ranks, phases, 1 + width]
+    everyone, rank_steps = torch.stack(table)[:, :-1], torch.stack(table)[:, -1, 0]  # [ranks, phases, 1 + width]
     totals = everyone[:, :, 1:].sum(dim=2)  # [ranks, phases]
-    per_step = totals / max(steps, 1)
+    per_step = totals / rank_steps.clamp(min=1).unsqueeze(1)
+    steps = int(rank_steps.max())
     ranks = [str(r) for r in range(state.world_size)]
     out = {"per_rank_seconds_per_step": {r: dict(zip(PHASES, row.tolist())) for r, row in zip(ranks, per_step)}}
     out["per_rank"] = {
@@ -152,7 +155,7 @@ def gather_phase_table(timer: PhaseTimer, state, steps: int) -> dict:
     }
     out.update(phase_stats(out["per_rank_seconds_per_step"]))
     for i, phase in enumerate(PHASES):
-        n = int(everyone[:, i, 0].max())  # every rank runs the same steps and rounds
+        n = int(everyone[:, i, 0].max())  # every rank runs the same rounds (and steps, but with per-facility paces)
         useful, waiting = load_imbalance(everyone[:, i, 1 : 1 + n])
         out[phase].update(useful_s=useful, waiting_s=waiting, iterations=n)
     out["total"].update(useful_s=sum(out[p]["useful_s"] for p in PHASES),

@@ -112,9 +112,16 @@ class WandbLogger:
         """``extra``: further keys of this step, e.g. ``eval/loss_local`` and ``eval/loss_global``."""
         self.run.log({"train/loss": loss, "train/lr": lr, "train/tokens_per_s": tokens_per_s, **(extra or {})}, step=step)
 
-    def round(self, record: dict) -> None:
+    def round(self, record: dict, steps_taken: int | None = None, waited: float | None = None) -> None:
+        """One round's row; ``steps_taken``: this facility's steps in the round (per-facility paces);
+        ``waited``: this rank's wait there for the other facilities."""
         keys = ("round", "seconds", "bytes_per_rank", "cross_facility_bytes", "algbw_gbps", "busbw_gbps", "strategy", "streams")
-        self.run.log({f"aggregation/{k}": record[k] for k in keys}, step=record["step"])
+        row = {f"aggregation/{k}": record[k] for k in keys}
+        if steps_taken is not None:
+            row["round/steps_taken"] = steps_taken
+        if waited is not None:
+            row["round/waited_s"] = waited
+        self.run.log(row, step=record["step"])
 
     def finish(self, summary: dict | None) -> None:
         if summary is not None:  # rank 0: the job's results, on facility 0's run

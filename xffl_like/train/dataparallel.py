@@ -110,6 +110,17 @@ class DataParallelSync:
     def trained(self, tokens: int) -> None:
         pass
 
+    paced = False  # every copy steps in lockstep
+
+    def arrive(self, done: int) -> None:
+        pass
+
+    def ends_at(self, done: int) -> bool:
+        return done == self.steps
+
+    def job_step(self, done: int) -> int:
+        return done
+
     def boundary_at(self, done: int) -> bool:
         return done == self.steps  # no rounds: the local model is evaluated at the end (and every eval_every)
 

@@ -65,6 +65,15 @@ class ElasticSync(FederatedSync):
     def finish_due(self, done: int, index: int) -> list[dict]:
         return [self.federation.round_at(done)]
 
+    def ends_at(self, done: int) -> bool:
+        return done == self.steps
+
+    def arrive(self, done: int) -> None:
+        pass  # the round's quorum is where facilities meet
+
+    def job_step(self, done: int) -> int:
+        return done
+
     def end_step(self, done: int, rounds: list[dict], losses, evals: list[dict]) -> None:
         if self.boundary_at(done):
             self.ckpt.after_round(done, rounds, losses, final=done == self.steps, records={"evals": evals})

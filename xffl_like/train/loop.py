@@ -97,6 +97,8 @@ def _stop_step(sync: Sync, done: int, steps: int, step_seconds: float) -> int:
     when it is at most :data:`STOP_GRACE_S` away (by the slowest rank's mean step time), else here."""
     if sync.ckpt is None or hasattr(sync, "leave"):  # no checkpoints (decentralized|bagua), or elastic: stop now
         return done
+    if sync.paced:  # facilities of different paces agree only at rounds: this is one
+        return done
     seconds = torch.tensor([step_seconds], dtype=torch.float64)
     dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
     for step in range(done, steps + 1):
@@ -116,8 +118,8 @@ def _interrupted(sync: Sync, observer, state: DistributedState, signum: int, don
     leaving = hasattr(sync, "leave")
     exact = sync.boundary_at(done) or leaving
     if ckpt is not None:
-        if exact:
-            ckpt.save(done, rounds, losses, records={"evals": evals})  # no-op if the cadence saved it
+        if exact:  # no-op if the cadence saved it
+            ckpt.save(sync.job_step(done), rounds, losses, records={"evals": evals})
         ckpt.wait()  # published, or raises
         if state.rank == 0:
             from ..checkpoint.store import latest_checkpoint, remove_stale
@@ -160,7 +162,7 @@ def _train(cfg: JobConfig, state: DistributedState, run_dir: Path, started_at: f
     evals: list[dict] = list(restored.get("records", {}).get("evals", [])) if restored else []
     observer = Observer(tcfg, cfg.strategy, cfg.logger, state, run_dir, restored, rounds_at=sync.applies_at,
                         experiment=cfg.experiment, config=resolved)
-    fault = FaultInjector(cfg.fault, state.rank)
+    fault = FaultInjector(cfg.fault, state.rank, state.facility)
     timer = PhaseTimer(device)
     facility_group = state.group("facility")
     log = _StepLog(observer, losses, state.facility, tokens_per_step)
@@ -171,7 +173,8 @@ def _train(cfg: JobConfig, state: DistributedState, run_dir: Path, started_at: f
     try:
         # An elastic facility joins here: it adopts the federation's step, keeps its own data position.
         data_at, start_step = start_step, sync.begin(start_step, len(rounds))
-        for step in range(start_step, steps):
+        done = start_step
+        for step in range(start_step, sync.steps):  # this facility's steps (federation.every as a list: its own)
             done = step + 1
             fault.before_step(done)
             # Micro-batch i of step s is batch s * grad_accum + i of the source: with grad_accum=1, as before.
@@ -187,11 +190,15 @@ def _train(cfg: JobConfig, state: DistributedState, run_dir: Path, started_at: f
             facility_loss = loss / state.facility_size
             dist.all_reduce(facility_loss, group=facility_group)
             # Rounds (synchronous: every `every` steps) evaluate the local model before and may checkpoint after.
+            due = sync.applies_at(done)
+            if due:
+                with timer("aggregation"):
+                    sync.arrive(done)  # every facility at the round (what this one waited: the round's waited_s)
             local_eval = eval_points(done, sync.boundary_at(done), tcfg.eval_every)
             record_eval = {"step": done, "loss_local": None, "loss_global": None}
             if local_eval:
                 record_eval["loss_local"] = facility_eval(model, eval_batches, state, tcfg.loss_chunk)
-            if sync.applies_at(done):
+            if due:
                 with timer("aggregation"):
                     records = sync.finish_due(done, len(rounds))
                 for record in records:
@@ -203,15 +210,19 @@ def _train(cfg: JobConfig, state: DistributedState, run_dir: Path, started_at: f
                 evals.append(record_eval)
             log.add(step, facility_loss, sync.lr(), time.perf_counter() - start, record_eval if local_eval else None,
                     sync.metrics(done))
-            if local_eval or done % tcfg.log_every == 0 or done == steps:  # local_eval: every round boundary too
+            last = sync.ends_at(done)  # federation.every_s: the round just made may end the job
+            if local_eval or done % tcfg.log_every == 0 or last:  # local_eval: every round boundary too
                 log.flush()
             sync.end_step(done, rounds, losses, evals)  # checkpoints after a boundary
-            signum = agree_stop()  # SIGINT/SIGTERM on any rank: every rank stops at the same step
+            # SIGINT/SIGTERM on any rank: every rank stops at the same step (facilities of different paces: at a round).
+            signum = agree_stop() if not sync.paced or due else None
             if signum and stop_at is None:
                 stop_at = _stop_step(sync, done, steps, (time.perf_counter() - start) / (done - start_step))
-            if stop_at is not None and done >= stop_at and done < steps:
+            if stop_at is not None and done >= stop_at and not last:
                 log.flush()
                 return _interrupted(sync, observer, state, signum, done, steps, rounds, losses, evals, run_dir)
+            if last:
+                break
             if sync.starts_at(done):  # exchanges start after the step's checkpoint; algorithm switches
                 with timer("aggregation"):
                     sync.start_due(done, len(rounds))
@@ -226,7 +237,7 @@ def _train(cfg: JobConfig, state: DistributedState, run_dir: Path, started_at: f
     eval_loss = evaluate(model, eval_batches, device, tcfg.loss_chunk)
     divergence = max_param_divergence(model, state)
     gather_facility_losses(losses, state)
-    phases = gather_phase_table(timer, state, steps - start_step)
+    phases = gather_phase_table(timer, state, done - start_step)
     if cfg.export.hf:
         from ..checkpoint.hf import export_job
 
@@ -234,16 +245,28 @@ def _train(cfg: JobConfig, state: DistributedState, run_dir: Path, started_at: f
     # The slowest rank's aggregation time is the round's time.
     agg = torch.tensor([r["seconds"] for r in rounds], dtype=torch.float64)
     dist.all_reduce(agg, op=dist.ReduceOp.MAX)
-    for record, seconds in zip(rounds, agg.tolist()):
+    # Each facility's wait at each round for the others (its slowest rank's): rounds a resume restored keep theirs.
+    waited = torch.zeros(len(rounds), state.num_facilities, dtype=torch.float64)
+    for i, record in enumerate(rounds):
+        if "waited" in record:
+            waited[i, state.facility] = record.pop("waited")
+    dist.all_reduce(waited, op=dist.ReduceOp.MAX)
+    for record, seconds, wait in zip(rounds, agg.tolist(), waited.tolist()):
         record["seconds"] = seconds
+        record.setdefault("waited_s", wait)
+    facility_steps = sync.federation.facility_steps.tolist() if sync.paced else None
+    trained = done - start_step  # this facility's steps in this job (facilities of different paces: its own)
+    if facility_steps is not None:  # every facility's, for the job's tokens
+        before = restored.get("facility_steps") if restored else None
+        trained = [n - (before[f] if before else 0) for f, n in enumerate(facility_steps)]
 
     if state.rank != 0:
         observer.finish(None)
         return None
     summary = job_summary(
-        cfg.experiment, state, losses=losses, steps=steps, trained_steps=steps - start_step,
+        cfg.experiment, state, losses=losses, steps=steps, trained_steps=trained,
         tokens_per_step=tokens_per_step, train_seconds=train_seconds, train_started_at=train_started_at,
         started_at=started_at, eval_loss=eval_loss, evals=evals, divergence=divergence, phases=phases,
-        setup_rss=setup_rss, rounds=rounds, **reported)
+        setup_rss=setup_rss, rounds=rounds, facility_steps=facility_steps, **reported)
     observer.finish(summary)
     return summary

@@ -87,15 +87,27 @@ def job_summary(experiment: str, state: DistributedState, *, losses: torch.Tenso
                 tokens_per_step: int, train_seconds: float, train_started_at: float, started_at: float,
                 eval_loss: float, evals: list[dict], divergence: float, phases: dict, setup_rss: torch.Tensor,
                 rounds: list[dict] | None = None, strategy: dict | None = None, federation: dict | None = None,
-                checkpoints=None, extra: dict | None = None) -> dict:
+                checkpoints=None, extra: dict | None = None, facility_steps: list[int] | None = None) -> dict:
     """The summary (rank 0) of job ``experiment``: ``losses`` from :func:`gather_facility_losses`, ``trained_steps`` the
     steps this process ran (fewer than ``steps`` after a resume), ``rounds`` the round records
-    (none without federated rounds), ``extra`` keys of one loop only (e.g. ``parallel``)."""
+    (none without federated rounds), ``extra`` keys of one loop only (e.g. ``parallel``). With facilities of
+    different paces (``federation.every`` a list, ``every_s``): ``facility_steps`` each facility's steps so far
+    and ``trained_steps`` a list, each facility's steps in this job."""
     rounds = rounds or []
     per_step = losses.mean(dim=0)
     # The first step this job (or the run it resumed) trained: an elastic facility that joined late has no
     # losses before the federation's step it joined at.
     first = int(per_step.ne(0).nonzero()[0]) if steps and per_step.ne(0).any() else 0
+    first_loss = float(per_step[first]) if steps else None
+    final_loss = float(per_step[-1]) if steps else None
+    tokens = tokens_per_step * trained_steps if isinstance(trained_steps, int) else 0
+    if facility_steps is not None:  # facilities of different paces: each at its own first and last step
+        sizes = state.layout.facility_sizes
+        tokens = sum(tokens_per_step * size // state.world_size * n for size, n in zip(sizes, trained_steps))
+        if steps and all(facility_steps):
+            firsts = [int(row.ne(0).nonzero()[0]) if row.ne(0).any() else 0 for row in losses]
+            first_loss = sum(float(row[i]) for row, i in zip(losses, firsts)) / len(firsts)
+            final_loss = sum(float(row[n - 1]) for row, n in zip(losses, facility_steps)) / len(facility_steps)
     return {
         "experiment": experiment,
         "world_size": state.world_size,
@@ -109,8 +121,9 @@ def job_summary(experiment: str, state: DistributedState, *, losses: torch.Tenso
         **(extra or {}),
         "steps": steps,
         "rounds": len(rounds),
-        "first_loss": float(per_step[first]) if steps else None,
-        "final_loss": float(per_step[-1]) if steps else None,
+        "first_loss": first_loss,
+        "final_loss": final_loss,
+        "facility_steps": facility_steps,
         "eval_loss": eval_loss,
         "eval_history": evals,
         "max_param_divergence_after_last_round": divergence,
@@ -120,10 +133,11 @@ def job_summary(experiment: str, state: DistributedState, *, losses: torch.Tenso
         "facility_losses": losses.tolist(),
         "skipped_facilities": [r["skipped_facilities"] for r in rounds],
         "round_records": [{"step": r["step"], "phase": r.get("phase", 0), "fragment": r.get("fragment"),
-                           "switch": bool(r.get("switch", False)), "started_step": r.get("started_step", r["step"])}
+                           "switch": bool(r.get("switch", False)), "started_step": r.get("started_step", r["step"]),
+                           "steps_taken": r.get("steps_taken"), "waited_s": r.get("waited_s")}
                           for r in rounds],
         "checkpoints": checkpoints,
-        "tokens_per_second": tokens_per_step * trained_steps / train_seconds if trained_steps else 0.0,
+        "tokens_per_second": tokens / train_seconds if tokens else 0.0,
         "train_seconds": train_seconds,
         "train_started_at": train_started_at,
         "phases": phases,

@@ -245,7 +245,7 @@ class ElasticFederation:
                 counters, theta = healed[0], healed[1]
                 buffers = dict(zip(buffers, healed[2:]))
         # 4. the weighted mean over the members at a boundary (the healed ones weigh 0)
-        weights = [(float(info[i]["tokens"]) if cfg.weights == "tokens" else 1.0) if i in at_boundary else 0.0
+        weights = [(float(info[i]["tokens"]) if cfg.mean_weights == "tokens" else 1.0) if i in at_boundary else 0.0
                    for i in range(n)]
         total, target, residual = sum(weights), None, None
         if total > 0:

@@ -63,6 +63,7 @@ def validate_elastic(job, layout) -> None:
         "federation.schedule": fed.schedule is not None,
         "a list in federation.weights": isinstance(fed.weights, (list, tuple)),
         f"parallel={job.parallel.name}": job.parallel.name != "fsdp",
+        "federation.every as a list / federation.every_s": fed.paced,
     }
     for what, bad in refused.items():
         if bad:
@@ -85,7 +86,7 @@ def federation_spec(job) -> dict[str, Any]:
         "compression": {"kind": fed.compression, "chunk_size": fed.chunk_size, "error_feedback": fed.error_feedback},
         "every": fed.every,
         "train.steps": job.train.steps,
-        "weights": fed.weights,
+        "weights": fed.mean_weights,
     }
 
 

@@ -46,6 +46,23 @@ BAD = [
     (["data=text", "data.path={root}/corpus.txt", "data.num_eval_batches=100000000"],
      "data.num_eval_batches=100000000: 800,000,000 held-out windows per rank"),
     *([(["distributed.backend=nccl"], f"distributed.backend=nccl {_NCCL}")] if _NCCL else []),
+    # issue 21: facilities of different speeds (llama_fed: 2 facilities, 60 steps, federation.every=10)
+    (["federation.every=[4,2,2]"], "federation.every=[4, 2, 2]: 3 entries for 2 facilities"),
+    (["federation.every=[4,0]"], "federation.every=[4, 0]: entry 0 is not a positive integer"),
+    (["federation.every=[4,-2]"], "entry -2 is not a positive integer"),
+    (["federation.every=[8,4]"], "with train.steps=60: the rounds must be whole for the facility with the most"),
+    (["federation.every_s=30"], "federation.every_s=30.0 with federation.every=10: a round ends by time or after a "
+                                "number of steps, not both; set federation.every=null"),
+    (["federation.every=null", "federation.every_s=0"], "federation.every_s=0.0: must be a number of seconds"),
+    (["federation.every=null"], "federation.every=null: give the local steps per round"),
+    (["federation.every=[6,3]", "train.eval_every=6"], "train.eval_every=6 evaluates at steps the facilities reach"),
+    (["federation.every=[6,3]", "federation=diloco", "federation.fragments=2"], "fragments / overlap_steps stagger"),
+    (["federation.every=null", "federation.every_s=5", "federation.algorithm=synchronous"],
+     "algorithm=synchronous averages gradients at every step"),
+    (["federation.every=[6,3]", "optim.warmup_steps=40"], "optim.warmup_steps=40 exceeds its fewest steps=30"),
+    (["fault.slow_facility=1", "fault.slow_factor=0.5"], "fault.slow_factor=0.5: must be a number in [1, 1000]"),
+    (["fault.slow_facility=2", "fault.slow_factor=2"], "fault.slow_facility=2: must be a facility of this job, 0..1"),
+    (["fault.slow_factor=2"], "fault.slow_factor=2.0 slows no facility: set fault.slow_facility too"),
     # class 8: inputs that are not what they claim
     (["data=text", "data.path=/dev/zero"], "data.path: not a regular file: /dev/zero is a character device"),
     (["data=text", "data.path=/proc/self/status"], "/proc/self/status is a file of the kernel's /proc filesystem"),

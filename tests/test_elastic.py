@@ -8,6 +8,7 @@ facility is killed with SIGKILL to its whole process group (launcher and workers
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -45,21 +46,31 @@ def _free_pair() -> int:
     raise RuntimeError("no free pair of ports")
 
 
-@pytest.fixture
-def lighthouse(tmp_path):
+@contextlib.contextmanager
+def _lighthouse(tmp_path, name="lighthouse"):
+    """A lighthouse on a free port (a new federation); yields its address."""
     port = _free_pair()
-    log = open(tmp_path / "lighthouse.log", "w")
+    path = tmp_path / f"{name}.log"
+    log = open(path, "w")
     proc = subprocess.Popen([sys.executable, "-m", "xffl_like.lighthouse", "--port", str(port),
                              "--heartbeat-timeout-s", "1.5", "--join-timeout-s", "60"], cwd=REPO, stdout=log,
                             stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(REPO)})
-    deadline = time.time() + 30
-    while "lighthouse on" not in (tmp_path / "lighthouse.log").read_text():
-        assert proc.poll() is None and time.time() < deadline, (tmp_path / "lighthouse.log").read_text()
-        time.sleep(0.2)
-    yield f"127.0.0.1:{port}"
-    proc.terminate()
-    proc.wait(timeout=10)
-    log.close()
+    try:
+        deadline = time.time() + 30
+        while "lighthouse on" not in path.read_text():
+            assert proc.poll() is None and time.time() < deadline, path.read_text()
+            time.sleep(0.2)
+        yield f"127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+        log.close()
+
+
+@pytest.fixture
+def lighthouse(tmp_path):
+    with _lighthouse(tmp_path) as address:
+        yield address
 
 
 class Facility:
@@ -276,7 +287,8 @@ def test_guards_each_one_line(lighthouse, tmp_path):
         cases = [
             (["model.dim=48"], "parameter 0: tok_embeddings.weight"),
             (["federation.outer.name=nesterov", "federation.outer.momentum=0.9"], "federation.outer"),
-            (["federation.every=5"], "federation.every: 5 here, 10 in the federation"),
+            (["federation.every=5"], "12 rounds here (train.steps / federation.every), 6 in the federation"),
+            (["federation.every=null", "federation.every_s=5"], "federation.every_s: 5.0 here, None in the federation"),
             (["federation.elastic.facility=a"], "a facility named a is already in the federation"),
         ]
         for extra, words in cases:
@@ -284,6 +296,8 @@ def test_guards_each_one_line(lighthouse, tmp_path):
             with pytest.raises(ElasticError) as info:
                 admit(job(*extra, *([] if named else ["federation.elastic.facility=b"])))
             assert words in str(info.value) and "\n" not in str(info.value), str(info.value)
+        # Its own steps per round are fine when its rounds are as many (issue 21: facilities of different speeds).
+        admit(job("federation.every=5", "train.steps=30", "federation.elastic.facility=b")).stop()
     finally:
         first.stop()
     # The same settings are admitted; a name whose holder stopped beating is free again.
@@ -302,6 +316,7 @@ def test_guards_each_one_line(lighthouse, tmp_path):
     (["federation.topology=ring"], "federation.topology=ring"),
     (["federation.fragments=2"], "federation.fragments"),
     (["federation.weights=[1]"], "a list in federation.weights"),
+    (["federation.every=[4,2]"], "federation.every as a list"),
     (["parallel=decentralized"], "parallel=decentralized"),
     (["federation.elastic.lighthouse=nohost"], "must be HOST:PORT"),
     (["federation.elastic.min_facilities=0"], "min_facilities"),
@@ -323,3 +338,70 @@ def test_elastic_config_refused_before_workers(extra, words):
     with pytest.raises(ConfigError) as info:
         validate_config(resolve(cfg), 4, 4, CONF_DIR.parent, choices(cfg))
     assert words in str(info.value) and "\n" not in str(info.value)
+
+
+def _round_steps(summary: dict) -> list[int]:
+    """The local steps a facility took before each of its rounds (from its own round records)."""
+    steps = [r["step"] for r in summary["federation"]["elastic"]["rounds"]]
+    return [b - a for a, b in zip(steps, steps[1:])]
+
+
+@pytest.mark.slow
+def test_facilities_of_different_speeds_as_independent_jobs(lighthouse, tmp_path):
+    """Issue 21 with federation.elastic. (1) Each facility its own federation.every with as many rounds:
+    a takes 4 steps per round for 8 steps, b 2 for 4; (2) rounds by time: b slowed 4x takes fewer steps
+    per round. Every committed round of a is the mean weighted by the tokens each member trained since its
+    last round, computed here from each facility's own step records and the batch geometry."""
+    def check(ra: list[dict], steps: dict[str, list[int]]) -> None:
+        by_name = {"b": {r["round"]: r for r in _rounds(tmp_path / "dump", "b")}}
+        applied = [r for r in ra if r["applied"]]
+        assert len(applied) == len(steps["a"]) == len(steps["b"]), (len(applied), steps)
+        for i, r in enumerate(applied):
+            assert r["facilities"] == ["a", "b"] and not r["healed"], r["facilities"]
+            weights = {n: steps[n][i] * BATCH * SEQ for n in ("a", "b")}  # one process each
+            mean = _expected_mean({"a": r, "b": by_name["b"][r["round"]]}, weights)
+            torch.testing.assert_close(r["after"], mean, rtol=0, atol=2e-6)
+        assert torch.equal(applied[-1]["after"], by_name["b"][applied[-1]["round"]]["after"])
+
+    both = ["federation.elastic.min_facilities=2"]
+    a = Facility("a", lighthouse, tmp_path, extra=[*both, "federation.every=4", "train.steps=8"])
+    b = Facility("b", lighthouse, tmp_path, extra=[*both, "federation.every=2", "train.steps=4"])
+    try:
+        results = {n: f.wait() for n, f in (("a", a), ("b", b))}
+    finally:
+        for f in (a, b):
+            f.kill()
+    for n, (rc, out) in results.items():
+        assert rc == 0, f"{n}: {out}"
+    steps = {"a": _round_steps(a.summary()), "b": _round_steps(b.summary())}
+    assert steps == {"a": [4, 4], "b": [2, 2]}, steps
+    check(_rounds(tmp_path / "dump", "a"), steps)
+
+    # (2) rounds by time: federation.every_s, b's steps four times as slow; the job ends after the first
+    # round in which one of them reached train.steps=10.
+    for d in (tmp_path / "dump", a.dir, b.dir):
+        subprocess.run(["rm", "-rf", str(d)], check=True)
+    timed = [*both, "federation.every=null", "federation.every_s=2.5", "train.steps=10"]
+    with _lighthouse(tmp_path, "timed") as timed_lighthouse:  # a new federation: its own round time
+        a = Facility("a", timed_lighthouse, tmp_path, extra=[*timed, "federation.elastic.facility=a2"])
+        b = Facility("b", timed_lighthouse, tmp_path, extra=[*timed, "federation.elastic.facility=b2",
+                                                             "fault.slow_facility=0", "fault.slow_factor=4"])
+        try:
+            results = {n: f.wait() for n, f in (("a", a), ("b", b))}
+        finally:
+            for f in (a, b):
+                f.kill()
+    for n, (rc, out) in results.items():
+        assert rc == 0, f"{n}: {out}"
+    steps = {"a": _round_steps(a.summary()), "b": _round_steps(b.summary())}
+    assert all(n >= 1 for row in steps.values() for n in row), steps
+    ends = {n: sum(row) for n, row in steps.items()}
+    assert max(ends.values()) == 10 and ends["b"] < ends["a"], steps
+    running = [max(sum(steps[n][: i + 1]) for n in steps) for i in range(len(steps["a"]))]
+    assert all(x < 10 for x in running[:-1]), running  # it ended at the first round that reached 10
+    ra = [dict(r, facilities=[x[0] for x in r["facilities"]]) for r in _rounds(tmp_path / "dump", "a2")]
+    for r in _rounds(tmp_path / "dump", "b2"):
+        (tmp_path / "dump" / "b").mkdir(parents=True, exist_ok=True)
+        torch.save(dict(r, facilities=[x[0] for x in r["facilities"]]),
+                   tmp_path / "dump" / "b" / f"round-{r['round']:04d}-{time.time_ns()}.pt")
+    check(ra, steps)

@@ -61,6 +61,10 @@ def validate_pace(fed: FederationConfig, num_facilities: int, steps: int) -> Non
         raise ValueError("federation.every=null: give the local steps per round (e.g. federation.every=10), one per "
                          "facility (federation.every=[32,16]), or rounds by time (federation.every_s=30)")
     if isinstance(every, (list, tuple)):
+        if fed.elastic.lighthouse:
+            raise ValueError(f"federation.every as a list ({list(every)!r}) with federation.elastic.lighthouse: each "
+                             f"facility is its own job: give each its own federation.every (a number) and train.steps "
+                             f"= the federation's rounds x that number, or use federation.every_s")
         if len(every) != num_facilities:
             raise ValueError(f"federation.every={list(every)!r}: {len(every)} entries for {num_facilities} "
                              f"facilities; give one per facility (e.g. federation.every={[10] * num_facilities})")

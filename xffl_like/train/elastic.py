@@ -17,6 +17,7 @@ from torch import nn
 from ..distributed.state import DistributedState
 from ..federation.elastic import facility_name
 from ..federation.elastic.exchange import ElasticFederation
+from ..federation.pace import RoundPace
 from ..schema import JobConfig
 from .sync import FederatedSync
 
@@ -28,8 +29,11 @@ class ElasticSync(FederatedSync):
 
     def __init__(self, cfg: JobConfig, state: DistributedState, run_dir: Path, config: dict):
         self.name = facility_name(cfg.federation.elastic)
-        self.every = cfg.federation.every
+        self.every = cfg.federation.every  # None with federation.every_s
         super().__init__(cfg, state, run_dir, config)
+        # federation.every_s: this facility's rounds end by its own step time (federation/pace.py)
+        self.pace = RoundPace(cfg.federation, state, self.steps) if cfg.federation.every_s is not None else None
+        self.paced = False  # this world is one facility: its ranks step together (and stop at any step)
         # Every facility is facility 0 of its own world: its batches differ by its name.
         self.data_seed = cfg.seed + zlib.crc32(self.name.encode()) % (1 << 31)
         self.data_shift = 0  # batch index = step + data_shift (a joiner keeps its own data position)
@@ -40,6 +44,8 @@ class ElasticSync(FederatedSync):
 
     def begin(self, start_step: int, rounds: int) -> int:
         step = self.federation.join(start_step)
+        if self.pace is not None:
+            self.pace.start(step)
         self.data_shift = start_step - step  # from its checkpoint's position (or 0), whatever the federation's step
         if step != start_step:  # the schedule follows the federation's step
             self.scheduler.last_epoch = step - 1
@@ -55,17 +61,27 @@ class ElasticSync(FederatedSync):
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
+        if self.pace is not None:
+            self.pace.step_taken()
 
     def boundary_at(self, done: int) -> bool:
+        if self.pace is not None:
+            return self.pace.due(done)
         return done > 0 and (done % self.every == 0 or done == self.steps)
 
     def applies_at(self, done: int) -> bool:
         return self.boundary_at(done)
 
     def finish_due(self, done: int, index: int) -> list[dict]:
-        return [self.federation.round_at(done)]
+        record = self.federation.round_at(done)
+        if self.pace is not None:
+            self.pace.round_done(done)
+        return [record]
 
     def ends_at(self, done: int) -> bool:
+        """At train.steps; with federation.every_s after the first round in which a facility reached it."""
+        if self.pace is not None:
+            return done >= self.steps or (self.pace.due(done) and self.federation.ended)
         return done == self.steps
 
     def arrive(self, done: int) -> None:
@@ -76,7 +92,7 @@ class ElasticSync(FederatedSync):
 
     def end_step(self, done: int, rounds: list[dict], losses, evals: list[dict]) -> None:
         if self.boundary_at(done):
-            self.ckpt.after_round(done, rounds, losses, final=done == self.steps, records={"evals": evals})
+            self.ckpt.after_round(done, rounds, losses, final=self.ends_at(done), records={"evals": evals})
 
     def starts_at(self, done: int) -> bool:
         return False

@@ -87,6 +87,8 @@ class ElasticFederation:
         self.round = 0  # rounds the federation has completed (adopted from a live facility)
         self.tokens = 0.0  # tokens this rank trained since its facility's last round
         self.records: list[dict] = []  # per round this facility took part in: members, healed, attempts
+        self.ended = False  # federation.every_s: the last round made ended the job
+        self.last_step = 0  # this facility's steps at its last round (or join)
         self.coordinator = None
         self.theta: Tensor | None = None
         self.outer: OuterOptimizer | None = None
@@ -183,16 +185,20 @@ class ElasticFederation:
         dist.all_reduce(tokens)
         self.tokens = 0.0
         out = self._while_leader_works(lambda: self._lead(full, float(tokens.item()), done, joining))
-        header = torch.zeros(4, dtype=torch.float64, device=self.state.device)
+        header = torch.zeros(5, dtype=torch.float64, device=self.state.device)
         if self.leader:
-            header.copy_(torch.tensor([out["round"], out["step"], float(out["changed"]), out["bytes"]]))
+            header.copy_(torch.tensor([out["round"], out["step"], float(out["changed"]), out["bytes"],
+                                       float(out["ended"])]))
         dist.broadcast(header, src=0)
         before = self.round
         self.round, step, changed, sent = int(header[0]), int(header[1]), bool(header[2]), int(header[3])
+        self.ended = bool(header[4])
+        self.last_step = step
         if changed:
             self._scatter(self.theta if self.leader else None)
         # The index of the round committed here; None for a join that only healed (no mean yet).
-        record = {"round": self.round - 1 if self.round > before else None, "step": step, "fragment": None, "seconds": time.perf_counter() - start,
+        record = {"round": self.round - 1 if self.round > before else None, "step": step, "fragment": None,
+                  "seconds": time.perf_counter() - start,
                   "bytes_per_rank": sent if self.leader else 0, "cross_facility_bytes": sent,
                   "skipped_facilities": []}
         if self.leader:
@@ -206,14 +212,15 @@ class ElasticFederation:
         _test_hold(self.round)
         while True:
             attempts += 1
-            data = {"round": self.round, "step": done, "tokens": tokens, "joining": joining}
+            data = {"round": self.round, "step": done, "tokens": tokens, "joining": joining,
+                    "taken": done - self.last_step}
             quorum = self.coordinator.quorum(self.round, data)
             names = [m.replica_id for m in quorum.participants]
             if joining and len(names) < cfg.elastic.min_facilities:
                 time.sleep(0.5)  # not enough facilities yet: ask again
                 continue
             try:
-                out = self._exchange(quorum, names, mine, tokens, joining)
+                out = self._exchange(quorum, names, mine, tokens, joining, done)
             except (RuntimeError, OSError) as exc:  # a member lost: drop the round, ask again
                 print(f"facility {self.name}: round {self.round} with {', '.join(names)} dropped "
                       f"({str(exc).splitlines()[0][:100]}); asking the lighthouse again", flush=True)
@@ -221,7 +228,7 @@ class ElasticFederation:
             out.update(attempts=attempts, facilities=names)
             return out
 
-    def _exchange(self, quorum, names: list[str], mine: Tensor, tokens: float, joining: bool) -> dict:
+    def _exchange(self, quorum, names: list[str], mine: Tensor, tokens: float, joining: bool, done: int) -> dict:
         cfg, me, n = self.options, names.index(self.name), len(names)
         info = [dict(m.data or {}) for m in quorum.participants]
         latest = max(int(d.get("round", 0)) for d in info)
@@ -235,7 +242,7 @@ class ElasticFederation:
         theta = self.theta
         buffers = dict(self.outer.buffers)
         counters = torch.tensor([float(self.round), float(info[donor]["step"]), float(self.outer.steps)],
-                                dtype=torch.float64)
+                                dtype=torch.float64)  # the donor's round, step and outer steps
         if behind:
             healed = [counters.clone(), self.theta.clone(), *(b.clone() for b in buffers.values())]
             for t in healed:
@@ -245,7 +252,12 @@ class ElasticFederation:
                 counters, theta = healed[0], healed[1]
                 buffers = dict(zip(buffers, healed[2:]))
         # 4. the weighted mean over the members at a boundary (the healed ones weigh 0)
-        weights = [(float(info[i]["tokens"]) if cfg.mean_weights == "tokens" else 1.0) if i in at_boundary else 0.0
+        # weights=null: tokens when the members took different steps since their last round (each facility its own
+        # federation.every, or every_s), else uniform.
+        mode = cfg.weights
+        if mode is None:
+            mode = "tokens" if cfg.paced or len({info[i].get("taken") for i in at_boundary}) > 1 else "uniform"
+        weights = [(float(info[i]["tokens"]) if mode == "tokens" else 1.0) if i in at_boundary else 0.0
                    for i in range(n)]
         total, target, residual = sum(weights), None, None
         if total > 0:
@@ -267,6 +279,13 @@ class ElasticFederation:
         self.outer.buffers.update(buffers)
         self.outer.steps = int(counters[2])
         rounds = int(counters[0])
+        # The step this facility trains from: its own; a joiner (or a member that missed a commit) without
+        # every_s takes the federation's rounds x its own federation.every (the donor's step when every is shared).
+        step = done
+        if (joining or me in behind) and cfg.every_s is None:
+            step = min(rounds * cfg.every, self.steps)
+        # federation.every_s: the job ends after the first round in which a member reached train.steps.
+        ended = cfg.every_s is not None and max(int(d.get("step", 0)) for d in info) >= self.steps
         if residual is not None:
             self.compressor.residual = residual
         if target is not None:
@@ -277,9 +296,9 @@ class ElasticFederation:
                 self.outer.step(delta)
             rounds += 1
         self._dump({"facilities": names, "weights": weights, "healed": [names[i] for i in behind], "round": rounds,
-                    "step": int(counters[1]), "before": mine, "after": self.theta.clone(), "applied": target is not None})
+                    "step": step, "before": mine, "after": self.theta.clone(), "applied": target is not None})
         changed = target is not None or me in behind or joining
-        return {"round": rounds, "step": int(counters[1]), "changed": changed, "bytes": sent,
+        return {"round": rounds, "step": step, "changed": changed, "bytes": sent, "ended": ended,
                 "healed": [names[i] for i in behind]}
 
     def _compressed_mean(self, pg, n: int, theta: Tensor, mine: Tensor, weights: list[float], total: float,
@@ -324,7 +343,7 @@ class ElasticFederation:
 
     def describe(self) -> dict:
         o = self.options
-        return {"algorithm": o.algorithm, "every": o.every, "topology": o.topology, "outer": o.outer.name,
+        return {"algorithm": o.algorithm, "every": o.every, "every_s": o.every_s, "topology": o.topology, "outer": o.outer.name,
                 "outer_lr": o.outer.lr, "compression": o.compression, "elastic": {
                     "facility": self.name, "lighthouse": o.elastic.lighthouse,
                     "rounds": [{k: r[k] for k in ("round", "step", "seconds", "facilities", "healed", "attempts")}

@@ -63,7 +63,6 @@ def validate_elastic(job, layout) -> None:
         "federation.schedule": fed.schedule is not None,
         "a list in federation.weights": isinstance(fed.weights, (list, tuple)),
         f"parallel={job.parallel.name}": job.parallel.name != "fsdp",
-        "federation.every as a list / federation.every_s": fed.paced,
     }
     for what, bad in refused.items():
         if bad:
@@ -73,7 +72,8 @@ def validate_elastic(job, layout) -> None:
 
 def federation_spec(job) -> dict[str, Any]:
     """What every facility of one federation must share: the model's parameters (names, shapes,
-    dtypes), the algorithm, the outer optimizer, compression, the round length and the last step."""
+    dtypes), the algorithm, the outer optimizer, compression, the number of rounds (each facility its own
+    ``federation.every``) or, with ``federation.every_s``, the round time and the last step."""
     from ...models import build_model
     from ...schema import as_plain
 
@@ -84,8 +84,11 @@ def federation_spec(job) -> dict[str, Any]:
         "algorithm": fed.algorithm,
         "outer": as_plain(fed.outer),
         "compression": {"kind": fed.compression, "chunk_size": fed.chunk_size, "error_feedback": fed.error_feedback},
-        "every": fed.every,
-        "train.steps": job.train.steps,
+        # Facilities may take different steps per round (their own federation.every) if their rounds are as many;
+        # with federation.every_s the round time and the last step are shared.
+        "every_s": fed.every_s,
+        "rounds": -(-job.train.steps // fed.every) if fed.every_s is None else None,
+        "train.steps": job.train.steps if fed.every_s is not None else None,
         "weights": fed.mean_weights,
     }
 
@@ -100,6 +103,9 @@ def first_difference(mine: dict, theirs: dict) -> str | None:
         return f"{len(a)} parameters here, {len(b)} in the federation"
     for key in mine:
         if key != "parameters" and mine[key] != theirs.get(key):
+            if key == "rounds":
+                return (f"{mine[key]} rounds here (train.steps / federation.every), {theirs.get(key)} in the "
+                        f"federation: set train.steps to {theirs.get(key)} x federation.every")
             name = key if key == "train.steps" else f"federation.{key}"
             return f"{name}: {mine[key]!r} here, {theirs.get(key)!r} in the federation"
     return None

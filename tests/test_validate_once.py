@@ -9,7 +9,9 @@ import pytest
 
 import xffl_like.checkpoint.resume as resume
 import xffl_like.config as config
+import xffl_like.federation.elastic as elastic
 import xffl_like.federation.options as fed_options
+import xffl_like.federation.pace as pace
 import xffl_like.parallel.options as parallel_options
 from xffl_like.job import CONF_DIR, choices, resolve
 from xffl_like.schema import JobConfig, job_config
@@ -19,7 +21,8 @@ VALIDATORS = [
     (config, "validate_distributed"), (config, "validate_train"), (config, "validate_optim"),
     (config, "validate_logger"), (config, "validate_export"), (config, "resolve_model"),
     (config, "plan_layout"), (parallel_options, "validate_parallel"), (fed_options, "validate_federation"),
-    (fed_options, "validate_outer"), (resume, "validate_durability"),
+    (fed_options, "validate_outer"), (resume, "validate_durability"), (fed_options, "validate_pace"),
+    (pace, "check_pace_job"), (config, "_check_slow_fault"), (elastic, "validate_elastic"),
 ]
 
 

@@ -37,8 +37,13 @@ if MPIEXEC is None:
 from workers import comm as cw  # noqa: E402
 
 # Open MPI refuses to run as root without these (CI runs as root); MPICH ignores them.
+# MPIR_CVAR_ENABLE_HEAVY_YIELD: an MPICH rank waiting in a call yields with nanosleep, not
+# sched_yield, which on a host with fewer cores than ranks (CI: 4 ranks, 2 cores) hands the core
+# straight back to the spinning rank and starves the ranks with work. Same checks, half the CPU
+# time or less for the 4-rank worker there. Open MPI ignores it.
 MPI_ENV = {**os.environ, "PYTHONPATH": PYTHONPATH, "OMP_NUM_THREADS": "1",
-           "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "WANDB_MODE": "offline"}
+           "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "WANDB_MODE": "offline",
+           "MPIR_CVAR_ENABLE_HEAVY_YIELD": "1"}
 for _var in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):
     MPI_ENV.pop(_var, None)
 

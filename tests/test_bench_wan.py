@@ -57,12 +57,12 @@ def test_pace_figures_steps_per_round_and_waiting_share():
     assert paced["steps_per_round"] == [32.0, 15.5]
     assert paced["waited_seconds"] == pytest.approx([0.3, 0.3])
     assert paced["waiting_share"] == pytest.approx([0.3 / 40, 0.3 / 40])
+    assert paced["last_round_waiting_share"] == pytest.approx([0.1 / 40, 0.3 / 40])
     # Fixed every: no steps_taken, the job's steps over its rounds; facility 0 (fast) waits half of each round.
     fixed = pace_figures(_paced_summary([None] * 4, [[4.0, 0.0]] * 4, 40.0, steps=64))
     assert fixed["steps_per_round"] == [16.0, 16.0] and fixed["waiting_share"] == [0.4, 0.0]
     # Synchronous: no rounds, nothing to say.
-    assert pace_figures(_paced_summary([], [], 40.0)) == {"steps_per_round": None, "waited_seconds": None,
-                                                          "waiting_share": None}
+    assert set(pace_figures(_paced_summary([], [], 40.0)).values()) == {None}
 
 
 def test_round_time_is_the_median_round_less_the_exchange():
@@ -78,7 +78,8 @@ def _speeds_report(fixed_ttt, paced_ttt, paced_share) -> dict:
         curve = [{"step": 16, "seconds": 5.0, "loss": 3.0}, {"step": 32, "seconds": ttt or 200.0,
                                                                "loss": 2.39 if ttt else 2.5}]
         return {"facility_steps": steps, "rounds": 4, "steps_per_round": per_round, "every_s": every_s,
-                "wall_seconds": 60.0, "train_seconds": 50.0, "eval_curve": curve, "waiting_share": share}
+                "wall_seconds": 60.0, "train_seconds": 50.0, "eval_curve": curve, "waiting_share": share,
+                "last_round_waiting_share": share and [w / 2 for w in share]}
 
     results = {"synchronous": result(20.0, None, [64, 64], None),
                "every_16": result(fixed_ttt, [0.45, 0.001], [64, 64], [16.0, 16.0]),
@@ -98,7 +99,7 @@ def test_speeds_goal_ratio_and_waiting():
     assert report["results"]["every_16"]["time_to_target_x_fixed"] == 1.0
     table = format_speeds(report)
     assert "| every_s | 128 / 63 | 4 | 32.0 / 15.8 | 8.50 |" in table
-    assert "| every_16 | 64 / 64 | 4 | 16.0 / 16.0 | - |" in table and "45.0% / 0.1%" in table
+    assert "| every_16 | 64 / 64 | 4 | 16.0 / 16.0 | - |" in table and "| 45.0% / 0.1% | 22.5% / 0.1% |" in table
     assert table.splitlines()[-1].endswith("0.600x (60.0 s / 100.0 s), most waiting 2.0%: met")
     assert report["target_eval_loss"] == 2.4 and report["results"]["every_s"]["time_to_target_ratio"] == 3.0
     # Fast enough but a facility waits too long; slow enough; a config that never reached the target.

@@ -108,18 +108,23 @@ def pace_figures(summary: dict) -> dict:
     """Per facility, from a job's ``summary.json``: ``steps_per_round`` (mean local steps per round:
     ``round_records[].steps_taken`` with per-facility paces, else the job's steps over its rounds),
     ``waited_seconds`` (the sum of ``round_records[].waited_s``: what it waited at the rounds for the
-    others) and ``waiting_share`` (that over ``train_seconds``). ``None`` each without rounds."""
+    others), ``waiting_share`` (that over ``train_seconds``) and ``last_round_waiting_share`` (the part
+    of it waited at the last round, where with ``every_s`` a facility that reached ``train.steps`` stops
+    early). ``None`` each without rounds."""
     records = summary.get("round_records") or []
     facilities = len(summary["layout"]["facility_sizes"])
     if not records:
-        return {"steps_per_round": None, "waited_seconds": None, "waiting_share": None}
+        return {"steps_per_round": None, "waited_seconds": None, "waiting_share": None,
+                "last_round_waiting_share": None}
     if all(r.get("steps_taken") for r in records):
         per_round = [sum(r["steps_taken"][f] for r in records) / len(records) for f in range(facilities)]
     else:
         per_round = [summary["steps"] / len(records)] * facilities
-    waited = [sum((r.get("waited_s") or [0.0] * facilities)[f] for r in records) for f in range(facilities)]
+    waits = [r.get("waited_s") or [0.0] * facilities for r in records]
+    waited = [sum(w[f] for w in waits) for f in range(facilities)]
     return {"steps_per_round": per_round, "waited_seconds": waited,
-            "waiting_share": [w / summary["train_seconds"] for w in waited]}
+            "waiting_share": [w / summary["train_seconds"] for w in waited],
+            "last_round_waiting_share": [w / summary["train_seconds"] for w in waits[-1]]}
 
 
 def round_time(curve_seconds: list[float], aggregation_seconds: list[float]) -> float | None:
@@ -538,7 +543,8 @@ def format_speeds(report: dict) -> str:
              f"{report['reference']}; target eval loss {fmt(report['target_eval_loss'], '.4f')} "
              f"({report['reference']}'s final, step {report['steps']})", "",
              "| config | steps per facility | rounds | steps per round | every_s | wall s | train s | eval loss at end | "
-             "time to target s | x reference | x fixed | waiting share per facility |", "|" + "---|" * 12]
+             "time to target s | x reference | x fixed | waiting share per facility | of which at the last round |",
+             "|" + "---|" * 13]
     for name, r in report["results"].items():
         end = r["eval_curve"][-1]["loss"] if r["eval_curve"] else None
         lines.append(
@@ -546,7 +552,7 @@ def format_speeds(report: dict) -> str:
             f"{per_facility(r['steps_per_round'], '.1f')} | {fmt(r['every_s'], '.2f')} | {r['wall_seconds']:.1f} | "
             f"{r['train_seconds']:.1f} | {fmt(end, '.4f')} | {fmt(r['time_to_target_seconds'], '.1f')} | "
             f"{fmt(r['time_to_target_ratio'], '.3f')} | {fmt(r['time_to_target_x_fixed'], '.3f')} | "
-            f"{per_facility(r['waiting_share'], '.1%')} |")
+            f"{per_facility(r['waiting_share'], '.1%')} | {per_facility(r['last_round_waiting_share'], '.1%')} |")
     verdict = {True: "met", False: "not met", None: "not measured"}[goal["met"]]
     lines += ["", f"goal: {goal['paced']} reaches the target in <= {GOAL_RATIO}x the wall time of {goal['fixed']}, each "
                   f"facility waiting < {GOAL_WAIT:.0%} of its time: {fmt(goal['ratio'], '.3f')}x "

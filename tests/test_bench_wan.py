@@ -11,7 +11,9 @@ import sys
 import pytest
 
 from xffl_like.bench import netns
-from xffl_like.bench.wan import eval_curve, link_round, loss_at_step, time_to_target
+from xffl_like.bench import wan
+from xffl_like.bench.wan import (eval_curve, format_speeds, link_round, loss_at_step, pace_figures, round_time,
+                                 speeds_goal, time_to_target)
 
 from helpers import REPO as ROOT
 
@@ -41,6 +43,90 @@ def test_time_to_target_is_the_first_point_at_or_below_it():
     assert time_to_target(curve, 2.1, 100.0) == 50.0  # step 48, not the later, higher point
     assert time_to_target(curve, 1.9, 100.0) is None  # never
     assert loss_at_step(curve, 48) == 2.0 and loss_at_step(curve, 40) is None
+
+
+def _paced_summary(steps_taken, waited, train_seconds, steps=128, facility_steps=None) -> dict:
+    return {"layout": {"facility_sizes": [2, 2]}, "steps": steps, "train_seconds": train_seconds,
+            "facility_steps": facility_steps,
+            "round_records": [{"step": 0, "steps_taken": t, "waited_s": w} for t, w in zip(steps_taken, waited)]}
+
+
+def test_pace_figures_steps_per_round_and_waiting_share():
+    # every_s: facility 0 took 31 and 33 steps, facility 1 16 and 15; each waited a little at each round.
+    paced = pace_figures(_paced_summary([[31, 16], [33, 15]], [[0.2, 0.0], [0.1, 0.3]], 40.0, facility_steps=[64, 31]))
+    assert paced["steps_per_round"] == [32.0, 15.5]
+    assert paced["waited_seconds"] == pytest.approx([0.3, 0.3])
+    assert paced["waiting_share"] == pytest.approx([0.3 / 40, 0.3 / 40])
+    assert paced["last_round_waiting_share"] == pytest.approx([0.1 / 40, 0.3 / 40])
+    # Fixed every: no steps_taken, the job's steps over its rounds; facility 0 (fast) waits half of each round.
+    fixed = pace_figures(_paced_summary([None] * 4, [[4.0, 0.0]] * 4, 40.0, steps=64))
+    assert fixed["steps_per_round"] == [16.0, 16.0] and fixed["waiting_share"] == [0.4, 0.0]
+    # Synchronous: no rounds, nothing to say.
+    assert set(pace_figures(_paced_summary([], [], 40.0)).values()) == {None}
+
+
+def test_round_time_is_the_median_round_less_the_exchange():
+    # Rounds evaluated at 12, 22, 33, 43 s: intervals 12, 10, 11, 10 (median 10.5); exchanges 2, 3, 2, 9 s (median 2.5).
+    assert round_time([12.0, 22.0, 33.0, 43.0], [2.0, 3.0, 2.0, 9.0]) == pytest.approx(8.0)
+    assert round_time([], []) is None  # no rounds (synchronous)
+
+
+def _speeds_report(fixed_ttt, paced_ttt, paced_share) -> dict:
+    """A hand-made ``bench.mode=speeds`` run through the bench's own report: the reference ends at eval loss
+    2.4 (the target); ``fixed`` and ``paced`` first reach it ``*_ttt`` seconds into training (None: never)."""
+    def result(ttt, share, steps, per_round, every_s=None):
+        curve = [{"step": 16, "seconds": 5.0, "loss": 3.0}, {"step": 32, "seconds": ttt or 200.0,
+                                                               "loss": 2.39 if ttt else 2.5}]
+        return {"facility_steps": steps, "rounds": 4, "steps_per_round": per_round, "every_s": every_s,
+                "wall_seconds": 60.0, "train_seconds": 50.0, "eval_curve": curve, "waiting_share": share,
+                "last_round_waiting_share": share and [w / 2 for w in share]}
+
+    results = {"synchronous": result(20.0, None, [64, 64], None),
+               "every_16": result(fixed_ttt, [0.45, 0.001], [64, 64], [16.0, 16.0]),
+               "every_s": result(paced_ttt, paced_share, [128, 63], [32.0, 15.75], every_s=8.5)}
+    results["synchronous"]["eval_curve"][-1]["loss"] = 2.4
+    bench = {"mode": "speeds", "link_mbit": 10, "facilities": 2, "nproc_per_facility": 2, "reference": "synchronous",
+             "steps": 64, "speeds": {"slow": ["fault.slow_facility=1", "fault.slow_factor=2.0"], "overrides": [],
+                                     "every_s": None, "fixed": "every_16", "paced": "every_s"}}
+    return wan._report(bench, results, {})
+
+
+def test_speeds_goal_ratio_and_waiting():
+    report = _speeds_report(100.0, 60.0, [0.02, 0.01])
+    goal = report["goal"]
+    assert goal["ratio"] == pytest.approx(0.6) and goal["max_waiting_share"] == 0.02 and goal["met"] is True
+    assert report["results"]["every_s"]["time_to_target_x_fixed"] == pytest.approx(0.6)
+    assert report["results"]["every_16"]["time_to_target_x_fixed"] == 1.0
+    table = format_speeds(report)
+    assert "| every_s | 128 / 63 | 4 | 32.0 / 15.8 | 8.50 |" in table
+    assert "| every_16 | 64 / 64 | 4 | 16.0 / 16.0 | - |" in table and "| 45.0% / 0.1% | 22.5% / 0.1% |" in table
+    assert table.splitlines()[-1].endswith("0.600x (60.0 s / 100.0 s), most waiting 2.0%: met")
+    assert report["target_eval_loss"] == 2.4 and report["results"]["every_s"]["time_to_target_ratio"] == 3.0
+    # Fast enough but a facility waits too long; slow enough; a config that never reached the target.
+    assert speeds_goal(_speeds_report(100.0, 60.0, [0.06, 0.0])["results"], "every_16", "every_s")["met"] is False
+    assert _speeds_report(100.0, 80.0, [0.0, 0.0])["goal"]["met"] is False
+    missing = _speeds_report(100.0, None, [0.0, 0.0])
+    assert missing["goal"]["met"] is None and missing["goal"]["ratio"] is None
+    assert format_speeds(missing).endswith("not measured")
+
+
+def test_speeds_runs_and_every_s_placeholder():
+    bench = {"mode": "speeds", "facilities": 2, "nproc_per_facility": 2, "steps": 64, "max_steps_factor": 2,
+             "reference": "sync", "common": ["logger=none"],
+             "speeds": {"slow": ["fault.slow_facility=1"], "overrides": ["train.seq_len=64"], "every_s": None,
+                        "fixed": "h16", "paced": "by_time",
+                        "configs": {"sync": ["+experiment=synchronous"], "h16": ["+experiment=fedavg"],
+                                    "by_time": ["+experiment=fedavg", "federation.every=null"]}}}
+    runs = wan._runs(bench)
+    assert runs["sync"][-2:] == ["train.steps=64", "train.eval_every=0"] and "fault.slow_facility=1" not in runs["sync"]
+    assert "fault.slow_facility=1" in runs["h16"] and "train.steps=128" in runs["h16"]
+    assert "federation.every_s=1" in runs["by_time"]  # stands in until h16's rounds are measured
+    assert "federation.every_s=8.250" in wan._set_every_s(runs["by_time"], 8.25)
+    wan._check({"bench": {**bench, "link_mbit": 10, "timeout_s": 10, "eval_every": 16, "link_overrides": [],
+                          "configs": {}}})
+    bench["speeds"]["configs"] = dict(reversed(bench["speeds"]["configs"].items()))  # by_time before h16
+    with pytest.raises(wan.WanFailed, match="must have rounds of fixed steps and come before"):
+        wan._check({"bench": {**bench, "link_mbit": 10, "timeout_s": 10, "eval_every": 16, "link_overrides": []}})
 
 
 def test_counter_interpolation():

@@ -97,6 +97,58 @@ def test_error_feedback_carries_the_residual(kind):
     assert comp_off.residual is None
 
 
+def test_every_s_round_ends_when_another_facility_reaches_train_steps(monkeypatch):
+    """``federation.every_s``: a facility that will reach train.steps early in the next round makes that
+    round end then for the others (they would otherwise train on for the rest of every_s while it waits).
+    One rank per facility (no collective inside a facility); the clock is set by hand."""
+    from types import SimpleNamespace
+
+    from xffl_like.federation import pace
+
+    clock = [0.0]
+    monkeypatch.setattr(pace.time, "perf_counter", lambda: clock[0])
+
+    def a_round(p, first, step):
+        """Steps of ``first`` s (the first, with the evaluation) then ``step`` s until the facility is due:
+        (steps taken, seconds from the round's start to its end)."""
+        begin, done, at = clock[0], p.taken, clock[0] + first
+        while True:
+            clock[0] = at
+            p.step_taken()
+            done += 1
+            if p.due(done):
+                return done - p.first, clock[0] - begin
+            at += step
+
+    cfg = FederationConfig(every=None, every_s=10.0)
+    pace_of = {0: (1.5, 0.5), 1: (2.0, 1.0)}  # facility 1 twice as slow
+    paces = [pace.RoundPace(cfg, SimpleNamespace(facility=f, facility_size=1), 40) for f in (0, 1)]
+    assert paces[0].seconds_to_cap(0) == float("inf")  # nothing timed yet
+    for p in paces:
+        p.start(0)
+    ends, taken = [], []
+    for limits in ([10.0, 10.0], [10.0, 10.0], [10.0, 3.0]):
+        assert [p.limit for p in paces] == limits
+        rounds = []
+        for f, p in enumerate(paces):
+            clock[0] = 1000.0 * len(ends)  # every facility starts the round at the same time
+            rounds.append(a_round(p, *pace_of[f]))
+        taken.append([n for n, _ in rounds])
+        ends.append([t for _, t in rounds])
+        to_cap = [p.seconds_to_cap(p.taken) for p in paces]
+        clock[0] = 1000.0 * len(ends)
+        for p in paces:
+            p.round_done(p.taken, to_cap)
+    # Rounds 1 and 2 of every_s = 10 s (another step would end past it): 18 fast steps (1.5 + 17 x 0.5), 9 slow ones.
+    assert taken[:2] == [[18, 9], [18, 9]] and ends[:2] == [[10.0, 10.0], [10.0, 10.0]]
+    # After round 2 facility 0 has 4 steps left, 1.5 + 3 x 0.5 = 3 s into round 3: it stops there (train.steps),
+    # and facility 1 ends by then (its step, 2 s, then another would end past 3 s) instead of training on to 10 s.
+    assert taken[2] == [4, 1] and ends[2] == [3.0, 2.0] and paces[0].taken == 40
+    # The list form is not affected.
+    listed = pace.RoundPace(FederationConfig(every=[4, 2]), SimpleNamespace(facility=0, facility_size=1), 8)
+    assert listed.seconds_to_cap(4) == float("inf")
+
+
 # ----------------------------------------------------------------------------- multi-process
 LAYOUTS = [
     # 2 facilities x FSDP over 2 ranks: outer optimizers, plain mean, compression, synchronous.

@@ -20,6 +20,21 @@ Writes ``wan.json``, ``wan.md`` and ``wan.png`` into its run directory and print
 jobs meeting at a lighthouse) through faults: a facility starting late, one killed and restarted,
 a heal of ``model=llama_bench``; see :mod:`.elastic_wan`.
 
+``bench.mode=speeds`` runs facilities of different speeds (issue 21): ``bench.speeds.configs`` as
+``train`` runs ``bench.configs`` (same steps, same target, ``bench.reference`` names one of them), with
+``bench.speeds.slow`` (``fault.slow_facility=1 fault.slow_factor=2.0``: facility 1 at half speed)
+added to every config but the reference (its final eval loss, the target, does not depend on speed) and
+``train.eval_every=0`` everywhere (per-facility paces refuse anything else; each round is evaluated
+before and after, the synchronous reference every ``federation.every`` steps). A config whose
+overrides set ``federation.every=null`` gets ``federation.every_s=bench.speeds.every_s`` or, when that
+is null, the median round time of ``bench.speeds.fixed`` measured earlier in the same run (the
+interval between its rounds less the exchange: the slower facility's steps and the evaluations), so
+its rounds last as long as the fixed ones and the slow facility takes about as many steps. Per config
+it reports the steps each facility took per round and each facility's waiting share (the sum of its
+``round_records[].waited_s`` over ``train_seconds``), and the goal of issue 21: ``bench.speeds.paced``
+reaches the target in <= :data:`GOAL_RATIO` x the time of ``bench.speeds.fixed``, each facility
+waiting < :data:`GOAL_WAIT` of its time (:func:`speeds_goal`).
+
 ``bench.mode=link`` runs one round of ``bench.link_overrides`` (``model=llama_bench``) and
 reports the fraction of the line rate that round achieved (:func:`link_round`), and the window
 in which the counters saw the link carry it against the round's own time.
@@ -42,10 +57,15 @@ from .netns import (CounterSampler, Network, NetnsError, busy_window, cleanup_on
                     unavailable, wait_launchers)
 from ..checks import is_int, is_number
 
-__all__ = ["WanFailed", "eval_curve", "time_to_target", "loss_at_step", "link_round", "run_wan", "format_table", "main"]
+__all__ = ["WanFailed", "eval_curve", "time_to_target", "loss_at_step", "link_round", "pace_figures", "round_time",
+           "speeds_goal", "run_wan", "format_table", "format_speeds", "main", "GOAL_RATIO", "GOAL_WAIT"]
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
-MODES = ("train", "link", "elastic")
+MODES = ("train", "link", "elastic", "speeds")
+#: ``bench.mode=speeds``: issue 21's goal, ``bench.speeds.paced``'s time to the target over ``bench.speeds.fixed``'s ...
+GOAL_RATIO = 0.75
+#: ... and the largest share of its training time any facility of ``paced`` spent waiting at the rounds.
+GOAL_WAIT = 0.05
 
 
 class WanFailed(RuntimeError):
@@ -84,6 +104,62 @@ def loss_at_step(curve: list[tuple[int, float, float]], step: int) -> float | No
     return next((loss for s, _, loss in curve if s == step), None)
 
 
+def pace_figures(summary: dict) -> dict:
+    """Per facility, from a job's ``summary.json``: ``steps_per_round`` (mean local steps per round:
+    ``round_records[].steps_taken`` with per-facility paces, else the job's steps over its rounds),
+    ``waited_seconds`` (the sum of ``round_records[].waited_s``: what it waited at the rounds for the
+    others), ``waiting_share`` (that over ``train_seconds``) and ``last_round_waiting_share`` (the part
+    of it waited at the last round, where with ``every_s`` a facility that reached ``train.steps`` stops
+    early). ``None`` each without rounds."""
+    records = summary.get("round_records") or []
+    facilities = len(summary["layout"]["facility_sizes"])
+    if not records:
+        return {"steps_per_round": None, "waited_seconds": None, "waiting_share": None,
+                "last_round_waiting_share": None}
+    if all(r.get("steps_taken") for r in records):
+        per_round = [sum(r["steps_taken"][f] for r in records) / len(records) for f in range(facilities)]
+    else:
+        per_round = [summary["steps"] / len(records)] * facilities
+    waits = [r.get("waited_s") or [0.0] * facilities for r in records]
+    waited = [sum(w[f] for w in waits) for f in range(facilities)]
+    return {"steps_per_round": per_round, "waited_seconds": waited,
+            "waiting_share": [w / summary["train_seconds"] for w in waited],
+            "last_round_waiting_share": [w / summary["train_seconds"] for w in waits[-1]]}
+
+
+def round_time(curve_seconds: list[float], aggregation_seconds: list[float]) -> float | None:
+    """``federation.every_s`` that makes rounds as long as those of a job whose rounds were evaluated at
+    ``curve_seconds`` (seconds since the start of training, one per round) and whose exchanges took
+    ``aggregation_seconds``: the median interval between rounds (the first from the start) less the
+    median exchange, which ``every_s`` does not count. ``None`` without rounds."""
+    if not curve_seconds or not aggregation_seconds:
+        return None
+    intervals = [b - a for a, b in zip([0.0, *curve_seconds], curve_seconds)]
+    return max(_median(intervals) - _median(aggregation_seconds), 1e-3)
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def speeds_goal(results: dict, fixed: str, paced: str) -> dict:
+    """Issue 21's goal from the ``results`` of ``bench.mode=speeds``: ``paced``'s time to the target over
+    ``fixed``'s (``ratio``, goal <= :data:`GOAL_RATIO`) and the largest waiting share of any facility
+    of ``paced`` (``max_waiting_share``, goal < :data:`GOAL_WAIT`); ``met`` is ``None`` when a figure is
+    missing (a config failed or never reached the target)."""
+    f, p = results.get(fixed) or {}, results.get(paced) or {}
+    tf, tp = f.get("time_to_target_seconds"), p.get("time_to_target_seconds")
+    ratio = tp / tf if tp is not None and tf else None
+    shares = p.get("waiting_share")
+    wait = max(shares) if shares else None
+    met = None if ratio is None or wait is None else ratio <= GOAL_RATIO and wait < GOAL_WAIT
+    return {"fixed": fixed, "paced": paced, "fixed_seconds": tf, "paced_seconds": tp, "ratio": ratio,
+            "max_waiting_share": wait, "met": met, "goal": f"ratio <= {GOAL_RATIO}, every facility waiting < "
+                                                          f"{GOAL_WAIT:.0%} of its training time"}
+
+
 # ----------------------------------------------------------------------------- validation
 def _check(plain: dict) -> dict:
     bench = plain["bench"]
@@ -103,17 +179,56 @@ def _check(plain: dict) -> dict:
         raise WanFailed(f"bench.facilities={bench['facilities']}: a wide-area link needs at least 2 facilities")
     if bench["max_steps_factor"] < 1:
         raise WanFailed(f"bench.max_steps_factor={bench['max_steps_factor']}: must be >= 1")
-    configs = bench.get("configs")
+    key = "bench.speeds.configs" if bench["mode"] == "speeds" else "bench.configs"
+    configs = (bench.get("speeds") or {}).get("configs") if bench["mode"] == "speeds" else bench.get("configs")
     if not isinstance(configs, dict) or not configs:
-        raise WanFailed("bench.configs must map config names to lists of overrides, e.g. {synchronous: [+experiment=synchronous]}")
+        raise WanFailed(f"{key} must map config names to lists of overrides, e.g. {{synchronous: [+experiment=synchronous]}}")
     if bench["mode"] == "elastic":
         return bench
-    if bench["mode"] == "train" and bench.get("reference") not in configs:
-        raise WanFailed(f"bench.reference={bench.get('reference')!r}: name one of bench.configs {list(configs)}")
+    if bench["mode"] in ("train", "speeds") and bench.get("reference") not in configs:
+        raise WanFailed(f"bench.reference={bench.get('reference')!r}: name one of {key} {list(configs)}")
     for name, overrides in {**configs, "link_overrides": bench.get("link_overrides")}.items():
         if not isinstance(overrides, list) or not all(isinstance(o, str) for o in overrides):
-            raise WanFailed(f"bench.configs.{name}={overrides!r}: must be a list of override strings")
+            where = "bench.link_overrides" if name == "link_overrides" else f"{key}.{name}"
+            raise WanFailed(f"{where}={overrides!r}: must be a list of override strings")
+    if bench["mode"] == "speeds":
+        _check_speeds(bench["speeds"], bench["reference"])
     return bench
+
+
+def _check_speeds(speeds: dict, reference: str) -> None:
+    configs = speeds["configs"]
+    for key in ("slow", "overrides"):
+        value = speeds.get(key)
+        if not isinstance(value, list) or not all(isinstance(o, str) for o in value):
+            raise WanFailed(f"bench.speeds.{key}={value!r}: must be a list of override strings")
+    every_s = speeds.get("every_s")
+    if every_s is not None and (not is_number(every_s) or not 0 < every_s < float("inf")):
+        raise WanFailed(f"bench.speeds.every_s={every_s!r}: a number of seconds, or null (measured from bench.speeds.fixed)")
+    for key in ("fixed", "paced"):
+        if speeds.get(key) not in configs:
+            raise WanFailed(f"bench.speeds.{key}={speeds.get(key)!r}: name one of bench.speeds.configs {list(configs)}")
+    if speeds["fixed"] in (speeds["paced"], reference):
+        raise WanFailed(f"bench.speeds.fixed={speeds['fixed']!r}: the goal compares it with bench.speeds.paced; name "
+                        f"another config than that and bench.reference")
+    timed = [name for name, overrides in configs.items() if _timed(overrides)]
+    if every_s is None and timed:
+        order = list(configs)
+        if speeds["fixed"] in timed or any(order.index(n) < order.index(speeds["fixed"]) for n in timed):
+            raise WanFailed(f"bench.speeds.every_s=null takes federation.every_s from bench.speeds.fixed="
+                            f"{speeds['fixed']!r}, which must have rounds of fixed steps and come before {timed} in "
+                            f"bench.speeds.configs; or set bench.speeds.every_s")
+
+
+def _override_key(override: str) -> str:
+    return override.split("=", 1)[0].lstrip("+~")
+
+
+def _timed(overrides: list[str]) -> bool:
+    """Whether a ``bench.speeds`` config's rounds are bounded by time: it sets ``federation.every=null``
+    and leaves ``federation.every_s`` to the bench."""
+    keys = {_override_key(o): o.split("=", 1)[1] if "=" in o else None for o in overrides}
+    return keys.get("federation.every") == "null" and "federation.every_s" not in keys
 
 
 def _runs(bench: dict) -> dict[str, list[str]]:
@@ -124,11 +239,26 @@ def _runs(bench: dict) -> dict[str, list[str]]:
     if bench["mode"] == "link":
         return {"link": [*bench["common"], *bench["link_overrides"], *fixed, "train.steps=1", "federation.every=1"]}
     runs = {}
+    if bench["mode"] == "speeds":
+        speeds = bench["speeds"]
+        for name, overrides in speeds["configs"].items():
+            reference = name == bench["reference"]
+            steps = bench["steps"] if reference else int(bench["steps"] * bench["max_steps_factor"])
+            # every_s null: 1 s stands in while the configs are validated; the measured value replaces it.
+            timed = [f"federation.every_s={speeds['every_s'] or 1.0:g}"] if _timed(overrides) else []
+            runs[name] = [*bench["common"], *speeds["overrides"], *overrides, *([] if reference else speeds["slow"]),
+                          *timed, *fixed, f"train.steps={steps}", "train.eval_every=0"]
+        return runs
     for name, overrides in bench["configs"].items():
         steps = bench["steps"] if name == bench["reference"] else int(bench["steps"] * bench["max_steps_factor"])
         runs[name] = [*bench["common"], *overrides, *fixed, f"train.steps={steps}",
                       f"train.eval_every={bench['eval_every']}"]
     return runs
+
+
+def _set_every_s(overrides: list[str], every_s: float) -> list[str]:
+    """``overrides`` with ``federation.every_s`` set to ``every_s`` (measured)."""
+    return [f"federation.every_s={every_s:.3f}" if _override_key(o) == "federation.every_s" else o for o in overrides]
 
 
 def _validate_runs(runs: dict[str, list[str]], bench: dict) -> None:
@@ -158,7 +288,7 @@ def _validate_run(name: str, overrides: list[str], world: int, bench: dict) -> N
         raise WanFailed(f"config {name}: {exc}") from None
     except Exception as exc:  # noqa: BLE001 - Hydra's compose errors: one line
         raise WanFailed(f"config {name}: {str(exc).splitlines()[0]}") from None
-    if name != "link" and plain["train"]["steps"] % plain["train"]["eval_every"]:
+    if name != "link" and plain["train"]["eval_every"] and plain["train"]["steps"] % plain["train"]["eval_every"]:
         raise WanFailed(f"config {name}: train.steps={plain['train']['steps']} is not a multiple of "
                         f"bench.eval_every={bench['eval_every']}")
 
@@ -200,6 +330,14 @@ def _measure(name: str, run_dir: Path, started: float, ended: float, sampler: Co
     }
     if summary["rounds"]:
         out["cross_bytes_per_round"] = out["cross_bytes"] / summary["rounds"]
+    if bench["mode"] == "speeds":
+        facilities = len(summary["layout"]["facility_sizes"])
+        out["every_s"] = summary["federation"].get("every_s")
+        out["facility_steps"] = summary.get("facility_steps") or [summary["steps"]] * facilities
+        out.update(pace_figures(summary))
+        # federation.every_s whose rounds would last as long as this config's (bench.speeds.every_s=null)
+        out["matching_every_s"] = round_time([p["seconds"] for p in out["eval_curve"]] if summary["rounds"] else [],
+                                             summary["aggregation_seconds"])
     if bench["mode"] == "link":
         out.update(link_round(summary["aggregation_seconds"][0], sampler.samples, t0, train_end, rate))
         out["round_bytes_computed"] = summary["cross_facility_bytes_per_round"][0]
@@ -258,6 +396,15 @@ def run_wan(cfg: DictConfig, run_dir: Path) -> dict | None:
         with network, CounterSampler(network) as sampler:
             for i, (name, overrides) in enumerate(runs.items()):
                 job_dir = run_dir / "runs" / name
+                if bench["mode"] == "speeds" and bench["speeds"]["every_s"] is None and \
+                        _timed(bench["speeds"]["configs"][name]):
+                    every_s = (results.get(bench["speeds"]["fixed"]) or {}).get("matching_every_s")
+                    if every_s is None:
+                        failures[name] = (f"no federation.every_s: bench.speeds.fixed={bench['speeds']['fixed']} did "
+                                          f"not finish with rounds; set bench.speeds.every_s")
+                        print(f"[{name}] failed: {failures[name]}", flush=True)
+                        continue
+                    overrides = _set_every_s(overrides, every_s)
                 print(f"[{name}] {' '.join(overrides)}", flush=True)
                 started = time.time()
                 env = {"XFFL_RUN_DIR": str(job_dir.resolve()), "WANDB_MODE": "offline",
@@ -283,7 +430,7 @@ def run_wan(cfg: DictConfig, run_dir: Path) -> dict | None:
     (run_dir / "counters.json").write_text(json.dumps({"interfaces": [f.interface for f in network.facilities],
                                                        "samples": sampler.samples}) + "\n")
     (run_dir / "wan.md").write_text(format_table(report) + "\n")
-    if bench["mode"] == "train":
+    if bench["mode"] in ("train", "speeds"):
         from ..observe.plots import plot_eval_curves
 
         note = plot_eval_curves({n: r["eval_curve"] for n, r in results.items()}, report.get("target_eval_loss"),
@@ -335,6 +482,14 @@ def _report(bench: dict, results: dict, failures: dict) -> dict:
         ttt = time_to_target(curve, report["target_eval_loss"], 0.0) if ref else None
         r["time_to_target_seconds"] = ttt
         r["time_to_target_ratio"] = ttt / ref_time if ttt is not None and ref_time else None
+    if bench["mode"] == "speeds":
+        speeds = bench["speeds"]
+        report["speeds"] = {k: speeds[k] for k in ("slow", "overrides", "every_s", "fixed", "paced")}
+        fixed_time = (results.get(speeds["fixed"]) or {}).get("time_to_target_seconds")
+        for r in results.values():
+            ttt = r["time_to_target_seconds"]
+            r["time_to_target_x_fixed"] = ttt / fixed_time if ttt is not None and fixed_time else None
+        report["goal"] = speeds_goal(results, speeds["fixed"], speeds["paced"])
     return report
 
 
@@ -353,6 +508,8 @@ def format_table(report: dict) -> str:
                 f"{100 * r['link_utilization']:.1f}% of the line rate; the link carried it in "
                 f"{r['transfer_seconds']:.2f} s ({100 * (r['transfer_utilization'] or 0):.1f}% of the line rate then), "
                 f"{r['round_overhead_seconds']:.2f} s of the round outside that")
+    if report["mode"] == "speeds":
+        return format_speeds(report)
     head = ("| config | steps | rounds | wall s | final eval loss | time to target s | x reference | "
             "cross MB | MB per round | link use |")
     lines = [f"{report['facilities']} facilities x {report['nproc_per_facility']} processes, link "
@@ -367,6 +524,40 @@ def format_table(report: dict) -> str:
             f"{fmt(r['time_to_target_seconds'], '.1f')} | {fmt(r['time_to_target_ratio'], '.3f')} | "
             f"{r['cross_bytes'] / 1e6:.2f} | {fmt(r.get('cross_bytes_per_round') and r['cross_bytes_per_round'] / 1e6, '.3f')} | "
             f"{r['link_utilization']:.2f} |")
+    for name, why in report["failures"].items():
+        lines.append(f"failed: {name}: {why}")
+    return "\n".join(lines)
+
+
+def format_speeds(report: dict) -> str:
+    """``bench.mode=speeds``: every config side by side, then issue 21's goal (met / not met)."""
+    def fmt(v, spec):
+        return "-" if v is None else format(v, spec)
+
+    def per_facility(values, spec):
+        return "-" if values is None else " / ".join(format(v, spec) for v in values)
+
+    speeds, goal = report["speeds"], report["goal"]
+    lines = [f"{report['facilities']} facilities x {report['nproc_per_facility']} processes, link "
+             f"{report['link_mbit']:g} Mbit/s each way; {' '.join(speeds['slow'])} in every config but "
+             f"{report['reference']}; target eval loss {fmt(report['target_eval_loss'], '.4f')} "
+             f"({report['reference']}'s final, step {report['steps']})", "",
+             "| config | steps per facility | rounds | steps per round | every_s | wall s | train s | eval loss at end | "
+             "time to target s | x reference | x fixed | waiting share per facility | of which at the last round |",
+             "|" + "---|" * 13]
+    for name, r in report["results"].items():
+        end = r["eval_curve"][-1]["loss"] if r["eval_curve"] else None
+        lines.append(
+            f"| {name} | {per_facility(r['facility_steps'], 'd')} | {r['rounds']} | "
+            f"{per_facility(r['steps_per_round'], '.1f')} | {fmt(r['every_s'], '.2f')} | {r['wall_seconds']:.1f} | "
+            f"{r['train_seconds']:.1f} | {fmt(end, '.4f')} | {fmt(r['time_to_target_seconds'], '.1f')} | "
+            f"{fmt(r['time_to_target_ratio'], '.3f')} | {fmt(r['time_to_target_x_fixed'], '.3f')} | "
+            f"{per_facility(r['waiting_share'], '.1%')} | {per_facility(r['last_round_waiting_share'], '.1%')} |")
+    verdict = {True: "met", False: "not met", None: "not measured"}[goal["met"]]
+    lines += ["", f"goal: {goal['paced']} reaches the target in <= {GOAL_RATIO}x the wall time of {goal['fixed']}, each "
+                  f"facility waiting < {GOAL_WAIT:.0%} of its time: {fmt(goal['ratio'], '.3f')}x "
+                  f"({fmt(goal['paced_seconds'], '.1f')} s / {fmt(goal['fixed_seconds'], '.1f')} s), most waiting "
+                  f"{fmt(goal['max_waiting_share'] and 100 * goal['max_waiting_share'], '.1f')}%: {verdict}"]
     for name, why in report["failures"].items():
         lines.append(f"failed: {name}: {why}")
     return "\n".join(lines)

@@ -13,7 +13,11 @@ Three paces, one per setting:
   another one, at its mean step time in this round, would still end within ``T`` seconds of the
   round's start; if not, it aggregates. Every facility therefore reaches the round within about
   one of its own steps of ``T`` and nobody idles longer than that. No facility trains past
-  ``train.steps``; the job ends after the first round in which one of them reached it.
+  ``train.steps``; the job ends after the first round in which one of them reached it. So that the
+  others do not train on for the rest of ``T`` while it waits, each facility tells the others at every
+  round when, at this round's pace, it would reach ``train.steps`` in the next one
+  (:meth:`RoundPace.seconds_to_cap`); a round ends at the earliest of ``T`` and the other facilities'
+  times (:meth:`RoundPace.round_done`).
 
 With different numbers of steps per round the default weighting (``federation.weights=null``) is
 ``tokens``: each facility counts by the tokens it trained in the round. The pseudo-gradient of an
@@ -132,14 +136,35 @@ class RoundPace:
         self.first = 0  # this facility's steps when the round in progress began
         self.taken = 0  # this facility's steps so far
         self._first_done_at = self.started_at  # when the round's first step ended
+        # every_s: this round's end (every_s, or earlier when another facility reaches train.steps in it), and
+        # this facility's last measured first step (it carries the round's evaluation) and mean step, in seconds.
+        self.limit = self.every_s
+        self._first_s: float | None = None
+        self._step_s: float | None = None
 
     def start(self, done: int) -> None:
         """Training begins now, after ``done`` steps."""
         self.started_at, self.first, self.taken = time.perf_counter(), done, done
 
-    def round_done(self, done: int) -> None:
-        """The round after ``done`` steps is made: the next one begins now."""
+    def round_done(self, done: int, to_cap: list[float] | None = None) -> None:
+        """The round after ``done`` steps is made: the next one begins now. ``to_cap``: every facility's
+        :meth:`seconds_to_cap` (the same list on every rank); with ``every_s`` the round ends when another
+        step would end past ``every_s`` or past the earliest time at which another facility reaches
+        ``train.steps``, whichever is first (a facility that reaches it stops there and waits)."""
         self.started_at, self.first = time.perf_counter(), done
+        self.limit = self.every_s
+        if self.every_s is not None and to_cap:
+            others = [t for f, t in enumerate(to_cap) if f != self.state.facility]
+            self.limit = min([self.every_s, *others])
+
+    def seconds_to_cap(self, done: int) -> float:
+        """With ``every_s``: seconds from the start of the next round until this facility, after ``done``
+        steps, would end step ``train.steps`` at this round's pace (its first step, with the evaluation, then
+        its mean step); ``inf`` with ``every`` or before a step was timed."""
+        if self.every_s is None or self._step_s is None or self._first_s is None:
+            return math.inf
+        left = self.cap - done
+        return 0.0 if left <= 0 else self._first_s + (left - 1) * self._step_s
 
     def step_taken(self) -> None:
         """A local step was taken (its backward passes are done)."""
@@ -173,4 +198,7 @@ class RoundPace:
         if self.state.facility_size > 1:
             dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=self.state.group("facility"))
         elapsed, step_s = seen.tolist()
-        return elapsed + step_s > self.every_s
+        if taken <= 1:
+            self._first_s = elapsed
+        self._step_s = step_s
+        return elapsed + step_s > self.limit

@@ -140,14 +140,14 @@ class Federation:
         ``dump`` (a :class:`~xffl_like.train.round_dump.RoundDump`) records values around each round."""
         if not self.applies_at(done):
             return []
-        taken = self._meet(done) if self.pace is not None else None
+        taken, to_cap = self._meet(done) if self.pace is not None else (None, None)
         if dump is not None:
             dump.save(index, "before")
         out = self.round(adjust=None if adjust is None else lambda weights: adjust(weights, index))
         if dump is not None:
             dump.save(index, "after", bytes_per_rank=out["bytes_per_rank"])
         if self.pace is not None:
-            self.pace.round_done(done)
+            self.pace.round_done(done, to_cap)
         return [{"round": index, "step": done, "fragment": None, "steps_taken": taken, **out}]
 
     # ------------------------------------------------------------------ per-facility paces (federation/pace.py)
@@ -155,17 +155,20 @@ class Federation:
     def paced(self) -> bool:
         return self.pace is not None
 
-    def _meet(self, done: int) -> list[int]:
-        """The steps every facility took in this round (collective over the world), from which
-        :attr:`facility_steps` and, with ``every_s``, the end of the job follow."""
+    def _meet(self, done: int) -> tuple[list[int], list[float]]:
+        """The steps every facility took in this round, from which :attr:`facility_steps` and, with
+        ``every_s``, the end of the job follow, and every facility's :meth:`~.pace.RoundPace.seconds_to_cap`
+        (one collective over the world; step counts are exact in float64)."""
         state = self.state
-        taken = torch.zeros(state.num_facilities, dtype=torch.int64)
+        met = torch.zeros(2, state.num_facilities, dtype=torch.float64)
         if state.facility_rank == 0:
-            taken[state.facility] = done - self.pace.first
-        dist.all_reduce(taken)
+            met[0, state.facility] = done - self.pace.first
+            met[1, state.facility] = self.pace.seconds_to_cap(done)
+        dist.all_reduce(met)
+        taken = met[0].round().to(torch.int64)
         self.facility_steps += taken
         self.facility_steps[state.facility] = done
-        return taken.tolist()
+        return taken.tolist(), met[1].tolist()
 
     def job_step(self, done: int) -> int:
         """The job's step after this facility's ``done`` steps: with per-facility paces, the most

@@ -339,18 +339,21 @@ def busy_window(samples: list[tuple[float, list[int]]], t0: float, t1: float, ra
 
 
 def launch_torchrun(network: Network, nproc_per_node: int, entry: list[str], env: dict[str, str], log_dir: Path,
-                    port: int) -> list[subprocess.Popen]:
+                    port: int, pin: bool = False) -> list[subprocess.Popen]:
     """One ``torchrun`` per facility, inside its namespace, as a multi-site job starts: all join
     one static rendezvous at facility 0's link address (node rank = facility, so global ranks
     are contiguous per facility). gloo binds each facility's link interface
     (``GLOO_SOCKET_IFNAME``): peers in other facilities reach it across the link, peers in the
     same facility over its loopback. ``entry``: what torchrun runs (``["-m", module, args...]``);
-    each launcher's output goes to ``log_dir/facility<f>.log``."""
+    each launcher's output goes to ``log_dir/facility<f>.log``. ``pin``: facility f's launcher and workers run
+    on core ``f mod cores`` only (``taskset``), so that facilities on one small machine do not take CPU from each
+    other (a slowed facility stays exactly as slow as it was made)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     endpoint = f"{network.facilities[0].address}:{port}"
     procs = []
     for f, fac in enumerate(network.facilities):
-        cmd = [*fac.exec_prefix(), sys.executable, "-m", "torch.distributed.run", f"--nnodes={len(network.facilities)}",
+        cores = ["taskset", "-c", str(f % (os.cpu_count() or 1))] if pin else []
+        cmd = [*fac.exec_prefix(), *cores, sys.executable, "-m", "torch.distributed.run", f"--nnodes={len(network.facilities)}",
                f"--nproc-per-node={nproc_per_node}", f"--node-rank={f}", "--rdzv-backend=static",
                f"--rdzv-endpoint={endpoint}", "--max-restarts=0", *entry]
         with open(log_dir / f"facility{f}.log", "w") as log:

@@ -409,8 +409,9 @@ def run_wan(cfg: DictConfig, run_dir: Path) -> dict | None:
                 started = time.time()
                 env = {"XFFL_RUN_DIR": str(job_dir.resolve()), "WANDB_MODE": "offline",
                        "OMP_NUM_THREADS": str(bench["threads_per_process"])}
+                pin = bench["mode"] == "speeds" and bool(bench["speeds"].get("pin"))
                 procs = launch_torchrun(network, bench["nproc_per_facility"], ["-m", "xffl_like.run", *overrides],
-                                        env, job_dir, 29500 + i)
+                                        env, job_dir, 29500 + i, pin=pin)
                 failed = wait_launchers(procs, network, bench["timeout_s"])
                 ended = time.time()
                 if failed:

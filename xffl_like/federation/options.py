@@ -170,8 +170,9 @@ def _check_one(cfg: FederationConfig, layout) -> None:
         if not (isinstance(weights, (list, tuple)) and len(weights) == num_facilities and all(
                 is_number(w) and w >= 0 for w in weights) and sum(weights) > 0):
             raise ValueError(
-                f"federation.weights={weights!r}: use null, uniform, tokens, or a list of {num_facilities} non-negative "
-                f"numbers with a positive sum (one per facility)")
+                f"federation.weights={weights!r}: use uniform, tokens, or a list of {num_facilities} non-negative "
+                f"numbers with a positive sum (one per facility); null: uniform, or tokens when facilities take "
+                f"different steps per round")
     topology, compression = cfg.topology, cfg.compression
     validate_outer(cfg.outer)
     if compression not in COMPRESSIONS:

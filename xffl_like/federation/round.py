@@ -106,7 +106,8 @@ class Federation:
         o = self.options
         if not self.federated:
             return {"algorithm": o.algorithm}
-        return {"algorithm": o.algorithm, "every": o.every, "every_s": o.every_s, "topology": o.topology, "outer": o.outer.name,
+        paced = {"every_s": o.every_s} if o.every_s is not None else {}
+        return {"algorithm": o.algorithm, "every": o.every, **paced, "topology": o.topology, "outer": o.outer.name,
                 "outer_lr": o.outer.lr, "compression": o.compression}
 
     # ------------------------------------------------------------------ per step

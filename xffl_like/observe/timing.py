@@ -50,13 +50,15 @@ class PhaseTimer:
         self._pending: deque = deque()  # (phase, start event, end event), oldest first
 
     @contextmanager
-    def __call__(self, phase: str):
+    def __call__(self, phase: str, join: bool = False):
+        """Time a block as ``phase``; ``join``: the rest of the phase's previous occurrence (one iteration
+        in the load-imbalance report: a round's wait for the others, then its exchange)."""
         if self._event is None:
             start = self._clock()
             try:
                 yield
             finally:
-                self._add(phase, self._clock() - start)
+                self._add(phase, self._clock() - start, join)
             return
         begin, end = self._event(), self._event()
         begin.record()
@@ -64,21 +66,24 @@ class PhaseTimer:
             yield
         finally:
             end.record()
-            self._pending.append((phase, begin, end))
+            self._pending.append((phase, begin, end, join))
             self._fold(block=False)
 
-    def _add(self, phase: str, seconds: float) -> None:
+    def _add(self, phase: str, seconds: float, join: bool = False) -> None:
         self._seconds[phase] += seconds
-        self._samples[phase].append(seconds)
+        if join and self._samples[phase]:
+            self._samples[phase][-1] += seconds
+        else:
+            self._samples[phase].append(seconds)
 
     def _fold(self, block: bool) -> None:
         while self._pending:
-            phase, begin, end = self._pending[0]
+            phase, begin, end, join = self._pending[0]
             if block:
                 end.synchronize()
             elif not end.query():
                 return
-            self._add(phase, begin.elapsed_time(end) / 1e3)  # ms -> s
+            self._add(phase, begin.elapsed_time(end) / 1e3, join)  # ms -> s
             self._pending.popleft()
 
     @property

@@ -199,7 +199,7 @@ def _train(cfg: JobConfig, state: DistributedState, run_dir: Path, started_at: f
             if local_eval:
                 record_eval["loss_local"] = facility_eval(model, eval_batches, state, tcfg.loss_chunk)
             if due:
-                with timer("aggregation"):
+                with timer("aggregation", join=True):  # one iteration with the wait in arrive
                     records = sync.finish_due(done, len(rounds))
                 for record in records:
                     rounds.append(record)

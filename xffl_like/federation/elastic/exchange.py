@@ -213,7 +213,7 @@ class ElasticFederation:
         while True:
             attempts += 1
             data = {"round": self.round, "step": done, "tokens": tokens, "joining": joining,
-                    "taken": done - self.last_step}
+                    "taken": done - self.last_step, "every": cfg.every, "steps": self.steps}
             quorum = self.coordinator.quorum(self.round, data)
             names = [m.replica_id for m in quorum.participants]
             if joining and len(names) < cfg.elastic.min_facilities:
@@ -283,7 +283,11 @@ class ElasticFederation:
         # every_s takes the federation's rounds x its own federation.every (the donor's step when every is shared).
         step = done
         if (joining or me in behind) and cfg.every_s is None:
-            step = min(rounds * cfg.every, self.steps)
+            theirs = info[donor]
+            if int(theirs["step"]) >= int(theirs.get("steps", self.steps)):
+                step = self.steps  # the federation's last step
+            else:  # as many of its own rounds as the donor's steps are of the donor's
+                step = min(int(theirs["step"]) // int(theirs.get("every") or cfg.every) * cfg.every, self.steps)
         # federation.every_s: the job ends after the first round in which a member reached train.steps.
         ended = cfg.every_s is not None and max(int(d.get("step", 0)) for d in info) >= self.steps
         if residual is not None:
@@ -343,7 +347,8 @@ class ElasticFederation:
 
     def describe(self) -> dict:
         o = self.options
-        return {"algorithm": o.algorithm, "every": o.every, "every_s": o.every_s, "topology": o.topology, "outer": o.outer.name,
+        paced = {"every_s": o.every_s} if o.every_s is not None else {}
+        return {"algorithm": o.algorithm, "every": o.every, **paced, "topology": o.topology, "outer": o.outer.name,
                 "outer_lr": o.outer.lr, "compression": o.compression, "elastic": {
                     "facility": self.name, "lighthouse": o.elastic.lighthouse,
                     "rounds": [{k: r[k] for k in ("round", "step", "seconds", "facilities", "healed", "attempts")}

@@ -5,6 +5,11 @@ optimizer, checkpoints) whose rounds are :class:`~xffl_like.federation.elastic.e
 among the facilities present at each boundary, by the Lighthouse's quorum. Before the first step
 the facility joins: it heals from a live facility and adopts the federation's step (its data
 position and inner optimizer stay its own: from its checkpoint, or fresh).
+
+Data: every facility is facility 0 of its own world, so its identity in the data is its name's: a
+synthetic source keeps the job's seed (its shared chain is the federation's, as ``data.non_iid``
+says) and takes a number from the name as its facility (its own chain and batches); a corpus is
+read whole by every facility, its windows drawn with the job's seed plus that number.
 """
 
 from __future__ import annotations
@@ -30,8 +35,12 @@ class ElasticSync(FederatedSync):
         self.name = facility_name(cfg.federation.elastic)
         self.every = cfg.federation.every
         super().__init__(cfg, state, run_dir, config)
-        # Every facility is facility 0 of its own world: its batches differ by its name.
-        self.data_seed = cfg.seed + zlib.crc32(self.name.encode()) % (1 << 31)
+        # Every facility is facility 0 of its own world: its data differ by its name (module docstring).
+        identity = zlib.crc32(self.name.encode()) % (1 << 31)
+        if cfg.data.name == "synthetic":
+            self.data_facility = (identity, 1 << 31)  # (facility, facilities) for build_data
+        else:
+            self.data_seed = cfg.seed + identity
         self.data_shift = 0  # batch index = step + data_shift (a joiner keeps its own data position)
         self.left = False
 

@@ -27,6 +27,7 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.cli]
 
 STEPS, EVERY = 24, 4
 BATCH, SEQ = 4, 64  # TINY's: the tokens a facility trains per step are BATCH * SEQ * its processes
+LR, WARMUP = 3.0e-3, 2  # conf/optim/adamw.yaml's lr (constant schedule), the Facility's optim.warmup_steps
 
 
 def _free_pair() -> int:
@@ -117,6 +118,22 @@ def _rounds(dump: Path, name: str) -> list[dict]:
     return [torch.load(p) for p in sorted((dump / name).glob("round-*.pt"))]
 
 
+def _step_lrs(run_dir: Path) -> dict[int, float]:
+    """The learning rate each step (0-based) was taken with, from the facility's metrics.jsonl (the
+    row of ``step`` d is step d - 1's); a restarted facility's rows come after its first attempt's."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {row["step"] - 1: row["lr"] for row in rows}
+
+
+def _expected_lr(step: int, rewarm_from: int | None = None) -> float:
+    """By hand: LR after a linear warm-up over WARMUP steps from step 0 (constant after), times the
+    re-warm-up of a fresh inner optimizer that joined at step ``rewarm_from``: min(1, (s - join + 1) / WARMUP)."""
+    factor = min(1.0, (step + 1) / WARMUP)
+    if rewarm_from is not None:
+        factor *= min(1.0, (step - rewarm_from + 1) / WARMUP)
+    return LR * factor
+
+
 def _wait_for(predicate, timeout=240, what=""):
     deadline = time.time() + timeout
     while not predicate():
@@ -186,6 +203,12 @@ def test_a_facility_killed_mid_exchange_is_dropped_then_restarts_and_heals(light
     mate = next(r for r in ra if r["step"] == healed[-1]["step"])
     assert torch.equal(healed[-1]["after"], mate["after"])
     _check_same_end(dump, ["a", "b", "c"])
+    # b's restart resumed its own inner optimizer (its checkpoint): no re-warm-up, the schedule's lr from its
+    # first step back; its summary says so.
+    back = healed[-1]["step"]
+    lrs = _step_lrs(b.dir)
+    assert [lrs[s] for s in range(back, STEPS)] == [_expected_lr(s) for s in range(back, STEPS)] == [LR] * (STEPS - back)
+    assert again.summary()["federation"]["elastic"]["rewarm"] is None
 
 
 def _simulate_diloco_bf16(ra: list[dict], rb: list[dict], tokens: dict[str, float]) -> None:
@@ -264,6 +287,17 @@ def test_late_joiner_heals_bitwise_then_leaves_on_sigusr1_without_a_survivor_tim
     after = [r["seconds"] for r in records if r["facilities"] == ["a"] and r["step"] > rb[-1]["step"]]
     assert after and after[0] < 10, after
     assert time.time() - left_at < 200
+    # b joined with a fresh inner optimizer (no checkpoint): its learning rate warmed up again from its join
+    # step (12) over optim.warmup_steps, on top of the schedule; a's followed the schedule alone.
+    lrs_b, lrs_a = _step_lrs(b.dir), _step_lrs(a.dir)
+    assert min(lrs_b) == join["step"] and len(lrs_b) >= EVERY, sorted(lrs_b)
+    for s, lr in lrs_b.items():
+        assert lr == pytest.approx(_expected_lr(s, rewarm_from=join["step"]), rel=1e-12), (s, lr)
+    assert lrs_b[join["step"]] == pytest.approx(LR / 2) and lrs_b[join["step"] + 1] == pytest.approx(LR)
+    assert sorted(lrs_a) == list(range(STEPS))
+    for s, lr in lrs_a.items():
+        assert lr == pytest.approx(_expected_lr(s), rel=1e-12), (s, lr)
+    assert a.summary()["federation"]["elastic"]["rewarm"] is None
 
 
 def test_guards_each_one_line(lighthouse, tmp_path):

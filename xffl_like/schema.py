@@ -205,6 +205,7 @@ class ElasticConfig(Section):
     facility: Optional[str] = None  # this facility's unique name; null: from the Slurm job or the host
     min_facilities: int = 1  # training starts once this many facilities are present
     timeout_s: float = 60.0  # to reach the lighthouse; a facility silent this long is dropped from a round
+    rewarm: bool = True  # a joiner with a fresh inner optimizer warms its lr up again over optim.warmup_steps
 
 
 @dataclass(frozen=True)

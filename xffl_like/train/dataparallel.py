@@ -111,6 +111,7 @@ class DataParallelSync:
         pass
 
     paced = False  # every copy steps in lockstep
+    data_facility = None  # the layout's facility index and count
 
     def arrive(self, done: int) -> None:
         pass

@@ -4,7 +4,14 @@
 optimizer, checkpoints) whose rounds are :class:`~xffl_like.federation.elastic.exchange.ElasticFederation`'s:
 among the facilities present at each boundary, by the Lighthouse's quorum. Before the first step
 the facility joins: it heals from a live facility and adopts the federation's step (its data
-position and inner optimizer stay its own: from its checkpoint, or fresh).
+position and inner optimizer stay its own: from its checkpoint, or fresh). A joiner whose inner
+optimizer is fresh (no checkpoint of its own) warms its learning rate up again from its join step
+(``federation.elastic.rewarm``), as any fresh optimizer does at step 0.
+
+Data: every facility is facility 0 of its own world, so its identity in the data is its name's: a
+synthetic source keeps the job's seed (its shared chain is the federation's, as ``data.non_iid``
+says) and takes a number from the name as its facility (its own chain and batches); a corpus is
+read whole by every facility, its windows drawn with the job's seed plus that number.
 """
 
 from __future__ import annotations
@@ -34,10 +41,24 @@ class ElasticSync(FederatedSync):
         # federation.every_s: this facility's rounds end by its own step time (federation/pace.py)
         self.pace = RoundPace(cfg.federation, state, self.steps) if cfg.federation.every_s is not None else None
         self.paced = False  # this world is one facility: its ranks step together (and stop at any step)
-        # Every facility is facility 0 of its own world: its batches differ by its name.
-        self.data_seed = cfg.seed + zlib.crc32(self.name.encode()) % (1 << 31)
+        # Every facility is facility 0 of its own world: its data differ by its name (module docstring).
+        identity = zlib.crc32(self.name.encode()) % (1 << 31)
+        if cfg.data.name == "synthetic":
+            self.data_facility = (identity, 1 << 31)  # (facility, facilities) for build_data
+        else:
+            self.data_seed = cfg.seed + identity
         self.data_shift = 0  # batch index = step + data_shift (a joiner keeps its own data position)
         self.left = False
+        self.rewarm = cfg.federation.elastic.rewarm and cfg.optim.warmup_steps > 0
+        self.warmup_steps = cfg.optim.warmup_steps
+        self.fresh_optimizer = True  # no checkpoint restored
+        self.rewarm_from: int | None = None  # the join step a fresh optimizer warms up again from
+        self.step_lr = self.optimizer.param_groups[0]["lr"]  # the learning rate of the step just taken
+
+    def restore(self, losses):
+        restored = super().restore(losses)
+        self.fresh_optimizer = restored is None
+        return restored
 
     def _federation(self, cfg: JobConfig, state: DistributedState):
         return ElasticFederation(cfg.federation, self.model, state, self.name, self.steps)
@@ -47,10 +68,28 @@ class ElasticSync(FederatedSync):
         if self.pace is not None:
             self.pace.start(step)
         self.data_shift = start_step - step  # from its checkpoint's position (or 0), whatever the federation's step
-        if step != start_step:  # the schedule follows the federation's step
+        if step > 0:  # the schedule follows the federation's step (also drops a restored rewarm factor)
             self.scheduler.last_epoch = step - 1
             self.scheduler.step()
+        if self.rewarm and self.fresh_optimizer and step > 0:
+            self.rewarm_from = step
+            self._rewarm(step)
         return step
+
+    def rewarm_factor(self, step: int) -> float:
+        """The factor on the schedule's learning rate of step ``step`` (0-based): ``(step - join + 1) /
+        optim.warmup_steps`` for a fresh optimizer that joined at step ``join``, up to 1; else 1."""
+        if self.rewarm_from is None:
+            return 1.0
+        return min(1.0, (step - self.rewarm_from + 1) / self.warmup_steps)
+
+    def _rewarm(self, step: int) -> None:
+        """Scale the learning rate the scheduler set for ``step`` (``LambdaLR`` sets it from its
+        base each step, so the factor does not compound)."""
+        factor = self.rewarm_factor(step)
+        if factor < 1.0:
+            for group in self.optimizer.param_groups:
+                group["lr"] *= factor
 
     def trained(self, tokens: int) -> None:
         self.federation.trained(tokens)
@@ -58,11 +97,16 @@ class ElasticSync(FederatedSync):
     def optimizer_step(self) -> None:
         if self.grad_clip > 0:
             nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+        self.step_lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
+        self._rewarm(self.scheduler.last_epoch)  # the next step's
         if self.pace is not None:
             self.pace.step_taken()
+
+    def lr(self) -> float:
+        return self.step_lr
 
     def boundary_at(self, done: int) -> bool:
         if self.pace is not None:
@@ -101,7 +145,10 @@ class ElasticSync(FederatedSync):
         pass
 
     def finish(self) -> dict:
-        return {"strategy": self.strategy, "federation": self.federation.describe(), "checkpoints": self.ckpt.close()}
+        federation = self.federation.describe()
+        federation["elastic"]["rewarm"] = (None if self.rewarm_from is None else
+                                           {"from_step": self.rewarm_from, "steps": self.warmup_steps})
+        return {"strategy": self.strategy, "federation": federation, "checkpoints": self.ckpt.close()}
 
     def leave(self) -> str:
         """Leave the federation now (at a stop request); the line that says how to rejoin."""

@@ -146,9 +146,10 @@ def _train(cfg: JobConfig, state: DistributedState, run_dir: Path, started_at: f
     model = sync.model
     setup_rss = torch.tensor(peak_rss_mb(), dtype=torch.float64)
     dist.all_reduce(setup_rss, op=dist.ReduceOp.MAX)
+    data_facility, data_facilities = sync.data_facility or (state.facility, state.num_facilities)
     data = build_data(
         cfg.data, vocab_size=cfg.model.vocab_size, seq_len=tcfg.seq_len, batch_size=tcfg.batch_size,
-        seed=sync.data_seed, facility=state.facility, num_facilities=state.num_facilities,
+        seed=sync.data_seed, facility=data_facility, num_facilities=data_facilities,
         facility_rank=state.facility_rank, facility_size=state.facility_size,
     )
     tokens_per_step = tcfg.batch_size * tcfg.seq_len * accum * state.world_size

@@ -63,6 +63,7 @@ class Sync(Protocol):
     ckpt: Checkpointer | None  # the job's checkpoints (None: this kind of job writes none)
 
     data_seed: int  # the seed of the batches this facility draws
+    data_facility: tuple[int, int] | None  # (facility, facilities) in the data, if not the layout's
     steps: int  # this facility's steps in the job (federation.every as a list: its own)
     paced: bool  # facilities take different steps between rounds: no collective of every rank in between
 
@@ -108,6 +109,7 @@ class FederatedSync:
         self.strategy = {"name": cfg.strategy.name, "streams": cfg.strategy.streams}
         self.federation = self._federation(cfg, state)
         self.data_seed = cfg.seed  # which batches this facility draws (with its index in the layout)
+        self.data_facility = None  # the layout's facility index and count
         self.dump = RoundDump(self.model, state)  # tests only ($XFFL_TEST_DUMP_ROUNDS): values around each round
         self.ckpt = Checkpointer(cfg.checkpoint, state, run_dir, self.model, self.optimizer, self.scheduler,
                                  self.federation, resume=cfg.resume, config=config)

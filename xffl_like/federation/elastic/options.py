@@ -53,6 +53,8 @@ def validate_elastic(job, layout) -> None:
         raise ValueError(f"federation.elastic.min_facilities={e.min_facilities!r}: must be an integer >= 1")
     if not is_number(e.timeout_s) or not math.isfinite(e.timeout_s) or e.timeout_s <= 0:
         raise ValueError(f"federation.elastic.timeout_s={e.timeout_s!r}: must be a number of seconds > 0")
+    if not isinstance(e.rewarm, bool):
+        raise ValueError(f"federation.elastic.rewarm={e.rewarm!r}: must be true or false")
     if layout.num_facilities != 1:
         raise ValueError(f"federation.elastic.lighthouse: each facility is its own job, so distributed.* describes "
                          f"this facility only; set distributed.federated=null (now {job.distributed.federated!r})")

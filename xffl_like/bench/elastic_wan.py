@@ -4,7 +4,9 @@ over the emulated wide-area link, with faults.
 Two facilities, each its own job (``python -m xffl_like.run`` with the local launcher, inside its
 network namespace, its own process group), meet at a lighthouse on the bridge's own address
 (:meth:`~.netns.Network.add_service_address`: a service node each facility reaches over its shaped
-link). Scenarios, one after the other, each with a fresh lighthouse:
+link). With ``bench.elastic.pin`` each facility's job runs on its own equal share of the CPUs (a site's
+own machines; on a small machine the facilities would otherwise slow each other and a late joiner's
+start-up alone would slow facility 0). Scenarios, one after the other, each with a fresh lighthouse:
 
 - ``alone``: facility 0 by itself (the time it needs to reach the target without the federation);
 - ``baseline``: both facilities from the start (``min_facilities=2``), no faults;
@@ -17,7 +19,8 @@ link). Scenarios, one after the other, each with a fresh lighthouse:
   in which facility 0 heals it is measured on the link.
 
 Figures: the target is the higher of ``alone``'s and ``baseline``'s final eval losses; each scenario's time to it (facility 0's eval
-losses after each round, from the start of its training); the survivors' stall (from the kill to
+losses after each round, from the start of its training) and the step at which it got there (what
+other work on the machine does not change; each scenario's load average is printed beside it); the survivors' stall (from the kill to
 facility 0's next committed round, from the rounds' dump times, ``XFFL_TEST_DUMP_ROUNDS``) against
 ``timeout_s`` + one round of the baseline; the heal's round time (facility 0's record of the round in
 which it healed facility 1) against twice the bytes the link carried then (interface counters) at line
@@ -47,7 +50,7 @@ def _start_lighthouse(service: Facility, port: int, heartbeat_s: float, log: Pat
                              "--bind", service.address, "--heartbeat-timeout-s", str(heartbeat_s)],
                             stdout=open(log, "w"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                             start_new_session=True)
-    deadline = time.time() + 30
+    deadline = time.time() + 120  # torchft's import alone can take tens of seconds on a loaded machine
     while "lighthouse on" not in log.read_text():
         if proc.poll() is not None or time.time() > deadline:
             raise RuntimeError(f"the lighthouse did not start: {log.read_text()[-300:]}")
@@ -68,11 +71,24 @@ def _stop(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
         proc.wait()
 
 
-class _Facility:
-    """One facility's job in its namespace: start, kill its process group, start again."""
+def facility_cpus(facilities: int, cpus: list[int] | None = None) -> list[list[int]] | None:
+    """Each facility's share of this process's CPUs (contiguous, equal, the remainder unused); None
+    when there are fewer CPUs than facilities (nothing to pin)."""
+    cpus = sorted(os.sched_getaffinity(0)) if cpus is None else sorted(cpus)
+    share = len(cpus) // facilities
+    if share == 0:
+        return None
+    return [cpus[f * share:(f + 1) * share] for f in range(facilities)]
 
-    def __init__(self, fac: Facility, name: str, overrides: list[str], run_dir: Path, env: dict):
+
+class _Facility:
+    """One facility's job in its namespace: start, kill its process group, start again. With ``cpus``,
+    the job (its launcher and every worker it starts) runs on those CPUs only: a site's own machines."""
+
+    def __init__(self, fac: Facility, name: str, overrides: list[str], run_dir: Path, env: dict,
+                 cpus: list[int] | None = None):
         self.fac, self.name, self.overrides, self.run_dir, self.env = fac, name, overrides, run_dir, env
+        self.cpus = cpus
         self.proc: subprocess.Popen | None = None
         self.starts = 0
 
@@ -81,9 +97,11 @@ class _Facility:
         cmd = [*self.fac.exec_prefix(), sys.executable, "-m", "xffl_like.run", *self.overrides,
                f"federation.elastic.facility={self.name}", f"hydra.run.dir={self.run_dir}", *extra]
         log = open(self.run_dir.parent / f"{self.name}.{self.starts}.log", "w")
+        cpus = self.cpus
         self.proc = subprocess.Popen(cmd, env={**os.environ, **self.env, "GLOO_SOCKET_IFNAME": self.fac.interface},
                                      stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+                                     start_new_session=True,
+                                     preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
         return time.time()
 
     def kill(self) -> float:
@@ -112,10 +130,10 @@ def _summary(run_dir: Path) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
 
 
-def _curve(summary: dict) -> list[tuple[float, float]]:
-    """(seconds since facility 0 started training, eval loss of θ_global) after each round."""
+def _curve(summary: dict) -> list[tuple[float, float, int]]:
+    """(seconds since facility 0 started training, eval loss of θ_global, step) after each round."""
     t0 = summary["train_started_at"]
-    return [(e["time"] - t0, e["loss_global"][0]) for e in summary["eval_history"] if e.get("loss_global")]
+    return [(e["time"] - t0, e["loss_global"][0], e["step"]) for e in summary["eval_history"] if e.get("loss_global")]
 
 
 def _scenario(name: str, network: Network, service: Facility, bench: dict, run_dir: Path,
@@ -134,9 +152,12 @@ def _scenario(name: str, network: Network, service: Facility, bench: dict, run_d
     env = {"WANDB_MODE": "offline", "OMP_NUM_THREADS": str(bench["threads_per_process"])}
     if not heal:
         env["XFFL_TEST_DUMP_ROUNDS"] = str(dumps)
+    load = os.getloadavg()[0]  # the machine's: other work on it slows every facility alike
     lighthouse = _start_lighthouse(service, port, e["heartbeat_timeout_s"], run_dir / "lighthouse.log")
-    facilities = [_Facility(network.facilities[f], f"f{f}", common, run_dir / f"f{f}", env) for f in range(2)]
-    out: dict = {"events": {}}
+    shares = facility_cpus(2) if e.get("pin") else None
+    facilities = [_Facility(network.facilities[f], f"f{f}", common, run_dir / f"f{f}", env,
+                            shares[f] if shares else None) for f in range(2)]
+    out: dict = {"events": {}, "cpus": shares}
     deadline = time.time() + bench["timeout_s"]
     try:
         out["events"]["f0_started"] = facilities[0].start()
@@ -165,6 +186,7 @@ def _scenario(name: str, network: Network, service: Facility, bench: dict, run_d
             if f.proc is not None:
                 _stop(f.proc)
         _stop(lighthouse)
+    out["load"] = [load, os.getloadavg()[0]]
     s0 = _summary(facilities[0].run_dir)
     out["train_seconds"] = s0["train_seconds"]
     out["curve"] = _curve(s0)
@@ -204,8 +226,13 @@ def _heal(s0: dict, sampler: CounterSampler, bench: dict) -> dict:
                      "line_rate_seconds": sent / rate, "ratio_to_line_rate": seconds / (sent / rate) if sent else None}}
 
 
-def _time_to(curve: list[tuple[float, float]], target: float) -> float | None:
-    return next((t for t, loss in curve if loss <= target), None)
+def _time_to(curve: list[tuple[float, float, int]], target: float) -> float | None:
+    return next((point[0] for point in curve if point[1] <= target), None)
+
+
+def _steps_to(curve: list[tuple[float, float, int]], target: float) -> int | None:
+    """The first step at the target: what the machine's load does not change."""
+    return next((point[2] for point in curve if point[1] <= target), None)
 
 
 def run_elastic(bench: dict, network: Network, sampler: CounterSampler, run_dir: Path) -> dict:
@@ -238,6 +265,7 @@ def _elastic_report(bench: dict, results: dict, failures: dict) -> dict:
     report["target_eval_loss"] = target
     for r in results.values():
         r["time_to_target_seconds"] = _time_to(r["curve"], target) if target is not None else None
+        r["steps_to_target"] = _steps_to(r["curve"], target) if target is not None else None
     ref = lambda key: results[key]["time_to_target_seconds"] if key in results else None  # noqa: E731
     for name, r in results.items():
         ttt = r["time_to_target_seconds"]
@@ -258,8 +286,16 @@ def _elastic_report(bench: dict, results: dict, failures: dict) -> dict:
     if late and alone and target is not None:  # seconds None: facility 0 never reached the target (goal not met)
         goals["late"] = {"seconds": late["time_to_target_seconds"], "alone_seconds": alone["time_to_target_seconds"],
                          "ratio": late["x_alone"], "final_eval_loss": late["curve"][-1][1] if late["curve"] else None,
-                         "goal": "<= 1"}
+                         "steps": late["steps_to_target"], "alone_steps": alone["steps_to_target"], "goal": "<= 1"}
     return report
+
+
+def _cpus_line(report: dict) -> list[str]:
+    shares = next((r["cpus"] for r in report["results"].values() if r.get("cpus")), None)
+    if not shares:
+        return []
+    return [" ".join(f"facility {f} on CPUs {','.join(map(str, c))};" for f, c in enumerate(shares))
+            + " the lighthouse on any", ""]
 
 
 def format_elastic(report: dict) -> str:
@@ -270,13 +306,20 @@ def format_elastic(report: dict) -> str:
     lines = [f"elastic federation, 2 facilities x {report['nproc_per_facility']} processes, link "
              f"{report['link_mbit']:g} Mbit/s each way; target eval loss {fmt(report['target_eval_loss'], '.4f')} "
              f"(the higher final of alone and baseline)", "",
-             "| scenario | facility 0 train s | rounds | final eval loss | time to target s | x baseline | x alone |",
-             "|---|---|---|---|---|---|---|"]
+             *_cpus_line(report),
+             "| scenario | facility 0 train s | rounds | final eval loss | time to target s | x baseline | x alone | "
+             "step at target | load |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for name, r in report["results"].items():
         final = r["curve"][-1][1] if r["curve"] else None
+        load = "-" if not r.get("load") else f"{r['load'][0]:.1f}-{r['load'][1]:.1f}"
         lines.append(f"| {name} | {r['train_seconds']:.1f} | {len(r['round_seconds'])} | {fmt(final, '.4f')} | "
                      f"{fmt(r['time_to_target_seconds'], '.1f')} | {fmt(r['x_baseline'], '.3f')} | "
-                     f"{fmt(r['x_alone'], '.3f')} |")
+                     f"{fmt(r['x_alone'], '.3f')} | {fmt(r.get('steps_to_target'), 'd')} | {load} |")
+    if any(r.get("load") for r in report["results"].values()):
+        lines += ["", "load: the machine's 1-minute load average at the scenario's start and end, the benchmark's own "
+                      "processes included (about 2 per facility training); other work on the machine slows the "
+                      "facilities, the step at the target does not depend on it"]
     g = report["goals"]
     lines.append("")
     if "stall" in g:
@@ -293,7 +336,8 @@ def format_elastic(report: dict) -> str:
                          f"not reached; goal <= 1 x alone")
         else:
             lines.append(f"{head} at the target in {late['seconds']:.1f} s, {fmt(late['ratio'])} x alone "
-                         f"({fmt(late['alone_seconds'], '.1f')} s); goal <= 1")
+                         f"({fmt(late['alone_seconds'], '.1f')} s); goal <= 1; at step {fmt(late['steps'], 'd')} "
+                         f"(alone: {fmt(late['alone_steps'], 'd')})")
     for name, why in report["failures"].items():
         lines.append(f"failed: {name}: {why}")
     return "\n".join(lines)

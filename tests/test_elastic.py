@@ -380,62 +380,53 @@ def _round_steps(summary: dict) -> list[int]:
     return [b - a for a, b in zip(steps, steps[1:])]
 
 
+def _pair(address, tmp_path, names, extra_a, extra_b) -> dict[str, list[int]]:
+    """Facilities ``names`` (1 process each) until both end; the local steps each took before each round."""
+    both = ["federation.elastic.min_facilities=2"]
+    pair = [Facility(names[0], address, tmp_path, extra=[*both, *extra_a]),
+            Facility(names[1], address, tmp_path, extra=[*both, *extra_b])]
+    try:
+        results = [f.wait() for f in pair]
+    finally:
+        for f in pair:
+            f.kill()
+    for name, (rc, out) in zip(names, results):
+        assert rc == 0, f"{name}: {out}"
+    return {name: _round_steps(f.summary()) for name, f in zip(names, pair)}
+
+
 @pytest.mark.slow
 def test_facilities_of_different_speeds_as_independent_jobs(lighthouse, tmp_path):
     """Issue 21 with federation.elastic. (1) Each facility its own federation.every with as many rounds:
-    a takes 4 steps per round for 8 steps, b 2 for 4; (2) rounds by time: b slowed 4x takes fewer steps
-    per round. Every committed round of a is the mean weighted by the tokens each member trained since its
-    last round, computed here from each facility's own step records and the batch geometry."""
-    def check(ra: list[dict], steps: dict[str, list[int]]) -> None:
-        by_name = {"b": {r["round"]: r for r in _rounds(tmp_path / "dump", "b")}}
-        applied = [r for r in ra if r["applied"]]
-        assert len(applied) == len(steps["a"]) == len(steps["b"]), (len(applied), steps)
+    a takes 4 steps per round for 8 steps, b 2 for 4; (2) rounds by time: d slowed 4x takes fewer steps
+    per round than c. Every committed round is the mean weighted by the tokens each member trained since
+    its last round, computed here from each facility's own step records and the batch geometry."""
+    def check(names, steps: dict[str, list[int]]) -> None:
+        first, other = names
+        theirs = {r["round"]: r for r in _rounds(tmp_path / "dump", other)}
+        applied = [r for r in _rounds(tmp_path / "dump", first) if r["applied"]]
+        assert len(applied) == len(steps[first]) == len(steps[other]), (len(applied), steps)
         for i, r in enumerate(applied):
-            assert r["facilities"] == ["a", "b"] and not r["healed"], r["facilities"]
-            weights = {n: steps[n][i] * BATCH * SEQ for n in ("a", "b")}  # one process each
-            mean = _expected_mean({"a": r, "b": by_name["b"][r["round"]]}, weights)
-            torch.testing.assert_close(r["after"], mean, rtol=0, atol=2e-6)
-        assert torch.equal(applied[-1]["after"], by_name["b"][applied[-1]["round"]]["after"])
+            assert r["facilities"] == list(names) and not r["healed"], r["facilities"]
+            weights = {n: steps[n][i] * BATCH * SEQ for n in names}  # one process each
+            torch.testing.assert_close(r["after"], _expected_mean({first: r, other: theirs[r["round"]]}, weights),
+                                       rtol=0, atol=2e-6)
+        assert torch.equal(applied[-1]["after"], theirs[applied[-1]["round"]]["after"])
 
-    both = ["federation.elastic.min_facilities=2"]
-    a = Facility("a", lighthouse, tmp_path, extra=[*both, "federation.every=4", "train.steps=8"])
-    b = Facility("b", lighthouse, tmp_path, extra=[*both, "federation.every=2", "train.steps=4"])
-    try:
-        results = {n: f.wait() for n, f in (("a", a), ("b", b))}
-    finally:
-        for f in (a, b):
-            f.kill()
-    for n, (rc, out) in results.items():
-        assert rc == 0, f"{n}: {out}"
-    steps = {"a": _round_steps(a.summary()), "b": _round_steps(b.summary())}
+    steps = _pair(lighthouse, tmp_path, ("a", "b"), ["federation.every=4", "train.steps=8"],
+                  ["federation.every=2", "train.steps=4"])
     assert steps == {"a": [4, 4], "b": [2, 2]}, steps
-    check(_rounds(tmp_path / "dump", "a"), steps)
+    check(("a", "b"), steps)
 
-    # (2) rounds by time: federation.every_s, b's steps four times as slow; the job ends after the first
+    # (2) rounds by time: federation.every_s, d's steps four times as slow; the job ends after the first
     # round in which one of them reached train.steps=10.
-    for d in (tmp_path / "dump", a.dir, b.dir):
-        subprocess.run(["rm", "-rf", str(d)], check=True)
-    timed = [*both, "federation.every=null", "federation.every_s=2.5", "train.steps=10"]
+    timed = ["federation.every=null", "federation.every_s=2.5", "train.steps=10"]
     with _lighthouse(tmp_path, "timed") as timed_lighthouse:  # a new federation: its own round time
-        a = Facility("a", timed_lighthouse, tmp_path, extra=[*timed, "federation.elastic.facility=a2"])
-        b = Facility("b", timed_lighthouse, tmp_path, extra=[*timed, "federation.elastic.facility=b2",
-                                                             "fault.slow_facility=0", "fault.slow_factor=4"])
-        try:
-            results = {n: f.wait() for n, f in (("a", a), ("b", b))}
-        finally:
-            for f in (a, b):
-                f.kill()
-    for n, (rc, out) in results.items():
-        assert rc == 0, f"{n}: {out}"
-    steps = {"a": _round_steps(a.summary()), "b": _round_steps(b.summary())}
+        steps = _pair(timed_lighthouse, tmp_path, ("c", "d"), timed,
+                      [*timed, "fault.slow_facility=0", "fault.slow_factor=4"])
     assert all(n >= 1 for row in steps.values() for n in row), steps
     ends = {n: sum(row) for n, row in steps.items()}
-    assert max(ends.values()) == 10 and ends["b"] < ends["a"], steps
-    running = [max(sum(steps[n][: i + 1]) for n in steps) for i in range(len(steps["a"]))]
+    assert max(ends.values()) == 10 and ends["d"] < ends["c"], steps
+    running = [max(sum(steps[n][: i + 1]) for n in steps) for i in range(len(steps["c"]))]
     assert all(x < 10 for x in running[:-1]), running  # it ended at the first round that reached 10
-    ra = [dict(r, facilities=[x[0] for x in r["facilities"]]) for r in _rounds(tmp_path / "dump", "a2")]
-    for r in _rounds(tmp_path / "dump", "b2"):
-        (tmp_path / "dump" / "b").mkdir(parents=True, exist_ok=True)
-        torch.save(dict(r, facilities=[x[0] for x in r["facilities"]]),
-                   tmp_path / "dump" / "b" / f"round-{r['round']:04d}-{time.time_ns()}.pt")
-    check(ra, steps)
+    check(("c", "d"), steps)

@@ -37,7 +37,7 @@ import sys
 import time
 from pathlib import Path
 
-from .netns import CounterSampler, Facility, Network, busy_window, tx_at
+from .netns import CounterSampler, Facility, Network, busy_window, facility_cpus, tx_at
 
 __all__ = ["run_elastic", "format_elastic", "SCENARIOS"]
 
@@ -69,16 +69,6 @@ def _stop(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-
-
-def facility_cpus(facilities: int, cpus: list[int] | None = None) -> list[list[int]] | None:
-    """Each facility's share of this process's CPUs (contiguous, equal, the remainder unused); None
-    when there are fewer CPUs than facilities (nothing to pin)."""
-    cpus = sorted(os.sched_getaffinity(0)) if cpus is None else sorted(cpus)
-    share = len(cpus) // facilities
-    if share == 0:
-        return None
-    return [cpus[f * share:(f + 1) * share] for f in range(facilities)]
 
 
 class _Facility:

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-__all__ = ["NetnsError", "Facility", "Network", "CounterSampler", "unavailable", "sweep_stale", "cleanup_on_signals",
+__all__ = ["NetnsError", "Facility", "Network", "CounterSampler", "facility_cpus", "unavailable", "sweep_stale", "cleanup_on_signals",
            "launch_torchrun", "wait_launchers", "tx_at", "busy_window", "SUBNET", "WAN_SYSCTLS"]
 
 SUBNET = "10.77.0"
@@ -338,6 +338,16 @@ def busy_window(samples: list[tuple[float, list[int]]], t0: float, t1: float, ra
     return (max(busy[0][0], t0), min(busy[-1][1], t1)) if busy else None
 
 
+def facility_cpus(facilities: int, cpus: list[int] | None = None) -> list[list[int]] | None:
+    """Each facility's share of this process's CPUs (contiguous, equal, the remainder unused); None
+    when there are fewer CPUs than facilities (nothing to pin)."""
+    cpus = sorted(os.sched_getaffinity(0)) if cpus is None else sorted(cpus)
+    share = len(cpus) // facilities
+    if share == 0:
+        return None
+    return [cpus[f * share:(f + 1) * share] for f in range(facilities)]
+
+
 def launch_torchrun(network: Network, nproc_per_node: int, entry: list[str], env: dict[str, str], log_dir: Path,
                     port: int, pin: bool = False) -> list[subprocess.Popen]:
     """One ``torchrun`` per facility, inside its namespace, as a multi-site job starts: all join
@@ -346,20 +356,22 @@ def launch_torchrun(network: Network, nproc_per_node: int, entry: list[str], env
     (``GLOO_SOCKET_IFNAME``): peers in other facilities reach it across the link, peers in the
     same facility over its loopback. ``entry``: what torchrun runs (``["-m", module, args...]``);
     each launcher's output goes to ``log_dir/facility<f>.log``. ``pin``: facility f's launcher and workers run
-    on core ``f mod cores`` only (``taskset``), so that facilities on one small machine do not take CPU from each
-    other (a slowed facility stays exactly as slow as it was made)."""
+    on its share of the CPUs only (:func:`facility_cpus`), so that facilities on one small machine do not take CPU
+    from each other (a slowed facility stays exactly as slow as it was made)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     endpoint = f"{network.facilities[0].address}:{port}"
+    shares = facility_cpus(len(network.facilities)) if pin else None
     procs = []
     for f, fac in enumerate(network.facilities):
-        cores = ["taskset", "-c", str(f % (os.cpu_count() or 1))] if pin else []
-        cmd = [*fac.exec_prefix(), *cores, sys.executable, "-m", "torch.distributed.run", f"--nnodes={len(network.facilities)}",
+        cmd = [*fac.exec_prefix(), sys.executable, "-m", "torch.distributed.run", f"--nnodes={len(network.facilities)}",
                f"--nproc-per-node={nproc_per_node}", f"--node-rank={f}", "--rdzv-backend=static",
                f"--rdzv-endpoint={endpoint}", "--max-restarts=0", *entry]
         with open(log_dir / f"facility{f}.log", "w") as log:
+            cpus = shares[f] if shares else None
             procs.append(subprocess.Popen(cmd, env={**os.environ, **env, "GLOO_SOCKET_IFNAME": fac.interface},
                                           stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                          start_new_session=True))
+                                          start_new_session=True,
+                                          preexec_fn=(lambda cpus=cpus: os.sched_setaffinity(0, cpus)) if cpus else None))
     return procs
 
 

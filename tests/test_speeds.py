@@ -107,9 +107,10 @@ def test_a_list_resumes_exactly_after_a_kill(listed, tmp_path):
     """Facility 1's only rank dies at the start of its step 3 (after round 0's checkpoint); the restart
     resumes every facility at its own step from that checkpoint and ends bit for bit as the uninterrupted run."""
     _, reference, _ = listed
-    summary, run_dir = _run([*LISTED, "fault.kill_rank=2", "fault.at_step=3",
+    summary, run_dir = _run([*LISTED, "fault.kill_rank=2", "fault.at_step=3", "checkpoint.async=false",
                              "distributed.max_restarts=1"], tmp_path, "killed")
-    assert (run_dir / "checkpoints" / "step-00000004").is_dir()  # round 0 is named by the job's step
+    # The restart resumed from round 0's checkpoint, named by the job's step (facility 0's 4; facility 1's own was 2).
+    assert summary["checkpoints"]["resumed_from"].endswith("step-00000004"), summary["checkpoints"]
     assert summary["facility_steps"] == [8, 4]
     assert summary["facility_losses"] == reference["facility_losses"]
     assert summary["eval_loss"] == reference["eval_loss"]

@@ -125,13 +125,16 @@ class FederatedSync:
         return lambda weights, index: self.guard.weights_for_round(weights, index, done)
 
     def restore(self, losses: torch.Tensor) -> dict | None:
+        schedules = [dict(fn.__dict__) for fn in self.scheduler.lr_lambdas]  # this facility's own
         saved = self.ckpt.restore(losses)  # None: a fresh start
         if saved is None or not self.paced:
             return saved
-        # A checkpoint is named by the job's step; this facility resumes at its own (and its schedule with it:
-        # state.json holds rank 0's).
+        # A checkpoint is named by the job's step; this facility resumes at its own, on its own schedule
+        # (state.json holds rank 0's scheduler: facility 0's steps and position).
         steps = self.federation.facility_steps.tolist()
         own = steps[self.state.facility]
+        for fn, schedule in zip(self.scheduler.lr_lambdas, schedules):
+            fn.__dict__.update(schedule)
         self.scheduler.last_epoch = own - 1
         self.scheduler.step()
         return {**saved, "step": own, "facility_steps": steps}

@@ -246,7 +246,8 @@ def _train(cfg: JobConfig, state: DistributedState, run_dir: Path, started_at: f
     # The slowest rank's aggregation time is the round's time.
     agg = torch.tensor([r["seconds"] for r in rounds], dtype=torch.float64)
     dist.all_reduce(agg, op=dist.ReduceOp.MAX)
-    # Each facility's wait at each round for the others (its slowest rank's): rounds a resume restored keep theirs.
+    # Each facility's wait at each round for the others (its slowest rank's). Rounds a resume restored carry rank 0's
+    # wait from state.json, so each facility's column there holds facility 0's: approximate for those rounds.
     waited = torch.zeros(len(rounds), state.num_facilities, dtype=torch.float64)
     for i, record in enumerate(rounds):
         if "waited" in record:

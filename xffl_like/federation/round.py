@@ -131,7 +131,7 @@ class Federation:
     def boundary_at(self, done: int) -> bool:
         """A round, or for ``synchronous`` every ``every`` steps and at the end: where the loop
         evaluates the local model and may checkpoint."""
-        if self.federated or self.pace is not None:
+        if self.federated:  # per-facility paces need federated rounds (refused otherwise)
             return self.applies_at(done)
         return done > self.begin and ((done - self.begin) % self.options.every == 0 or done == self.end)
 
@@ -168,7 +168,6 @@ class Federation:
         dist.all_reduce(met)
         taken = met[0].round().to(torch.int64)
         self.facility_steps += taken
-        self.facility_steps[state.facility] = done
         return taken.tolist(), met[1].tolist()
 
     def job_step(self, done: int) -> int:

@@ -15,7 +15,6 @@ import sys
 
 import pytest
 import torch
-
 from helpers import PYTHONPATH, REPO
 
 from xffl_like.data.prepare import main as prepare_main
@@ -23,19 +22,37 @@ from xffl_like.data.prepare import main as prepare_main
 pytestmark = pytest.mark.cli
 
 _GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
-_NCCL = ("needs CUDA GPUs, and torch sees none" if _GPUS == 0 else
-         "needs one GPU per process" if _GPUS < 4 else None)  # llama_fed: 4 processes
+_NCCL = (
+    "needs CUDA GPUs, and torch sees none" if _GPUS == 0 else "needs one GPU per process" if _GPUS < 4 else None
+)  # llama_fed: 4 processes
 
-HF_CONFIG = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_hidden_layers": 1,
-             "num_attention_heads": 4, "vocab_size": 300, "intermediate_size": 96}
-META = {"format": "xffl_like.tokens/1", "tokenizer": "byte", "vocab_size": 256, "eos_id": 0, "dtype": "uint16",
-        "num_tokens": 4, "files": [], "document_starts": [0]}
+HF_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 64,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 4,
+    "vocab_size": 300,
+    "intermediate_size": 96,
+}
+META = {
+    "format": "xffl_like.tokens/1",
+    "tokenizer": "byte",
+    "vocab_size": 256,
+    "eos_id": 0,
+    "dtype": "uint16",
+    "num_tokens": 4,
+    "files": [],
+    "document_starts": [0],
+}
 
 # (overrides, the phrase the one line must hold); {root}: a folder of prepared inputs (see `root`).
 BAD = [
     # class 1: a bound derived from what the value depends on
     (["strategy.streams=500"], "strategy.streams=500: at most 16"),
-    (["parallel=decentralized", "train.dtype=bfloat16"], "train.dtype=bfloat16 with parallel=decentralized: the full copies train in float32"),
+    (
+        ["parallel=decentralized", "train.dtype=bfloat16"],
+        "train.dtype=bfloat16 with parallel=decentralized: the full copies train in float32",
+    ),
     (["optim.warmup_steps=1000", "train.steps=4"], "optim.warmup_steps=1000 exceeds train.steps=4"),
     (["distributed.timeout_s=999999999999"], "distributed.timeout_s=999999999999: at most 604800"),
     (["seed=18446744073709551616"], "seed=18446744073709551616: must be in [-2**63, 2**64)"),
@@ -43,22 +60,29 @@ BAD = [
     (["strategy.bucket_mb=inf"], "strategy.bucket_mb=inf: need a positive number"),
     (["parallel=decentralized", "parallel.bucket_mb=inf"], "parallel.bucket_mb=inf: must be a positive number"),
     (["model.max_seq_len=100000000"], "model.max_seq_len=100000000: its RoPE tables would take"),
-    (["data=text", "data.path={root}/corpus.txt", "data.num_eval_batches=100000000"],
-     "data.num_eval_batches=100000000: 800,000,000 held-out windows per rank"),
+    (
+        ["data=text", "data.path={root}/corpus.txt", "data.num_eval_batches=100000000"],
+        "data.num_eval_batches=100000000: 800,000,000 held-out windows per rank",
+    ),
     *([(["distributed.backend=nccl"], f"distributed.backend=nccl {_NCCL}")] if _NCCL else []),
     # issue 21: facilities of different speeds (llama_fed: 2 facilities, 60 steps, federation.every=10)
     (["federation.every=[4,2,2]"], "federation.every=[4, 2, 2]: 3 entries for 2 facilities"),
     (["federation.every=[4,0]"], "federation.every=[4, 0]: entry 0 is not a positive integer"),
     (["federation.every=[4,-2]"], "entry -2 is not a positive integer"),
     (["federation.every=[8,4]"], "with train.steps=60: the rounds must be whole for the facility with the most"),
-    (["federation.every_s=30"], "federation.every_s=30.0 with federation.every=10: a round ends by time or after a "
-                                "number of steps, not both; set federation.every=null"),
+    (
+        ["federation.every_s=30"],
+        "federation.every_s=30.0 with federation.every=10: a round ends by time or after a "
+        "number of steps, not both; set federation.every=null",
+    ),
     (["federation.every=null", "federation.every_s=0"], "federation.every_s=0.0: must be a number of seconds"),
     (["federation.every=null"], "federation.every=null: give the local steps per round"),
     (["federation.every=[6,3]", "train.eval_every=6"], "train.eval_every=6 evaluates at steps the facilities reach"),
     (["federation.every=[6,3]", "federation=diloco", "federation.fragments=2"], "fragments / overlap_steps stagger"),
-    (["federation.every=null", "federation.every_s=5", "federation.algorithm=synchronous"],
-     "algorithm=synchronous averages gradients at every step"),
+    (
+        ["federation.every=null", "federation.every_s=5", "federation.algorithm=synchronous"],
+        "algorithm=synchronous averages gradients at every step",
+    ),
     (["federation.every=[6,3]", "optim.warmup_steps=40"], "optim.warmup_steps=40 exceeds its fewest steps=30"),
     (["fault.slow_facility=1", "fault.slow_factor=0.5"], "fault.slow_factor=0.5: must be a number in [1, 1000]"),
     (["fault.slow_facility=2", "fault.slow_factor=2"], "fault.slow_facility=2: must be a facility of this job, 0..1"),
@@ -67,18 +91,33 @@ BAD = [
     (["data=text", "data.path=/dev/zero"], "data.path: not a regular file: /dev/zero is a character device"),
     (["data=text", "data.path=/proc/self/status"], "/proc/self/status is a file of the kernel's /proc filesystem"),
     (["data=text", "data.path={root}"], "is a directory"),
-    (["data=text", "data.tokenizer=/dev/zero"], "data.tokenizer=/dev/zero: /dev/zero is not a regular file (a character device)"),
-    (["data=text", "data.tokenizer=/proc/self/status"], "is not a regular file (a file of the kernel's /proc filesystem)"),
+    (
+        ["data=text", "data.tokenizer=/dev/zero"],
+        "data.tokenizer=/dev/zero: /dev/zero is not a regular file (a character device)",
+    ),
+    (
+        ["data=text", "data.tokenizer=/proc/self/status"],
+        "is not a regular file (a file of the kernel's /proc filesystem)",
+    ),
     (["data=tokens", "data.path={root}/negative"], "meta.json has vocab_size=-5, not a positive integer"),
     (["data=tokens", "data.path={root}/fraction"], "meta.json has vocab_size=256.5, not a positive integer"),
     (["data=tokens", "data.path={root}/device"], "meta.json is not a regular file (a character device"),
-    (["data=tokens", "data.path={root}/corpus.txt"], "--output {root}/corpus-tokens {root}/corpus.txt, then data.path={root}/corpus-tokens"),
+    (
+        ["data=tokens", "data.path={root}/corpus.txt"],
+        "--output {root}/corpus-tokens {root}/corpus.txt, then data.path={root}/corpus-tokens",
+    ),
     (["model=hf", "model.path={root}/hf_device"], "config.json is not a regular file (a character device)"),
     (["model=hf", "model.path={root}/hf", "model.dim=256"], "model.dim=256 set together with model.path={root}/hf"),
     (["model.path={root}/hf"], "model.dim=128, model.n_layers=4"),  # llama_tiny's shape beside a HF directory
-    (["data=text", "data.path={root}/a b/é.txt"], "quote the value for Hydra and the argument for the shell: \"data.path='{root}/a b/é.txt'\""),
+    (
+        ["data=text", "data.path={root}/a b/é.txt"],
+        "quote the value for Hydra and the argument for the shell: \"data.path='{root}/a b/é.txt'\"",
+    ),
     (["data=text", "data.path={root}/a(b).txt"], "\"data.path='{root}/a(b).txt'\""),
-    (["data=text", "data.path={root}/my", "file.txt"], "'file.txt' is not key=value: a value with spaces was split by the shell"),
+    (
+        ["data=text", "data.path={root}/my", "file.txt"],
+        "'file.txt' is not key=value: a value with spaces was split by the shell",
+    ),
     # the quoting the hint gives works: the path reaches validation (a file too short to train on)
     (["data=text", "data.path='{root}/a b/é.txt'"], "data.path: corpus {root}/a b/é.txt has 6 bytes"),
 ]
@@ -105,8 +144,13 @@ def root(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def results(root):
-    cases = [{"args": ["+experiment=llama_fed", *[a.format(root=root) for a in overrides]], "run_dir": str(root / "runs" / str(i))}
-             for i, (overrides, _) in enumerate(BAD)]
+    cases = [
+        {
+            "args": ["+experiment=llama_fed", *[a.format(root=root) for a in overrides]],
+            "run_dir": str(root / "runs" / str(i)),
+        }
+        for i, (overrides, _) in enumerate(BAD)
+    ]
     (root / "cases.json").write_text(json.dumps(cases))
     env = {**os.environ, "WANDB_MODE": "offline", "PYTHONPATH": PYTHONPATH}
     cmd = [sys.executable, "-m", "workers.cli_batch", str(root / "cases.json"), str(root / "results.json")]
@@ -134,9 +178,11 @@ PREPARE_BAD = [
     (["/dev/zero"], "/dev/zero: not a regular file (a character device)"),
     (["/proc/self/status"], "/proc/self/status: not a regular file (a file of the kernel's /proc filesystem)"),
     (["{root}"], "not a regular file (a directory)"),
-    (["--output", "{root}/text.txt", "{root}/text.txt"],
-     "--output {root}/text.txt: would overwrite the input {root}/text.txt; write the corpus to another directory, "
-     "e.g. --output {root}/text-tokens"),
+    (
+        ["--output", "{root}/text.txt", "{root}/text.txt"],
+        "--output {root}/text.txt: would overwrite the input {root}/text.txt; write the corpus to another directory, "
+        "e.g. --output {root}/text-tokens",
+    ),
     (["--output", "{root}/inside", "{root}/inside/tokens.bin"], "would overwrite the input {root}/inside/tokens.bin"),
     (["--output", "{root}/other.txt", "{root}/text.txt"], "--output {root}/other.txt: exists and is not a directory"),
 ]

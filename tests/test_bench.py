@@ -8,17 +8,32 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import REPO as ROOT
 
 from xffl_like.aggregation import STRATEGIES
 
-from helpers import REPO as ROOT
-
 KEYS = {
-    "median_s", "p90_s", "limit_median_s", "ratio_to_limit", "bytes_per_rank", "cross_facility_bytes",
-    "algbw_GBps", "busbw_GBps", "peak_memory_mb", "streams", "collective", "mode",
+    "median_s",
+    "p90_s",
+    "limit_median_s",
+    "ratio_to_limit",
+    "bytes_per_rank",
+    "cross_facility_bytes",
+    "algbw_GBps",
+    "busbw_GBps",
+    "peak_memory_mb",
+    "streams",
+    "collective",
+    "mode",
     # the limit is the faster of (a) and (b); (c) the floor from the raw p2p rate
-    "limit_kind", "allreduce_median_s", "ratio_to_allreduce", "p2p_exchange_median_s", "p2p_exchange_connections",
-    "p2p_bandwidth_GBps", "floor_s", "floor_fraction",
+    "limit_kind",
+    "allreduce_median_s",
+    "ratio_to_allreduce",
+    "p2p_exchange_median_s",
+    "p2p_exchange_connections",
+    "p2p_bandwidth_GBps",
+    "floor_s",
+    "floor_fraction",
 }
 
 
@@ -28,7 +43,10 @@ pytestmark = pytest.mark.cli
 def bench(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "xffl_like.bench", f"hydra.run.dir={tmp_path}", *overrides],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
 
 
@@ -77,5 +95,7 @@ def _tiny_param_counts():
 
     from xffl_like.models import LlamaConfig, build_model
 
-    model = build_model(LlamaConfig.from_mapping(OmegaConf.load(ROOT / "conf" / "model" / "llama_tiny.yaml")), device="meta")
+    model = build_model(
+        LlamaConfig.from_mapping(OmegaConf.load(ROOT / "conf" / "model" / "llama_tiny.yaml")), device="meta"
+    )
     return [p.numel() for p in model.parameters()]

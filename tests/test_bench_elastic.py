@@ -7,21 +7,30 @@ import pytest
 
 from xffl_like.bench.elastic_wan import _elastic_report, facility_cpus, format_elastic
 
-BENCH = {"link_mbit": 1000, "nproc_per_facility": 2,
-         "elastic": {"late_s": 10, "timeout_s": 10, "scenarios": ["alone", "baseline", "late"]}}
+BENCH = {
+    "link_mbit": 1000,
+    "nproc_per_facility": 2,
+    "elastic": {"late_s": 10, "timeout_s": 10, "scenarios": ["alone", "baseline", "late"]},
+}
 
 
 def _result(curve: list[tuple[float, float]], train_seconds: float, rounds: int = 12, load=None) -> dict:
     """One scenario as :func:`~xffl_like.bench.elastic_wan._scenario` returns it (the parts the report
     reads); ``curve``: (seconds, eval loss) after each round, at steps 8, 16, ..."""
-    return {"events": {}, "train_seconds": train_seconds, "curve": [(t, x, 8 * (i + 1)) for i, (t, x) in enumerate(curve)],
-            "rounds": [], "round_seconds": [0.1] * rounds, **({"load": load} if load else {})}
+    return {
+        "events": {},
+        "train_seconds": train_seconds,
+        "curve": [(t, x, 8 * (i + 1)) for i, (t, x) in enumerate(curve)],
+        "rounds": [],
+        "round_seconds": [0.1] * rounds,
+        **({"load": load} if load else {}),
+    }
 
 
 def _report(late_curve: list[tuple[float, float]]) -> dict:
     results = {
         "alone": _result([(2.0, 3.0), (4.0, 2.6), (6.0, 2.4), (8.0, 2.2)], 8.0, load=[1.0, 2.5]),  # final 2.2
-        "baseline": _result([(5.0, 3.1), (10.0, 2.7), (15.0, 2.5)], 15.0),            # final 2.5: the target
+        "baseline": _result([(5.0, 3.1), (10.0, 2.7), (15.0, 2.5)], 15.0),  # final 2.5: the target
         "late": _result(late_curve, 12.0),
     }
     return _elastic_report(BENCH, results, {})
@@ -36,8 +45,10 @@ def test_late_goal_not_reached_is_printed_as_such():
     assert late["final_eval_loss"] == 2.55
     text = format_elastic(report)
     lines = [line for line in text.splitlines() if line.startswith("facility 1 10 s late")]
-    assert lines == ["facility 1 10 s late: facility 0 did not reach the target 2.5000 (final eval loss 2.5500; "
-                     "alone at it in 6.0 s): not reached; goal <= 1 x alone"], text
+    assert lines == [
+        "facility 1 10 s late: facility 0 did not reach the target 2.5000 (final eval loss 2.5500; "
+        "alone at it in 6.0 s): not reached; goal <= 1 x alone"
+    ], text
     # The table still has the late row, its time to target '-'.
     row = next(line for line in text.splitlines() if line.startswith("| late |"))
     assert row == "| late | 12.0 | 12 | 2.5500 | - | - | - | - | - |", row
@@ -50,8 +61,10 @@ def test_late_goal_reached_gives_the_ratio_to_alone():
     late = report["goals"]["late"]
     assert late["seconds"] == 4.5 and late["ratio"] == pytest.approx(4.5 / 6.0) and late["steps"] == 24
     lines = [line for line in format_elastic(report).splitlines() if line.startswith("facility 1 10 s late")]
-    assert lines == ["facility 1 10 s late: facility 0 at the target in 4.5 s, 0.75 x alone (6.0 s); goal <= 1; "
-                     "at step 24 (alone: 24)"]
+    assert lines == [
+        "facility 1 10 s late: facility 0 at the target in 4.5 s, 0.75 x alone (6.0 s); goal <= 1; "
+        "at step 24 (alone: 24)"
+    ]
 
 
 def test_no_late_scenario_no_late_line_and_failures_listed():

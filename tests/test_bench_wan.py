@@ -9,13 +9,20 @@ import subprocess
 import sys
 
 import pytest
-
-from xffl_like.bench import netns
-from xffl_like.bench import wan
-from xffl_like.bench.wan import (eval_curve, format_speeds, link_round, loss_at_step, pace_figures, round_time,
-                                 speeds_goal, time_to_target)
-
 from helpers import REPO as ROOT
+
+from xffl_like.bench import netns, wan
+from xffl_like.bench.wan import (
+    eval_curve,
+    format_speeds,
+    link_round,
+    loss_at_step,
+    pace_figures,
+    round_time,
+    speeds_goal,
+    time_to_target,
+)
+
 
 def _summary(algorithm: str, sizes: list[int], history: list[dict]) -> dict:
     return {"layout": {"facility_sizes": sizes}, "federation": {"algorithm": algorithm}, "eval_history": history}
@@ -23,17 +30,25 @@ def _summary(algorithm: str, sizes: list[int], history: list[dict]) -> dict:
 
 def test_eval_curve_takes_the_one_model_the_job_holds():
     # Federated: only the rounds' averaged model (loss_global) is one model; sizes 3 and 1 weigh 3:1.
-    fed = _summary("federated", [3, 1], [
-        {"step": 8, "loss_local": [4.0, 2.0], "loss_global": None, "time": 100.0},
-        {"step": 16, "loss_local": [3.0, 2.0], "loss_global": [2.0, 6.0], "time": 110.0},
-        {"step": 32, "loss_local": [2.0, 2.0], "loss_global": [1.0, 1.0], "time": 130.0},
-    ])
+    fed = _summary(
+        "federated",
+        [3, 1],
+        [
+            {"step": 8, "loss_local": [4.0, 2.0], "loss_global": None, "time": 100.0},
+            {"step": 16, "loss_local": [3.0, 2.0], "loss_global": [2.0, 6.0], "time": 110.0},
+            {"step": 32, "loss_local": [2.0, 2.0], "loss_global": [1.0, 1.0], "time": 130.0},
+        ],
+    )
     assert eval_curve(fed) == [(16, 110.0, (3 * 2.0 + 6.0) / 4), (32, 130.0, 1.0)]
     # Synchronous: every copy is the same model at every evaluation.
-    sync = _summary("synchronous", [2, 2], [
-        {"step": 16, "loss_local": [3.0, 5.0], "loss_global": None, "time": 50.0},
-        {"step": 32, "loss_local": [2.5, 2.5], "loss_global": None, "time": 90.0},
-    ])
+    sync = _summary(
+        "synchronous",
+        [2, 2],
+        [
+            {"step": 16, "loss_local": [3.0, 5.0], "loss_global": None, "time": 50.0},
+            {"step": 32, "loss_local": [2.5, 2.5], "loss_global": None, "time": 90.0},
+        ],
+    )
     assert eval_curve(sync) == [(16, 50.0, 4.0), (32, 90.0, 2.5)]
 
 
@@ -46,9 +61,13 @@ def test_time_to_target_is_the_first_point_at_or_below_it():
 
 
 def _paced_summary(steps_taken, waited, train_seconds, steps=128, facility_steps=None) -> dict:
-    return {"layout": {"facility_sizes": [2, 2]}, "steps": steps, "train_seconds": train_seconds,
-            "facility_steps": facility_steps,
-            "round_records": [{"step": 0, "steps_taken": t, "waited_s": w} for t, w in zip(steps_taken, waited)]}
+    return {
+        "layout": {"facility_sizes": [2, 2]},
+        "steps": steps,
+        "train_seconds": train_seconds,
+        "facility_steps": facility_steps,
+        "round_records": [{"step": 0, "steps_taken": t, "waited_s": w} for t, w in zip(steps_taken, waited)],
+    }
 
 
 def test_pace_figures_steps_per_round_and_waiting_share():
@@ -74,20 +93,45 @@ def test_round_time_is_the_median_round_less_the_exchange():
 def _speeds_report(fixed_ttt, paced_ttt, paced_share) -> dict:
     """A hand-made ``bench.mode=speeds`` run through the bench's own report: the reference ends at eval loss
     2.4 (the target); ``fixed`` and ``paced`` first reach it ``*_ttt`` seconds into training (None: never)."""
-    def result(ttt, share, steps, per_round, every_s=None):
-        curve = [{"step": 16, "seconds": 5.0, "loss": 3.0}, {"step": 32, "seconds": ttt or 200.0,
-                                                               "loss": 2.39 if ttt else 2.5}]
-        return {"facility_steps": steps, "rounds": 4, "steps_per_round": per_round, "every_s": every_s,
-                "wall_seconds": 60.0, "train_seconds": 50.0, "eval_curve": curve, "waiting_share": share,
-                "last_round_waiting_share": share and [w / 2 for w in share]}
 
-    results = {"synchronous": result(20.0, None, [64, 64], None),
-               "every_16": result(fixed_ttt, [0.45, 0.001], [64, 64], [16.0, 16.0]),
-               "every_s": result(paced_ttt, paced_share, [128, 63], [32.0, 15.75], every_s=8.5)}
+    def result(ttt, share, steps, per_round, every_s=None):
+        curve = [
+            {"step": 16, "seconds": 5.0, "loss": 3.0},
+            {"step": 32, "seconds": ttt or 200.0, "loss": 2.39 if ttt else 2.5},
+        ]
+        return {
+            "facility_steps": steps,
+            "rounds": 4,
+            "steps_per_round": per_round,
+            "every_s": every_s,
+            "wall_seconds": 60.0,
+            "train_seconds": 50.0,
+            "eval_curve": curve,
+            "waiting_share": share,
+            "last_round_waiting_share": share and [w / 2 for w in share],
+        }
+
+    results = {
+        "synchronous": result(20.0, None, [64, 64], None),
+        "every_16": result(fixed_ttt, [0.45, 0.001], [64, 64], [16.0, 16.0]),
+        "every_s": result(paced_ttt, paced_share, [128, 63], [32.0, 15.75], every_s=8.5),
+    }
     results["synchronous"]["eval_curve"][-1]["loss"] = 2.4
-    bench = {"mode": "speeds", "link_mbit": 10, "facilities": 2, "nproc_per_facility": 2, "reference": "synchronous",
-             "steps": 64, "speeds": {"slow": ["fault.slow_facility=1", "fault.slow_factor=2.0"], "overrides": [],
-                                     "every_s": None, "fixed": "every_16", "paced": "every_s"}}
+    bench = {
+        "mode": "speeds",
+        "link_mbit": 10,
+        "facilities": 2,
+        "nproc_per_facility": 2,
+        "reference": "synchronous",
+        "steps": 64,
+        "speeds": {
+            "slow": ["fault.slow_facility=1", "fault.slow_factor=2.0"],
+            "overrides": [],
+            "every_s": None,
+            "fixed": "every_16",
+            "paced": "every_s",
+        },
+    }
     return wan._report(bench, results, {})
 
 
@@ -111,19 +155,35 @@ def test_speeds_goal_ratio_and_waiting():
 
 
 def test_speeds_runs_and_every_s_placeholder():
-    bench = {"mode": "speeds", "facilities": 2, "nproc_per_facility": 2, "steps": 64, "max_steps_factor": 2,
-             "reference": "sync", "common": ["logger=none"],
-             "speeds": {"slow": ["fault.slow_facility=1"], "overrides": ["train.seq_len=64"], "every_s": None,
-                        "fixed": "h16", "paced": "by_time",
-                        "configs": {"sync": ["+experiment=synchronous"], "h16": ["+experiment=fedavg"],
-                                    "by_time": ["+experiment=fedavg", "federation.every=null"]}}}
+    bench = {
+        "mode": "speeds",
+        "facilities": 2,
+        "nproc_per_facility": 2,
+        "steps": 64,
+        "max_steps_factor": 2,
+        "reference": "sync",
+        "common": ["logger=none"],
+        "speeds": {
+            "slow": ["fault.slow_facility=1"],
+            "overrides": ["train.seq_len=64"],
+            "every_s": None,
+            "fixed": "h16",
+            "paced": "by_time",
+            "configs": {
+                "sync": ["+experiment=synchronous"],
+                "h16": ["+experiment=fedavg"],
+                "by_time": ["+experiment=fedavg", "federation.every=null"],
+            },
+        },
+    }
     runs = wan._runs(bench)
     assert runs["sync"][-2:] == ["train.steps=64", "train.eval_every=0"] and "fault.slow_facility=1" not in runs["sync"]
     assert "fault.slow_facility=1" in runs["h16"] and "train.steps=128" in runs["h16"]
     assert "federation.every_s=1" in runs["by_time"]  # stands in until h16's rounds are measured
     assert "federation.every_s=8.250" in wan._set_every_s(runs["by_time"], 8.25)
-    wan._check({"bench": {**bench, "link_mbit": 10, "timeout_s": 10, "eval_every": 16, "link_overrides": [],
-                          "configs": {}}})
+    wan._check(
+        {"bench": {**bench, "link_mbit": 10, "timeout_s": 10, "eval_every": 16, "link_overrides": [], "configs": {}}}
+    )
     bench["speeds"]["configs"] = dict(reversed(bench["speeds"]["configs"].items()))  # by_time before h16
     with pytest.raises(wan.WanFailed, match="must have rounds of fixed steps and come before"):
         wan._check({"bench": {**bench, "link_mbit": 10, "timeout_s": 10, "eval_every": 16, "link_overrides": []}})
@@ -172,7 +232,10 @@ while chunk := conn.recv(1 << 16):
     total += len(chunk)
 print(total, flush=True)
 """
-SENDER = "import socket, sys; s = socket.create_connection((sys.argv[1], int(sys.argv[2]))); s.sendall(b'x' * 400000); s.close()"
+SENDER = (
+    "import socket, sys; s = socket.create_connection((sys.argv[1], int(sys.argv[2]))); "
+    "s.sendall(b'x' * 400000); s.close()"
+)
 
 
 @pytest.mark.cli
@@ -185,8 +248,9 @@ def test_network_carries_traffic_counts_it_and_is_always_removed():
         assert net.tcp["net.ipv4.tcp_slow_start_after_idle"] == "0" and net.tcp["net.ipv4.tcp_congestion_control"]
         a, b = net.facilities
         before = net.counters()
-        receiver = subprocess.Popen([*b.exec_prefix(), sys.executable, "-c", RECEIVER, b.address],
-                                    stdout=subprocess.PIPE, text=True)
+        receiver = subprocess.Popen(
+            [*b.exec_prefix(), sys.executable, "-c", RECEIVER, b.address], stdout=subprocess.PIPE, text=True
+        )
         port = receiver.stdout.readline().strip()
         subprocess.run([*a.exec_prefix(), sys.executable, "-c", SENDER, b.address, port], check=True, timeout=60)
         assert int(receiver.stdout.readline()) == 400000
@@ -210,9 +274,19 @@ def test_network_carries_traffic_counts_it_and_is_always_removed():
 
 @pytest.mark.cli
 def test_wan_rejects_bad_input_before_building_anything(tmp_path):
-    proc = subprocess.Popen([sys.executable, "-m", "xffl_like.bench.wan", f"hydra.run.dir={tmp_path}",
-                             'bench.configs.synchronous=["+experiment=no_such_preset"]'],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "xffl_like.bench.wan",
+            f"hydra.run.dir={tmp_path}",
+            'bench.configs.synchronous=["+experiment=no_such_preset"]',
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 2, stderr
     lines = stderr.strip().splitlines()

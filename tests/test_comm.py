@@ -12,13 +12,13 @@ import sys
 
 import pytest
 import torch
-
 from helpers import REPO
 from workers import comm as cw
+
 from xffl_like import comm
-from xffl_like.schema import StrategyConfig
 from xffl_like.distributed.env import read_env
 from xffl_like.distributed.launch import launch_local
+from xffl_like.schema import StrategyConfig
 
 
 @pytest.mark.multiprocess
@@ -30,8 +30,11 @@ def test_torch_backend_collectives_and_transport():
 # ----------------------------------------------------------------------------- bad input
 def test_unknown_backend_and_op():
     t = torch.ones(2)
-    for call in (lambda: comm.all_reduce(t, backend="nccl"), lambda: comm.send(t, 1, backend="gloo"),
-                 lambda: comm.get_rank(backend="MPI")):
+    for call in (
+        lambda: comm.all_reduce(t, backend="nccl"),
+        lambda: comm.send(t, 1, backend="gloo"),
+        lambda: comm.get_rank(backend="MPI"),
+    ):
         with pytest.raises(ValueError, match=r"^unknown backend '\w+': valid backends are 'torch', 'mpi'$"):
             call()
     with pytest.raises(ValueError, match="unknown reduction op 'PROD': valid ops are SUM, MAX, MIN, AVG"):
@@ -46,10 +49,16 @@ def test_mpi_requested_but_not_installed(monkeypatch):
     monkeypatch.setitem(sys.modules, "mpi4py", None)  # import mpi4py now fails as if absent
     with pytest.raises(comm.MPIUnavailable) as err:
         comm.barrier(backend="mpi")
-    assert str(err.value) == ("the MPI backend needs mpi4py and an MPI runtime, but mpi4py is not installed: "
-                              "install the mpi extra (pip install -e '.[mpi]')")
+    assert str(err.value) == (
+        "the MPI backend needs mpi4py and an MPI runtime, but mpi4py is not installed: "
+        "install the mpi extra (pip install -e '.[mpi]')"
+    )
     monkeypatch.setattr(comm, "mpi_installed", lambda: False)
-    with pytest.raises(ValueError, match=r"strategy.transport=mpi needs mpi4py and an MPI runtime: install the mpi extra \(pip install -e '.\[mpi\]'\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"strategy.transport=mpi needs mpi4py and an MPI runtime: "
+        r"install the mpi extra \(pip install -e '.\[mpi\]'\)",
+    ):
         validate_strategy_options(StrategyConfig(name="fused", transport="mpi"))
 
 
@@ -61,35 +70,55 @@ def test_transport_values():
         validate_strategy_options(StrategyConfig(name="fused", transport="tcp"))
 
 
-@pytest.mark.parametrize("env, message", [
-    ({"PMI_RANK": "4", "PMI_SIZE": "4"}, "PMI_RANK=4 but PMI_SIZE=4: a rank must be below the number of processes"),
-    ({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "4", "PMIX_RANK": "2"},
-     "mismatched launcher variables: OMPI_COMM_WORLD_RANK=1 OMPI_COMM_WORLD_SIZE=4 but PMIX_RANK=2"),
-    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "PMI_RANK": "3", "PMI_SIZE": "4"},
-     "mismatched launcher variables: SLURM_PROCID=0 SLURM_NTASKS=2 but PMI_RANK=3 PMI_SIZE=4: inside a Slurm allocation"),
-    ({"PMIX_RANK": "1"}, "PMIX_RANK=1 is set but no variable gives the number of processes"),
-    ({"RANK": "1"}, "RANK is set but WORLD_SIZE is not"),
-    ({"MV2_COMM_WORLD_RANK": "x", "MV2_COMM_WORLD_SIZE": "2"}, "MV2_COMM_WORLD_RANK='x': a launcher variable must be a non-negative integer"),
-    ({"PMI_RANK": "1", "PMI_SIZE": "4", "MPI_LOCALRANKID": "2", "MPI_LOCALNRANKS": "2"}, "MPI_LOCALRANKID=2, MPI_LOCALNRANKS=2 and PMI_SIZE=4 do not fit"),
-])
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        ({"PMI_RANK": "4", "PMI_SIZE": "4"}, "PMI_RANK=4 but PMI_SIZE=4: a rank must be below the number of processes"),
+        (
+            {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "4", "PMIX_RANK": "2"},
+            "mismatched launcher variables: OMPI_COMM_WORLD_RANK=1 OMPI_COMM_WORLD_SIZE=4 but PMIX_RANK=2",
+        ),
+        (
+            {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "PMI_RANK": "3", "PMI_SIZE": "4"},
+            "mismatched launcher variables: SLURM_PROCID=0 SLURM_NTASKS=2 but PMI_RANK=3 PMI_SIZE=4: "
+            "inside a Slurm allocation",
+        ),
+        ({"PMIX_RANK": "1"}, "PMIX_RANK=1 is set but no variable gives the number of processes"),
+        ({"RANK": "1"}, "RANK is set but WORLD_SIZE is not"),
+        (
+            {"MV2_COMM_WORLD_RANK": "x", "MV2_COMM_WORLD_SIZE": "2"},
+            "MV2_COMM_WORLD_RANK='x': a launcher variable must be a non-negative integer",
+        ),
+        (
+            {"PMI_RANK": "1", "PMI_SIZE": "4", "MPI_LOCALRANKID": "2", "MPI_LOCALNRANKS": "2"},
+            "MPI_LOCALRANKID=2, MPI_LOCALNRANKS=2 and PMI_SIZE=4 do not fit",
+        ),
+    ],
+)
 def test_mismatched_launcher_variables(env, message):
     with pytest.raises(ValueError) as err:
         read_env(env)
     assert str(err.value).startswith(message) and "\n" not in str(err.value)
 
 
-@pytest.mark.parametrize("env, speaks", [
-    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "PMI_RANK": "3", "PMI_SIZE": "4"}, False),  # mpirun in sbatch
-    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "PMI_RANK": "0", "PMI_SIZE": "4"}, True),
-    ({"RANK": "2", "WORLD_SIZE": "4", "PMI_RANK": "0", "PMI_SIZE": "2"}, False),  # torchrun's rank is innermost
-    ({"RANK": "1"}, True),  # no count: there may be no rank 0
-    ({"PMI_RANK": "7", "PMI_SIZE": "4"}, True),  # out of range: likewise
-    ({"OMPI_COMM_WORLD_RANK": "x", "OMPI_COMM_WORLD_SIZE": "2"}, True),
-    ({"SLURM_PROCID": "1", "SLURM_NTASKS": "2"}, False),
-    ({"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "PMIX_RANK": "0"}, True),  # srun --mpi=pmix: PMIx's rank, srun's count
-    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "PMIX_RANK": "1"}, False),
-    ({}, True),
-])
+@pytest.mark.parametrize(
+    "env, speaks",
+    [
+        ({"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "PMI_RANK": "3", "PMI_SIZE": "4"}, False),  # mpirun in sbatch
+        ({"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "PMI_RANK": "0", "PMI_SIZE": "4"}, True),
+        ({"RANK": "2", "WORLD_SIZE": "4", "PMI_RANK": "0", "PMI_SIZE": "2"}, False),  # torchrun's rank is innermost
+        ({"RANK": "1"}, True),  # no count: there may be no rank 0
+        ({"PMI_RANK": "7", "PMI_SIZE": "4"}, True),  # out of range: likewise
+        ({"OMPI_COMM_WORLD_RANK": "x", "OMPI_COMM_WORLD_SIZE": "2"}, True),
+        ({"SLURM_PROCID": "1", "SLURM_NTASKS": "2"}, False),
+        (
+            {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "PMIX_RANK": "0"},
+            True,
+        ),  # srun --mpi=pmix: PMIx's rank, srun's count
+        ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "PMIX_RANK": "1"}, False),
+        ({}, True),
+    ],
+)
 def test_launcher_errors_are_reported_by_one_process(env, speaks):
     from xffl_like.distributed.env import reports_launcher_errors
 
@@ -97,10 +126,19 @@ def test_launcher_errors_are_reported_by_one_process(env, speaks):
 
 
 def test_read_env_mpi_launchers():
-    ompi = read_env({"OMPI_COMM_WORLD_RANK": "5", "OMPI_COMM_WORLD_SIZE": "8", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
-                     "OMPI_COMM_WORLD_LOCAL_SIZE": "4", "PMIX_RANK": "5"})
+    ompi = read_env(
+        {
+            "OMPI_COMM_WORLD_RANK": "5",
+            "OMPI_COMM_WORLD_SIZE": "8",
+            "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+            "OMPI_COMM_WORLD_LOCAL_SIZE": "4",
+            "PMIX_RANK": "5",
+        }
+    )
     assert (ompi.rank, ompi.world_size, ompi.local_rank, ompi.local_world_size, ompi.launcher) == (5, 8, 1, 4, "mpi")
-    mpich = read_env({"PMI_RANK": "2", "PMI_SIZE": "3", "MPI_LOCALRANKID": "2", "MPI_LOCALNRANKS": "3", "MASTER_PORT": "99"})
+    mpich = read_env(
+        {"PMI_RANK": "2", "PMI_SIZE": "3", "MPI_LOCALRANKID": "2", "MPI_LOCALNRANKS": "3", "MASTER_PORT": "99"}
+    )
     assert (mpich.rank, mpich.world_size, mpich.local_rank, mpich.master_port, mpich.master_addr) == (2, 3, 2, 99, None)
     mv2 = read_env({"MV2_COMM_WORLD_RANK": "0", "MV2_COMM_WORLD_SIZE": "2"})
     assert (mv2.rank, mv2.world_size, mv2.local_rank, mv2.local_world_size) == (0, 2, 0, 2)
@@ -116,8 +154,14 @@ def test_read_env_mpi_launchers():
 def test_mismatched_launcher_variables_cli(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS")}
     env.update(PMI_RANK="7", PMI_SIZE="4", PYTHONPATH=str(REPO))
-    proc = subprocess.run([sys.executable, "-m", "xffl_like.run", "+experiment=llama_fed"], cwd=tmp_path,
-                          env=env, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "xffl_like.run", "+experiment=llama_fed"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.strip() == "error: PMI_RANK=7 but PMI_SIZE=4: a rank must be below the number of processes"
 
@@ -127,12 +171,34 @@ def test_mpirun_recipe_places_ranks_host_by_host(tmp_path):
     hosts = tmp_path / "hosts"
     hosts.write_text("f0-a\nf0-b\n# facility 1\nf1-a\n")
     env = {**os.environ, "DRY_RUN": "1", "HOSTFILE": str(hosts), "PPN": "4", "MPIEXEC": "mpiexec-of-hydra"}
-    proc = subprocess.run(["bash", str(REPO / "workflows" / "mpirun" / "mpirun.sh"), "+experiment=llama_fed",
-                           "distributed.federated=[8,4]"], env=env, capture_output=True, text=True, timeout=30)
+    proc = subprocess.run(
+        [
+            "bash",
+            str(REPO / "workflows" / "mpirun" / "mpirun.sh"),
+            "+experiment=llama_fed",
+            "distributed.federated=[8,4]",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert proc.returncode == 0, proc.stderr
     # 3 hosts x 4: ranks 0-7 on facility 0's hosts, 8-11 on facility 1's.
-    assert proc.stdout.split() == ["mpiexec-of-hydra", "-n", "12", "-f", str(hosts), "-ppn", "4", "python", "-m",
-                                   "xffl_like.run", "+experiment=llama_fed", r"distributed.federated=\[8\,4\]"]
+    assert proc.stdout.split() == [
+        "mpiexec-of-hydra",
+        "-n",
+        "12",
+        "-f",
+        str(hosts),
+        "-ppn",
+        "4",
+        "python",
+        "-m",
+        "xffl_like.run",
+        "+experiment=llama_fed",
+        r"distributed.federated=\[8\,4\]",
+    ]
 
 
 def test_cpu_point_to_point_waits_in_a_thread_on_a_mixed_group(monkeypatch):

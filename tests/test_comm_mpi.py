@@ -14,11 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from xffl_like import comm
-
 from helpers import PYTHONPATH, REPO
 
+from xffl_like import comm
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.cli, pytest.mark.slow]
 
@@ -41,9 +39,15 @@ from workers import comm as cw  # noqa: E402
 # sched_yield, which on a host with fewer cores than ranks (CI: 4 ranks, 2 cores) hands the core
 # straight back to the spinning rank and starves the ranks with work. Same checks, half the CPU
 # time or less for the 4-rank worker there. Open MPI ignores it.
-MPI_ENV = {**os.environ, "PYTHONPATH": PYTHONPATH, "OMP_NUM_THREADS": "1",
-           "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "WANDB_MODE": "offline",
-           "MPIR_CVAR_ENABLE_HEAVY_YIELD": "1"}
+MPI_ENV = {
+    **os.environ,
+    "PYTHONPATH": PYTHONPATH,
+    "OMP_NUM_THREADS": "1",
+    "OMPI_ALLOW_RUN_AS_ROOT": "1",
+    "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+    "WANDB_MODE": "offline",
+    "MPIR_CVAR_ENABLE_HEAVY_YIELD": "1",
+}
 for _var in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):
     MPI_ENV.pop(_var, None)
 
@@ -62,8 +66,16 @@ def test_mpi_backend_rendezvous_and_transport(tmp_path):
     assert [r["aggregation_cases"] for r in results] == [cases] * cw.WORLD
 
 
-TINY = ["+experiment=llama_fed", "train.steps=2", "optim.warmup_steps=2", "federation.every=1", "train.seq_len=16", "train.batch_size=2",
-        "train.log_every=5", "logger=none"]
+TINY = [
+    "+experiment=llama_fed",
+    "train.steps=2",
+    "optim.warmup_steps=2",
+    "federation.every=1",
+    "train.seq_len=16",
+    "train.batch_size=2",
+    "train.log_every=5",
+    "logger=none",
+]
 
 
 def test_main_job_under_mpirun_matches_self_launch(tmp_path):
@@ -72,8 +84,14 @@ def test_main_job_under_mpirun_matches_self_launch(tmp_path):
 
     The two jobs run side by side (own run directories, own rendezvous ports): each one's serial
     phases (rank 0 composing the config, writing plots) leave cores the other one uses."""
-    local = subprocess.Popen([sys.executable, "-m", "xffl_like.run", *TINY, f"hydra.run.dir={tmp_path / 'local'}"],
-                             cwd=REPO, env=MPI_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    local = subprocess.Popen(
+        [sys.executable, "-m", "xffl_like.run", *TINY, f"hydra.run.dir={tmp_path / 'local'}"],
+        cwd=REPO,
+        env=MPI_ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         env = {**MPI_ENV, "XFFL_RUN_DIR": str(tmp_path / "mpi")}
         cmd = [MPIEXEC, "-n", "4", sys.executable, "-m", "xffl_like.run", *TINY, "strategy.transport=mpi"]

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 import torch
-
 from helpers import PYTHONPATH, REPO
+
 from xffl_like.bench.gpu import CHECKS, run_check
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -19,8 +19,9 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device: the checks run instead")
 def test_gpu_bench_without_cuda_prints_one_line_and_exits_0():
     env = {**os.environ, "PYTHONPATH": PYTHONPATH}
-    proc = subprocess.run([sys.executable, "-m", "xffl_like.bench.gpu"], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "xffl_like.bench.gpu"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count("\n") == 1 and proc.stdout.startswith("no CUDA device found"), proc.stdout
     assert proc.stderr == "", proc.stderr
@@ -28,10 +29,18 @@ def test_gpu_bench_without_cuda_prints_one_line_and_exits_0():
 
 def test_gpu_bench_refuses_an_unknown_check_in_one_line():
     env = {**os.environ, "PYTHONPATH": PYTHONPATH}
-    proc = subprocess.run([sys.executable, "-m", "xffl_like.bench.gpu", "--only", "bf16,nope"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "xffl_like.bench.gpu", "--only", "bf16,nope"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2 and proc.stdout == ""
-    assert proc.stderr.startswith("error: --only nope: no such check; choose from bf16,") and proc.stderr.count("\n") == 1
+    assert (
+        proc.stderr.startswith("error: --only nope: no such check; choose from bf16,") and proc.stderr.count("\n") == 1
+    )
 
 
 @needs_cuda

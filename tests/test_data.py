@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import math
 import random
+from dataclasses import replace
 
 import pytest
 import torch
-from dataclasses import replace
-
+from helpers import REPO
 from omegaconf import OmegaConf
 
 from xffl_like.data import (
@@ -22,8 +22,6 @@ from xffl_like.data import (
     validate_data,
 )
 from xffl_like.schema import DataConfig
-
-from helpers import REPO
 
 CONF = REPO / "conf" / "data"
 SHAKESPEARE = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
@@ -160,7 +158,10 @@ def test_synthetic_non_iid():
     mid = tv(h0.transition_matrix().flatten() / 256, h1.transition_matrix().flatten() / 256)
     assert 0.2 < mid < 0.8
     # ranks of one facility share the distribution
-    r0, r1 = synth(1.0, facility=2, rank=0, seq_len=256, batch_size=8), synth(1.0, facility=2, rank=1, seq_len=256, batch_size=8)
+    r0, r1 = (
+        synth(1.0, facility=2, rank=0, seq_len=256, batch_size=8),
+        synth(1.0, facility=2, rank=1, seq_len=256, batch_size=8),
+    )
     assert tv(unigram(r0, 12), unigram(r1, 12)) < 0.1
 
 
@@ -173,7 +174,9 @@ def test_synthetic_learnable_by_bigram_model():
 
     def eval_loss():
         with torch.no_grad():
-            losses = [torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten()) for x, y in src.eval_batches()]
+            losses = [
+                torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten()) for x, y in src.eval_batches()
+            ]
         return float(sum(losses) / len(losses))
 
     start = eval_loss()
@@ -188,7 +191,8 @@ def test_synthetic_learnable_by_bigram_model():
     assert end < 0.5 * math.log(vocab), (start, end)
 
 
-# --------------------------------------------------------------------------- text: expected layout, computed independently
+# --------------------------------------------------------------------------- text: expected layout,
+# computed independently
 def expected_owner(n_bytes, seq_len, eval_fraction, num_facilities, size, partition):
     """owner[i] = f * size + r for training bytes, -1 for the held-out tail."""
     n_eval = max(int(n_bytes * eval_fraction), seq_len + 1)
@@ -197,14 +201,14 @@ def expected_owner(n_bytes, seq_len, eval_fraction, num_facilities, size, partit
     if partition == "contiguous":
         fac = torch.empty(n_train, dtype=torch.long)
         for f in range(num_facilities):
-            fac[f * n_train // num_facilities:(f + 1) * n_train // num_facilities] = f
+            fac[f * n_train // num_facilities : (f + 1) * n_train // num_facilities] = f
     else:
         fac = (pos // BLOCK) % num_facilities
     owner = torch.full((n_bytes,), -1, dtype=torch.long)
     for f in range(num_facilities):
         idx = pos[fac == f]  # this facility's bytes in corpus order
         for r in range(size):
-            owner[idx[r * len(idx) // size:(r + 1) * len(idx) // size]] = f * size + r
+            owner[idx[r * len(idx) // size : (r + 1) * len(idx) // size]] = f * size + r
     return owner, n_train, n_eval
 
 
@@ -221,8 +225,15 @@ def test_text_slices_disjoint_and_batches_from_own_slice(corpus_file, partition,
     eval_segments = []
     for f in range(num_facilities):
         for r in range(size):
-            src = build_text(cfg, facility=f, num_facilities=num_facilities, rank=r, size=size,
-                             seq_len=seq_len, batch_size=batch_size)
+            src = build_text(
+                cfg,
+                facility=f,
+                num_facilities=num_facilities,
+                rank=r,
+                size=size,
+                seq_len=seq_len,
+                batch_size=batch_size,
+            )
             assert isinstance(src, TextByteSource) and isinstance(src, DataSource)
             assert (src.n_train, src.n_eval) == (n_train, n_eval)
             me = f * size + r
@@ -279,8 +290,10 @@ def test_text_small_tail_is_shared(tmp_path):
     path.write_text("to be or not to be, that is the question. " * 60, encoding="utf-8")  # ~2.6 KB
     n = path.stat().st_size
     seq_len = 100  # tail = 258 bytes < 4 ranks * 101
-    srcs = [build_text(text_cfg(path), facility=0, num_facilities=1, rank=r, size=4, seq_len=seq_len, batch_size=2)
-            for r in range(4)]
+    srcs = [
+        build_text(text_cfg(path), facility=0, num_facilities=1, rank=r, size=4, seq_len=seq_len, batch_size=2)
+        for r in range(4)
+    ]
     assert all(not s.eval_disjoint for s in srcs)
     assert all(s.eval_segment == (n - max(int(n * 0.1), seq_len + 1), n) for s in srcs)
     for s in srcs[1:]:
@@ -294,14 +307,15 @@ def test_text_list_of_files_and_relative_paths(tmp_path):
     (tmp_path / "sub").mkdir()
     (tmp_path / "sub" / "a.txt").write_text("a" * 3000, encoding="utf-8")
     (tmp_path / "b.txt").write_text("b" * 1000, encoding="utf-8")
-    cfg = DataConfig(name="text", path=["sub/a.txt", "b.txt"], partition="contiguous", eval_fraction=0.25,
-                     num_eval_batches=1)
+    cfg = DataConfig(
+        name="text", path=["sub/a.txt", "b.txt"], partition="contiguous", eval_fraction=0.25, num_eval_batches=1
+    )
     paths = resolve_paths(cfg, tmp_path)
     assert paths == [tmp_path / "sub" / "a.txt", tmp_path / "b.txt"]
     assert resolve_paths(DataConfig(path=str(tmp_path / "b.txt")), "/nonexistent") == [tmp_path / "b.txt"]
     validate_data(cfg, vocab_size=256, seq_len=16, base_dir=tmp_path)
     src = build_text(cfg, facility=0, num_facilities=1, rank=0, size=1, seq_len=16, base_dir=tmp_path)
-    (ex, ey), = src.eval_batches()
+    ((ex, ey),) = src.eval_batches()
     assert decode(ex[0]) == "b" * 16  # the tail (last 1000 bytes) is the second file
     assert set(decode(src.train_batch(0)[0].flatten())) == {"a"}
 
@@ -315,8 +329,11 @@ def test_text_tinyshakespeare_with_yaml_config():
     n_eval = int(n * 0.1)
     for partition in ("contiguous", "interleaved"):
         cfg = replace(cfg, partition=partition)
-        srcs = [build_text(cfg, facility=f, num_facilities=2, rank=r, size=2, seq_len=128, batch_size=8, base_dir=REPO)
-                for f in range(2) for r in range(2)]
+        srcs = [
+            build_text(cfg, facility=f, num_facilities=2, rank=r, size=2, seq_len=128, batch_size=8, base_dir=REPO)
+            for f in range(2)
+            for r in range(2)
+        ]
         segs = sorted(seg for s in srcs for seg in s.train_segments)
         assert segs[0][0] == 0 and segs[-1][1] == n - n_eval
         assert all(b0 <= a1 for (_, b0), (a1, _) in zip(segs, segs[1:]))
@@ -343,8 +360,9 @@ def test_validate_yaml_defaults():
     for name in ("synthetic", "text"):
         cfg = OmegaConf.load(CONF / f"{name}.yaml")
         assert cfg.name == name and cfg.num_eval_batches == 4
-    validate_data(DataConfig(**OmegaConf.to_container(OmegaConf.load(CONF / "synthetic.yaml"))), vocab_size=256,
-                  seq_len=128)
+    validate_data(
+        DataConfig(**OmegaConf.to_container(OmegaConf.load(CONF / "synthetic.yaml"))), vocab_size=256, seq_len=128
+    )
     validate_data(DataConfig(name="synthetic", num_eval_batches=1, non_iid=0), vocab_size=32, seq_len=8)
 
 
@@ -384,7 +402,9 @@ def test_validate_errors(tmp_path, corpus_file):
     assert _err(good, vocab_size=128).startswith("vocab_size:")
     for bad in (0, -1, 1.5, "4", None):
         assert _err(replace(good, num_eval_batches=bad)).startswith("data.num_eval_batches:")
-        assert _err(DataConfig(name="synthetic", num_eval_batches=bad, non_iid=0.5)).startswith("data.num_eval_batches:")
+        assert _err(DataConfig(name="synthetic", num_eval_batches=bad, non_iid=0.5)).startswith(
+            "data.num_eval_batches:"
+        )
     for bad in (0, 1, 1.5, -0.1, "0.1", float("nan")):
         assert _err(replace(good, eval_fraction=bad)).startswith("data.eval_fraction:")
     assert _err(replace(good, partition="random")).startswith("data.partition:")
@@ -400,5 +420,14 @@ def test_build_checks_layout():
     with pytest.raises(ValueError, match=r"^facility:"):
         synth(facility=3)
     with pytest.raises(ValueError, match=r"^data\.name:"):
-        build_data(DataConfig(name="x"), vocab_size=256, seq_len=8, batch_size=1, seed=0, facility=0,
-                   num_facilities=1, facility_rank=0, facility_size=1)
+        build_data(
+            DataConfig(name="x"),
+            vocab_size=256,
+            seq_len=8,
+            batch_size=1,
+            seed=0,
+            facility=0,
+            num_facilities=1,
+            facility_rank=0,
+            facility_size=1,
+        )

@@ -13,22 +13,24 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-
 from helpers import TINY, run_cli
 
 from xffl_like.config import ConfigError, validate_config
-from xffl_like.schema import job_config
 from xffl_like.job import _compose, choices, resolve
+from xffl_like.schema import job_config
 
-SGD = ["optim=sgd", "optim.lr=0.1", "optim.momentum=0.0", "optim.warmup_steps=0", "optim.grad_clip=0.0",
-       "logger=none"]
+SGD = ["optim=sgd", "optim.lr=0.1", "optim.momentum=0.0", "optim.warmup_steps=0", "optim.grad_clip=0.0", "logger=none"]
 RING = [[(0, 1), (2, 3)], [(0, 3), (1, 2)]]  # Decent-DP's ring on 4 ranks: right neighbours, then left
 
 
 def _run(args, tmp_path):
     run_dir = tmp_path / "run"
-    proc, _ = run_cli([*args, *TINY, *SGD, "train.log_every=1"], run_dir,
-                      env={"XFFL_TEST_DUMP_ROUNDS": str(tmp_path / "rounds")}, timeout=400)
+    proc, _ = run_cli(
+        [*args, *TINY, *SGD, "train.log_every=1"],
+        run_dir,
+        env={"XFFL_TEST_DUMP_ROUNDS": str(tmp_path / "rounds")},
+        timeout=400,
+    )
     assert proc.returncode == 0, proc.stderr
     cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
     return cfg, json.loads((run_dir / "summary.json").read_text()), run_dir
@@ -53,10 +55,19 @@ class Copies:
         self.data, self.loss_chunk = [], t["loss_chunk"]
         for f, size in enumerate(facilities):
             for r in range(size):
-                self.data.append(build_data(DataConfig(**cfg["data"]), vocab_size=cfg["model"]["vocab_size"],
-                                            seq_len=t["seq_len"], batch_size=t["batch_size"], seed=cfg["seed"],
-                                            facility=f, num_facilities=len(facilities), facility_rank=r,
-                                            facility_size=size))
+                self.data.append(
+                    build_data(
+                        DataConfig(**cfg["data"]),
+                        vocab_size=cfg["model"]["vocab_size"],
+                        seq_len=t["seq_len"],
+                        batch_size=t["batch_size"],
+                        seed=cfg["seed"],
+                        facility=f,
+                        num_facilities=len(facilities),
+                        facility_rank=r,
+                        facility_size=size,
+                    )
+                )
 
     def grad(self, rank: int, params: list[torch.Tensor], step: int) -> list[torch.Tensor]:
         """The gradient of rank ``rank``'s batch of (1-based) ``step`` at ``params``."""
@@ -114,10 +125,20 @@ def test_bagua_switch_job_on_unequal_facilities(tmp_path):
     """Facilities [3, 1] are the nodes: hierarchical gradient all-reduce, then shift_one gossip, then
     hierarchical gossip (node means weighted by size); every switch starts all copies from the mean."""
     lr = 0.1
-    switch = ("parallel.switch=[{at_step:1,algorithm:decentralized,options:{peer_selection_mode:shift_one,"
-              "hierarchical:false}},{at_step:3,algorithm:decentralized,options:{hierarchical:true}}]")
-    cfg, summary, _ = _run(["+experiment=bagua_switch", "distributed.federated=[3,1]", "train.steps=5",
-                            "parallel.options={hierarchical:true}", switch], tmp_path)
+    switch = (
+        "parallel.switch=[{at_step:1,algorithm:decentralized,options:{peer_selection_mode:shift_one,"
+        "hierarchical:false}},{at_step:3,algorithm:decentralized,options:{hierarchical:true}}]"
+    )
+    cfg, summary, _ = _run(
+        [
+            "+experiment=bagua_switch",
+            "distributed.federated=[3,1]",
+            "train.steps=5",
+            "parallel.options={hierarchical:true}",
+            switch,
+        ],
+        tmp_path,
+    )
     sim = Copies(cfg, [3, 1])
     # Step 1, gradient all-reduce: x1 = x0 - lr * mean over the 4 ranks of g_r(x0), on every rank.
     grads = [sim.grad(r, sim.x0, 1) for r in range(4)]
@@ -142,20 +163,36 @@ def test_bagua_switch_job_on_unequal_facilities(tmp_path):
 REFUSED = [
     (["+experiment=bagua_switch", "federation=diloco"], "federation.outer (name='nesterov', lr=0.7) does not apply"),
     (["+experiment=decentralized", "federation.compression=uint8"], "federation.compression='uint8' does not apply"),
-    (["parallel.topology=complete"], "parallel.topology='complete' applies to parallel=decentralized, not parallel=fsdp"),
+    (
+        ["parallel.topology=complete"],
+        "parallel.topology='complete' applies to parallel=decentralized, not parallel=fsdp",
+    ),
     (["+experiment=decentralized", "parallel.switch=[{at_step:3,algorithm:bytegrad}]"], "applies to parallel=bagua"),
-    (["+experiment=decentralized", "distributed.nproc_per_node=3"], "parallel.topology=ring: topology 'ring' needs an even"),
-    (["+experiment=decentralized", "parallel.topology=alternating-exp-ring", "distributed.federated=[3,1]"],
-     "needs facilities (its nodes) of equal size, got [3, 1]"),
-    (["+experiment=decentralized", "train.steps=1", "optim.warmup_steps=0"], "train.steps=1: parallel=decentralized applies"),
+    (
+        ["+experiment=decentralized", "distributed.nproc_per_node=3"],
+        "parallel.topology=ring: topology 'ring' needs an even",
+    ),
+    (
+        ["+experiment=decentralized", "parallel.topology=alternating-exp-ring", "distributed.federated=[3,1]"],
+        "needs facilities (its nodes) of equal size, got [3, 1]",
+    ),
+    (
+        ["+experiment=decentralized", "train.steps=1", "optim.warmup_steps=0"],
+        "train.steps=1: parallel=decentralized applies",
+    ),
     (["+experiment=decentralized", "parallel.optimizer=accum_adamw", "optim=sgd"], "select optim=adamw"),
     (["+experiment=decentralized", "distributed.max_restarts=1"], "distributed.max_restarts=1: restarts resume"),
     (["+experiment=bagua_switch", "train.grad_accum=2"], "train.grad_accum=2: parallel=bagua"),
     (["+experiment=bagua_switch", "parallel.algorithm=nope"], "parallel.algorithm='nope': use one of"),
     (["+experiment=bagua_switch", "parallel.switch=[{at_step:60,algorithm:bytegrad}]"], "at_step=60 is not before"),
-    (["+experiment=bagua_switch", "distributed.federated=[2,1,1]",
-      "parallel.switch=[{at_step:3,algorithm:decentralized,options:{peer_selection_mode:shift_one}}]"],
-     "needs an even number of facilities (hierarchical: the nodes), got 3"),
+    (
+        [
+            "+experiment=bagua_switch",
+            "distributed.federated=[2,1,1]",
+            "parallel.switch=[{at_step:3,algorithm:decentralized,options:{peer_selection_mode:shift_one}}]",
+        ],
+        "needs an even number of facilities (hierarchical: the nodes), got 3",
+    ),
 ]
 
 
@@ -177,5 +214,7 @@ def test_launcher_accepts_the_presets_with_full_copies():
     for preset in ("decentralized", "bagua_switch"):
         job, layout = _validate([f"+experiment={preset}"])
         assert layout.shard_size == 1 and job.distributed.hsdp == 1 and layout.facility_sizes == (4,)
-    _, layout = _validate(["+experiment=bagua_switch", "distributed.federated=[3,1]", "parallel.options={hierarchical:true}"])
+    _, layout = _validate(
+        ["+experiment=bagua_switch", "distributed.federated=[3,1]", "parallel.options={hierarchical:true}"]
+    )
     assert layout.facility_sizes == (3, 1)

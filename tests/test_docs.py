@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from helpers import REPO as ROOT
 
 CONF = ROOT / "conf"
@@ -28,7 +27,9 @@ def _keys(path: Path) -> dict:
     text = path.read_text()
     data = yaml.safe_load(text) or {}
     global_package = path.parent == CONF or "# @package _global_" in text
-    prefix = "" if global_package else ".".join(path.parent.relative_to(CONF).parts) + "."  # hydra/launcher -> hydra.launcher.
+    prefix = (
+        "" if global_package else ".".join(path.parent.relative_to(CONF).parts) + "."
+    )  # hydra/launcher -> hydra.launcher.
     return {f"{prefix}{k}" if k != "defaults" else k: v for k, v in _flatten(data)}
 
 
@@ -58,8 +59,13 @@ def test_every_key_and_option_is_documented(path):
 def _documented_defaults():
     defaults = yaml.safe_load((CONF / "config.yaml").read_text())["defaults"]
     files = [CONF / name for name in ROOT_CONFIGS if (CONF / name).exists()]
-    files += [CONF / group / f"{option}.yaml" for entry in defaults if isinstance(entry, dict)
-              for group, option in entry.items() if (CONF / group).is_dir()]  # not Hydra's own groups
+    files += [
+        CONF / group / f"{option}.yaml"
+        for entry in defaults
+        if isinstance(entry, dict)
+        for group, option in entry.items()
+        if (CONF / group).is_dir()
+    ]  # not Hydra's own groups
     return files
 
 

@@ -19,17 +19,32 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from helpers import REPO
 from workers import durability as workers
+
 from xffl_like.checkpoint.store import (
-    LATEST, SafeFileSystemReader, SafeLoadPlanner, checkpoint_name, latest_checkpoint, list_checkpoints, publish,
-    read_metadata, remove_stale, retain,
+    LATEST,
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+    checkpoint_name,
+    latest_checkpoint,
+    list_checkpoints,
+    publish,
+    read_metadata,
+    remove_stale,
+    retain,
 )
 from xffl_like.distributed.launch import free_port, launch_local
 
-JOB = ["+experiment=llama_fed", "train.steps=8", "federation.every=2", "train.seq_len=32", "train.batch_size=2",
-       "train.log_every=4", "logger=none"]
+JOB = [
+    "+experiment=llama_fed",
+    "train.steps=8",
+    "federation.every=2",
+    "train.seq_len=32",
+    "train.batch_size=2",
+    "train.log_every=4",
+    "logger=none",
+]
 EXACT = ("final_loss", "eval_loss", "facility_losses", "rounds", "skipped_facilities")
 
 
@@ -70,7 +85,8 @@ def assert_same_run(resumed: Path, reference: Path) -> None:
     # The files cover the whole run once: no step twice after the resume.
     lines = [json.loads(x) for x in (resumed / "metrics.jsonl").read_text().splitlines()]
     assert sorted((x["facility"], x["step"]) for x in lines) == sorted(
-        (f, s) for f in range(len(b["facility_losses"])) for s in range(1, b["steps"] + 1))
+        (f, s) for f in range(len(b["facility_losses"])) for s in range(1, b["steps"] + 1)
+    )
     assert len((resumed / "aggregation.csv").read_text().splitlines()) == b["rounds"] + 1
 
 
@@ -111,9 +127,11 @@ def test_fail_fast_names_dead_rank_and_resume_is_bitwise_exact(fsdp_runs, tmp_pa
 # Synchronous for 2 steps, then DiLoCo over 2 fragments with overlapped uint8 exchanges weighted by
 # tokens: fragment 0 starts after step 3 and is applied after 4, fragment 1 after 5 and 6, both at 8.
 # The checkpoint of step 6 (or 4) holds per-fragment theta_global, outer state, residual and tokens.
-STREAMING = ["federation.schedule=[{until_step:2,algorithm:synchronous},{until_step:null,every:4,fragments:2,"
-             "overlap_steps:1,weights:tokens,compression:uint8,error_feedback:true,"
-             "outer:{name:nesterov,lr:0.7,momentum:0.9}}]"]
+STREAMING = [
+    "federation.schedule=[{until_step:2,algorithm:synchronous},{until_step:null,every:4,fragments:2,"
+    "overlap_steps:1,weights:tokens,compression:uint8,error_feedback:true,"
+    "outer:{name:nesterov,lr:0.7,momentum:0.9}}]"
+]
 
 
 @pytest.mark.cli
@@ -121,8 +139,14 @@ STREAMING = ["federation.schedule=[{until_step:2,algorithm:synchronous},{until_s
 def test_unequal_hsdp_elastic_restart_is_bitwise_exact(tmp_path):
     # 6: the elastic launcher restarts the job by itself, which resumes from its newest checkpoint.
     # (The explicit resume=<run dir> path is test_fail_fast_names_dead_rank_and_resume_is_bitwise_exact.)
-    job = [*JOB, "distributed.nproc_per_node=6", "distributed.federated=[4,2]", "distributed.hsdp=2", "seed=1",
-           *STREAMING]
+    job = [
+        *JOB,
+        "distributed.nproc_per_node=6",
+        "distributed.federated=[4,2]",
+        "distributed.hsdp=2",
+        "seed=1",
+        *STREAMING,
+    ]
     ref = run_cli(job, tmp_path / "ref")
     assert ref.returncode == 0, ref.stderr
     # Rank 5 is facility 1's second shard; async save (the step-6 checkpoint may still be in flight).
@@ -134,7 +158,12 @@ def test_unequal_hsdp_elastic_restart_is_bitwise_exact(tmp_path):
     assert_same_run(run, tmp_path / "ref")
     records = summary(tmp_path / "ref")["round_records"]
     assert [(r["step"], r["phase"], r["fragment"], r["started_step"]) for r in records] == [
-        (2, 0, None, 2), (4, 1, 0, 3), (6, 1, 1, 5), (8, 1, 0, 8), (8, 1, 1, 8)]
+        (2, 0, None, 2),
+        (4, 1, 0, 3),
+        (6, 1, 1, 5),
+        (8, 1, 0, 8),
+        (8, 1, 1, 8),
+    ]
 
 
 @pytest.mark.multiprocess
@@ -160,9 +189,20 @@ def test_nonfinite_guard_fail_and_skip():
 @pytest.mark.cli
 @pytest.mark.slow
 def test_nonfinite_skip_end_to_end(tmp_path):
-    args = ["+experiment=llama_fed", "distributed.nproc_per_node=3", "distributed.federated=1", "train.steps=6",
-            "federation.every=2", "train.seq_len=32", "train.batch_size=2", "logger=none",
-            "fault.nan_rank=1", "fault.nan_step=3", "federation.on_nonfinite=skip", "checkpoint.every_rounds=2"]
+    args = [
+        "+experiment=llama_fed",
+        "distributed.nproc_per_node=3",
+        "distributed.federated=1",
+        "train.steps=6",
+        "federation.every=2",
+        "train.seq_len=32",
+        "train.batch_size=2",
+        "logger=none",
+        "fault.nan_rank=1",
+        "fault.nan_step=3",
+        "federation.on_nonfinite=skip",
+        "checkpoint.every_rounds=2",
+    ]
     proc = run_cli(args, tmp_path)
     assert proc.returncode == 0, proc.stderr
     s = summary(tmp_path)
@@ -223,8 +263,9 @@ def test_loading_executes_no_code(tmp_path):
     assert "w" in read_metadata(tmp_path / "ok").state_dict_metadata
     target = {"w": torch.zeros(4), "note": ""}
     with pytest.raises(BaseException) as info:  # DCP wraps it in a CheckpointException (a BaseException)
-        dcp.load(target, storage_reader=SafeFileSystemReader(str(tmp_path / "ok")), planner=SafeLoadPlanner(),
-                 no_dist=True)
+        dcp.load(
+            target, storage_reader=SafeFileSystemReader(str(tmp_path / "ok")), planner=SafeLoadPlanner(), no_dist=True
+        )
     assert "is a pickled object; refusing" in str(getattr(info.value, "failures", info.value)) and target["note"] == ""
     target = {"w": torch.zeros(4)}
     dcp.load(target, storage_reader=SafeFileSystemReader(str(tmp_path / "ok")), planner=SafeLoadPlanner(), no_dist=True)
@@ -264,7 +305,9 @@ BAD_RESUME = [
 
 @pytest.mark.cli
 @pytest.mark.slow
-@pytest.mark.parametrize("overrides, prepare, needle", BAD_RESUME, ids=[b[2].split()[0] + str(i) for i, b in enumerate(BAD_RESUME)])
+@pytest.mark.parametrize(
+    "overrides, prepare, needle", BAD_RESUME, ids=[b[2].split()[0] + str(i) for i, b in enumerate(BAD_RESUME)]
+)
 def test_bad_resume_is_refused_before_launch(fsdp_runs, tmp_path, overrides, prepare, needle):
     from xffl_like.job import JobFailed, run_local
 
@@ -313,15 +356,33 @@ def test_leftover_rank_env_and_site_with_bad_config_fail_at_once(tmp_path):
     # A shell with RANK/WORLD_SIZE left over but no rendezvous address: one line, no hang.
     env = {"RANK": "0", "WORLD_SIZE": "4"}
     clean = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
-    proc = subprocess.run([sys.executable, "-m", "xffl_like.run", "+experiment=llama_fed"], cwd=REPO,
-                          env={**clean, **env}, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "xffl_like.run", "+experiment=llama_fed"],
+        cwd=REPO,
+        env={**clean, **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2 and proc.stderr.count("error:") == 1 and "MASTER_ADDR" in proc.stderr, proc.stderr
     # One site of a multi-site job (rank 2 of 4, first on its node) with a typo: it fails before
     # joining the rendezvous, where it would otherwise wait for rank 0's store.
-    env = {"RANK": "2", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-    proc = subprocess.run([sys.executable, "-m", "xffl_like.run", "+experiment=llama_fed", "federation.every=0"],
-                          cwd=REPO, env={**os.environ, **env}, capture_output=True, text=True, timeout=60)
+    env = {
+        "RANK": "2",
+        "WORLD_SIZE": "4",
+        "LOCAL_RANK": "0",
+        "LOCAL_WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+    }
+    proc = subprocess.run(
+        [sys.executable, "-m", "xffl_like.run", "+experiment=llama_fed", "federation.every=0"],
+        cwd=REPO,
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2 and "error: federation.every=0" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
 

@@ -20,7 +20,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from helpers import REPO, TINY
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.cli]
@@ -53,9 +52,23 @@ def _lighthouse(tmp_path, name="lighthouse"):
     port = _free_pair()
     path = tmp_path / f"{name}.log"
     log = open(path, "w")
-    proc = subprocess.Popen([sys.executable, "-m", "xffl_like.lighthouse", "--port", str(port),
-                             "--heartbeat-timeout-s", "1.5", "--join-timeout-s", "60"], cwd=REPO, stdout=log,
-                            stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(REPO)})
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "xffl_like.lighthouse",
+            "--port",
+            str(port),
+            "--heartbeat-timeout-s",
+            "1.5",
+            "--join-timeout-s",
+            "60",
+        ],
+        cwd=REPO,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     try:
         deadline = time.time() + 30
         while "lighthouse on" not in path.read_text():
@@ -80,18 +93,40 @@ class Facility:
     def __init__(self, name, address, tmp_path, nproc=1, extra=(), env=None, resume=None):
         self.name, self.dir = name, tmp_path / f"run-{name}"
         self.dump = tmp_path / "dump"
-        args = ["+experiment=llama_fed", "logger=none", f"train.steps={STEPS}", f"federation.every={EVERY}",
-                "distributed.federated=null", f"distributed.nproc_per_node={nproc}", "optim.warmup_steps=2",
-                f"federation.elastic.lighthouse={address}", f"federation.elastic.facility={name}",
-                "federation.elastic.timeout_s=20", "checkpoint.every_rounds=1", *TINY, *extra]
+        args = [
+            "+experiment=llama_fed",
+            "logger=none",
+            f"train.steps={STEPS}",
+            f"federation.every={EVERY}",
+            "distributed.federated=null",
+            f"distributed.nproc_per_node={nproc}",
+            "optim.warmup_steps=2",
+            f"federation.elastic.lighthouse={address}",
+            f"federation.elastic.facility={name}",
+            "federation.elastic.timeout_s=20",
+            "checkpoint.every_rounds=1",
+            *TINY,
+            *extra,
+        ]
         if resume:
             args.append(f"resume={resume}")
-        env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline",
-               "XFFL_TEST_DUMP_ROUNDS": str(self.dump), **(env or {})}
+        env = {
+            **os.environ,
+            "PYTHONPATH": str(REPO),
+            "OMP_NUM_THREADS": "1",
+            "WANDB_MODE": "offline",
+            "XFFL_TEST_DUMP_ROUNDS": str(self.dump),
+            **(env or {}),
+        }
         self.out = open(tmp_path / f"{name}-{time.time_ns()}.log", "w+")
-        self.proc = subprocess.Popen([sys.executable, "-m", "xffl_like.run", *args, f"hydra.run.dir={self.dir}"],
-                                     cwd=REPO, env=env, stdout=self.out, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "xffl_like.run", *args, f"hydra.run.dir={self.dir}"],
+            cwd=REPO,
+            env=env,
+            stdout=self.out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
     def wait(self, timeout=300) -> tuple[int, str]:
         try:
@@ -159,8 +194,11 @@ def test_a_facility_killed_mid_exchange_is_dropped_then_restarts_and_heals(light
     # a: 2 processes FSDP; b: 1 process; c: 2 processes HSDP (2 replicas of 1 shard). b stops between
     # the exchange and the commit of round 2 and is SIGKILLed there, with its whole process group.
     marker = tmp_path / "b-paused"
-    outer = ["federation.outer.name=average", "federation.outer.lr=0.5",  # theta -= 0.5 * (theta - mean)
-             "federation.elastic.min_facilities=3"]
+    outer = [
+        "federation.outer.name=average",
+        "federation.outer.lr=0.5",  # theta -= 0.5 * (theta - mean)
+        "federation.elastic.min_facilities=3",
+    ]
     # a asks for round 4 (step 16) only once b's restart asks to join: b surely rejoins there.
     back = tmp_path / "b-back"
     a = Facility("a", lighthouse, tmp_path, nproc=2, extra=outer, env={"XFFL_TEST_ELASTIC_HOLD": f"3:{back}"})
@@ -172,8 +210,9 @@ def test_a_facility_killed_mid_exchange_is_dropped_then_restarts_and_heals(light
         b.kill()
         # b starts again from its last checkpoint, a few seconds later, and rejoins.
         time.sleep(3)
-        again = Facility("b", lighthouse, tmp_path, nproc=1, extra=outer, resume=b.dir,
-                         env={"XFFL_TEST_ELASTIC_ASKING": str(back)})
+        again = Facility(
+            "b", lighthouse, tmp_path, nproc=1, extra=outer, resume=b.dir, env={"XFFL_TEST_ELASTIC_ASKING": str(back)}
+        )
         results = {n: f.wait() for n, f in (("a", a), ("c", c), ("b", again))}
     finally:
         for f in (a, b, c):
@@ -186,8 +225,11 @@ def test_a_facility_killed_mid_exchange_is_dropped_then_restarts_and_heals(light
     a2 = next(r for r in ra if r["round"] == 3)
     c2 = next(r for r in rc_ if r["round"] == 3)
     assert a2["facilities"] == ["a", "c"] and c2["facilities"] == ["a", "c"], (a2["facilities"], c2["facilities"])
-    assert not [r for r in rb if r["round"] == 3 and "b" in r["facilities"] and r["step"] == a2["step"]
-                and "b" not in r["healed"]], "b committed the round it was killed in"
+    assert not [
+        r
+        for r in rb
+        if r["round"] == 3 and "b" in r["facilities"] and r["step"] == a2["step"] and "b" not in r["healed"]
+    ], "b committed the round it was killed in"
     # theta_new = theta_prev - 0.5 * (theta_prev - mean(a, c)), from the previous round's theta.
     prev = next(r for r in ra if r["round"] == 2)
     mean = _expected_mean({"a": a2, "c": c2}, {"a": 1.0, "c": 1.0})
@@ -207,7 +249,9 @@ def test_a_facility_killed_mid_exchange_is_dropped_then_restarts_and_heals(light
     # first step back; its summary says so.
     back = healed[-1]["step"]
     lrs = _step_lrs(b.dir)
-    assert [lrs[s] for s in range(back, STEPS)] == [_expected_lr(s) for s in range(back, STEPS)] == [LR] * (STEPS - back)
+    assert (
+        [lrs[s] for s in range(back, STEPS)] == [_expected_lr(s) for s in range(back, STEPS)] == [LR] * (STEPS - back)
+    )
     assert again.summary()["federation"]["elastic"]["rewarm"] is None
 
 
@@ -247,8 +291,14 @@ def test_late_joiner_heals_bitwise_then_leaves_on_sigusr1_without_a_survivor_tim
     """a (2 processes, FSDP) starts alone; b (1 process) joins late, heals bit for bit and adopts the
     federation's step; both train DiLoCo (Nesterov) with bf16 compression and error feedback, weighted by
     tokens; then b gets SIGUSR1: it saves, leaves, exits 0, and a goes on alone without waiting for a timeout."""
-    extra = ["federation.weights=tokens", "federation.compression=bf16", "federation.error_feedback=true",
-             "federation.outer.name=nesterov", "federation.outer.lr=0.7", "federation.outer.momentum=0.9"]
+    extra = [
+        "federation.weights=tokens",
+        "federation.compression=bf16",
+        "federation.error_feedback=true",
+        "federation.outer.name=nesterov",
+        "federation.outer.lr=0.7",
+        "federation.outer.momentum=0.9",
+    ]
     asking = tmp_path / "b-asking"
     # a asks for its third round (step 12) only once b asks to join: b is late for steps 4 and 8, in at 12.
     a = Facility("a", lighthouse, tmp_path, nproc=2, extra=extra, env={"XFFL_TEST_ELASTIC_HOLD": f"2:{asking}"})
@@ -310,8 +360,12 @@ def test_guards_each_one_line(lighthouse, tmp_path):
     from xffl_like.job import CONF_DIR, choices, resolve, typed_config
 
     def job(*extra):
-        base = ["+experiment=llama_fed", "distributed.federated=null", f"federation.elastic.lighthouse={lighthouse}",
-                "federation.elastic.timeout_s=5"]
+        base = [
+            "+experiment=llama_fed",
+            "distributed.federated=null",
+            f"federation.elastic.lighthouse={lighthouse}",
+            "federation.elastic.timeout_s=5",
+        ]
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
             cfg = compose(config_name="config", overrides=[*base, *extra])
         return typed_config(resolve(cfg), choices(cfg))
@@ -345,18 +399,21 @@ def test_guards_each_one_line(lighthouse, tmp_path):
     assert time.time() - start < 60 and not list((tmp_path / "run-z").glob("**/summary.json"))
 
 
-@pytest.mark.parametrize("extra, words", [
-    (["distributed.federated=2"], "distributed.federated=null"),
-    (["federation.topology=ring"], "federation.topology=ring"),
-    (["federation.fragments=2"], "federation.fragments"),
-    (["federation.weights=[1]"], "a list in federation.weights"),
-    (["federation.every=[4,2]"], "federation.every as a list"),
-    (["parallel=decentralized"], "parallel=decentralized"),
-    (["federation.elastic.lighthouse=nohost"], "must be HOST:PORT"),
-    (["federation.elastic.min_facilities=0"], "min_facilities"),
-    (["federation.elastic.timeout_s=-1"], "timeout_s"),
-    (["federation.elastic.facility='a b'"], "federation.elastic.facility"),
-])
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        (["distributed.federated=2"], "distributed.federated=null"),
+        (["federation.topology=ring"], "federation.topology=ring"),
+        (["federation.fragments=2"], "federation.fragments"),
+        (["federation.weights=[1]"], "a list in federation.weights"),
+        (["federation.every=[4,2]"], "federation.every as a list"),
+        (["parallel=decentralized"], "parallel=decentralized"),
+        (["federation.elastic.lighthouse=nohost"], "must be HOST:PORT"),
+        (["federation.elastic.min_facilities=0"], "min_facilities"),
+        (["federation.elastic.timeout_s=-1"], "timeout_s"),
+        (["federation.elastic.facility='a b'"], "federation.elastic.facility"),
+    ],
+)
 def test_elastic_config_refused_before_workers(extra, words):
     """What the launcher checks before any worker starts (the same path as the CLI's, in-process)."""
     from hydra import compose, initialize_config_dir
@@ -364,8 +421,14 @@ def test_elastic_config_refused_before_workers(extra, words):
     from xffl_like.config import ConfigError, validate_config
     from xffl_like.job import CONF_DIR, choices, resolve
 
-    base = ["+experiment=llama_fed", "logger=none", "train.steps=4", "optim.warmup_steps=2",
-            "distributed.federated=null", "federation.elastic.lighthouse=127.0.0.1:1"]
+    base = [
+        "+experiment=llama_fed",
+        "logger=none",
+        "train.steps=4",
+        "optim.warmup_steps=2",
+        "distributed.federated=null",
+        "federation.elastic.lighthouse=127.0.0.1:1",
+    ]
     keys = {e.split("=")[0] for e in extra}
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
         cfg = compose(config_name="config", overrides=[a for a in base if a.split("=")[0] not in keys] + extra)
@@ -383,8 +446,10 @@ def _round_steps(summary: dict) -> list[int]:
 def _pair(address, tmp_path, names, extra_a, extra_b) -> dict[str, list[int]]:
     """Facilities ``names`` (1 process each) until both end; the local steps each took before each round."""
     both = ["federation.elastic.min_facilities=2"]
-    pair = [Facility(names[0], address, tmp_path, extra=[*both, *extra_a]),
-            Facility(names[1], address, tmp_path, extra=[*both, *extra_b])]
+    pair = [
+        Facility(names[0], address, tmp_path, extra=[*both, *extra_a]),
+        Facility(names[1], address, tmp_path, extra=[*both, *extra_b]),
+    ]
     try:
         results = [f.wait() for f in pair]
     finally:
@@ -401,6 +466,7 @@ def test_facilities_of_different_speeds_as_independent_jobs(lighthouse, tmp_path
     a takes 4 steps per round for 8 steps, b 2 for 4; (2) rounds by time: d slowed 4x takes fewer steps
     per round than c. Every committed round is the mean weighted by the tokens each member trained since
     its last round, computed here from each facility's own step records and the batch geometry."""
+
     def check(names, steps: dict[str, list[int]]) -> None:
         first, other = names
         theirs = {r["round"]: r for r in _rounds(tmp_path / "dump", other)}
@@ -409,12 +475,18 @@ def test_facilities_of_different_speeds_as_independent_jobs(lighthouse, tmp_path
         for i, r in enumerate(applied):
             assert r["facilities"] == list(names) and not r["healed"], r["facilities"]
             weights = {n: steps[n][i] * BATCH * SEQ for n in names}  # one process each
-            torch.testing.assert_close(r["after"], _expected_mean({first: r, other: theirs[r["round"]]}, weights),
-                                       rtol=0, atol=2e-6)
+            torch.testing.assert_close(
+                r["after"], _expected_mean({first: r, other: theirs[r["round"]]}, weights), rtol=0, atol=2e-6
+            )
         assert torch.equal(applied[-1]["after"], theirs[applied[-1]["round"]]["after"])
 
-    steps = _pair(lighthouse, tmp_path, ("a", "b"), ["federation.every=4", "train.steps=8"],
-                  ["federation.every=2", "train.steps=4"])
+    steps = _pair(
+        lighthouse,
+        tmp_path,
+        ("a", "b"),
+        ["federation.every=4", "train.steps=8"],
+        ["federation.every=2", "train.steps=4"],
+    )
     assert steps == {"a": [4, 4], "b": [2, 2]}, steps
     check(("a", "b"), steps)
 
@@ -422,8 +494,9 @@ def test_facilities_of_different_speeds_as_independent_jobs(lighthouse, tmp_path
     # round in which one of them reached train.steps=10.
     timed = ["federation.every=null", "federation.every_s=2.5", "train.steps=10"]
     with _lighthouse(tmp_path, "timed") as timed_lighthouse:  # a new federation: its own round time
-        steps = _pair(timed_lighthouse, tmp_path, ("c", "d"), timed,
-                      [*timed, "fault.slow_facility=0", "fault.slow_factor=4"])
+        steps = _pair(
+            timed_lighthouse, tmp_path, ("c", "d"), timed, [*timed, "fault.slow_facility=0", "fault.slow_factor=4"]
+        )
     assert all(n >= 1 for row in steps.values() for n in row), steps
     ends = {n: sum(row) for n, row in steps.items()}
     assert max(ends.values()) == 10 and ends["d"] < ends["c"], steps

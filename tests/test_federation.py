@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import CONF
+from workers import federation as workers
 
 from xffl_like.distributed.launch import launch_local
 from xffl_like.distributed.layout import plan_layout
 from xffl_like.federation import CompressedMean, check_fragments, validate_federation
 from xffl_like.schema import FederationConfig, OuterConfig, as_plain, build_section
-
-from helpers import CONF
-from workers import federation as workers
 
 
 # ----------------------------------------------------------------------------- pure
@@ -36,24 +35,35 @@ def test_presets_compose():
     assert f.outer.is_plain_mean and f == typed(default) and isinstance(f.outer, OuterConfig)
 
 
-@pytest.mark.parametrize("override, layout, message", [
-    (dict(algorithm="async"), (4, 2), "federation.algorithm='async': use federated or synchronous"),
-    (dict(outer=dict(name="sgd")), (4, 2), "federation.outer.name='sgd': use one of average, nesterov"),
-    (dict(outer=dict(name="average", lr=-1)), (4, 2), "federation.outer.lr=-1: must be a number in (0.0, inf)"),
-    (dict(outer=dict(name="nesterov", lr=0.7, momentum=0)), (4, 2), "needs federation.outer.momentum > 0"),
-    (dict(outer=dict(name="adam", betas=[0.9])), (4, 2), "federation.outer.betas=[0.9]: must be two numbers"),
-    (dict(compression="int4"), (4, 2), "federation.compression='int4': use one of none, bf16, uint8"),
-    (dict(compression="uint8", chunk_size=0), (4, 2), "federation.chunk_size=0: must be a positive integer"),
-    (dict(error_feedback=True), (4, 2), "federation.error_feedback=true needs federation.compression"),
-    (dict(topology="ring"), (3, 1, None), "federation.topology=ring across 3 facilities: topology 'ring' needs an even number of facilities"),
-    (dict(topology="one-peer-exp"), (6, 1, None), "needs a power-of-two number of facilities, got 6"),
-    (dict(topology="alternating-exp-ring"), (4, 2), "same number (>= 2) of replicas each"),
-    (dict(topology="star"), (4, 2), "federation.topology='star': use one of complete, ring"),
-    (dict(topology="ring", compression="uint8"), (4, 1), "compressed gossip is not supported"),
-    (dict(topology="ring", weights="tokens"), (4, 1), "gossip mixes with the topology's own weights"),
-    (dict(algorithm="synchronous", outer=dict(name="nesterov", lr=0.7, momentum=0.9)), (4, 2), "federation.outer does not apply"),
-    (dict(weights=[1, 2, 3]), (4, 2), "a list of 2 non-negative numbers"),
-])
+@pytest.mark.parametrize(
+    "override, layout, message",
+    [
+        (dict(algorithm="async"), (4, 2), "federation.algorithm='async': use federated or synchronous"),
+        (dict(outer=dict(name="sgd")), (4, 2), "federation.outer.name='sgd': use one of average, nesterov"),
+        (dict(outer=dict(name="average", lr=-1)), (4, 2), "federation.outer.lr=-1: must be a number in (0.0, inf)"),
+        (dict(outer=dict(name="nesterov", lr=0.7, momentum=0)), (4, 2), "needs federation.outer.momentum > 0"),
+        (dict(outer=dict(name="adam", betas=[0.9])), (4, 2), "federation.outer.betas=[0.9]: must be two numbers"),
+        (dict(compression="int4"), (4, 2), "federation.compression='int4': use one of none, bf16, uint8"),
+        (dict(compression="uint8", chunk_size=0), (4, 2), "federation.chunk_size=0: must be a positive integer"),
+        (dict(error_feedback=True), (4, 2), "federation.error_feedback=true needs federation.compression"),
+        (
+            dict(topology="ring"),
+            (3, 1, None),
+            "federation.topology=ring across 3 facilities: topology 'ring' needs an even number of facilities",
+        ),
+        (dict(topology="one-peer-exp"), (6, 1, None), "needs a power-of-two number of facilities, got 6"),
+        (dict(topology="alternating-exp-ring"), (4, 2), "same number (>= 2) of replicas each"),
+        (dict(topology="star"), (4, 2), "federation.topology='star': use one of complete, ring"),
+        (dict(topology="ring", compression="uint8"), (4, 1), "compressed gossip is not supported"),
+        (dict(topology="ring", weights="tokens"), (4, 1), "gossip mixes with the topology's own weights"),
+        (
+            dict(algorithm="synchronous", outer=dict(name="nesterov", lr=0.7, momentum=0.9)),
+            (4, 2),
+            "federation.outer does not apply",
+        ),
+        (dict(weights=[1, 2, 3]), (4, 2), "a list of 2 non-negative numbers"),
+    ],
+)
 def test_bad_options(override, layout, message):
     spec = workers.spec(**override)
     with pytest.raises(ValueError) as err:
@@ -152,11 +162,19 @@ def test_every_s_round_ends_when_another_facility_reaches_train_steps(monkeypatc
 # ----------------------------------------------------------------------------- multi-process
 LAYOUTS = [
     # 2 facilities x FSDP over 2 ranks: outer optimizers, plain mean, compression, synchronous.
-    dict(name="fsdp_2x2", federated=2, hsdp=None, checks=["outer", "plain", "compression", "synchronous", "streaming",
-                                                                "divergence"]),
+    dict(
+        name="fsdp_2x2",
+        federated=2,
+        hsdp=None,
+        checks=["outer", "plain", "compression", "synchronous", "streaming", "divergence"],
+    ),
     # 2 facilities x 2 replicas (HSDP): the replicas' hand-over, alternating-exp-ring, streaming's own groups.
-    dict(name="hsdp_2x2", federated=2, hsdp=1, checks=["outer", "gossip", "compression", "synchronous", "streaming",
-                                                               "divergence"]),
+    dict(
+        name="hsdp_2x2",
+        federated=2,
+        hsdp=1,
+        checks=["outer", "gossip", "compression", "synchronous", "streaming", "divergence"],
+    ),
     # 4 facilities of one rank: gossip over ring / one-peer-exp / complete, compression among 4.
     dict(name="four_facilities", federated=1, hsdp=None, checks=["plain", "gossip", "compression"]),
 ]
@@ -194,17 +212,36 @@ def test_job_with_diloco_and_uint8(tmp_path):
 
     from xffl_like.models import LlamaConfig, build_model
 
-    args = ["+experiment=llama_fed", "distributed.nproc_per_node=2", "distributed.federated=1", "train.steps=4", "optim.warmup_steps=2",
-            "federation.every=2", "federation=diloco", "federation.compression=uint8", "federation.error_feedback=true",
-            "federation.weights=tokens", "logger=none", *TINY]
+    args = [
+        "+experiment=llama_fed",
+        "distributed.nproc_per_node=2",
+        "distributed.federated=1",
+        "train.steps=4",
+        "optim.warmup_steps=2",
+        "federation.every=2",
+        "federation=diloco",
+        "federation.compression=uint8",
+        "federation.error_feedback=true",
+        "federation.weights=tokens",
+        "logger=none",
+        *TINY,
+    ]
     proc, _ = run_cli(args, tmp_path)
     assert proc.returncode == 0, proc.stderr
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["federation"] == {"algorithm": "federated", "every": 2, "topology": "complete", "outer": "nesterov",
-                                     "outer_lr": 0.7, "compression": "uint8"}
+    assert summary["federation"] == {
+        "algorithm": "federated",
+        "every": 2,
+        "topology": "complete",
+        "outer": "nesterov",
+        "outer_lr": 0.7,
+        "compression": "uint8",
+    }
     assert summary["layout"]["facility_sizes"] == [1, 1] and summary["rounds"] == 2
     assert summary["max_param_divergence_after_last_round"] == 0.0
-    model = build_model(LlamaConfig.from_mapping(yaml.safe_load((tmp_path / "config.yaml").read_text())["model"]), device="meta")
+    model = build_model(
+        LlamaConfig.from_mapping(yaml.safe_load((tmp_path / "config.yaml").read_text())["model"]), device="meta"
+    )
     fp32 = 2 * 4 * sum(p.numel() for p in model.parameters())  # both facilities send one fp32 copy
     sent = summary["cross_facility_bytes_per_round"]
     assert all(0.24 * fp32 <= b <= 0.27 * fp32 for b in sent), (sent, fp32)
@@ -217,12 +254,24 @@ def test_fragment_schedule_by_hand():
     # H=10, K=3: offsets (k+1)*10//3 = 3, 6, 10 (the last where a whole-model round would be).
     assert sync_offsets(10, 3) == [3, 6, 10]
     table = {s: synced_at(s, 10, 3) for s in range(1, 27)}
-    assert {s: f for s, f in table.items() if f} == {3: [0], 6: [1], 10: [2], 13: [0], 16: [1], 20: [2], 23: [0],
-                                                     26: [1]}
+    assert {s: f for s, f in table.items() if f} == {
+        3: [0],
+        6: [1],
+        10: [2],
+        13: [0],
+        16: [1],
+        20: [2],
+        23: [0],
+        26: [1],
+    }
     assert {s for s in range(1, 41) if synced_at(s, 8, 1)} == {8, 16, 24, 32, 40}  # K=1: today's rounds
     assert sync_offsets(16, 4) == [4, 8, 12, 16] and synced_at(4, 4, 4) == [3] and synced_at(1, 4, 4) == [0]
-    names = ["tok_embeddings.weight", *[f"layers.{b}.{w}" for b in range(4) for w in ("attention.wq.weight", "ffn_norm.weight")],
-             "norm.weight", "output.weight"]
+    names = [
+        "tok_embeddings.weight",
+        *[f"layers.{b}.{w}" for b in range(4) for w in ("attention.wq.weight", "ffn_norm.weight")],
+        "norm.weight",
+        "output.weight",
+    ]
     # Blocks 0..3 of 4 in 3 fragments: b*3//4 = 0, 0, 1, 2; embeddings first, norm and head last.
     assert fragment_of(names, 4, 3) == [0, 0, 0, 0, 0, 1, 1, 2, 2, 2, 2]
     assert fragment_of(names, 4, 2) == [0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1]
@@ -234,12 +283,19 @@ def test_phases_merge_over_the_top_level_keys():
 
     top = workers.plain_spec(every=10, outer=dict(name="nesterov", lr=0.7, momentum=0.9))
     typed = build_section(FederationConfig, top)
-    scheduled = build_section(FederationConfig, {**top, "schedule": [{"until_step": 5, "every": 2, "outer": {"lr": 0.5}},
-                                                                     {"until_step": None, "fragments": 2}]})
+    scheduled = build_section(
+        FederationConfig,
+        {
+            **top,
+            "schedule": [{"until_step": 5, "every": 2, "outer": {"lr": 0.5}}, {"until_step": None, "fragments": 2}],
+        },
+    )
     phases = plan_phases(scheduled, steps=20)
     assert [(p.from_step, p.until_step) for p in phases] == [(0, 5), (5, None)]
     assert phases[0].spec["every"] == 2 and phases[0].spec["outer"] == {**top["outer"], "lr": 0.5}
-    assert phases[1].spec["every"] == 10 and phases[1].spec["fragments"] == 2 and phases[1].spec["outer"] == top["outer"]
+    assert (
+        phases[1].spec["every"] == 10 and phases[1].spec["fragments"] == 2 and phases[1].spec["outer"] == top["outer"]
+    )
     assert "schedule" not in phases[0].spec and phases[0].config.every == 2 and phases[0].config.outer.lr == 0.5
     assert [p.config for p in plan_phases(typed)] == [typed]
     assert [p.spec for p in plan_phases(typed)] == [{k: v for k, v in as_plain(typed).items() if k != "schedule"}]
@@ -248,20 +304,42 @@ def test_phases_merge_over_the_top_level_keys():
 SCHEDULE_BAD = [
     (dict(fragments=0), "federation.fragments=0: must be a positive integer"),
     (dict(every=4, fragments=5), "federation.fragments=5 exceeds federation.every=4"),
-    (dict(every=10, fragments=2, overlap_steps=5), "federation.overlap_steps=5 must be < federation.every/fragments = 10/2"),
+    (
+        dict(every=10, fragments=2, overlap_steps=5),
+        "federation.overlap_steps=5 must be < federation.every/fragments = 10/2",
+    ),
     (dict(overlap_steps=-1), "federation.overlap_steps=-1: must be an integer >= 0"),
     (dict(merge_alpha=1.5), "federation.merge_alpha=1.5: must be a number in [0, 1]"),
     (dict(every=4, fragments=2, topology="ring"), "streaming gossip is not supported"),
     (dict(algorithm="synchronous", every=4, fragments=2), "so federation.fragments does not apply"),
     (dict(schedule={"until_step": 5}), "federation.schedule={'until_step': 5}: must be a non-empty list"),
     (dict(schedule=[{"every": 2}]), "federation.schedule[0]: until_step is missing"),
-    (dict(schedule=[{"until_step": 5}, {"until_step": 5}]), "federation.schedule[1].until_step=5: must be an integer > 5"),
-    (dict(schedule=[{"until_step": None}, {"until_step": None}]), "federation.schedule[0].until_step=null: only the last"),
+    (
+        dict(schedule=[{"until_step": 5}, {"until_step": 5}]),
+        "federation.schedule[1].until_step=5: must be an integer > 5",
+    ),
+    (
+        dict(schedule=[{"until_step": None}, {"until_step": None}]),
+        "federation.schedule[0].until_step=null: only the last",
+    ),
     (dict(schedule=[{"until_step": 5}, {"until_step": 8}]), "the last phase ends before train.steps=20"),
-    (dict(schedule=[{"until_step": None, "on_nonfinite": "skip"}]), "federation.schedule[0]: unknown key(s) ['on_nonfinite']"),
-    (dict(schedule=[{"until_step": 4, "algorithm": "synchronous"}, {"until_step": None, "outer": {"name": "nesterov"}}]),
-     "federation.schedule[1]: federation.outer.name=nesterov needs federation.outer.momentum > 0"),
-    (dict(schedule=[{"until_step": None, "every": 10, "fragments": 9}]), "federation.schedule[0]: federation.fragments=9 exceeds the model's 4 blocks"),
+    (
+        dict(schedule=[{"until_step": None, "on_nonfinite": "skip"}]),
+        "federation.schedule[0]: unknown key(s) ['on_nonfinite']",
+    ),
+    (
+        dict(
+            schedule=[
+                {"until_step": 4, "algorithm": "synchronous"},
+                {"until_step": None, "outer": {"name": "nesterov"}},
+            ]
+        ),
+        "federation.schedule[1]: federation.outer.name=nesterov needs federation.outer.momentum > 0",
+    ),
+    (
+        dict(schedule=[{"until_step": None, "every": 10, "fragments": 9}]),
+        "federation.schedule[0]: federation.fragments=9 exceeds the model's 4 blocks",
+    ),
 ]
 
 
@@ -283,23 +361,45 @@ def test_job_with_phases_fragments_and_overlap(tmp_path):
     from helpers.round_values import check_streaming_values
 
     nesterov = "outer:{name:nesterov,lr:0.7,momentum:0.9}"
-    schedule = (f"[{{until_step:3,algorithm:synchronous}},{{until_step:9,every:4,fragments:2,weights:[1,3],{nesterov}}},"
-                f"{{until_step:null,every:4,fragments:2,overlap_steps:1,merge_alpha:0.25,{nesterov}}}]")
-    args = ["+experiment=llama_fed", "distributed.nproc_per_node=2", "distributed.federated=1", "train.steps=15",
-            f"federation.schedule={schedule}", "logger=none",
-            "checkpoint.every_rounds=100", *TINY]
+    schedule = (
+        f"[{{until_step:3,algorithm:synchronous}},{{until_step:9,every:4,fragments:2,weights:[1,3],{nesterov}}},"
+        f"{{until_step:null,every:4,fragments:2,overlap_steps:1,merge_alpha:0.25,{nesterov}}}]"
+    )
+    args = [
+        "+experiment=llama_fed",
+        "distributed.nproc_per_node=2",
+        "distributed.federated=1",
+        "train.steps=15",
+        f"federation.schedule={schedule}",
+        "logger=none",
+        "checkpoint.every_rounds=100",
+        *TINY,
+    ]
     _, summary = run_recorded(args, tmp_path)
     # Which fragment at which step, by hand: phase 1 from step 3 with offsets 2 and 4; phase 2 from
     # step 9, fragment 0 started at 10 and applied at 11, fragment 1 started at 12 and applied at 13,
     # both again (without overlap) at the last step.
     got = [(r["step"], r["phase"], r["fragment"], r["switch"], r["started_step"]) for r in summary["round_records"]]
-    assert got == [(3, 0, None, True, 3), (5, 1, 0, False, 5), (7, 1, 1, False, 7), (9, 1, None, True, 9),
-                   (11, 2, 0, False, 10), (13, 2, 1, False, 12), (15, 2, 0, False, 15), (15, 2, 1, False, 15)]
-    assert [(p["from_step"], p["until_step"], p["config"]["fragments"]) for p in summary["federation"]["phases"]] == \
-        [(0, 3, 1), (3, 9, 2), (9, 15, 2)]
-    phases = [dict(weights=None, fragments=1, overlap_steps=0, merge_alpha=0.5, lr=1.0, momentum=0.0),
-              dict(weights=[1.0, 3.0], fragments=2, overlap_steps=0, merge_alpha=0.5, lr=0.7, momentum=0.9),
-              dict(weights=None, fragments=2, overlap_steps=1, merge_alpha=0.25, lr=0.7, momentum=0.9)]
+    assert got == [
+        (3, 0, None, True, 3),
+        (5, 1, 0, False, 5),
+        (7, 1, 1, False, 7),
+        (9, 1, None, True, 9),
+        (11, 2, 0, False, 10),
+        (13, 2, 1, False, 12),
+        (15, 2, 0, False, 15),
+        (15, 2, 1, False, 15),
+    ]
+    assert [(p["from_step"], p["until_step"], p["config"]["fragments"]) for p in summary["federation"]["phases"]] == [
+        (0, 3, 1),
+        (3, 9, 2),
+        (9, 15, 2),
+    ]
+    phases = [
+        dict(weights=None, fragments=1, overlap_steps=0, merge_alpha=0.5, lr=1.0, momentum=0.0),
+        dict(weights=[1.0, 3.0], fragments=2, overlap_steps=0, merge_alpha=0.5, lr=0.7, momentum=0.9),
+        dict(weights=None, fragments=2, overlap_steps=1, merge_alpha=0.25, lr=0.7, momentum=0.9),
+    ]
     figures = check_streaming_values(tmp_path / "rounds", summary, phases, num_layers=4)
     assert figures["spread"] > 1e-4 and figures["largest_change"] > 1e-4, figures
     # Bytes per fragment: each facility's fp32 fragment once (a ring all-reduce between two facilities).

@@ -18,21 +18,39 @@ pytest.importorskip("safetensors")
 from helpers import run_cli  # noqa: E402
 
 from xffl_like.checkpoint.hf import (  # noqa: E402
-    check_hf_weights, from_hf_layout, load_hf_weights, read_hf_config, to_hf_layout,
+    check_hf_weights,
+    from_hf_layout,
+    load_hf_weights,
+    read_hf_config,
+    to_hf_layout,
 )
 from xffl_like.models import LlamaConfig, build_model  # noqa: E402
 
-ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 16}
+ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
 
 
 def save_tiny_hf(directory, *, tied: bool, seed: int = 0, heads: int = 4, kv_heads: int = 2, **over):
     """A random tiny LlamaForCausalLM saved with save_pretrained; returns the transformers model."""
     torch.manual_seed(seed)
     config = transformers.LlamaConfig(
-        vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=heads,
-        num_key_value_heads=kv_heads, max_position_embeddings=128, rms_norm_eps=1e-5, rope_theta=500000.0,
-        rope_scaling=dict(ROPE), tie_word_embeddings=tied, **over,
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        rope_scaling=dict(ROPE),
+        tie_word_embeddings=tied,
+        **over,
     )
     model = transformers.LlamaForCausalLM(config).eval()
     with torch.no_grad():  # norms away from 1 so that a swapped norm would show
@@ -118,8 +136,9 @@ def test_job_exports_bitwise_fsdp_sharded_files(tmp_path):
     A 60 kB file limit forces a sharded export with an index."""
     source = save_tiny_hf(tmp_path / "src", tied=False, heads=2, kv_heads=1)
     run = tmp_path / "run"
-    proc, _ = run_cli(["+experiment=llama_fed", "model=hf", f"model.path={tmp_path / 'src'}", *JOB,
-                       "export.max_shard_mb=0.06"], run)
+    proc, _ = run_cli(
+        ["+experiment=llama_fed", "model=hf", f"model.path={tmp_path / 'src'}", *JOB, "export.max_shard_mb=0.06"], run
+    )
     assert proc.returncode == 0, proc.stderr
     index = json.loads((run / "hf" / "model.safetensors.index.json").read_text())
     files = set(index["weight_map"].values())
@@ -135,8 +154,18 @@ def test_job_exports_bitwise_hsdp_tied(tmp_path):
     """Facilities of 4 and 2 ranks, HSDP shards of 2 (facility 0: 2 replicas), tied embeddings."""
     source = save_tiny_hf(tmp_path / "src", tied=True, seed=3)
     run = tmp_path / "run"
-    proc, _ = run_cli(["+experiment=llama_fed", "model=hf", f"model.path={tmp_path / 'src'}", *JOB,
-                       "distributed.nproc_per_node=6", "distributed.federated=[4,2]", "distributed.hsdp=2"], run)
+    proc, _ = run_cli(
+        [
+            "+experiment=llama_fed",
+            "model=hf",
+            f"model.path={tmp_path / 'src'}",
+            *JOB,
+            "distributed.nproc_per_node=6",
+            "distributed.federated=[4,2]",
+            "distributed.hsdp=2",
+        ],
+        run,
+    )
     assert proc.returncode == 0, proc.stderr
     assert (run / "hf" / "model.safetensors").exists() and not (run / "hf" / "model.safetensors.index.json").exists()
     exported = _load_exported(run)
@@ -150,15 +179,26 @@ def test_meta_init_under_hsdp_equals_the_unsharded_init(tmp_path):
     """model.init=meta, facilities [4, 2] with HSDP shards of 2: every rank draws only its rows,
     yet the exported model is the one built whole in this process from the same seed."""
     run = tmp_path / "run"
-    proc, _ = run_cli(["+experiment=llama_fed", "model.init=meta", "seed=5", *JOB, "distributed.nproc_per_node=6",
-                       "distributed.federated=[4,2]", "distributed.hsdp=2"], run)
+    proc, _ = run_cli(
+        [
+            "+experiment=llama_fed",
+            "model.init=meta",
+            "seed=5",
+            *JOB,
+            "distributed.nproc_per_node=6",
+            "distributed.federated=[4,2]",
+            "distributed.hsdp=2",
+        ],
+        run,
+    )
     assert proc.returncode == 0, proc.stderr
     exported = _load_exported(run).eval()
+    from helpers import load_model_conf as load
     from omegaconf import OmegaConf
 
-    from helpers import load_model_conf as load
-
-    whole = build_model(LlamaConfig.from_mapping(OmegaConf.to_container(load("llama_tiny"))), seed=5)  # unsharded, model.init=full
+    whole = build_model(
+        LlamaConfig.from_mapping(OmegaConf.to_container(load("llama_tiny"))), seed=5
+    )  # unsharded, model.init=full
     tokens = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.allclose(exported(tokens).logits, whole(tokens), atol=1e-5, rtol=0)

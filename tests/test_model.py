@@ -1,15 +1,15 @@
 """Tests for the native Llama model (CPU only, fast)."""
+
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import load_model_conf as load
 from omegaconf import OmegaConf
 
 from xffl_like.models import Llama, LlamaConfig, build_model
 from xffl_like.models.llama import count_parameters
-
-from helpers import load_model_conf as load
 
 CONF = Path(__file__).parents[1] / "conf" / "model"
 
@@ -20,11 +20,14 @@ def tiny(**over):
     return m
 
 
-@pytest.mark.parametrize("name, published", [
-    ("llama3_2_1b", 1_235_814_400),
-    ("llama3_1_8b", 8_030_261_248),
-    ("llama3_1_70b", 70_553_706_496),
-])
+@pytest.mark.parametrize(
+    "name, published",
+    [
+        ("llama3_2_1b", 1_235_814_400),
+        ("llama3_1_8b", 8_030_261_248),
+        ("llama3_1_70b", 70_553_706_496),
+    ],
+)
 def test_real_shapes_param_count(name, published):
     """The published counts are exact integers: the shapes must give exactly them."""
     cfg = load(name)
@@ -70,7 +73,10 @@ def test_tied_vs_untied_param_count():
 
 
 def test_init_determinism():
-    a, b = build_model(LlamaConfig.from_mapping(load("llama_tiny")), seed=123), build_model(LlamaConfig.from_mapping(load("llama_tiny")), seed=123)
+    a, b = (
+        build_model(LlamaConfig.from_mapping(load("llama_tiny")), seed=123),
+        build_model(LlamaConfig.from_mapping(load("llama_tiny")), seed=123),
+    )
     c = build_model(LlamaConfig.from_mapping(load("llama_tiny")), seed=124)
     sa, sb, sc = a.state_dict(), b.state_dict(), c.state_dict()
     assert sa.keys() == sb.keys() and "rope_cos" not in sa  # rope buffers are not persistent
@@ -123,16 +129,19 @@ def test_too_long_sequence_raises():
         model(torch.zeros(1, 9, dtype=torch.long))
 
 
-@pytest.mark.parametrize("over, key", [
-    ({"dim": -1}, "dim"),
-    ({"n_layers": 0}, "n_layers"),
-    ({"vocab_size": 2.5}, "vocab_size"),
-    ({"n_heads": 3}, "n_heads"),          # 128 % 3 != 0
-    ({"n_kv_heads": 3}, "n_kv_heads"),    # 4 % 3 != 0
-    ({"dim": 132, "n_heads": 4, "n_kv_heads": 4}, "head_dim"),  # 33 is odd
-    ({"norm_eps": 0.0}, "norm_eps"),
-    ({"bogus": 1}, "bogus"),
-])
+@pytest.mark.parametrize(
+    "over, key",
+    [
+        ({"dim": -1}, "dim"),
+        ({"n_layers": 0}, "n_layers"),
+        ({"vocab_size": 2.5}, "vocab_size"),
+        ({"n_heads": 3}, "n_heads"),  # 128 % 3 != 0
+        ({"n_kv_heads": 3}, "n_kv_heads"),  # 4 % 3 != 0
+        ({"dim": 132, "n_heads": 4, "n_kv_heads": 4}, "head_dim"),  # 33 is odd
+        ({"norm_eps": 0.0}, "norm_eps"),
+        ({"bogus": 1}, "bogus"),
+    ],
+)
 def test_bad_config_raises(over, key):
     with pytest.raises(ValueError, match=key):
         LlamaConfig.from_mapping(tiny(**over))

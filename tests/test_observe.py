@@ -17,23 +17,36 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import REPO as ROOT
 
 from xffl_like.observe.observer import AGG_FIELDS, bandwidth
 from xffl_like.observe.progress import Progress, steps_to_aggregation, steps_to_round
 from xffl_like.observe.timing import PHASES, format_phase_table, load_imbalance, phase_stats
 
-from helpers import REPO as ROOT
-
 EVAL = {"eval/loss_local": [2, 3, 4], "eval/loss_global": [2, 4]}
-TINY = ["train.steps=4", "optim.warmup_steps=2", "federation.every=2", "train.seq_len=32", "train.batch_size=2", "distributed.nproc_per_node=2"]
+TINY = [
+    "train.steps=4",
+    "optim.warmup_steps=2",
+    "federation.every=2",
+    "train.seq_len=32",
+    "train.batch_size=2",
+    "distributed.nproc_per_node=2",
+]
 CONTROL = re.compile(r"\r|\x1b\[")
 
 
 def run_cli(args: list[str], **kw) -> subprocess.CompletedProcess:
     env = {**os.environ, "WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1"}
     env.pop("WANDB_API_KEY", None)
-    return subprocess.run([sys.executable, "-m", "xffl_like.run", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=240, **kw)
+    return subprocess.run(
+        [sys.executable, "-m", "xffl_like.run", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        **kw,
+    )
 
 
 # ----------------------------------------------------------------------------- W&B run files
@@ -49,8 +62,8 @@ def wandb_records(path: Path):
         if block - pos % block < 7:  # block trailer padding
             pos += block - pos % block
             continue
-        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        payload, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        payload, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
         if kind == 0 and length == 0:
             continue
         if kind in (1, 2):  # full, first
@@ -83,8 +96,17 @@ def read_wandb_run(run_dir: Path) -> dict:
 @pytest.fixture(scope="module")
 def tiny_job(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("job") / "tiny"
-    proc = run_cli(["+experiment=llama_fed", *TINY, "distributed.federated=1", "logger=wandb", "train.log_every=1",
-                    "train.eval_every=3", f"hydra.run.dir={run_dir}"])
+    proc = run_cli(
+        [
+            "+experiment=llama_fed",
+            *TINY,
+            "distributed.federated=1",
+            "logger=wandb",
+            "train.log_every=1",
+            "train.eval_every=3",
+            f"hydra.run.dir={run_dir}",
+        ]
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc, run_dir
 
@@ -99,11 +121,19 @@ def test_local_files(tiny_job):
     assert all(set(m) - set(EVAL) == {"step", "facility", "loss", "lr", "tokens_per_s"} for m in lines)
     # Eval of the local model every 3 steps and before each round (steps 2, 4), of the averaged one after.
     for key, steps in EVAL.items():
-        assert sorted((m["step"], m["facility"]) for m in lines if key in m) == [(s, f) for s in steps for f in range(2)]
-    history = {(e["step"], f): (e["loss_local"][f], e["loss_global"] and e["loss_global"][f])
-               for e in summary["eval_history"] for f in range(2)}
-    assert {(m["step"], m["facility"]): (m["eval/loss_local"], m.get("eval/loss_global"))
-            for m in lines if "eval/loss_local" in m} == history
+        assert sorted((m["step"], m["facility"]) for m in lines if key in m) == [
+            (s, f) for s in steps for f in range(2)
+        ]
+    history = {
+        (e["step"], f): (e["loss_local"][f], e["loss_global"] and e["loss_global"][f])
+        for e in summary["eval_history"]
+        for f in range(2)
+    }
+    assert {
+        (m["step"], m["facility"]): (m["eval/loss_local"], m.get("eval/loss_global"))
+        for m in lines
+        if "eval/loss_local" in m
+    } == history
     # After the last round both facilities hold one model: the mean of their held-out losses is the job's eval_loss.
     last = [m["eval/loss_global"] for m in lines if m["step"] == 4]
     assert sum(last) / 2 == pytest.approx(summary["eval_loss"], rel=1e-9)
@@ -156,21 +186,23 @@ def test_phase_table_has_every_phase_for_every_rank(tiny_job):
         assert phases[phase]["waiting_s"] >= max(totals) - sum(totals) / 2 - 1e-12
         assert phases[phase]["iterations"] == (2 if phase == "aggregation" else 4)  # 2 rounds, 4 steps
         for r in ("0", "1"):
-            assert per_rank[r][phase]["average_s"] == pytest.approx(per_rank[r][phase]["total_s"] / phases[phase]["iterations"])
+            assert per_rank[r][phase]["average_s"] == pytest.approx(
+                per_rank[r][phase]["total_s"] / phases[phase]["iterations"]
+            )
             assert per_rank[r][phase]["total_s"] == pytest.approx(phases["per_rank_seconds_per_step"][r][phase] * 4)
     assert phases["total"]["useful_s"] == pytest.approx(sum(phases[p]["useful_s"] for p in PHASES))
     assert phases["total"]["waiting_s"] == pytest.approx(sum(phases[p]["waiting_s"] for p in PHASES))
     out = proc.stdout.splitlines()
     head = next(i for i, line in enumerate(out) if line.startswith("phase "))
-    assert [line.split()[0] for line in out[head + 1:head + 7]] == [*PHASES, "total"]
+    assert [line.split()[0] for line in out[head + 1 : head + 7]] == [*PHASES, "total"]
     assert out[head].split()[-4:] == ["useful", "s", "waiting", "s"]
-    useful_col = [float(line.split()[-2]) for line in out[head + 1:head + 7]]
+    useful_col = [float(line.split()[-2]) for line in out[head + 1 : head + 7]]
     assert useful_col == pytest.approx([phases[p]["useful_s"] for p in (*PHASES, "total")], abs=1e-3)
     row = next(i for i, line in enumerate(out) if line.startswith("rank "))
     assert out[row].split() == ["rank", *PHASES, "total", "seconds"]
-    assert [line.split()[0] for line in out[row + 1:row + 3]] == ["0", "1"]
-    assert all(len(line.split()) == len(PHASES) + 3 for line in out[row + 1:row + 3])
-    for r, line in zip(("0", "1"), out[row + 1:row + 3]):
+    assert [line.split()[0] for line in out[row + 1 : row + 3]] == ["0", "1"]
+    assert all(len(line.split()) == len(PHASES) + 3 for line in out[row + 1 : row + 3])
+    for r, line in zip(("0", "1"), out[row + 1 : row + 3]):
         assert float(line.split()[-1]) == pytest.approx(sum(v["total_s"] for v in per_rank[r].values()), abs=1e-3)
 
 
@@ -190,22 +222,38 @@ def test_wandb_offline_runs(tiny_job):
         for step, row in run["history"].items():
             assert {"train/loss", "train/lr", "train/tokens_per_s"} <= set(row)
             agg = {k for k in row if k.startswith("aggregation/")}
-            expected = {f"aggregation/{k}" for k in ("round", "seconds", "bytes_per_rank", "cross_facility_bytes",
-                                                    "algbw_gbps", "busbw_gbps", "strategy", "streams")}
+            expected = {
+                f"aggregation/{k}"
+                for k in (
+                    "round",
+                    "seconds",
+                    "bytes_per_rank",
+                    "cross_facility_bytes",
+                    "algbw_gbps",
+                    "busbw_gbps",
+                    "strategy",
+                    "streams",
+                )
+            }
             assert agg == (expected if step % 2 == 0 else set()), (step, agg)
             assert {k for k in row if k.startswith("eval/")} == {k for k, steps in EVAL.items() if step in steps}
         assert run["history"][4]["aggregation/strategy"] == "fused"
     summary = json.loads((run_dir / "summary.json").read_text())
     assert [runs[f]["history"][s]["train/loss"] for f in range(2) for s in range(1, 5)] == pytest.approx(
-        [x for row in summary["facility_losses"] for x in row])
+        [x for row in summary["facility_losses"] for x in row]
+    )
     assert runs[0]["summary"]["job/final_loss"] == pytest.approx(summary["final_loss"])
     phases = summary["phases"]
     for row in (*PHASES, "total"):
         for key in ("useful_s", "waiting_s"):
             assert runs[0]["summary"][f"load/{row}/{key}"] == pytest.approx(phases[row][key])
     for r in ("0", "1"):
-        assert runs[0]["summary"][f"load/rank{r}/total_s"] == pytest.approx(sum(v["total_s"] for v in phases["per_rank"][r].values()))
-        assert runs[0]["summary"][f"load/rank{r}/average_s"] == pytest.approx(sum(phases["per_rank_seconds_per_step"][r].values()))
+        assert runs[0]["summary"][f"load/rank{r}/total_s"] == pytest.approx(
+            sum(v["total_s"] for v in phases["per_rank"][r].values())
+        )
+        assert runs[0]["summary"][f"load/rank{r}/average_s"] == pytest.approx(
+            sum(phases["per_rank_seconds_per_step"][r].values())
+        )
 
 
 @pytest.mark.cli
@@ -239,9 +287,17 @@ def test_progress_follows_the_federation_rule():
     for s in range(1, 10):
         p.step(s, 1.0, 10.0)
     tails = [line.split("tok/s")[1].strip() for line in out.getvalue().splitlines()]
-    assert tails == ["next aggregation in 3 steps", "next aggregation in 2 steps", "next aggregation in 1 steps",
-                     "aggregating", "next aggregation in 2 steps", "next aggregation in 1 steps", "aggregating",
-                     "next aggregation in 1 steps", "aggregating"]
+    assert tails == [
+        "next aggregation in 3 steps",
+        "next aggregation in 2 steps",
+        "next aggregation in 1 steps",
+        "aggregating",
+        "next aggregation in 2 steps",
+        "next aggregation in 1 steps",
+        "aggregating",
+        "next aggregation in 1 steps",
+        "aggregating",
+    ]
     out = io.StringIO()
     p = Progress(steps=3, every=0, log_every=1, stream=out, rounds_at=lambda done: False)
     for s in range(1, 4):
@@ -250,8 +306,15 @@ def test_progress_follows_the_federation_rule():
 
 
 def _round(step):
-    return {"round": step // 2 - 1, "step": step, "seconds": 0.01, "bytes_per_rank": 1000, "cross_facility_bytes": 2000,
-            "algbw_gbps": 1.0, "busbw_gbps": 1.0}
+    return {
+        "round": step // 2 - 1,
+        "step": step,
+        "seconds": 0.01,
+        "bytes_per_rank": 1000,
+        "cross_facility_bytes": 2000,
+        "algbw_gbps": 1.0,
+        "busbw_gbps": 1.0,
+    }
 
 
 def test_progress_plain_lines():
@@ -308,7 +371,13 @@ def test_outputs_are_documented(tiny_job):
     _, run_dir = tiny_job
     doc = (ROOT / "docs" / "outputs.md").read_text()
     summary = json.loads((run_dir / "summary.json").read_text())
-    names = [*summary, *summary["layout"], *summary["strategy"], *json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0]),
-             *AGG_FIELDS, *(p.name for p in run_dir.iterdir() if not p.name.startswith("."))]
+    names = [
+        *summary,
+        *summary["layout"],
+        *summary["strategy"],
+        *json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0]),
+        *AGG_FIELDS,
+        *(p.name for p in run_dir.iterdir() if not p.name.startswith(".")),
+    ]
     missing = sorted({n for n in names if f"`{n}" not in doc and f"{n}`" not in doc})
     assert not missing, f"not in docs/outputs.md: {missing}"

@@ -8,17 +8,21 @@ from __future__ import annotations
 
 import pytest
 import torch
+from workers import parallel as W
 
 from xffl_like import parallel as P
 from xffl_like.distributed.launch import launch_local
 
-from workers import parallel as W
-
 WORLD = 4
 LR = 0.1
 
-TOPOLOGY_CASES = [("ring", None, 1), ("complete", [0, 2], 1), ("ring", [3, 1, 0, 2], 1),
-                  ("alternating-exp-ring", None, 2), ("one-peer-exp", None, 1)]
+TOPOLOGY_CASES = [
+    ("ring", None, 1),
+    ("complete", [0, 2], 1),
+    ("ring", [3, 1, 0, 2], 1),
+    ("alternating-exp-ring", None, 2),
+    ("one-peer-exp", None, 1),
+]
 
 DDP_CASES = [
     dict(topology="complete", view=True, bucket_mb=1, accum=False),
@@ -57,8 +61,12 @@ BAGUA_CASES = [
     dict(kind="grads", algorithm=P.GradientAllReduce(hierarchical=True), local=[3, 3, 3, 1]),
     dict(kind="grads", algorithm=P.ByteGrad(hierarchical=True), local=[1, 3, 3, 3], bucket_mb=0.0001),
     dict(kind="steps", steps=2, algorithm=P.Decentralized(hierarchical=True), local=[3, 3, 3, 1]),
-    dict(kind="steps", steps=3, algorithm=P.Decentralized(hierarchical=True, peer_selection_mode="shift_one"),
-         local=[1, 3, 3, 3]),
+    dict(
+        kind="steps",
+        steps=3,
+        algorithm=P.Decentralized(hierarchical=True, peer_selection_mode="shift_one"),
+        local=[1, 3, 3, 3],
+    ),
     dict(kind="error", algorithm=P.GradientAllReduce(hierarchical=True), local=[2, 3, 3, 3]),
 ]
 
@@ -68,8 +76,12 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 @pytest.fixture(scope="module")
 def results():
-    calls = [("topology_groups", (TOPOLOGY_CASES,)), ("ddp_cases", (DDP_CASES,)), ("bagua_cases", (BAGUA_CASES,)),
-             ("switch", ())]
+    calls = [
+        ("topology_groups", (TOPOLOGY_CASES,)),
+        ("ddp_cases", (DDP_CASES,)),
+        ("bagua_cases", (BAGUA_CASES,)),
+        ("switch", ()),
+    ]
     return launch_local(W.run, (calls,), WORLD)
 
 
@@ -88,20 +100,22 @@ def mix(xs, groups, weight_of):
     for ranks in groups:
         w = weight_of(ranks)
         for i in ranks:
-            out[i] = [w * xi + (1 - w) / (len(ranks) - 1) * sum(xs[j][k] for j in ranks if j != i)
-                      for k, xi in enumerate(xs[i])]
+            out[i] = [
+                w * xi + (1 - w) / (len(ranks) - 1) * sum(xs[j][k] for j in ranks if j != i)
+                for k, xi in enumerate(xs[i])
+            ]
     return out
 
 
 # ---------------------------------------------------------------------------------------------------- topologies
 def test_topology_groups_carry_traffic_among_exactly_their_ranks(results):
     for rank, per_rank in enumerate(results):
-        for (name, ranks, local), rows in zip(TOPOLOGY_CASES, per_rank[0]):
+        for (name, ranks, _local), rows in zip(TOPOLOGY_CASES, per_rank[0]):
             members = list(range(WORLD)) if ranks is None else ranks
             if rank not in members:
                 assert rows == []
                 continue
-            for edge_ranks, weight, total in rows:
+            for edge_ranks, _weight, total in rows:
                 assert rank in edge_ranks and total == sum(edge_ranks)
             if ranks is None:
                 expected = [next(g for g in it if rank in g) for it in HAND_EDGES[name]]
@@ -165,8 +179,9 @@ def test_decentralized_data_parallel_matches_the_simulation(results, index):
         # Edges over whole parts of 2 nodes are summed node, leaders, node (the simulation is flat).
         assert got["hierarchical"] == (case.get("local", 1) == 2)
         # consensus distance: mean over ranks of |y_r - mean|, from the simulated copies
-        distance = sum(float(torch.linalg.vector_norm(flat(expected[r]) - flat(mean)).double())
-                       for r in range(WORLD)) / WORLD
+        distance = (
+            sum(float(torch.linalg.vector_norm(flat(expected[r]) - flat(mean)).double()) for r in range(WORLD)) / WORLD
+        )
         assert got["consensus"] == pytest.approx(distance, rel=1e-4, abs=1e-6)
         assert got["consensus_after"] < 1e-6
     # The copies really differ before global_avg (a sparse topology is not an all-reduce).
@@ -222,8 +237,9 @@ def test_decentralized_shift_one_follows_baguas_formula(results):
                 if i < half:
                     j = half + (step + i) % half
                     peers[i], peers[j] = j, i
-            xs = [[(a + b) / 2 - LR * g for a, b, g in zip(xs[r], xs[peers[r]], grad(r, step + 1))]
-                  for r in range(WORLD)]
+            xs = [
+                [(a + b) / 2 - LR * g for a, b, g in zip(xs[r], xs[peers[r]], grad(r, step + 1))] for r in range(WORLD)
+            ]
             for r in range(WORLD):
                 for a, b in zip(results[r][2][index]["steps"][step], xs[r]):
                     assert torch.allclose(a, b, atol=1e-5), (index, step, r)
@@ -280,8 +296,10 @@ def test_async_model_average_converges_and_stops(results):
     case = BAGUA_CASES[9]
     steps = case["steps"]
     # Averaging preserves the sum over ranks: the mean is x0 - lr * sum_t mean_r g.
-    mean = [p - LR * sum(sum(grad(r, t)[k] for r in range(WORLD)) / WORLD for t in range(1, steps + 1))
-            for k, p in enumerate(init_weights())]
+    mean = [
+        p - LR * sum(sum(grad(r, t)[k] for r in range(WORLD)) / WORLD for t in range(1, steps + 1))
+        for k, p in enumerate(init_weights())
+    ]
     for r in range(WORLD):
         res = results[r][2][9]
         assert res["rounds"] > 0 and not res["alive"] and not res["alive_after_resume"]

@@ -11,10 +11,16 @@ from xffl_like.parallel import codec
 from xffl_like.parallel.optim import AccumAdam, AccumAdamW, optim_fn_accum_adamw, optim_fn_adam
 from xffl_like.parallel.topology import topology_edges
 
-VALID = [("complete", n, 1) for n in (1, 2, 3, 5, 8)] + [("ring", n, 1) for n in (2, 4, 6, 10)] + \
-        [("one-peer-exp", n, 1) for n in (2, 4, 8, 16)] + \
-        [("alternating-exp-ring", n, local) for n, local in ((4, 2), (8, 2), (8, 4), (16, 2), (16, 4), (12, 3))
-         if (n // local) & (n // local - 1) == 0]
+VALID = (
+    [("complete", n, 1) for n in (1, 2, 3, 5, 8)]
+    + [("ring", n, 1) for n in (2, 4, 6, 10)]
+    + [("one-peer-exp", n, 1) for n in (2, 4, 8, 16)]
+    + [
+        ("alternating-exp-ring", n, local)
+        for n, local in ((4, 2), (8, 2), (8, 4), (16, 2), (16, 4), (12, 3))
+        if (n // local) & (n // local - 1) == 0
+    ]
+)
 
 
 def mixing_matrix(iteration, n):
@@ -52,26 +58,35 @@ def test_edges_are_decent_dps():
     assert [pairs(it) for it in ring] == [[(0, 1), (2, 3), (4, 5)], [(0, 5), (1, 2), (3, 4)]]
     assert all(e.weight == 0.5 for it in ring for e in it)
     exp = topology_edges("one-peer-exp", 8)
-    assert [pairs(it) for it in exp] == [[(0, 1), (2, 3), (4, 5), (6, 7)], [(0, 2), (1, 3), (4, 6), (5, 7)],
-                                         [(0, 4), (1, 5), (2, 6), (3, 7)]]
+    assert [pairs(it) for it in exp] == [
+        [(0, 1), (2, 3), (4, 5), (6, 7)],
+        [(0, 2), (1, 3), (4, 6), (5, 7)],
+        [(0, 4), (1, 5), (2, 6), (3, 7)],
+    ]
     alt = topology_edges("alternating-exp-ring", 8, 2)  # 4 nodes of 2
     assert [pairs(it) for it in alt] == [
-        [(0, 1), (2, 3), (4, 5, 6, 7)], [(0, 1, 2, 3), (4, 5), (6, 7)],
-        [(0, 1), (2, 3, 6, 7), (4, 5)], [(0, 1, 4, 5), (2, 3), (6, 7)]]
+        [(0, 1), (2, 3), (4, 5, 6, 7)],
+        [(0, 1, 2, 3), (4, 5), (6, 7)],
+        [(0, 1), (2, 3, 6, 7), (4, 5)],
+        [(0, 1, 4, 5), (2, 3), (6, 7)],
+    ]
     assert {e.weight for it in alt for e in it} == {0.5, 0.25}  # node: 1/L, node pair: 1/(2L): plain means
     assert topology_edges("complete", 5)[0][0].weight == pytest.approx(0.2)
 
 
-@pytest.mark.parametrize("name, n, local, words", [
-    ("ring", 3, 1, ["even", "got 3", "2, 4, 6"]),
-    ("one-peer-exp", 6, 1, ["power-of-two", "got 6", "2, 4, 8"]),
-    ("one-peer-exp", 1, 1, ["power-of-two", "got 1"]),
-    ("alternating-exp-ring", 6, 2, ["power-of-two number of nodes", "6 processes with 2 per node"]),
-    ("alternating-exp-ring", 4, 1, [">= 2 processes each", "4 processes with 1 per node"]),
-    ("alternating-exp-ring", 4, 4, ["(>= 2)", "4 processes with 4 per node"]),
-    ("alternating-exp-ring", 6, 4, ["6 processes with 4 per node"]),
-    ("star", 4, 1, ["unknown topology 'star'", "complete", "ring"]),
-])
+@pytest.mark.parametrize(
+    "name, n, local, words",
+    [
+        ("ring", 3, 1, ["even", "got 3", "2, 4, 6"]),
+        ("one-peer-exp", 6, 1, ["power-of-two", "got 6", "2, 4, 8"]),
+        ("one-peer-exp", 1, 1, ["power-of-two", "got 1"]),
+        ("alternating-exp-ring", 6, 2, ["power-of-two number of nodes", "6 processes with 2 per node"]),
+        ("alternating-exp-ring", 4, 1, [">= 2 processes each", "4 processes with 1 per node"]),
+        ("alternating-exp-ring", 4, 4, ["(>= 2)", "4 processes with 4 per node"]),
+        ("alternating-exp-ring", 6, 4, ["6 processes with 4 per node"]),
+        ("star", 4, 1, ["unknown topology 'star'", "complete", "ring"]),
+    ],
+)
 def test_impossible_sizes_raise_one_clear_error(name, n, local, words):
     with pytest.raises(ValueError) as err:
         topology_edges(name, n, local)
@@ -89,10 +104,10 @@ def test_codec_round_trip_within_half_a_step(numel, chunks):
     # Independent bound: each chunk of ceil(n/chunks) values has its own range / 255 step.
     length = math.ceil(numel / chunks)
     for c in range(chunks):
-        part = x[c * length:(c + 1) * length]
+        part = x[c * length : (c + 1) * length]
         if part.numel():
             step = (part.max() - part.min()) / 255
-            assert ((y[c * length:(c + 1) * length] - part).abs() <= step / 2 + 1e-6).all()
+            assert ((y[c * length : (c + 1) * length] - part).abs() <= step / 2 + 1e-6).all()
     # Header: min and max stored exactly as raw float32 bytes.
     assert torch.equal(packed[0, :8].clone().view(torch.float32), torch.stack([x[:length].min(), x[:length].max()]))
 
@@ -169,11 +184,26 @@ def test_factories_and_the_main_job_split_weight_decay_by_one_rule(tied):
     from xffl_like.models import LlamaConfig, build_model
     from xffl_like.train.optim import decay_groups
 
-    model = build_model(LlamaConfig.from_mapping({"name": "llama_tiny", "dim": 16, "n_layers": 2, "n_heads": 2, "n_kv_heads": 1,
-                         "vocab_size": 32, "ffn_dim": 32, "max_seq_len": 16, "tie_embeddings": tied}), seed=0)
+    model = build_model(
+        LlamaConfig.from_mapping(
+            {
+                "name": "llama_tiny",
+                "dim": 16,
+                "n_layers": 2,
+                "n_heads": 2,
+                "n_kv_heads": 1,
+                "vocab_size": 32,
+                "ffn_dim": 32,
+                "max_seq_len": 16,
+                "tie_embeddings": tied,
+            }
+        ),
+        seed=0,
+    )
     named = list(model.named_parameters())
     decayed = {id(p) for p in dict(named).values() if p is not None} - {
-        id(dict(named)[n]) for n in decay_groups(model)[1]}
+        id(dict(named)[n]) for n in decay_groups(model)[1]
+    }
     for bucket in (named[:3], named[3:]):  # DecentralizedDataParallel calls optim_fn once per bucket
         opt = optim_fn_accum_adamw(bucket, weight_decay=0.3)
         got = {id(p): g["weight_decay"] for g in opt.param_groups for p in g["params"]}
@@ -188,8 +218,23 @@ def test_parallel_bench_rejects_bad_input_before_launching():
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    proc = subprocess.run([sys.executable, "-m", "xffl_like.bench.parallel", "--methods", "ddp,decent:star",
-                           "--nproc", "3", "--link-mbit", "0"], cwd=root, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "xffl_like.bench.parallel",
+            "--methods",
+            "ddp,decent:star",
+            "--nproc",
+            "3",
+            "--link-mbit",
+            "0",
+        ],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "decent:star" in lines[0] and "--local-world-size 2 must divide --nproc 3" in lines[0]
@@ -201,7 +246,6 @@ def test_comm_thread_runs_jobs_in_order_and_stops_after_a_failure():
     job's error reaches result(), later jobs are skipped rather than entering collectives."""
     import gc
     import threading
-    import time
 
     from xffl_like.parallel.comm import CommThread
 

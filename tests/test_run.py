@@ -15,10 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from helpers import CORPUS, PYTHONPATH, REPO, TINY, run_cli, run_recorded
 from helpers.round_values import check_round_values
-
 
 pytestmark = pytest.mark.cli
 
@@ -33,8 +31,19 @@ def check_values(tmp_path, summary, weights):
 @pytest.mark.slow
 def test_main_job_learns_and_agrees(tmp_path):
     proc, summary = run_recorded(["+experiment=llama_fed", "train.steps=20", "federation.every=5", *TINY], tmp_path)
-    for key in ("world_size", "layout", "steps", "rounds", "first_loss", "final_loss", "eval_loss",
-                "max_param_divergence_after_last_round", "aggregation_seconds", "tokens_per_second", "wall_seconds"):
+    for key in (
+        "world_size",
+        "layout",
+        "steps",
+        "rounds",
+        "first_loss",
+        "final_loss",
+        "eval_loss",
+        "max_param_divergence_after_last_round",
+        "aggregation_seconds",
+        "tokens_per_second",
+        "wall_seconds",
+    ):
         assert key in summary, key
     assert summary["world_size"] == 4 and summary["steps"] == 20 and summary["rounds"] == 4
     assert summary["layout"] == {"facility_sizes": [2, 2], "shard_size": 2, "replicas_per_facility": [1, 1]}
@@ -49,8 +58,17 @@ def test_main_job_learns_and_agrees(tmp_path):
 @pytest.mark.slow
 def test_unequal_hsdp_facilities(tmp_path):
     # Weights as a list, the larger one on the smaller facility (neither uniform nor by tokens).
-    args = ["+experiment=llama_fed", "distributed.nproc_per_node=6", "distributed.federated=[4,2]",
-            "distributed.hsdp=2", "federation.every=4", "federation.weights=[1,3]", "train.steps=8", "seed=1", *TINY]
+    args = [
+        "+experiment=llama_fed",
+        "distributed.nproc_per_node=6",
+        "distributed.federated=[4,2]",
+        "distributed.hsdp=2",
+        "federation.every=4",
+        "federation.weights=[1,3]",
+        "train.steps=8",
+        "seed=1",
+        *TINY,
+    ]
     _, summary = run_recorded(args, tmp_path)
     assert summary["layout"] == {"facility_sizes": [4, 2], "shard_size": 2, "replicas_per_facility": [2, 1]}
     assert summary["rounds"] == 2
@@ -62,8 +80,16 @@ def test_unequal_hsdp_facilities(tmp_path):
 @pytest.mark.skipif(not CORPUS.exists(), reason="shared corpus not present")
 def test_text_data(tmp_path):
     # Two facilities of one rank each, each on its own contiguous part of the corpus.
-    args = ["+experiment=llama_fed", "data=text", f"data.path={CORPUS}", "distributed.nproc_per_node=2",
-            "distributed.federated=1", "train.steps=6", "federation.every=3", *TINY]
+    args = [
+        "+experiment=llama_fed",
+        "data=text",
+        f"data.path={CORPUS}",
+        "distributed.nproc_per_node=2",
+        "distributed.federated=1",
+        "train.steps=6",
+        "federation.every=3",
+        *TINY,
+    ]
     _, summary = run_recorded(args, tmp_path)
     assert summary["world_size"] == 2 and summary["layout"]["facility_sizes"] == [1, 1]
     assert summary["final_loss"] < summary["first_loss"]
@@ -74,8 +100,15 @@ def test_text_data(tmp_path):
 @pytest.mark.slow
 def test_torchrun_entry(tmp_path):
     torchrun = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2")
-    args = ["+experiment=llama_fed", "distributed.federated=1", "federation.weights=[3,1]",
-            "train.steps=4", "optim.warmup_steps=2", "federation.every=2", *TINY]
+    args = [
+        "+experiment=llama_fed",
+        "distributed.federated=1",
+        "federation.weights=[3,1]",
+        "train.steps=4",
+        "optim.warmup_steps=2",
+        "federation.every=2",
+        *TINY,
+    ]
     _, summary = run_recorded(args, tmp_path, launcher=torchrun)
     # Under torchrun the launcher decides the world: 2 processes, here two facilities of 1.
     assert summary["world_size"] == 2 and summary["layout"]["facility_sizes"] == [1, 1]
@@ -108,10 +141,16 @@ BAD = [
     (["strategy.only=[no_such_param*]"], "no_such_param"),
     (["strategy.only=[NoSuchModule]"], "NoSuchModule"),
     (["logger.name=foo"], "logger.name='foo'"),
-    (["distributed.nproc_per_node=3", "distributed.federated=1", "federation.topology=ring"], "needs an even number of facilities, got 3"),
+    (
+        ["distributed.nproc_per_node=3", "distributed.federated=1", "federation.topology=ring"],
+        "needs an even number of facilities, got 3",
+    ),
     (["federation.outer.name=lion"], "federation.outer.name='lion'"),
     (["federation.outer.lr=-0.5"], "federation.outer.lr=-0.5"),
-    (["federation.outer.lr=fast"], "federation.outer.lr='fast': must be a number"),  # the schema's type, at compose time
+    (
+        ["federation.outer.lr=fast"],
+        "federation.outer.lr='fast': must be a number",
+    ),  # the schema's type, at compose time
     (["federation.compression=int4"], "federation.compression='int4'"),
     (["federation.compression=uint8", "federation.chunk_size=0"], "federation.chunk_size=0"),
     (["federation.algorithm=synchronous", "federation=diloco"], "federation.outer does not apply"),
@@ -142,14 +181,22 @@ BAD = [
     (["fault.nan_rank=1"], "set both"),
     (["federation.on_nonfinite=ignore"], "federation.on_nonfinite='ignore'"),
     (["federation.fragments=5"], "federation.fragments=5 exceeds the model's 4 blocks"),
-    (["federation.schedule=[{until_step:5},{until_step:3}]"], "federation.schedule[1].until_step=3: must be an integer > 5"),
+    (
+        ["federation.schedule=[{until_step:5},{until_step:3}]"],
+        "federation.schedule[1].until_step=3: must be an integer > 5",
+    ),
     (["distributed.max_restarts=-1"], "distributed.max_restarts=-1"),
     (["resume=/no/such/run"], "resume=/no/such/run: no such directory"),
     (["resume=/etc"], "resume=/etc: neither a run directory nor a checkpoint"),
-    (["parallel=decentralized", "distributed.hsdp=2"], "distributed.hsdp=2 shards the model, but parallel=decentralized"),
+    (
+        ["parallel=decentralized", "distributed.hsdp=2"],
+        "distributed.hsdp=2 shards the model, but parallel=decentralized",
+    ),
     (["parallel=decentralized", "resume=latest"], "parallel=decentralized writes no checkpoints and cannot resume"),
-    (["parallel=bagua", "parallel.switch=[{at_step:2,algorithm:decentralized,options:{mode:all}}]"],
-     "parallel.switch[0].options={'mode': 'all'}: decentralized takes hierarchical, peer_selection_mode"),
+    (
+        ["parallel=bagua", "parallel.switch=[{at_step:2,algorithm:decentralized,options:{mode:all}}]"],
+        "parallel.switch[0].options={'mode': 'all'}: decentralized takes hierarchical, peer_selection_mode",
+    ),
 ]
 
 
@@ -159,7 +206,10 @@ def bad_results(tmp_path_factory):
     case: ~5 s each here); each case still runs ``python -m xffl_like.run`` as ``__main__`` with
     its own argv, run directory and captured file descriptors 1 and 2."""
     root = tmp_path_factory.mktemp("bad")
-    cases = [{"args": ["+experiment=llama_fed", *overrides], "run_dir": str(root / str(i))} for i, (overrides, _) in enumerate(BAD)]
+    cases = [
+        {"args": ["+experiment=llama_fed", *overrides], "run_dir": str(root / str(i))}
+        for i, (overrides, _) in enumerate(BAD)
+    ]
     (root / "cases.json").write_text(json.dumps(cases))
     env = {**os.environ, "WANDB_MODE": "offline", "PYTHONPATH": PYTHONPATH}
     cmd = [sys.executable, "-m", "workers.cli_batch", str(root / "cases.json"), str(root / "results.json")]
@@ -210,9 +260,30 @@ def test_torchrun_default_group_gets_the_configured_backend(tmp_path, backend, m
     # (nccl: torch.cuda.set_device fails on a CPU build, so that case runs only where CUDA is real.)
     if backend == "nccl" and not torch.cuda.is_available():
         pytest.skip("nccl needs a real CUDA device (torch.cuda.set_device)")
-    env = {**os.environ, "PYTHONPATH": PYTHONPATH, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
-           "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29599", "XFFL_RUN_DIR": str(tmp_path)}
-    proc = subprocess.run([sys.executable, "-c", _FAKE_GPU_NODE, "+experiment=llama_fed", "distributed.federated=null",
-                           f"distributed.backend={backend}"], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=120)
+    env = {
+        **os.environ,
+        "PYTHONPATH": PYTHONPATH,
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+        "LOCAL_WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29599",
+        "XFFL_RUN_DIR": str(tmp_path),
+    }
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _FAKE_GPU_NODE,
+            "+experiment=llama_fed",
+            "distributed.federated=null",
+            f"distributed.backend={backend}",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert f"init_process_group backend={made}\n" in proc.stdout, proc.stdout + proc.stderr

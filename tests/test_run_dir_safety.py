@@ -4,7 +4,6 @@ disk are named (file and cause) with the newest intact checkpoint, and one job o
 from __future__ import annotations
 
 import contextlib
-
 import json
 import os
 import shutil
@@ -16,15 +15,26 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from helpers import REPO
+
 from xffl_like.checkpoint.resume import RESUME_MAY_CHANGE, config_differences
 from xffl_like.checkpoint.store import Damaged, check_intact, checkpoint_name, newest_intact, publish
 
-JOB = ["+experiment=llama_fed", "train.steps=8", "federation.every=2", "train.seq_len=32", "train.batch_size=2",
-       "train.log_every=4", "logger=none"]
-ENV = {**os.environ, "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1",
-       "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}
+JOB = [
+    "+experiment=llama_fed",
+    "train.steps=8",
+    "federation.every=2",
+    "train.seq_len=32",
+    "train.batch_size=2",
+    "train.log_every=4",
+    "logger=none",
+]
+ENV = {
+    **os.environ,
+    "WANDB_MODE": "offline",
+    "OMP_NUM_THREADS": "1",
+    "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")]),
+}
 
 
 def run_cli(args, run_dir, timeout=300):
@@ -50,15 +60,32 @@ def one_error_line(result: dict) -> str:
 
 # ----------------------------------------------------------------------------- class 4, pure
 def test_config_differences_allow_list():
-    saved = {"seed": 0, "resume": None, "train": {"steps": 8, "log_every": 4, "batch_size": 2},
-             "federation": {"every": 10, "outer": {"betas": [0.9, 0.99]}}, "logger": {"name": "wandb"},
-             "checkpoint": {"keep": 2}, "data": {"name": "synthetic"}}
-    now = {"seed": 1, "resume": "/r", "train": {"steps": 20, "log_every": 1, "batch_size": 2},
-           "federation": {"every": 8, "outer": {"betas": (0.9, 0.95)}}, "logger": {"name": "none"},
-           "checkpoint": {"keep": 3}, "data": {"name": "text"}, "new_key": 1}
+    saved = {
+        "seed": 0,
+        "resume": None,
+        "train": {"steps": 8, "log_every": 4, "batch_size": 2},
+        "federation": {"every": 10, "outer": {"betas": [0.9, 0.99]}},
+        "logger": {"name": "wandb"},
+        "checkpoint": {"keep": 2},
+        "data": {"name": "synthetic"},
+    }
+    now = {
+        "seed": 1,
+        "resume": "/r",
+        "train": {"steps": 20, "log_every": 1, "batch_size": 2},
+        "federation": {"every": 8, "outer": {"betas": (0.9, 0.95)}},
+        "logger": {"name": "none"},
+        "checkpoint": {"keep": 3},
+        "data": {"name": "text"},
+        "new_key": 1,
+    }
     assert config_differences(saved, now) == [
-        ("data.name", "synthetic", "text"), ("federation.every", 10, 8), ("federation.outer.betas", [0.9, 0.99], [0.9, 0.95]),
-        ("new_key", "<unset>", 1), ("seed", 0, 1)]
+        ("data.name", "synthetic", "text"),
+        ("federation.every", 10, 8),
+        ("federation.outer.betas", [0.9, 0.99], [0.9, 0.95]),
+        ("new_key", "<unset>", 1),
+        ("seed", 0, 1),
+    ]
     assert config_differences(saved, saved) == []
     for key in RESUME_MAY_CHANGE:  # every allowed key is documented
         assert f"`{key}" in (REPO / "docs" / "outputs.md").read_text(), key
@@ -108,8 +135,9 @@ def test_check_intact_names_file_and_cause(tmp_path, damage, file, cause):
 def tmpfs(mnt: Path, size: str):
     """A tmpfs of ``size`` at ``mnt`` (root only); the test is skipped where mount is not allowed. Always unmounted."""
     mnt.mkdir()
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)], capture_output=True,
-                          text=True)
+    proc = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)], capture_output=True, text=True
+    )
     if proc.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs: {proc.stderr.strip()}")
     try:
@@ -152,7 +180,11 @@ def _ckpt(run: Path, step: int = 6) -> Path:
 
 
 RESUMES = [  # (overrides, damage to the run copy, needles in the one line)
-    (["seed=1", "federation.every=4"], None, ["the config differs from the checkpoint's in federation.every (2 -> 4), seed (0 -> 1)"]),
+    (
+        ["seed=1", "federation.every=4"],
+        None,
+        ["the config differs from the checkpoint's in federation.every (2 -> 4), seed (0 -> 1)"],
+    ),
     (["data.non_iid=0.2"], None, ["data.non_iid (0.5 -> 0.2)"]),
     (["federation.algorithm=synchronous"], None, ["federation.algorithm (federated -> synchronous)"]),
     (["federation.every=3", "train.steps=9"], None, ["federation.every (2 -> 3)"]),
@@ -160,10 +192,26 @@ RESUMES = [  # (overrides, damage to the run copy, needles in the one line)
     (["model.dim=64"], None, ["model.dim (128 -> 64)"]),
     (["distributed.federated=null"], None, ["the checkpoint has 2 facilities, this job 1"]),
     (["train.steps=6"], None, ["leaves nothing to do"]),
-    ([], lambda r: _overwrite_start(_ckpt(r) / "__1_0.distcp"), ["__1_0.distcp: not a DCP shard", "newest intact checkpoint is {step4} (resume={step4})"]),
-    ([], lambda r: (_ckpt(r) / "__0_0.distcp").write_text("foreign\n"), ["__0_0.distcp: not a DCP shard", "newest intact checkpoint is {step4}"]),
-    ([], lambda r: (_ckpt(r) / ".metadata").unlink(), [".metadata: missing .metadata", "newest intact checkpoint is {step4} (resume={step4})"]),
-    ([], lambda r: (r / "checkpoints" / "latest").unlink(), ["no complete checkpoint", "newest intact checkpoint is {step6}"]),
+    (
+        [],
+        lambda r: _overwrite_start(_ckpt(r) / "__1_0.distcp"),
+        ["__1_0.distcp: not a DCP shard", "newest intact checkpoint is {step4} (resume={step4})"],
+    ),
+    (
+        [],
+        lambda r: (_ckpt(r) / "__0_0.distcp").write_text("foreign\n"),
+        ["__0_0.distcp: not a DCP shard", "newest intact checkpoint is {step4}"],
+    ),
+    (
+        [],
+        lambda r: (_ckpt(r) / ".metadata").unlink(),
+        [".metadata: missing .metadata", "newest intact checkpoint is {step4} (resume={step4})"],
+    ),
+    (
+        [],
+        lambda r: (r / "checkpoints" / "latest").unlink(),
+        ["no complete checkpoint", "newest intact checkpoint is {step6}"],
+    ),
 ]
 
 
@@ -178,7 +226,7 @@ def test_resume_refusals_are_one_line_and_leave_the_run_alone(killed_run, tmp_pa
             damage(run)
         runs.append((run, sorted((p.relative_to(run), p.stat().st_mtime_ns, p.stat().st_size) for p in run.rglob("*"))))
         cases.append({"args": [*JOB, f"resume={run}", *overrides], "run_dir": str(tmp_path / f"fresh{i}")})
-    for (overrides, damage, needles), result, (run, before) in zip(RESUMES, batch(cases, tmp_path), runs):
+    for (_, _, needles), result, (run, before) in zip(RESUMES, batch(cases, tmp_path), runs):
         line = one_error_line(result)
         assert result["rc"] == 2, line
         for needle in needles:  # a damaged step 6 points to step 4, never to itself
@@ -201,16 +249,25 @@ def _wait_for(predicate, timeout: float, what: str) -> None:
 @pytest.mark.slow
 def test_second_job_on_a_locked_run_dir_is_refused(tmp_path):
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "xffl_like.run", *JOB, "train.steps=60", "checkpoint.every_rounds=100",
-           f"hydra.run.dir={run}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "xffl_like.run",
+        *JOB,
+        "train.steps=60",
+        "checkpoint.every_rounds=100",
+        f"hydra.run.dir={run}",
+    ]
     first = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         _wait_for(lambda: (run / "metrics.jsonl").is_file() or first.poll() is not None, 240, "the first job started")
         assert first.poll() is None, first.communicate()
         owner = (run / ".lock").read_text()
         assert owner.startswith(f"pid {first.pid} on ")
-        results = batch([{"args": [*JOB, f"resume={run}"], "run_dir": str(tmp_path / "fresh")},
-                         {"args": JOB, "run_dir": str(run)}], tmp_path)
+        results = batch(
+            [{"args": [*JOB, f"resume={run}"], "run_dir": str(tmp_path / "fresh")}, {"args": JOB, "run_dir": str(run)}],
+            tmp_path,
+        )
         for result in results:
             line = one_error_line(result)
             assert result["rc"] == 2 and f"pid {first.pid} on" in line and "is in use by another job" in line, line
@@ -227,12 +284,22 @@ def test_second_job_on_a_locked_run_dir_is_refused(tmp_path):
 
 @pytest.mark.multiprocess
 def test_stale_lock_of_a_killed_owner_does_not_block(tmp_path):
-    code = "import sys,time; from xffl_like.job import lock_run_dir; lock_run_dir(sys.argv[1]); print('held', flush=True); time.sleep(60)"
-    owner = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], cwd=REPO, env=ENV, stdout=subprocess.PIPE, text=True)
+    code = (
+        "import sys,time; from xffl_like.job import lock_run_dir; lock_run_dir(sys.argv[1]); "
+        "print('held', flush=True); time.sleep(60)"
+    )
+    owner = subprocess.Popen(
+        [sys.executable, "-c", code, str(tmp_path)], cwd=REPO, env=ENV, stdout=subprocess.PIPE, text=True
+    )
     try:
         assert owner.stdout.readline().strip() == "held"
-        probe = "import sys; from xffl_like.job import JobFailed, lock_run_dir\ntry: lock_run_dir(sys.argv[1])\nexcept JobFailed as e: print(e)"
-        refused = subprocess.run([sys.executable, "-c", probe, str(tmp_path)], cwd=REPO, env=ENV, capture_output=True, text=True)
+        probe = (
+            "import sys; from xffl_like.job import JobFailed, lock_run_dir\n"
+            "try: lock_run_dir(sys.argv[1])\nexcept JobFailed as e: print(e)"
+        )
+        refused = subprocess.run(
+            [sys.executable, "-c", probe, str(tmp_path)], cwd=REPO, env=ENV, capture_output=True, text=True
+        )
         assert f"pid {owner.pid} on" in refused.stdout, refused
     finally:
         owner.send_signal(signal.SIGKILL)

@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from helpers import REPO, TINY
 
 pytestmark = [pytest.mark.cli]
@@ -26,9 +25,15 @@ LONG = ["+experiment=llama_fed", "logger=none", "train.steps=400", "federation.e
 
 def _start(args, run_dir: Path, env=None) -> subprocess.Popen:
     env = {**os.environ, "WANDB_MODE": "offline", "PYTHONPATH": str(REPO), **(env or {})}
-    return subprocess.Popen([sys.executable, "-m", "xffl_like.run", *args, f"hydra.run.dir={run_dir}"], cwd=REPO,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "xffl_like.run", *args, f"hydra.run.dir={run_dir}"],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def _wait_training(proc: subprocess.Popen, run_dir: Path, timeout: float = 180.0) -> None:
@@ -134,8 +139,11 @@ def test_a_signal_stops_at_a_step_with_a_checkpoint_and_resumes(tmp_path, signum
     lines = [line for line in err.splitlines() if "interrupted" in line]
     assert len(lines) == 1 and signal.Signals(signum).name in lines[0], err
     assert not list(run_dir.rglob(".tmp-*")), "a temporary checkpoint was left"
-    match = re.search(r"interrupted at step (\d+) of 400 \(\w+\): checkpoint saved to (\S+); resume with: .*"
-                      r"resume=(\S+)$", lines[0])
+    match = re.search(
+        r"interrupted at step (\d+) of 400 \(\w+\): checkpoint saved to (\S+); resume with: .*"
+        r"resume=(\S+)$",
+        lines[0],
+    )
     assert match, lines[0]
     step, checkpoint, resume = int(match[1]), Path(match[2]), match[3]
     assert checkpoint.is_dir() and step % 2 == 0 and Path(resume) == run_dir
@@ -147,8 +155,14 @@ def test_a_signal_stops_at_a_step_with_a_checkpoint_and_resumes(tmp_path, signum
     again = tmp_path / "again"
     steps = max(step + 2, 6)
     args = [a for a in LONG if not a.startswith("train.steps=")] + [f"train.steps={steps}", f"resume={resume}"]
-    proc = subprocess.run([sys.executable, "-m", "xffl_like.run", *args, f"hydra.run.dir={again}"], cwd=REPO,
-                          env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(
+        [sys.executable, "-m", "xffl_like.run", *args, f"hydra.run.dir={again}"],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stderr
     # Where the resumed attempt writes its summary (its run directory or beside the original's) is not this test's.
     summaries = list(tmp_path.rglob("summary.json"))
@@ -185,9 +199,19 @@ def _free_port() -> int:
 
 # (case, variables, what stderr says, whether the process exits by itself)
 STALE = [
-    ("waiting", {"RANK": "1", "WORLD_SIZE": "4"}, r"waiting for 3 more processes at 127\.0\.0\.1:\d+ \(RANK=1 "
-     r"WORLD_SIZE=4 are set: .*unset RANK WORLD_SIZE MASTER_ADDR MASTER_PORT", False),
-    ("port in use", {"RANK": "0", "WORLD_SIZE": "2"}, r"^error: MASTER_PORT=\d+ is in use: .*unset RANK WORLD_SIZE", True),
+    (
+        "waiting",
+        {"RANK": "1", "WORLD_SIZE": "4"},
+        r"waiting for 3 more processes at 127\.0\.0\.1:\d+ \(RANK=1 "
+        r"WORLD_SIZE=4 are set: .*unset RANK WORLD_SIZE MASTER_ADDR MASTER_PORT",
+        False,
+    ),
+    (
+        "port in use",
+        {"RANK": "0", "WORLD_SIZE": "2"},
+        r"^error: MASTER_PORT=\d+ is in use: .*unset RANK WORLD_SIZE",
+        True,
+    ),
 ]
 
 
@@ -196,9 +220,15 @@ STALE = [
 def test_a_stale_launcher_environment_says_what_it_waits_for(tmp_path, case, variables, says, exits):
     sock, port = _taken_port() if exits else (None, _free_port())
     env = {**os.environ, "PYTHONPATH": str(REPO), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), **variables}
-    proc = subprocess.Popen([sys.executable, "-m", "xffl_like.run", "+experiment=llama_fed", "logger=none"], cwd=REPO,
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "xffl_like.run", "+experiment=llama_fed", "logger=none"],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         if exits:
             _, err = proc.communicate(timeout=120)

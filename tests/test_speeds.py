@@ -16,7 +16,6 @@ import json
 
 import pytest
 import torch
-
 from helpers import TINY, run_cli
 from helpers.round_values import ATOL, MIN_FACILITY_SPREAD, facility_tensors, load_rounds
 
@@ -24,14 +23,27 @@ pytestmark = [pytest.mark.cli, pytest.mark.multiprocess, pytest.mark.slow]
 
 SIZES = [2, 1]  # processes per facility (facility 0: 2 replicas of HSDP, shards of 1)
 BATCH, SEQ = 4, 64  # TINY's train.batch_size, train.seq_len
-COMMON = ["+experiment=llama_fed", *TINY, "logger=none", "distributed.nproc_per_node=3", "distributed.federated=[2,1]", "distributed.hsdp=1",
-          "optim.warmup_steps=2", "train.eval_every=0", "distributed.timeout_s=120"]
+COMMON = [
+    "+experiment=llama_fed",
+    *TINY,
+    "logger=none",
+    "distributed.nproc_per_node=3",
+    "distributed.federated=[2,1]",
+    "distributed.hsdp=1",
+    "optim.warmup_steps=2",
+    "train.eval_every=0",
+    "distributed.timeout_s=120",
+]
 
 
 def _run(args, tmp_path, name, env=None):
     run_dir = tmp_path / name
-    proc, _ = run_cli([*COMMON, *args], run_dir, timeout=400, env={"XFFL_TEST_DUMP_ROUNDS": str(tmp_path / f"{name}-rounds"),
-                                                                     **(env or {})})
+    proc, _ = run_cli(
+        [*COMMON, *args],
+        run_dir,
+        timeout=400,
+        env={"XFFL_TEST_DUMP_ROUNDS": str(tmp_path / f"{name}-rounds"), **(env or {})},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads((run_dir / "summary.json").read_text()), run_dir
 
@@ -42,8 +54,9 @@ def _check_rounds(directory, records) -> float:
     recorded = load_rounds(directory)
     spread = 0.0
     for r, record in enumerate(records):
-        weights = torch.tensor([n * BATCH * SEQ * size for n, size in zip(record["steps_taken"], SIZES)],
-                               dtype=torch.float64)
+        weights = torch.tensor(
+            [n * BATCH * SEQ * size for n, size in zip(record["steps_taken"], SIZES)], dtype=torch.float64
+        )
         before, after = recorded[(r, "before")], recorded[(r, "after")]
         assert {x["rank"] for x in before} == {x["rank"] for x in after} == {0, 1, 2}
         for name in before[0]["params"]:
@@ -107,8 +120,11 @@ def test_a_list_resumes_exactly_after_a_kill(listed, tmp_path):
     """Facility 1's only rank dies at the start of its step 3 (after round 0's checkpoint); the restart
     resumes every facility at its own step from that checkpoint and ends bit for bit as the uninterrupted run."""
     _, reference, _ = listed
-    summary, run_dir = _run([*LISTED, "fault.kill_rank=2", "fault.at_step=3", "checkpoint.async=false",
-                             "distributed.max_restarts=1"], tmp_path, "killed")
+    summary, run_dir = _run(
+        [*LISTED, "fault.kill_rank=2", "fault.at_step=3", "checkpoint.async=false", "distributed.max_restarts=1"],
+        tmp_path,
+        "killed",
+    )
     # The restart resumed from round 0's checkpoint, named by the job's step (facility 0's 4; facility 1's own was 2).
     assert summary["checkpoints"]["resumed_from"].endswith("step-00000004"), summary["checkpoints"]
     assert summary["facility_steps"] == [8, 4]
@@ -122,8 +138,17 @@ def test_rounds_by_time_follow_each_facility_s_speed(tmp_path):
     tokens-weighted mean of the steps each took; the job ends after the first round in which a facility
     reached train.steps, and no facility trains past it."""
     steps = 10
-    summary, run_dir = _run(["federation.every=null", "federation.every_s=2.5", "fault.slow_facility=1",
-                             "fault.slow_factor=4", f"train.steps={steps}"], tmp_path, "timed")
+    summary, run_dir = _run(
+        [
+            "federation.every=null",
+            "federation.every_s=2.5",
+            "fault.slow_facility=1",
+            "fault.slow_factor=4",
+            f"train.steps={steps}",
+        ],
+        tmp_path,
+        "timed",
+    )
     records = summary["round_records"]
     taken = [r["steps_taken"] for r in records]
     assert all(n >= 1 for row in taken for n in row), taken

@@ -3,11 +3,10 @@
 import math
 
 import pytest
+from workers import state as workers
 
 from xffl_like.distributed.launch import launch_local
 from xffl_like.distributed.state import read_env
-
-from workers import state as workers
 
 
 def expected_coords(sizes, shard):
@@ -37,8 +36,11 @@ def test_group_membership(world, federated, hsdp, sizes, shard):
         assert tuple(res["coords"]) == (f, local, replica, s)
         facility = [r for r, c in coords.items() if c[0] == f]
         replicas = [r for r, c in coords.items() if c[0] == f and c[3] == s]
-        assert res["mesh"] == ([[r for r in facility if coords[r][2] == k] for k in range(len(replicas))]
-                               if len(replicas) > 1 else [r for r in facility if coords[r][2] == replica])
+        assert res["mesh"] == (
+            [[r for r in facility if coords[r][2] == k] for k in range(len(replicas))]
+            if len(replicas) > 1
+            else [r for r in facility if coords[r][2] == replica]
+        )
         assert res["mesh_dims"] == (("replicate", "shard") if len(replicas) > 1 else ("shard",))
         for ranks, total in res["facility"]:  # one handle per stream, same members
             assert list(ranks) == facility and total == sum(facility)
@@ -49,10 +51,17 @@ def test_group_membership(world, federated, hsdp, sizes, shard):
         shard_ranks = [r for r, c in coords.items() if c[0] == f and c[2] == replica]
         peers = [r for r, c in coords.items() if c[3] == s]
         first = [r for r, c in coords.items() if c[3] == s and c[2] == 0]
-        want = {"world": everyone, "facility": facility, "replica": replicas, "shard": shard_ranks, "peers": peers,
-                "background": everyone, "overlap_replicas": replicas,
-                "senders": first if replica == 0 and len(sizes) > 1 else None,
-                "overlap_peers": first if replica == 0 else None}
+        want = {
+            "world": everyone,
+            "facility": facility,
+            "replica": replicas,
+            "shard": shard_ranks,
+            "peers": peers,
+            "background": everyone,
+            "overlap_replicas": replicas,
+            "senders": first if replica == 0 and len(sizes) > 1 else None,
+            "overlap_peers": first if replica == 0 else None,
+        }
         for name, members in want.items():
             for got in res["named"][name]:
                 assert (got is None) if members is None else got == (tuple(members), sum(members)), (rank, name, got)
@@ -88,8 +97,18 @@ def test_unknown_group_name_is_one_line():
 
 
 def test_read_env_prefers_torchrun_then_slurm():
-    env = read_env({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
-                    "MASTER_ADDR": "h", "MASTER_PORT": "123", "SLURM_PROCID": "0", "SLURM_NTASKS": "9"})
+    env = read_env(
+        {
+            "RANK": "3",
+            "WORLD_SIZE": "4",
+            "LOCAL_RANK": "1",
+            "LOCAL_WORLD_SIZE": "2",
+            "MASTER_ADDR": "h",
+            "MASTER_PORT": "123",
+            "SLURM_PROCID": "0",
+            "SLURM_NTASKS": "9",
+        }
+    )
     assert (env.rank, env.world_size, env.local_rank, env.local_world_size, env.master_port) == (3, 4, 1, 2, 123)
     env = read_env({"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_NTASKS_PER_NODE": "4(x2)"})
     assert (env.rank, env.world_size, env.local_rank, env.local_world_size) == (5, 8, 1, 4)
@@ -165,8 +184,14 @@ def test_mpi_ranks_bind_their_gpu_before_mpi_starts(monkeypatch):
     import xffl_like.comm.backends as backends
 
     monkeypatch.setattr(backends, "get_mpi", no_mpi)
-    env = envmod.read_env({"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4",
-                           "OMPI_COMM_WORLD_LOCAL_RANK": "3", "OMPI_COMM_WORLD_LOCAL_SIZE": "4"})
+    env = envmod.read_env(
+        {
+            "OMPI_COMM_WORLD_RANK": "3",
+            "OMPI_COMM_WORLD_SIZE": "4",
+            "OMPI_COMM_WORLD_LOCAL_RANK": "3",
+            "OMPI_COMM_WORLD_LOCAL_SIZE": "4",
+        }
+    )
     with pytest.raises(ImportError):
         envmod.agree_rendezvous(env)
     assert order == [("device", torch.device("cuda", 1)), ("mpi", None)]

@@ -7,17 +7,15 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers import CONF
 from torch import nn
+from workers import strategy as workers
 
 from xffl_like.aggregation import STRATEGIES, Strategy, build_strategy, strategy_config, validate_strategy_options
 from xffl_like.aggregation.planners import cut_chunks
 from xffl_like.distributed.launch import launch_local
-from xffl_like.schema import StrategyConfig
 from xffl_like.distributed.layout import plan_layout
-
-from helpers import CONF
-from workers import strategy as workers
-
+from xffl_like.schema import StrategyConfig
 
 
 # ----------------------------------------------------------------------------- pure
@@ -26,9 +24,14 @@ def fake_state(world=4, federated=2, hsdp=1, rank=0, streams=2):
     layout = plan_layout(world, federated, hsdp)
     c = layout.coords(rank)
     return SimpleNamespace(
-        layout=layout, facility=c.facility, replica=c.replica, shard=c.shard,
-        num_replicas=layout.replicas[c.facility], num_facilities=layout.num_facilities,
-        num_streams=streams, backend="gloo",
+        layout=layout,
+        facility=c.facility,
+        replica=c.replica,
+        shard=c.shard,
+        num_replicas=layout.replicas[c.facility],
+        num_facilities=layout.num_facilities,
+        num_streams=streams,
+        backend="gloo",
     )
 
 
@@ -48,14 +51,17 @@ def test_strategy_yamls_compose_and_validate():
             assert validate_strategy_options(strategy_config(cfg)).name == name
 
 
-@pytest.mark.parametrize("options, message", [
-    (StrategyConfig(name="fusd"), "unknown strategy name 'fusd': valid names are ['layer_by_layer'"),
-    (StrategyConfig(name="fused", streams=0), "strategy.streams=0"),
-    (StrategyConfig(name="fused", bucket_mb=0), "strategy.bucket_mb=0"),
-    (StrategyConfig(name="fused", mode="all"), "valid modes are ['split', 'one_sender']"),
-    (dict(name="fused", buckets=3), "unknown strategy option(s) ['buckets']"),  # a plain mapping (a YAML spec)
-    (dict(name="fused", streams=0), "strategy.streams=0"),
-])
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (StrategyConfig(name="fusd"), "unknown strategy name 'fusd': valid names are ['layer_by_layer'"),
+        (StrategyConfig(name="fused", streams=0), "strategy.streams=0"),
+        (StrategyConfig(name="fused", bucket_mb=0), "strategy.bucket_mb=0"),
+        (StrategyConfig(name="fused", mode="all"), "valid modes are ['split', 'one_sender']"),
+        (dict(name="fused", buckets=3), "unknown strategy option(s) ['buckets']"),  # a plain mapping (a YAML spec)
+        (dict(name="fused", streams=0), "strategy.streams=0"),
+    ],
+)
 def test_validate_rejects(options, message):
     with pytest.raises(ValueError) as err:
         validate_strategy_options(strategy_config(options) if isinstance(options, dict) else options)
@@ -65,7 +71,9 @@ def test_validate_rejects(options, message):
 def test_validate_only_patterns():
     names = [n for n, _ in plain_model().named_parameters()]
     assert validate_strategy_options(StrategyConfig(name="fused", only=["0.*"]), names).only == ("0.*",)
-    with pytest.raises(ValueError, match=r"pattern 'layers\.\*' matches no parameter name: parameters look like 0\.weight, 0\.bias"):
+    with pytest.raises(
+        ValueError, match=r"pattern 'layers\.\*' matches no parameter name: parameters look like 0\.weight, 0\.bias"
+    ):
         validate_strategy_options(StrategyConfig(name="fused", only=["layers.*"]), names)
     # A class name can only be checked against a model.
     assert validate_strategy_options(StrategyConfig(name="fused", only="Linear"), names).only == ("Linear",)
@@ -82,7 +90,7 @@ def test_cut_chunks_equal_pieces_and_views():
     assert [sum(s.stop - s.start for s in c if s.dtype == torch.bfloat16) for c in chunks] == [0, 1, 1]
     for c in chunks:
         for seg in c:
-            assert seg.tensor.data_ptr() == ts[seg.index][1].view(-1)[seg.start:].data_ptr()
+            assert seg.tensor.data_ptr() == ts[seg.index][1].view(-1)[seg.start :].data_ptr()
     assert chunks[0][0].tensor.shape == (7,)  # split at a boundary: a 1-D slice
     assert [s.tensor.shape for s in cut_chunks(ts, 1)[0]][0] == (5, 3)  # whole: keeps its shape
 
@@ -116,10 +124,12 @@ def test_builders_plan_shapes():
     for c in by_name["stacked"].communications:
         assert len(set(c.shapes)) == 1
     assert any(len(c.shapes) == 2 for c in by_name["stacked"].communications)  # the two 32x32 weights
+
     # Largest-first balancing never does worse than round-robin.
     def spread(s):
         load = [sum(c.nbytes for c in s.communications if c.chunk == 0 and c.stream == k) for k in range(2)]
         return max(load) - min(load)
+
     assert spread(by_name["layer_by_layer_optimized"]) <= spread(by_name["layer_by_layer"])
 
 
@@ -132,7 +142,9 @@ def test_collective_and_scratch():
         assert (c.scratch.numel() == c.numel // 2) if c.reduce else c.scratch is None
     coalesced = build_strategy(model, state, StrategyConfig(name="bucket_coalesced"))
     assert all(c.scratch is None for c in coalesced.communications)  # lists use the all-reduce
-    assert build_strategy(model, state, StrategyConfig(name="fused"), collective="all_reduce").collective == "all_reduce"
+    assert (
+        build_strategy(model, state, StrategyConfig(name="fused"), collective="all_reduce").collective == "all_reduce"
+    )
     with pytest.raises(ValueError, match="valid collectives are"):
         build_strategy(model, state, StrategyConfig(name="fused"), collective="ring")
 
@@ -151,7 +163,9 @@ def test_strategy_is_frozen_and_equal_on_the_plan():
     b = build_strategy(model, fake_state(), StrategyConfig(name="fused", streams=2, bucket_mb=0.01))
     assert isinstance(a, Strategy) and a == b and hash(a) == hash(b)
     staged = [k for k, c in enumerate(a.communications) if c.buffer is not None]
-    assert staged and all(a.communications[k].buffer.data_ptr() != b.communications[k].buffer.data_ptr() for k in staged)
+    assert staged and all(
+        a.communications[k].buffer.data_ptr() != b.communications[k].buffer.data_ptr() for k in staged
+    )
     assert a != build_strategy(model, fake_state(), StrategyConfig(name="fused", streams=1, bucket_mb=0.01))
     with pytest.raises(dataclasses.FrozenInstanceError):
         a.mode = "one_sender"
@@ -198,23 +212,56 @@ def test_exchange_announces_every_receive_before_sending(monkeypatch):
 LAUNCHES = {
     4: [
         dict(name="fsdp_2x2", federated=2, hsdp=None, weights=[None, (2.0, 5.0)]),  # R = (1, 1), S = 2
-        dict(name="hsdp_2x2", federated=2, hsdp=1, weights=[None, (2.0, 5.0)]),     # R = (2, 2), S = 1
+        dict(name="hsdp_2x2", federated=2, hsdp=1, weights=[None, (2.0, 5.0)]),  # R = (2, 2), S = 1
         # The training loop's memory layout: shards side by side, so fused buckets are views.
-        dict(name="hsdp_2x2_contiguous", federated=2, hsdp=1, weights=[None, (2.0, 5.0)],
-             names=["fused", "layer_by_layer", "bucket_flatten"], contiguous=True),
+        dict(
+            name="hsdp_2x2_contiguous",
+            federated=2,
+            hsdp=1,
+            weights=[None, (2.0, 5.0)],
+            names=["fused", "layer_by_layer", "bucket_flatten"],
+            contiguous=True,
+        ),
         # Shards of 2: some parameters moved side by side, the others padded by FSDP.
-        dict(name="fsdp_2x2_contiguous", federated=2, hsdp=None, weights=[None, (2.0, 5.0)],
-             names=["fused", "layer_by_layer"], dtypes=["float32"], contiguous=True),
+        dict(
+            name="fsdp_2x2_contiguous",
+            federated=2,
+            hsdp=None,
+            weights=[None, (2.0, 5.0)],
+            names=["fused", "layer_by_layer"],
+            dtypes=["float32"],
+            contiguous=True,
+        ),
     ],
     6: [
         dict(name="unequal_4_2", federated=[4, 2], hsdp=2, weights=[None, (2.0, 5.0)]),  # R = (2, 1), S = 2
-        dict(name="unequal_4_2_contiguous", federated=[4, 2], hsdp=2, weights=[None, (2.0, 5.0)],
-             names=["fused"], dtypes=["float32"], contiguous=True),  # R = (2, 1), S = 2
-        dict(name="fsdp_3x2_contiguous", federated=3, hsdp=None, weights=[None, (2.0, 5.0)],
-             names=["fused"], dtypes=["float32"], contiguous=True),  # R = (1, 1), S = 3
+        dict(
+            name="unequal_4_2_contiguous",
+            federated=[4, 2],
+            hsdp=2,
+            weights=[None, (2.0, 5.0)],
+            names=["fused"],
+            dtypes=["float32"],
+            contiguous=True,
+        ),  # R = (2, 1), S = 2
+        dict(
+            name="fsdp_3x2_contiguous",
+            federated=3,
+            hsdp=None,
+            weights=[None, (2.0, 5.0)],
+            names=["fused"],
+            dtypes=["float32"],
+            contiguous=True,
+        ),  # R = (1, 1), S = 3
         # Three facilities of 2 replicas: the exchange's general (F > 2) reduction.
-        dict(name="three_facilities", federated=2, hsdp=1, weights=[None, (2.0, 5.0, 3.0)],
-             names=["layer_by_layer", "fused"], dtypes=["float32"]),
+        dict(
+            name="three_facilities",
+            federated=2,
+            hsdp=1,
+            weights=[None, (2.0, 5.0, 3.0)],
+            names=["layer_by_layer", "fused"],
+            dtypes=["float32"],
+        ),
     ],
 }
 
@@ -224,7 +271,13 @@ def check_bytes(reports: list[dict], spec: dict, nproc: int) -> None:
     split mode every replica sends a share, in one_sender mode only replica 0."""
     n_facilities = len(spec["weights"][1])
     per_launch = [r[spec["name"]] for r in reports]
-    n_cases = len(spec.get("names", STRATEGIES)) * len(workers.PATHS) * 2 * len(spec.get("dtypes", ("float32", "bfloat16"))) * 2
+    n_cases = (
+        len(spec.get("names", STRATEGIES))
+        * len(workers.PATHS)
+        * 2
+        * len(spec.get("dtypes", ("float32", "bfloat16")))
+        * 2
+    )
     assert [r["cases"] for r in per_launch] == [n_cases] * nproc, spec["name"]
     for key in per_launch[0]["bytes_per_rank"]:
         sent = [(r["replica"], r["bytes_per_rank"][key]) for r in per_launch]
@@ -272,8 +325,8 @@ def test_every_strategy_on_6_processes_and_properties():
     for spec in LAUNCHES[6]:
         check_bytes(reports, spec, 6)
     check_contiguous_reports(reports, LAUNCHES[6])
-    only_bytes = 2 * 4 * sum(
-        p.numel() for n, p in workers.Net().named_parameters() if n.startswith(("blocks.0.", "embed."))
+    only_bytes = (
+        2 * 4 * sum(p.numel() for n, p in workers.Net().named_parameters() if n.startswith(("blocks.0.", "embed.")))
     )
     assert {r["properties"]["only_cross_facility_bytes"] for r in reports} == {only_bytes}
     assert sum(r["properties"]["only_bytes_per_rank"] for r in reports) == only_bytes

@@ -94,6 +94,7 @@ def test_no_import_cycle_in_the_package():
 def test_console_scripts_name_callables():
     """Every ``[project.scripts]`` entry of pyproject.toml names a function that exists."""
     import importlib
+
     import tomllib
 
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]

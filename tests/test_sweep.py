@@ -11,14 +11,19 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import REPO as ROOT
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from xffl_like.observe.sweep import FIELDS, collect_jobs, write_sweep_summary
 
-from helpers import REPO as ROOT
-
-TINY = ["train.steps=4", "optim.warmup_steps=2", "federation.every=2", "train.batch_size=2", "distributed.nproc_per_node=2"]
+TINY = [
+    "train.steps=4",
+    "optim.warmup_steps=2",
+    "federation.every=2",
+    "train.batch_size=2",
+    "distributed.nproc_per_node=2",
+]
 
 
 @pytest.mark.cli
@@ -28,16 +33,35 @@ def test_multirun_summary_with_a_failed_job(tmp_path):
     env = {**os.environ, "WANDB_MODE": "offline"}
     # train.seq_len=999 exceeds the model's max_seq_len: those jobs fail in validation, the sweep goes on.
     proc = subprocess.run(
-        [sys.executable, "-m", "xffl_like.run", "-m", "+experiment=llama_fed", *TINY, "distributed.federated=1",
-         "logger=none", "strategy=layer_by_layer,fused", "train.seq_len=32,999", f"hydra.sweep.dir={sweep_dir}"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "xffl_like.run",
+            "-m",
+            "+experiment=llama_fed",
+            *TINY,
+            "distributed.federated=1",
+            "logger=none",
+            "strategy=layer_by_layer,fused",
+            "train.seq_len=32,999",
+            f"hydra.sweep.dir={sweep_dir}",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 1, proc.stdout + proc.stderr  # every job ran; one failed -> exit 1
     with open(sweep_dir / "sweep_summary.csv", newline="") as fh:
         rows = list(csv.DictReader(fh))
     assert tuple(rows[0]) == FIELDS
     assert [(r["job"], r["status"]) for r in rows] == [
-        ("0_layer_by_layer", "ok"), ("1_layer_by_layer", "failed"), ("2_fused", "ok"), ("3_fused", "failed")]
+        ("0_layer_by_layer", "ok"),
+        ("1_layer_by_layer", "failed"),
+        ("2_fused", "ok"),
+        ("3_fused", "failed"),
+    ]
     for row in rows:
         if row["status"] == "ok":
             summary = json.loads((sweep_dir / row["job"] / "summary.json").read_text())
@@ -54,8 +78,14 @@ def test_multirun_summary_with_a_failed_job(tmp_path):
     assert "job 1_layer_by_layer failed: train.seq_len=999" in proc.stderr
 
 
-def _fake_job(sweep_dir: Path, num: int, strategy: str, overrides: list[str], summary: dict | None = None,
-              error: str | None = None) -> Path:
+def _fake_job(
+    sweep_dir: Path,
+    num: int,
+    strategy: str,
+    overrides: list[str],
+    summary: dict | None = None,
+    error: str | None = None,
+) -> Path:
     job = sweep_dir / f"{num}_{strategy}"
     (job / ".hydra").mkdir(parents=True)
     OmegaConf.save(OmegaConf.create({"strategy": {"name": strategy, "streams": 2}}), job / ".hydra" / "config.yaml")
@@ -69,9 +99,15 @@ def _fake_job(sweep_dir: Path, num: int, strategy: str, overrides: list[str], su
 
 
 def _summary(seconds):
-    return {"strategy": {"name": "fused", "streams": 2}, "aggregation_seconds": seconds,
-            "aggregation_busbw_gbps": [1.0] * len(seconds), "cross_facility_bytes_per_round": [100] * len(seconds),
-            "final_loss": 2.0, "eval_loss": 2.5, "tokens_per_second": 1000.0}
+    return {
+        "strategy": {"name": "fused", "streams": 2},
+        "aggregation_seconds": seconds,
+        "aggregation_busbw_gbps": [1.0] * len(seconds),
+        "cross_facility_bytes_per_round": [100] * len(seconds),
+        "final_loss": 2.0,
+        "eval_loss": 2.5,
+        "tokens_per_second": 1000.0,
+    }
 
 
 def test_summary_of_a_made_up_sweep(tmp_path, monkeypatch):
@@ -95,14 +131,19 @@ def test_summary_of_a_made_up_sweep(tmp_path, monkeypatch):
     assert "| 10_fused | fused | 2 |" in md and "200 ms" in md
 
 
-@pytest.mark.parametrize("preset, key, values", [
-    ("strategies", "strategy", "glob(*)"),
-    ("streams", "strategy.streams", "1,2,4"),
-    ("bucket_sizes", "strategy.bucket_mb", "0.25,1,5,25,100"),
-])
+@pytest.mark.parametrize(
+    "preset, key, values",
+    [
+        ("strategies", "strategy", "glob(*)"),
+        ("streams", "strategy.streams", "1,2,4"),
+        ("bucket_sizes", "strategy.bucket_mb", "0.25,1,5,25,100"),
+    ],
+)
 def test_sweep_presets_compose(preset, key, values):
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
-        cfg = compose(config_name="config", overrides=["+experiment=llama_fed", f"+sweep={preset}"], return_hydra_config=True)
+        cfg = compose(
+            config_name="config", overrides=["+experiment=llama_fed", f"+sweep={preset}"], return_hydra_config=True
+        )
     assert str(cfg.hydra.mode) == "RunMode.MULTIRUN"
     assert str(cfg.hydra.sweeper.params[key]) == values
     assert cfg.hydra.callbacks.sweep_summary._target_ == "xffl_like.observe.sweep.SweepSummary"
@@ -115,8 +156,9 @@ def test_a_job_that_raised_is_reported(tmp_path):
     from xffl_like.observe.sweep import SweepSummary
 
     job = _fake_job(tmp_path, 0, "fused", ["strategy=fused"])
-    config = OmegaConf.create({"hydra": {"mode": RunMode.MULTIRUN, "runtime": {"output_dir": str(job)},
-                                         "sweep": {"dir": str(tmp_path)}}})
+    config = OmegaConf.create(
+        {"hydra": {"mode": RunMode.MULTIRUN, "runtime": {"output_dir": str(job)}, "sweep": {"dir": str(tmp_path)}}}
+    )
     failed = JobReturn(status=JobStatus.FAILED, _return_value=RuntimeError("boom\nsecond line"))
     callback = SweepSummary()
     callback.on_job_end(config=config, job_return=failed)

@@ -13,10 +13,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import CONF, PYTHONPATH, REPO
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
-
-from helpers import CONF, PYTHONPATH, REPO
 
 from xffl_like.distributed.allocation import num_nodes, partition_node_limit
 
@@ -26,8 +25,14 @@ except ImportError:  # without the slurm extra only the test of its missing-extr
     SlurmSweepLauncher = None
 needs_extra = pytest.mark.skipif(SlurmSweepLauncher is None, reason="the slurm extra: pip install -e '.[slurm]'")
 
-TINY = ["train.steps=4", "optim.warmup_steps=2", "federation.every=2", "train.batch_size=2", "distributed.federated=1",
-        "logger=none"]
+TINY = [
+    "train.steps=4",
+    "optim.warmup_steps=2",
+    "federation.every=2",
+    "train.batch_size=2",
+    "distributed.federated=1",
+    "logger=none",
+]
 
 
 def _env(**extra: str) -> dict:
@@ -59,14 +64,32 @@ def test_local_submitit_sweep_one_job_per_point_with_a_failed_point(tmp_path):
     # Point 0: 2 processes = 2 facilities of 1, weighted 1:3. Point 1: 1 process = 1 facility, for which two
     # weights are one too many: it fails in rank 0's validation under torchrun (and costs one worker).
     proc = subprocess.run(
-        [sys.executable, "-m", "xffl_like.run", "-m", "+experiment=llama_fed", "hydra/launcher=local_submitit", *TINY,
-         "train.seq_len=32", "federation.weights=[1,3]", "distributed.nproc_per_node=2,1", f"hydra.sweep.dir={sweep_dir}"],
-        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "xffl_like.run",
+            "-m",
+            "+experiment=llama_fed",
+            "hydra/launcher=local_submitit",
+            *TINY,
+            "train.seq_len=32",
+            "federation.weights=[1,3]",
+            "distributed.nproc_per_node=2,1",
+            f"hydra.sweep.dir={sweep_dir}",
+        ],
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 1, proc.stdout + proc.stderr  # both points ran; one failed -> exit 1
     with open(sweep_dir / "sweep_summary.csv", newline="") as fh:
         rows = list(csv.DictReader(fh))
     assert [(r["job"], r["status"], r["overrides"]) for r in rows] == [
-        ("0_fused", "ok", "distributed.nproc_per_node=2"), ("1_fused", "failed", "distributed.nproc_per_node=1")]
+        ("0_fused", "ok", "distributed.nproc_per_node=2"),
+        ("1_fused", "failed", "distributed.nproc_per_node=1"),
+    ]
     summary = json.loads((sweep_dir / "0_fused" / "summary.json").read_text())
     assert float(rows[0]["final_loss"]) == pytest.approx(summary["final_loss"])
     assert float(rows[0]["aggregation_seconds_median"]) > 0 and float(rows[0]["cross_facility_bytes_per_round"]) > 0
@@ -75,26 +98,51 @@ def test_local_submitit_sweep_one_job_per_point_with_a_failed_point(tmp_path):
     # Each point was its own submitit job, sized from its own distributed.*, its node running it under torchrun.
     logs = {p.parent.name: p.read_text() for p in (sweep_dir / ".submitit").glob("*/*_0_log.out")}
     assert len(logs) == 2
-    sizes = [re.search(r"-m torch\.distributed\.run --nnodes=1 --nproc-per-node=(\d) --node-rank=0 ", text)
-             for text in logs.values()]
+    sizes = [
+        re.search(r"-m torch\.distributed\.run --nnodes=1 --nproc-per-node=(\d) --node-rank=0 ", text)
+        for text in logs.values()
+    ]
     assert sorted(found[1] for found in sizes if found) == ["1", "2"]
     assert "job 1_fused failed: federation.weights=[1, 3]" in proc.stderr
     # The summary command reads the sweep directory unchanged.
-    rebuilt = subprocess.run([sys.executable, "-m", "xffl_like.observe.sweep", str(sweep_dir)], cwd=REPO, env=_env(),
-                             capture_output=True, text=True, timeout=120)
+    rebuilt = subprocess.run(
+        [sys.executable, "-m", "xffl_like.observe.sweep", str(sweep_dir)],
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert rebuilt.returncode == 1 and "2 jobs, 1 ok, 1 failed" in rebuilt.stdout
     assert "`1_fused`: federation.weights=[1, 3]" in rebuilt.stdout
 
 
 @needs_extra
 def test_slurm_parameters_of_a_federated_point(tmp_path, monkeypatch):
-    launcher = _launcher(["+experiment=llama_fed", "hydra/launcher=slurm", "distributed.federated=[8,4]",
-                          "hydra.launcher.partition=gpu", "hydra.launcher.account=proj", "hydra.launcher.timeout_min=90",
-                          "hydra.sweep.dir=/sweeps/s"])
+    launcher = _launcher(
+        [
+            "+experiment=llama_fed",
+            "hydra/launcher=slurm",
+            "distributed.federated=[8,4]",
+            "hydra.launcher.partition=gpu",
+            "hydra.launcher.account=proj",
+            "hydra.launcher.timeout_min=90",
+            "hydra.sweep.dir=/sweeps/s",
+        ]
+    )
     params = executor_parameters(launcher, "slurm")
     # Two facilities of 8 and 4 processes = 12 processes = 3 nodes x 4 (one torchrun per node, one process per GPU).
-    expected = {"nodes": 3, "tasks_per_node": 1, "gpus_per_node": 4, "timeout_min": 90, "slurm_partition": "gpu",
-                "slurm_account": "proj", "name": "xffl_llama_fed", "cpus_per_task": None, "mem_gb": None}
+    expected = {
+        "nodes": 3,
+        "tasks_per_node": 1,
+        "gpus_per_node": 4,
+        "timeout_min": 90,
+        "slurm_partition": "gpu",
+        "slurm_account": "proj",
+        "name": "xffl_llama_fed",
+        "cpus_per_task": None,
+        "mem_gb": None,
+    }
     assert {k: params[k] for k in expected} == expected
     assert not set(params) & {"processes_per_node", "max_nodes", "submitit_folder", "_target_"}
     # The sbatch lines submitit writes for it (srun only has to exist for submitit's Slurm executor).
@@ -105,16 +153,32 @@ def test_slurm_parameters_of_a_federated_point(tmp_path, monkeypatch):
     executor.update_parameters(**params)
     text = executor._executor._make_submission_file_text("python -u -m submitit.core._submit", "uid")
     lines = {line for line in text.splitlines() if line.startswith("#SBATCH")}
-    assert {"#SBATCH --nodes=3", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=4", "#SBATCH --time=90",
-            "#SBATCH --partition=gpu", "#SBATCH --account=proj", "#SBATCH --job-name=xffl_llama_fed"} <= lines
+    assert {
+        "#SBATCH --nodes=3",
+        "#SBATCH --ntasks-per-node=1",
+        "#SBATCH --gpus-per-node=4",
+        "#SBATCH --time=90",
+        "#SBATCH --partition=gpu",
+        "#SBATCH --account=proj",
+        "#SBATCH --job-name=xffl_llama_fed",
+    } <= lines
 
 
 @needs_extra
 def test_sizes_from_distributed(tmp_path):
     assert num_nodes(2, 8, 4) == 2  # facilities of 2, 8 processes: 2 nodes of 4
     assert num_nodes([8, 4], 4, 4) == 3  # a list: its sum, whatever nproc_per_node says
-    assert _launcher(["+experiment=llama_fed", "hydra/launcher=local_submitit", "distributed.nproc_per_node=6",
-                      "distributed.federated=[4,2]"])["processes_per_node"] == 6
+    assert (
+        _launcher(
+            [
+                "+experiment=llama_fed",
+                "hydra/launcher=local_submitit",
+                "distributed.nproc_per_node=6",
+                "distributed.federated=[4,2]",
+            ]
+        )["processes_per_node"]
+        == 6
+    )
     with pytest.raises(ValueError, match=r"makes 10 processes, not a multiple of hydra.launcher.processes_per_node=4"):
         num_nodes([8, 2], 4, 4)
 
@@ -132,7 +196,9 @@ def test_partition_limit_from_sinfo(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", _fake_bin(tmp_path, sinfo="exit 1"))
     assert partition_node_limit("gpu") is None  # sinfo cannot tell: no check
     points = [(0, ["distributed.federated=[8,4]"], {"nodes": 3, "partition": None, "max_nodes": 2})]
-    with pytest.raises(SweepRefused, match=r"hydra.launcher.max_nodes=2: #0 \(distributed.federated=\[8,4\]: 3 nodes\)"):
+    with pytest.raises(
+        SweepRefused, match=r"hydra.launcher.max_nodes=2: #0 \(distributed.federated=\[8,4\]: 3 nodes\)"
+    ):
         SlurmSweepLauncher().check(points)
 
 
@@ -142,14 +208,28 @@ def test_a_sweep_too_big_for_the_partition_is_refused_before_submitting(tmp_path
     marker = tmp_path / "sbatch-called"
     path = _fake_bin(tmp_path, srun="exit 0", sbatch=f"touch {marker}; exit 1", sinfo=_SINFO)
     proc = subprocess.run(
-        [sys.executable, "-m", "xffl_like.run", "-m", "+experiment=llama_fed", "hydra/launcher=slurm",
-         "distributed.federated=[8,4],[16,16]", f"hydra.sweep.dir={tmp_path / 'sweep'}"],
-        cwd=REPO, env=_env(PATH=path), capture_output=True, text=True, timeout=120)
+        [
+            sys.executable,
+            "-m",
+            "xffl_like.run",
+            "-m",
+            "+experiment=llama_fed",
+            "hydra/launcher=slurm",
+            "distributed.federated=[8,4],[16,16]",
+            f"hydra.sweep.dir={tmp_path / 'sweep'}",
+        ],
+        cwd=REPO,
+        env=_env(PATH=path),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert proc.stderr.strip().splitlines() == [
         "error: 1 sweep point(s) ask for more nodes than partition gpu allows at most 4 nodes per job (sinfo): "
         "#1 (distributed.federated=[16,16]: 8 nodes); nothing was submitted: make their distributed.federated "
-        "smaller, raise hydra.launcher.processes_per_node, or choose another hydra.launcher.partition"]
+        "smaller, raise hydra.launcher.processes_per_node, or choose another hydra.launcher.partition"
+    ]
     assert not marker.exists()
 
 
@@ -160,13 +240,28 @@ def test_without_the_extra_one_line_names_it(tmp_path, launcher):
     hide.mkdir()
     # The extra looks uninstalled: both imports fail, and Hydra's plugin scan skips a module set to None.
     (hide / "sitecustomize.py").write_text(
-        "import sys\nsys.modules['hydra_plugins.hydra_submitit_launcher'] = None\nsys.modules['submitit'] = None\n")
+        "import sys\nsys.modules['hydra_plugins.hydra_submitit_launcher'] = None\nsys.modules['submitit'] = None\n"
+    )
     proc = subprocess.run(
-        [sys.executable, "-m", "xffl_like.run", "-m", "+experiment=llama_fed", f"hydra/launcher={launcher}",
-         "strategy=fused,layer_by_layer", f"hydra.sweep.dir={tmp_path / 'sweep'}"],
-        cwd=REPO, env=_env(PYTHONPATH=f"{hide}{os.pathsep}{PYTHONPATH}"), capture_output=True, text=True, timeout=120)
+        [
+            sys.executable,
+            "-m",
+            "xffl_like.run",
+            "-m",
+            "+experiment=llama_fed",
+            f"hydra/launcher={launcher}",
+            "strategy=fused,layer_by_layer",
+            f"hydra.sweep.dir={tmp_path / 'sweep'}",
+        ],
+        cwd=REPO,
+        env=_env(PYTHONPATH=f"{hide}{os.pathsep}{PYTHONPATH}"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         f"error: hydra/launcher={launcher} needs the slurm extra (hydra-submitit-launcher): "
-        f"pip install -c constraints.txt -e '.[slurm]'"]
+        f"pip install -c constraints.txt -e '.[slurm]'"
+    ]
     assert not (tmp_path / "sweep").exists()

@@ -20,8 +20,8 @@ from helpers import REPO, run_cli  # noqa: E402
 
 from xffl_like.config import ConfigError, validate_config  # noqa: E402
 from xffl_like.data import build_data  # noqa: E402
-from xffl_like.job import _compose, resolve  # noqa: E402
 from xffl_like.data.prepare import main as prepare_main  # noqa: E402
+from xffl_like.job import _compose, resolve  # noqa: E402
 from xffl_like.schema import DataConfig  # noqa: E402
 
 VOCAB = 512
@@ -46,8 +46,11 @@ def prepared(tmp_path_factory):
     tok = tokenizers.Tokenizer(tokenizers.models.BPE())
     tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = tokenizers.decoders.ByteLevel()
-    trainer = tokenizers.trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<|endoftext|>"],
-                                             initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=VOCAB,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train([str(p) for p in docs], trainer)
     tok.save(str(root / "tokenizer.json"))
     out = root / "prepared"
@@ -72,8 +75,12 @@ def test_prepare_writes_the_tokenizers_ids_with_eos_between_documents(prepared):
 def test_prepare_byte_tokenizer(tmp_path):
     (tmp_path / "a.txt").write_text("héllo", encoding="utf-8")
     (tmp_path / "b.jsonl").write_text('{"text": "ab"}\n{"text": "c"}\n', encoding="utf-8")
-    assert prepare_main(["--tokenizer", "byte", "--output", str(tmp_path / "o"),
-                         str(tmp_path / "a.txt"), str(tmp_path / "b.jsonl")]) == 0
+    assert (
+        prepare_main(
+            ["--tokenizer", "byte", "--output", str(tmp_path / "o"), str(tmp_path / "a.txt"), str(tmp_path / "b.jsonl")]
+        )
+        == 0
+    )
     want = list("héllo".encode()) + [0] + [97, 98, 0, 99, 0]
     assert np.fromfile(tmp_path / "o" / "tokens.bin", dtype=np.uint16).tolist() == want
     assert json.loads((tmp_path / "o" / "meta.json").read_text())["document_starts"] == [0, 7, 10]
@@ -90,8 +97,17 @@ def test_each_rank_reads_windows_of_its_own_contiguous_block(prepared):
         for rank in range(2):
             lo = block[0] + rank * (block[1] - block[0]) // 2
             hi = block[0] + (rank + 1) * (block[1] - block[0]) // 2
-            source = build_data(DataConfig(**cfg), vocab_size=VOCAB, seq_len=64, batch_size=8, seed=0,
-                                facility=facility, num_facilities=2, facility_rank=rank, facility_size=2)
+            source = build_data(
+                DataConfig(**cfg),
+                vocab_size=VOCAB,
+                seq_len=64,
+                batch_size=8,
+                seed=0,
+                facility=facility,
+                num_facilities=2,
+                facility_rank=rank,
+                facility_size=2,
+            )
             for step in range(3):
                 x, y = source.train_batch(step)
                 for row_x, row_y in zip(x, y):
@@ -115,9 +131,22 @@ def _find(tokens, window, lo, hi):
 @pytest.mark.slow
 def test_job_learns_on_bpe_tokens(prepared, tmp_path):
     _, _, out = prepared
-    proc, _ = run_cli(["+experiment=llama_fed", "data=tokens", f"data.path={out}", f"model.vocab_size={VOCAB}",
-                       "train.steps=40", "federation.every=10", "train.seq_len=64", "train.batch_size=8",
-                       "train.log_every=10", "logger=none", "export.hf=true"], tmp_path)
+    proc, _ = run_cli(
+        [
+            "+experiment=llama_fed",
+            "data=tokens",
+            f"data.path={out}",
+            f"model.vocab_size={VOCAB}",
+            "train.steps=40",
+            "federation.every=10",
+            "train.seq_len=64",
+            "train.batch_size=8",
+            "train.log_every=10",
+            "logger=none",
+            "export.hf=true",
+        ],
+        tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["first_loss"] > 5.5  # ~ln(512) at the start
@@ -134,8 +163,18 @@ def test_job_learns_on_bpe_tokens(prepared, tmp_path):
 def bad_dirs(tmp_path_factory, prepared):
     root = tmp_path_factory.mktemp("bad")
     (root / "bin").mkdir()
-    (root / "bin" / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "hidden_size": 64,
-        "num_hidden_layers": 1, "num_attention_heads": 4, "vocab_size": 300, "intermediate_size": 96}))
+    (root / "bin" / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "hidden_size": 64,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 4,
+                "vocab_size": 300,
+                "intermediate_size": 96,
+            }
+        )
+    )
     (root / "bin" / "pytorch_model.bin").write_bytes(b"not loaded")
     (root / "corrupt").mkdir()
     (root / "corrupt" / "config.json").write_text((root / "bin" / "config.json").read_text())
@@ -145,7 +184,9 @@ def bad_dirs(tmp_path_factory, prepared):
     assert prepare_main(["--output", str(root / "short" / "out"), str(root / "short" / "a.txt")]) == 0
     (root / "truncated").mkdir()
     for name in ("meta.json", "tokens.bin"):
-        (root / "truncated" / name).write_bytes((prepared[2] / name).read_bytes()[: 10**9 if name == "meta.json" else 100])
+        (root / "truncated" / name).write_bytes(
+            (prepared[2] / name).read_bytes()[: 10**9 if name == "meta.json" else 100]
+        )
     return root
 
 

@@ -10,7 +10,6 @@ from dataclasses import FrozenInstanceError, asdict
 import pytest
 import torch
 import torch.nn.functional as F
-
 from workers import train as train_workers
 from workers.train import MODEL, rank_sequences
 
@@ -20,9 +19,9 @@ from xffl_like.distributed.state import group_backend, resolve_backend
 from xffl_like.job import CONF_DIR, choices, resolve
 from xffl_like.models import LlamaConfig, build_model
 from xffl_like.observe.timing import PhaseTimer
+from xffl_like.schema import DataConfig, JobConfig, check_keys, job_config
 from xffl_like.train.evaluate import eval_points
 from xffl_like.train.optim import OptimConfig, build_optimizer, build_scheduler, decay_groups
-from xffl_like.schema import DataConfig, JobConfig, check_keys, job_config
 from xffl_like.train.step import TrainConfig
 
 ADAMW = {"name": "adamw", "lr": 0.1, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.01}
@@ -68,7 +67,8 @@ def test_schedule_matches_formula(kind, warmup, total):
 def test_decay_groups_by_name(tied):
     model = build_model(LlamaConfig.from_mapping({**MODEL, "tie_embeddings": tied}), seed=0)
     no_decay = {"tok_embeddings.weight", "norm.weight"} | {
-        f"layers.{i}.{n}.weight" for i in range(MODEL["n_layers"]) for n in ("attention_norm", "ffn_norm")}
+        f"layers.{i}.{n}.weight" for i in range(MODEL["n_layers"]) for n in ("attention_norm", "ffn_norm")
+    }
     every = {n for n, _ in model.named_parameters()}
     decay, exempt = decay_groups(model)
     assert set(exempt) == no_decay and set(decay) == every - no_decay
@@ -78,7 +78,9 @@ def test_decay_groups_by_name(tied):
     optimizer = build_optimizer(model, OptimConfig.from_mapping(ADAMW))
     names = {id(p): n for n, p in model.named_parameters()}
     assert [({names[id(p)] for p in g["params"]}, g["weight_decay"]) for g in optimizer.param_groups] == [
-        (every - no_decay, 0.01), (no_decay, 0.0)]
+        (every - no_decay, 0.01),
+        (no_decay, 0.0),
+    ]
     assert isinstance(optimizer, torch.optim.AdamW) and optimizer.defaults["betas"] == (0.9, 0.95)
 
 
@@ -178,18 +180,28 @@ def test_grad_accum_checkpointing_and_chunks_under_hsdp_match_one_big_batch():
     with torch.no_grad():
         own = [float(F.cross_entropy(model(x).flatten(0, 1), y.flatten())) for x, y in seqs]
     reference_opt = torch.optim.AdamW(
-        [{"params": [p for n, p in model.named_parameters() if "norm" not in n and "tok_emb" not in n], "weight_decay": 0.1},
-         {"params": [p for n, p in model.named_parameters() if "norm" in n or "tok_emb" in n], "weight_decay": 0.0}],
-        lr=1e-2, betas=(0.9, 0.95), eps=1e-4)  # eps: see the workers
+        [
+            {
+                "params": [p for n, p in model.named_parameters() if "norm" not in n and "tok_emb" not in n],
+                "weight_decay": 0.1,
+            },
+            {"params": [p for n, p in model.named_parameters() if "norm" in n or "tok_emb" in n], "weight_decay": 0.0},
+        ],
+        lr=1e-2,
+        betas=(0.9, 0.95),
+        eps=1e-4,
+    )  # eps: see the workers
     reference_opt.step()
     for r, report in enumerate(reports):
         assert report["timeout_s"] == 123 and report["backend"] == "gloo"  # distributed.timeout_s applied after init
-        for (accum, batch, ac, chunk), case in zip(CASES, report["cases"]):
+        for (accum, batch, _ac, _chunk), case in zip(CASES, report["cases"]):
             assert case["early_grad"] is False, (r, accum)  # no reduction before the last micro-batch
             assert case["loss"] == pytest.approx(own[r], rel=1e-5)  # this rank's mean over its micro-batches
             for n, p in model.named_parameters():
                 torch.testing.assert_close(case["grads"][n], want[n], rtol=1e-4, atol=1e-6, msg=f"{n} {accum}x{batch}")
-                torch.testing.assert_close(case["params"][n], p.detach(), rtol=1e-5, atol=1e-6, msg=f"{n} {accum}x{batch}")
+                torch.testing.assert_close(
+                    case["params"][n], p.detach(), rtol=1e-5, atol=1e-6, msg=f"{n} {accum}x{batch}"
+                )
 
 
 @pytest.mark.multiprocess
@@ -210,24 +222,27 @@ def test_eval_points():
 
 
 # ----------------------------------------------------------------------------- typed config
-@pytest.mark.parametrize("section, override, needle", [
-    ("optim", {"schedule": "step"}, "optim.schedule='step'"),
-    ("optim", {"min_lr": 0.5}, "optim.min_lr=0.5 exceeds optim.lr=0.1"),
-    ("optim", {"warmup_steps": None}, "optim.warmup_steps=None"),
-    ("optim", {"warmup_steps": 1.5}, "optim.warmup_steps=1.5"),
-    ("optim", {"betas": [0.9]}, "optim.betas=[0.9]"),
-    ("optim", {"betas": [0.9, 1.0]}, "optim.betas=[0.9, 1.0]"),
-    ("optim", {"name": "adam"}, "optim.name='adam'"),
-    ("optim", {"lr": 0}, "optim.lr=0"),
-    ("optim", {"decay_all": "yes"}, "optim.decay_all='yes'"),
-    ("optim", {"weight_decay": None}, "optim.weight_decay=None"),
-    ("train", {"grad_accum": 0}, "train.grad_accum=0"),
-    ("train", {"activation_checkpointing": "foo"}, "train.activation_checkpointing='foo'"),
-    ("train", {"loss_chunk": 0}, "train.loss_chunk=0"),
-    ("train", {"eval_every": -1}, "train.eval_every=-1"),
-    ("train", {"dtype": "float16"}, "train.dtype='float16'"),
-    ("train", {"batch_size": True}, "train.batch_size=True"),
-])
+@pytest.mark.parametrize(
+    "section, override, needle",
+    [
+        ("optim", {"schedule": "step"}, "optim.schedule='step'"),
+        ("optim", {"min_lr": 0.5}, "optim.min_lr=0.5 exceeds optim.lr=0.1"),
+        ("optim", {"warmup_steps": None}, "optim.warmup_steps=None"),
+        ("optim", {"warmup_steps": 1.5}, "optim.warmup_steps=1.5"),
+        ("optim", {"betas": [0.9]}, "optim.betas=[0.9]"),
+        ("optim", {"betas": [0.9, 1.0]}, "optim.betas=[0.9, 1.0]"),
+        ("optim", {"name": "adam"}, "optim.name='adam'"),
+        ("optim", {"lr": 0}, "optim.lr=0"),
+        ("optim", {"decay_all": "yes"}, "optim.decay_all='yes'"),
+        ("optim", {"weight_decay": None}, "optim.weight_decay=None"),
+        ("train", {"grad_accum": 0}, "train.grad_accum=0"),
+        ("train", {"activation_checkpointing": "foo"}, "train.activation_checkpointing='foo'"),
+        ("train", {"loss_chunk": 0}, "train.loss_chunk=0"),
+        ("train", {"eval_every": -1}, "train.eval_every=-1"),
+        ("train", {"dtype": "float16"}, "train.dtype='float16'"),
+        ("train", {"batch_size": True}, "train.batch_size=True"),
+    ],
+)
 def test_typed_config_rejects(section, override, needle):
     base = {"optim": ADAMW, "train": {"steps": 3, "batch_size": 2, "seq_len": 8}}[section]
     cls = {"optim": OptimConfig, "train": TrainConfig}[section]
@@ -244,8 +259,15 @@ def compose(overrides):
         return hydra_compose(config_name="config", overrides=overrides, return_hydra_config=True)
 
 
-@pytest.mark.parametrize("overrides", [["+experiment=llama_fed"], ["+experiment=llama_fed", "optim=sgd"],
-                                       ["data=text", "logger=none", "model=llama3_1_8b"], ["+experiment=llama_hf"]])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["+experiment=llama_fed"],
+        ["+experiment=llama_fed", "optim=sgd"],
+        ["data=text", "logger=none", "model=llama3_1_8b"],
+        ["+experiment=llama_hf"],
+    ],
+)
 def test_schema_accepts_every_shipped_composition(overrides):
     cfg = compose(overrides)
     plain = resolve(cfg)
@@ -269,30 +291,45 @@ def one_line_error(overrides):
     return None
 
 
-@pytest.mark.parametrize("overrides, needle", [
-    (["+no_such_key=1"], "no_such_key is not a config key of the root config"),
-    (["+optim.foo=1"], "optim.foo is not a config key of optim=adamw"),
-    (["+train.deep.key=1"], "train.deep is not a config key of train=default"),
-    (["++logger.colour=red"], "logger.colour is not a config key of logger=wandb"),
-    (["+federation.outer.foo=1"], "federation.outer.foo is not a config key of federation=default"),
-    (["train.nonsense=1"], "train.nonsense is not a config key of train"),
-    (["optim.warmup_steps=null"], "optim.warmup_steps=None: must be an integer, not null (e.g. optim.warmup_steps=0)"),
-    (["optim.betas=[0.9]"], "optim.betas=[0.9]: must be two numbers in [0, 1)"),
-    (["optim.betas=0.9"], "optim.betas=0.9: must be a list of numbers"),
-    (["logger.mode=onlin"], "logger.mode='onlin': use null ($WANDB_MODE, else offline), offline, online or disabled"),
-    (["logger=none", "logger.mode=onlin"], "logger.mode='onlin'"),  # every section's keys are checked, used or not
-    (["data=text", "data.non_iid=3"], "data.non_iid: must be a number in [0, 1], got 3.0"),
-    (["optim.name=adam"], "optim.name='adam': use one of adamw, sgd"),
-    (["train.dtype=fp8"], "train.dtype='fp8': use one of float32, bfloat16"),
-    (["federation.outer.lr=fast"], "federation.outer.lr='fast': must be a number (e.g. federation.outer.lr=1.0)"),
-    (["federation.outer.offload=maybe"], "federation.outer.offload='maybe': must be true or false"),
-    (["federation.outer.betas=[a,b]"], "federation.outer.betas[0]='a': federation.outer.betas must be a list of numbers"),
-    (["federation.outer=3"], "federation.outer=3: must be a mapping of federation.outer.* keys"),
-    (["federation.chunk_size=1.5"], "federation.chunk_size=1.5: must be an integer"),
-    (["checkpoint.async=maybe"], "checkpoint.async='maybe': must be true or false"),
-    (["seed=x"], "seed='x': must be an integer (e.g. seed=0)"),
-    (["model=no_such_model"], "model=no_such_model: no such option (conf/model/no_such_model.yaml); available: hf,"),
-])
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        (["+no_such_key=1"], "no_such_key is not a config key of the root config"),
+        (["+optim.foo=1"], "optim.foo is not a config key of optim=adamw"),
+        (["+train.deep.key=1"], "train.deep is not a config key of train=default"),
+        (["++logger.colour=red"], "logger.colour is not a config key of logger=wandb"),
+        (["+federation.outer.foo=1"], "federation.outer.foo is not a config key of federation=default"),
+        (["train.nonsense=1"], "train.nonsense is not a config key of train"),
+        (
+            ["optim.warmup_steps=null"],
+            "optim.warmup_steps=None: must be an integer, not null (e.g. optim.warmup_steps=0)",
+        ),
+        (["optim.betas=[0.9]"], "optim.betas=[0.9]: must be two numbers in [0, 1)"),
+        (["optim.betas=0.9"], "optim.betas=0.9: must be a list of numbers"),
+        (
+            ["logger.mode=onlin"],
+            "logger.mode='onlin': use null ($WANDB_MODE, else offline), offline, online or disabled",
+        ),
+        (["logger=none", "logger.mode=onlin"], "logger.mode='onlin'"),  # every section's keys are checked, used or not
+        (["data=text", "data.non_iid=3"], "data.non_iid: must be a number in [0, 1], got 3.0"),
+        (["optim.name=adam"], "optim.name='adam': use one of adamw, sgd"),
+        (["train.dtype=fp8"], "train.dtype='fp8': use one of float32, bfloat16"),
+        (["federation.outer.lr=fast"], "federation.outer.lr='fast': must be a number (e.g. federation.outer.lr=1.0)"),
+        (["federation.outer.offload=maybe"], "federation.outer.offload='maybe': must be true or false"),
+        (
+            ["federation.outer.betas=[a,b]"],
+            "federation.outer.betas[0]='a': federation.outer.betas must be a list of numbers",
+        ),
+        (["federation.outer=3"], "federation.outer=3: must be a mapping of federation.outer.* keys"),
+        (["federation.chunk_size=1.5"], "federation.chunk_size=1.5: must be an integer"),
+        (["checkpoint.async=maybe"], "checkpoint.async='maybe': must be true or false"),
+        (["seed=x"], "seed='x': must be an integer (e.g. seed=0)"),
+        (
+            ["model=no_such_model"],
+            "model=no_such_model: no such option (conf/model/no_such_model.yaml); available: hf,",
+        ),
+    ],
+)
 def test_bad_keys_and_types_fail_with_one_line(overrides, needle):
     line = one_line_error(overrides)
     assert line is not None and needle in line and "\n" not in line, line
@@ -308,8 +345,10 @@ def test_a_preset_file_with_a_bad_key_or_type_is_named(tmp_path):
         with pytest.raises(Exception) as info:
             compose([f"hydra.searchpath=[file://{tmp_path}]", f"+experiment={name}"])
         lines.append(compose_error(info.value))
-    assert lines[0] == ("conf/experiment/typo.yaml sets train.stepz, which is not a config key: check the spelling "
-                        "(xffl_like/schema.py)")
+    assert lines[0] == (
+        "conf/experiment/typo.yaml sets train.stepz, which is not a config key: check the spelling "
+        "(xffl_like/schema.py)"
+    )
     assert lines[1].startswith("conf/experiment/warmup.yaml sets optim.warmup_steps: ") and "\n" not in lines[1]
 
 
@@ -327,7 +366,9 @@ def test_workers_receive_the_typed_config(monkeypatch, tmp_path):
     cfg = compose(["+experiment=llama_fed", "optim=sgd", "federation=diloco", "federation.weights=[1,3]"])
     job_module.run_local(cfg, tmp_path / "run")
     job = sent["args"][0]
-    assert type(job) is JobConfig and type(job.data) is DataConfig and type(job.federation.outer).__name__ == "OuterConfig"
+    assert (
+        type(job) is JobConfig and type(job.data) is DataConfig and type(job.federation.outer).__name__ == "OuterConfig"
+    )
     with pytest.raises(FrozenInstanceError):
         job.federation.every = 3
     assert pickle.loads(pickle.dumps(job)) == job
@@ -348,7 +389,9 @@ def test_backend_strings_and_exchange_on_nccl():
     check_collective("exchange", "gloo")
     check_collective("all_reduce", "nccl")
     check_collective(None, "nccl")
-    with pytest.raises(ValueError, match=r"bench.collective=exchange is for gloo; on nccl use bench.collective=all_reduce"):
+    with pytest.raises(
+        ValueError, match=r"bench.collective=exchange is for gloo; on nccl use bench.collective=all_reduce"
+    ):
         check_collective("exchange", "nccl", "bench.collective")
 
 

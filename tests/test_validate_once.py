@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
 import xffl_like.checkpoint.resume as resume
 import xffl_like.config as config
 import xffl_like.federation.elastic as elastic
@@ -18,11 +16,21 @@ from xffl_like.schema import JobConfig, job_config
 
 # (module, function name) of every section's validator that validate_config reaches.
 VALIDATORS = [
-    (config, "validate_distributed"), (config, "validate_train"), (config, "validate_optim"),
-    (config, "validate_logger"), (config, "validate_export"), (config, "resolve_model"),
-    (config, "plan_layout"), (parallel_options, "validate_parallel"), (fed_options, "validate_federation"),
-    (fed_options, "validate_outer"), (resume, "validate_durability"), (fed_options, "validate_pace"),
-    (pace, "check_pace_job"), (config, "_check_slow_fault"), (elastic, "validate_elastic"),
+    (config, "validate_distributed"),
+    (config, "validate_train"),
+    (config, "validate_optim"),
+    (config, "validate_logger"),
+    (config, "validate_export"),
+    (config, "resolve_model"),
+    (config, "plan_layout"),
+    (parallel_options, "validate_parallel"),
+    (fed_options, "validate_federation"),
+    (fed_options, "validate_outer"),
+    (resume, "validate_durability"),
+    (fed_options, "validate_pace"),
+    (pace, "check_pace_job"),
+    (config, "_check_slow_fault"),
+    (elastic, "validate_elastic"),
 ]
 
 
@@ -30,8 +38,9 @@ def test_every_section_validator_runs_exactly_once(monkeypatch):
     from hydra import compose, initialize_config_dir
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        composed = compose(config_name="config", overrides=["+experiment=llama_fed", "logger=none"],
-                           return_hydra_config=True)
+        composed = compose(
+            config_name="config", overrides=["+experiment=llama_fed", "logger=none"], return_hydra_config=True
+        )
     job = job_config(resolve(composed), choices(composed))
     calls: dict[str, int] = {}
 
@@ -39,14 +48,15 @@ def test_every_section_validator_runs_exactly_once(monkeypatch):
         def wrapper(*args, **kwargs):
             calls[name] = calls.get(name, 0) + 1
             return fn(*args, **kwargs)
+
         return wrapper
 
     for module, name in VALIDATORS:
         monkeypatch.setattr(module, name, counted(name, getattr(module, name)))
     # validate_config imports these by name at call time from their packages: wrap those bindings too.
-    import xffl_like.federation as federation
     import xffl_like.aggregation as aggregation
     import xffl_like.data as data
+    import xffl_like.federation as federation
 
     monkeypatch.setattr(federation, "validate_federation", fed_options.validate_federation)
     for module, name in ((aggregation, "validate_strategy_options"), (data, "validate_data")):
@@ -63,9 +73,15 @@ def test_the_federation_section_is_planned_once_with_a_schedule(monkeypatch):
     from hydra import compose, initialize_config_dir
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        composed = compose(config_name="config", overrides=[
-            "+experiment=llama_fed", "logger=none",
-            "federation.schedule=[{until_step:4,algorithm:synchronous},{until_step:null}]"], return_hydra_config=True)
+        composed = compose(
+            config_name="config",
+            overrides=[
+                "+experiment=llama_fed",
+                "logger=none",
+                "federation.schedule=[{until_step:4,algorithm:synchronous},{until_step:null}]",
+            ],
+            return_hydra_config=True,
+        )
     job = job_config(resolve(composed), choices(composed))
     calls = []
     original = fed_options.validate_federation

@@ -10,14 +10,15 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from helpers import REPO as ROOT
 
 from xffl_like.distributed.slurm import SlurmOptions, main, render
 
-from helpers import REPO as ROOT
 
 def test_render_two_facilities():
-    scripts = render([2, 1], SlurmOptions(gpus_per_node=4, partition="gpu", time="00:30:00",
-                                          overrides=("+experiment=llama_fed",)))
+    scripts = render(
+        [2, 1], SlurmOptions(gpus_per_node=4, partition="gpu", time="00:30:00", overrides=("+experiment=llama_fed",))
+    )
     assert [s.filename for s in scripts] == ["xffl-f0.sbatch", "xffl-f1.sbatch"]
     f0, f1 = (s.text for s in scripts)
     for text in (f0, f1):
@@ -88,8 +89,13 @@ def _run_script(tmp_path: Path, text: str, nnodes: int, endpoint: str | None = N
     script = out / "job.sbatch"
     script.write_text(text)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "XFFL_"))}
-    env.update(PATH=f"{_fake_bin(tmp_path)}:{os.environ['PATH']}", SLURM_NNODES=str(nnodes),
-               SLURM_JOB_NODELIST="node-[a-b]", SLURM_JOB_ID="123", FAKE_OUT=str(out))
+    env.update(
+        PATH=f"{_fake_bin(tmp_path)}:{os.environ['PATH']}",
+        SLURM_NNODES=str(nnodes),
+        SLURM_JOB_NODELIST="node-[a-b]",
+        SLURM_JOB_ID="123",
+        FAKE_OUT=str(out),
+    )
     if endpoint:
         env["XFFL_RDZV_ENDPOINT"] = endpoint
     proc = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, cwd=out, timeout=30)
@@ -107,7 +113,13 @@ def test_scripts_start_one_torchrun_per_node_with_contiguous_node_ranks(tmp_path
     assert [next(a for a in c if a.startswith("--node-rank=")) for c in calls] == ["--node-rank=0", "--node-rank=1"]
     for call in calls:
         assert "--rdzv-endpoint=node-a:29500" in call and "--nnodes=3" in call
-        assert call[call.index("-m"):] == ["-m", "xffl_like.run", "distributed.federated=[8,4]", "+experiment=llama_fed", tricky]
+        assert call[call.index("-m") :] == [
+            "-m",
+            "xffl_like.run",
+            "distributed.federated=[8,4]",
+            "+experiment=llama_fed",
+            tricky,
+        ]
 
     proc, calls = _run_script(tmp_path, f1.text, nnodes=1)
     assert proc.returncode != 0 and "set XFFL_RDZV_ENDPOINT" in proc.stderr and not calls
@@ -118,26 +130,39 @@ def test_scripts_start_one_torchrun_per_node_with_contiguous_node_ranks(tmp_path
 
 @pytest.mark.cli
 def test_cli_runs_as_module():
-    proc = subprocess.run([sys.executable, "-m", "xffl_like.distributed.slurm", "--nodes", "1", "--gpus-per-node", "2",
-                           "--dry-run"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "xffl_like.distributed.slurm", "--nodes", "1", "--gpus-per-node", "2", "--dry-run"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "'distributed.federated=[2]'" in proc.stdout
 
 
 def test_elastic_scripts_are_independent_jobs():
     """--lighthouse: one script per facility, each its own rendezvous and job, leaving at walltime (USR1)."""
-    f0, f1 = render([2, 1], SlurmOptions(gpus_per_node=4, time="02:00:00", lighthouse="login1:29510",
-                                         overrides=("+experiment=llama_fed",)))
+    f0, f1 = render(
+        [2, 1],
+        SlurmOptions(gpus_per_node=4, time="02:00:00", lighthouse="login1:29510", overrides=("+experiment=llama_fed",)),
+    )
     assert (f0.filename, f1.filename) == ("xffl-f0.sbatch", "xffl-f1.sbatch")
     for script, name, nodes in ((f0, "xffl-f0", 2), (f1, "xffl-f1", 1)):
         lines = script.text.splitlines()
-        for want in (f"#SBATCH --job-name={name}", f"#SBATCH --nodes={nodes}", "#SBATCH --ntasks-per-node=4",
-                     "#SBATCH --gpus-per-node=4", "#SBATCH --signal=USR1@120", "#SBATCH --time=02:00:00",
-                     "#   nohup python -m xffl_like.lighthouse --port 29510 > lighthouse.log 2>&1 &",
-                     'export MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)"',
-                     "srun --kill-on-bad-exit=1 python -m xffl_like.run distributed.federated=null "
-                     f"federation.elastic.lighthouse=login1:29510 federation.elastic.facility={name} "
-                     "+experiment=llama_fed"):
+        for want in (
+            f"#SBATCH --job-name={name}",
+            f"#SBATCH --nodes={nodes}",
+            "#SBATCH --ntasks-per-node=4",
+            "#SBATCH --gpus-per-node=4",
+            "#SBATCH --signal=USR1@120",
+            "#SBATCH --time=02:00:00",
+            "#   nohup python -m xffl_like.lighthouse --port 29510 > lighthouse.log 2>&1 &",
+            'export MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)"',
+            "srun --kill-on-bad-exit=1 python -m xffl_like.run distributed.federated=null "
+            f"federation.elastic.lighthouse=login1:29510 federation.elastic.facility={name} "
+            "+experiment=llama_fed",
+        ):
             assert want in lines, (want, script.text)
         assert "XFFL_RDZV_ENDPOINT" not in script.text and "torchrun" not in script.text  # nothing shared
     with pytest.raises(ValueError, match="leave them out"):

@@ -34,8 +34,13 @@ def not_regular(path: str | os.PathLike) -> str | None:
         return None
     except OSError as exc:
         return f"unreadable: {exc.strerror or exc}"
-    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-             (stat.S_ISFIFO, "a named pipe"), (stat.S_ISSOCK, "a socket"))
+    kinds = (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISFIFO, "a named pipe"),
+        (stat.S_ISSOCK, "a socket"),
+    )
     for test, kind in kinds:
         if test(mode):
             return kind

@@ -11,17 +11,37 @@ report into one such sentence.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from .checks import is_int, is_number
 from .distributed.layout import Layout, plan_layout
-from .schema import (DistributedConfig, ExportConfig, FederationConfig, JobConfig, LoggerConfig, ModelConfig,
-                     OptimConfig, TrainConfig, as_plain, job_config)
+from .schema import (
+    DistributedConfig,
+    ExportConfig,
+    FederationConfig,
+    JobConfig,
+    LoggerConfig,
+    ModelConfig,
+    OptimConfig,
+    TrainConfig,
+    as_plain,
+    job_config,
+)
 
-__all__ = ["ConfigError", "compose_error", "resolve_model", "validate_config", "validate_distributed",
-           "validate_export", "validate_logger", "validate_optim", "validate_train"]
+__all__ = [
+    "ConfigError",
+    "compose_error",
+    "resolve_model",
+    "validate_config",
+    "validate_distributed",
+    "validate_export",
+    "validate_logger",
+    "validate_optim",
+    "validate_train",
+]
 
 
 class ConfigError(ValueError):
@@ -37,9 +57,9 @@ def _describe(hint: Any) -> str:
         return f"{_describe(args[0] if len(args) == 1 else typing.Union[tuple(args)])} or null"
     if typing.get_origin(hint) is typing.Union:
         return "a number"  # Union[int, float]
-    if typing.get_origin(hint) in (list, typing.List):
+    if typing.get_origin(hint) in (list, list):
         return f"a list of {_describe(args[0]).split(' ', 1)[1]}s" if args else "a list"
-    if typing.get_origin(hint) in (dict, typing.Dict):
+    if typing.get_origin(hint) in (dict, dict):
         return "a mapping"
     words = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
     return words.get(hint, "a value")
@@ -64,8 +84,10 @@ def _quoting_hint(exc: BaseException) -> str:
     override = str(getattr(exc, "override", "") or "")
     key, eq, value = override.partition("=")
     if not eq:  # the shell split a value with spaces: its tail arrived as an override of its own
-        return (f"{override!r} is not key=value: a value with spaces was split by the shell; quote the whole "
-                f"argument and the value, e.g. \"data.path='my file.txt'\"; ")
+        return (
+            f"{override!r} is not key=value: a value with spaces was split by the shell; quote the whole "
+            f"argument and the value, e.g. \"data.path='my file.txt'\"; "
+        )
     value = value.strip().strip("'\"")
     return f"quote the value for Hydra and the argument for the shell: \"{key.strip()}='{value}'\"; "
 
@@ -86,10 +108,15 @@ def compose_error(exc: BaseException) -> str | None:
         return extra
     if isinstance(exc, MissingConfigException) and exc.options is not None and exc.missing_cfg_file:
         group, _, option = exc.missing_cfg_file.rpartition("/")
-        return (f"{group.replace('/', '.')}={option}: no such option (conf/{exc.missing_cfg_file}.yaml); "
-                f"available: {', '.join(exc.options)}")
+        return (
+            f"{group.replace('/', '.')}={option}: no such option (conf/{exc.missing_cfg_file}.yaml); "
+            f"available: {', '.join(exc.options)}"
+        )
     if isinstance(exc, OverrideParseException):
-        return f"cannot parse an override ({str(exc).splitlines()[0]}): {_quoting_hint(exc)}see `python -m xffl_like.run --help`"
+        return (
+            f"cannot parse an override ({str(exc).splitlines()[0]}): "
+            f"{_quoting_hint(exc)}see `python -m xffl_like.run --help`"
+        )
     cause = exc if isinstance(exc, OmegaConfBaseException) else exc.__cause__
     if isinstance(cause, (ConfigAttributeError, ConfigKeyError)) and cause.full_key:
         return unknown_key_message(cause.full_key)
@@ -121,8 +148,9 @@ def compose_error(exc: BaseException) -> str | None:
         return resolver[1]
     if isinstance(exc, HydraException) or isinstance(cause, OmegaConfBaseException):
         lines = [line.strip() for text in (str(exc), str(cause or "")) for line in text.splitlines()]
-        return "; ".join(line for line in lines if line and not line.startswith(("full_key", "object_type",
-                                                                                  "reference_type")))
+        return "; ".join(
+            line for line in lines if line and not line.startswith(("full_key", "object_type", "reference_type"))
+        )
     return None
 
 
@@ -131,7 +159,9 @@ def _missing_launcher_extra(exc: BaseException) -> str | None:
     (``hydra_plugins/xffl_like_launcher``) are registered only when hydra-submitit-launcher imports."""
     import importlib.util
 
-    found = re.search(r"In 'hydra/launcher/([^']+)': Could not (?:load|find) 'hydra/launcher/xffl_\w+_schema'", str(exc))
+    found = re.search(
+        r"In 'hydra/launcher/([^']+)': Could not (?:load|find) 'hydra/launcher/xffl_\w+_schema'", str(exc)
+    )
     if not found:
         return None
     try:
@@ -139,10 +169,14 @@ def _missing_launcher_extra(exc: BaseException) -> str | None:
     except (ImportError, ValueError):
         plugin = False
     if plugin:  # the extra is there, xffl_like's own launchers are not: an install of xffl_like without them
-        return (f"hydra/launcher={found[1]}: hydra_plugins.xffl_like_launcher is not importable; reinstall xffl_like "
-                f"(pip install -c constraints.txt -e '.[slurm]')")
-    return (f"hydra/launcher={found[1]} needs the slurm extra (hydra-submitit-launcher): "
-            f"pip install -c constraints.txt -e '.[slurm]'")
+        return (
+            f"hydra/launcher={found[1]}: hydra_plugins.xffl_like_launcher is not importable; reinstall xffl_like "
+            f"(pip install -c constraints.txt -e '.[slurm]')"
+        )
+    return (
+        f"hydra/launcher={found[1]} needs the slurm extra (hydra-submitit-launcher): "
+        f"pip install -c constraints.txt -e '.[slurm]'"
+    )
 
 
 def _positive_int(value: Any, dotted: str) -> int:
@@ -169,8 +203,10 @@ def validate_distributed(cfg: DistributedConfig, local_world_size: int | None = 
     _positive_int(cfg.nproc_per_node, "distributed.nproc_per_node")
     _positive_int(cfg.timeout_s, "distributed.timeout_s")
     if cfg.timeout_s > MAX_TIMEOUT_S:
-        raise ConfigError(f"distributed.timeout_s={cfg.timeout_s}: at most {MAX_TIMEOUT_S} (a week); "
-                          f"use e.g. distributed.timeout_s=1800")
+        raise ConfigError(
+            f"distributed.timeout_s={cfg.timeout_s}: at most {MAX_TIMEOUT_S} (a week); "
+            f"use e.g. distributed.timeout_s=1800"
+        )
     if cfg.backend not in ("auto", "gloo", "nccl"):
         raise ConfigError(f"distributed.backend={cfg.backend!r}: use auto, gloo or nccl")
     if cfg.backend == "nccl":
@@ -179,11 +215,15 @@ def validate_distributed(cfg: DistributedConfig, local_world_size: int | None = 
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         local = local_world_size if local_world_size is not None else cfg.nproc_per_node
         if gpus == 0:
-            raise ConfigError("distributed.backend=nccl needs CUDA GPUs, and torch sees none on this machine: "
-                              "use distributed.backend=auto (gloo on CPU)")
+            raise ConfigError(
+                "distributed.backend=nccl needs CUDA GPUs, and torch sees none on this machine: "
+                "use distributed.backend=auto (gloo on CPU)"
+            )
         if gpus < local:
-            raise ConfigError(f"distributed.backend=nccl needs one GPU per process: {local} processes on this node, "
-                              f"{gpus} GPU(s): lower distributed.nproc_per_node to {gpus} or use distributed.backend=gloo")
+            raise ConfigError(
+                f"distributed.backend=nccl needs one GPU per process: {local} processes on this node, "
+                f"{gpus} GPU(s): lower distributed.nproc_per_node to {gpus} or use distributed.backend=gloo"
+            )
 
 
 def validate_train(cfg: TrainConfig) -> TrainConfig:
@@ -208,7 +248,9 @@ def validate_logger(cfg: LoggerConfig) -> None:
     if cfg.name not in LOGGERS:
         raise ConfigError(f"logger.name={cfg.name!r}: use one of {', '.join(LOGGERS)} (e.g. logger=none)")
     if cfg.mode not in _WANDB_MODES:
-        raise ConfigError(f"logger.mode={cfg.mode!r}: use null ($WANDB_MODE, else offline), offline, online or disabled")
+        raise ConfigError(
+            f"logger.mode={cfg.mode!r}: use null ($WANDB_MODE, else offline), offline, online or disabled"
+        )
     for key in ("project", "entity", "group"):
         value = getattr(cfg, key)
         if value is not None and not isinstance(value, str):
@@ -245,8 +287,10 @@ def resolve_model(cfg: ModelConfig, base_dir: Path) -> ModelConfig:
     default = ModelConfig()
     given = [f"model.{k}={_override(getattr(cfg, k))}" for k in shape if getattr(cfg, k) != getattr(default, k)]
     if given:
-        raise ConfigError(f"{', '.join(given)} set together with model.path={cfg.path}: the shape keys come from its "
-                          f"config.json; drop {'them' if len(given) > 1 else 'it'} (model=hf leaves them unset)")
+        raise ConfigError(
+            f"{', '.join(given)} set together with model.path={cfg.path}: the shape keys come from its "
+            f"config.json; drop {'them' if len(given) > 1 else 'it'} (model=hf leaves them unset)"
+        )
     cfg = replace(cfg, **shape, path=str(path))
     check_hf_weights(path, LlamaConfig.from_model(cfg))
     return cfg
@@ -257,16 +301,22 @@ def _check_slow_fault(job: JobConfig, layout) -> None:
     """``fault.slow_facility`` / ``slow_factor`` against the layout (a facility of this job, a factor >= 1)."""
     fault = job.fault
     if not is_number(fault.slow_factor) or not 1.0 <= fault.slow_factor <= 1000.0:
-        raise ValueError(f"fault.slow_factor={fault.slow_factor!r}: must be a number in [1, 1000] (how many times as "
-                         f"long the slow facility's steps take, e.g. fault.slow_factor=2.0)")
+        raise ValueError(
+            f"fault.slow_factor={fault.slow_factor!r}: must be a number in [1, 1000] (how many times as "
+            f"long the slow facility's steps take, e.g. fault.slow_factor=2.0)"
+        )
     if fault.slow_facility is None:
         if fault.slow_factor != 1.0:
-            raise ValueError(f"fault.slow_factor={fault.slow_factor} slows no facility: set fault.slow_facility too "
-                             f"(e.g. fault.slow_facility=1)")
+            raise ValueError(
+                f"fault.slow_factor={fault.slow_factor} slows no facility: set fault.slow_facility too "
+                f"(e.g. fault.slow_facility=1)"
+            )
         return
     if not is_int(fault.slow_facility) or not 0 <= fault.slow_facility < layout.num_facilities:
-        raise ValueError(f"fault.slow_facility={fault.slow_facility!r}: must be a facility of this job, 0.."
-                         f"{layout.num_facilities - 1}")
+        raise ValueError(
+            f"fault.slow_facility={fault.slow_facility!r}: must be a facility of this job, 0.."
+            f"{layout.num_facilities - 1}"
+        )
 
 
 #: The RoPE cos/sin tables are built whole on every rank (``max_seq_len x head_dim/2`` each, fp32): 1 GiB
@@ -285,67 +335,96 @@ def _check_parallel_job(job: JobConfig, world_size: int) -> JobConfig:
         return job
     dcfg, tcfg, fed = job.distributed, job.train, job.federation
     if dcfg.hsdp not in (None, 1):
-        raise ValueError(f"distributed.hsdp={dcfg.hsdp!r} shards the model, but parallel={mode} keeps a full copy on "
-                         f"every rank: drop distributed.hsdp (null) or use parallel=fsdp")
+        raise ValueError(
+            f"distributed.hsdp={dcfg.hsdp!r} shards the model, but parallel={mode} keeps a full copy on "
+            f"every rank: drop distributed.hsdp (null) or use parallel=fsdp"
+        )
     for key in ("algorithm", "topology", "compression", "weights", "error_feedback", "on_nonfinite"):
         value, default = getattr(fed, key), getattr(FederationConfig(), key)
         if value != default:
-            raise ValueError(f"federation.{key}={value!r} does not apply to parallel={mode} (the copies are kept in "
-                             f"step by the {mode} algorithm, no federation rounds): drop it or use parallel=fsdp")
+            raise ValueError(
+                f"federation.{key}={value!r} does not apply to parallel={mode} (the copies are kept in "
+                f"step by the {mode} algorithm, no federation rounds): drop it or use parallel=fsdp"
+            )
     if fed.outer.name != "average" or fed.outer.lr != 1.0:
-        raise ValueError(f"federation.outer (name={fed.outer.name!r}, lr={fed.outer.lr!r}) does not apply to "
-                         f"parallel={mode} (no federation rounds): use federation=default or parallel=fsdp")
+        raise ValueError(
+            f"federation.outer (name={fed.outer.name!r}, lr={fed.outer.lr!r}) does not apply to "
+            f"parallel={mode} (no federation rounds): use federation=default or parallel=fsdp"
+        )
     if tcfg.dtype != "float32":  # a full copy per rank, no FSDP mixed-precision policy: nothing would compute in bf16
-        raise ValueError(f"train.dtype={tcfg.dtype} with parallel={mode}: the full copies train in float32 (no "
-                         f"mixed precision there); use train.dtype=float32, or parallel=fsdp for bfloat16")
+        raise ValueError(
+            f"train.dtype={tcfg.dtype} with parallel={mode}: the full copies train in float32 (no "
+            f"mixed precision there); use train.dtype=float32, or parallel=fsdp for bfloat16"
+        )
     # Checkpoints would need every rank's own copy (DCP keeps one copy of replicated tensors).
     if job.resume is not None:
-        raise ValueError(f"resume={job.resume!r}: parallel={mode} writes no checkpoints and cannot resume; "
-                         f"use parallel=fsdp to resume")
+        raise ValueError(
+            f"resume={job.resume!r}: parallel={mode} writes no checkpoints and cannot resume; "
+            f"use parallel=fsdp to resume"
+        )
     if job.checkpoint.dir is not None:
         raise ValueError(f"checkpoint.dir={job.checkpoint.dir!r}: parallel={mode} writes no checkpoints; drop it")
     if dcfg.max_restarts:
-        raise ValueError(f"distributed.max_restarts={dcfg.max_restarts}: restarts resume from a checkpoint, and "
-                         f"parallel={mode} writes none; use 0")
+        raise ValueError(
+            f"distributed.max_restarts={dcfg.max_restarts}: restarts resume from a checkpoint, and "
+            f"parallel={mode} writes none; use 0"
+        )
     if job.fault.nan_rank is not None:
-        raise ValueError(f"fault.nan_rank: the non-finite guard protects federation rounds, which parallel={mode} "
-                         f"does not have; drop it")
+        raise ValueError(
+            f"fault.nan_rank: the non-finite guard protects federation rounds, which parallel={mode} "
+            f"does not have; drop it"
+        )
     facilities = plan_layout(world_size, dcfg.federated, 1).facility_sizes  # an impossible layout: its line
     if mode == "decentralized":
         if tcfg.steps == 1:
-            raise ValueError("train.steps=1: parallel=decentralized applies a step's update in the next step's backward "
-                             "pass (Decent-DP), so one step never updates; use train.steps >= 2")
+            raise ValueError(
+                "train.steps=1: parallel=decentralized applies a step's update in the next step's backward "
+                "pass (Decent-DP), so one step never updates; use train.steps >= 2"
+            )
         if pcfg.topology == "alternating-exp-ring" and len(set(facilities)) > 1:
-            raise ValueError(f"parallel.topology=alternating-exp-ring needs facilities (its nodes) of equal size, got "
-                             f"{list(facilities)}: use equal distributed.federated or another topology")
+            raise ValueError(
+                f"parallel.topology=alternating-exp-ring needs facilities (its nodes) of equal size, got "
+                f"{list(facilities)}: use equal distributed.federated or another topology"
+            )
         try:
             P.topology_edges(pcfg.topology, world_size, facilities[0])
         except ValueError as exc:  # impossible sizes: the topology's own line, with the key
             raise ValueError(f"parallel.topology={pcfg.topology}: {exc}") from None
         if pcfg.optimizer.startswith("accum_") or pcfg.optimizer in ("adam", "adamw"):
             if job.optim.name != "adamw":
-                raise ValueError(f"parallel.optimizer={pcfg.optimizer} takes lr, betas, eps and weight_decay from "
-                                 f"optim=adamw, got optim={job.optim.name}: select optim=adamw")
+                raise ValueError(
+                    f"parallel.optimizer={pcfg.optimizer} takes lr, betas, eps and weight_decay from "
+                    f"optim=adamw, got optim={job.optim.name}: select optim=adamw"
+                )
     else:
         if tcfg.grad_accum != 1:
-            raise ValueError(f"train.grad_accum={tcfg.grad_accum}: parallel=bagua synchronises every backward pass "
-                             f"(Bagua has no gradient accumulation); use train.grad_accum=1")
+            raise ValueError(
+                f"train.grad_accum={tcfg.grad_accum}: parallel=bagua synchronises every backward pass "
+                f"(Bagua has no gradient accumulation); use train.grad_accum=1"
+            )
         for at, name, options in pcfg.algorithms():
             where = "parallel." if at == 0 else f"parallel.switch (at_step={at}): "
             if at >= tcfg.steps and at > 0:
-                raise ValueError(f"{where}at_step={at} is not before the last step (train.steps={tcfg.steps}): "
-                                 f"switch earlier or drop it")
+                raise ValueError(
+                    f"{where}at_step={at} is not before the last step (train.steps={tcfg.steps}): "
+                    f"switch earlier or drop it"
+                )
             algo = DP_ALGORITHMS[name](**options)
             members = len(facilities) if algo.hierarchical else world_size
             if name == "decentralized" and algo.peer_selection_mode == "shift_one" and members > 1 and members % 2:
                 what = "facilities (hierarchical: the nodes)" if algo.hierarchical else "processes"
-                raise ValueError(f"{where}decentralized with peer_selection_mode=shift_one needs an even number of "
-                                 f"{what}, got {members}: use peer_selection_mode=all or change the layout")
+                raise ValueError(
+                    f"{where}decentralized with peer_selection_mode=shift_one needs an even number of "
+                    f"{what}, got {members}: use peer_selection_mode=all or change the layout"
+                )
     return replace(job, distributed=replace(dcfg, hsdp=1))
 
 
 def validate_config(
-    job: JobConfig | Mapping[str, Any], world_size: int, local_world_size: int | None, base_dir: Path,
+    job: JobConfig | Mapping[str, Any],
+    world_size: int,
+    local_world_size: int | None,
+    base_dir: Path,
     choices: Mapping[str, Any] | None = None,
 ) -> tuple[JobConfig, Layout]:
     """Check ``job`` (built once by :func:`.schema.job_config`) for a job of ``world_size`` processes:
@@ -386,8 +465,10 @@ def validate_config(
         steps = min(facility_steps(job.federation, f, job.train.steps) for f in range(layout.num_facilities))
         warmup, which = job.optim.warmup_steps, "train.steps" if steps == job.train.steps else "its fewest steps"
         if steps > 0 and warmup > steps:  # the peak lr would never be reached (steps=0: nothing runs)
-            raise ConfigError(f"optim.warmup_steps={warmup} exceeds {which}={steps}: the learning rate would never "
-                              f"reach optim.lr; use optim.warmup_steps<={steps}")
+            raise ConfigError(
+                f"optim.warmup_steps={warmup} exceeds {which}={steps}: the learning rate would never "
+                f"reach optim.lr; use optim.warmup_steps<={steps}"
+            )
         validate_elastic(job, layout)
         validate_durability(job, world_size)
         validate_export(job.export)
@@ -410,9 +491,11 @@ def validate_config(
     rope_bytes = model_cfg.max_seq_len * model_cfg.head_dim * 4  # cos and sin tables, fp32, on every rank
     if rope_bytes > MAX_ROPE_BYTES:
         most = MAX_ROPE_BYTES // (model_cfg.head_dim * 4)
-        raise ConfigError(f"model.max_seq_len={model_cfg.max_seq_len}: its RoPE tables would take "
-                          f"{rope_bytes / 2**30:.1f} GiB on every rank; at most {most} positions for head_dim="
-                          f"{model_cfg.head_dim} (use model.max_seq_len<={most})")
+        raise ConfigError(
+            f"model.max_seq_len={model_cfg.max_seq_len}: its RoPE tables would take "
+            f"{rope_bytes / 2**30:.1f} GiB on every rank; at most {most} positions for head_dim="
+            f"{model_cfg.head_dim} (use model.max_seq_len<={most})"
+        )
     if train.seq_len > model_cfg.max_seq_len:
         raise ConfigError(
             f"train.seq_len={train.seq_len} exceeds model.max_seq_len={model_cfg.max_seq_len}: "
@@ -422,8 +505,7 @@ def validate_config(
         data = job.data
         if data.tokenizer not in (None, "byte"):  # workers and the export read it wherever they run
             data = replace(data, tokenizer=str(tokenizer_path(data.tokenizer, base_dir)))
-        num_tokens = validate_data(data, vocab_size=model_cfg.vocab_size, seq_len=train.seq_len,
-                                   base_dir=str(base_dir))
+        num_tokens = validate_data(data, vocab_size=model_cfg.vocab_size, seq_len=train.seq_len, base_dir=str(base_dir))
         if num_tokens is not None:
             check_layout_fits(num_tokens, data, layout, batch_size=train.batch_size, seq_len=train.seq_len)
         if data.path is not None:

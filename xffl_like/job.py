@@ -11,8 +11,8 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -58,27 +58,36 @@ def interrupted_line(info: dict, launcher: str = "python") -> str:
     head = f"interrupted at step {info['step']} of {info['steps']} ({info['signal']})"
     run_dir = Path(info["run_dir"])
     if info.get("left"):  # an elastic facility: it rejoins the federation from its checkpoint
-        return (f"{info['left']} at step {info['step']} of {info['steps']} ({info['signal']}): checkpoint saved to "
-                f"{info['checkpoint']}; rejoin with: {_again(run_dir, True, launcher)}")
+        return (
+            f"{info['left']} at step {info['step']} of {info['steps']} ({info['signal']}): checkpoint saved to "
+            f"{info['checkpoint']}; rejoin with: {_again(run_dir, True, launcher)}"
+        )
     if info.get("checkpoint"):
         return f"{head}: checkpoint saved to {info['checkpoint']}; resume with: {_again(run_dir, True, launcher)}"
     if info.get("last_checkpoint"):
-        return (f"{head}: no checkpoint at this step (the next round boundary was more than a few seconds away); "
-                f"last complete checkpoint: {info['last_checkpoint']}; resume with: {_again(run_dir, True, launcher)}")
+        return (
+            f"{head}: no checkpoint at this step (the next round boundary was more than a few seconds away); "
+            f"last complete checkpoint: {info['last_checkpoint']}; resume with: {_again(run_dir, True, launcher)}"
+        )
     return f"{head}: no checkpoint was written; start again with: {_again(run_dir, False, launcher)}"
 
 
 def _abort(job: JobConfig, run_dir: Path) -> Callable[[int], None]:
     """What the launcher does on a second SIGINT/SIGTERM, once the workers are killed: remove the
     temporaries of a checkpoint being written and say what is left, in one line."""
+
     def abort(signum: int) -> None:
         from .checkpoint import checkpoint_dir
         from .checkpoint.store import remove_stale
         from .distributed.signals import signal_name
 
         remove_stale(checkpoint_dir(job.checkpoint, run_dir))
-        print(f"interrupted again ({signal_name(signum)}): stopped at once{_last_checkpoint(job, run_dir)}",
-              file=sys.stderr, flush=True)
+        print(
+            f"interrupted again ({signal_name(signum)}): stopped at once{_last_checkpoint(job, run_dir)}",
+            file=sys.stderr,
+            flush=True,
+        )
+
     return abort
 
 
@@ -111,8 +120,9 @@ def _save_config(job: JobConfig, run_dir: Path) -> Path:
         run_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(OmegaConf.create(as_plain(job)), target)
     except OSError as exc:
-        raise JobFailed(f"cannot write {target}: {exc.strerror or exc}; free space or choose another "
-                        f"run directory") from None
+        raise JobFailed(
+            f"cannot write {target}: {exc.strerror or exc}; free space or choose another run directory"
+        ) from None
     return target
 
 
@@ -155,12 +165,15 @@ def lock_run_dir(run_dir: Path) -> None:
     except OSError:
         owner = _lock_owner(fd)
         os.close(fd)
-        raise JobFailed(f"{run_dir} is in use by another job ({owner}; {path} is locked): wait for it to end or "
-                        f"stop it, or use another run directory (a lock whose owner died is released by the OS)") from None
+        raise JobFailed(
+            f"{run_dir} is in use by another job ({owner}; {path} is locked): wait for it to end or "
+            f"stop it, or use another run directory (a lock whose owner died is released by the OS)"
+        ) from None
     try:  # the owner's line: best effort (a full disk must not hide the job's real error)
         os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
-                  .encode(), 0)
+        os.pwrite(
+            fd, f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode(), 0
+        )
     except OSError:
         pass
     _HELD[run_dir] = fd
@@ -184,8 +197,10 @@ def _refuse_if_in_use(resume: str | None) -> None:
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except OSError:
-            raise JobFailed(f"{candidate} is in use by another job ({_lock_owner(fd)}; {lock} is locked): wait "
-                            f"for it to end or stop it (a lock whose owner died is released by the OS)") from None
+            raise JobFailed(
+                f"{candidate} is in use by another job ({_lock_owner(fd)}; {lock} is locked): wait "
+                f"for it to end or stop it (a lock whose owner died is released by the OS)"
+            ) from None
         finally:
             os.close(fd)
 
@@ -243,15 +258,23 @@ def run_local(cfg: DictConfig, run_dir: Path, worker: Callable | None = None) ->
         _drop_if_empty(fresh)
     _save_config(job, run_dir)
     try:
-        results = launch_local(worker or _train_worker, (job, str(run_dir), started), nproc,
-                               error_dir=run_dir / "errors", max_restarts=job.distributed.max_restarts,
-                               on_abort=_abort(job, run_dir))
+        results = launch_local(
+            worker or _train_worker,
+            (job, str(run_dir), started),
+            nproc,
+            error_dir=run_dir / "errors",
+            max_restarts=job.distributed.max_restarts,
+            on_abort=_abort(job, run_dir),
+        )
     except WorkerFailure as exc:
         if exc.interrupted:  # a signal reached the workers before their loop could honour it
             from .distributed.signals import exit_code, signal_name
 
-            raise JobInterrupted(f"interrupted ({signal_name(exc.interrupted)}) before training could stop at a "
-                                 f"step{_last_checkpoint(job, run_dir)}", exit_code(exc.interrupted)) from None
+            raise JobInterrupted(
+                f"interrupted ({signal_name(exc.interrupted)}) before training could stop at a "
+                f"step{_last_checkpoint(job, run_dir)}",
+                exit_code(exc.interrupted),
+            ) from None
         where = f" (traceback: {exc.details})" if exc.details else ""
         raise JobFailed(f"{exc}{where}{_last_checkpoint(job, run_dir)}") from None
     if isinstance(results[0], dict) and "interrupted" in results[0]:
@@ -361,14 +384,19 @@ def _validate_here(overrides: list[str], env) -> tuple[JobConfig, Path]:
 #: Seconds at the rendezvous before a process says what it waits for (a stale RANK/WORLD_SIZE, a missing peer).
 WAIT_NOTICE_S = 5.0
 
-_VARIABLES = {"torchrun": "RANK WORLD_SIZE MASTER_ADDR MASTER_PORT", "slurm": "SLURM_PROCID SLURM_NTASKS",
-              "mpi": "OMPI_COMM_WORLD_RANK OMPI_COMM_WORLD_SIZE PMI_RANK PMI_SIZE"}
+_VARIABLES = {
+    "torchrun": "RANK WORLD_SIZE MASTER_ADDR MASTER_PORT",
+    "slurm": "SLURM_PROCID SLURM_NTASKS",
+    "mpi": "OMPI_COMM_WORLD_RANK OMPI_COMM_WORLD_SIZE PMI_RANK PMI_SIZE",
+}
 
 
 def _unset_hint(env) -> str:
     names = _VARIABLES.get(env.launcher, _VARIABLES["torchrun"])
-    return (f"if you did not start this under torchrun/srun/mpirun, unset {names} "
-            f"(they are left over from another job) and run it again")
+    return (
+        f"if you did not start this under torchrun/srun/mpirun, unset {names} "
+        f"(they are left over from another job) and run it again"
+    )
 
 
 def _set_variables(env) -> str:
@@ -384,8 +412,10 @@ def _waiting_notice(env):
     import threading
 
     others = env.world_size - 1
-    line = (f"waiting for {others} more process{'es' if others != 1 else ''} at {env.master_addr}:{env.master_port} "
-            f"({_set_variables(env)}: {_unset_hint(env)})")
+    line = (
+        f"waiting for {others} more process{'es' if others != 1 else ''} at {env.master_addr}:{env.master_port} "
+        f"({_set_variables(env)}: {_unset_hint(env)})"
+    )
     timer = threading.Timer(WAIT_NOTICE_S, lambda: print(line, file=sys.stderr, flush=True))
     timer.daemon = True
 
@@ -396,6 +426,7 @@ def _waiting_notice(env):
             yield
         finally:
             timer.cancel()
+
     return notice()
 
 
@@ -434,9 +465,12 @@ def run_under_launcher(overrides: list[str]) -> int:
             print(f"error: {exc} (or set MASTER_ADDR and MASTER_PORT)", file=sys.stderr)
         return 2
     if env.master_addr is None or env.master_port is None:
-        print(f"error: RANK/WORLD_SIZE (or SLURM_PROCID/SLURM_NTASKS) are set but MASTER_ADDR/MASTER_PORT are not: "
-              f"unset them to let the job launch its own workers, or start it under torchrun/srun with a "
-              f"rendezvous address", file=sys.stderr)
+        print(
+            "error: RANK/WORLD_SIZE (or SLURM_PROCID/SLURM_NTASKS) are set but MASTER_ADDR/MASTER_PORT are not: "
+            "unset them to let the job launch its own workers, or start it under torchrun/srun with a "
+            "rendezvous address",
+            file=sys.stderr,
+        )
         return 2
     if env.local_rank == 0 and env.rank != 0:
         try:
@@ -453,9 +487,12 @@ def run_under_launcher(overrides: list[str]) -> int:
     except (OSError, RuntimeError) as exc:
         if not _port_in_use(exc):
             raise
-        print(f"error: MASTER_PORT={env.master_port} is in use: another job (or a leftover launcher) listens on "
-              f"{env.master_addr}:{env.master_port}; choose a free MASTER_PORT, or {_unset_hint(env)}",
-              file=sys.stderr, flush=True)
+        print(
+            f"error: MASTER_PORT={env.master_port} is in use: another job (or a leftover launcher) listens on "
+            f"{env.master_addr}:{env.master_port}; choose a free MASTER_PORT, or {_unset_hint(env)}",
+            file=sys.stderr,
+            flush=True,
+        )
         return 2
     install_stop_handlers()  # from now on SIGINT/SIGTERM stop the loop at the next step boundary
     payload: list = [None]

@@ -26,18 +26,33 @@ __all__ = ["DEFAULT_PORT", "serve"]
 DEFAULT_PORT = 29510
 
 
-def serve(port: int = DEFAULT_PORT, bind: str = "0.0.0.0", heartbeat_timeout_s: float = 5.0,
-          join_timeout_s: float = 300.0, ready: threading.Event | None = None, stop: threading.Event | None = None):
+def serve(
+    port: int = DEFAULT_PORT,
+    bind: str = "0.0.0.0",
+    heartbeat_timeout_s: float = 5.0,
+    join_timeout_s: float = 300.0,
+    ready: threading.Event | None = None,
+    stop: threading.Event | None = None,
+):
     """Run the Lighthouse and the store until ``stop`` is set (or forever). ``ready`` is set once both listen."""
     os.environ.setdefault("RUST_LOG", "warn")  # torchft logs every quorum at INFO
     import torch.distributed as dist
     from torchft.coordination import LighthouseServer
 
     host = f"[{bind}]" if ":" in bind else bind
-    lighthouse = LighthouseServer(bind=f"{host}:{port}", min_replicas=1, join_timeout_ms=int(join_timeout_s * 1000),
-                                  heartbeat_timeout_ms=int(heartbeat_timeout_s * 1000))
-    store = dist.TCPStore(bind if bind not in ("0.0.0.0", "::") else "127.0.0.1", port + 1, is_master=True,
-                          wait_for_workers=False, timeout=timedelta(seconds=30))
+    lighthouse = LighthouseServer(
+        bind=f"{host}:{port}",
+        min_replicas=1,
+        join_timeout_ms=int(join_timeout_s * 1000),
+        heartbeat_timeout_ms=int(heartbeat_timeout_s * 1000),
+    )
+    store = dist.TCPStore(
+        bind if bind not in ("0.0.0.0", "::") else "127.0.0.1",
+        port + 1,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=timedelta(seconds=30),
+    )
     if ready is not None:
         ready.set()
     try:
@@ -51,11 +66,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m xffl_like.lighthouse", description=__doc__.splitlines()[0])
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="the Lighthouse's port; the store uses PORT+1")
     parser.add_argument("--bind", default="0.0.0.0", help="address to listen on (default: every interface)")
-    parser.add_argument("--heartbeat-timeout-s", type=float, default=5.0,
-                        help="a facility whose leader sent no heartbeat this long is out of the next quorum")
-    parser.add_argument("--join-timeout-s", type=float, default=300.0,
-                        help="how long a round waits for a live facility that has not reached its boundary yet "
-                             "(a slower facility); past it the round goes on without that one, which heals later")
+    parser.add_argument(
+        "--heartbeat-timeout-s",
+        type=float,
+        default=5.0,
+        help="a facility whose leader sent no heartbeat this long is out of the next quorum",
+    )
+    parser.add_argument(
+        "--join-timeout-s",
+        type=float,
+        default=300.0,
+        help="how long a round waits for a live facility that has not reached its boundary yet "
+        "(a slower facility); past it the round goes on without that one, which heals later",
+    )
     args = parser.parse_args(argv)
     import importlib.util
 
@@ -69,8 +92,11 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        thread = threading.Thread(target=serve, args=(args.port, args.bind, args.heartbeat_timeout_s,
-                                                      args.join_timeout_s, ready, stop), daemon=True)
+        thread = threading.Thread(
+            target=serve,
+            args=(args.port, args.bind, args.heartbeat_timeout_s, args.join_timeout_s, ready, stop),
+            daemon=True,
+        )
         thread.start()
         while not ready.wait(0.2):
             if not thread.is_alive():
@@ -81,8 +107,11 @@ def main(argv: list[str] | None = None) -> int:
     import socket
 
     host = socket.getfqdn() if args.bind in ("0.0.0.0", "::") else args.bind
-    print(f"lighthouse on {host}:{args.port} (store on {args.port + 1}); start each facility with "
-          f"federation.elastic.lighthouse={host}:{args.port}", flush=True)
+    print(
+        f"lighthouse on {host}:{args.port} (store on {args.port + 1}); start each facility with "
+        f"federation.elastic.lighthouse={host}:{args.port}",
+        flush=True,
+    )
     while not stop.wait(0.5):
         pass
     return 0

@@ -19,18 +19,38 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import MISSING as NO_DEFAULT
-from dataclasses import asdict, dataclass, field, fields, is_dataclass, replace
-from typing import Any, List, Optional, Union
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
+from typing import Any, Union
 
 from omegaconf import MISSING
 
 from .checks import is_int, is_number
 
 __all__ = [
-    "ACTIVATION_CHECKPOINTING", "OPTIMIZERS", "SCHEDULES", "CheckpointConfig", "DataConfig", "DistributedConfig",
-    "ElasticConfig", "ExportConfig", "FaultConfig", "FederationConfig", "JobConfig", "LoggerConfig", "ModelConfig", "OptimConfig",
-    "OuterConfig", "ParallelConfig", "StrategyConfig", "TrainConfig", "as_plain", "check_keys", "job_config", "register",
-    "section_of", "unknown_key_message",
+    "ACTIVATION_CHECKPOINTING",
+    "OPTIMIZERS",
+    "SCHEDULES",
+    "CheckpointConfig",
+    "DataConfig",
+    "DistributedConfig",
+    "ElasticConfig",
+    "ExportConfig",
+    "FaultConfig",
+    "FederationConfig",
+    "JobConfig",
+    "LoggerConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "OuterConfig",
+    "ParallelConfig",
+    "StrategyConfig",
+    "TrainConfig",
+    "as_plain",
+    "check_keys",
+    "job_config",
+    "register",
+    "section_of",
+    "unknown_key_message",
 ]
 
 OPTIMIZERS = ("adamw", "sgd")
@@ -50,7 +70,7 @@ class DistributedConfig(Section):
 
     nproc_per_node: int = 4  # local workers to launch (ignored under torchrun/srun)
     federated: Any = 2  # facility size (int), list of sizes, or null: one facility
-    hsdp: Optional[int] = None  # shard size inside a facility; null: the whole facility
+    hsdp: int | None = None  # shard size inside a facility; null: the whole facility
     backend: str = "auto"  # auto | gloo | nccl
     timeout_s: int = 300  # collective timeout
     max_restarts: int = 0  # elastic restarts of all workers after a failure
@@ -61,19 +81,19 @@ class ModelConfig(Section):
     """``conf/model/*.yaml``: the Llama shape; ``model=hf`` fills the shape from ``path``'s config.json."""
 
     name: str = "llama_tiny"
-    dim: Optional[int] = None
-    n_layers: Optional[int] = None
-    n_heads: Optional[int] = None
-    n_kv_heads: Optional[int] = None
-    vocab_size: Optional[int] = None
-    ffn_dim: Optional[int] = None
+    dim: int | None = None
+    n_layers: int | None = None
+    n_heads: int | None = None
+    n_kv_heads: int | None = None
+    vocab_size: int | None = None
+    ffn_dim: int | None = None
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     max_seq_len: int = 256
     rope_scaling: Any = None  # Llama 3.1 RoPE scaling (a mapping, checked by LlamaConfig); null: plain RoPE
     tie_embeddings: bool = False
     init: str = "full"  # full | meta
-    path: Optional[str] = None  # a local Hugging Face directory (model=hf)
+    path: str | None = None  # a local Hugging Face directory (model=hf)
 
 
 @dataclass(frozen=True)
@@ -85,7 +105,7 @@ class DataConfig(Section):
     non_iid: float = 0.5  # synthetic: 0 = one distribution for all facilities, 1 = each its own
     path: Any = None  # text: a file or a list of files; tokens: the directory written by prepare
     partition: str = "contiguous"  # text, tokens: contiguous | interleaved
-    tokenizer: Optional[str] = "byte"  # text: byte or a tokenizer.json / a directory holding one
+    tokenizer: str | None = "byte"  # text: byte or a tokenizer.json / a directory holding one
     eval_fraction: float = 0.1  # text, tokens: held-out tail
     block_size: int = 65536  # text, tokens: block size for partition=interleaved
 
@@ -98,7 +118,7 @@ class StrategyConfig(Section):
     streams: int = 1
     bucket_mb: Number = 64
     mode: str = "split"  # split | one_sender
-    only: Optional[List[str]] = None  # parameter-name globs or module class names; null: all
+    only: list[str] | None = None  # parameter-name globs or module class names; null: all
     transport: str = "torch"  # torch | mpi
 
 
@@ -118,17 +138,19 @@ class OptimConfig(Section):
     schedule: str = "constant"
     #: Learning rate of the last step for ``cosine`` and ``linear`` (ignored by ``constant``).
     min_lr: float = 0.0
-    #: ``False``: norms, biases and embeddings get no weight decay (train.optim.decay_groups); ``True``: every parameter does.
+    #: ``False``: norms, biases and embeddings get no weight decay (train.optim.decay_groups);
+    #: ``True``: every parameter does.
     decay_all: bool = False
     #: Max global gradient norm; 0 disables clipping.
     grad_clip: float = 0.0
-    betas: List[float] = field(default_factory=lambda: [0.9, 0.999])  # adamw (checked: a pair)
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # adamw (checked: a pair)
     eps: float = 1e-8  # adamw
     momentum: float = 0.0  # sgd
 
     @classmethod
-    def from_mapping(cls, m: Mapping[str, Any]) -> "OptimConfig":
-        """Build from the plain ``optim`` mapping (``as_plain(job.optim)``); raise ``ValueError`` with one line naming the key and the fix."""
+    def from_mapping(cls, m: Mapping[str, Any]) -> OptimConfig:
+        """Build from the plain ``optim`` mapping (``as_plain(job.optim)``); raise ``ValueError`` with one line
+        naming the key and the fix."""
         name = m.get("name")
         if name not in OPTIMIZERS:
             raise ValueError(f"optim.name={name!r}: use one of {', '.join(OPTIMIZERS)} (e.g. optim=adamw or optim=sgd)")
@@ -137,7 +159,9 @@ class OptimConfig(Section):
             value = m.get(key, default)
             if not _number(value) or value < low or (strict and value == low):
                 what = "a positive number" if strict else f"a number >= {low:g}"
-                raise ValueError(f"optim.{key}={value!r}: must be {what} (e.g. optim.{key}={default if default is not None else 1})")
+                raise ValueError(
+                    f"optim.{key}={value!r}: must be {what} (e.g. optim.{key}={default if default is not None else 1})"
+                )
             return float(value)
 
         warmup = m.get("warmup_steps", 0)
@@ -152,27 +176,41 @@ class OptimConfig(Section):
         lr = number("lr", strict=True, default=1e-3)
         min_lr = number("min_lr", default=0.0)
         if min_lr > lr:
-            raise ValueError(f"optim.min_lr={min_lr:g} exceeds optim.lr={lr:g}: the schedule decays from lr down to "
-                             f"min_lr, so set optim.min_lr <= optim.lr")
+            raise ValueError(
+                f"optim.min_lr={min_lr:g} exceeds optim.lr={lr:g}: the schedule decays from lr down to "
+                f"min_lr, so set optim.min_lr <= optim.lr"
+            )
         for key, (owner, default) in _OPTIM_OWN.items():
             value = m.get(key, default)
             value = list(value) if isinstance(value, tuple) else value  # betas: a list in YAML, a tuple in code
             if owner != name and value != default:
-                raise ValueError(f"optim.{key}={value!r} applies to optim={owner}, not optim={name}: "
-                                 f"drop it, or select that optimizer with optim={owner} (the group, not optim.name)")
+                raise ValueError(
+                    f"optim.{key}={value!r} applies to optim={owner}, not optim={name}: "
+                    f"drop it, or select that optimizer with optim={owner} (the group, not optim.name)"
+                )
         kwargs: dict[str, Any] = {}
         if name == "adamw":
             betas = m.get("betas", (0.9, 0.999))
-            if not (isinstance(betas, (list, tuple)) and len(betas) == 2 and all(_number(b) and 0 <= b < 1 for b in betas)):
+            if not (
+                isinstance(betas, (list, tuple)) and len(betas) == 2 and all(_number(b) and 0 <= b < 1 for b in betas)
+            ):
                 raise ValueError(f"optim.betas={betas!r}: must be two numbers in [0, 1) (e.g. optim.betas=[0.9,0.95])")
             kwargs = {"betas": (float(betas[0]), float(betas[1])), "eps": number("eps", strict=True, default=1e-8)}
         else:
             kwargs = {"momentum": number("momentum", default=0.0)}
             if kwargs["momentum"] >= 1:
                 raise ValueError(f"optim.momentum={kwargs['momentum']:g}: must be in [0, 1) (e.g. optim.momentum=0.9)")
-        return cls(name=name, lr=lr, weight_decay=number("weight_decay", default=0.0), warmup_steps=warmup,
-                   schedule=schedule, min_lr=min_lr, decay_all=decay_all, grad_clip=number("grad_clip", default=0.0),
-                   **kwargs)
+        return cls(
+            name=name,
+            lr=lr,
+            weight_decay=number("weight_decay", default=0.0),
+            warmup_steps=warmup,
+            schedule=schedule,
+            min_lr=min_lr,
+            decay_all=decay_all,
+            grad_clip=number("grad_clip", default=0.0),
+            **kwargs,
+        )
 
 
 # The keys of one optimizer only, with their schema defaults (what the other optimizer's yaml leaves).
@@ -186,7 +224,7 @@ class OuterConfig(Section):
     name: str = "average"  # average | nesterov | momentum | adam
     lr: float = 1.0
     momentum: float = 0.0  # nesterov / momentum
-    betas: List[float] = field(default_factory=lambda: [0.9, 0.99])  # adam
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.99])  # adam
     eps: float = 1e-8  # adam
     offload: bool = False  # theta_global and the outer state in (pinned) host memory
 
@@ -201,8 +239,8 @@ class ElasticConfig(Section):
     """``federation.elastic``: each facility its own job, rounds among the facilities present
     (``federation/elastic/``); without ``lighthouse`` every facility lives in one world, as before."""
 
-    lighthouse: Optional[str] = None  # HOST:PORT of `python -m xffl_like.lighthouse`; null: one world
-    facility: Optional[str] = None  # this facility's unique name; null: from the Slurm job or the host
+    lighthouse: str | None = None  # HOST:PORT of `python -m xffl_like.lighthouse`; null: one world
+    facility: str | None = None  # this facility's unique name; null: from the Slurm job or the host
     min_facilities: int = 1  # training starts once this many facilities are present
     timeout_s: float = 60.0  # to reach the lighthouse; a facility silent this long is dropped from a round
     rewarm: bool = True  # a joiner with a fresh inner optimizer warms its lr up again over optim.warmup_steps
@@ -214,7 +252,7 @@ class FederationConfig(Section):
 
     algorithm: str = "federated"  # federated | synchronous
     every: Any = 10  # local optimizer steps per round: a number, one per facility (a list), or null with every_s
-    every_s: Optional[float] = None  # rounds bounded by wall time: each facility steps until T seconds would pass
+    every_s: float | None = None  # rounds bounded by wall time: each facility steps until T seconds would pass
     weights: Any = None  # null (uniform; tokens when facilities take different steps) | uniform | tokens | a list
     topology: str = "complete"  # complete | ring | one-peer-exp | alternating-exp-ring
     outer: OuterConfig = field(default_factory=OuterConfig)
@@ -224,7 +262,7 @@ class FederationConfig(Section):
     fragments: int = 1  # contiguous fragments of the blocks, synced at staggered steps (Streaming DiLoCo)
     overlap_steps: int = 0  # a fragment's exchange starts this many steps before it is applied
     merge_alpha: float = 0.5  # with overlap: merge_alpha * local + (1 - merge_alpha) * new global
-    schedule: Optional[List[Any]] = None  # phases: a list of {until_step, any federation keys}
+    schedule: list[Any] | None = None  # phases: a list of {until_step, any federation keys}
     on_nonfinite: str = "fail"  # fail | skip
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
 
@@ -235,7 +273,8 @@ class FederationConfig(Section):
 
     @property
     def paced(self) -> bool:
-        """Facilities take different numbers of steps per round: ``every`` a list, or ``every_s`` (federation/pace.py)."""
+        """Facilities take different numbers of steps per round: ``every`` a list, or ``every_s``
+        (federation/pace.py)."""
         return self.every_s is not None or isinstance(self.every, (list, tuple))
 
     @property
@@ -269,8 +308,9 @@ class TrainConfig(Section):
     eval_every: int = 0
 
     @classmethod
-    def from_mapping(cls, m: Mapping[str, Any]) -> "TrainConfig":
-        """Build from the plain ``train`` mapping (keys other components own are ignored); one-line ``ValueError`` on a bad value."""
+    def from_mapping(cls, m: Mapping[str, Any]) -> TrainConfig:
+        """Build from the plain ``train`` mapping (keys other components own are ignored); one-line
+        ``ValueError`` on a bad value."""
 
         def integer(key: str, low: int, default: Any = None) -> int:
             value = m.get(key, default)
@@ -285,11 +325,15 @@ class TrainConfig(Section):
             return value
 
         return cls(
-            steps=integer("steps", 0), batch_size=integer("batch_size", 1), seq_len=integer("seq_len", 1),
-            dtype=choice("dtype", _DTYPES, "float32"), log_every=integer("log_every", 1, 10),
+            steps=integer("steps", 0),
+            batch_size=integer("batch_size", 1),
+            seq_len=integer("seq_len", 1),
+            dtype=choice("dtype", _DTYPES, "float32"),
+            log_every=integer("log_every", 1, 10),
             grad_accum=integer("grad_accum", 1, 1),
             activation_checkpointing=choice("activation_checkpointing", ACTIVATION_CHECKPOINTING, "none"),
-            loss_chunk=integer("loss_chunk", 1, 1024), eval_every=integer("eval_every", 0, 0),
+            loss_chunk=integer("loss_chunk", 1, 1024),
+            eval_every=integer("eval_every", 0, 0),
         )
 
 
@@ -298,7 +342,7 @@ class CheckpointConfig(Section):
     """``conf/checkpoint/default.yaml``: DCP checkpoints."""
 
     every_rounds: int = 1  # rounds between checkpoints
-    dir: Optional[str] = None  # null: <run_dir>/checkpoints
+    dir: str | None = None  # null: <run_dir>/checkpoints
     keep: int = 2  # newest checkpoints kept
     # ``async`` (write in the background) is a Python keyword: declared through the class namespace,
     # so the dataclass cannot generate __init__/__repr__/__eq__ (they would spell it); ours follow.
@@ -329,22 +373,22 @@ class LoggerConfig(Section):
     """``conf/logger/*.yaml``: ``none`` reads only ``name``."""
 
     name: str = "wandb"  # none | wandb
-    mode: Optional[str] = None  # null: $WANDB_MODE, else offline | offline | online | disabled
-    project: Optional[str] = "xffl_like"
-    entity: Optional[str] = None
-    group: Optional[str] = None
-    tags: List[str] = field(default_factory=list)
+    mode: str | None = None  # null: $WANDB_MODE, else offline | offline | online | disabled
+    project: str | None = "xffl_like"
+    entity: str | None = None
+    group: str | None = None
+    tags: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
 class FaultConfig(Section):
     """``fault`` (root config): fault injection for tests and demos."""
 
-    kill_rank: Optional[int] = None
-    at_step: Optional[int] = None
-    nan_rank: Optional[int] = None
-    nan_step: Optional[int] = None
-    slow_facility: Optional[int] = None  # this facility's steps take slow_factor times as long (a sleep after each)
+    kill_rank: int | None = None
+    at_step: int | None = None
+    nan_rank: int | None = None
+    nan_step: int | None = None
+    slow_facility: int | None = None  # this facility's steps take slow_factor times as long (a sleep after each)
     slow_factor: float = 1.0
 
 
@@ -367,8 +411,10 @@ class ParallelConfig(Section):
     accum_iter: int = 4  # decentralized, accum_adam(w)
     bucket_mb: Number = 25  # decentralized and bagua
     algorithm: str = "gradient_allreduce"  # bagua
-    options: Any = None  # bagua: the algorithm's keyword arguments (a mapping; Any: OmegaConf cannot merge into a null Dict)
-    switch: List[Any] = field(default_factory=list)  # bagua: [{at_step, algorithm, options}]
+    options: Any = (
+        None  # bagua: the algorithm's keyword arguments (a mapping; Any: OmegaConf cannot merge into a null Dict)
+    )
+    switch: list[Any] = field(default_factory=list)  # bagua: [{at_step, algorithm, options}]
 
     def algorithms(self) -> list[tuple[int, str, dict]]:
         """(first step, name, options) of every phase of a Bagua run, the initial one at step 0."""
@@ -382,7 +428,7 @@ class JobConfig(Section):
 
     experiment: str = "default"
     seed: int = 0
-    resume: Optional[str] = None  # a run dir, a checkpoint dir, or latest
+    resume: str | None = None  # a run dir, a checkpoint dir, or latest
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -450,8 +496,10 @@ def unknown_key_message(dotted: str, choices: Mapping[str, Any] | None = None) -
         where = f"{top}={choices[top]} (conf/{top}/{choices[top]}.yaml)"
     else:
         where = f"{top} ({type(getattr(JobConfig(), top, None)).__name__} in xffl_like/schema.py)"
-    return (f"{dotted} is not a config key of {where}: check the spelling, or drop the override "
-            f"(`+` adds keys; `--cfg job` prints the composed config)")
+    return (
+        f"{dotted} is not a config key of {where}: check the spelling, or drop the override "
+        f"(`+` adds keys; `--cfg job` prints the composed config)"
+    )
 
 
 def _build(cls: type, values: Mapping[str, Any]) -> Any:

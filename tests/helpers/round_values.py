@@ -53,7 +53,9 @@ def facility_tensors(records: list[dict], name: str) -> dict[int, torch.Tensor]:
         full[f] = torch.cat(pieces).view(shape).double()
         for (ff, rep, s), r in by_place.items():
             if ff == f and rep > 0:
-                assert torch.equal(r["params"][name], pieces[s]), f"{name}: facility {f} replica {rep} differs from replica 0"
+                assert torch.equal(r["params"][name], pieces[s]), (
+                    f"{name}: facility {f} replica {rep} differs from replica 0"
+                )
     return full
 
 
@@ -135,8 +137,9 @@ def _assert_shards(records: list[dict], name: str, want: dict[int, torch.Tensor]
         assert got.shape == piece.shape and err <= atol, f"{what}: {name} on rank {rec['rank']} is {err:.3g} off"
 
 
-def check_streaming_values(directory: Path, summary: dict, phases: list[dict], num_layers: int,
-                           atol: float = 1e-5) -> dict:
+def check_streaming_values(
+    directory: Path, summary: dict, phases: list[dict], num_layers: int, atol: float = 1e-5
+) -> dict:
     """Replay a job's rounds in float64 from its recorded values: phase switches (the weighted
     mean, identical on every facility), fragment syncs (the outer Nesterov step of the fragment's
     theta_global on the facilities' weighted mean of the snapshot; the fragment becomes
@@ -158,14 +161,14 @@ def check_streaming_values(directory: Path, summary: dict, phases: list[dict], n
             after_records = recorded[(r, "after")]
             n = len(next(iter(before.values())))
             weights = p["weights"] or [1.0] * n
-            for name, per in before.items():
+            for per in before.values():
                 spread = max(spread, float((per[1] - per[0]).abs().max()))
             if switch:  # the copies' mean; the next phase starts from it with fresh outer state
                 for name, per in before.items():
                     mean = _mean(per, weights)
                     _assert_shards(after_records, name, {f: mean for f in per}, atol, f"round {r} (switch)")
                 after = full_values(after_records)
-                for name, per in after.items():
+                for per in after.values():
                     assert all(torch.equal(per[0], per[f]) for f in per), f"round {r}: copies differ after the switch"
                 theta, buf = {n_: v[0] for n_, v in after.items()}, {}
                 continue

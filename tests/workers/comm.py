@@ -45,7 +45,7 @@ def payload(kind: str, src: int, tag: int) -> torch.Tensor:
     if kind == "bf16":
         return torch.randn(7, generator=gen).to(torch.bfloat16)
     if kind == "int64":
-        return torch.randint(-2**62, 2**62, (4,), generator=gen, dtype=torch.int64)
+        return torch.randint(-(2**62), 2**62, (4,), generator=gen, dtype=torch.int64)
     return torch.empty(0)
 
 
@@ -81,7 +81,9 @@ def collective_cases(backend: str) -> dict:
         out["group/size"] = comm.get_world_size(backend, group)
         out["group/all_reduce"] = comm.all_reduce(values(rank, torch.float32), backend=backend, group=group)
         out["group/broadcast"] = comm.broadcast(values(rank, torch.float32), src=1, backend=backend, group=group)
-        out["group/gather_varlen"] = comm.gather_varlen(values(rank, torch.int64, (rank, 2)), dst=0, backend=backend, group=group)
+        out["group/gather_varlen"] = comm.gather_varlen(
+            values(rank, torch.int64, (rank, 2)), dst=0, backend=backend, group=group
+        )
     comm.barrier(backend)
     return out, group
 
@@ -220,7 +222,6 @@ def aggregation_over_mpi(env) -> dict:
     """Every (layout, strategy, mode, dtype, weights): ``transport=mpi`` against the seed-derived
     mean, and bitwise against ``transport=torch`` where that runs the same exchange (gloo)."""
     from workers import strategy as sw
-
     from xffl_like.aggregation import aggregate, build_strategy
     from xffl_like.aggregation.strategy import AGGREGATION_MODES
     from xffl_like.distributed.layout import plan_layout

@@ -80,22 +80,32 @@ def staged_on_host():
     dist.init_process_group("gloo")
     mesh = DeviceMesh("meta", torch.arange(1), _init_backend=False)
     like = [DTensor.from_local(torch.empty(s, device="meta"), mesh, [Shard(0)]) for s in [(4, 3), (5,)]]
-    live = {f"p{i}": dtensor_over(torch.randn(p.shape, generator=torch.Generator().manual_seed(i)), p)
-            for i, p in enumerate(like)}
+    live = {
+        f"p{i}": dtensor_over(torch.randn(p.shape, generator=torch.Generator().manual_seed(i)), p)
+        for i, p in enumerate(like)
+    }
     out: dict = {}
     staged = host_copy({"model": live, "step": torch.tensor(3)})
-    out["staged"] = [(str(t._local_tensor.device), t.device_mesh.device_type, type(t).__name__,
-                      t._local_tensor.untyped_storage().data_ptr() == live[k]._local_tensor.untyped_storage().data_ptr(),
-                      torch.equal(t._local_tensor, live[k]._local_tensor))
-                     for k, t in staged["model"].items()]
+    out["staged"] = [
+        (
+            str(t._local_tensor.device),
+            t.device_mesh.device_type,
+            type(t).__name__,
+            t._local_tensor.untyped_storage().data_ptr() == live[k]._local_tensor.untyped_storage().data_ptr(),
+            torch.equal(t._local_tensor, live[k]._local_tensor),
+        )
+        for k, t in staged["model"].items()
+    ]
 
     # The federation's flat buffer (federation.outer.offload=true: on CPU) wrapped without a copy.
     fake = SimpleNamespace(names=list(live), params=like, locals=[t._local_tensor for t in live.values()])
     fake._views = lambda flat: Federation._views(fake, flat)
     flat = torch.arange(17, dtype=torch.float32)
     wrapped = Federation._as_dtensors(fake, flat)
-    out["wrapped"] = [(str(t._local_tensor.device), t._local_tensor.data_ptr() - flat.data_ptr(), tuple(t.shape))
-                      for t in wrapped.values()]
+    out["wrapped"] = [
+        (str(t._local_tensor.device), t._local_tensor.data_ptr() - flat.data_ptr(), tuple(t.shape))
+        for t in wrapped.values()
+    ]
 
     # An async save staged by HostStager, the live tensors changed at once, then restored bitwise.
     saved = {k: v._local_tensor.clone() for k, v in live.items()}

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
+from workers.strategy import BUCKET_MB, Net, digest, identical_across_peers
 from xffl_like.aggregation import aggregate, build_strategy
 from xffl_like.distributed.layout import plan_layout
 from xffl_like.distributed.state import build_state, read_env
@@ -22,16 +23,21 @@ from xffl_like.federation import Federation, build_federation
 from xffl_like.schema import FederationConfig, StrategyConfig, build_section
 from xffl_like.train.parallelize import contiguous_shards
 
-from workers.strategy import BUCKET_MB, Net, digest, identical_across_peers
-
 STRATEGY = StrategyConfig(name="fused", streams=1, bucket_mb=BUCKET_MB, mode="split")
 
 
 def plain_spec(**kw) -> dict:
     """The ``federation`` section as a plain dict (``every=1``, the rest the defaults) with ``kw`` over it."""
-    base = dict(algorithm="federated", every=1, weights="uniform", topology="complete",
-                outer=dict(name="average", lr=1.0, momentum=0.0, betas=[0.9, 0.99], eps=1e-8, offload=False),
-                compression="none", chunk_size=4096, error_feedback=False)
+    base = dict(
+        algorithm="federated",
+        every=1,
+        weights="uniform",
+        topology="complete",
+        outer=dict(name="average", lr=1.0, momentum=0.0, betas=[0.9, 0.99], eps=1e-8, offload=False),
+        compression="none",
+        chunk_size=4096,
+        error_feedback=False,
+    )
     outer = {**base["outer"], **kw.pop("outer", {})}
     return {**base, **kw, "outer": outer}
 
@@ -126,8 +132,9 @@ def check_outer(state, digests, report) -> None:
                     per_facility = [values(model, state, r, f) for f in range(n)]
                     assign(model, per_facility[state.facility])  # as if each facility trained locally
                     fed.round()
-                    theta = outer_by_hand({**OUTERS[0], **o, "momentum": o.get("momentum", 0.0)}, theta,
-                                          weighted(per_facility, w), st, r)
+                    theta = outer_by_hand(
+                        {**OUTERS[0], **o, "momentum": o.get("momentum", 0.0)}, theta, weighted(per_facility, w), st, r
+                    )
                     close(model, theta, f"outer {o['name']} weights={weights} offload={offload} round {r}")
                     digests.append((f"outer {o['name']} {weights} {offload} {r}", digest(model)))
                 report["outer_cases"] += 1
@@ -145,16 +152,24 @@ def check_state_dict(fed, model, strategy, state, o) -> None:
         t = sd["theta_global"][name]
         if not isinstance(t, DTensor) or t.shape != p.shape or t.to_local().shape != p.to_local().shape:
             raise AssertionError(f"state_dict: theta_global[{name}] is not a DTensor shaped like the parameter")
-    if set(sd["outer"]) != {"steps", "exp_avg", "exp_avg_sq"} or sd["outer"]["steps"] != 3 or set(sd["theta_global"]) != set(names):
+    if (
+        set(sd["outer"]) != {"steps", "exp_avg", "exp_avg_sq"}
+        or sd["outer"]["steps"] != 3
+        or set(sd["theta_global"]) != set(names)
+    ):
         raise AssertionError(f"state_dict: unexpected outer state {sorted(sd['outer'])}")
-    saved = {k: {n: t.to_local().clone() for n, t in v.items()} for k, v in
-             (("theta", sd["theta_global"]), ("m", sd["outer"]["exp_avg"]))}
+    saved = {
+        k: {n: t.to_local().clone() for n, t in v.items()}
+        for k, v in (("theta", sd["theta_global"]), ("m", sd["outer"]["exp_avg"]))
+    }
     other = Federation(spec(outer=o), model, strategy, state)
     other.load_state_dict(sd)
     back = other.state_dict()
     for name in names:
-        if not (torch.equal(back["theta_global"][name].to_local(), saved["theta"][name])
-                and torch.equal(back["outer"]["exp_avg"][name].to_local(), saved["m"][name])):
+        if not (
+            torch.equal(back["theta_global"][name].to_local(), saved["theta"][name])
+            and torch.equal(back["outer"]["exp_avg"][name].to_local(), saved["m"][name])
+        ):
             raise AssertionError(f"state_dict: {name} did not survive load_state_dict")
     if back["outer"]["steps"] != 3 or back["rounds"] != 3:
         raise AssertionError("state_dict: counters did not survive")
@@ -202,7 +217,12 @@ GOSSIP = [  # (name, facilities, with HSDP replicas, matrices of rounds 0, 1, 2,
     # 2 facilities x 2 replicas: the first replica mixes and hands the result to the second.
     ("ring", 2, True, [pairs_matrix(2, [(0, 1)])]),
     # 2 facilities x 2 replicas: first inside each facility (replicas agree: no change), then all copies.
-    ("alternating-exp-ring", 2, True, [torch.eye(2, dtype=torch.float64), torch.full((2, 2), 0.5, dtype=torch.float64)]),
+    (
+        "alternating-exp-ring",
+        2,
+        True,
+        [torch.eye(2, dtype=torch.float64), torch.full((2, 2), 0.5, dtype=torch.float64)],
+    ),
 ]
 
 
@@ -223,10 +243,13 @@ def check_gossip(state, digests, report) -> None:
                 assign(model, per_facility[state.facility])
                 fed.round()
                 mix = matrices[r % len(matrices)]
-                mixed = [[sum(mix[f, j] * per_facility[j][i] for j in range(n)) for i in range(len(start))]
-                         for f in range(n)]
-                current = [outer_by_hand({**o, "momentum": o.get("momentum", 0.0)}, current[f], mixed[f], st[f], r + 1)
-                           for f in range(n)]
+                mixed = [
+                    [sum(mix[f, j] * per_facility[j][i] for j in range(n)) for i in range(len(start))] for f in range(n)
+                ]
+                current = [
+                    outer_by_hand({**o, "momentum": o.get("momentum", 0.0)}, current[f], mixed[f], st[f], r + 1)
+                    for f in range(n)
+                ]
                 close(model, current[state.facility], f"gossip {name} outer {o['name']} round {r}")
             report["gossip_cases"] += 1
 
@@ -236,8 +259,8 @@ def chunk_bounds(x: torch.Tensor, chunk: int) -> torch.Tensor:
     """Half a quantization step per element: chunks of ``chunk`` values, (max - min) / 255 / 2."""
     out = torch.empty_like(x)
     for a in range(0, x.numel(), chunk):
-        piece = x[a:a + chunk]
-        out[a:a + chunk] = (piece.max() - piece.min()) / 255 / 2
+        piece = x[a : a + chunk]
+        out[a : a + chunk] = (piece.max() - piece.min()) / 255 / 2
     return out
 
 
@@ -286,8 +309,10 @@ def check_compression(state, digests, report) -> None:
                     second = (exact.abs() + first) * 2**-8
                 bound = first + second + 1e-7
                 if not bool(((got - exact).abs() <= bound).all()):
-                    raise AssertionError(f"compression {kind} ef={ef} round {r}: error "
-                                         f"{(got - exact).abs().max().item():.3g} beyond the quantization bound")
+                    raise AssertionError(
+                        f"compression {kind} ef={ef} round {r}: error "
+                        f"{(got - exact).abs().max().item():.3g} beyond the quantization bound"
+                    )
                 theta = new
                 digests.append((f"compression {kind} {ef} {r}", digest(model)))
             report["compression_cases"] += 1
@@ -311,8 +336,9 @@ def check_synchronous(state, report) -> None:
     n, layout = state.num_facilities, state.layout
     for weights in ("uniform", [1.0, 3.0] if n == 2 else [1.0] * n):
         model = make(state)
-        fed = Federation(spec(algorithm="synchronous", weights=weights), model,
-                         build_strategy(model, state, STRATEGY), state)
+        fed = Federation(
+            spec(algorithm="synchronous", weights=weights), model, build_strategy(model, state, STRATEGY), state
+        )
         tokens, targets = batch(state.rank, 0)
         fed.trained(targets.numel())
         F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten()).backward()
@@ -367,8 +393,16 @@ def check_streaming(state, digests, report) -> None:
     o = dict(name="nesterov", lr=0.7, momentum=0.9)
     start = values(model, state, 0, -1)
     assign(model, start)
-    fed = build_federation(spec(every=4, fragments=2, overlap_steps=1, merge_alpha=0.25, weights="tokens", outer=o),
-                           model, build_strategy(model, state, STRATEGY), state, begin=0, end=12, last=True)
+    fed = build_federation(
+        spec(every=4, fragments=2, overlap_steps=1, merge_alpha=0.25, weights="tokens", outer=o),
+        model,
+        build_strategy(model, state, STRATEGY),
+        state,
+        begin=0,
+        end=12,
+        last=True,
+    )
+
     def per_rank_tokens(f, done):  # rates that change over time: weights over the right window only
         return 10 * (f + 1) + 7 * f * done
 
@@ -405,7 +439,9 @@ def check_streaming(state, digests, report) -> None:
         assign(model, cur[state.facility])
         fed.trained(per_rank_tokens(state.facility, done))
         for k in counted:
-            counted[k] = [c + per_rank_tokens(f, done) * state.layout.facility_sizes[f] for f, c in enumerate(counted[k])]
+            counted[k] = [
+                c + per_rank_tokens(f, done) * state.layout.facility_sizes[f] for f, c in enumerate(counted[k])
+            ]
         records = fed.finish_due(done, adjust, index=index)
         synced = {2: [0], 4: [1], 6: [0], 8: [1], 10: [0], 12: [0, 1]}.get(done, [])  # offsets 2 and 4, by hand
         if [r["fragment"] for r in records] != synced:
@@ -473,8 +509,15 @@ def run_layouts(layouts: list[dict]) -> dict:
         # overlap=True: the streaming checks build a StreamingFederation with overlap_steps > 0
         overlap = "streaming" in lay["checks"]
         state = build_state(plan_layout(env.world_size, lay["federated"], lay["hsdp"]), env, overlap=overlap)
-        out = {"outer_cases": 0, "plain_cases": 0, "gossip_cases": 0, "compression_cases": 0, "sync_cases": 0, "streaming_cases": 0,
-               "compressed_bytes": {}}
+        out = {
+            "outer_cases": 0,
+            "plain_cases": 0,
+            "gossip_cases": 0,
+            "compression_cases": 0,
+            "sync_cases": 0,
+            "streaming_cases": 0,
+            "compressed_bytes": {},
+        }
         digests: list = []
         for what in lay["checks"]:
             if what == "outer":

@@ -114,9 +114,13 @@ def ddp_cases(cases, iterations=3, lr=0.1):
     for case in cases:
         model = mlp(rank) if case.get("mlp") else Fixed(seed=rank)  # different per rank: rank 0's must win
         ddp = DecentralizedDataParallel(
-            model, lambda named: torch.optim.SGD([p for _, p in named], lr=lr), topology=case["topology"],
-            param_as_bucket_view=case["view"], bucket_size_in_mb=case["bucket_mb"],
-            local_world_size=case.get("local", 1))
+            model,
+            lambda named: torch.optim.SGD([p for _, p in named], lr=lr),
+            topology=case["topology"],
+            param_as_bucket_view=case["view"],
+            bucket_size_in_mb=case["bucket_mb"],
+            local_world_size=case.get("local", 1),
+        )
         for it in range(1, iterations + 1):
             if case.get("mlp"):
                 x, y = mlp_batch(rank, it)
@@ -135,12 +139,20 @@ def ddp_cases(cases, iterations=3, lr=0.1):
         distance = P.consensus_distance(model)
         pcomm.CONSENSUS_CHUNK = chunk
         ddp.global_avg()
-        out.append({"trained": trained, "avg": _params(model), "buckets": len(ddp.optimizers),
-                    "hierarchical": ddp._thread is not None,
-                    "consensus": distance, "consensus_after": P.consensus_distance(ddp)})
+        out.append(
+            {
+                "trained": trained,
+                "avg": _params(model),
+                "buckets": len(ddp.optimizers),
+                "hierarchical": ddp._thread is not None,
+                "consensus": distance,
+                "consensus_after": P.consensus_distance(ddp),
+            }
+        )
     # Every rank must trace the same parameter order: rank 1 runs the sum in reverse.
-    ddp = DecentralizedDataParallel(Fixed(0), lambda named: torch.optim.SGD([p for _, p in named], lr=lr),
-                                    bucket_size_in_mb=1)
+    ddp = DecentralizedDataParallel(
+        Fixed(0), lambda named: torch.optim.SGD([p for _, p in named], lr=lr), bucket_size_in_mb=1
+    )
     try:
         for it in range(2):
             ddp(coefs(rank, it), reverse=rank == 1).backward()
@@ -150,8 +162,12 @@ def ddp_cases(cases, iterations=3, lr=0.1):
     out.append(error)
     # alternating-exp-ring over nodes of unequal size (3 + 1): the same error on every rank, no hang.
     try:
-        DecentralizedDataParallel(Fixed(0), lambda named: torch.optim.SGD([p for _, p in named], lr=lr),
-                                  topology="alternating-exp-ring", local_world_size=[3, 3, 3, 1][rank])
+        DecentralizedDataParallel(
+            Fixed(0),
+            lambda named: torch.optim.SGD([p for _, p in named], lr=lr),
+            topology="alternating-exp-ring",
+            local_world_size=[3, 3, 3, 1][rank],
+        )
         error = None
     except ValueError as exc:
         error = str(exc)
@@ -237,8 +253,11 @@ def switch(lr=0.05):
     model = Fixed(seed=rank)
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     wrapped = P.with_algorithm(model, opt, P.GradientAllReduce(), local_world_size=2)
-    phases = [P.Decentralized(hierarchical=False, peer_selection_mode="shift_one"),
-              P.LowPrecisionDecentralized(hierarchical=True), P.GradientAllReduce(hierarchical=True)]
+    phases = [
+        P.Decentralized(hierarchical=False, peer_selection_mode="shift_one"),
+        P.LowPrecisionDecentralized(hierarchical=True),
+        P.GradientAllReduce(hierarchical=True),
+    ]
     it, report = 0, []
     for nxt in [None] + phases:
         if nxt is not None:

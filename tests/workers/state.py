@@ -29,10 +29,22 @@ def state_membership(federated, hsdp, streams):
         "sender": [[ranks_and_sum(g) for g in p.groups] for p in state.sender_exchanges],
         "describe": state.describe(),
         # Every group by name: the members and a sum over them (None: this rank is no member).
-        "named": {name: [None if state.group(name, k) is None else ranks_and_sum(state.group(name, k))
-                         for k in range(streams)]
-                  for name in ("world", "facility", "replica", "shard", "peers", "senders", "background",
-                               "overlap_peers", "overlap_replicas")},
+        "named": {
+            name: [
+                None if state.group(name, k) is None else ranks_and_sum(state.group(name, k)) for k in range(streams)
+            ]
+            for name in (
+                "world",
+                "facility",
+                "replica",
+                "shard",
+                "peers",
+                "senders",
+                "background",
+                "overlap_peers",
+                "overlap_replicas",
+            )
+        },
     }
     dist.destroy_process_group()
     return out

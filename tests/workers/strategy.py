@@ -230,7 +230,10 @@ def run_layouts(layouts: list[dict], properties: bool = False) -> dict:
         if properties and k == 0:
             report["properties"] = check_properties(state)
         run_cases(
-            state, out, tuple(spec.get("names", STRATEGIES)), tuple(spec["weights"]),
+            state,
+            out,
+            tuple(spec.get("names", STRATEGIES)),
+            tuple(spec["weights"]),
             dtypes=tuple(getattr(torch, d) for d in spec.get("dtypes", ("float32", "bfloat16"))),
             contiguous=spec.get("contiguous", False),
         )
@@ -302,8 +305,7 @@ def check_properties(state) -> dict:
             raise AssertionError(f"only: {name} changed although it was not selected")
     if {names[i] for i in only.selected} != chosen:
         raise AssertionError(f"only selected {[names[i] for i in only.selected]}")
-    return {"only_bytes_per_rank": result.bytes_per_rank,
-            "only_cross_facility_bytes": result.cross_facility_bytes}
+    return {"only_bytes_per_rank": result.bytes_per_rank, "only_cross_facility_bytes": result.cross_facility_bytes}
 
 
 def check_contiguous_forward(state, weights) -> dict:
@@ -330,8 +332,14 @@ def check_contiguous_forward(state, weights) -> dict:
         model.reshard()
     moved = contiguous_shards(model, S)
     if not moved or (S > 1 and all(even)):
-        raise AssertionError(f"shards of {S}: need moved (and, over S > 1, padded) parameters, moved {moved} bytes, even {even}")
-    flat = {p.to_local().untyped_storage().data_ptr() for p, e in zip(model.parameters(), even) if e and p.to_local().numel()}
+        raise AssertionError(
+            f"shards of {S}: need moved (and, over S > 1, padded) parameters, moved {moved} bytes, even {even}"
+        )
+    flat = {
+        p.to_local().untyped_storage().data_ptr()
+        for p, e in zip(model.parameters(), even)
+        if e and p.to_local().numel()
+    }
     if len(flat) != 1:
         raise AssertionError(f"evenly sharded parameters should share one buffer, found {len(flat)} storages")
     plain = []
@@ -352,10 +360,14 @@ def check_contiguous_forward(state, weights) -> dict:
             seen[prefix + n] = p.detach().clone()
 
     module_names = {m: (n + "." if n else "") for n, m in model.named_modules()}
-    hooks = [m.register_forward_pre_hook(record) for m in model.modules() if any(True for _ in m.parameters(recurse=False))]
+    hooks = [
+        m.register_forward_pre_hook(record) for m in model.modules() if any(True for _ in m.parameters(recurse=False))
+    ]
     spread = 0.0
     for round_ in range(2):
-        tokens = [torch.randint(0, 9, (2, 5), generator=torch.Generator().manual_seed(100 * round_ + f)) for f in range(F)]
+        tokens = [
+            torch.randint(0, 9, (2, 5), generator=torch.Generator().manual_seed(100 * round_ + f)) for f in range(F)
+        ]
         # Local step: every rank of facility f on f's tokens (its shard group averages the
         # identical gradients); plain model f the same.
         model(tokens[state.facility]).pow(2).mean().backward()
@@ -388,7 +400,9 @@ def check_contiguous_forward(state, weights) -> dict:
                 raise AssertionError(f"round {round_}: the forward did not see {name} unsharded")
             mine = torch.chunk(full, S)[state.shard] if state.shard < len(torch.chunk(full, S)) else full[:0]
             if not torch.equal(mine, p.to_local()):
-                raise AssertionError(f"round {round_}: FSDP's forward sees stale values of {name}, not what the aggregation wrote")
+                raise AssertionError(
+                    f"round {round_}: FSDP's forward sees stale values of {name}, not what the aggregation wrote"
+                )
             if not torch.allclose(full.double(), mean, rtol=1e-5, atol=1e-6):
                 raise AssertionError(f"round {round_}: FSDP's forward sees {name} away from the weighted mean")
         if not torch.allclose(got, ref, rtol=1e-5, atol=1e-6):

@@ -37,31 +37,49 @@ def grad_accum_cases(federated, hsdp, cases, timeout_s):
     init_default_group(env, "auto")  # as under torchrun: the group exists before the config is known
     state = build_state(plan_layout(env.world_size, federated, hsdp), env, timeout_s=timeout_s)
     default = dist.distributed_c10d._get_default_group()
-    out = {"timeout_s": default._get_backend(torch.device("cpu")).options._timeout.total_seconds(),
-           "backend": state.backend, "cases": []}
-    ocfg = OptimConfig.from_mapping({"name": "adamw", "lr": 1e-2, "weight_decay": 0.1, "betas": [0.9, 0.95],
-                                     "eps": 1e-4})  # a first Adam step is ~lr*sign(g): eps keeps it well-conditioned
+    out = {
+        "timeout_s": default._get_backend(torch.device("cpu")).options._timeout.total_seconds(),
+        "backend": state.backend,
+        "cases": [],
+    }
+    ocfg = OptimConfig.from_mapping(
+        {"name": "adamw", "lr": 1e-2, "weight_decay": 0.1, "betas": [0.9, 0.95], "eps": 1e-4}
+    )  # a first Adam step is ~lr*sign(g): eps keeps it well-conditioned
     for accum, batch, ac, chunk in cases:
         model = build_model(LlamaConfig.from_mapping(MODEL), seed=3)
         shard_model(model, state)
         contiguous_shards(model, state.shard_size)
-        tcfg = TrainConfig.from_mapping({"steps": 1, "batch_size": batch, "seq_len": SEQ, "grad_accum": accum,
-                                         "activation_checkpointing": ac, "loss_chunk": chunk})
+        tcfg = TrainConfig.from_mapping(
+            {
+                "steps": 1,
+                "batch_size": batch,
+                "seq_len": SEQ,
+                "grad_accum": accum,
+                "activation_checkpointing": ac,
+                "loss_chunk": chunk,
+            }
+        )
         inputs, targets = rank_sequences(env.rank, accum * batch)
         seen_early_grad = []
 
-        def micro(i):
+        def micro(i, model=model, inputs=inputs, targets=targets, batch=batch, seen_early_grad=seen_early_grad):
             if i == 1:  # the first micro-batch's backward is done: nothing may have been reduced
                 seen_early_grad.append(any(p.grad is not None for p in model.parameters()))
-            return inputs[i * batch:(i + 1) * batch], targets[i * batch:(i + 1) * batch]
+            return inputs[i * batch : (i + 1) * batch], targets[i * batch : (i + 1) * batch]
 
         loss = accumulate_gradients(model, micro, tcfg, state.device)
         grads = {n: p.grad.full_tensor().clone() for n, p in model.named_parameters()}
         optimizer = build_optimizer(model, ocfg)
         optimizer.step()
         params = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
-        out["cases"].append({"early_grad": bool(seen_early_grad and seen_early_grad[0]), "loss": float(loss),
-                             "grads": grads, "params": params})
+        out["cases"].append(
+            {
+                "early_grad": bool(seen_early_grad and seen_early_grad[0]),
+                "loss": float(loss),
+                "grads": grads,
+                "params": params,
+            }
+        )
     dist.destroy_process_group()
     return out
 

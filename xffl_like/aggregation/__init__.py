@@ -11,9 +11,9 @@ check, MPI transport), :mod:`.builders` (``build_strategy``), :mod:`.strategy` (
 
 from .backend import check_collective
 from .builders import build_strategy
+from .executor import AggregationResult, aggregate, facility_scale
 from .options import select_parameters, strategy_config, validate_strategy_options
 from .planners import STRATEGIES
-from .executor import AggregationResult, aggregate, facility_scale
 from .strategy import Communication, Strategy
 
 __all__ = [

@@ -32,7 +32,7 @@ def reduce_op(backend: str) -> str:
     return "sum"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def gloo_has_avg() -> bool:
     """Whether this torch's gloo supports ReduceOp.AVG, asked of a local one-rank group
     (no communication, so every rank gets the same answer without agreeing on it)."""
@@ -79,7 +79,7 @@ def mpi_communicator(state):
     return _private_world()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _private_world():
     # One duplicate of MPI_COMM_WORLD per process, shared by all strategies: their tags meet
     # no one else's messages, and a round completes before the next starts.

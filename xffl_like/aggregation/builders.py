@@ -35,7 +35,9 @@ def build_strategy(model: nn.Module, state, options: StrategyConfig, *, collecti
     opts = normalise_strategy(options)
     if opts.transport == "mpi":  # MPI carries the exchange's messages; there is no MPI all-reduce path
         if collective not in (None, "exchange"):
-            raise ValueError(f"collective={collective!r} with strategy.transport=mpi: the mpi transport runs the exchange")
+            raise ValueError(
+                f"collective={collective!r} with strategy.transport=mpi: the mpi transport runs the exchange"
+            )
         collective = "exchange"
     if collective is None:
         collective = "exchange" if state.backend == "gloo" else "all_reduce"
@@ -53,7 +55,9 @@ def build_strategy(model: nn.Module, state, options: StrategyConfig, *, collecti
     locals_ = [(i, local_shard(named[i][1])) for i in selected]
     for i, local in locals_:
         if not local.is_contiguous():
-            raise ValueError(f"parameter {named[i][0]!r} has a non-contiguous local shard: cannot aggregate it in place")
+            raise ValueError(
+                f"parameter {named[i][0]!r} has a non-contiguous local shard: cannot aggregate it in place"
+            )
     model_bytes = sum(named[i][1].numel() * named[i][1].element_size() for i in selected)
 
     layout = state.layout
@@ -68,9 +72,20 @@ def build_strategy(model: nn.Module, state, options: StrategyConfig, *, collecti
             owner = layout.chunk_owner(facility, c) if split else 0
             for group, stream in builder.plan(segments, opts.streams, cap):
                 communications.append(
-                    _communication(group, stream, c, owner, layout.rank_of(facility, owner, state.shard),
-                                   owner == replica, state.num_replicas > 1, builder.packing,
-                                   collective, facility, state.num_facilities, opts.transport)
+                    _communication(
+                        group,
+                        stream,
+                        c,
+                        owner,
+                        layout.rank_of(facility, owner, state.shard),
+                        owner == replica,
+                        state.num_replicas > 1,
+                        builder.packing,
+                        collective,
+                        facility,
+                        state.num_facilities,
+                        opts.transport,
+                    )
                 )
     return Strategy(
         name=opts.name,
@@ -91,10 +106,20 @@ def build_strategy(model: nn.Module, state, options: StrategyConfig, *, collecti
     )
 
 
-
-def _communication(group: list[Segment], stream: int, chunk: int, owner: int, source: int,
-                   reduce: bool, broadcast: bool, packing: str, collective: str,
-                   facility: int, num_facilities: int, transport: str = "torch") -> Communication:
+def _communication(
+    group: list[Segment],
+    stream: int,
+    chunk: int,
+    owner: int,
+    source: int,
+    reduce: bool,
+    broadcast: bool,
+    packing: str,
+    collective: str,
+    facility: int,
+    num_facilities: int,
+    transport: str = "torch",
+) -> Communication:
     tensors = tuple(s.tensor for s in group)
     device = group[0].tensor.device
     numel = sum(s.stop - s.start for s in group)

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -51,7 +51,9 @@ def facility_scale(state, weights: Sequence[float] | None) -> float:
     if weights is None:
         return 1.0 / state.num_facilities
     if len(weights) != state.num_facilities or any(w < 0 for w in weights) or sum(weights) <= 0:
-        raise ValueError(f"need {state.num_facilities} non-negative facility weights with a positive sum, got {list(weights)}")
+        raise ValueError(
+            f"need {state.num_facilities} non-negative facility weights with a positive sum, got {list(weights)}"
+        )
     return float(weights[state.facility]) / float(sum(weights))
 
 
@@ -176,7 +178,7 @@ class _Exchange:
         self.arriving = [self._recv(t, j, 0) for t, j in zip(self.received, self.peers)]
         self.parts = self.scattered = self.results = self.gathered = None
 
-    def start(self, flat) -> "_Exchange":
+    def start(self, flat) -> _Exchange:
         """Send this rank's parts of ``flat`` (``numel`` elements) to their reducers."""
         assert flat.numel() == self.numel, (flat.numel(), self.numel)
         self.parts = [flat[a:b] for a, b in parts(self.numel, self.num_peers)]
@@ -249,13 +251,17 @@ def _exchanges(strategy: Strategy, comms, peers: dict, scales, me: int) -> dict[
     out = {}
     for k, comm in enumerate(comms):
         packing = _wire_packing(strategy, comm)
-        if not comm.reduce or (strategy.transport != "mpi" and (strategy.collective != "exchange"
-                                                                or packing == "coalesced")):
+        if not comm.reduce or (
+            strategy.transport != "mpi" and (strategy.collective != "exchange" or packing == "coalesced")
+        ):
             continue
         peer = peers[comm.chunk]
         ranks = peer.exchange.ranks
-        links = (_MpiLinks(strategy.mpi_comm, ranks) if strategy.transport == "mpi"
-                 else _TorchLinks(peer.groups[comm.stream], ranks))
+        links = (
+            _MpiLinks(strategy.mpi_comm, ranks)
+            if strategy.transport == "mpi"
+            else _TorchLinks(peer.groups[comm.stream], ranks)
+        )
         out[k] = _Exchange(comm.numel, comm.scratch, links, len(ranks), me, scales, k)
     return out
 
@@ -309,7 +315,11 @@ def aggregate(strategy: Strategy, state, weights: Sequence[float] | None = None)
                 exchange = exchanges.get(k)
                 # an exchange applies the weights itself
                 wire = _pack(comm, None if exchange else prescale, False, _wire_packing(strategy, comm))
-                work = exchange.start(wire.view(-1)) if exchange else _AllReduce(wire, peers[comm.chunk].groups[comm.stream], op)
+                work = (
+                    exchange.start(wire.view(-1))
+                    if exchange
+                    else _AllReduce(wire, peers[comm.chunk].groups[comm.stream], op)
+                )
                 reductions[k] = (wire, work)
     for k, (_, work) in reductions.items():  # exchanges: reduce what arrived, send it back
         with on(comms[k]):

@@ -9,11 +9,11 @@ No process group is touched (``transport=mpi`` is checked without initialising M
 
 from __future__ import annotations
 
-import math
-
 import dataclasses
 import fnmatch
-from typing import Any, Mapping, Sequence
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from torch import nn
 
@@ -73,17 +73,21 @@ def validate_strategy_options(
     Build the section from a plain mapping with :func:`strategy_config` first.
     """
     if not isinstance(options, StrategyConfig):
-        raise TypeError(f"validate_strategy_options takes a StrategyConfig (strategy_config(mapping) builds one), "
-                        f"got {type(options).__name__}")
+        raise TypeError(
+            f"validate_strategy_options takes a StrategyConfig (strategy_config(mapping) builds one), "
+            f"got {type(options).__name__}"
+        )
     cfg = options
     if cfg.name not in BUILDERS:
         raise ValueError(f"unknown strategy name {cfg.name!r}: valid names are {list(STRATEGIES)}")
     if not is_int(cfg.streams) or cfg.streams < 1:
         raise ValueError(f"strategy.streams={cfg.streams!r}: need an integer of at least 1")
     if cfg.streams > MAX_STREAMS:
-        raise ValueError(f"strategy.streams={cfg.streams}: at most {MAX_STREAMS} (every stream is one more process group "
-                         f"per facility, replica group and exchange, each created by every rank before training); "
-                         f"use strategy.streams<={MAX_STREAMS}")
+        raise ValueError(
+            f"strategy.streams={cfg.streams}: at most {MAX_STREAMS} (every stream is one more process group "
+            f"per facility, replica group and exchange, each created by every rank before training); "
+            f"use strategy.streams<={MAX_STREAMS}"
+        )
     if not is_number(cfg.bucket_mb) or not cfg.bucket_mb > 0 or not math.isfinite(cfg.bucket_mb):
         raise ValueError(f"strategy.bucket_mb={cfg.bucket_mb!r}: need a positive number of megabytes")
     if cfg.mode not in AGGREGATION_MODES:
@@ -94,7 +98,10 @@ def validate_strategy_options(
             only = [only]
         only = tuple(only)
         if not only or not all(isinstance(p, str) and p for p in only):
-            raise ValueError(f"strategy.only={list(only)}: need a non-empty list of parameter-name globs or module class names, or null")
+            raise ValueError(
+                f"strategy.only={list(only)}: need a non-empty list of parameter-name globs or module class names, "
+                "or null"
+            )
     if cfg.transport not in TRANSPORTS:
         raise ValueError(f"strategy.transport={cfg.transport!r}: valid transports are {list(TRANSPORTS)}")
     if cfg.transport == "mpi":
@@ -140,7 +147,5 @@ def select_parameters(model: nn.Module, only: Sequence[str] | None) -> tuple[int
         return tuple(range(len(names)))
     classes = _owner_classes(model)
     return tuple(
-        i
-        for i, n in enumerate(names)
-        if any(fnmatch.fnmatchcase(n, p) or p in classes.get(n, ()) for p in only)
+        i for i, n in enumerate(names) if any(fnmatch.fnmatchcase(n, p) or p in classes.get(n, ()) for p in only)
     )

@@ -10,8 +10,9 @@ plan from the same local shapes, so their collectives match one to one.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, NamedTuple, Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -150,8 +151,12 @@ def adjacent(tensors: Sequence[torch.Tensor]) -> bool:
     first = tensors[0]
     offset = first.storage_offset()
     for t in tensors:
-        if (t.dtype != first.dtype or not t.is_contiguous() or t.storage_offset() != offset
-                or t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()):
+        if (
+            t.dtype != first.dtype
+            or not t.is_contiguous()
+            or t.storage_offset() != offset
+            or t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+        ):
             return False
         offset += t.numel()
     return True
@@ -197,13 +202,31 @@ BUILDERS: dict[str, Builder] = {
     b.name: b
     for b in (
         Builder("layer_by_layer", "inplace", _layer_by_layer, "one collective per parameter, streams round-robin"),
-        Builder("layer_by_layer_optimized", "inplace", _layer_by_layer_optimized, "one collective per parameter, balanced by size over streams"),
+        Builder(
+            "layer_by_layer_optimized",
+            "inplace",
+            _layer_by_layer_optimized,
+            "one collective per parameter, balanced by size over streams",
+        ),
         Builder("bucket_flatten", "flatten", _bucket, "buckets of ~bucket_mb flattened with torch.cat each round"),
         Builder("bucket_coalesced", "coalesced", _bucket, "buckets of ~bucket_mb as coalesced lists"),
-        Builder("bucket_optimized_flatten", "flatten", _bucket_optimized, "flattened buckets balanced by size over streams"),
-        Builder("bucket_optimized_coalesced", "coalesced", _bucket_optimized, "coalesced buckets balanced by size over streams"),
+        Builder(
+            "bucket_optimized_flatten", "flatten", _bucket_optimized, "flattened buckets balanced by size over streams"
+        ),
+        Builder(
+            "bucket_optimized_coalesced",
+            "coalesced",
+            _bucket_optimized,
+            "coalesced buckets balanced by size over streams",
+        ),
         Builder("stacked", "stack", _stacked, "same-shape parameters stacked into one tensor"),
-        Builder("fused", "persistent", _fused, "bucket_mb buckets reduced where they lie (one view each over contiguous shards); otherwise small parameters staged in persistent buffers"),
+        Builder(
+            "fused",
+            "persistent",
+            _fused,
+            "bucket_mb buckets reduced where they lie (one view each over contiguous shards); "
+            "otherwise small parameters staged in persistent buffers",
+        ),
     )
 }
 STRATEGIES: tuple[str, ...] = tuple(BUILDERS)

@@ -104,10 +104,14 @@ def _validate(plain: dict) -> list[dict]:
         )
     weights = bench.get("weights")
     if weights is not None and (
-        not isinstance(weights, list) or len(weights) != layout.num_facilities
-        or any(not is_number(w) or w < 0 for w in weights) or sum(weights) <= 0
+        not isinstance(weights, list)
+        or len(weights) != layout.num_facilities
+        or any(not is_number(w) or w < 0 for w in weights)
+        or sum(weights) <= 0
     ):
-        raise BenchFailed(f"bench.weights={weights!r}: null or {layout.num_facilities} non-negative numbers with a positive sum")
+        raise BenchFailed(
+            f"bench.weights={weights!r}: null or {layout.num_facilities} non-negative numbers with a positive sum"
+        )
     try:
         names = [n for n, _ in build_model(LlamaConfig.from_mapping(plain["model"]), device="meta").named_parameters()]
         specs = _strategy_specs(plain)
@@ -144,7 +148,8 @@ def format_table(report: dict) -> str:
     rows = sorted(report["results"].items(), key=lambda kv: kv[1]["ratio_to_limit"])
     head = (
         f"{'strategy':<28} {'streams':>7} {'median ms':>10} {'p90 ms':>8} {'limit ms':>9} {'ratio':>6} "
-        f"{'(a) ms':>7} {'(b) ms':>7} {'floor ms':>9} {'of floor':>8} {'algbw GB/s':>10} {'busbw GB/s':>10} {'peak MB':>8}"
+        f"{'(a) ms':>7} {'(b) ms':>7} {'floor ms':>9} {'of floor':>8} "
+        f"{'algbw GB/s':>10} {'busbw GB/s':>10} {'peak MB':>8}"
     )
     lines = [report["setup"], head, "-" * len(head)]
     for name, r in rows:
@@ -157,7 +162,8 @@ def format_table(report: dict) -> str:
     if rows:
         bw = statistics.median(r["p2p_bandwidth_GBps"] for _, r in rows)
         lines.append(
-            f"limit: the faster of (a) one ring all-reduce and (b) one p2p exchange of a flat buffer of the same bytes; "
+            f"limit: the faster of (a) one ring all-reduce and (b) one p2p exchange "
+            f"of a flat buffer of the same bytes; "
             f"floor: 2(n-1)/n x bytes at the measured p2p rate ({bw:.2f} GB/s per direction, median over strategies); "
             f"'of floor': floor / median (1 = at the floor)"
         )
@@ -391,7 +397,13 @@ def _time_strategy(model, state, spec: dict, bench: dict) -> dict:
             refs.append(measured)
     peak = _memory_peak(state.device) - base - limits.nbytes
     limit_bytes = sum(f.numel() * f.element_size() for f, _ in limits.items)
-    mine = {"times": times, "refs": refs, "bytes": strategy.bytes_per_rank, "limit_bytes": limit_bytes, "peak": max(0, peak)}
+    mine = {
+        "times": times,
+        "refs": refs,
+        "bytes": strategy.bytes_per_rank,
+        "limit_bytes": limit_bytes,
+        "peak": max(0, peak),
+    }
     cross_facility_bytes, collective = strategy.cross_facility_bytes, strategy.collective
     everyone: list = [None] * state.world_size
     dist.all_gather_object(everyone, mine)

@@ -52,8 +52,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
     model_cfg = OmegaConf.load(MODEL_DIR / f"{args.model}.yaml")
     model = build_model(LlamaConfig.from_mapping(model_cfg), seed=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    common = dict(vocab_size=model_cfg.vocab_size, seq_len=args.seq_len, batch_size=args.batch_size, seed=0,
-                  facility=0, num_facilities=2, facility_rank=0, facility_size=1)
+    common = dict(
+        vocab_size=model_cfg.vocab_size,
+        seq_len=args.seq_len,
+        batch_size=args.batch_size,
+        seed=0,
+        facility=0,
+        num_facilities=2,
+        facility_rank=0,
+        facility_size=1,
+    )
     sources = {"synthetic": build_data(DataConfig(name="synthetic", num_eval_batches=1, non_iid=0.5), **common)}
     if args.text:
         text = DataConfig(name="text", path=str(Path(args.text).resolve()), num_eval_batches=1)
@@ -73,7 +81,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(f"model {args.model}, batch {args.batch_size} x {args.seq_len} tokens, 1 thread; medians of {args.repeats}")
     for name, source in sources.items():
         data_s = _median_seconds(source.train_batch, args.repeats)
-        rows.append({"source": name, "batch_ms": data_s * 1e3, "step_ms": step_s * 1e3, "data_per_step": data_s / step_s})
+        rows.append(
+            {"source": name, "batch_ms": data_s * 1e3, "step_ms": step_s * 1e3, "data_per_step": data_s / step_s}
+        )
         print(f"{name:<10} {data_s * 1e3:8.2f} ms/batch  {step_s * 1e3:8.1f} ms/step  data/step {data_s / step_s:.3f}")
     return rows
 

@@ -18,9 +18,11 @@ start-up alone would slow facility 0). Scenarios, one after the other, each with
 - ``heal``: ``bench.elastic.heal_overrides`` (``model=llama_bench``): facility 1 starts late, the round
   in which facility 0 heals it is measured on the link.
 
-Figures: the target is the higher of ``alone``'s and ``baseline``'s final eval losses; each scenario's time to it (facility 0's eval
+Figures: the target is the higher of ``alone``'s and ``baseline``'s final eval losses; each scenario's time
+to it (facility 0's eval
 losses after each round, from the start of its training) and the step at which it got there (what
-other work on the machine does not change; each scenario's load average is printed beside it); the survivors' stall (from the kill to
+other work on the machine does not change; each scenario's load average is printed beside it); the
+survivors' stall (from the kill to
 facility 0's next committed round, from the rounds' dump times, ``XFFL_TEST_DUMP_ROUNDS``) against
 ``timeout_s`` + one round of the baseline; the heal's round time (facility 0's record of the round in
 which it healed facility 1) against twice the bytes the link carried then (interface counters) at line
@@ -46,10 +48,24 @@ _LIGHTHOUSE_PORT = 29610
 
 
 def _start_lighthouse(service: Facility, port: int, heartbeat_s: float, log: Path) -> subprocess.Popen:
-    proc = subprocess.Popen([*service.exec_prefix(), sys.executable, "-m", "xffl_like.lighthouse", "--port", str(port),
-                             "--bind", service.address, "--heartbeat-timeout-s", str(heartbeat_s)],
-                            stdout=open(log, "w"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            *service.exec_prefix(),
+            sys.executable,
+            "-m",
+            "xffl_like.lighthouse",
+            "--port",
+            str(port),
+            "--bind",
+            service.address,
+            "--heartbeat-timeout-s",
+            str(heartbeat_s),
+        ],
+        stdout=open(log, "w"),
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     deadline = time.time() + 120  # torchft's import alone can take tens of seconds on a loaded machine
     while "lighthouse on" not in log.read_text():
         if proc.poll() is not None or time.time() > deadline:
@@ -75,8 +91,9 @@ class _Facility:
     """One facility's job in its namespace: start, kill its process group, start again. With ``cpus``,
     the job (its launcher and every worker it starts) runs on those CPUs only: a site's own machines."""
 
-    def __init__(self, fac: Facility, name: str, overrides: list[str], run_dir: Path, env: dict,
-                 cpus: list[int] | None = None):
+    def __init__(
+        self, fac: Facility, name: str, overrides: list[str], run_dir: Path, env: dict, cpus: list[int] | None = None
+    ):
         self.fac, self.name, self.overrides, self.run_dir, self.env = fac, name, overrides, run_dir, env
         self.cpus = cpus
         self.proc: subprocess.Popen | None = None
@@ -84,14 +101,27 @@ class _Facility:
 
     def start(self, extra: list[str] = ()) -> float:
         self.starts += 1
-        cmd = [*self.fac.exec_prefix(), sys.executable, "-m", "xffl_like.run", *self.overrides,
-               f"federation.elastic.facility={self.name}", f"hydra.run.dir={self.run_dir}", *extra]
+        cmd = [
+            *self.fac.exec_prefix(),
+            sys.executable,
+            "-m",
+            "xffl_like.run",
+            *self.overrides,
+            f"federation.elastic.facility={self.name}",
+            f"hydra.run.dir={self.run_dir}",
+            *extra,
+        ]
         log = open(self.run_dir.parent / f"{self.name}.{self.starts}.log", "w")
         cpus = self.cpus
-        self.proc = subprocess.Popen(cmd, env={**os.environ, **self.env, "GLOO_SOCKET_IFNAME": self.fac.interface},
-                                     stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                     start_new_session=True,
-                                     preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
+        self.proc = subprocess.Popen(
+            cmd,
+            env={**os.environ, **self.env, "GLOO_SOCKET_IFNAME": self.fac.interface},
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
+        )
         return time.time()
 
     def kill(self) -> float:
@@ -126,17 +156,22 @@ def _curve(summary: dict) -> list[tuple[float, float, int]]:
     return [(e["time"] - t0, e["loss_global"][0], e["step"]) for e in summary["eval_history"] if e.get("loss_global")]
 
 
-def _scenario(name: str, network: Network, service: Facility, bench: dict, run_dir: Path,
-              sampler: CounterSampler, port: int) -> dict:
+def _scenario(
+    name: str, network: Network, service: Facility, bench: dict, run_dir: Path, sampler: CounterSampler, port: int
+) -> dict:
     e = bench["elastic"]
     dumps = run_dir / "dumps"
     heal = name == "heal"
-    common = [*bench["common"], *(e["heal_overrides"] if heal else e["overrides"]),
-              "distributed.federated=null", "distributed.hsdp=null",
-              f"distributed.nproc_per_node={bench['nproc_per_facility']}",
-              f"federation.elastic.lighthouse={service.address}:{port}",
-              f"federation.elastic.timeout_s={e['timeout_s']}",
-              f"federation.elastic.min_facilities={2 if name in ('baseline', 'kill') else 1}"]
+    common = [
+        *bench["common"],
+        *(e["heal_overrides"] if heal else e["overrides"]),
+        "distributed.federated=null",
+        "distributed.hsdp=null",
+        f"distributed.nproc_per_node={bench['nproc_per_facility']}",
+        f"federation.elastic.lighthouse={service.address}:{port}",
+        f"federation.elastic.timeout_s={e['timeout_s']}",
+        f"federation.elastic.min_facilities={2 if name in ('baseline', 'kill') else 1}",
+    ]
     if not heal:
         common += [f"train.steps={e['steps']}", f"federation.every={e['every']}", f"train.eval_every={e['every']}"]
     env = {"WANDB_MODE": "offline", "OMP_NUM_THREADS": str(bench["threads_per_process"])}
@@ -145,8 +180,10 @@ def _scenario(name: str, network: Network, service: Facility, bench: dict, run_d
     load = os.getloadavg()[0]  # the machine's: other work on it slows every facility alike
     lighthouse = _start_lighthouse(service, port, e["heartbeat_timeout_s"], run_dir / "lighthouse.log")
     shares = facility_cpus(2) if e.get("pin") else None
-    facilities = [_Facility(network.facilities[f], f"f{f}", common, run_dir / f"f{f}", env,
-                            shares[f] if shares else None) for f in range(2)]
+    facilities = [
+        _Facility(network.facilities[f], f"f{f}", common, run_dir / f"f{f}", env, shares[f] if shares else None)
+        for f in range(2)
+    ]
     out: dict = {"events": {}, "cpus": shares}
     deadline = time.time() + bench["timeout_s"]
     try:
@@ -211,9 +248,16 @@ def _heal(s0: dict, sampler: CounterSampler, bench: dict) -> dict:
     sent = 0.0
     if window:
         sent = max(b - a for a, b in zip(tx_at(sampler.samples, window[0]), tx_at(sampler.samples, window[1])))
-    return {"heal": {"step": step, "round_seconds": seconds, "link_bytes": int(sent),
-                     "transfer_seconds": window[1] - window[0] if window else None,
-                     "line_rate_seconds": sent / rate, "ratio_to_line_rate": seconds / (sent / rate) if sent else None}}
+    return {
+        "heal": {
+            "step": step,
+            "round_seconds": seconds,
+            "link_bytes": int(sent),
+            "transfer_seconds": window[1] - window[0] if window else None,
+            "line_rate_seconds": sent / rate,
+            "ratio_to_line_rate": seconds / (sent / rate) if sent else None,
+        }
+    }
 
 
 def _time_to(curve: list[tuple[float, float, int]], target: float) -> float | None:
@@ -247,8 +291,15 @@ def run_elastic(bench: dict, network: Network, sampler: CounterSampler, run_dir:
 
 def _elastic_report(bench: dict, results: dict, failures: dict) -> dict:
     e = bench["elastic"]
-    report = {"mode": "elastic", "link_mbit": bench["link_mbit"], "nproc_per_facility": bench["nproc_per_facility"],
-              "elastic": e, "results": results, "failures": failures, "goals": {}}
+    report = {
+        "mode": "elastic",
+        "link_mbit": bench["link_mbit"],
+        "nproc_per_facility": bench["nproc_per_facility"],
+        "elastic": e,
+        "results": results,
+        "failures": failures,
+        "goals": {},
+    }
     alone, base = results.get("alone"), results.get("baseline")
     finals = [r["curve"][-1][1] for r in (alone, base) if r and r["curve"]]
     target = max(finals) if finals else None  # the easier of the two: every scenario can reach it
@@ -257,7 +308,7 @@ def _elastic_report(bench: dict, results: dict, failures: dict) -> dict:
         r["time_to_target_seconds"] = _time_to(r["curve"], target) if target is not None else None
         r["steps_to_target"] = _steps_to(r["curve"], target) if target is not None else None
     ref = lambda key: results[key]["time_to_target_seconds"] if key in results else None  # noqa: E731
-    for name, r in results.items():
+    for _name, r in results.items():
         ttt = r["time_to_target_seconds"]
         r["x_baseline"] = ttt / ref("baseline") if ttt and ref("baseline") else None
         r["x_alone"] = ttt / ref("alone") if ttt and ref("alone") else None
@@ -266,17 +317,31 @@ def _elastic_report(bench: dict, results: dict, failures: dict) -> dict:
     if kill and base and kill.get("stall_seconds") is not None and base["round_seconds"]:
         one_round = base["train_seconds"] / max(1, len(base["round_seconds"]))  # local steps + round
         bound = float(e["timeout_s"]) + one_round
-        goals["stall"] = {"seconds": kill["stall_seconds"], "bound_seconds": bound,
-                          "ratio": kill["stall_seconds"] / bound, "goal": "<= 1"}
+        goals["stall"] = {
+            "seconds": kill["stall_seconds"],
+            "bound_seconds": bound,
+            "ratio": kill["stall_seconds"] / bound,
+            "goal": "<= 1",
+        }
     heal = (results.get("heal") or {}).get("heal")
     if heal and heal["ratio_to_line_rate"] is not None:
-        goals["heal"] = {"round_seconds": heal["round_seconds"], "link_bytes": heal["link_bytes"],
-                         "ratio": heal["ratio_to_line_rate"], "goal": "<= 2"}
+        goals["heal"] = {
+            "round_seconds": heal["round_seconds"],
+            "link_bytes": heal["link_bytes"],
+            "ratio": heal["ratio_to_line_rate"],
+            "goal": "<= 2",
+        }
     late = results.get("late")
     if late and alone and target is not None:  # seconds None: facility 0 never reached the target (goal not met)
-        goals["late"] = {"seconds": late["time_to_target_seconds"], "alone_seconds": alone["time_to_target_seconds"],
-                         "ratio": late["x_alone"], "final_eval_loss": late["curve"][-1][1] if late["curve"] else None,
-                         "steps": late["steps_to_target"], "alone_steps": alone["steps_to_target"], "goal": "<= 1"}
+        goals["late"] = {
+            "seconds": late["time_to_target_seconds"],
+            "alone_seconds": alone["time_to_target_seconds"],
+            "ratio": late["x_alone"],
+            "final_eval_loss": late["curve"][-1][1] if late["curve"] else None,
+            "steps": late["steps_to_target"],
+            "alone_steps": alone["steps_to_target"],
+            "goal": "<= 1",
+        }
     return report
 
 
@@ -284,50 +349,70 @@ def _cpus_line(report: dict) -> list[str]:
     shares = next((r["cpus"] for r in report["results"].values() if r.get("cpus")), None)
     if not shares:
         return []
-    return [" ".join(f"facility {f} on CPUs {','.join(map(str, c))};" for f, c in enumerate(shares))
-            + " the lighthouse on any", ""]
+    return [
+        " ".join(f"facility {f} on CPUs {','.join(map(str, c))};" for f, c in enumerate(shares))
+        + " the lighthouse on any",
+        "",
+    ]
 
 
 def format_elastic(report: dict) -> str:
     """The scenarios side by side, then the goals as ratios."""
+
     def fmt(v, spec=".2f"):
         return "-" if v is None else format(v, spec)
 
-    lines = [f"elastic federation, 2 facilities x {report['nproc_per_facility']} processes, link "
-             f"{report['link_mbit']:g} Mbit/s each way; target eval loss {fmt(report['target_eval_loss'], '.4f')} "
-             f"(the higher final of alone and baseline)", "",
-             *_cpus_line(report),
-             "| scenario | facility 0 train s | rounds | final eval loss | time to target s | x baseline | x alone | "
-             "step at target | load |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"elastic federation, 2 facilities x {report['nproc_per_facility']} processes, link "
+        f"{report['link_mbit']:g} Mbit/s each way; target eval loss {fmt(report['target_eval_loss'], '.4f')} "
+        f"(the higher final of alone and baseline)",
+        "",
+        *_cpus_line(report),
+        "| scenario | facility 0 train s | rounds | final eval loss | time to target s | x baseline | x alone | "
+        "step at target | load |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for name, r in report["results"].items():
         final = r["curve"][-1][1] if r["curve"] else None
         load = "-" if not r.get("load") else f"{r['load'][0]:.1f}-{r['load'][1]:.1f}"
-        lines.append(f"| {name} | {r['train_seconds']:.1f} | {len(r['round_seconds'])} | {fmt(final, '.4f')} | "
-                     f"{fmt(r['time_to_target_seconds'], '.1f')} | {fmt(r['x_baseline'], '.3f')} | "
-                     f"{fmt(r['x_alone'], '.3f')} | {fmt(r.get('steps_to_target'), 'd')} | {load} |")
+        lines.append(
+            f"| {name} | {r['train_seconds']:.1f} | {len(r['round_seconds'])} | {fmt(final, '.4f')} | "
+            f"{fmt(r['time_to_target_seconds'], '.1f')} | {fmt(r['x_baseline'], '.3f')} | "
+            f"{fmt(r['x_alone'], '.3f')} | {fmt(r.get('steps_to_target'), 'd')} | {load} |"
+        )
     if any(r.get("load") for r in report["results"].values()):
-        lines += ["", "load: the machine's 1-minute load average at the scenario's start and end, the benchmark's own "
-                      "processes included (about 2 per facility training); other work on the machine slows the "
-                      "facilities, the step at the target does not depend on it"]
+        lines += [
+            "",
+            "load: the machine's 1-minute load average at the scenario's start and end, the benchmark's own "
+            "processes included (about 2 per facility training); other work on the machine slows the "
+            "facilities, the step at the target does not depend on it",
+        ]
     g = report["goals"]
     lines.append("")
     if "stall" in g:
-        lines.append(f"survivors' stall after the kill: {g['stall']['seconds']:.1f} s, "
-                     f"{g['stall']['ratio']:.2f} x (timeout_s + one round = {g['stall']['bound_seconds']:.1f} s); goal <= 1")
+        lines.append(
+            f"survivors' stall after the kill: {g['stall']['seconds']:.1f} s, "
+            f"{g['stall']['ratio']:.2f} x (timeout_s + one round = {g['stall']['bound_seconds']:.1f} s); goal <= 1"
+        )
     if "heal" in g:
-        lines.append(f"heal round: {g['heal']['round_seconds']:.2f} s for {g['heal']['link_bytes'] / 1e6:.1f} MB on the "
-                     f"link, {g['heal']['ratio']:.2f} x those bytes at line rate; goal <= 2")
+        lines.append(
+            f"heal round: {g['heal']['round_seconds']:.2f} s for {g['heal']['link_bytes'] / 1e6:.1f} MB on the "
+            f"link, {g['heal']['ratio']:.2f} x those bytes at line rate; goal <= 2"
+        )
     if "late" in g:
         late, head = g["late"], f"facility 1 {report['elastic']['late_s']} s late: facility 0"
         if late["seconds"] is None:
-            lines.append(f"{head} did not reach the target {report['target_eval_loss']:.4f} (final eval loss "
-                         f"{fmt(late['final_eval_loss'], '.4f')}; alone at it in {fmt(late['alone_seconds'], '.1f')} s): "
-                         f"not reached; goal <= 1 x alone")
+            lines.append(
+                f"{head} did not reach the target {report['target_eval_loss']:.4f} (final eval loss "
+                f"{fmt(late['final_eval_loss'], '.4f')}; alone at it in {fmt(late['alone_seconds'], '.1f')} s): "
+                f"not reached; goal <= 1 x alone"
+            )
         else:
-            lines.append(f"{head} at the target in {late['seconds']:.1f} s, {fmt(late['ratio'])} x alone "
-                         f"({fmt(late['alone_seconds'], '.1f')} s); goal <= 1; at step {fmt(late['steps'], 'd')} "
-                         f"(alone: {fmt(late['alone_steps'], 'd')})")
+            lines.append(
+                f"{head} at the target in {late['seconds']:.1f} s, {fmt(late['ratio'])} x alone "
+                f"({fmt(late['alone_seconds'], '.1f')} s); goal <= 1; at step {fmt(late['steps'], 'd')} "
+                f"(alone: {fmt(late['alone_steps'], 'd')})"
+            )
     for name, why in report["failures"].items():
         lines.append(f"failed: {name}: {why}")
     return "\n".join(lines)

@@ -20,20 +20,36 @@ import subprocess
 import sys
 import tempfile
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 __all__ = ["CHECKS", "Result", "main", "run_check"]
 
 REPO = Path(__file__).resolve().parents[2]
 #: The main job, short: 8 steps, a round every 2.
-BASE = ["+experiment=llama_fed", "logger=none", "train.steps=8", "optim.warmup_steps=2", "federation.every=2",
-        "train.log_every=4", "train.seq_len=64", "train.batch_size=4"]
+BASE = [
+    "+experiment=llama_fed",
+    "logger=none",
+    "train.steps=8",
+    "optim.warmup_steps=2",
+    "federation.every=2",
+    "train.log_every=4",
+    "train.seq_len=64",
+    "train.batch_size=4",
+]
 ONE_GPU = ["distributed.nproc_per_node=1", "distributed.federated=null", "distributed.backend=nccl"]
 #: Dense bf16 tensor-core peak (FLOP/s) by the name torch reports, for MFU.
-PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "GH200": 989e12, "B200": 2250e12, "A100": 312e12, "L40S": 362e12,
-             "A10": 125e12, "L4": 121e12}
+PEAK_BF16 = {
+    "H100": 989e12,
+    "H200": 989e12,
+    "GH200": 989e12,
+    "B200": 2250e12,
+    "A100": 312e12,
+    "L40S": 362e12,
+    "A10": 125e12,
+    "L4": 121e12,
+}
 
 
 @dataclass
@@ -53,8 +69,14 @@ class JobError(RuntimeError):
 def job(args: list[str], run_dir: Path, timeout: int = 900) -> dict:
     """Run the CLI with ``args`` in ``run_dir``; its summary, or :class:`JobError` with its error line."""
     env = {**os.environ, "WANDB_MODE": "offline"}
-    proc = subprocess.run([sys.executable, "-m", "xffl_like.run", *args, f"hydra.run.dir={run_dir}"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, "-m", "xffl_like.run", *args, f"hydra.run.dir={run_dir}"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     if proc.returncode != 0:
         lines = [x for x in proc.stderr.splitlines() if x.strip()]
         errors = [x for x in lines if x.startswith("error:")]
@@ -69,8 +91,12 @@ def gpus() -> int:
 
 
 def ranks(n: int, federated: int | None = 1, hsdp: int | None = None) -> list[str]:
-    return [f"distributed.nproc_per_node={n}", f"distributed.federated={'null' if federated is None else federated}",
-            f"distributed.hsdp={'null' if hsdp is None else hsdp}", "distributed.backend=nccl"]
+    return [
+        f"distributed.nproc_per_node={n}",
+        f"distributed.federated={'null' if federated is None else federated}",
+        f"distributed.hsdp={'null' if hsdp is None else hsdp}",
+        "distributed.backend=nccl",
+    ]
 
 
 def _within(a: float, b: float, rel: float) -> bool:
@@ -80,10 +106,14 @@ def _within(a: float, b: float, rel: float) -> bool:
 # ---------------------------------------------------------------------- the checks
 def check_bf16(tmp: Path) -> Result:
     gpu = job([*BASE, *ONE_GPU, "train.dtype=bfloat16"], tmp / "gpu")["final_loss"]
-    cpu = job([*BASE, "distributed.nproc_per_node=1", "distributed.federated=null", "distributed.backend=gloo"],
-              tmp / "cpu")["final_loss"]
-    return Result("bf16", "PASS" if _within(gpu, cpu, 0.02) else "FAIL",
-                  f"final loss {gpu:.4f} (bf16, GPU) vs {cpu:.4f} (fp32, CPU): {100 * (gpu - cpu) / cpu:+.2f}% (limit 2%)")
+    cpu = job(
+        [*BASE, "distributed.nproc_per_node=1", "distributed.federated=null", "distributed.backend=gloo"], tmp / "cpu"
+    )["final_loss"]
+    return Result(
+        "bf16",
+        "PASS" if _within(gpu, cpu, 0.02) else "FAIL",
+        f"final loss {gpu:.4f} (bf16, GPU) vs {cpu:.4f} (fp32, CPU): {100 * (gpu - cpu) / cpu:+.2f}% (limit 2%)",
+    )
 
 
 def _multi(name: str, need: int, extra: list[str], check: Callable[[dict], tuple[bool, str]] | None = None):
@@ -98,8 +128,12 @@ def _multi(name: str, need: int, extra: list[str], check: Callable[[dict], tuple
         if divergence is not None and s.get("rounds"):
             ok = ok and divergence <= 1e-6
             figure = f"{figure}{', ' if figure else ''}copies agree to {divergence:.1e} after the last round"
-        return Result(name, "PASS" if ok else "FAIL", f"final loss {s['final_loss']:.4f}, {s['rounds']} rounds, "
-                      f"{s['tokens_per_second']:.0f} tokens/s{', ' + figure if figure else ''}")
+        return Result(
+            name,
+            "PASS" if ok else "FAIL",
+            f"final loss {s['final_loss']:.4f}, {s['rounds']} rounds, "
+            f"{s['tokens_per_second']:.0f} tokens/s{', ' + figure if figure else ''}",
+        )
 
     run.__name__ = f"check_{name}"
     return run
@@ -118,10 +152,13 @@ def check_checkpoint(tmp: Path) -> Result:
     same = not differ and killed["facility_losses"] == ref["facility_losses"]
     restarted = killed["checkpoints"]["restarts"] == 1 and killed["checkpoints"]["resumed_from"] is not None
     ok = same and restarted and ratio < 1.1
-    return Result("checkpoint", "PASS" if ok else "FAIL",
-                  f"peak during a save / before it {ratio:.3f} (limit 1.1) over {len(peaks)} saves; resumed after a "
-                  f"kill: {'bitwise equal' if same else f'{len(differ)} tensors differ (first {differ[:1]})'}"
-                  f"{'' if restarted else ', not restarted from a checkpoint'}")
+    return Result(
+        "checkpoint",
+        "PASS" if ok else "FAIL",
+        f"peak during a save / before it {ratio:.3f} (limit 1.1) over {len(peaks)} saves; resumed after a "
+        f"kill: {'bitwise equal' if same else f'{len(differ)} tensors differ (first {differ[:1]})'}"
+        f"{'' if restarted else ', not restarted from a checkpoint'}",
+    )
 
 
 def _equal(a, b) -> bool:
@@ -138,7 +175,9 @@ def final_tensors(run_dir: Path) -> dict:
 
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
-        nested = _load_state_dict_from_keys(storage_reader=SafeFileSystemReader(str(latest_checkpoint(run_dir / "checkpoints"))))
+        nested = _load_state_dict_from_keys(
+            storage_reader=SafeFileSystemReader(str(latest_checkpoint(run_dir / "checkpoints")))
+        )
 
     def flat(node, prefix=""):
         for key, value in node.items():
@@ -152,7 +191,9 @@ def check_meta_hf(tmp: Path) -> Result:
     s = job([*BASE, *ONE_GPU, "model.init=meta", "export.hf=true"], run)
     files = sorted(p.name for p in (run / "hf").glob("*")) if (run / "hf").is_dir() else []
     ok = "config.json" in files and any(f.endswith(".safetensors") for f in files)
-    return Result("meta_hf", "PASS" if ok else "FAIL", f"final loss {s['final_loss']:.4f}; hf/: {', '.join(files) or 'missing'}")
+    return Result(
+        "meta_hf", "PASS" if ok else "FAIL", f"final loss {s['final_loss']:.4f}; hf/: {', '.join(files) or 'missing'}"
+    )
 
 
 def parameters(model: str) -> int:
@@ -175,9 +216,23 @@ def peak_flops() -> float | None:
 def _throughput(model: str, seq: int, batch: int):
     def run(tmp: Path) -> Result:
         name = f"throughput_{model}"
-        s = job(["+experiment=llama_fed", "logger=none", *ONE_GPU, f"model={model}", "train.dtype=bfloat16",
-                 "train.activation_checkpointing=full", "train.steps=20", "optim.warmup_steps=2", "train.log_every=10",
-                 f"train.seq_len={seq}", f"train.batch_size={batch}", "checkpoint.async=false"], tmp / name)
+        s = job(
+            [
+                "+experiment=llama_fed",
+                "logger=none",
+                *ONE_GPU,
+                f"model={model}",
+                "train.dtype=bfloat16",
+                "train.activation_checkpointing=full",
+                "train.steps=20",
+                "optim.warmup_steps=2",
+                "train.log_every=10",
+                f"train.seq_len={seq}",
+                f"train.batch_size={batch}",
+                "checkpoint.async=false",
+            ],
+            tmp / name,
+        )
         tps, peak = s["tokens_per_second"], peak_flops()
         # 6 N FLOPs per token (forward and backward); recomputing the blocks adds 2 N that MFU does not count.
         mfu = f"MFU {6 * parameters(model) * tps / peak:.1%}" if peak else "MFU n/a (unknown GPU peak)"
@@ -193,8 +248,11 @@ CHECKS: dict[str, Callable[[Path], Result]] = {
     "hsdp": _multi("hsdp", 4, ranks(4, federated=2, hsdp=1)),
     "streams2": _multi("streams2", 2, [*ranks(2), "strategy=layer_by_layer", "strategy.streams=2"]),
     "uint8": _multi("uint8", 2, [*ranks(2), "federation.compression=uint8"]),
-    "streaming": _multi("streaming", 2, [*ranks(2), "train.steps=8", "federation.every=4", "federation.fragments=2",
-                                         "federation.overlap_steps=1"]),
+    "streaming": _multi(
+        "streaming",
+        2,
+        [*ranks(2), "train.steps=8", "federation.every=4", "federation.fragments=2", "federation.overlap_steps=1"],
+    ),
     "decentralized": _multi("decentralized", 2, [*ranks(2, federated=None), "parallel=decentralized"]),
     "bagua": _multi("bagua", 2, [*ranks(2, federated=None), "parallel=bagua"]),
     "checkpoint": check_checkpoint,

@@ -31,13 +31,27 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
-__all__ = ["NetnsError", "Facility", "Network", "CounterSampler", "facility_cpus", "unavailable", "sweep_stale", "cleanup_on_signals",
-           "launch_torchrun", "wait_launchers", "tx_at", "busy_window", "SUBNET", "WAN_SYSCTLS"]
+__all__ = [
+    "NetnsError",
+    "Facility",
+    "Network",
+    "CounterSampler",
+    "facility_cpus",
+    "unavailable",
+    "sweep_stale",
+    "cleanup_on_signals",
+    "launch_torchrun",
+    "wait_launchers",
+    "tx_at",
+    "busy_window",
+    "SUBNET",
+    "WAN_SYSCTLS",
+]
 
 SUBNET = "10.77.0"
 #: Per-namespace settings of every facility (see the module's docstring): key -> value.
@@ -135,8 +149,25 @@ def _tbf(namespace: str, interface: str, mbit: float) -> None:
     # The bucket must hold at least one timer tick of traffic at the rate, or the shaper
     # cannot reach it: 10 ms worth, at least 32 kbit (tc's own advice for low rates).
     burst_kbit = max(32, int(mbit * 1000 * 0.01))
-    _run("ip", "netns", "exec", namespace, "tc", "qdisc", "add", "dev", interface, "root", "tbf",
-         "rate", f"{mbit}mbit", "burst", f"{burst_kbit}kbit", "latency", "400ms")
+    _run(
+        "ip",
+        "netns",
+        "exec",
+        namespace,
+        "tc",
+        "qdisc",
+        "add",
+        "dev",
+        interface,
+        "root",
+        "tbf",
+        "rate",
+        f"{mbit}mbit",
+        "burst",
+        f"{burst_kbit}kbit",
+        "latency",
+        "400ms",
+    )
 
 
 def _sysctl(namespace: str, key: str, value: str | None = None) -> str:
@@ -166,8 +197,7 @@ class Network:
         # Interface names hold at most 15 characters: x<pid>f<f> (facility end), x<pid>s<f> (switch port).
         self._tag = "x" + self.prefix.removeprefix("xfw")[:9]
         self.facilities = [
-            Facility(f"{self.prefix}-f{f}", f"{self._tag}f{f}", f"{SUBNET}.{f + 1}")
-            for f in range(num_facilities)
+            Facility(f"{self.prefix}-f{f}", f"{self._tag}f{f}", f"{SUBNET}.{f + 1}") for f in range(num_facilities)
         ]
         self._made: list[str] = []
         #: TCP settings of the facility namespaces (congestion control, slow start after idle).
@@ -204,8 +234,11 @@ class Network:
             _tbf(self.switch, port, self.link_mbit)  # its download
             # A process that stays in the namespace: its /proc/<pid>/net/dev gives the
             # interface counters without starting a program per reading.
-            self._holders.append(subprocess.Popen([*fac.exec_prefix(), "sleep", "2147483647"],
-                                                  stdin=subprocess.DEVNULL, start_new_session=True))
+            self._holders.append(
+                subprocess.Popen(
+                    [*fac.exec_prefix(), "sleep", "2147483647"], stdin=subprocess.DEVNULL, start_new_session=True
+                )
+            )
         self.tcp = {key: _sysctl(self.facilities[0].namespace, key) for key in _TCP_KEYS}
         deadline = time.time() + 10
         while True:  # each holder reads its namespace's counters once it has entered it
@@ -305,8 +338,9 @@ class CounterSampler:
 
     def tx_between(self, t0: float, t1: float) -> list[float]:
         """Bytes each facility sent between ``t0`` and ``t1``."""
-        if self.error is not None or (self.samples and self.samples[-1][0] < t1 - 5 * self.interval_s
-                                      and not self._thread.is_alive()):
+        if self.error is not None or (
+            self.samples and self.samples[-1][0] < t1 - 5 * self.interval_s and not self._thread.is_alive()
+        ):
             raise NetnsError(self.error or "the counters were not sampled up to the end of the run")
         a, b = self.tx_at(t0), self.tx_at(t1)
         return [y - x for x, y in zip(a, b)]
@@ -326,15 +360,18 @@ def tx_at(samples: list[tuple[float, list[int]]], t: float) -> list[float]:
     return [float(v) for v in samples[-1][1]]
 
 
-def busy_window(samples: list[tuple[float, list[int]]], t0: float, t1: float, rate: float,
-                threshold: float = 0.05) -> tuple[float, float] | None:
+def busy_window(
+    samples: list[tuple[float, list[int]]], t0: float, t1: float, rate: float, threshold: float = 0.05
+) -> tuple[float, float] | None:
     """``(start, end)`` of the sampling intervals inside ``[t0, t1]`` during which some facility
     sent more than ``threshold`` x ``rate`` (bytes/s): from the start of the first such interval
     to the end of the last, so the window contains the whole transfer (up to one interval more
     at each edge); ``None`` when none did."""
-    busy = [(ta, tb) for (ta, va), (tb, vb) in zip(samples, samples[1:])
-            if tb > t0 and ta < t1 and tb > ta
-            and max(y - x for x, y in zip(va, vb)) > threshold * rate * (tb - ta)]
+    busy = [
+        (ta, tb)
+        for (ta, va), (tb, vb) in zip(samples, samples[1:])
+        if tb > t0 and ta < t1 and tb > ta and max(y - x for x, y in zip(va, vb)) > threshold * rate * (tb - ta)
+    ]
     return (max(busy[0][0], t0), min(busy[-1][1], t1)) if busy else None
 
 
@@ -345,11 +382,18 @@ def facility_cpus(facilities: int, cpus: list[int] | None = None) -> list[list[i
     share = len(cpus) // facilities
     if share == 0:
         return None
-    return [cpus[f * share:(f + 1) * share] for f in range(facilities)]
+    return [cpus[f * share : (f + 1) * share] for f in range(facilities)]
 
 
-def launch_torchrun(network: Network, nproc_per_node: int, entry: list[str], env: dict[str, str], log_dir: Path,
-                    port: int, pin: bool = False) -> list[subprocess.Popen]:
+def launch_torchrun(
+    network: Network,
+    nproc_per_node: int,
+    entry: list[str],
+    env: dict[str, str],
+    log_dir: Path,
+    port: int,
+    pin: bool = False,
+) -> list[subprocess.Popen]:
     """One ``torchrun`` per facility, inside its namespace, as a multi-site job starts: all join
     one static rendezvous at facility 0's link address (node rank = facility, so global ranks
     are contiguous per facility). gloo binds each facility's link interface
@@ -363,15 +407,32 @@ def launch_torchrun(network: Network, nproc_per_node: int, entry: list[str], env
     shares = facility_cpus(len(network.facilities)) if pin else None
     procs = []
     for f, fac in enumerate(network.facilities):
-        cmd = [*fac.exec_prefix(), sys.executable, "-m", "torch.distributed.run", f"--nnodes={len(network.facilities)}",
-               f"--nproc-per-node={nproc_per_node}", f"--node-rank={f}", "--rdzv-backend=static",
-               f"--rdzv-endpoint={endpoint}", "--max-restarts=0", *entry]
+        cmd = [
+            *fac.exec_prefix(),
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nnodes={len(network.facilities)}",
+            f"--nproc-per-node={nproc_per_node}",
+            f"--node-rank={f}",
+            "--rdzv-backend=static",
+            f"--rdzv-endpoint={endpoint}",
+            "--max-restarts=0",
+            *entry,
+        ]
         with open(log_dir / f"facility{f}.log", "w") as log:
             cpus = shares[f] if shares else None
-            procs.append(subprocess.Popen(cmd, env={**os.environ, **env, "GLOO_SOCKET_IFNAME": fac.interface},
-                                          stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                          start_new_session=True,
-                                          preexec_fn=(lambda cpus=cpus: os.sched_setaffinity(0, cpus)) if cpus else None))
+            procs.append(
+                subprocess.Popen(
+                    cmd,
+                    env={**os.environ, **env, "GLOO_SOCKET_IFNAME": fac.interface},
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                    preexec_fn=(lambda cpus=cpus: os.sched_setaffinity(0, cpus)) if cpus else None,
+                )
+            )
     return procs
 
 
@@ -407,6 +468,7 @@ def wait_launchers(procs: list[subprocess.Popen], network: Network, timeout_s: f
 def cleanup_on_signals() -> Iterator[None]:
     """Turn SIGTERM (and SIGHUP) into ``SystemExit`` while inside, so that ``finally`` blocks
     and context managers (a :class:`Network`) run; Ctrl-C already raises KeyboardInterrupt."""
+
     def handler(signum, _frame):
         raise SystemExit(128 + signum)
 

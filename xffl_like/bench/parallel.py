@@ -36,8 +36,18 @@ import sys
 import time
 from pathlib import Path
 
-METHODS = ["ddp", "local", "decent:ring", "decent:one-peer-exp", "decent:alternating-exp-ring", "bagua:gradient_allreduce",
-           "bagua:bytegrad", "bagua:decentralized", "bagua:low_precision_decentralized", "bagua:async"]
+METHODS = [
+    "ddp",
+    "local",
+    "decent:ring",
+    "decent:one-peer-exp",
+    "decent:alternating-exp-ring",
+    "bagua:gradient_allreduce",
+    "bagua:bytegrad",
+    "bagua:decentralized",
+    "bagua:low_precision_decentralized",
+    "bagua:async",
+]
 ROOT = Path(__file__).resolve().parents[2]
 HELD_OUT_SEED = 10_000  # held-out batches come from generators no training rank uses
 
@@ -62,11 +72,13 @@ def _batches(rank: int, steps: int, batch: int, seq: int, vocab: int):
 def _bagua_algorithm(name: str):
     from xffl_like import parallel as P
 
-    return {"gradient_allreduce": lambda: P.GradientAllReduce(),
-            "bytegrad": lambda: P.ByteGrad(hierarchical=True),
-            "decentralized": lambda: P.Decentralized(hierarchical=True),
-            "low_precision_decentralized": lambda: P.LowPrecisionDecentralized(hierarchical=True),
-            "async": lambda: P.AsyncModelAverage(sync_interval_ms=50)}[name]()
+    return {
+        "gradient_allreduce": lambda: P.GradientAllReduce(),
+        "bytegrad": lambda: P.ByteGrad(hierarchical=True),
+        "decentralized": lambda: P.Decentralized(hierarchical=True),
+        "low_precision_decentralized": lambda: P.LowPrecisionDecentralized(hierarchical=True),
+        "async": lambda: P.AsyncModelAverage(sync_interval_ms=50),
+    }[name]()
 
 
 def kind_of(method: str) -> str:
@@ -112,15 +124,23 @@ def _worker(args: dict) -> dict:
             net = model
             opt = torch.optim.AdamW(model.parameters(), lr=args["lr"], weight_decay=0.0)
         elif kind == "decent":
-            net = P.DecentralizedDataParallel(model, lambda named: P.optim_fn_adamw(named, lr=args["lr"],
-                                                                                    weight_decay=0.0),
-                                              topology=name, local_world_size=args["local_world_size"],
-                                              bucket_size_in_mb=args["bucket_mb"])
+            net = P.DecentralizedDataParallel(
+                model,
+                lambda named: P.optim_fn_adamw(named, lr=args["lr"], weight_decay=0.0),
+                topology=name,
+                local_world_size=args["local_world_size"],
+                bucket_size_in_mb=args["bucket_mb"],
+            )
             opt = None
         else:
             opt = torch.optim.AdamW(model.parameters(), lr=args["lr"], weight_decay=0.0)
-            net = P.with_algorithm(model, opt, _bagua_algorithm(name), bucket_mb=args["bucket_mb"],
-                                   local_world_size=args["local_world_size"])
+            net = P.with_algorithm(
+                model,
+                opt,
+                _bagua_algorithm(name),
+                bucket_mb=args["bucket_mb"],
+                local_world_size=args["local_world_size"],
+            )
         runs[method] = {"net": net, "opt": opt, "model": model, "times": [], "losses": []}
     # Interleaved in blocks of --block steps: every method's block t, then every method's block t + 1,
     # so load changes hit all methods alike. Within a block a method's communication overlaps its own
@@ -129,7 +149,7 @@ def _worker(args: dict) -> dict:
     # steps, and the first step of a block (nothing pending from before) is not timed.
     block = args["block"]
     for first in range(0, len(data), block):
-        for method, run in runs.items():
+        for run in runs.values():
             net, opt = run["net"], run["opt"]
             asynchronous = isinstance(getattr(net, "algorithm", None), P.AsyncModelAverage)
             if asynchronous and first > 0:
@@ -163,8 +183,12 @@ def _worker(args: dict) -> dict:
             P.allreduce_parameters(model)
         final = torch.tensor([statistics.fmean(run["losses"][-5:]), _eval_loss(model, held_out)])
         dist.all_reduce(final)
-        results[method] = {"step_s": statistics.median(run["times"]), "final_loss": final[0].item() / world,
-                           "eval_loss": final[1].item() / world, "consensus_distance": consensus}
+        results[method] = {
+            "step_s": statistics.median(run["times"]),
+            "final_loss": final[0].item() / world,
+            "eval_loss": final[1].item() / world,
+            "consensus_distance": consensus,
+        }
     dist.destroy_process_group()
     return results
 
@@ -175,7 +199,15 @@ def _shaped(args: dict, nodes: int, per_node: int, link_mbit: float, timeout_s: 
     cannot be made here (printed; not an error)."""
     import tempfile
 
-    from .netns import CounterSampler, Network, NetnsError, cleanup_on_signals, launch_torchrun, unavailable, wait_launchers
+    from .netns import (
+        CounterSampler,
+        NetnsError,
+        Network,
+        cleanup_on_signals,
+        launch_torchrun,
+        unavailable,
+        wait_launchers,
+    )
 
     why = unavailable()
     if why:
@@ -191,8 +223,14 @@ def _shaped(args: dict, nodes: int, per_node: int, link_mbit: float, timeout_s: 
             return None, str(exc)
         with network, CounterSampler(network) as sampler:
             started = time.time()
-            procs = launch_torchrun(network, per_node, ["-m", "xffl_like.bench.parallel", "--worker",
-                                                        str(work / "args.json")], {"OMP_NUM_THREADS": "1"}, work, 29500)
+            procs = launch_torchrun(
+                network,
+                per_node,
+                ["-m", "xffl_like.bench.parallel", "--worker", str(work / "args.json")],
+                {"OMP_NUM_THREADS": "1"},
+                work,
+                29500,
+            )
             failed = wait_launchers(procs, network, timeout_s)
             crossed = sum(sampler.tx_between(started, time.time()))
         if failed:
@@ -201,8 +239,9 @@ def _shaped(args: dict, nodes: int, per_node: int, link_mbit: float, timeout_s: 
             print(f"error: {failed}{': ' + last[0] if last else ''}", file=sys.stderr)
             raise SystemExit(1)
         results = json.loads((work / "results.json").read_text())
-    return results, (f"{nodes} network namespaces joined by {link_mbit:g} Mbit/s links (tbf), "
-                     f"{crossed / 1e6:.1f} MB crossed in all")
+    return results, (
+        f"{nodes} network namespaces joined by {link_mbit:g} Mbit/s links (tbf), {crossed / 1e6:.1f} MB crossed in all"
+    )
 
 
 def _shaped_or_interrupted(*args) -> tuple[dict | None, str]:
@@ -226,18 +265,30 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--block", type=int, default=5,
-                   help="methods take turns every this many steps (the first step of a turn is not timed)")
-    p.add_argument("--bucket-mb", type=float, default=0.5,
-                   help="bucket size of every bucketed method (DDP's bucket_cap_mb, bucket_size_in_mb, bucket_mb): "
-                        "the libraries' defaults (25, 25, 10 MB) hold all of llama_tiny's 3.4 MB in one bucket, "
-                        "so nothing would overlap the backward pass")
+    p.add_argument(
+        "--block",
+        type=int,
+        default=5,
+        help="methods take turns every this many steps (the first step of a turn is not timed)",
+    )
+    p.add_argument(
+        "--bucket-mb",
+        type=float,
+        default=0.5,
+        help="bucket size of every bucketed method (DDP's bucket_cap_mb, bucket_size_in_mb, bucket_mb): "
+        "the libraries' defaults (25, 25, 10 MB) hold all of llama_tiny's 3.4 MB in one bucket, "
+        "so nothing would overlap the backward pass",
+    )
     p.add_argument("--eval-batches", type=int, default=4, help="held-out batches per rank for the evaluation loss")
     p.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of " + ", ".join(METHODS))
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
-    p.add_argument("--link-mbit", type=float, default=None,
-                   help="put each node (--local-world-size processes) in its own network namespace, the nodes "
-                        "joined by links of this many Mbit/s each way (tc tbf; needs root)")
+    p.add_argument(
+        "--link-mbit",
+        type=float,
+        default=None,
+        help="put each node (--local-world-size processes) in its own network namespace, the nodes "
+        "joined by links of this many Mbit/s each way (tc tbf; needs root)",
+    )
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds before a shaped-link run is stopped")
     p.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)  # internal: one torchrun worker
     a = p.parse_args(argv)
@@ -255,8 +306,10 @@ def main(argv: list[str] | None = None) -> dict:
     if not (0 <= a.warmup < a.steps - 1) or a.steps < 6:
         problems.append(f"--steps {a.steps} must be >= 6 and exceed --warmup {a.warmup} by 2")
     if a.block < 2 or a.block > a.steps - a.warmup:
-        problems.append(f"--block {a.block} must be >= 2 and at most --steps - --warmup ({a.steps - a.warmup}): "
-                        "the first step of every turn is not timed")
+        problems.append(
+            f"--block {a.block} must be >= 2 and at most --steps - --warmup ({a.steps - a.warmup}): "
+            "the first step of every turn is not timed"
+        )
     if not a.bucket_mb > 0:
         problems.append(f"--bucket-mb {a.bucket_mb} must be > 0")
     if a.eval_batches < 1:
@@ -264,7 +317,9 @@ def main(argv: list[str] | None = None) -> dict:
     if a.link_mbit is not None and not a.link_mbit > 0:
         problems.append(f"--link-mbit {a.link_mbit}: must be a positive number of Mbit/s")
     if a.link_mbit is not None and a.nproc // max(1, a.local_world_size) < 2:
-        problems.append(f"--link-mbit needs at least 2 nodes: --nproc {a.nproc} / --local-world-size {a.local_world_size}")
+        problems.append(
+            f"--link-mbit needs at least 2 nodes: --nproc {a.nproc} / --local-world-size {a.local_world_size}"
+        )
     if not (ROOT / "conf" / "model" / f"{a.model}.yaml").exists():
         problems.append(f"--model {a.model}: no conf/model/{a.model}.yaml")
     if problems:
@@ -273,8 +328,9 @@ def main(argv: list[str] | None = None) -> dict:
     args = {k: v for k, v in vars(a).items() if k not in ("out", "worker")}
     args["methods"] = methods
     if a.link_mbit is not None:
-        results, where = _shaped_or_interrupted(args, a.nproc // a.local_world_size, a.local_world_size,
-                                                a.link_mbit, a.timeout)
+        results, where = _shaped_or_interrupted(
+            args, a.nproc // a.local_world_size, a.local_world_size, a.link_mbit, a.timeout
+        )
         if results is None:
             return {}
     else:
@@ -287,18 +343,32 @@ def main(argv: list[str] | None = None) -> dict:
             raise SystemExit(1) from None
         where = "loopback"
     base = results.get("ddp")
-    print(f"{a.nproc} processes ({a.nproc // a.local_world_size} nodes of {a.local_world_size}), {where}, "
-          f"model={a.model}, {a.steps} steps")
-    print(f"{'method':36s} {'step ms':>8s} {'x DDP':>6s} {'train loss':>10s} {'x DDP':>6s} {'consensus':>9s} "
-          f"{'eval loss':>9s} {'x DDP':>6s}")
+    print(
+        f"{a.nproc} processes ({a.nproc // a.local_world_size} nodes of {a.local_world_size}), {where}, "
+        f"model={a.model}, {a.steps} steps"
+    )
+    print(
+        f"{'method':36s} {'step ms':>8s} {'x DDP':>6s} {'train loss':>10s} {'x DDP':>6s} {'consensus':>9s} "
+        f"{'eval loss':>9s} {'x DDP':>6s}"
+    )
     for m, r in results.items():
-        ratio = (lambda key: f"{r[key] / base[key]:.3f}" if base else "-")
-        print(f"{m:36s} {1000 * r['step_s']:8.1f} {ratio('step_s')[:-1]:>6s} {r['final_loss']:10.4f} "
-              f"{ratio('final_loss'):>6s} {r['consensus_distance']:9.2e} {r['eval_loss']:9.4f} {ratio('eval_loss'):>6s}")
-    print("train loss: each rank's training loss on its own copy (last 5 steps); consensus: before averaging; "
-          "eval loss: the mean of the copies on held-out batches")
-    report = {"config": {k: v for k, v in vars(a).items() if k not in ("out", "worker")}, "network": where,
-              "results": results}
+
+        def ratio(key, r=r):
+            return f"{r[key] / base[key]:.3f}" if base else "-"
+
+        print(
+            f"{m:36s} {1000 * r['step_s']:8.1f} {ratio('step_s')[:-1]:>6s} {r['final_loss']:10.4f} "
+            f"{ratio('final_loss'):>6s} {r['consensus_distance']:9.2e} {r['eval_loss']:9.4f} {ratio('eval_loss'):>6s}"
+        )
+    print(
+        "train loss: each rank's training loss on its own copy (last 5 steps); consensus: before averaging; "
+        "eval loss: the mean of the copies on held-out batches"
+    )
+    report = {
+        "config": {k: v for k, v in vars(a).items() if k not in ("out", "worker")},
+        "network": where,
+        "results": results,
+    }
     if a.out is not None:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps(report, indent=2, default=str))

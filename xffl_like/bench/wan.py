@@ -53,12 +53,35 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from .netns import (CounterSampler, Network, NetnsError, busy_window, cleanup_on_signals, launch_torchrun, tx_at,
-                    unavailable, wait_launchers)
 from ..checks import is_int, is_number
+from .netns import (
+    CounterSampler,
+    NetnsError,
+    Network,
+    busy_window,
+    cleanup_on_signals,
+    launch_torchrun,
+    tx_at,
+    unavailable,
+    wait_launchers,
+)
 
-__all__ = ["WanFailed", "eval_curve", "time_to_target", "loss_at_step", "link_round", "pace_figures", "round_time",
-           "speeds_goal", "run_wan", "format_table", "format_speeds", "main", "GOAL_RATIO", "GOAL_WAIT"]
+__all__ = [
+    "WanFailed",
+    "eval_curve",
+    "time_to_target",
+    "loss_at_step",
+    "link_round",
+    "pace_figures",
+    "round_time",
+    "speeds_goal",
+    "run_wan",
+    "format_table",
+    "format_speeds",
+    "main",
+    "GOAL_RATIO",
+    "GOAL_WAIT",
+]
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 MODES = ("train", "link", "elastic", "speeds")
@@ -114,17 +137,24 @@ def pace_figures(summary: dict) -> dict:
     records = summary.get("round_records") or []
     facilities = len(summary["layout"]["facility_sizes"])
     if not records:
-        return {"steps_per_round": None, "waited_seconds": None, "waiting_share": None,
-                "last_round_waiting_share": None}
+        return {
+            "steps_per_round": None,
+            "waited_seconds": None,
+            "waiting_share": None,
+            "last_round_waiting_share": None,
+        }
     if all(r.get("steps_taken") for r in records):
         per_round = [sum(r["steps_taken"][f] for r in records) / len(records) for f in range(facilities)]
     else:
         per_round = [summary["steps"] / len(records)] * facilities
     waits = [r.get("waited_s") or [0.0] * facilities for r in records]
     waited = [sum(w[f] for w in waits) for f in range(facilities)]
-    return {"steps_per_round": per_round, "waited_seconds": waited,
-            "waiting_share": [w / summary["train_seconds"] for w in waited],
-            "last_round_waiting_share": [w / summary["train_seconds"] for w in waits[-1]]}
+    return {
+        "steps_per_round": per_round,
+        "waited_seconds": waited,
+        "waiting_share": [w / summary["train_seconds"] for w in waited],
+        "last_round_waiting_share": [w / summary["train_seconds"] for w in waits[-1]],
+    }
 
 
 def round_time(curve_seconds: list[float], aggregation_seconds: list[float]) -> float | None:
@@ -155,9 +185,16 @@ def speeds_goal(results: dict, fixed: str, paced: str) -> dict:
     shares = p.get("waiting_share")
     wait = max(shares) if shares else None
     met = None if ratio is None or wait is None else ratio <= GOAL_RATIO and wait < GOAL_WAIT
-    return {"fixed": fixed, "paced": paced, "fixed_seconds": tf, "paced_seconds": tp, "ratio": ratio,
-            "max_waiting_share": wait, "met": met, "goal": f"ratio <= {GOAL_RATIO}, every facility waiting < "
-                                                          f"{GOAL_WAIT:.0%} of its training time"}
+    return {
+        "fixed": fixed,
+        "paced": paced,
+        "fixed_seconds": tf,
+        "paced_seconds": tp,
+        "ratio": ratio,
+        "max_waiting_share": wait,
+        "met": met,
+        "goal": f"ratio <= {GOAL_RATIO}, every facility waiting < {GOAL_WAIT:.0%} of its training time",
+    }
 
 
 # ----------------------------------------------------------------------------- validation
@@ -182,7 +219,9 @@ def _check(plain: dict) -> dict:
     key = "bench.speeds.configs" if bench["mode"] == "speeds" else "bench.configs"
     configs = (bench.get("speeds") or {}).get("configs") if bench["mode"] == "speeds" else bench.get("configs")
     if not isinstance(configs, dict) or not configs:
-        raise WanFailed(f"{key} must map config names to lists of overrides, e.g. {{synchronous: [+experiment=synchronous]}}")
+        raise WanFailed(
+            f"{key} must map config names to lists of overrides, e.g. {{synchronous: [+experiment=synchronous]}}"
+        )
     if bench["mode"] == "elastic":
         return bench
     if bench["mode"] in ("train", "speeds") and bench.get("reference") not in configs:
@@ -204,20 +243,26 @@ def _check_speeds(speeds: dict, reference: str) -> None:
             raise WanFailed(f"bench.speeds.{key}={value!r}: must be a list of override strings")
     every_s = speeds.get("every_s")
     if every_s is not None and (not is_number(every_s) or not 0 < every_s < float("inf")):
-        raise WanFailed(f"bench.speeds.every_s={every_s!r}: a number of seconds, or null (measured from bench.speeds.fixed)")
+        raise WanFailed(
+            f"bench.speeds.every_s={every_s!r}: a number of seconds, or null (measured from bench.speeds.fixed)"
+        )
     for key in ("fixed", "paced"):
         if speeds.get(key) not in configs:
             raise WanFailed(f"bench.speeds.{key}={speeds.get(key)!r}: name one of bench.speeds.configs {list(configs)}")
     if speeds["fixed"] in (speeds["paced"], reference):
-        raise WanFailed(f"bench.speeds.fixed={speeds['fixed']!r}: the goal compares it with bench.speeds.paced; name "
-                        f"another config than that and bench.reference")
+        raise WanFailed(
+            f"bench.speeds.fixed={speeds['fixed']!r}: the goal compares it with bench.speeds.paced; name "
+            f"another config than that and bench.reference"
+        )
     timed = [name for name, overrides in configs.items() if _timed(overrides)]
     if every_s is None and timed:
         order = list(configs)
         if speeds["fixed"] in timed or any(order.index(n) < order.index(speeds["fixed"]) for n in timed):
-            raise WanFailed(f"bench.speeds.every_s=null takes federation.every_s from bench.speeds.fixed="
-                            f"{speeds['fixed']!r}, which must have rounds of fixed steps and come before {timed} in "
-                            f"bench.speeds.configs; or set bench.speeds.every_s")
+            raise WanFailed(
+                f"bench.speeds.every_s=null takes federation.every_s from bench.speeds.fixed="
+                f"{speeds['fixed']!r}, which must have rounds of fixed steps and come before {timed} in "
+                f"bench.speeds.configs; or set bench.speeds.every_s"
+            )
 
 
 def _override_key(override: str) -> str:
@@ -234,8 +279,11 @@ def _timed(overrides: list[str]) -> bool:
 def _runs(bench: dict) -> dict[str, list[str]]:
     """Config name -> the main job's overrides, the bench's own settings last (they win)."""
     world = bench["facilities"] * bench["nproc_per_facility"]
-    fixed = [f"distributed.nproc_per_node={world}", f"distributed.federated={bench['nproc_per_facility']}",
-             "distributed.hsdp=null"]
+    fixed = [
+        f"distributed.nproc_per_node={world}",
+        f"distributed.federated={bench['nproc_per_facility']}",
+        "distributed.hsdp=null",
+    ]
     if bench["mode"] == "link":
         return {"link": [*bench["common"], *bench["link_overrides"], *fixed, "train.steps=1", "federation.every=1"]}
     runs = {}
@@ -246,13 +294,26 @@ def _runs(bench: dict) -> dict[str, list[str]]:
             steps = bench["steps"] if reference else int(bench["steps"] * bench["max_steps_factor"])
             # every_s null: 1 s stands in while the configs are validated; the measured value replaces it.
             timed = [f"federation.every_s={speeds['every_s'] or 1.0:g}"] if _timed(overrides) else []
-            runs[name] = [*bench["common"], *speeds["overrides"], *overrides, *([] if reference else speeds["slow"]),
-                          *timed, *fixed, f"train.steps={steps}", "train.eval_every=0"]
+            runs[name] = [
+                *bench["common"],
+                *speeds["overrides"],
+                *overrides,
+                *([] if reference else speeds["slow"]),
+                *timed,
+                *fixed,
+                f"train.steps={steps}",
+                "train.eval_every=0",
+            ]
         return runs
     for name, overrides in bench["configs"].items():
         steps = bench["steps"] if name == bench["reference"] else int(bench["steps"] * bench["max_steps_factor"])
-        runs[name] = [*bench["common"], *overrides, *fixed, f"train.steps={steps}",
-                      f"train.eval_every={bench['eval_every']}"]
+        runs[name] = [
+            *bench["common"],
+            *overrides,
+            *fixed,
+            f"train.steps={steps}",
+            f"train.eval_every={bench['eval_every']}",
+        ]
     return runs
 
 
@@ -289,8 +350,10 @@ def _validate_run(name: str, overrides: list[str], world: int, bench: dict) -> N
     except Exception as exc:  # noqa: BLE001 - Hydra's compose errors: one line
         raise WanFailed(f"config {name}: {str(exc).splitlines()[0]}") from None
     if name != "link" and plain["train"]["eval_every"] and plain["train"]["steps"] % plain["train"]["eval_every"]:
-        raise WanFailed(f"config {name}: train.steps={plain['train']['steps']} is not a multiple of "
-                        f"bench.eval_every={bench['eval_every']}")
+        raise WanFailed(
+            f"config {name}: train.steps={plain['train']['steps']} is not a multiple of "
+            f"bench.eval_every={bench['eval_every']}"
+        )
 
 
 # ----------------------------------------------------------------------------- one run
@@ -336,16 +399,16 @@ def _measure(name: str, run_dir: Path, started: float, ended: float, sampler: Co
         out["facility_steps"] = summary.get("facility_steps") or [summary["steps"]] * facilities
         out.update(pace_figures(summary))
         # federation.every_s whose rounds would last as long as this config's (bench.speeds.every_s=null)
-        out["matching_every_s"] = round_time([p["seconds"] for p in out["eval_curve"]] if summary["rounds"] else [],
-                                             summary["aggregation_seconds"])
+        out["matching_every_s"] = round_time(
+            [p["seconds"] for p in out["eval_curve"]] if summary["rounds"] else [], summary["aggregation_seconds"]
+        )
     if bench["mode"] == "link":
         out.update(link_round(summary["aggregation_seconds"][0], sampler.samples, t0, train_end, rate))
         out["round_bytes_computed"] = summary["cross_facility_bytes_per_round"][0]
     return out
 
 
-def link_round(round_seconds: float, samples: list[tuple[float, list[int]]], t0: float, t1: float,
-               rate: float) -> dict:
+def link_round(round_seconds: float, samples: list[tuple[float, list[int]]], t0: float, t1: float, rate: float) -> dict:
     """``bench.mode=link``: the one round between ``t0`` and ``t1`` (the start of training and the
     evaluation after the round) against the counters ``samples``, ``rate`` in bytes/s.
 
@@ -396,22 +459,37 @@ def run_wan(cfg: DictConfig, run_dir: Path) -> dict | None:
         with network, CounterSampler(network) as sampler:
             for i, (name, overrides) in enumerate(runs.items()):
                 job_dir = run_dir / "runs" / name
-                if bench["mode"] == "speeds" and bench["speeds"]["every_s"] is None and \
-                        _timed(bench["speeds"]["configs"][name]):
+                if (
+                    bench["mode"] == "speeds"
+                    and bench["speeds"]["every_s"] is None
+                    and _timed(bench["speeds"]["configs"][name])
+                ):
                     every_s = (results.get(bench["speeds"]["fixed"]) or {}).get("matching_every_s")
                     if every_s is None:
-                        failures[name] = (f"no federation.every_s: bench.speeds.fixed={bench['speeds']['fixed']} did "
-                                          f"not finish with rounds; set bench.speeds.every_s")
+                        failures[name] = (
+                            f"no federation.every_s: bench.speeds.fixed={bench['speeds']['fixed']} did "
+                            f"not finish with rounds; set bench.speeds.every_s"
+                        )
                         print(f"[{name}] failed: {failures[name]}", flush=True)
                         continue
                     overrides = _set_every_s(overrides, every_s)
                 print(f"[{name}] {' '.join(overrides)}", flush=True)
                 started = time.time()
-                env = {"XFFL_RUN_DIR": str(job_dir.resolve()), "WANDB_MODE": "offline",
-                       "OMP_NUM_THREADS": str(bench["threads_per_process"])}
+                env = {
+                    "XFFL_RUN_DIR": str(job_dir.resolve()),
+                    "WANDB_MODE": "offline",
+                    "OMP_NUM_THREADS": str(bench["threads_per_process"]),
+                }
                 pin = bench["mode"] == "speeds" and bool(bench["speeds"].get("pin"))
-                procs = launch_torchrun(network, bench["nproc_per_facility"], ["-m", "xffl_like.run", *overrides],
-                                        env, job_dir, 29500 + i, pin=pin)
+                procs = launch_torchrun(
+                    network,
+                    bench["nproc_per_facility"],
+                    ["-m", "xffl_like.run", *overrides],
+                    env,
+                    job_dir,
+                    29500 + i,
+                    pin=pin,
+                )
                 failed = wait_launchers(procs, network, bench["timeout_s"])
                 ended = time.time()
                 if failed:
@@ -428,14 +506,19 @@ def run_wan(cfg: DictConfig, run_dir: Path) -> dict | None:
     report = _report(bench, results, failures)
     report["tcp"] = network.tcp
     (run_dir / "wan.json").write_text(json.dumps(report, indent=2) + "\n")
-    (run_dir / "counters.json").write_text(json.dumps({"interfaces": [f.interface for f in network.facilities],
-                                                       "samples": sampler.samples}) + "\n")
+    (run_dir / "counters.json").write_text(
+        json.dumps({"interfaces": [f.interface for f in network.facilities], "samples": sampler.samples}) + "\n"
+    )
     (run_dir / "wan.md").write_text(format_table(report) + "\n")
     if bench["mode"] in ("train", "speeds"):
         from ..observe.plots import plot_eval_curves
 
-        note = plot_eval_curves({n: r["eval_curve"] for n, r in results.items()}, report.get("target_eval_loss"),
-                                bench["link_mbit"], run_dir / "wan.png")
+        note = plot_eval_curves(
+            {n: r["eval_curve"] for n, r in results.items()},
+            report.get("target_eval_loss"),
+            bench["link_mbit"],
+            run_dir / "wan.png",
+        )
         if note:
             print(f"note: {note}")
     return report
@@ -466,8 +549,14 @@ def _run_elastic(plain: dict, bench: dict, run_dir: Path) -> dict | None:
 
 
 def _report(bench: dict, results: dict, failures: dict) -> dict:
-    report = {"mode": bench["mode"], "link_mbit": bench["link_mbit"], "facilities": bench["facilities"],
-              "nproc_per_facility": bench["nproc_per_facility"], "results": results, "failures": failures}
+    report = {
+        "mode": bench["mode"],
+        "link_mbit": bench["link_mbit"],
+        "facilities": bench["facilities"],
+        "nproc_per_facility": bench["nproc_per_facility"],
+        "results": results,
+        "failures": failures,
+    }
     if bench["mode"] == "link":
         return report
     ref = results.get(bench["reference"])
@@ -477,7 +566,7 @@ def _report(bench: dict, results: dict, failures: dict) -> dict:
     ref_time = None
     if ref:
         ref_time = next(p["seconds"] for p in ref["eval_curve"] if p["loss"] <= report["target_eval_loss"])
-    for name, r in results.items():
+    for _name, r in results.items():
         curve = [(p["step"], p["seconds"], p["loss"]) for p in r["eval_curve"]]
         r["final_eval_loss"] = loss_at_step(curve, bench["steps"])
         ttt = time_to_target(curve, report["target_eval_loss"], 0.0) if ref else None
@@ -504,27 +593,39 @@ def format_table(report: dict) -> str:
         r = report["results"].get("link")
         if r is None:
             return f"link mode failed: {report['failures']}"
-        return (f"one round over {report['link_mbit']:g} Mbit/s: {r['round_seconds']:.2f} s, "
-                f"{r['cross_bytes'] / 1e6:.1f} MB crossed (counters; computed {r['round_bytes_computed'] / 1e6:.1f} MB), "
-                f"{100 * r['link_utilization']:.1f}% of the line rate; the link carried it in "
-                f"{r['transfer_seconds']:.2f} s ({100 * (r['transfer_utilization'] or 0):.1f}% of the line rate then), "
-                f"{r['round_overhead_seconds']:.2f} s of the round outside that")
+        return (
+            f"one round over {report['link_mbit']:g} Mbit/s: {r['round_seconds']:.2f} s, "
+            f"{r['cross_bytes'] / 1e6:.1f} MB crossed (counters; computed {r['round_bytes_computed'] / 1e6:.1f} MB), "
+            f"{100 * r['link_utilization']:.1f}% of the line rate; the link carried it in "
+            f"{r['transfer_seconds']:.2f} s ({100 * (r['transfer_utilization'] or 0):.1f}% of the line rate then), "
+            f"{r['round_overhead_seconds']:.2f} s of the round outside that"
+        )
     if report["mode"] == "speeds":
         return format_speeds(report)
-    head = ("| config | steps | rounds | wall s | final eval loss | time to target s | x reference | "
-            "cross MB | MB per round | link use |")
-    lines = [f"{report['facilities']} facilities x {report['nproc_per_facility']} processes, link "
-             f"{report['link_mbit']:g} Mbit/s each way; target eval loss {report['target_eval_loss']} "
-             f"({report['reference']}'s final, step {report['steps']})", "", head, "|" + "---|" * 10]
+    head = (
+        "| config | steps | rounds | wall s | final eval loss | time to target s | x reference | "
+        "cross MB | MB per round | link use |"
+    )
+    lines = [
+        f"{report['facilities']} facilities x {report['nproc_per_facility']} processes, link "
+        f"{report['link_mbit']:g} Mbit/s each way; target eval loss {report['target_eval_loss']} "
+        f"({report['reference']}'s final, step {report['steps']})",
+        "",
+        head,
+        "|" + "---|" * 10,
+    ]
     for name, r in report["results"].items():
+
         def fmt(v, spec):
             return "-" if v is None else format(v, spec)
 
         lines.append(
             f"| {name} | {r['steps']} | {r['rounds']} | {r['wall_seconds']:.1f} | {fmt(r['final_eval_loss'], '.4f')} | "
             f"{fmt(r['time_to_target_seconds'], '.1f')} | {fmt(r['time_to_target_ratio'], '.3f')} | "
-            f"{r['cross_bytes'] / 1e6:.2f} | {fmt(r.get('cross_bytes_per_round') and r['cross_bytes_per_round'] / 1e6, '.3f')} | "
-            f"{r['link_utilization']:.2f} |")
+            f"{r['cross_bytes'] / 1e6:.2f} | "
+            f"{fmt(r.get('cross_bytes_per_round') and r['cross_bytes_per_round'] / 1e6, '.3f')} | "
+            f"{r['link_utilization']:.2f} |"
+        )
     for name, why in report["failures"].items():
         lines.append(f"failed: {name}: {why}")
     return "\n".join(lines)
@@ -532,6 +633,7 @@ def format_table(report: dict) -> str:
 
 def format_speeds(report: dict) -> str:
     """``bench.mode=speeds``: every config side by side, then issue 21's goal (met / not met)."""
+
     def fmt(v, spec):
         return "-" if v is None else format(v, spec)
 
@@ -539,13 +641,16 @@ def format_speeds(report: dict) -> str:
         return "-" if values is None else " / ".join(format(v, spec) for v in values)
 
     speeds, goal = report["speeds"], report["goal"]
-    lines = [f"{report['facilities']} facilities x {report['nproc_per_facility']} processes, link "
-             f"{report['link_mbit']:g} Mbit/s each way; {' '.join(speeds['slow'])} in every config but "
-             f"{report['reference']}; target eval loss {fmt(report['target_eval_loss'], '.4f')} "
-             f"({report['reference']}'s final, step {report['steps']})", "",
-             "| config | steps per facility | rounds | steps per round | every_s | wall s | train s | eval loss at end | "
-             "time to target s | x reference | x fixed | waiting share per facility | of which at the last round |",
-             "|" + "---|" * 13]
+    lines = [
+        f"{report['facilities']} facilities x {report['nproc_per_facility']} processes, link "
+        f"{report['link_mbit']:g} Mbit/s each way; {' '.join(speeds['slow'])} in every config but "
+        f"{report['reference']}; target eval loss {fmt(report['target_eval_loss'], '.4f')} "
+        f"({report['reference']}'s final, step {report['steps']})",
+        "",
+        "| config | steps per facility | rounds | steps per round | every_s | wall s | train s | eval loss at end | "
+        "time to target s | x reference | x fixed | waiting share per facility | of which at the last round |",
+        "|" + "---|" * 13,
+    ]
     for name, r in report["results"].items():
         end = r["eval_curve"][-1]["loss"] if r["eval_curve"] else None
         lines.append(
@@ -553,12 +658,16 @@ def format_speeds(report: dict) -> str:
             f"{per_facility(r['steps_per_round'], '.1f')} | {fmt(r['every_s'], '.2f')} | {r['wall_seconds']:.1f} | "
             f"{r['train_seconds']:.1f} | {fmt(end, '.4f')} | {fmt(r['time_to_target_seconds'], '.1f')} | "
             f"{fmt(r['time_to_target_ratio'], '.3f')} | {fmt(r['time_to_target_x_fixed'], '.3f')} | "
-            f"{per_facility(r['waiting_share'], '.1%')} | {per_facility(r['last_round_waiting_share'], '.1%')} |")
+            f"{per_facility(r['waiting_share'], '.1%')} | {per_facility(r['last_round_waiting_share'], '.1%')} |"
+        )
     verdict = {True: "met", False: "not met", None: "not measured"}[goal["met"]]
-    lines += ["", f"goal: {goal['paced']} reaches the target in <= {GOAL_RATIO}x the wall time of {goal['fixed']}, each "
-                  f"facility waiting < {GOAL_WAIT:.0%} of its time: {fmt(goal['ratio'], '.3f')}x "
-                  f"({fmt(goal['paced_seconds'], '.1f')} s / {fmt(goal['fixed_seconds'], '.1f')} s), most waiting "
-                  f"{fmt(goal['max_waiting_share'] and 100 * goal['max_waiting_share'], '.1f')}%: {verdict}"]
+    lines += [
+        "",
+        f"goal: {goal['paced']} reaches the target in <= {GOAL_RATIO}x the wall time of {goal['fixed']}, each "
+        f"facility waiting < {GOAL_WAIT:.0%} of its time: {fmt(goal['ratio'], '.3f')}x "
+        f"({fmt(goal['paced_seconds'], '.1f')} s / {fmt(goal['fixed_seconds'], '.1f')} s), most waiting "
+        f"{fmt(goal['max_waiting_share'] and 100 * goal['max_waiting_share'], '.1f')}%: {verdict}",
+    ]
     for name, why in report["failures"].items():
         lines.append(f"failed: {name}: {why}")
     return "\n".join(lines)

@@ -138,8 +138,19 @@ def restart_count() -> int:
 class Checkpointer:
     """Saves and restores one worker's share of the job's state (construct on every rank)."""
 
-    def __init__(self, checkpoint: CheckpointConfig, state, run_dir: Path, model: torch.nn.Module, optimizer,
-                 scheduler, federation=None, *, resume: str | None = None, config: dict | None = None):
+    def __init__(
+        self,
+        checkpoint: CheckpointConfig,
+        state,
+        run_dir: Path,
+        model: torch.nn.Module,
+        optimizer,
+        scheduler,
+        federation=None,
+        *,
+        resume: str | None = None,
+        config: dict | None = None,
+    ):
         """``checkpoint``: the ``checkpoint`` section; ``resume``: the job's ``resume`` (a checkpoint path,
         resolved by the launcher, or None); ``config``: the resolved job config as plain dicts
         (``schema.as_plain``), recorded in each ``state.json`` for the resume checks."""
@@ -149,7 +160,11 @@ class Checkpointer:
         self.federation = federation  # its state_dict(): outer optimizer, theta_global, residuals, counters
         self.dir = checkpoint_dir(checkpoint, run_dir)
         # ``async`` is a Python keyword: no attribute syntax for it.
-        self.every, self.keep, self.use_async = checkpoint.every_rounds, checkpoint.keep, bool(getattr(checkpoint, "async"))
+        self.every, self.keep, self.use_async = (
+            checkpoint.every_rounds,
+            checkpoint.keep,
+            bool(getattr(checkpoint, "async")),
+        )
         self.lead = state.rank == 0
         # A group of its own (the state's ``background``, gloo): async saves run collectives from a
         # background thread, which must never interleave with the training loop's collectives on the same group.
@@ -203,8 +218,11 @@ class Checkpointer:
             "lrs": [g["lr"] for g in param_groups],
             "scheduler": self.scheduler.state_dict(),
             "wandb_ids": self.wandb_ids or wandb_run_ids(self.run_dir, self.state.num_facilities),
-            "layout": {"world_size": self.state.world_size, "facility_sizes": list(self.state.layout.facility_sizes),
-                       "shard_size": self.state.layout.shard_size},
+            "layout": {
+                "world_size": self.state.world_size,
+                "facility_sizes": list(self.state.layout.facility_sizes),
+                "shard_size": self.state.layout.shard_size,
+            },
             "run_dir": str(self.run_dir),
             "config": self.config,
             "saved_at": time.time(),
@@ -240,8 +258,9 @@ class Checkpointer:
         if rng:
             sd[f"rank{me}"] = {"rng": rng}
         try:
-            dcp.load(sd, storage_reader=SafeFileSystemReader(str(path)), planner=SafeLoadPlanner(),
-                     process_group=self.group)
+            dcp.load(
+                sd, storage_reader=SafeFileSystemReader(str(path)), planner=SafeLoadPlanner(), process_group=self.group
+            )
         except (Exception, dcp.api.CheckpointException) as exc:  # noqa: BLE001 - CheckpointException is a BaseException
             raise _load_failure(exc, Path(path)) from None
         set_model_state_dict(self.model, model_sd)
@@ -264,8 +283,9 @@ class Checkpointer:
         return saved
 
     # ------------------------------------------------------------------ save
-    def after_round(self, step: int, rounds: list[dict], losses: torch.Tensor, final: bool = False,
-                    records: dict | None = None) -> None:
+    def after_round(
+        self, step: int, rounds: list[dict], losses: torch.Tensor, final: bool = False, records: dict | None = None
+    ) -> None:
         """Called by every rank after each aggregation round (``step`` steps done); ``records``:
         other JSON lists of the run so far (kept in ``state.json``, returned by :meth:`restore`)."""
         if final or (len(rounds) % self.every == 0):
@@ -298,8 +318,9 @@ class Checkpointer:
             if self.lead:
                 self.published.clear()
             self.pending_dir = tmp
-            self.pending = dcp.async_save(sd, storage_writer=writer, process_group=self.group,
-                                          async_stager=HostStager())
+            self.pending = dcp.async_save(
+                sd, storage_writer=writer, process_group=self.group, async_stager=HostStager()
+            )
             if self.lead:
                 self.pending.add_done_callback(lambda fut: self._publish(fut, tmp, final, meta, started))
         else:
@@ -350,12 +371,16 @@ class Checkpointer:
             except (Exception, dcp.api.CheckpointException) as exc:  # noqa: BLE001 - a BaseException
                 self.published.wait()
                 self.error = None
-                raise CheckpointError(f"checkpoint could not be written: {describe_failure(exc, self.pending_dir)}") from None
+                raise CheckpointError(
+                    f"checkpoint could not be written: {describe_failure(exc, self.pending_dir)}"
+                ) from None
             # The done-callback runs in the writer thread after result() wakes us: wait for it.
             self.published.wait()
         if self.error is not None:
             error, self.error = self.error, None
-            raise CheckpointError(f"checkpoint could not be written: {describe_failure(error, self.pending_dir)}") from None
+            raise CheckpointError(
+                f"checkpoint could not be written: {describe_failure(error, self.pending_dir)}"
+            ) from None
 
     def close(self) -> dict:
         """Wait for the last checkpoint; return what the summary reports about checkpoints."""

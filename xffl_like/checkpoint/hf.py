@@ -59,12 +59,16 @@ HF_SUFFIXES = {
     "attention_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
 }
-TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
-       "output.weight": "lm_head.weight"}
+TOP = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
 
 
 def hf_name(name: str) -> str:
-    """HF name of our parameter ``name`` (``layers.3.attention.wq.weight`` -> ``model.layers.3.self_attn.q_proj.weight``)."""
+    """HF name of our parameter ``name``
+    (``layers.3.attention.wq.weight`` -> ``model.layers.3.self_attn.q_proj.weight``)."""
     if name in TOP:
         return TOP[name]
     _, index, suffix = name.split(".", 2)
@@ -146,8 +150,9 @@ def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
         missing = [k for k in keys if k not in rope]
         if missing:
             raise _fail(path, f"rope_scaling of type llama3 lacks {', '.join(missing)}")
-        out["rope_scaling"] = {k: float(rope[k]) if k != "original_max_position_embeddings" else int(rope[k])
-                               for k in keys}
+        out["rope_scaling"] = {
+            k: float(rope[k]) if k != "original_max_position_embeddings" else int(rope[k]) for k in keys
+        }
     elif kind == "default":
         out["rope_scaling"] = None
     else:
@@ -178,8 +183,11 @@ def weight_files(path: str | os.PathLike) -> dict[str, Path]:
         except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
             raise _fail(path, f"{SINGLE} is not a readable safetensors file ({exc})") from None
     if any(path.glob("*.bin")) or any(path.glob("*.pt")) or any(path.glob("*.pth")):
-        raise _fail(path, "holds only PyTorch pickle weights (*.bin); pickles can run code and are refused: "
-                          "convert them to safetensors (save_pretrained(dir, safe_serialization=True))")
+        raise _fail(
+            path,
+            "holds only PyTorch pickle weights (*.bin); pickles can run code and are refused: "
+            "convert them to safetensors (save_pretrained(dir, safe_serialization=True))",
+        )
     raise _fail(path, f"neither {SINGLE} nor {INDEX} found")
 
 
@@ -207,7 +215,9 @@ def check_hf_weights(path: str | os.PathLike, cfg: LlamaConfig) -> None:
                 for name, shape in wanted:
                     got = tuple(f.get_slice(name).get_shape())
                     if got != shape:
-                        raise _fail(Path(path), f"tensor {name} has shape {list(got)}, config.json implies {list(shape)}")
+                        raise _fail(
+                            Path(path), f"tensor {name} has shape {list(got)}, config.json implies {list(shape)}"
+                        )
         except ValueError:
             raise
         except Exception as exc:  # noqa: BLE001
@@ -258,24 +268,26 @@ def hf_config(cfg: LlamaConfig, base: dict | None = None) -> dict[str, Any]:
     """``config.json`` for ``cfg``; keys of ``base`` (the imported model's config) that do not
     describe the shape (token ids, ...) are kept."""
     out = {k: v for k, v in (base or {}).items() if k not in ("rope_scaling", "rope_parameters", "rope_theta")}
-    out.update({
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": cfg.dim,
-        "num_hidden_layers": cfg.n_layers,
-        "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.n_kv_heads,
-        "head_dim": cfg.head_dim,
-        "intermediate_size": cfg.ffn_dim,
-        "vocab_size": cfg.vocab_size,
-        "rms_norm_eps": cfg.norm_eps,
-        "max_position_embeddings": cfg.max_seq_len,
-        "tie_word_embeddings": cfg.tie_embeddings,
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "mlp_bias": False,
-        "dtype": "float32",
-    })
+    out.update(
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "hidden_size": cfg.dim,
+            "num_hidden_layers": cfg.n_layers,
+            "num_attention_heads": cfg.n_heads,
+            "num_key_value_heads": cfg.n_kv_heads,
+            "head_dim": cfg.head_dim,
+            "intermediate_size": cfg.ffn_dim,
+            "vocab_size": cfg.vocab_size,
+            "rms_norm_eps": cfg.norm_eps,
+            "max_position_embeddings": cfg.max_seq_len,
+            "tie_word_embeddings": cfg.tie_embeddings,
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "mlp_bias": False,
+            "dtype": "float32",
+        }
+    )
     # transformers 5 spelling; transformers >= 4.x also reads rope_theta/rope_scaling, written for older readers.
     rope = {"rope_theta": cfg.rope_theta, "rope_type": "default"}
     if cfg.rope_scaling is not None:
@@ -331,8 +343,14 @@ class _ShardWriter:
 
 
 @torch.no_grad()
-def export_hf(model: nn.Module, state, out_dir: str | os.PathLike, *, base_config: dict | None = None,
-              max_shard_bytes: int = 2 * 10**9) -> None:
+def export_hf(
+    model: nn.Module,
+    state,
+    out_dir: str | os.PathLike,
+    *,
+    base_config: dict | None = None,
+    max_shard_bytes: int = 2 * 10**9,
+) -> None:
     """Write ``model`` as a HF ``LlamaForCausalLM`` directory (a collective over facility 0, replica 0).
 
     Facilities agree after the last aggregation, so one sharding's ranks gather each parameter
@@ -361,8 +379,14 @@ def export_hf(model: nn.Module, state, out_dir: str | os.PathLike, *, base_confi
     dist.barrier()
 
 
-def export_job(model: nn.Module, state, run_dir: str | os.PathLike, export: ExportConfig, data: DataConfig,
-               base_model: str | None = None) -> Path:
+def export_job(
+    model: nn.Module,
+    state,
+    run_dir: str | os.PathLike,
+    export: ExportConfig,
+    data: DataConfig,
+    base_model: str | None = None,
+) -> Path:
     """``export.hf=true`` at the end of a job: ``<run_dir>/hf/`` with the weights (files of at most
     ``export.max_shard_mb``), ``config.json`` (token ids and other non-shape keys of the model imported from
     ``base_model``, the job's ``model.path``, kept) and the tokenizer files (``data.tokenizer``, or for

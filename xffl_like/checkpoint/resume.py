@@ -9,13 +9,20 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from .dcp import checkpoint_dir
-from .store import LATEST, Damaged, check_intact, newest_intact, read_metadata, read_state
 from ..checks import is_int
 from ..schema import CheckpointConfig, JobConfig, as_plain, build_section
+from .dcp import checkpoint_dir
+from .store import LATEST, Damaged, check_intact, newest_intact, read_metadata, read_state
 
-__all__ = ["RESUME_MAY_CHANGE", "ResumeTarget", "check_writable", "config_differences", "resolve_resume", "resumed",
-           "validate_durability"]
+__all__ = [
+    "RESUME_MAY_CHANGE",
+    "ResumeTarget",
+    "check_writable",
+    "config_differences",
+    "resolve_resume",
+    "resumed",
+    "validate_durability",
+]
 
 #: Config keys (a dotted key, or a section: every key under it) that a resume may change: they do not change
 #: the trajectory (the weights, optimizer state and data of every step). Every other key must equal the
@@ -23,13 +30,27 @@ __all__ = ["RESUME_MAY_CHANGE", "ResumeTarget", "check_writable", "config_differ
 #: ``distributed.nproc_per_node``/``federated`` are compared through the layout (``layout.facility_sizes``:
 #: ranks per facility decide the batches), not as keys: torchrun's world size is not in the config.
 RESUME_MAY_CHANGE = (
-    "resume", "experiment",
-    "train.steps", "train.log_every", "train.eval_every",
-    "checkpoint.every_rounds", "checkpoint.keep", "checkpoint.async", "checkpoint.dir",
-    "logger", "export", "fault",
-    "distributed.timeout_s", "distributed.max_restarts", "distributed.backend", "distributed.hsdp",
-    "distributed.nproc_per_node", "distributed.federated",
-    "model.name", "model.init", "model.path",  # the weights come from the checkpoint; the shape is compared
+    "resume",
+    "experiment",
+    "train.steps",
+    "train.log_every",
+    "train.eval_every",
+    "checkpoint.every_rounds",
+    "checkpoint.keep",
+    "checkpoint.async",
+    "checkpoint.dir",
+    "logger",
+    "export",
+    "fault",
+    "distributed.timeout_s",
+    "distributed.max_restarts",
+    "distributed.backend",
+    "distributed.hsdp",
+    "distributed.nproc_per_node",
+    "distributed.federated",
+    "model.name",
+    "model.init",
+    "model.path",  # the weights come from the checkpoint; the shape is compared
 )
 
 
@@ -108,8 +129,10 @@ def _damaged(resume: Path, exc: Damaged, ckpt: Path) -> ValueError:
 def _find(path: Path) -> tuple[Path, Path]:
     """(checkpoint, run dir) for a checkpoint dir, a checkpoints dir or a run dir; the checkpoint is intact."""
     if path.name.startswith(".tmp-"):
-        raise ValueError(f"resume={path}: the checkpoint is incomplete (a job died while writing it); "
-                         f"resume from its run directory to use the latest complete one")
+        raise ValueError(
+            f"resume={path}: the checkpoint is incomplete (a job died while writing it); "
+            f"resume from its run directory to use the latest complete one"
+        )
     if path.name.startswith("step-") or (path / ".metadata").is_file():
         try:
             check_intact(path)
@@ -129,14 +152,18 @@ def _find(path: Path) -> tuple[Path, Path]:
             plain = OmegaConf.to_container(OmegaConf.load(path / "config.yaml"))
             ckpt_dir = checkpoint_dir(build_section(CheckpointConfig, plain.get("checkpoint") or {}), path)
     else:
-        raise ValueError(f"resume={path}: neither a run directory nor a checkpoint (no config.yaml, "
-                         f"checkpoints/ or .metadata inside)")
+        raise ValueError(
+            f"resume={path}: neither a run directory nor a checkpoint (no config.yaml, "
+            f"checkpoints/ or .metadata inside)"
+        )
     pointer = ckpt_dir / LATEST
     name = pointer.read_text().strip() if pointer.is_file() else ""
     found = ckpt_dir / name if name.startswith("step-") else None
     if found is None or not found.is_dir():
-        raise ValueError(f"resume={path}: no complete checkpoint in {ckpt_dir} (no valid '{LATEST}' pointer); "
-                         f"{_intact_hint(ckpt_dir)}")
+        raise ValueError(
+            f"resume={path}: no complete checkpoint in {ckpt_dir} (no valid '{LATEST}' pointer); "
+            f"{_intact_hint(ckpt_dir)}"
+        )
     try:
         check_intact(found)
     except Damaged as exc:
@@ -155,7 +182,11 @@ def _experiment_of(run: Path) -> str | None:
 
 def _latest_run(outputs: Path, experiment: str, current: Path | None) -> Path:
     """The newest run directory of ``experiment`` under ``outputs`` that holds a complete checkpoint."""
-    runs = sorted((p for p in outputs.iterdir() if p.is_dir()), key=lambda p: p.name, reverse=True) if outputs.is_dir() else []
+    runs = (
+        sorted((p for p in outputs.iterdir() if p.is_dir()), key=lambda p: p.name, reverse=True)
+        if outputs.is_dir()
+        else []
+    )
     for run in runs:
         if current is not None and run.absolute() == current.absolute() or _experiment_of(run) != experiment:
             continue
@@ -164,8 +195,10 @@ def _latest_run(outputs: Path, experiment: str, current: Path | None) -> Path:
             return run
         except ValueError:
             continue
-    raise ValueError(f"resume=latest: no run of this experiment with a complete checkpoint under {outputs} "
-                     f"(pass resume=<run dir> instead)")
+    raise ValueError(
+        f"resume=latest: no run of this experiment with a complete checkpoint under {outputs} "
+        f"(pass resume=<run dir> instead)"
+    )
 
 
 def _flat(node, prefix: str = "") -> dict:
@@ -190,8 +223,11 @@ def config_differences(saved: dict, now: dict) -> list[tuple[str, object, object
     import json
 
     a, b = (_flat(json.loads(json.dumps(c, default=str))) for c in (saved, now))  # tuples -> lists, as JSON keeps them
-    return [(k, a.get(k, _UNSET), b.get(k, _UNSET)) for k in sorted(set(a) | set(b))
-            if not _may_change(k) and a.get(k, _UNSET) != b.get(k, _UNSET)]
+    return [
+        (k, a.get(k, _UNSET), b.get(k, _UNSET))
+        for k in sorted(set(a) | set(b))
+        if not _may_change(k) and a.get(k, _UNSET) != b.get(k, _UNSET)
+    ]
 
 
 def _show(value) -> str:
@@ -206,33 +242,43 @@ def _saved_config(state: dict, run_dir: Path) -> dict:
         return state["config"]
     from omegaconf import OmegaConf
 
-    return OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml")) if (run_dir / "config.yaml").is_file() else {}
+    return (
+        OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml")) if (run_dir / "config.yaml").is_file() else {}
+    )
 
 
 def _check_compatible(job: JobConfig, state: dict, saved: dict, metadata, layout, model) -> None:
     saved_sizes = list(state["layout"]["facility_sizes"])
     if len(saved_sizes) != layout.num_facilities:
-        raise ValueError(f"resume: the checkpoint has {len(saved_sizes)} facilities, this job {layout.num_facilities} "
-                         f"(the checkpoint's ranks per facility: "
-                         f"distributed.federated=[{','.join(map(str, saved_sizes))}])")
+        raise ValueError(
+            f"resume: the checkpoint has {len(saved_sizes)} facilities, this job {layout.num_facilities} "
+            f"(the checkpoint's ranks per facility: "
+            f"distributed.federated=[{','.join(map(str, saved_sizes))}])"
+        )
     diffs = config_differences(saved, as_plain(job))
     if saved_sizes != list(layout.facility_sizes):
         diffs.append(("layout.facility_sizes", saved_sizes, list(layout.facility_sizes)))
     if diffs:
         listed = ", ".join(f"{key} ({_show(old)} -> {_show(new)})" for key, old, new in diffs)
-        raise ValueError(f"resume: the config differs from the checkpoint's in {listed}: these change the run; "
-                         f"drop the overrides or start a new run (keys a resume may change: docs/outputs.md, "
-                         f"resume rules)")
+        raise ValueError(
+            f"resume: the config differs from the checkpoint's in {listed}: these change the run; "
+            f"drop the overrides or start a new run (keys a resume may change: docs/outputs.md, "
+            f"resume rules)"
+        )
     present = metadata.state_dict_metadata
     for name, param in model.named_parameters():
         entry = present.get(f"f0.model.{name}")
         if entry is None or tuple(entry.size) != tuple(param.shape):
             got = "missing" if entry is None else f"shape {tuple(entry.size)}"
-            raise ValueError(f"resume: parameter {name} is {got} in the checkpoint, shape {tuple(param.shape)} "
-                             f"in this model (resume with the model the checkpoint was written by)")
+            raise ValueError(
+                f"resume: parameter {name} is {got} in the checkpoint, shape {tuple(param.shape)} "
+                f"in this model (resume with the model the checkpoint was written by)"
+            )
     if job.train.steps <= state["step"]:
-        raise ValueError(f"resume: the checkpoint is at step {state['step']}, train.steps={job.train.steps} "
-                         f"leaves nothing to do (raise train.steps)")
+        raise ValueError(
+            f"resume: the checkpoint is at step {state['step']}, train.steps={job.train.steps} "
+            f"leaves nothing to do (raise train.steps)"
+        )
 
 
 def resolve_resume(job: JobConfig, layout, outputs: Path, current_run_dir: Path | None = None) -> ResumeTarget | None:
@@ -256,10 +302,14 @@ def resolve_resume(job: JobConfig, layout, outputs: Path, current_run_dir: Path 
     metadata = read_metadata(ckpt)
     from ..models import build_model
 
-    _check_compatible(job, state, _saved_config(state, run_dir), metadata, layout, build_model(job.model, device="meta"))
+    _check_compatible(
+        job, state, _saved_config(state, run_dir), metadata, layout, build_model(job.model, device="meta")
+    )
     return ResumeTarget(ckpt.absolute(), run_dir.absolute(), state)
 
 
 def resumed(job: JobConfig, target: ResumeTarget) -> JobConfig:
     """``job`` resuming from ``target``: ``resume`` the checkpoint's absolute path, ``checkpoint.dir`` its directory."""
-    return replace(job, resume=str(target.checkpoint), checkpoint=replace(job.checkpoint, dir=str(target.checkpoint.parent)))
+    return replace(
+        job, resume=str(target.checkpoint), checkpoint=replace(job.checkpoint, dir=str(target.checkpoint.parent))
+    )

@@ -25,9 +25,22 @@ import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 
 __all__ = [
-    "LATEST", "STATE_FILE", "Damaged", "SafeFileSystemReader", "SafeLoadPlanner", "checkpoint_name", "check_intact",
-    "is_complete", "latest_checkpoint", "list_checkpoints", "newest_intact", "publish", "read_metadata", "read_state",
-    "remove_stale", "retain",
+    "LATEST",
+    "STATE_FILE",
+    "Damaged",
+    "SafeFileSystemReader",
+    "SafeLoadPlanner",
+    "checkpoint_name",
+    "check_intact",
+    "is_complete",
+    "latest_checkpoint",
+    "list_checkpoints",
+    "newest_intact",
+    "publish",
+    "read_metadata",
+    "read_state",
+    "remove_stale",
+    "retain",
 ]
 
 LATEST = "latest"

@@ -12,8 +12,18 @@ from typing import Any
 
 import torch
 
-__all__ = ["BACKENDS", "MPI_EXTRA", "MPIUnavailable", "as_bytes", "check_backend", "get_mpi", "handles_cpu", "mpi_group", "mpi_installed",
-           "to_host_contiguous"]
+__all__ = [
+    "BACKENDS",
+    "MPI_EXTRA",
+    "MPIUnavailable",
+    "as_bytes",
+    "check_backend",
+    "get_mpi",
+    "handles_cpu",
+    "mpi_group",
+    "mpi_installed",
+    "to_host_contiguous",
+]
 
 BACKENDS = ("torch", "mpi")
 #: What to install for the MPI backend (mpi4py plus an MPI runtime, see pyproject.toml).

@@ -92,10 +92,15 @@ def all_reduce(tensor: torch.Tensor, op: str = "SUM", backend: str = "torch", gr
 def _check_like(tensors: list[torch.Tensor], like: torch.Tensor, what: str) -> None:
     for i, t in enumerate(tensors):
         if t.shape != like.shape or t.dtype != like.dtype:
-            raise ValueError(f"{what}[{i}] is {tuple(t.shape)} {t.dtype}, the local tensor {tuple(like.shape)} {like.dtype}: they must match")
+            raise ValueError(
+                f"{what}[{i}] is {tuple(t.shape)} {t.dtype}, the local tensor {tuple(like.shape)} {like.dtype}: "
+                "they must match"
+            )
 
 
-def all_gather(output_list: list[torch.Tensor], tensor: torch.Tensor, backend: str = "torch", group: Any = None) -> None:
+def all_gather(
+    output_list: list[torch.Tensor], tensor: torch.Tensor, backend: str = "torch", group: Any = None
+) -> None:
     """Fill ``output_list[r]`` with rank ``r``'s ``tensor`` (same shape and dtype everywhere)."""
     check_backend(backend)
     size = get_world_size(backend, group)
@@ -127,7 +132,9 @@ def broadcast(tensor: torch.Tensor, src: int, backend: str = "torch", group: Any
     return tensor
 
 
-def gather_varlen(local_tensor: torch.Tensor, dst: int = 0, backend: str = "torch", group: Any = None) -> torch.Tensor | None:
+def gather_varlen(
+    local_tensor: torch.Tensor, dst: int = 0, backend: str = "torch", group: Any = None
+) -> torch.Tensor | None:
     """Concatenate every rank's rows (dim 0, any length, possibly none) on ``dst``, in rank order.
 
     Trailing dimensions and dtype must agree across ranks (checked on every rank, so all

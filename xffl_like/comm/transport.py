@@ -108,7 +108,9 @@ class AsyncSendHandle:
 class AsyncRecvHandle:
     """A receive into a given tensor in flight (see :func:`irecv_into`)."""
 
-    def __init__(self, requests: _Requests, out: torch.Tensor, staged: torch.Tensor | None, length: torch.Tensor | None):
+    def __init__(
+        self, requests: _Requests, out: torch.Tensor, staged: torch.Tensor | None, length: torch.Tensor | None
+    ):
         self._request = requests
         self._out, self._staged, self._length = out, staged, length
 
@@ -133,8 +135,10 @@ def _post_send(data: torch.Tensor, dst: int, backend: str, tag: int, group: Any)
     payload = as_bytes(data)
     if check_backend(backend) == "torch":
         length = _length(payload.numel(), payload.device)
-        works = [dist.isend(length, group=group, tag=2 * tag, **_peer(group, dst, "dst")),
-                 dist.isend(payload, group=group, tag=2 * tag + 1, **_peer(group, dst, "dst"))]
+        works = [
+            dist.isend(length, group=group, tag=2 * tag, **_peer(group, dst, "dst")),
+            dist.isend(payload, group=group, tag=2 * tag + 1, **_peer(group, dst, "dst")),
+        ]
         return works, (length, payload)
     MPI = get_mpi()
     host = to_host_contiguous(payload)
@@ -155,8 +159,13 @@ def send(data: torch.Tensor, dst: int, backend: str = "torch", tag: int = 0, gro
         req.wait() if backend == "torch" else req.Wait()
 
 
-def recv(src: int | None = None, backend: str = "torch", tag: int = 0, group: Any = None,
-         device: torch.device | str | None = None) -> tuple[int, torch.Tensor]:
+def recv(
+    src: int | None = None,
+    backend: str = "torch",
+    tag: int = 0,
+    group: Any = None,
+    device: torch.device | str | None = None,
+) -> tuple[int, torch.Tensor]:
     """Receive one message sent by :func:`send`/:func:`isend` on ``tag`` from ``src`` (any
     rank when ``None``). Returns ``(source rank, flat uint8 tensor)``; the tensor is on
     ``device`` (default: the CPU; the current CUDA device for a group that has no CPU backend, nccl
@@ -188,13 +197,20 @@ def irecv_into(out: torch.Tensor, src: int, backend: str = "torch", tag: int = 0
     hold exactly ``out``'s bytes (checked on the torch backend, whose protocol carries it)."""
     check_backend(backend)
     direct = out.is_contiguous() and (backend == "torch" or out.device.type == "cpu")
-    target = as_bytes(out) if direct else torch.empty(out.numel() * out.element_size(), dtype=torch.uint8,
-                                                      device=out.device if backend == "torch" else "cpu")
+    target = (
+        as_bytes(out)
+        if direct
+        else torch.empty(
+            out.numel() * out.element_size(), dtype=torch.uint8, device=out.device if backend == "torch" else "cpu"
+        )
+    )
     staged = None if direct else target
     if backend == "torch":
         length = _length(0, out.device)
-        works = [dist.irecv(length, group=group, tag=2 * tag, **_peer(group, src, "src")),
-                 dist.irecv(target, group=group, tag=2 * tag + 1, **_peer(group, src, "src"))]
+        works = [
+            dist.irecv(length, group=group, tag=2 * tag, **_peer(group, src, "src")),
+            dist.irecv(target, group=group, tag=2 * tag + 1, **_peer(group, src, "src")),
+        ]
         return AsyncRecvHandle(_Requests("torch", works, target.device), out, staged, length)
     MPI = get_mpi()
     req = mpi_group(group).Irecv([target.numpy(), MPI.BYTE], source=src, tag=tag)

@@ -13,13 +13,22 @@ from __future__ import annotations
 
 import os
 
+from ..checks import is_int
 from ..schema import DataConfig
 from .source import DataSource, check_positive_int, mix_seed, resolve_paths
 from .synthetic import SyntheticMarkovSource, _check_non_iid, build_synthetic, validate_synthetic
-from .text import (BYTE_VOCAB_SIZE, TextByteSource, _check_block_size, _check_eval_fraction, _check_partition,
-                   build_text, decode, encode, validate_text)
+from .text import (
+    BYTE_VOCAB_SIZE,
+    TextByteSource,
+    _check_block_size,
+    _check_eval_fraction,
+    _check_partition,
+    build_text,
+    decode,
+    encode,
+    validate_text,
+)
 from .tokens import build_tokens, check_layout_fits, validate_tokens
-from ..checks import is_int
 
 __all__ = [
     "DataSource",
@@ -50,7 +59,9 @@ def _name(cfg_data: DataConfig) -> str:
     return str(name)
 
 
-def _check_layout(*, batch_size: int, facility: int, num_facilities: int, facility_rank: int, facility_size: int) -> None:
+def _check_layout(
+    *, batch_size: int, facility: int, num_facilities: int, facility_rank: int, facility_size: int
+) -> None:
     check_positive_int(batch_size, "batch_size", "set a positive per-rank batch size")
     check_positive_int(num_facilities, "num_facilities", "set at least one facility")
     check_positive_int(facility_size, "facility_size", "give each facility at least one worker")
@@ -62,8 +73,9 @@ def _check_layout(*, batch_size: int, facility: int, num_facilities: int, facili
         )
 
 
-def validate_data(cfg_data: DataConfig, *, vocab_size: int, seq_len: int,
-                  base_dir: str | os.PathLike | None = None) -> int | None:
+def validate_data(
+    cfg_data: DataConfig, *, vocab_size: int, seq_len: int, base_dir: str | os.PathLike | None = None
+) -> int | None:
     """Check ``cfg_data`` before workers start; raise ``ValueError`` on the first problem.
 
     Returns the corpus length in tokens (bytes for the byte tokenizer) for the corpus sources, for
@@ -97,7 +109,8 @@ def build_data(
     facility_size: int,
     base_dir: str | os.PathLike | None = None,
 ) -> DataSource:
-    """The data source of rank ``facility_rank`` (of ``facility_size``) in facility ``facility`` (of ``num_facilities``).
+    """The data source of rank ``facility_rank`` (of ``facility_size``) in facility ``facility``
+    (of ``num_facilities``).
 
     Batches are CPU LongTensors ``(inputs [batch_size, seq_len], targets [batch_size, seq_len])``.
     ``base_dir`` (optional) is where relative ``data.path`` entries resolve; default as in
@@ -111,10 +124,18 @@ def build_data(
         facility_rank=facility_rank,
         facility_size=facility_size,
     )
-    mine = dict(vocab_size=vocab_size, seq_len=seq_len, batch_size=batch_size, seed=seed,
-                facility=facility, facility_rank=facility_rank)
+    mine = dict(
+        vocab_size=vocab_size,
+        seq_len=seq_len,
+        batch_size=batch_size,
+        seed=seed,
+        facility=facility,
+        facility_rank=facility_rank,
+    )
     if name == "synthetic":
         return build_synthetic(cfg_data, **mine)
     if name == "tokens":
-        return build_tokens(cfg_data, **mine, num_facilities=num_facilities, facility_size=facility_size, base_dir=base_dir)
+        return build_tokens(
+            cfg_data, **mine, num_facilities=num_facilities, facility_size=facility_size, base_dir=base_dir
+        )
     return build_text(cfg_data, **mine, num_facilities=num_facilities, facility_size=facility_size, base_dir=base_dir)

@@ -12,8 +12,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 
@@ -32,7 +32,7 @@ def _documents(path: Path) -> Iterator[str]:
                     try:
                         yield json.loads(line)["text"]
                     except (ValueError, KeyError, TypeError):
-                        raise ValueError(f"{path}:{n}: not a JSON object with a \"text\" field") from None
+                        raise ValueError(f'{path}:{n}: not a JSON object with a "text" field') from None
     else:
         try:
             yield path.read_text(encoding="utf-8")
@@ -55,8 +55,10 @@ def _check_inputs(paths: list[Path], out: Path) -> None:
     for target in [out, *written]:
         if target.resolve() in inputs:
             p = inputs[target.resolve()]
-            raise ValueError(f"--output {out}: would overwrite the input {p}; write the corpus to another "
-                             f"directory, e.g. --output {output_for(p)}")
+            raise ValueError(
+                f"--output {out}: would overwrite the input {p}; write the corpus to another "
+                f"directory, e.g. --output {output_for(p)}"
+            )
     if out.exists() and not out.is_dir():
         raise ValueError(f"--output {out}: exists and is not a directory; pass a directory (it is created if missing)")
 
@@ -68,8 +70,10 @@ def prepare(tokenizer: str, output: str | Path, files: list[str | Path], progres
     _check_inputs(paths, out)
     tok = load_tokenizer(tokenizer, Path.cwd())
     if tok.eos_id is None:
-        raise ValueError(f"tokenizer {tok.name}: no end-of-document token found (add one of "
-                         "<|end_of_text|>, <|endoftext|>, </s> or set eos_token in tokenizer_config.json)")
+        raise ValueError(
+            f"tokenizer {tok.name}: no end-of-document token found (add one of "
+            "<|end_of_text|>, <|endoftext|>, </s> or set eos_token in tokenizer_config.json)"
+        )
     dtype = np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -79,8 +83,14 @@ def prepare(tokenizer: str, output: str | Path, files: list[str | Path], progres
 
     starts: list[int] = []
     count = 0
-    bar = tqdm(total=sum(p.stat().st_size for p in paths), unit="B", unit_scale=True, desc="tokenizing",
-               disable=not progress, file=sys.stderr)
+    bar = tqdm(
+        total=sum(p.stat().st_size for p in paths),
+        unit="B",
+        unit_scale=True,
+        desc="tokenizing",
+        disable=not progress,
+        file=sys.stderr,
+    )
     partial = out / (TOKENS + ".partial")  # renamed at the end: an interrupted run leaves no valid-looking corpus
     try:
         with partial.open("wb") as f:
@@ -94,7 +104,9 @@ def prepare(tokenizer: str, output: str | Path, files: list[str | Path], progres
                     f.write(ids.tobytes())
                     bar.update(len(text.encode("utf-8")))
                 if empty:  # whitespace only, or a .jsonl without a document: a corpus of end-of-document tokens
-                    raise ValueError(f"{p}: no text to tokenize (only whitespace or no documents); pass files with text")
+                    raise ValueError(
+                        f"{p}: no text to tokenize (only whitespace or no documents); pass files with text"
+                    )
     except OSError as exc:
         partial.unlink(missing_ok=True)
         raise ValueError(f"{partial}: cannot write ({exc.strerror or exc})") from None
@@ -129,8 +141,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as exc:  # OSError: meta.json could not be written (a full disk, permissions)
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(f"wrote {meta['num_tokens']:,} tokens ({meta['dtype']}, {len(meta['document_starts'])} documents, "
-          f"vocabulary {meta['vocab_size']}) to {Path(args.output) / TOKENS}")
+    print(
+        f"wrote {meta['num_tokens']:,} tokens ({meta['dtype']}, {len(meta['document_starts'])} documents, "
+        f"vocabulary {meta['vocab_size']}) to {Path(args.output) / TOKENS}"
+    )
     return 0
 
 

@@ -83,7 +83,7 @@ def default_base_dir() -> Path:
     return Path(os.getcwd())
 
 
-def resolve_paths(cfg_data: "DataConfig", base_dir: str | os.PathLike | None = None) -> list[Path]:
+def resolve_paths(cfg_data: DataConfig, base_dir: str | os.PathLike | None = None) -> list[Path]:
     """``data.path`` (a string or a list of strings) as absolute paths.
 
     Relative paths resolve against ``base_dir`` (the launch directory); ``~`` is
@@ -92,9 +92,7 @@ def resolve_paths(cfg_data: "DataConfig", base_dir: str | os.PathLike | None = N
     """
     raw = cfg_data.path
     if raw is None or (isinstance(raw, str) and not raw.strip()):
-        raise ValueError(
-            "data.path: no text file given (pass data.path=<existing UTF-8 text file> or a list of files)"
-        )
+        raise ValueError("data.path: no text file given (pass data.path=<existing UTF-8 text file> or a list of files)")
     if isinstance(raw, (str, os.PathLike)):
         items = [raw]
     else:
@@ -106,16 +104,12 @@ def resolve_paths(cfg_data: "DataConfig", base_dir: str | os.PathLike | None = N
                 "(pass data.path=<existing UTF-8 text file>)"
             ) from None
         if not items:
-            raise ValueError(
-                "data.path: the list of files is empty (pass data.path=<existing UTF-8 text file>)"
-            )
+            raise ValueError("data.path: the list of files is empty (pass data.path=<existing UTF-8 text file>)")
     base = Path(base_dir) if base_dir is not None else default_base_dir()
     out: list[Path] = []
     for item in items:
         if not isinstance(item, (str, os.PathLike)) or not str(item).strip():
-            raise ValueError(
-                f"data.path: invalid entry {item!r} (pass data.path=<existing UTF-8 text file>)"
-            )
+            raise ValueError(f"data.path: invalid entry {item!r} (pass data.path=<existing UTF-8 text file>)")
         p = Path(item).expanduser()
         if not p.is_absolute():
             p = base / p
@@ -125,16 +119,14 @@ def resolve_paths(cfg_data: "DataConfig", base_dir: str | os.PathLike | None = N
 
 def check_positive_int(value: Any, what: str, fix: str) -> int:
     """``int(value)`` if it is a positive integer, else a one-sentence ValueError naming ``what``."""
-    if not is_number(value) or isinstance(value, float) and (
-        not math.isfinite(value) or value != int(value)
-    ):
+    if not is_number(value) or isinstance(value, float) and (not math.isfinite(value) or value != int(value)):
         raise ValueError(f"{what}: must be a positive integer, got {value!r} ({fix})")
     if int(value) <= 0:
         raise ValueError(f"{what}: must be a positive integer, got {value!r} ({fix})")
     return int(value)
 
 
-def check_num_eval_batches(cfg_data: "DataConfig") -> int:
+def check_num_eval_batches(cfg_data: DataConfig) -> int:
     return check_positive_int(
         cfg_data.num_eval_batches,
         "data.num_eval_batches",

@@ -23,9 +23,9 @@ import math
 
 import torch
 
+from ..checks import is_number
 from ..schema import DataConfig
 from .source import check_num_eval_batches, check_positive_int, make_generator
-from ..checks import is_number
 
 __all__ = ["SyntheticMarkovSource", "validate_synthetic", "BRANCH", "ZIPF_EXPONENT"]
 
@@ -54,8 +54,10 @@ def _check_non_iid(cfg_data: DataConfig) -> float:
 def validate_synthetic(cfg_data: DataConfig, *, vocab_size: int, seq_len: int) -> None:
     check_positive_int(vocab_size, "vocab_size", "set the model's vocab_size to at least 2")
     if vocab_size < 2:
-        raise ValueError(f"vocab_size: must be at least 2 for the synthetic source, got {vocab_size} "
-                         "(set the model's vocab_size to at least 2)")
+        raise ValueError(
+            f"vocab_size: must be at least 2 for the synthetic source, got {vocab_size} "
+            "(set the model's vocab_size to at least 2)"
+        )
     check_positive_int(seq_len, "seq_len", "set a positive sequence length")
     check_num_eval_batches(cfg_data)
     _check_non_iid(cfg_data)
@@ -158,7 +160,7 @@ class SyntheticMarkovSource:
         succ = self._succ_flat.view(2 * v, k)
         mats = torch.zeros(2, v, v, dtype=torch.float64)
         for c in range(2):
-            mats[c].scatter_add_(1, succ[c * v:(c + 1) * v], probs[c * v:(c + 1) * v])
+            mats[c].scatter_add_(1, succ[c * v : (c + 1) * v], probs[c * v : (c + 1) * v])
         return (1.0 - self.non_iid) * mats[0] + self.non_iid * mats[1]
 
     def __repr__(self) -> str:
@@ -170,8 +172,14 @@ class SyntheticMarkovSource:
 
 
 def build_synthetic(
-    cfg_data: DataConfig, *, vocab_size: int, seq_len: int, batch_size: int, seed: int, facility: int,
-    facility_rank: int
+    cfg_data: DataConfig,
+    *,
+    vocab_size: int,
+    seq_len: int,
+    batch_size: int,
+    seed: int,
+    facility: int,
+    facility_rank: int,
 ) -> SyntheticMarkovSource:
     """Facility ``facility``'s source, from a config :func:`validate_synthetic` accepted in the launcher."""
     return SyntheticMarkovSource(

@@ -27,11 +27,13 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
+from ..checks import is_int, is_number, not_regular
 from ..schema import DataConfig
 from .source import (
     check_num_eval_batches,
@@ -39,8 +41,6 @@ from .source import (
     make_generator,
     resolve_paths,
 )
-
-from ..checks import is_int, is_number, not_regular
 
 __all__ = [
     "BYTE_VOCAB_SIZE",
@@ -190,11 +190,15 @@ def _check_tokenizer_vocab(cfg_data: DataConfig, vocab_size: int) -> None:
 
     tok = load_tokenizer(spec)
     if not is_int(vocab_size) or vocab_size < tok.vocab_size:
-        raise ValueError(f"model.vocab_size={vocab_size!r} is smaller than the vocabulary of data.tokenizer "
-                         f"({tok.vocab_size}, {tok.name}): raise model.vocab_size or use the model's own tokenizer")
+        raise ValueError(
+            f"model.vocab_size={vocab_size!r} is smaller than the vocabulary of data.tokenizer "
+            f"({tok.vocab_size}, {tok.name}): raise model.vocab_size or use the model's own tokenizer"
+        )
 
 
-def validate_text(cfg_data: DataConfig, *, vocab_size: int, seq_len: int, base_dir: str | os.PathLike | None = None) -> int:
+def validate_text(
+    cfg_data: DataConfig, *, vocab_size: int, seq_len: int, base_dir: str | os.PathLike | None = None
+) -> int:
     """Check the config and the corpus; return the corpus length in tokens."""
     _check_tokenizer_vocab(cfg_data, vocab_size)
     check_positive_int(seq_len, "seq_len", "set a positive sequence length")
@@ -219,9 +223,7 @@ def facility_segments(
         return [(lo, hi)] if hi > lo else []
     if partition == "interleaved":
         n_blocks = -(-n_train // block_size)
-        return [
-            (j * block_size, min((j + 1) * block_size, n_train)) for j in range(facility, n_blocks, num_facilities)
-        ]
+        return [(j * block_size, min((j + 1) * block_size, n_train)) for j in range(facility, n_blocks, num_facilities)]
     raise ValueError(f"data.partition: unknown partition {partition!r} (pass data.partition=contiguous or interleaved)")
 
 
@@ -293,7 +295,9 @@ class TextByteSource:
         if isinstance(corpus, torch.Tensor):  # token ids (a tokenizer's output, or a memory-mapped corpus)
             self.corpus = corpus
         else:
-            self.corpus = torch.frombuffer(bytearray(corpus), dtype=torch.uint8) if corpus else torch.zeros(0, dtype=torch.uint8)
+            self.corpus = (
+                torch.frombuffer(bytearray(corpus), dtype=torch.uint8) if corpus else torch.zeros(0, dtype=torch.uint8)
+            )
         n = len(self.corpus)
         self.n_train, self.n_eval = _check_length(n, eval_fraction, self.seq_len, self.paths or [Path("<bytes>")])
 
@@ -352,7 +356,7 @@ class TextByteSource:
         if self._eval_cache is None:
             x, y = self._windows(self.eval_offsets())
             b = self.batch_size
-            self._eval_cache = [(x[i * b:(i + 1) * b], y[i * b:(i + 1) * b]) for i in range(self.num_eval_batches)]
+            self._eval_cache = [(x[i * b : (i + 1) * b], y[i * b : (i + 1) * b]) for i in range(self.num_eval_batches)]
         return [(x.clone(), y.clone()) for x, y in self._eval_cache]
 
     def __repr__(self) -> str:

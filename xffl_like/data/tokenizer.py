@@ -85,11 +85,15 @@ def tokenizer_path(spec: Any, base_dir: str | os.PathLike | None = None) -> Path
     file = path / "tokenizer.json" if path.is_dir() else path
     kind = not_regular(file)
     if kind is not None:
-        raise ValueError(f"data.tokenizer={spec}: {file} is not a regular file ({kind}); "
-                         "use byte or a path to tokenizer.json or a directory holding it")
+        raise ValueError(
+            f"data.tokenizer={spec}: {file} is not a regular file ({kind}); "
+            "use byte or a path to tokenizer.json or a directory holding it"
+        )
     if not file.is_file():
-        raise ValueError(f"data.tokenizer={spec}: no tokenizer.json at {file} "
-                         "(use byte or a path to tokenizer.json or a directory holding it)")
+        raise ValueError(
+            f"data.tokenizer={spec}: no tokenizer.json at {file} "
+            "(use byte or a path to tokenizer.json or a directory holding it)"
+        )
     return file
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+
 import numpy as np
 import torch
 
@@ -19,8 +20,15 @@ from ..checks import is_int, not_regular
 from ..schema import DataConfig
 from .corpus_format import FORMAT, META, TOKENS, output_for
 from .source import check_num_eval_batches, resolve_paths
-from .text import (TextByteSource, _check_block_size, _check_eval_fraction, _check_partition, facility_segments,
-                   rank_segments, split_sizes)
+from .text import (
+    TextByteSource,
+    _check_block_size,
+    _check_eval_fraction,
+    _check_partition,
+    facility_segments,
+    rank_segments,
+    split_sizes,
+)
 
 __all__ = ["build_tokens", "check_layout_fits", "read_meta", "validate_tokens"]
 
@@ -28,21 +36,30 @@ __all__ = ["build_tokens", "check_layout_fits", "read_meta", "validate_tokens"]
 def _directory(cfg_data: DataConfig, base_dir) -> Path:
     paths = resolve_paths(cfg_data, base_dir)
     if len(paths) != 1:
-        raise ValueError(f"data.path: data=tokens takes one directory written by xffl_like.data.prepare, got {len(paths)}")
+        raise ValueError(
+            f"data.path: data=tokens takes one directory written by xffl_like.data.prepare, got {len(paths)}"
+        )
     directory = paths[0]
     if directory.exists() and not directory.is_dir():
         kind = not_regular(directory)
-        what = f"is not a directory ({kind})" if kind else "is a file, not the directory written by xffl_like.data.prepare"
-        raise ValueError(f"data.path={directory}: {what}; data=tokens takes that directory ({_fix(directory)}), "
-                         f"or train on a text file with data=text")
+        what = (
+            f"is not a directory ({kind})" if kind else "is a file, not the directory written by xffl_like.data.prepare"
+        )
+        raise ValueError(
+            f"data.path={directory}: {what}; data=tokens takes that directory ({_fix(directory)}), "
+            f"or train on a text file with data=text"
+        )
     return directory
 
 
 def _fix(directory: Path) -> str:
-    """How to make the corpus ``data.path`` names; never suggests writing it over a file (a corpus ``a.txt`` -> ``a-tokens``)."""
+    """How to make the corpus ``data.path`` names; never suggests writing it over a file
+    (a corpus ``a.txt`` -> ``a-tokens``)."""
     if directory.exists() and not directory.is_dir():
-        return (f"run python -m xffl_like.data.prepare --tokenizer <path|byte> --output {output_for(directory)} "
-                f"{directory}, then data.path={output_for(directory)}")
+        return (
+            f"run python -m xffl_like.data.prepare --tokenizer <path|byte> --output {output_for(directory)} "
+            f"{directory}, then data.path={output_for(directory)}"
+        )
     return f"run python -m xffl_like.data.prepare --tokenizer <path|byte> --output {directory} <files...>"
 
 
@@ -64,17 +81,23 @@ def read_meta(directory: Path) -> dict:
     for key in ("vocab_size", "num_tokens"):
         value = meta.get(key)
         if not is_int(value) or value < (1 if key == "vocab_size" else 0):
-            raise ValueError(f"data.path={directory}: {META} has {key}={value!r}, not a "
-                             f"{'positive integer' if key == 'vocab_size' else 'count'} ({fix})")
+            raise ValueError(
+                f"data.path={directory}: {META} has {key}={value!r}, not a "
+                f"{'positive integer' if key == 'vocab_size' else 'count'} ({fix})"
+            )
     if meta["vocab_size"] > np.iinfo(meta["dtype"]).max + 1:
-        raise ValueError(f"data.path={directory}: {META} has vocab_size={meta['vocab_size']}, more ids than "
-                         f"dtype={meta['dtype']} holds ({fix})")
+        raise ValueError(
+            f"data.path={directory}: {META} has vocab_size={meta['vocab_size']}, more ids than "
+            f"dtype={meta['dtype']} holds ({fix})"
+        )
     tokens = directory / TOKENS
     expected = int(meta["num_tokens"]) * np.dtype(meta["dtype"]).itemsize
     if not tokens.is_file() or tokens.stat().st_size != expected:
         size = tokens.stat().st_size if tokens.is_file() else "missing"
-        raise ValueError(f"data.path={directory}: {TOKENS} is {size} bytes, {META} promises {expected} "
-                         f"(truncated or from another run; {fix})")
+        raise ValueError(
+            f"data.path={directory}: {TOKENS} is {size} bytes, {META} promises {expected} "
+            f"(truncated or from another run; {fix})"
+        )
     return meta
 
 
@@ -87,13 +110,17 @@ def validate_tokens(cfg_data: DataConfig, *, vocab_size: int, seq_len: int, base
     directory = _directory(cfg_data, base_dir)
     meta = read_meta(directory)
     if vocab_size < int(meta["vocab_size"]):
-        raise ValueError(f"model.vocab_size={vocab_size} is smaller than the vocabulary of the corpus's tokenizer "
-                         f"({meta['vocab_size']}, {meta['tokenizer']}): raise model.vocab_size or prepare with "
-                         "the model's own tokenizer")
+        raise ValueError(
+            f"model.vocab_size={vocab_size} is smaller than the vocabulary of the corpus's tokenizer "
+            f"({meta['vocab_size']}, {meta['tokenizer']}): raise model.vocab_size or prepare with "
+            "the model's own tokenizer"
+        )
     n_train, _ = split_sizes(int(meta["num_tokens"]), frac, seq_len)
     if n_train < seq_len + 1:
-        raise ValueError(f"data.path={directory}: {meta['num_tokens']} tokens are too few for seq_len={seq_len} with "
-                         f"eval_fraction={frac}; prepare more text or lower train.seq_len")
+        raise ValueError(
+            f"data.path={directory}: {meta['num_tokens']} tokens are too few for seq_len={seq_len} with "
+            f"eval_fraction={frac}; prepare more text or lower train.seq_len"
+        )
     return meta
 
 
@@ -133,8 +160,19 @@ def check_layout_fits(num_tokens: int, cfg_data: DataConfig, layout, *, batch_si
         )
 
 
-def build_tokens(cfg_data: DataConfig, *, vocab_size: int, seq_len: int, batch_size: int, seed: int, facility: int,
-                 num_facilities: int, facility_rank: int, facility_size: int, base_dir=None) -> TextByteSource:
+def build_tokens(
+    cfg_data: DataConfig,
+    *,
+    vocab_size: int,
+    seq_len: int,
+    batch_size: int,
+    seed: int,
+    facility: int,
+    num_facilities: int,
+    facility_rank: int,
+    facility_size: int,
+    base_dir=None,
+) -> TextByteSource:
     """The rank's source over the memory-mapped corpus (only its windows are ever read), from a config
     :func:`validate_tokens` accepted in the launcher."""
     directory = _directory(cfg_data, base_dir)
@@ -142,10 +180,19 @@ def build_tokens(cfg_data: DataConfig, *, vocab_size: int, seq_len: int, batch_s
     # Copy-on-write mapping: writable for torch (no warning), nothing is read until indexed.
     array = np.memmap(directory / TOKENS, dtype=meta["dtype"], mode="c", shape=(int(meta["num_tokens"]),))
     source = TextByteSource(
-        torch.from_numpy(array), seq_len=seq_len, batch_size=batch_size, seed=seed, facility=facility,
-        num_facilities=num_facilities, facility_rank=facility_rank, facility_size=facility_size,
-        eval_fraction=cfg_data.eval_fraction, num_eval_batches=cfg_data.num_eval_batches,
-        partition=cfg_data.partition, block_size=cfg_data.block_size, paths=[directory],
+        torch.from_numpy(array),
+        seq_len=seq_len,
+        batch_size=batch_size,
+        seed=seed,
+        facility=facility,
+        num_facilities=num_facilities,
+        facility_rank=facility_rank,
+        facility_size=facility_size,
+        eval_fraction=cfg_data.eval_fraction,
+        num_eval_batches=cfg_data.num_eval_batches,
+        partition=cfg_data.partition,
+        block_size=cfg_data.block_size,
+        paths=[directory],
     )
     source.vocab_size = int(meta["vocab_size"])
     return source

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from omegaconf import OmegaConf
 
@@ -39,8 +40,10 @@ def world_size(federated: Any, nproc_per_node: Any) -> int:
             raise ValueError(f"distributed.federated={federated}: facility sizes must be positive integers, e.g. [8,4]")
         return sum(federated)
     if not (is_int(nproc_per_node) and nproc_per_node > 0):
-        raise ValueError(f"distributed.nproc_per_node={nproc_per_node!r}: must be a positive integer (the job's "
-                         f"process count when distributed.federated is not a list)")
+        raise ValueError(
+            f"distributed.nproc_per_node={nproc_per_node!r}: must be a positive integer (the job's "
+            f"process count when distributed.federated is not a list)"
+        )
     return nproc_per_node
 
 
@@ -48,12 +51,16 @@ def num_nodes(federated: Any, nproc_per_node: Any, processes_per_node: Any) -> i
     """Nodes for :func:`world_size` processes at ``processes_per_node`` each (every node runs as many)."""
     world = world_size(federated, nproc_per_node)
     if not (is_int(processes_per_node) and processes_per_node > 0):
-        raise ValueError(f"hydra.launcher.processes_per_node={processes_per_node!r}: must be a positive integer "
-                         f"(processes per node, one per GPU)")
+        raise ValueError(
+            f"hydra.launcher.processes_per_node={processes_per_node!r}: must be a positive integer "
+            f"(processes per node, one per GPU)"
+        )
     if world % processes_per_node:
-        raise ValueError(f"distributed.federated={_plain(federated)} makes {world} processes, not a multiple of "
-                         f"hydra.launcher.processes_per_node={processes_per_node}: every node runs as many; choose "
-                         f"facility sizes that fill whole nodes, or fewer processes per node")
+        raise ValueError(
+            f"distributed.federated={_plain(federated)} makes {world} processes, not a multiple of "
+            f"hydra.launcher.processes_per_node={processes_per_node}: every node runs as many; choose "
+            f"facility sizes that fill whole nodes, or fewer processes per node"
+        )
     return world // processes_per_node
 
 
@@ -70,8 +77,9 @@ def _max_job_nodes(job_size: str) -> int | None:
     return int(top) if top.isdigit() else None
 
 
-def partition_node_limit(partition: str | None,
-                         run: Callable[..., subprocess.CompletedProcess] = subprocess.run) -> tuple[int, str] | None:
+def partition_node_limit(
+    partition: str | None, run: Callable[..., subprocess.CompletedProcess] = subprocess.run
+) -> tuple[int, str] | None:
     """The most nodes one job may have in ``partition`` (None: the default partition) and where that
     number comes from; None when ``sinfo`` is absent or cannot tell (then nothing is checked)."""
     if shutil.which("sinfo") is None and run is subprocess.run:

@@ -12,8 +12,10 @@ def cuda_device(local_rank: int) -> torch.device:
     (or ``--gpu-bind``) each task sees one GPU, as ``cuda:0``, whatever its ``SLURM_LOCALID``."""
     count = torch.cuda.device_count()
     if count < 1:
-        raise RuntimeError("distributed.backend=nccl but this process sees no GPU: check CUDA_VISIBLE_DEVICES "
-                           "and the job's GPU binding, or use distributed.backend=gloo")
+        raise RuntimeError(
+            "distributed.backend=nccl but this process sees no GPU: check CUDA_VISIBLE_DEVICES "
+            "and the job's GPU binding, or use distributed.backend=gloo"
+        )
     return torch.device("cuda", local_rank % count)
 
 

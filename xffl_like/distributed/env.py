@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import Mapping, NamedTuple
+from typing import NamedTuple
 
 __all__ = ["ProcessEnv", "MPI_VARIABLES", "read_env", "mpi_launched", "reports_launcher_errors", "agree_rendezvous"]
 
@@ -69,15 +70,19 @@ def _read(env: Mapping[str, str], family: _Family, size: int | None = None) -> t
             f"with torchrun, srun or mpirun, which set both"
         )
     if size < 1 or rank >= size:
-        raise ValueError(f"{family.rank}={rank} but {family.size or 'the process count'}={size}: "
-                         f"a rank must be below the number of processes")
+        raise ValueError(
+            f"{family.rank}={rank} but {family.size or 'the process count'}={size}: "
+            f"a rank must be below the number of processes"
+        )
     local_rank = _int(env, family.local_rank)
     local_size = _int(env, family.local_size)
     local_rank = 0 if local_rank is None else local_rank
     local_size = size if local_size is None else local_size
     if not local_rank < local_size <= size:
-        raise ValueError(f"{family.local_rank}={local_rank}, {family.local_size or 'local size'}={local_size} and "
-                         f"{family.size or 'size'}={size} do not fit: need local rank < local size <= size")
+        raise ValueError(
+            f"{family.local_rank}={local_rank}, {family.local_size or 'local size'}={local_size} and "
+            f"{family.size or 'size'}={size} do not fit: need local rank < local size <= size"
+        )
     return rank, size, local_rank, local_size
 
 
@@ -122,8 +127,9 @@ def read_env(environ: Mapping[str, str] | None = None) -> ProcessEnv | None:
     if env.get("RANK") or env.get("WORLD_SIZE"):
         if not (env.get("RANK") and env.get("WORLD_SIZE")):
             given, missing = ("RANK", "WORLD_SIZE") if env.get("RANK") else ("WORLD_SIZE", "RANK")
-            raise ValueError(f"{given} is set but {missing} is not: start the job with torchrun (which sets both) "
-                             f"or unset {given}")
+            raise ValueError(
+                f"{given} is set but {missing} is not: start the job with torchrun (which sets both) or unset {given}"
+            )
         rank, size, local_rank, local_size = _read(env, _TORCHRUN)
         return ProcessEnv(rank, size, local_rank, local_size, addr, port, "torchrun")
     slurm = None

@@ -18,8 +18,9 @@ import tempfile
 import time
 import traceback
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 __all__ = ["WorkerFailure", "free_port", "launch_local", "loopback_store", "start_fork_server", "worker_count_threads"]
 
@@ -56,8 +57,16 @@ def loopback_store(port: int = 0, world_size: int | None = None, timeout_s: floa
     sock.listen(512)
     port = sock.getsockname()[1]
     # detach(): the store owns the descriptor from now on (Python must not close it under it).
-    return dist.TCPStore("127.0.0.1", port, world_size, is_master=True, multi_tenant=True, wait_for_workers=False,
-                         timeout=timedelta(seconds=timeout_s), master_listen_fd=sock.detach()), port
+    return dist.TCPStore(
+        "127.0.0.1",
+        port,
+        world_size,
+        is_master=True,
+        multi_tenant=True,
+        wait_for_workers=False,
+        timeout=timedelta(seconds=timeout_s),
+        master_listen_fd=sock.detach(),
+    ), port
 
 
 def worker_count_threads(nproc: int) -> int:
@@ -75,11 +84,30 @@ _SECONDARY_GRACE_S = 3.0
 # imports torch and the training loop (seconds of CPU per worker, per launch).
 # torch._dynamo: FSDP2 imports it at its first DTensor (seconds); the figures are rank 0's.
 # forkserver_init first: the fork server dies with this process and ignores SIGTERM (.signals).
-_PRELOAD = ["xffl_like.distributed.forkserver_init", "torch", "torch._dynamo", "xffl_like.train.loop", "matplotlib.figure", "matplotlib.backends.backend_agg"]
+_PRELOAD = [
+    "xffl_like.distributed.forkserver_init",
+    "torch",
+    "torch._dynamo",
+    "xffl_like.train.loop",
+    "matplotlib.figure",
+    "matplotlib.backends.backend_agg",
+]
 # What the elastic agent sets for each worker; the rest of the environment is the launcher's.
-_AGENT_KEYS = {"RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE", "WORLD_SIZE",
-               "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
-               "OMP_NUM_THREADS"}
+_AGENT_KEYS = {
+    "RANK",
+    "LOCAL_RANK",
+    "GROUP_RANK",
+    "ROLE_RANK",
+    "ROLE_NAME",
+    "LOCAL_WORLD_SIZE",
+    "WORLD_SIZE",
+    "GROUP_WORLD_SIZE",
+    "ROLE_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+    "OMP_NUM_THREADS",
+}
 
 
 def start_fork_server() -> None:
@@ -114,9 +142,11 @@ def check_cuda_fresh() -> None:
     import torch
 
     if torch.cuda.is_initialized():
-        raise RuntimeError("CUDA was initialised in the fork server before the workers were forked (an import in "
-                           "xffl_like.distributed.launch._PRELOAD touched the GPU): forked workers cannot use it; "
-                           "remove that import from the preload list")
+        raise RuntimeError(
+            "CUDA was initialised in the fork server before the workers were forked (an import in "
+            "xffl_like.distributed.launch._PRELOAD touched the GPU): forked workers cannot use it; "
+            "remove that import from the preload list"
+        )
 
 
 _FALLBACK = "XFFL_ERROR_FALLBACK_DIR"
@@ -184,7 +214,7 @@ class _Forwarder:
     def __init__(self, on_abort: Callable[[int], None] | None):
         self.on_abort, self.signum, self.at, self.previous = on_abort, None, 0.0, {}
 
-    def __enter__(self) -> "_Forwarder":
+    def __enter__(self) -> _Forwarder:
         import threading
 
         self.env = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE")  # the agent sets it from its config
@@ -323,7 +353,10 @@ def launch_local(
         signals_to_handle="SIGHUP,SIGQUIT",
     )
     # The agent logs every worker's failure at ERROR level; we report the cause once.
-    quiet = [logging.getLogger(n) for n in ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing.spawn")]
+    quiet = [
+        logging.getLogger(n)
+        for n in ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing.spawn")
+    ]
     levels = [lg.level for lg in quiet]
     for lg in quiet:
         lg.setLevel(logging.CRITICAL)

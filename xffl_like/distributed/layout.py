@@ -14,8 +14,8 @@ the same shard.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from ..checks import is_int
 
@@ -105,11 +105,7 @@ class Layout:
 
     def peer_ranks(self, shard: int) -> tuple[int, ...]:
         """Every rank of every facility holding ``shard`` (all replicas)."""
-        return tuple(
-            self.rank_of(f, r, shard)
-            for f in range(self.num_facilities)
-            for r in range(self.replicas[f])
-        )
+        return tuple(self.rank_of(f, r, shard) for f in range(self.num_facilities) for r in range(self.replicas[f]))
 
     # ----- cross-facility exchanges -------------------------------------------
     @property
@@ -154,9 +150,7 @@ class Layout:
         ]
         for f, size in enumerate(self.facility_sizes):
             off = self.facility_offsets[f]
-            lines.append(
-                f"{f:>8} {f'{off}..{off + size - 1}':>12} {self.replicas[f]:>8} {self.shard_size:>6}"
-            )
+            lines.append(f"{f:>8} {f'{off}..{off + size - 1}':>12} {self.replicas[f]:>8} {self.shard_size:>6}")
         return "\n".join(lines)
 
 
@@ -180,9 +174,7 @@ def _facility_sizes(world_size: int, federated: int | Sequence[int] | None) -> t
         return (federated,) * (world_size // federated)
     sizes = tuple(federated)
     if not sizes or any(not is_int(s) or s <= 0 for s in sizes):
-        raise ValueError(
-            f"distributed.federated={list(sizes)}: facility sizes must be positive integers"
-        )
+        raise ValueError(f"distributed.federated={list(sizes)}: facility sizes must be positive integers")
     if sum(sizes) != world_size:
         raise ValueError(
             f"distributed.federated={list(sizes)} sums to {sum(sizes)} processes but the world has "

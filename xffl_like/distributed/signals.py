@@ -2,7 +2,8 @@
 with their launcher.
 
 **Stop request.** The first SIGINT, SIGTERM or SIGUSR1 a worker receives (from the terminal, from its
-launcher forwarding it, from torchrun/srun/scancel, or Slurm's ``--signal=USR1@120`` before walltime) only records the signal
+launcher forwarding it, from torchrun/srun/scancel, or Slurm's ``--signal=USR1@120`` before walltime)
+only records the signal
 (:func:`install_stop_handlers`); the loop calls :func:`agree_stop` once per step, one small
 all-reduce over the world group, so that every rank sees the same request at the same step.
 A second SIGINT/SIGTERM, later than :data:`REPEAT_S` after the first, exits at once
@@ -30,8 +31,18 @@ import threading
 import time
 from pathlib import Path
 
-__all__ = ["REPEAT_S", "STOP_SIGNALS", "agree_stop", "cleanup_on_exit", "die_with_parent", "exit_code",
-           "install_stop_handlers", "requested", "signal_name", "stopped_by"]
+__all__ = [
+    "REPEAT_S",
+    "STOP_SIGNALS",
+    "agree_stop",
+    "cleanup_on_exit",
+    "die_with_parent",
+    "exit_code",
+    "install_stop_handlers",
+    "requested",
+    "signal_name",
+    "stopped_by",
+]
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 #: A repeat of the signal within this many seconds is the same request (delivered twice).

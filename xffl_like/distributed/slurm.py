@@ -26,9 +26,9 @@ import argparse
 import shlex
 import subprocess
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 __all__ = ["SlurmOptions", "FacilityScript", "command_line", "facility_sizes", "render", "submit_commands", "main"]
 
@@ -130,14 +130,20 @@ def _overrides(nodes: Sequence[int], opts: SlurmOptions) -> list[str]:
     derived = f"distributed.federated=[{','.join(map(str, sizes))}]"
     given = [o for o in opts.overrides if o.lstrip("+~").startswith("distributed.federated=")]
     if given and len(nodes) > 1 and given[-1].replace(" ", "").lstrip("+") != derived:
-        raise ValueError(f"{given[-1]} contradicts --nodes: with one allocation per facility it must be {derived} "
-                         f"(leave it out: it is derived from --nodes and --gpus-per-node)")
+        raise ValueError(
+            f"{given[-1]} contradicts --nodes: with one allocation per facility it must be {derived} "
+            f"(leave it out: it is derived from --nodes and --gpus-per-node)"
+        )
     return list(opts.overrides) if given else [derived, *opts.overrides]
 
 
 def command_line(nodes: Sequence[int], opts: SlurmOptions) -> str:
     """The command that renders these scripts (written into their header)."""
-    parts = ["python -m xffl_like.distributed.slurm", f"--nodes {','.join(map(str, nodes))}", f"--gpus-per-node {opts.gpus_per_node}"]
+    parts = [
+        "python -m xffl_like.distributed.slurm",
+        f"--nodes {','.join(map(str, nodes))}",
+        f"--gpus-per-node {opts.gpus_per_node}",
+    ]
     if opts.job_name != "xffl":
         parts.append(f"--job-name {shlex.quote(opts.job_name)}")
     for flag in ("partition", "account", "time", "rdzv_endpoint", "setup", "lighthouse"):
@@ -157,24 +163,43 @@ def render(nodes: Sequence[int], opts: SlurmOptions) -> list[FacilityScript]:
     if opts.lighthouse:
         return _render_elastic(nodes, opts)
     overrides = " ".join(shlex.quote(o) for o in _overrides(nodes, opts))
-    extra = "".join(f"#SBATCH --{key}={value}\n" for key, value in
-                    (("partition", opts.partition), ("account", opts.account), ("time", opts.time)) if value)
+    extra = "".join(
+        f"#SBATCH --{key}={value}\n"
+        for key, value in (("partition", opts.partition), ("account", opts.account), ("time", opts.time))
+        if value
+    )
     total, world = sum(nodes), sum(nodes) * opts.gpus_per_node
     scripts, node_lo = [], 0
     for f, n in enumerate(nodes):
         filename = f"{opts.job_name}-f{f}.sbatch"
         fields = dict(
-            facility=f, num_facilities=len(nodes), nodes=n, gpus=opts.gpus_per_node, node_lo=node_lo,
-            node_hi=node_lo + n - 1, total_nodes=total, rank_lo=node_lo * opts.gpus_per_node,
-            rank_hi=(node_lo + n) * opts.gpus_per_node - 1, world=world, job_name=opts.job_name,
-            command=command_line(nodes, opts), extra=extra, overrides=overrides,
+            facility=f,
+            num_facilities=len(nodes),
+            nodes=n,
+            gpus=opts.gpus_per_node,
+            node_lo=node_lo,
+            node_hi=node_lo + n - 1,
+            total_nodes=total,
+            rank_lo=node_lo * opts.gpus_per_node,
+            rank_hi=(node_lo + n) * opts.gpus_per_node - 1,
+            world=world,
+            job_name=opts.job_name,
+            command=command_line(nodes, opts),
+            extra=extra,
+            overrides=overrides,
             setup=f"{opts.setup}\n" if opts.setup else "",
         )
         if f == 0:
-            default = opts.rdzv_endpoint or f'$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1):{DEFAULT_PORT}'
+            default = (
+                opts.rdzv_endpoint or f'$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1):{DEFAULT_PORT}'
+            )
             endpoint = _ENDPOINT_FIRST.format(default=default)
         else:
-            baked = f'export XFFL_RDZV_ENDPOINT="${{XFFL_RDZV_ENDPOINT:-{opts.rdzv_endpoint}}}"\n' if opts.rdzv_endpoint else ""
+            baked = (
+                f'export XFFL_RDZV_ENDPOINT="${{XFFL_RDZV_ENDPOINT:-{opts.rdzv_endpoint}}}"\n'
+                if opts.rdzv_endpoint
+                else ""
+            )
             endpoint = _ENDPOINT_OTHER.format(default=baked, script=filename)
         text = _HEADER.format(**fields) + endpoint + _BODY.format(**fields)
         scripts.append(FacilityScript(f, filename, text))
@@ -187,21 +212,42 @@ def _render_elastic(nodes: Sequence[int], opts: SlurmOptions) -> list[FacilitySc
     from ..federation.elastic.options import address
 
     _, port = address(opts.lighthouse)
-    if any(o.lstrip("+~").startswith(("distributed.federated=", "federation.elastic.facility=",
-                                      "federation.elastic.lighthouse=")) for o in opts.overrides):
-        raise ValueError("with --lighthouse each script sets distributed.federated=null, federation.elastic.facility "
-                         "and federation.elastic.lighthouse itself: leave them out of the overrides")
-    extra = "".join(f"#SBATCH --{key}={value}\n" for key, value in
-                    (("partition", opts.partition), ("account", opts.account), ("time", opts.time)) if value)
+    if any(
+        o.lstrip("+~").startswith(
+            ("distributed.federated=", "federation.elastic.facility=", "federation.elastic.lighthouse=")
+        )
+        for o in opts.overrides
+    ):
+        raise ValueError(
+            "with --lighthouse each script sets distributed.federated=null, federation.elastic.facility "
+            "and federation.elastic.lighthouse itself: leave them out of the overrides"
+        )
+    extra = "".join(
+        f"#SBATCH --{key}={value}\n"
+        for key, value in (("partition", opts.partition), ("account", opts.account), ("time", opts.time))
+        if value
+    )
     scripts = []
     for f, n in enumerate(nodes):
         name = f"{opts.job_name}-f{f}"
-        mine = ["distributed.federated=null", f"federation.elastic.lighthouse={opts.lighthouse}",
-                f"federation.elastic.facility={name}", *opts.overrides]
-        text = _ELASTIC.format(name=name, nodes=n, gpus=opts.gpus_per_node, lighthouse=opts.lighthouse, port=port,
-                               command=command_line(nodes, opts), extra=extra, rdzv_port=DEFAULT_PORT,
-                               setup=f"{opts.setup}\n" if opts.setup else "",
-                               overrides=" ".join(shlex.quote(o) for o in mine))
+        mine = [
+            "distributed.federated=null",
+            f"federation.elastic.lighthouse={opts.lighthouse}",
+            f"federation.elastic.facility={name}",
+            *opts.overrides,
+        ]
+        text = _ELASTIC.format(
+            name=name,
+            nodes=n,
+            gpus=opts.gpus_per_node,
+            lighthouse=opts.lighthouse,
+            port=port,
+            command=command_line(nodes, opts),
+            extra=extra,
+            rdzv_port=DEFAULT_PORT,
+            setup=f"{opts.setup}\n" if opts.setup else "",
+            overrides=" ".join(shlex.quote(o) for o in mine),
+        )
         scripts.append(FacilityScript(f, f"{name}.sbatch", text))
     return scripts
 
@@ -211,26 +257,39 @@ def submit_commands(scripts: Sequence[FacilityScript], opts: SlurmOptions, out_d
     path = [shlex.quote(str(Path(out_dir) / s.filename)) for s in scripts]
     if len(scripts) == 1 or opts.rdzv_endpoint or opts.lighthouse:  # elastic: in any order, at any time
         return [f"sbatch {p}" for p in path]
-    first = (f"sbatch {path[0]}   # then read the endpoint from its log: "
-             f"grep 'xffl: facility 0 hosts' {opts.job_name}-f0-<jobid>.out")
+    first = (
+        f"sbatch {path[0]}   # then read the endpoint from its log: "
+        f"grep 'xffl: facility 0 hosts' {opts.job_name}-f0-<jobid>.out"
+    )
     return [first] + [f"sbatch --export=ALL,XFFL_RDZV_ENDPOINT=HOST:PORT {p}" for p in path[1:]]
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m xffl_like.distributed.slurm", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m xffl_like.distributed.slurm",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--nodes", required=True, help="nodes per facility, comma-separated (2,1: two facilities)")
     p.add_argument("--gpus-per-node", type=int, required=True, help="GPUs (= processes) per node")
     p.add_argument("--job-name", default="xffl")
     p.add_argument("--partition")
     p.add_argument("--account")
     p.add_argument("--time", help="wall-time limit, e.g. 01:00:00")
-    p.add_argument("--rdzv-endpoint", help=f"HOST:PORT all facilities can reach (default: facility 0's first node, port {DEFAULT_PORT})")
+    p.add_argument(
+        "--rdzv-endpoint",
+        help=f"HOST:PORT all facilities can reach (default: facility 0's first node, port {DEFAULT_PORT})",
+    )
     p.add_argument("--setup", help="shell line run before srun, e.g. 'source .venv/bin/activate'")
-    p.add_argument("--lighthouse", help="HOST:PORT of `python -m xffl_like.lighthouse`: one independent job per "
-                                        "facility (federation.elastic), no shared rendezvous")
+    p.add_argument(
+        "--lighthouse",
+        help="HOST:PORT of `python -m xffl_like.lighthouse`: one independent job per "
+        "facility (federation.elastic), no shared rendezvous",
+    )
     p.add_argument("--out-dir", default=".", help="where the scripts are written (not with --dry-run)")
-    p.add_argument("--dry-run", action="store_true", help="print the scripts and the sbatch commands; write and submit nothing")
+    p.add_argument(
+        "--dry-run", action="store_true", help="print the scripts and the sbatch commands; write and submit nothing"
+    )
     p.add_argument("--no-submit", action="store_true", help="write the scripts to --out-dir; submit nothing")
     p.add_argument("overrides", nargs="*", help="Hydra overrides for the job (after --), e.g. +experiment=llama_fed")
     return p
@@ -244,8 +303,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError:
         print(f"error: --nodes {args.nodes}: use comma-separated node counts, e.g. 2,1", file=sys.stderr)
         return 2
-    opts = SlurmOptions(args.gpus_per_node, args.job_name, args.partition, args.account, args.time,
-                        args.rdzv_endpoint, args.setup, tuple(args.overrides), args.lighthouse)
+    opts = SlurmOptions(
+        args.gpus_per_node,
+        args.job_name,
+        args.partition,
+        args.account,
+        args.time,
+        args.rdzv_endpoint,
+        args.setup,
+        tuple(args.overrides),
+        args.lighthouse,
+    )
     try:
         scripts = render(nodes, opts)
     except ValueError as exc:
@@ -266,8 +334,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("submit (facility 0 first):\n" + "\n".join(commands))
         return 0
     if len(scripts) > 1 and not (opts.rdzv_endpoint or opts.lighthouse):
-        print("several facilities and no --rdzv-endpoint: submit facility 0, then the others with its endpoint:\n"
-              + "\n".join(commands))
+        print(
+            "several facilities and no --rdzv-endpoint: submit facility 0, then the others with its endpoint:\n"
+            + "\n".join(commands)
+        )
         return 0
     for s in scripts:
         try:

@@ -9,10 +9,10 @@ handle per communication stream for every group the aggregation uses. Nothing el
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from types import MappingProxyType
-from typing import Mapping
 
 import torch
 import torch.distributed as dist
@@ -22,8 +22,19 @@ from .device import cuda_defaults, cuda_device
 from .env import ProcessEnv, read_env
 from .layout import Coords, Exchange, Layout
 
-__all__ = ["GROUP_NAMES", "ProcessEnv", "PeerExchange", "DistributedState", "read_env", "build_state",
-           "resolve_backend", "group_backend", "init_default_group", "elastic_store", "to_local"]
+__all__ = [
+    "GROUP_NAMES",
+    "ProcessEnv",
+    "PeerExchange",
+    "DistributedState",
+    "read_env",
+    "build_state",
+    "resolve_backend",
+    "group_backend",
+    "init_default_group",
+    "elastic_store",
+    "to_local",
+]
 
 #: The process groups a :class:`DistributedState` owns, by name (:meth:`DistributedState.group`).
 GROUP_NAMES = {
@@ -168,7 +179,10 @@ class DistributedState:
         )
         rows = [
             ("rank", f"{self.rank} of {self.world_size} (node-local {self.local_rank} of {self.local_world_size})"),
-            ("facility", f"{self.facility} of {self.num_facilities}, local rank {self.facility_rank} of {self.facility_size}"),
+            (
+                "facility",
+                f"{self.facility} of {self.num_facilities}, local rank {self.facility_rank} of {self.facility_size}",
+            ),
             ("replica", f"{self.replica} of {self.num_replicas}"),
             ("shard", f"{self.shard} of {self.shard_size}"),
             ("mesh", f"{tuple(self.mesh.mesh_dim_names)} {self.mesh.mesh.tolist()}"),
@@ -239,9 +253,7 @@ def build_state(
     """Initialise the default process group (if needed) and every group of ``layout``
     (:data:`GROUP_NAMES`; ``overlap``: also the groups of an exchange overlapping local steps)."""
     if env.world_size != layout.world_size:
-        raise ValueError(
-            f"the launcher started {env.world_size} processes but the layout plans {layout.world_size}"
-        )
+        raise ValueError(f"the launcher started {env.world_size} processes but the layout plans {layout.world_size}")
     if num_streams < 1:
         raise ValueError(f"strategy.streams={num_streams}: need at least one stream")
     backend = resolve_backend(backend)
@@ -304,10 +316,17 @@ def build_state(
         "background": background,
     }
     if overlap:  # groups no one else uses: the overlapped exchange runs beside the training thread's collectives
-        first = {s_: _new_groups(tuple(layout.facility_offsets[g] + s_ for g in range(layout.num_facilities)), 1,
-                                 pg_backend, timeout) for s_ in range(layout.shard_size)}
-        replicas = {(g, s_): _new_groups(layout.replica_group_ranks(g, s_), 1, pg_backend, timeout)
-                    for g in range(layout.num_facilities) for s_ in range(layout.shard_size)}
+        first = {
+            s_: _new_groups(
+                tuple(layout.facility_offsets[g] + s_ for g in range(layout.num_facilities)), 1, pg_backend, timeout
+            )
+            for s_ in range(layout.shard_size)
+        }
+        replicas = {
+            (g, s_): _new_groups(layout.replica_group_ranks(g, s_), 1, pg_backend, timeout)
+            for g in range(layout.num_facilities)
+            for s_ in range(layout.shard_size)
+        }
         groups["overlap_peers"] = first[s] if r == 0 else (None,)
         groups["overlap_replicas"] = replicas[(f, s)]
 

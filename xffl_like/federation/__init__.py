@@ -18,8 +18,15 @@ The config types are :class:`xffl_like.schema.FederationConfig` and :class:`~xff
 
 from .compress import COMPRESSIONS, CompressedMean
 from .gossip import GOSSIP_TOPOLOGIES, Gossip, check_gossip_layout
-from .options import (FEDERATION_ALGORITHMS, PHASE_KEYS, Phase, check_fragments, plan_phases, round_weights,
-                      validate_federation)
+from .options import (
+    FEDERATION_ALGORITHMS,
+    PHASE_KEYS,
+    Phase,
+    check_fragments,
+    plan_phases,
+    round_weights,
+    validate_federation,
+)
 from .outer import OUTER_NAMES, OuterOptimizer, validate_outer
 from .round import Federation
 from .schedule import FederationSchedule, build_federation

@@ -43,8 +43,15 @@ class CompressedMean:
     ``error_feedback``: carry the first quantization's residual into the next call.
     """
 
-    def __init__(self, kind: str, numel: int, n: int, chunk_size: int = 4096, error_feedback: bool = False,
-                 device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        kind: str,
+        numel: int,
+        n: int,
+        chunk_size: int = 4096,
+        error_feedback: bool = False,
+        device: torch.device | str = "cpu",
+    ):
         if kind not in ("bf16", "uint8"):
             raise ValueError(f"federation.compression={kind!r}: use one of {', '.join(COMPRESSIONS)}")
         if chunk_size < 1:
@@ -77,7 +84,7 @@ class CompressedMean:
         padded = update.new_zeros(self.n * self.part)
         padded[: self.numel].copy_(update)
         if self.numel < padded.numel():  # repeat the last value: padding never widens a chunk's range
-            padded[self.numel:] = update[-1] if self.numel else 0.0
+            padded[self.numel :] = update[-1] if self.numel else 0.0
         return padded.view(self.n, self.part)
 
     @torch.no_grad()

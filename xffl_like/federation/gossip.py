@@ -13,7 +13,7 @@ facilities with the same number (>= 2) of replicas each (``distributed.hsdp``).
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -31,8 +31,11 @@ def gossip_members(layout, name: str, shard: int) -> tuple[list[int], int]:
     """Ranks mixing the values of ``shard`` under topology ``name``, and members per node."""
     offsets = layout.facility_offsets
     if name == "alternating-exp-ring":
-        ranks = [offsets[f] + r * layout.shard_size + shard
-                 for f in range(layout.num_facilities) for r in range(layout.replicas[f])]
+        ranks = [
+            offsets[f] + r * layout.shard_size + shard
+            for f in range(layout.num_facilities)
+            for r in range(layout.replicas[f])
+        ]
         return ranks, layout.replicas[0]
     return [offsets[f] + shard for f in range(layout.num_facilities)], 1
 
@@ -47,7 +50,8 @@ def check_gossip_layout(layout, name: str) -> None:
             raise ValueError(
                 f"federation.topology=alternating-exp-ring needs a power-of-two number of facilities (>= 2) with the "
                 f"same number (>= 2) of replicas each, got {n} facilities with replicas {list(layout.replicas)}: "
-                f"e.g. distributed.federated=2 distributed.hsdp=1 on 4 processes, or use topology ring")
+                f"e.g. distributed.federated=2 distributed.hsdp=1 on 4 processes, or use topology ring"
+            )
         return
     try:
         topology_edges(name, n)
@@ -108,6 +112,6 @@ class Gossip:
         if flat is not None:
             offset = 0
             for p in self.params:
-                p.copy_(flat[offset: offset + p.numel()].view_as(p))
+                p.copy_(flat[offset : offset + p.numel()].view_as(p))
                 offset += p.numel()
         return sent

@@ -15,8 +15,9 @@ options: the import graph of the package has no cycle.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any, Mapping
+from typing import Any
 
 import torch.distributed as dist
 from torch import Tensor
@@ -28,8 +29,15 @@ from .gossip import check_gossip_layout
 from .outer import validate_outer
 from .pace import validate_pace
 
-__all__ = ["FEDERATION_ALGORITHMS", "PHASE_KEYS", "Phase", "check_fragments", "plan_phases", "round_weights",
-           "validate_federation"]
+__all__ = [
+    "FEDERATION_ALGORITHMS",
+    "PHASE_KEYS",
+    "Phase",
+    "check_fragments",
+    "plan_phases",
+    "round_weights",
+    "validate_federation",
+]
 
 FEDERATION_ALGORITHMS = ("federated", "synchronous")
 #: The keys a phase of ``federation.schedule`` may override: every federation key but these three.
@@ -104,26 +112,35 @@ def _check_schedule(schedule: Any, steps: int | None) -> None:
         if not isinstance(entry, Mapping):
             raise ValueError(f"{where}={entry!r}: a phase is a mapping of until_step and federation keys ({_EXAMPLE})")
         if "until_step" not in entry:
-            raise ValueError(f"{where}: until_step is missing (the step the phase ends after; null: the end of training)")
+            raise ValueError(
+                f"{where}: until_step is missing (the step the phase ends after; null: the end of training)"
+            )
         unknown = sorted(set(entry) - PHASE_KEYS - {"until_step"})
         if unknown:
             raise ValueError(f"{where}: unknown key(s) {unknown}: a phase takes until_step and {sorted(PHASE_KEYS)}")
         if "outer" in entry and not isinstance(entry["outer"], Mapping):
-            raise ValueError(f"{where}.outer={entry['outer']!r}: must be a mapping of outer keys (e.g. {{name: nesterov}})")
+            raise ValueError(
+                f"{where}.outer={entry['outer']!r}: must be a mapping of outer keys (e.g. {{name: nesterov}})"
+            )
         unknown = sorted(set(entry.get("outer") or {}) - {f.name for f in fields(OuterConfig)})
         if unknown:
-            raise ValueError(f"{where}: federation.outer: unknown key(s) {unknown}: use name, lr, momentum, betas, "
-                             f"eps, offload")
+            raise ValueError(
+                f"{where}: federation.outer: unknown key(s) {unknown}: use name, lr, momentum, betas, eps, offload"
+            )
         until, last = entry["until_step"], i == len(schedule) - 1
         if until is None:
             if not last:
                 raise ValueError(f"{where}.until_step=null: only the last phase may run to the end of training")
         elif not is_int(until) or until <= previous:
-            raise ValueError(f"{where}.until_step={until!r}: must be an integer > {previous} (phases end at "
-                             f"increasing steps; null for the last)")
+            raise ValueError(
+                f"{where}.until_step={until!r}: must be an integer > {previous} (phases end at "
+                f"increasing steps; null for the last)"
+            )
         elif last and steps is not None and until < steps:
-            raise ValueError(f"{where}.until_step={until}: the last phase ends before train.steps={steps}; "
-                             f"make it null (the end of training)")
+            raise ValueError(
+                f"{where}.until_step={until}: the last phase ends before train.steps={steps}; "
+                f"make it null (the end of training)"
+            )
         previous = until
 
 
@@ -141,9 +158,11 @@ def validate_federation(cfg: FederationConfig, layout, steps: int | None = None)
     for phase in phases:
         try:
             if phase.config.paced or not is_int(phase.config.every) or phase.config.every < 1:
-                raise ValueError(f"federation.every={phase.config.every!r}, every_s={phase.config.every_s!r}: a phase "
-                                 f"takes a positive integer every and no every_s (phases switch at a step every "
-                                 f"facility reaches in the same round)")
+                raise ValueError(
+                    f"federation.every={phase.config.every!r}, every_s={phase.config.every_s!r}: a phase "
+                    f"takes a positive integer every and no every_s (phases switch at a step every "
+                    f"facility reaches in the same round)"
+                )
             _check_one(phase.config, layout)
         except ValueError as exc:
             raise ValueError(f"{phase.where}: {exc}") from None
@@ -155,8 +174,10 @@ def check_fragments(phases: list[Phase], num_layers: int) -> None:
     for phase in phases:
         fragments = phase.config.fragments
         if fragments > num_layers:
-            msg = (f"federation.fragments={fragments} exceeds the model's {num_layers} blocks (model.n_layers): "
-                   f"use fragments <= {num_layers}")
+            msg = (
+                f"federation.fragments={fragments} exceeds the model's {num_layers} blocks (model.n_layers): "
+                f"use fragments <= {num_layers}"
+            )
             raise ValueError(f"{phase.where}: {msg}" if phase.scheduled else msg)
 
 
@@ -167,43 +188,68 @@ def _check_one(cfg: FederationConfig, layout) -> None:
         raise ValueError(f"federation.algorithm={cfg.algorithm!r}: use federated or synchronous")
     weights = cfg.weights
     if weights not in (None, "uniform", "tokens"):
-        if not (isinstance(weights, (list, tuple)) and len(weights) == num_facilities and all(
-                is_number(w) and w >= 0 for w in weights) and sum(weights) > 0):
+        if not (
+            isinstance(weights, (list, tuple))
+            and len(weights) == num_facilities
+            and all(is_number(w) and w >= 0 for w in weights)
+            and sum(weights) > 0
+        ):
             raise ValueError(
                 f"federation.weights={weights!r}: use uniform, tokens, or a list of {num_facilities} non-negative "
                 f"numbers with a positive sum (one per facility); null: uniform, or tokens when facilities take "
-                f"different steps per round")
+                f"different steps per round"
+            )
     topology, compression = cfg.topology, cfg.compression
     validate_outer(cfg.outer)
     if compression not in COMPRESSIONS:
         raise ValueError(f"federation.compression={compression!r}: use one of {', '.join(COMPRESSIONS)}")
     if not is_int(cfg.chunk_size) or cfg.chunk_size < 1:
-        raise ValueError(f"federation.chunk_size={cfg.chunk_size!r}: must be a positive integer (values per "
-                         f"min-max chunk, e.g. 4096)")
+        raise ValueError(
+            f"federation.chunk_size={cfg.chunk_size!r}: must be a positive integer (values per "
+            f"min-max chunk, e.g. 4096)"
+        )
     if not isinstance(cfg.error_feedback, bool):
         raise ValueError(f"federation.error_feedback={cfg.error_feedback!r}: must be true or false")
     if cfg.error_feedback and compression == "none":
-        raise ValueError("federation.error_feedback=true needs federation.compression=bf16 or uint8 "
-                         "(nothing is lost without compression)")
+        raise ValueError(
+            "federation.error_feedback=true needs federation.compression=bf16 or uint8 "
+            "(nothing is lost without compression)"
+        )
     if topology != "complete" and compression != "none":
-        raise ValueError(f"federation.topology={topology} with federation.compression={compression}: compressed "
-                         f"gossip is not supported; use topology=complete or compression=none")
+        raise ValueError(
+            f"federation.topology={topology} with federation.compression={compression}: compressed "
+            f"gossip is not supported; use topology=complete or compression=none"
+        )
     if topology != "complete" and cfg.mean_weights != "uniform":
-        raise ValueError(f"federation.weights={weights!r} with federation.topology={topology}: gossip "
-                         f"mixes with the topology's own weights; use weights=uniform or topology=complete")
+        raise ValueError(
+            f"federation.weights={weights!r} with federation.topology={topology}: gossip "
+            f"mixes with the topology's own weights; use weights=uniform or topology=complete"
+        )
     _check_streaming(cfg)
     fragments, overlap = cfg.fragments, cfg.overlap_steps
     if cfg.algorithm == "synchronous":
-        changed = [k for k, bad in (("topology", topology != "complete"), ("compression", compression != "none"),
-                                    ("outer", not cfg.outer.is_plain_mean), ("fragments", fragments > 1),
-                                    ("overlap_steps", overlap > 0)) if bad]
+        changed = [
+            k
+            for k, bad in (
+                ("topology", topology != "complete"),
+                ("compression", compression != "none"),
+                ("outer", not cfg.outer.is_plain_mean),
+                ("fragments", fragments > 1),
+                ("overlap_steps", overlap > 0),
+            )
+            if bad
+        ]
         if changed:
-            raise ValueError(f"federation.algorithm=synchronous averages gradients every step, so federation."
-                             f"{changed[0]} does not apply: drop it or use algorithm=federated")
+            raise ValueError(
+                f"federation.algorithm=synchronous averages gradients every step, so federation."
+                f"{changed[0]} does not apply: drop it or use algorithm=federated"
+            )
     if topology != "complete" and (fragments > 1 or overlap > 0):
-        raise ValueError(f"federation.topology={topology} with federation.fragments={fragments} / overlap_steps="
-                         f"{overlap}: streaming gossip is not supported; use topology=complete or fragments=1 "
-                         f"overlap_steps=0")
+        raise ValueError(
+            f"federation.topology={topology} with federation.fragments={fragments} / overlap_steps="
+            f"{overlap}: streaming gossip is not supported; use topology=complete or fragments=1 "
+            f"overlap_steps=0"
+        )
     if cfg.algorithm == "federated" and topology != "complete":
         check_gossip_layout(layout, topology)
 
@@ -215,13 +261,17 @@ def _check_streaming(cfg: FederationConfig) -> None:
     if not is_int(fragments) or fragments < 1:
         raise ValueError(f"federation.fragments={fragments!r}: must be a positive integer (1: the whole model at once)")
     if not cfg.paced and fragments > every:
-        raise ValueError(f"federation.fragments={fragments} exceeds federation.every={every}: each fragment syncs at "
-                         f"its own step of the round; use fragments <= every")
+        raise ValueError(
+            f"federation.fragments={fragments} exceeds federation.every={every}: each fragment syncs at "
+            f"its own step of the round; use fragments <= every"
+        )
     if not is_int(overlap) or overlap < 0:
         raise ValueError(f"federation.overlap_steps={overlap!r}: must be an integer >= 0 (0: no overlap)")
     if not cfg.paced and overlap * fragments >= every:
-        raise ValueError(f"federation.overlap_steps={overlap} must be < federation.every/fragments = "
-                         f"{every}/{fragments} so that one fragment is in flight at a time: lower overlap_steps or "
-                         f"fragments, or raise every")
+        raise ValueError(
+            f"federation.overlap_steps={overlap} must be < federation.every/fragments = "
+            f"{every}/{fragments} so that one fragment is in flight at a time: lower overlap_steps or "
+            f"fragments, or raise every"
+        )
     if not is_number(alpha) or not 0.0 <= alpha <= 1.0:
         raise ValueError(f"federation.merge_alpha={alpha!r}: must be a number in [0, 1] (Streaming DiLoCo: 0.5)")

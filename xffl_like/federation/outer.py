@@ -18,6 +18,7 @@ applies the same step to the same numbers, so all copies stay identical.
 from __future__ import annotations
 
 import math
+
 import torch
 from torch import Tensor
 
@@ -70,7 +71,7 @@ class OuterOptimizer:
             self.buffers["exp_avg"] = zeros()
             self.buffers["exp_avg_sq"] = zeros()
 
-    def fragment(self, start: int, stop: int) -> "OuterOptimizer":
+    def fragment(self, start: int, stop: int) -> OuterOptimizer:
         """An optimizer over elements ``start:stop`` of ``theta`` whose state is that slice of this
         one's buffers (views: checkpoints see one flat state) with its own step count."""
         part = OuterOptimizer.__new__(OuterOptimizer)

@@ -55,35 +55,51 @@ def validate_pace(fed: FederationConfig, num_facilities: int, steps: int) -> Non
     every, every_s = fed.every, fed.every_s
     if every_s is not None:
         if not is_number(every_s) or not 0 < every_s <= MAX_EVERY_S or not math.isfinite(every_s):
-            raise ValueError(f"federation.every_s={every_s!r}: must be a number of seconds in (0, {MAX_EVERY_S:.0f}] "
-                             f"(e.g. federation.every_s=30)")
+            raise ValueError(
+                f"federation.every_s={every_s!r}: must be a number of seconds in (0, {MAX_EVERY_S:.0f}] "
+                f"(e.g. federation.every_s=30)"
+            )
         if every is not None:
-            raise ValueError(f"federation.every_s={every_s} with federation.every={every!r}: a round ends by time or "
-                             f"after a number of steps, not both; set federation.every=null")
+            raise ValueError(
+                f"federation.every_s={every_s} with federation.every={every!r}: a round ends by time or "
+                f"after a number of steps, not both; set federation.every=null"
+            )
         return
     if every is None:
-        raise ValueError("federation.every=null: give the local steps per round (e.g. federation.every=10), one per "
-                         "facility (federation.every=[32,16]), or rounds by time (federation.every_s=30)")
+        raise ValueError(
+            "federation.every=null: give the local steps per round (e.g. federation.every=10), one per "
+            "facility (federation.every=[32,16]), or rounds by time (federation.every_s=30)"
+        )
     if isinstance(every, (list, tuple)):
         if fed.elastic.lighthouse:
-            raise ValueError(f"federation.every as a list ({list(every)!r}) with federation.elastic.lighthouse: each "
-                             f"facility is its own job: give each its own federation.every (a number) and train.steps "
-                             f"= the federation's rounds x that number, or use federation.every_s")
+            raise ValueError(
+                f"federation.every as a list ({list(every)!r}) with federation.elastic.lighthouse: each "
+                f"facility is its own job: give each its own federation.every (a number) and train.steps "
+                f"= the federation's rounds x that number, or use federation.every_s"
+            )
         if len(every) != num_facilities:
-            raise ValueError(f"federation.every={list(every)!r}: {len(every)} entries for {num_facilities} "
-                             f"facilities; give one per facility (e.g. federation.every={[10] * num_facilities})")
+            raise ValueError(
+                f"federation.every={list(every)!r}: {len(every)} entries for {num_facilities} "
+                f"facilities; give one per facility (e.g. federation.every={[10] * num_facilities})"
+            )
         bad = next((h for h in every if not is_int(h) or h < 1), None)
         if bad is not None:
-            raise ValueError(f"federation.every={list(every)!r}: entry {bad!r} is not a positive integer (each "
-                             f"facility's local steps per round)")
+            raise ValueError(
+                f"federation.every={list(every)!r}: entry {bad!r} is not a positive integer (each "
+                f"facility's local steps per round)"
+            )
         if steps > 0 and steps % max(every) != 0:
-            raise ValueError(f"federation.every={list(every)!r} with train.steps={steps}: the rounds must be whole "
-                             f"for the facility with the most steps per round; use a multiple of {max(every)} "
-                             f"(e.g. train.steps={max(every) * max(1, steps // max(every))})")
+            raise ValueError(
+                f"federation.every={list(every)!r} with train.steps={steps}: the rounds must be whole "
+                f"for the facility with the most steps per round; use a multiple of {max(every)} "
+                f"(e.g. train.steps={max(every) * max(1, steps // max(every))})"
+            )
         return
     if not is_int(every) or every < 1:
-        raise ValueError(f"federation.every={every!r}: must be a positive integer, one per facility "
-                         f"(e.g. federation.every=[32,16]), or null with federation.every_s")
+        raise ValueError(
+            f"federation.every={every!r}: must be a positive integer, one per facility "
+            f"(e.g. federation.every=[32,16]), or null with federation.every_s"
+        )
 
 
 def check_pace_job(fed: FederationConfig, *, parallel: str, eval_every: int) -> None:
@@ -92,17 +108,34 @@ def check_pace_job(fed: FederationConfig, *, parallel: str, eval_every: int) -> 
     if not fed.paced:
         return
     key = f"federation.every={list(fed.every)!r}" if fed.every_s is None else f"federation.every_s={fed.every_s}"
-    clash = next((reason for bad, reason in (
-        (parallel != "fsdp", f"parallel={parallel} has no federation rounds; use parallel=fsdp"),
-        (fed.algorithm != "federated", "algorithm=synchronous averages gradients at every step of every facility; "
-                                       "use algorithm=federated"),
-        (fed.schedule is not None, "federation.schedule switches phases at a step, which facilities reach at "
-                                   "different rounds; drop the schedule"),
-        (fed.streaming, "federation.fragments / overlap_steps stagger exchanges by step; use fragments=1 "
-                        "overlap_steps=0"),
-        (eval_every > 0, f"train.eval_every={eval_every} evaluates at steps the facilities reach at different "
-                         f"times; use train.eval_every=0 (each round is evaluated before and after)"),
-    ) if bad), None)
+    clash = next(
+        (
+            reason
+            for bad, reason in (
+                (parallel != "fsdp", f"parallel={parallel} has no federation rounds; use parallel=fsdp"),
+                (
+                    fed.algorithm != "federated",
+                    "algorithm=synchronous averages gradients at every step of every facility; use algorithm=federated",
+                ),
+                (
+                    fed.schedule is not None,
+                    "federation.schedule switches phases at a step, which facilities reach at "
+                    "different rounds; drop the schedule",
+                ),
+                (
+                    fed.streaming,
+                    "federation.fragments / overlap_steps stagger exchanges by step; use fragments=1 overlap_steps=0",
+                ),
+                (
+                    eval_every > 0,
+                    f"train.eval_every={eval_every} evaluates at steps the facilities reach at different "
+                    f"times; use train.eval_every=0 (each round is evaluated before and after)",
+                ),
+            )
+            if bad
+        ),
+        None,
+    )
     if clash:
         raise ValueError(f"{key}: {clash}")
 

@@ -34,13 +34,13 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..aggregation import aggregate
+from ..distributed.state import to_local
+from ..schema import FederationConfig
 from .compress import CompressedMean
 from .gossip import Gossip
 from .options import round_weights
 from .outer import OuterOptimizer
 from .pace import RoundPace
-from ..distributed.state import to_local
-from ..schema import FederationConfig
 
 __all__ = ["Federation"]
 
@@ -61,8 +61,9 @@ class Federation:
     def __init__(self, cfg: FederationConfig, model: torch.nn.Module, strategy, state):
         self.options = o = cfg  # validated in the launcher (options.validate_federation)
         if o.streaming and not self._streaming:
-            raise ValueError("federation.fragments / overlap_steps: build it with schedule.build_federation "
-                             "(a StreamingFederation)")
+            raise ValueError(
+                "federation.fragments / overlap_steps: build it with schedule.build_federation (a StreamingFederation)"
+            )
         self.model, self.strategy, self.state = model, strategy, state
         named = list(model.named_parameters())
         self.names = [named[i][0] for i in strategy.selected]
@@ -78,8 +79,9 @@ class Federation:
         if self.federated and not o.streaming and (not o.outer.is_plain_mean or o.compression != "none"):
             self._allocate_theta()
             if o.compression != "none":
-                self.compressor = CompressedMean(o.compression, self.numel, state.num_facilities, o.chunk_size,
-                                                 o.error_feedback, device=state.device)
+                self.compressor = CompressedMean(
+                    o.compression, self.numel, state.num_facilities, o.chunk_size, o.error_feedback, device=state.device
+                )
         self.rounds = 0
         # federation.every as a list or every_s: where this facility's rounds end (set by build_federation),
         # and every facility's steps so far (known to all after each round).
@@ -92,8 +94,9 @@ class Federation:
     def _allocate_theta(self) -> None:
         o, state = self.options, self.state
         device = torch.device("cpu") if o.outer.offload else state.device
-        self.theta = torch.empty(self.numel, dtype=torch.float32, device=device,
-                                 pin_memory=o.outer.offload and state.device.type == "cuda")
+        self.theta = torch.empty(
+            self.numel, dtype=torch.float32, device=device, pin_memory=o.outer.offload and state.device.type == "cuda"
+        )
         self._read_params(self.theta)
         self.outer = OuterOptimizer(o.outer, self.theta)
 
@@ -107,8 +110,15 @@ class Federation:
         if not self.federated:
             return {"algorithm": o.algorithm}
         paced = {"every_s": o.every_s} if o.every_s is not None else {}
-        return {"algorithm": o.algorithm, "every": o.every, **paced, "topology": o.topology, "outer": o.outer.name,
-                "outer_lr": o.outer.lr, "compression": o.compression}
+        return {
+            "algorithm": o.algorithm,
+            "every": o.every,
+            **paced,
+            "topology": o.topology,
+            "outer": o.outer.name,
+            "outer_lr": o.outer.lr,
+            "compression": o.compression,
+        }
 
     # ------------------------------------------------------------------ per step
     def trained(self, tokens: int) -> None:
@@ -220,7 +230,7 @@ class Federation:
         dist.all_reduce(flat, group=state.group("peers"))
         offset = 0
         for g in grads:
-            g.copy_(flat[offset: offset + g.numel()].view_as(g))
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
         world = len(state.layout.peer_ranks(state.shard))
         return 2 * (world - 1) * flat.nbytes // world
@@ -229,14 +239,14 @@ class Federation:
     def _read_params(self, out: Tensor) -> Tensor:
         offset = 0
         for t in self.locals:
-            out[offset: offset + t.numel()].copy_(t.reshape(-1))
+            out[offset : offset + t.numel()].copy_(t.reshape(-1))
             offset += t.numel()
         return out
 
     def _write_params(self, flat: Tensor) -> None:
         offset = 0
         for t in self.locals:
-            t.copy_(flat[offset: offset + t.numel()].view_as(t))
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
             offset += t.numel()
 
     @torch.no_grad()
@@ -266,8 +276,12 @@ class Federation:
                 delta = self._read_params(torch.empty_like(self.theta)).neg_().add_(self.theta)
             self.outer.step(delta.to(self.theta.device))
             self._write_params(self.theta)
-        return {"seconds": time.perf_counter() - start, "bytes_per_rank": int(sent_bytes),
-                "cross_facility_bytes": int(cross), "skipped_facilities": skipped}
+        return {
+            "seconds": time.perf_counter() - start,
+            "bytes_per_rank": int(sent_bytes),
+            "cross_facility_bytes": int(cross),
+            "skipped_facilities": skipped,
+        }
 
     def _compressed_delta(self, weights) -> tuple[Tensor, int]:
         """The compressed mean of the facilities' updates ``theta_global - theta_f``, and the bytes sent."""
@@ -304,8 +318,10 @@ class Federation:
         if self.theta is None:
             return out
         out["theta_global"] = self._as_dtensors(self.theta)
-        out["outer"] = {"steps": torch.tensor(self.outer.steps),
-                        **{k: self._as_dtensors(v) for k, v in self.outer.buffers.items()}}
+        out["outer"] = {
+            "steps": torch.tensor(self.outer.steps),
+            **{k: self._as_dtensors(v) for k, v in self.outer.buffers.items()},
+        }
         if self.compressor is not None and self.compressor.residual is not None:
             out["residual"] = self._as_dtensors(self.compressor.residual)
         return out
@@ -328,7 +344,7 @@ class Federation:
     def _views(self, flat: Tensor):
         offset = 0
         for name, p, t in zip(self.names, self.params, self.locals):
-            yield name, p, flat[offset: offset + t.numel()].view(t.shape)
+            yield name, p, flat[offset : offset + t.numel()].view(t.shape)
             offset += t.numel()
 
     def _as_dtensors(self, flat: Tensor) -> dict:

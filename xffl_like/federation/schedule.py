@@ -23,6 +23,7 @@ state, residuals and token counts reset. The inner optimizer keeps its state.
 from __future__ import annotations
 
 import time
+
 import torch
 
 from ..aggregation import aggregate
@@ -35,8 +36,15 @@ from .streaming import StreamingFederation
 __all__ = ["FederationSchedule", "build_federation"]
 
 
-def build_federation(cfg: FederationConfig, model: torch.nn.Module, strategy, state, begin: int = 0,
-                     end: int | None = None, last: bool = True) -> Federation:
+def build_federation(
+    cfg: FederationConfig,
+    model: torch.nn.Module,
+    strategy,
+    state,
+    begin: int = 0,
+    end: int | None = None,
+    last: bool = True,
+) -> Federation:
     """The federation of ``cfg`` (validated) over steps ``begin < step <= end``: a
     :class:`~.streaming.StreamingFederation` for ``fragments > 1`` or ``overlap_steps > 0``, else a
     :class:`~.round.Federation`. Collective, like their constructors."""
@@ -71,8 +79,9 @@ class FederationSchedule:
         phase = self.phases[i]
         end, last = self._end(i)
         self.index = i
-        self.current = build_federation(phase.config, self.model, self.strategy, self.state,
-                                        begin=phase.from_step, end=end, last=last)
+        self.current = build_federation(
+            phase.config, self.model, self.strategy, self.state, begin=phase.from_step, end=end, last=last
+        )
 
     def resume_at(self, step: int) -> None:
         """Enter the phase that runs the step after ``step`` (a restored checkpoint's), so that
@@ -170,9 +179,16 @@ class FederationSchedule:
         result = aggregate(self.strategy, self.state, weights)
         if dump is not None:
             dump.save(index, "after", bytes_per_rank=result.bytes_per_rank)
-        return {"round": index, "step": done, "fragment": None, "switch": True,
-                "seconds": time.perf_counter() - start, "bytes_per_rank": int(result.bytes_per_rank),
-                "cross_facility_bytes": int(result.cross_facility_bytes), "skipped_facilities": skipped}
+        return {
+            "round": index,
+            "step": done,
+            "fragment": None,
+            "switch": True,
+            "seconds": time.perf_counter() - start,
+            "bytes_per_rank": int(result.bytes_per_rank),
+            "cross_facility_bytes": int(result.cross_facility_bytes),
+            "skipped_facilities": skipped,
+        }
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:

@@ -30,16 +30,17 @@ from __future__ import annotations
 import re
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..schema import FederationConfig
 from .compress import CompressedMean
 from .options import round_weights
 from .round import Federation
-from ..schema import FederationConfig
 
 __all__ = ["StreamingFederation", "fragment_of", "sync_offsets", "synced_at"]
 
@@ -85,7 +86,9 @@ class _Exchange:
         if device.type == "cuda":
             self.stream = torch.cuda.Stream(device=device)
             self.stream.wait_stream(torch.cuda.current_stream(device))  # the snapshot is written
-        self.thread = threading.Thread(target=self._run, name="xffl-fragment-exchange", daemon=True) if background else None
+        self.thread = (
+            threading.Thread(target=self._run, name="xffl-fragment-exchange", daemon=True) if background else None
+        )
         if self.thread is not None:
             self.thread.start()
         else:
@@ -160,8 +163,12 @@ class StreamingFederation(Federation):
 
     def describe(self) -> dict:
         o = self.options
-        return {**super().describe(), "fragments": o.fragments, "overlap_steps": o.overlap_steps,
-                "merge_alpha": o.merge_alpha}
+        return {
+            **super().describe(),
+            "fragments": o.fragments,
+            "overlap_steps": o.overlap_steps,
+            "merge_alpha": o.merge_alpha,
+        }
 
     # ------------------------------------------------------------------ schedule
     def trained(self, tokens: int) -> None:
@@ -230,7 +237,7 @@ class StreamingFederation(Federation):
         for t in self.locals:
             lo, hi = max(a, offset), min(b, offset + t.numel())
             if lo < hi:
-                out[lo - a: hi - a].copy_(t.reshape(-1)[lo - offset: hi - offset])
+                out[lo - a : hi - a].copy_(t.reshape(-1)[lo - offset : hi - offset])
             offset += t.numel()
         return out
 
@@ -239,7 +246,7 @@ class StreamingFederation(Federation):
         for t in self.locals:
             lo, hi = max(a, offset), min(b, offset + t.numel())
             if lo < hi:
-                t.reshape(-1)[lo - offset: hi - offset].copy_(flat[lo - a: hi - a])
+                t.reshape(-1)[lo - offset : hi - offset].copy_(flat[lo - a : hi - a])
             offset += t.numel()
 
     @torch.no_grad()
@@ -268,8 +275,11 @@ class StreamingFederation(Federation):
             def exchange():  # the compressed mean update theta_global - theta_f
                 if n == 1:
                     return comp.reduce(message, None, 0, scales)
-                delta, sent = comp.reduce(message, peers, me, scales) if first else (
-                    torch.empty(b - a, dtype=torch.float32, device=message.device), 0)
+                delta, sent = (
+                    comp.reduce(message, peers, me, scales)
+                    if first
+                    else (torch.empty(b - a, dtype=torch.float32, device=message.device), 0)
+                )
                 if replicas is not None:
                     dist.broadcast(delta, src=source, group=replicas)
                 return delta, sent
@@ -285,9 +295,14 @@ class StreamingFederation(Federation):
                     dist.broadcast(snapshot, src=source, group=replicas)
                 return snapshot, sent
 
-        self.inflight = {"fragment": k, "step": done, "skipped": skipped, "compressed": comp is not None,
-                         "work": _Exchange(exchange, background, state.device),
-                         "blocked": time.perf_counter() - started}
+        self.inflight = {
+            "fragment": k,
+            "step": done,
+            "skipped": skipped,
+            "compressed": comp is not None,
+            "work": _Exchange(exchange, background, state.device),
+            "blocked": time.perf_counter() - started,
+        }
 
     @torch.no_grad()
     def _apply(self, done: int, blend: bool) -> dict:
@@ -306,10 +321,16 @@ class StreamingFederation(Federation):
         self._write_range(a, new)
         self.rounds += 1
         cross = self._sum_over_world(sent)
-        return {"step": done, "fragment": k, "started_step": flight["step"],
-                "seconds": flight["blocked"] + time.perf_counter() - started,
-                "exchange_seconds": flight["work"].seconds, "bytes_per_rank": int(sent),
-                "cross_facility_bytes": int(cross), "skipped_facilities": flight["skipped"]}
+        return {
+            "step": done,
+            "fragment": k,
+            "started_step": flight["step"],
+            "seconds": flight["blocked"] + time.perf_counter() - started,
+            "exchange_seconds": flight["work"].seconds,
+            "bytes_per_rank": int(sent),
+            "cross_facility_bytes": int(cross),
+            "skipped_facilities": flight["skipped"],
+        }
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
@@ -317,10 +338,15 @@ class StreamingFederation(Federation):
         (``[fragments, facilities]``). Taken with no exchange in flight (see the module)."""
         if self.inflight is not None:
             raise RuntimeError("a checkpoint with a fragment exchange in flight: take it after the step's rounds")
-        out: dict[str, Any] = {"rounds": torch.tensor(self.rounds), "tokens": self.tokens.clone(),
-                               "theta_global": self._as_dtensors(self.theta),
-                               "outer": {"steps": torch.tensor([p.steps for p in self.fragment_outer]),
-                                         **{k: self._as_dtensors(v) for k, v in self.outer.buffers.items()}}}
+        out: dict[str, Any] = {
+            "rounds": torch.tensor(self.rounds),
+            "tokens": self.tokens.clone(),
+            "theta_global": self._as_dtensors(self.theta),
+            "outer": {
+                "steps": torch.tensor([p.steps for p in self.fragment_outer]),
+                **{k: self._as_dtensors(v) for k, v in self.outer.buffers.items()},
+            },
+        }
         if self.residual is not None:
             out["residual"] = self._as_dtensors(self.residual)
         return out

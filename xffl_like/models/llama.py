@@ -4,22 +4,24 @@ RMSNorm -> RoPE -> grouped-query attention -> SwiGLU -> pre-norm blocks -> final
 No biases. Each TransformerBlock is self-contained so FSDP2 `fully_shard` can wrap it; the only
 shared parameter is the (optional) tied embedding, which lives in the root module.
 """
+
 from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, fields
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from .loss import chunked_cross_entropy
 from ..checks import is_int, is_number
 from ..distributed.state import to_local
 from ..schema import ModelConfig
+from .loss import chunked_cross_entropy
 
 try:  # FSDP2 turns parameters into DTensors; init_weights fills only the local shard.
     from torch.distributed.tensor import DTensor
@@ -59,28 +61,35 @@ class LlamaConfig:
         if not isinstance(self.tie_embeddings, bool):
             raise ValueError(f"model.tie_embeddings must be true or false, got {self.tie_embeddings!r}.")
         if self.dim % self.n_heads:
-            raise ValueError(f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}; "
-                             f"choose n_heads that divides dim (e.g. {self.dim // 64 or 1}).")
+            raise ValueError(
+                f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}; "
+                f"choose n_heads that divides dim (e.g. {self.dim // 64 or 1})."
+            )
         if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"model.n_heads={self.n_heads} is not divisible by model.n_kv_heads={self.n_kv_heads}; "
-                             f"choose n_kv_heads that divides n_heads (e.g. 1 or {self.n_heads}).")
+            raise ValueError(
+                f"model.n_heads={self.n_heads} is not divisible by model.n_kv_heads={self.n_kv_heads}; "
+                f"choose n_kv_heads that divides n_heads (e.g. 1 or {self.n_heads})."
+            )
         if self.rope_scaling is not None:
             _check_rope_scaling(self.rope_scaling)
         if self.head_dim % 2:
-            raise ValueError(f"head_dim = model.dim / model.n_heads = {self.head_dim} is odd but RoPE needs it even; "
-                             f"change model.dim or model.n_heads.")
+            raise ValueError(
+                f"head_dim = model.dim / model.n_heads = {self.head_dim} is odd but RoPE needs it even; "
+                f"change model.dim or model.n_heads."
+            )
 
     @classmethod
-    def from_model(cls, model: ModelConfig) -> "LlamaConfig":
+    def from_model(cls, model: ModelConfig) -> LlamaConfig:
         """The shape of the typed ``model`` section (what workers hold); checked as :meth:`from_mapping` does."""
         return cls.from_mapping({f.name: getattr(model, f.name) for f in fields(model)})
 
     @classmethod
-    def from_mapping(cls, m: Mapping[str, Any]) -> "LlamaConfig":
+    def from_mapping(cls, m: Mapping[str, Any]) -> LlamaConfig:
         """Build from a conf/model yaml mapping (dict or DictConfig); the keys that say how to build
         the model rather than its shape (`name`, `path`, `init`) are ignored."""
         try:
             from omegaconf import DictConfig, OmegaConf
+
             if isinstance(m, DictConfig):
                 m = OmegaConf.to_container(m, resolve=True)
         except ImportError:  # pragma: no cover
@@ -89,8 +98,9 @@ class LlamaConfig:
         known = {f.name for f in fields(cls)}
         for k in m:
             if k not in known:
-                raise ValueError(f"Unknown model config key {k!r}; valid keys are: "
-                                 f"{', '.join(sorted(known | set(BUILD_KEYS)))}.")
+                raise ValueError(
+                    f"Unknown model config key {k!r}; valid keys are: {', '.join(sorted(known | set(BUILD_KEYS)))}."
+                )
         for f in fields(cls):
             if f.default is MISSING and f.name not in m:
                 raise ValueError(f"Missing model config key {f.name!r}; add `{f.name}: <value>` to the model yaml.")
@@ -106,19 +116,27 @@ ROPE_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_
 
 def _check_rope_scaling(rs: Any) -> None:
     if not isinstance(rs, Mapping):
-        raise ValueError(f"model.rope_scaling must be null or a mapping with {', '.join(ROPE_SCALING_KEYS)}; got {rs!r}.")
+        raise ValueError(
+            f"model.rope_scaling must be null or a mapping with {', '.join(ROPE_SCALING_KEYS)}; got {rs!r}."
+        )
     extra = set(rs) - set(ROPE_SCALING_KEYS) - {"rope_type"}
     if extra or rs.get("rope_type", "llama3") != "llama3":
-        raise ValueError(f"model.rope_scaling={dict(rs)!r}: only Llama-3 scaling (rope_type llama3 with "
-                         f"{', '.join(ROPE_SCALING_KEYS)}) is supported.")
+        raise ValueError(
+            f"model.rope_scaling={dict(rs)!r}: only Llama-3 scaling (rope_type llama3 with "
+            f"{', '.join(ROPE_SCALING_KEYS)}) is supported."
+        )
     for k in ROPE_SCALING_KEYS:
         v = rs.get(k)
         if not is_number(v) or v <= 0:
-            raise ValueError(f"model.rope_scaling.{k} must be a positive number, got {v!r} (Llama 3.1 uses "
-                             f"factor 8, low_freq_factor 1, high_freq_factor 4, original_max_position_embeddings 8192).")
+            raise ValueError(
+                f"model.rope_scaling.{k} must be a positive number, got {v!r} (Llama 3.1 uses "
+                f"factor 8, low_freq_factor 1, high_freq_factor 4, original_max_position_embeddings 8192)."
+            )
     if rs["high_freq_factor"] <= rs["low_freq_factor"]:
-        raise ValueError(f"model.rope_scaling: high_freq_factor={rs['high_freq_factor']} must exceed "
-                         f"low_freq_factor={rs['low_freq_factor']}.")
+        raise ValueError(
+            f"model.rope_scaling: high_freq_factor={rs['high_freq_factor']} must exceed "
+            f"low_freq_factor={rs['low_freq_factor']}."
+        )
 
 
 class RMSNorm(nn.Module):
@@ -229,16 +247,24 @@ class Llama(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None, *,
-                loss_chunk: int | None = None, checkpoint_layers: bool = False) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        *,
+        loss_chunk: int | None = None,
+        checkpoint_layers: bool = False,
+    ) -> torch.Tensor:
         """Logits ``[B, T, vocab]``; with ``targets``, the mean cross-entropy instead, the head
         applied ``loss_chunk`` positions at a time (see :mod:`.loss`). Computing the loss here,
         inside ``forward``, keeps the head's parameters gathered by FSDP2 for its chunks.
         ``checkpoint_layers`` recomputes each block's activations in the backward pass."""
         T = tokens.shape[1]
         if T > self.cfg.max_seq_len:
-            raise ValueError(f"Sequence length {T} exceeds model.max_seq_len={self.cfg.max_seq_len}; "
-                             f"raise model.max_seq_len or shorten the sequences.")
+            raise ValueError(
+                f"Sequence length {T} exceeds model.max_seq_len={self.cfg.max_seq_len}; "
+                f"raise model.max_seq_len or shorten the sequences."
+            )
         h = self.tok_embeddings(tokens)
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]
         for layer in self.layers:
@@ -316,6 +342,7 @@ def local_slices(p: torch.Tensor) -> tuple[slice, ...]:
     """Index of this rank's piece of parameter ``p`` in the full tensor (everything for a plain tensor)."""
     if DTensor is not None and isinstance(p, DTensor):
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
         shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
         return tuple(slice(o, o + s) for o, s in zip(offset, shape))
     return tuple(slice(0, s) for s in p.shape)
@@ -338,8 +365,7 @@ def fill_local_(p: torch.Tensor, rows) -> None:
         raise ValueError(f"filled {at} rows of a local shard of {local.shape[0]} rows")
 
 
-def build_model(model: ModelConfig | LlamaConfig, *, device="cpu", dtype=torch.float32,
-                seed: int | None = 0) -> Llama:
+def build_model(model: ModelConfig | LlamaConfig, *, device="cpu", dtype=torch.float32, seed: int | None = 0) -> Llama:
     """Build a Llama from the typed ``model`` section (workers) or a LlamaConfig. On "meta" nothing is
     initialised: call `model.to_empty(device=...)` then `model.init_weights(seed)` later (e.g. after fully_shard).
 
@@ -349,8 +375,10 @@ def build_model(model: ModelConfig | LlamaConfig, *, device="cpu", dtype=torch.f
     elif isinstance(model, ModelConfig):
         cfg = LlamaConfig.from_model(model)
     else:
-        raise TypeError(f"build_model takes a ModelConfig or a LlamaConfig (LlamaConfig.from_mapping reads a plain "
-                        f"mapping), got {type(model).__name__}")
+        raise TypeError(
+            f"build_model takes a ModelConfig or a LlamaConfig (LlamaConfig.from_mapping reads a plain "
+            f"mapping), got {type(model).__name__}"
+        )
     llama = Llama(cfg, device=device, dtype=dtype)
     if torch.device(device).type != "meta":
         llama.init_weights(seed)

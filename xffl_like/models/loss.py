@@ -11,7 +11,7 @@ holds the head's parameters gathered for it (see ``Llama.forward``).
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -20,7 +20,9 @@ from torch.utils.checkpoint import checkpoint
 __all__ = ["chunked_cross_entropy"]
 
 
-def _chunk_loss_sum(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def _chunk_loss_sum(
+    head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, targets: torch.Tensor
+) -> torch.Tensor:
     logits = head(hidden)
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
 

@@ -26,8 +26,17 @@ from .timing import format_phase_table
 
 __all__ = ["AGG_FIELDS", "LOGGERS", "Observer", "bandwidth", "truncate_metrics"]
 
-AGG_FIELDS = ("round", "step", "seconds", "bytes_per_rank", "cross_facility_bytes", "algbw_gbps", "busbw_gbps",
-              "strategy", "streams")
+AGG_FIELDS = (
+    "round",
+    "step",
+    "seconds",
+    "bytes_per_rank",
+    "cross_facility_bytes",
+    "algbw_gbps",
+    "busbw_gbps",
+    "strategy",
+    "streams",
+)
 LOGGERS = ("none", "wandb")
 
 
@@ -50,16 +59,30 @@ def bandwidth(bytes_per_rank: float, seconds: float, num_facilities: int) -> tup
 def truncate_metrics(path: Path, step: int) -> None:
     """Drop the lines of steps after ``step`` (written before a failure, redone after a resume)."""
     if path.is_file():
-        keep = [line for line in path.read_text().splitlines(keepends=True)
-                if line.strip() and json.loads(line)["step"] <= step]
+        keep = [
+            line
+            for line in path.read_text().splitlines(keepends=True)
+            if line.strip() and json.loads(line)["step"] <= step
+        ]
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text("".join(keep))
         tmp.replace(path)
 
 
 class Observer:
-    def __init__(self, train: TrainConfig, strategy: StrategyConfig, logger: LoggerConfig, state, run_dir: Path,
-                 restored: dict | None = None, rounds_at=None, *, experiment: str, config: dict | None = None):
+    def __init__(
+        self,
+        train: TrainConfig,
+        strategy: StrategyConfig,
+        logger: LoggerConfig,
+        state,
+        run_dir: Path,
+        restored: dict | None = None,
+        rounds_at=None,
+        *,
+        experiment: str,
+        config: dict | None = None,
+    ):
         """``train`` (``steps``, ``log_every``), ``strategy`` (name and streams, in the round rows) and
         ``logger`` are the job's sections; ``experiment`` names the W&B runs, whose W&B config is ``config``
         (the resolved job config as plain dicts; only read with ``logger=wandb``).
@@ -90,8 +113,9 @@ class Observer:
         self.progress = None
         if self.lead:
             # Rounds as the federation schedules them; parallel=decentralized|bagua have none.
-            self.progress = Progress(self.steps, 0, train.log_every, facilities=state.num_facilities,
-                                     rounds_at=rounds_at)
+            self.progress = Progress(
+                self.steps, 0, train.log_every, facilities=state.num_facilities, rounds_at=rounds_at
+            )
             self.progress.print(state.layout.describe())
             self._agg_file = open(self.run_dir / "aggregation.csv", "w", newline="")
             self._agg = csv.DictWriter(self._agg_file, fieldnames=AGG_FIELDS)
@@ -105,11 +129,26 @@ class Observer:
             from .wandb_logger import WandbLogger
 
             ids = (restored or {}).get("wandb_ids") or []
-            self.wandb = WandbLogger(logger, state, self.run_dir, ids[state.facility] if state.facility < len(ids) else None,
-                                     experiment=experiment, strategy=self.strategy, config=config or {})
+            self.wandb = WandbLogger(
+                logger,
+                state,
+                self.run_dir,
+                ids[state.facility] if state.facility < len(ids) else None,
+                experiment=experiment,
+                strategy=self.strategy,
+                config=config or {},
+            )
 
-    def step(self, step: int, loss: float, lr: float, tokens_per_step: int, elapsed: float,
-             evals: dict | None = None, consensus: float | None = None) -> None:
+    def step(
+        self,
+        step: int,
+        loss: float,
+        lr: float,
+        tokens_per_step: int,
+        elapsed: float,
+        evals: dict | None = None,
+        consensus: float | None = None,
+    ) -> None:
         """After optimizer step ``step`` (0-based): ``loss`` is this facility's mean loss.
 
         ``evals`` (when the step evaluated) holds ``loss_local`` and ``loss_global``: per
@@ -120,8 +159,11 @@ class Observer:
         """
         done = step + 1
         tokens_per_s = tokens_per_step * (done - self.first_step) / max(elapsed, 1e-9)
-        extra = {f"eval/{k}": evals[k][self.state.facility] for k in ("loss_local", "loss_global")
-                 if evals is not None and evals.get(k) is not None}
+        extra = {
+            f"eval/{k}": evals[k][self.state.facility]
+            for k in ("loss_local", "loss_global")
+            if evals is not None and evals.get(k) is not None
+        }
         if consensus is not None:
             extra["train/consensus_distance"] = consensus
         if self._metrics is not None:
@@ -140,8 +182,9 @@ class Observer:
         row = self._complete(record)
         if self.wandb is not None:
             taken = record.get("steps_taken")
-            self.wandb.round(row, steps_taken=None if taken is None else taken[self.state.facility],
-                             waited=record.get("waited"))
+            self.wandb.round(
+                row, steps_taken=None if taken is None else taken[self.state.facility], waited=record.get("waited")
+            )
         if self.lead:
             self.rounds.append(row)
             self._agg.writerow(row)
@@ -150,8 +193,13 @@ class Observer:
 
     def _complete(self, record: dict) -> dict:
         algbw, busbw = bandwidth(record["bytes_per_rank"], record["seconds"], self.state.num_facilities)
-        return {**{k: record[k] for k in AGG_FIELDS[:5]}, "algbw_gbps": algbw, "busbw_gbps": busbw,
-                "strategy": self.strategy, "streams": self.streams}
+        return {
+            **{k: record[k] for k in AGG_FIELDS[:5]},
+            "algbw_gbps": algbw,
+            "busbw_gbps": busbw,
+            "strategy": self.strategy,
+            "streams": self.streams,
+        }
 
     def abort(self) -> None:
         """The worker is failing: close files and mark the W&B run failed instead of crashed."""
@@ -176,7 +224,9 @@ class Observer:
             self.wandb.finish(summary)
         notes = []
         try:
-            notes.append(plot_losses(summary["facility_losses"], [r["step"] for r in self.rounds], self.run_dir / "loss.png"))
+            notes.append(
+                plot_losses(summary["facility_losses"], [r["step"] for r in self.rounds], self.run_dir / "loss.png")
+            )
             notes.append(plot_aggregation(self.rounds, self.run_dir / "aggregation.png"))
         except Exception as exc:  # noqa: BLE001 - a plot must not fail a finished job
             notes.append(f"plots skipped: {type(exc).__name__}: {exc}")
@@ -193,7 +243,9 @@ class Observer:
             file=out,
         )
         if self.wandb is not None:
-            sync = f" (upload: wandb sync {self.run_dir / 'wandb'}/offline-run-*)" if self.wandb.mode == "offline" else ""
+            sync = (
+                f" (upload: wandb sync {self.run_dir / 'wandb'}/offline-run-*)" if self.wandb.mode == "offline" else ""
+            )
             print(f"wandb: {self.wandb.mode} runs in {self.run_dir / 'wandb'}{sync}", file=out)
         print(f"results: {self.run_dir}", file=out, flush=True)
 

@@ -7,8 +7,8 @@ Every function returns ``None`` when it wrote its file, else one line saying why
 from __future__ import annotations
 
 import statistics
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 __all__ = ["plot_losses", "plot_aggregation", "plot_sweep", "plot_eval_curves"]
 
@@ -43,7 +43,9 @@ def plot_losses(facility_losses: Sequence[Sequence[float]], round_steps: Sequenc
     for f, losses in enumerate(facility_losses):
         ax.plot(range(1, len(losses) + 1), losses, label=f"facility {f}", linewidth=1.2)
     for i, step in enumerate(round_steps):
-        ax.axvline(step, color="grey", linestyle="--", linewidth=0.7, alpha=0.6, label="aggregation" if i == 0 else None)
+        ax.axvline(
+            step, color="grey", linestyle="--", linewidth=0.7, alpha=0.6, label="aggregation" if i == 0 else None
+        )
     ax.xaxis.set_major_locator(_integer_ticks())
     ax.set_xlabel("step")
     ax.set_ylabel("training loss (facility mean)")
@@ -101,7 +103,9 @@ def plot_sweep(jobs: Sequence[tuple[str, Sequence[float]]], path: Path) -> str |
     return None
 
 
-def plot_eval_curves(curves: dict[str, Sequence[dict]], target: float | None, link_mbit: float, path: Path) -> str | None:
+def plot_eval_curves(
+    curves: dict[str, Sequence[dict]], target: float | None, link_mbit: float, path: Path
+) -> str | None:
     """Eval loss against wall seconds, one line per config (``python -m xffl_like.bench.wan``);
     a dotted line at the target loss."""
     if not any(curves.values()):

@@ -10,7 +10,8 @@ that falls on such a step: no carriage returns, no escape sequences.
 from __future__ import annotations
 
 import sys
-from typing import Callable, TextIO
+from collections.abc import Callable
+from typing import TextIO
 
 from tqdm import tqdm
 
@@ -55,8 +56,16 @@ class Progress:
     steps and at the last (``every=0``: no rounds).
     """
 
-    def __init__(self, steps: int, every: int, log_every: int, stream: TextIO | None = None, tty: bool | None = None,
-                 facilities: int = 1, rounds_at: Callable[[int], bool] | None = None):
+    def __init__(
+        self,
+        steps: int,
+        every: int,
+        log_every: int,
+        stream: TextIO | None = None,
+        tty: bool | None = None,
+        facilities: int = 1,
+        rounds_at: Callable[[int], bool] | None = None,
+    ):
         self.steps, self.every, self.log_every = steps, every, log_every
         if rounds_at is None and every:
             rounds_at = lambda done: steps_to_aggregation(done, every, steps) == 0  # noqa: E731
@@ -95,10 +104,12 @@ class Progress:
 
     def round(self, record: dict) -> None:
         """After aggregation round ``record`` (with ``algbw_gbps`` and ``busbw_gbps``)."""
-        text = (f"round {record['round']} (step {record['step']}): {record['seconds'] * 1e3:.2f} ms, "
-                f"{format_bytes(record['bytes_per_rank'])} per rank, "
-                f"{format_bytes(record['cross_facility_bytes'])} across facilities, "
-                f"algbw {record['algbw_gbps']:.3f} GB/s, busbw {record['busbw_gbps']:.3f} GB/s")
+        text = (
+            f"round {record['round']} (step {record['step']}): {record['seconds'] * 1e3:.2f} ms, "
+            f"{format_bytes(record['bytes_per_rank'])} per rank, "
+            f"{format_bytes(record['cross_facility_bytes'])} across facilities, "
+            f"algbw {record['algbw_gbps']:.3f} GB/s, busbw {record['busbw_gbps']:.3f} GB/s"
+        )
         if self.tty:
             self._last_round = f"  last aggregation {record['seconds'] * 1e3:.1f} ms"
         elif self._due(record["step"]):
@@ -120,10 +131,17 @@ class Progress:
         stats = f"{self.loss_label} {loss:.4f}  {tokens_per_s:,.0f} tok/s  {nxt}{self._last_round}"
         if self._bar is None:  # drawn at once, at this step: no empty bar before the first step
             # ``{desc}`` holds the statistics: tqdm's ``{postfix}`` would prefix them with ", ".
-            self._bar = tqdm(total=self.steps, initial=step, desc=stats, file=self.stream, ascii=".#",
-                             mininterval=REDRAW_S, leave=True,
-                             bar_format=f"step {{n:>{len(str(self.steps))}}}/{{total_fmt}} [{{bar:{BAR_WIDTH}}}] "
-                                        f"{{desc}}  {{elapsed}}<{{remaining}}")
+            self._bar = tqdm(
+                total=self.steps,
+                initial=step,
+                desc=stats,
+                file=self.stream,
+                ascii=".#",
+                mininterval=REDRAW_S,
+                leave=True,
+                bar_format=f"step {{n:>{len(str(self.steps))}}}/{{total_fmt}} [{{bar:{BAR_WIDTH}}}] "
+                f"{{desc}}  {{elapsed}}<{{remaining}}",
+            )
             return
         self._bar.set_description_str(stats, refresh=False)
         self._bar.update(step - self._bar.n)  # redraws when REDRAW_S has passed

@@ -26,9 +26,22 @@ from .plots import plot_sweep
 
 __all__ = ["FIELDS", "SweepSummary", "collect_jobs", "write_sweep_summary"]
 
-FIELDS = ("job", "overrides", "strategy", "streams", "status", "aggregation_seconds_median", "aggregation_seconds_min",
-          "aggregation_seconds_max", "busbw_gbps_median", "cross_facility_bytes_per_round", "final_loss", "eval_loss",
-          "tokens_per_second", "error")
+FIELDS = (
+    "job",
+    "overrides",
+    "strategy",
+    "streams",
+    "status",
+    "aggregation_seconds_median",
+    "aggregation_seconds_min",
+    "aggregation_seconds_max",
+    "busbw_gbps_median",
+    "cross_facility_bytes_per_round",
+    "final_loss",
+    "eval_loss",
+    "tokens_per_second",
+    "error",
+)
 
 
 def _load_yaml(path: Path) -> Any:
@@ -52,7 +65,11 @@ def _job_row(job_dir: Path, sweep_dir: Path) -> dict:
         lines = error_path.read_text().strip().splitlines()
         return {**row, "status": "failed", "error": lines[0] if lines else "(empty error.txt)"}
     if not summary_path.exists():
-        return {**row, "status": "failed", "error": "no summary.json and no error.txt: the job was killed or is still running"}
+        return {
+            **row,
+            "status": "failed",
+            "error": "no summary.json and no error.txt: the job was killed or is still running",
+        }
     try:
         summary = json.loads(summary_path.read_text())
     except ValueError as exc:
@@ -96,7 +113,9 @@ def collect_jobs(sweep_dir: str | Path) -> list[dict]:
     """One row per job directory under ``sweep_dir`` (in job order), with the overrides
     that differ between jobs in ``overrides``."""
     sweep_dir = Path(sweep_dir)
-    job_dirs = sorted({p.parent for p in sweep_dir.rglob(".hydra") if p.is_dir() and p.parent != sweep_dir}, key=_job_num)
+    job_dirs = sorted(
+        {p.parent for p in sweep_dir.rglob(".hydra") if p.is_dir() and p.parent != sweep_dir}, key=_job_num
+    )
     rows, overrides = [], []
     for job_dir in job_dirs:
         rows.append(_job_row(job_dir, sweep_dir))
@@ -125,15 +144,28 @@ def _fmt(value: Any, kind: str) -> str:
 
 def _markdown(rows: list[dict], sweep_dir: Path, notes: list[str]) -> str:
     failed = [r for r in rows if r["status"] != "ok"]
-    head = [f"# Sweep summary: `{sweep_dir}`", "",
-            f"{len(rows)} jobs, {len(rows) - len(failed)} ok, {len(failed)} failed. Aggregation time is the slowest "
-            f"rank's per round (median, min-max over rounds); busbw is the median over rounds.", ""]
-    cols = [("job", "job", "str"), ("strategy", "strategy", "str"), ("streams", "streams", "str"),
-            ("overrides", "overrides", "str"), ("aggregation (median)", "aggregation_seconds_median", "ms"),
-            ("min", "aggregation_seconds_min", "ms"), ("max", "aggregation_seconds_max", "ms"),
-            ("busbw GB/s", "busbw_gbps_median", "float"), ("cross-facility / round", "cross_facility_bytes_per_round", "bytes"),
-            ("final loss", "final_loss", "float"), ("eval loss", "eval_loss", "float"),
-            ("tokens/s", "tokens_per_second", "int"), ("status", "status", "str")]
+    head = [
+        f"# Sweep summary: `{sweep_dir}`",
+        "",
+        f"{len(rows)} jobs, {len(rows) - len(failed)} ok, {len(failed)} failed. Aggregation time is the slowest "
+        f"rank's per round (median, min-max over rounds); busbw is the median over rounds.",
+        "",
+    ]
+    cols = [
+        ("job", "job", "str"),
+        ("strategy", "strategy", "str"),
+        ("streams", "streams", "str"),
+        ("overrides", "overrides", "str"),
+        ("aggregation (median)", "aggregation_seconds_median", "ms"),
+        ("min", "aggregation_seconds_min", "ms"),
+        ("max", "aggregation_seconds_max", "ms"),
+        ("busbw GB/s", "busbw_gbps_median", "float"),
+        ("cross-facility / round", "cross_facility_bytes_per_round", "bytes"),
+        ("final loss", "final_loss", "float"),
+        ("eval loss", "eval_loss", "float"),
+        ("tokens/s", "tokens_per_second", "int"),
+        ("status", "status", "str"),
+    ]
     if all(_label(r) == Path(r["job"]).name for r in rows):  # the job names already say what varies
         cols = [c for c in cols if c[1] != "overrides"]
     lines = ["| " + " | ".join(c[0] for c in cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
@@ -201,8 +233,10 @@ class SweepSummary(Callback):
         sweep_dir = Path(config.hydra.sweep.dir)
         rows = write_sweep_summary(sweep_dir)
         failed = [r for r in rows if r["status"] != "ok"]
-        print(f"sweep: {len(rows) - len(failed)} of {len(rows)} jobs ok; summary: {sweep_dir / 'sweep_summary.md'}",
-              flush=True)
+        print(
+            f"sweep: {len(rows) - len(failed)} of {len(rows)} jobs ok; summary: {sweep_dir / 'sweep_summary.md'}",
+            flush=True,
+        )
         if failed:
             for r in failed:
                 print(f"sweep: job {r['job']} failed: {r['error']}", file=sys.stderr, flush=True)

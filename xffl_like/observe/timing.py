@@ -122,8 +122,12 @@ def phase_stats(per_rank: dict[str, dict[str, float]]) -> dict:
     for row in ROWS:
         values = [rows[r][row] for r in ranks]
         mean, worst = sum(values) / len(values), max(values)
-        out[row] = {"mean_s": mean, "max_s": worst, "max_rank": int(ranks[values.index(worst)]),
-                    "imbalance": (worst - mean) / step_mean}
+        out[row] = {
+            "mean_s": mean,
+            "max_s": worst,
+            "max_rank": int(ranks[values.index(worst)]),
+            "imbalance": (worst - mean) / step_mean,
+        }
     return out
 
 
@@ -154,8 +158,10 @@ def gather_phase_table(timer: PhaseTimer, state, steps: int) -> dict:
     ranks = [str(r) for r in range(state.world_size)]
     out = {"per_rank_seconds_per_step": {r: dict(zip(PHASES, row.tolist())) for r, row in zip(ranks, per_step)}}
     out["per_rank"] = {
-        r: {p: {"total_s": float(totals[k, i]), "average_s": float(totals[k, i] / max(float(everyone[k, i, 0]), 1.0))}
-            for i, p in enumerate(PHASES)}
+        r: {
+            p: {"total_s": float(totals[k, i]), "average_s": float(totals[k, i] / max(float(everyone[k, i, 0]), 1.0))}
+            for i, p in enumerate(PHASES)
+        }
         for k, r in enumerate(ranks)
     }
     out.update(phase_stats(out["per_rank_seconds_per_step"]))
@@ -163,8 +169,11 @@ def gather_phase_table(timer: PhaseTimer, state, steps: int) -> dict:
         n = int(everyone[:, i, 0].max())  # every rank runs the same rounds (and steps, but with per-facility paces)
         useful, waiting = load_imbalance(everyone[:, i, 1 : 1 + n])
         out[phase].update(useful_s=useful, waiting_s=waiting, iterations=n)
-    out["total"].update(useful_s=sum(out[p]["useful_s"] for p in PHASES),
-                        waiting_s=sum(out[p]["waiting_s"] for p in PHASES), iterations=steps)
+    out["total"].update(
+        useful_s=sum(out[p]["useful_s"] for p in PHASES),
+        waiting_s=sum(out[p]["waiting_s"] for p in PHASES),
+        iterations=steps,
+    )
     return out
 
 
@@ -176,24 +185,36 @@ def format_phase_table(phases: dict) -> str:
     """
     per_rank = phases["per_rank_seconds_per_step"]
     stats = phase_stats(per_rank)  # recomputed: tolerates summaries written before "total"
-    lines = [f"{'phase':<12}{'mean ms/step':>14}{'max ms/step':>13}{'slowest rank':>14}{'imbalance':>11}"
-             f"{'useful s':>11}{'waiting s':>11}"]
+    lines = [
+        f"{'phase':<12}{'mean ms/step':>14}{'max ms/step':>13}{'slowest rank':>14}{'imbalance':>11}"
+        f"{'useful s':>11}{'waiting s':>11}"
+    ]
     for row in ROWS:
         s = stats[row]
         useful, waiting = (phases.get(row) or {}).get("useful_s"), (phases.get(row) or {}).get("waiting_s")
         split = f"{useful:>11.3f}{waiting:>11.3f}" if useful is not None else f"{'-':>11}{'-':>11}"
-        lines.append(f"{row:<12}{s['mean_s'] * 1e3:>14.2f}{s['max_s'] * 1e3:>13.2f}{s['max_rank']:>14}{s['imbalance']:>10.1%}"
-                     + split)
+        lines.append(
+            f"{row:<12}{s['mean_s'] * 1e3:>14.2f}{s['max_s'] * 1e3:>13.2f}{s['max_rank']:>14}{s['imbalance']:>10.1%}"
+            + split
+        )
     ranks = sorted(per_rank, key=int)
     totals = {r: sum(per_rank[r].values()) for r in ranks}
-    shown = ranks if len(ranks) <= MAX_RANK_ROWS else sorted(
-        sorted(ranks, key=lambda r: -totals[r])[:MAX_RANK_ROWS], key=int)
+    shown = (
+        ranks
+        if len(ranks) <= MAX_RANK_ROWS
+        else sorted(sorted(ranks, key=lambda r: -totals[r])[:MAX_RANK_ROWS], key=int)
+    )
     title = "ms/step per rank, then the rank's seconds in all phases" + (
-        "" if shown == ranks else f" (the {len(shown)} slowest of {len(ranks)} ranks)")
+        "" if shown == ranks else f" (the {len(shown)} slowest of {len(ranks)} ranks)"
+    )
     whole = phases.get("per_rank") or {}
     lines += ["", title, f"{'rank':<6}" + "".join(f"{p:>12}" for p in ROWS) + f"{'seconds':>10}"]
     for r in shown:
         seconds = sum(v["total_s"] for v in whole[r].values()) if r in whole else None
-        lines.append(f"{r:<6}" + "".join(f"{per_rank[r][p] * 1e3:>12.2f}" for p in PHASES) + f"{totals[r] * 1e3:>12.2f}"
-                     + (f"{seconds:>10.3f}" if seconds is not None else f"{'-':>10}"))
+        lines.append(
+            f"{r:<6}"
+            + "".join(f"{per_rank[r][p] * 1e3:>12.2f}" for p in PHASES)
+            + f"{totals[r] * 1e3:>12.2f}"
+            + (f"{seconds:>10.3f}" if seconds is not None else f"{'-':>10}")
+        )
     return "\n".join(lines)

@@ -61,8 +61,13 @@ def load_summary(phases: dict) -> dict:
     ``load/rank<r>/average_s`` (seconds per step) per rank over all phases."""
     from .timing import ROWS
 
-    out = {f"load/{row}/{k}": phases[row][k] for row in ROWS if row in phases
-           for k in ("useful_s", "waiting_s") if k in phases[row]}
+    out = {
+        f"load/{row}/{k}": phases[row][k]
+        for row in ROWS
+        if row in phases
+        for k in ("useful_s", "waiting_s")
+        if k in phases[row]
+    }
     for rank, by_phase in (phases.get("per_rank") or {}).items():
         out[f"load/rank{rank}/total_s"] = sum(v["total_s"] for v in by_phase.values())
         out[f"load/rank{rank}/average_s"] = sum((phases["per_rank_seconds_per_step"][rank]).values())
@@ -77,8 +82,17 @@ class WandbLogger:
     W&B config so that runs can be filtered and compared by any key.
     """
 
-    def __init__(self, logger: LoggerConfig, state, run_dir: Path, run_id: str | None = None, *, experiment: str,
-                 strategy: str, config: dict):
+    def __init__(
+        self,
+        logger: LoggerConfig,
+        state,
+        run_dir: Path,
+        run_id: str | None = None,
+        *,
+        experiment: str,
+        strategy: str,
+        config: dict,
+    ):
         for key, value in _QUIET_ENV.items():
             os.environ.setdefault(key, value)
         import wandb  # lazy: only jobs with logger=wandb pay for it
@@ -110,12 +124,23 @@ class WandbLogger:
 
     def step(self, step: int, loss: float, lr: float, tokens_per_s: float, extra: dict | None = None) -> None:
         """``extra``: further keys of this step, e.g. ``eval/loss_local`` and ``eval/loss_global``."""
-        self.run.log({"train/loss": loss, "train/lr": lr, "train/tokens_per_s": tokens_per_s, **(extra or {})}, step=step)
+        self.run.log(
+            {"train/loss": loss, "train/lr": lr, "train/tokens_per_s": tokens_per_s, **(extra or {})}, step=step
+        )
 
     def round(self, record: dict, steps_taken: int | None = None, waited: float | None = None) -> None:
         """One round's row; ``steps_taken``: this facility's steps in the round (per-facility paces);
         ``waited``: this rank's wait there for the other facilities."""
-        keys = ("round", "seconds", "bytes_per_rank", "cross_facility_bytes", "algbw_gbps", "busbw_gbps", "strategy", "streams")
+        keys = (
+            "round",
+            "seconds",
+            "bytes_per_rank",
+            "cross_facility_bytes",
+            "algbw_gbps",
+            "busbw_gbps",
+            "strategy",
+            "streams",
+        )
         row = {f"aggregation/{k}": record[k] for k in keys}
         if steps_taken is not None:
             row["round/steps_taken"] = steps_taken
@@ -125,9 +150,17 @@ class WandbLogger:
 
     def finish(self, summary: dict | None) -> None:
         if summary is not None:  # rank 0: the job's results, on facility 0's run
-            keys = ("final_loss", "eval_loss", "tokens_per_second", "train_seconds", "wall_seconds",
-                    "max_param_divergence_after_last_round", "aggregation_seconds_median", "aggregation_busbw_gbps_median",
-                    "final_consensus_distance")
+            keys = (
+                "final_loss",
+                "eval_loss",
+                "tokens_per_second",
+                "train_seconds",
+                "wall_seconds",
+                "max_param_divergence_after_last_round",
+                "aggregation_seconds_median",
+                "aggregation_busbw_gbps_median",
+                "final_consensus_distance",
+            )
             self.run.summary.update({f"job/{k}": summary[k] for k in keys if k in summary})
             self.run.summary.update(load_summary(summary.get("phases") or {}))
         self.run.finish()

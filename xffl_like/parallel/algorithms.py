@@ -26,8 +26,15 @@ from . import codec
 from .buckets import AlgorithmHost, Bucket
 from .comm import CommThread, node_channel, p2p_exchange
 
-__all__ = ["Algorithm", "GradientAllReduce", "ByteGrad", "Decentralized", "LowPrecisionDecentralized",
-           "AsyncModelAverage", "shift_one_peer"]
+__all__ = [
+    "Algorithm",
+    "GradientAllReduce",
+    "ByteGrad",
+    "Decentralized",
+    "LowPrecisionDecentralized",
+    "AsyncModelAverage",
+    "shift_one_peer",
+]
 
 CHUNK_VALUES = 4096  # values per min-max chunk in low-precision gossip: 0.2% header overhead
 
@@ -68,8 +75,9 @@ class Algorithm:
         return list(range(c.world_size)), dist.group.WORLD, True
 
     def __repr__(self) -> str:
-        keys = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_")
-                         and k not in ("module", "comm"))
+        keys = ", ".join(
+            f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_") and k not in ("module", "comm")
+        )
         return f"{type(self).__name__}({keys})"
 
 
@@ -214,8 +222,10 @@ class Decentralized(Algorithm):
         members, _, _ = self._members()
         if self.peer_selection_mode == "shift_one" and len(members) > 1 and len(members) % 2:
             what = "nodes" if self.hierarchical else "processes"
-            raise ValueError(f"Decentralized(peer_selection_mode='shift_one') needs an even number of {what}, got "
-                             f"{len(members)}: use peer_selection_mode='all' or an even number of {what}")
+            raise ValueError(
+                f"Decentralized(peer_selection_mode='shift_one') needs an even number of {what}, got "
+                f"{len(members)}: use peer_selection_mode='all' or an even number of {what}"
+            )
         self._step = 0
         self._pending = []
 
@@ -310,8 +320,7 @@ class LowPrecisionDecentralized(Algorithm):
                     self.comm.node_sum(diff)
                     diff.div_(self.comm.local_world_size)
                 chunks = max(1, math.ceil(diff.numel() / CHUNK_VALUES))
-                rows = torch.empty((3, codec.packed_bytes(diff.numel(), chunks)), dtype=torch.uint8,
-                                   device=diff.device)
+                rows = torch.empty((3, codec.packed_bytes(diff.numel(), chunks)), dtype=torch.uint8, device=diff.device)
                 if member:
                     me = members.index(self.comm.rank)
                     lpeer, rpeer = members[(me - 1) % n], members[(me + 1) % n]

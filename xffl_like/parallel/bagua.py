@@ -51,8 +51,14 @@ class BaguaModule(nn.Module):
     """``module`` trained data-parallel with an :class:`~xffl_like.parallel.algorithms.Algorithm`;
     build it with :func:`with_algorithm`."""
 
-    def __init__(self, module: nn.Module, optimizers: list[Optimizer], algorithm: Algorithm, bucket_mb: float = 10,
-                 local_world_size: int | None = None):
+    def __init__(
+        self,
+        module: nn.Module,
+        optimizers: list[Optimizer],
+        algorithm: Algorithm,
+        bucket_mb: float = 10,
+        local_world_size: int | None = None,
+    ):
         super().__init__()
         if not dist.is_initialized():
             raise RuntimeError("with_algorithm needs torch.distributed to be initialized")
@@ -80,8 +86,9 @@ class BaguaModule(nn.Module):
         if current:
             self.buckets.append(Bucket(current))
         index = {id(p): i for i, b in enumerate(self.buckets) for p in b.params}
-        self._hooks = [p.register_post_accumulate_grad_hook(lambda _, i=index[id(p)]: self._grad_ready(i))
-                       for p in params]
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(lambda _, i=index[id(p)]: self._grad_ready(i)) for p in params
+        ]
         for opt in optimizers:
             self._hooks.append(opt.register_step_pre_hook(self._before_step))
             self._hooks.append(opt.register_step_post_hook(self._after_step))
@@ -98,7 +105,7 @@ class BaguaModule(nn.Module):
             self.algorithm.before_forward()
         return self.module(*args, **kwargs)
 
-    def switch_to(self, algorithm: Algorithm) -> "BaguaModule":
+    def switch_to(self, algorithm: Algorithm) -> BaguaModule:
         """Stop the current algorithm, average weights, buffers and optimizer state over all ranks, and
         continue with ``algorithm`` (collective). Returns ``self``."""
         if not isinstance(algorithm, Algorithm):
@@ -148,7 +155,7 @@ class BaguaModule(nn.Module):
             self._next += 1
 
     def _end_backward(self) -> None:
-        for bucket in self.buckets[self._next:]:  # buckets with unused parameters, still in order
+        for bucket in self.buckets[self._next :]:  # buckets with unused parameters, still in order
             self.algorithm.grad_ready(bucket)
         self._reset_backward()
         self.algorithm.after_backward()
@@ -164,8 +171,14 @@ class BaguaModule(nn.Module):
             self.algorithm.after_step()
 
 
-def with_algorithm(model: nn.Module, optimizer: Optimizer | list[Optimizer], algorithm: Algorithm,
-                   bucket_mb: float = 10, *, local_world_size: int | None = None) -> BaguaModule:
+def with_algorithm(
+    model: nn.Module,
+    optimizer: Optimizer | list[Optimizer],
+    algorithm: Algorithm,
+    bucket_mb: float = 10,
+    *,
+    local_world_size: int | None = None,
+) -> BaguaModule:
     """Wrap ``model`` (already on its device) so that ``algorithm`` keeps the copies in step.
 
     Broadcasts rank 0's parameters and buffers first. ``local_world_size`` (default

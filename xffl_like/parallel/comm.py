@@ -18,9 +18,10 @@ import os
 import queue
 import threading
 import weakref
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -29,8 +30,18 @@ from torch import Tensor
 from ..comm.backends import handles_cpu
 from .topology import edge_group
 
-__all__ = ["CommThread", "NodeComm", "consensus_distance", "flat_copy", "node_channel", "node_comm", "node_sizes", "p2p_exchange",
-           "split_nodes", "unflatten_into"]
+__all__ = [
+    "CommThread",
+    "NodeComm",
+    "consensus_distance",
+    "flat_copy",
+    "node_channel",
+    "node_comm",
+    "node_sizes",
+    "p2p_exchange",
+    "split_nodes",
+    "unflatten_into",
+]
 
 
 @dataclass(frozen=True)
@@ -142,13 +153,14 @@ def split_nodes(declared: list[int]) -> tuple[int, ...]:
     sizes, start = [], 0
     while start < len(declared):
         size = declared[start]
-        block = declared[start:start + size]
+        block = declared[start : start + size]
         if size < 1 or len(block) < size or any(d != size for d in block):
             raise ValueError(
                 f"processes per node {declared} (LOCAL_WORLD_SIZE of ranks 0..{len(declared) - 1}) do not cut the "
                 f"world into consecutive nodes: rank {start} starts a node of {size} but ranks "
                 f"{start}..{start + size - 1} do not all declare {size}; start the same number of processes on "
-                f"every rank of a node, with consecutive ranks per node")
+                f"every rank of a node, with consecutive ranks per node"
+            )
         sizes.append(size)
         start += size
     return tuple(sizes)
@@ -175,8 +187,9 @@ def node_channel(comm: NodeComm, channel: str) -> dist.ProcessGroup | None:
     """A second group over this process's node, for collectives issued from another thread than
     the node group's (collective over the world: every process calls it, in one order)."""
     starts = [sum(comm.sizes[:i]) for i in range(len(comm.sizes))]
-    groups = [edge_group(range(start, start + size), channel) if size > 1 else None
-              for start, size in zip(starts, comm.sizes)]
+    groups = [
+        edge_group(range(start, start + size), channel) if size > 1 else None for start, size in zip(starts, comm.sizes)
+    ]
     return groups[comm.node]
 
 
@@ -216,7 +229,7 @@ def flat_copy(tensors: list[Tensor], out: Tensor | None = None) -> Tensor:
         return torch.cat([t.detach().reshape(-1) for t in tensors])
     offset = 0
     for t in tensors:
-        out[offset:offset + t.numel()].copy_(t.detach().reshape(-1))
+        out[offset : offset + t.numel()].copy_(t.detach().reshape(-1))
         offset += t.numel()
     return out
 
@@ -225,7 +238,7 @@ def unflatten_into(flat: Tensor, tensors: list[Tensor]) -> None:
     """Copy consecutive slices of ``flat`` back into ``tensors``."""
     offset = 0
     for t in tensors:
-        t.detach().copy_(flat[offset:offset + t.numel()].view_as(t))
+        t.detach().copy_(flat[offset : offset + t.numel()].view_as(t))
         offset += t.numel()
 
 

@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable, Iterator
 from functools import partial
-from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -76,8 +76,9 @@ class _Pending:
 class _Bucket:
     """Parameters updated and mixed together: their optimizer, scheduler and buffers."""
 
-    def __init__(self, params: list[Tensor], names: list[str], optim: Optimizer, sched: LRScheduler | None,
-                 as_view: bool):
+    def __init__(
+        self, params: list[Tensor], names: list[str], optim: Optimizer, sched: LRScheduler | None, as_view: bool
+    ):
         self.params, self.names, self.optim, self.sched = params, names, optim, sched
         total = sum(_aligned(p.numel()) for p in params)
         ref = params[0]
@@ -148,10 +149,19 @@ class DecentralizedDataParallel(nn.Module):
 
     FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
-    def __init__(self, model: nn.Module, optim_fn: OPTIM_FN_TYPE, lr_scheduler_fn: LR_SCHEDULER_FN_TYPE | None = None,
-                 topology: str = "complete", scaler: torch.amp.GradScaler | None = None, grad_clip_norm: float = 0.0,
-                 param_as_bucket_view: bool = True, sync_buffer_in_global_avg: bool = False,
-                 bucket_size_in_mb: int = 25, local_world_size: int | None = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        optim_fn: OPTIM_FN_TYPE,
+        lr_scheduler_fn: LR_SCHEDULER_FN_TYPE | None = None,
+        topology: str = "complete",
+        scaler: torch.amp.GradScaler | None = None,
+        grad_clip_norm: float = 0.0,
+        param_as_bucket_view: bool = True,
+        sync_buffer_in_global_avg: bool = False,
+        bucket_size_in_mb: int = 25,
+        local_world_size: int | None = None,
+    ):
         super().__init__()
         if not dist.is_initialized():
             raise RuntimeError("DecentralizedDataParallel needs torch.distributed to be initialized")
@@ -169,8 +179,10 @@ class DecentralizedDataParallel(nn.Module):
         # wait on edges the others never form (hosts with different LOCAL_WORLD_SIZE).
         sizes = node_sizes(local)
         if len(set(sizes)) > 1 and topology == "alternating-exp-ring":
-            raise ValueError(f"topology 'alternating-exp-ring' needs nodes of equal size, got nodes of {list(sizes)} "
-                             f"processes: start the same number of processes per node or use another topology")
+            raise ValueError(
+                f"topology 'alternating-exp-ring' needs nodes of equal size, got nodes of {list(sizes)} "
+                f"processes: start the same number of processes per node or use another topology"
+            )
         # Edges over whole parts of several nodes are summed hierarchically (node, leaders, node) on
         # one communication thread: less across the nodes' links than a flat all-reduce.
         self._topo = Topology(topology, local_world_size=sizes[0], hierarchical=len(set(sizes)) == 1 and sizes[0] > 1)
@@ -180,8 +192,9 @@ class DecentralizedDataParallel(nn.Module):
         self._names = [n for n, _ in named]
         self._params = [p for _, p in named]
         self._traced: list[int] = []
-        self._trace_hooks = [p.register_post_accumulate_grad_hook(partial(self._trace, pid=i))
-                             for i, p in enumerate(self._params)]
+        self._trace_hooks = [
+            p.register_post_accumulate_grad_hook(partial(self._trace, pid=i)) for i, p in enumerate(self._params)
+        ]
         self._buckets: list[_Bucket] = []
         self._hooks = []
         self._step = 0
@@ -266,8 +279,10 @@ class DecentralizedDataParallel(nn.Module):
         if self._accumulating or self._initialized:
             return
         if pid in self._traced:
-            raise RuntimeError(f"parameter {self._names[pid]} is used more than once in one backward pass; "
-                               "DecentralizedDataParallel needs each parameter used once")
+            raise RuntimeError(
+                f"parameter {self._names[pid]} is used more than once in one backward pass; "
+                "DecentralizedDataParallel needs each parameter used once"
+            )
         self._traced.append(pid)
 
     @torch.no_grad()
@@ -278,8 +293,10 @@ class DecentralizedDataParallel(nn.Module):
         dist.all_gather_object(everyone, order)
         if any(o != order for o in everyone):
             bad = [r for r, o in enumerate(everyone) if o != everyone[0]]
-            raise RuntimeError(f"ranks {bad} traced a different parameter order (or sizes) than rank 0 in the "
-                               "first iteration: every rank must run the same model on the same code path")
+            raise RuntimeError(
+                f"ranks {bad} traced a different parameter order (or sizes) than rank 0 in the "
+                "first iteration: every rank must run the same model on the same code path"
+            )
         for h in self._trace_hooks:
             h.remove()
         self._trace_hooks = []
@@ -288,14 +305,13 @@ class DecentralizedDataParallel(nn.Module):
             p = self._params[pid]
             size += _aligned(p.numel()) * p.element_size()
             if size >= self._bucket_bytes or i == len(self._traced) - 1:
-                pids = self._traced[start:i + 1]
+                pids = self._traced[start : i + 1]
                 params, names = [self._params[j] for j in pids], [self._names[j] for j in pids]
                 optim = self._optim_fn(list(zip(names, params)))
                 sched = self._lr_schd_fn(optim) if self._lr_schd_fn is not None else None
                 bucket = _Bucket(params, names, optim, sched, self._as_view)
                 self._buckets.append(bucket)
-                self._hooks.append(p.register_post_accumulate_grad_hook(partial(self._on_bucket_ready,
-                                                                                bucket=bucket)))
+                self._hooks.append(p.register_post_accumulate_grad_hook(partial(self._on_bucket_ready, bucket=bucket)))
                 start, size = i + 1, 0
         # First update with the first iteration's gradients, then the first mixing (waited: a clean start).
         edge = self._topo.get_edge(self._step)

@@ -47,12 +47,21 @@ __all__ = [
 class _AccumAdamBase(Optimizer):
     decoupled = False
 
-    def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.0, accum_iter: int = 4):
+    def __init__(
+        self,
+        params: Any,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        accum_iter: int = 4,
+    ):
         if accum_iter < 1:
             raise ValueError(f"accum_iter must be >= 1, got {accum_iter}")
         if lr < 0 or eps < 0 or weight_decay < 0 or not all(0 <= b < 1 for b in betas):
-            raise ValueError(f"invalid hyper-parameters: lr={lr}, betas={betas}, eps={eps}, weight_decay={weight_decay}")
+            raise ValueError(
+                f"invalid hyper-parameters: lr={lr}, betas={betas}, eps={eps}, weight_decay={weight_decay}"
+            )
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, accum_iter=accum_iter))
 
     @torch.no_grad()
@@ -121,37 +130,74 @@ def param_groups(params: list[tuple[str, Tensor]], weight_decay: float, decay_al
     params = list(params)
     by_name = dict(params)
     decay, no_decay = decay_groups(params, decay_all)
-    groups = [{"params": [by_name[n] for n in decay], "weight_decay": weight_decay},
-              {"params": [by_name[n] for n in no_decay], "weight_decay": 0.0}]
+    groups = [
+        {"params": [by_name[n] for n in decay], "weight_decay": weight_decay},
+        {"params": [by_name[n] for n in no_decay], "weight_decay": 0.0},
+    ]
     return [g for g in groups if g["params"]]
 
 
-def optim_fn_adam(params: list[tuple[str, Tensor]], lr: float = 1e-3, beta1: float = 0.9, beta2: float = 0.999,
-                  weight_decay: float = 1.0 / 32768, eps: float = 1e-8, decay_all: bool = False) -> Optimizer:
+def optim_fn_adam(
+    params: list[tuple[str, Tensor]],
+    lr: float = 1e-3,
+    beta1: float = 0.9,
+    beta2: float = 0.999,
+    weight_decay: float = 1.0 / 32768,
+    eps: float = 1e-8,
+    decay_all: bool = False,
+) -> Optimizer:
     """``torch.optim.Adam`` over ``params``; bind other values with ``functools.partial``."""
     return torch.optim.Adam(param_groups(params, weight_decay, decay_all), lr=lr, betas=(beta1, beta2), eps=eps)
 
 
-def optim_fn_adamw(params: list[tuple[str, Tensor]], lr: float = 1e-3, beta1: float = 0.9, beta2: float = 0.999,
-                   weight_decay: float = 0.1, eps: float = 1e-8, decay_all: bool = False) -> Optimizer:
+def optim_fn_adamw(
+    params: list[tuple[str, Tensor]],
+    lr: float = 1e-3,
+    beta1: float = 0.9,
+    beta2: float = 0.999,
+    weight_decay: float = 0.1,
+    eps: float = 1e-8,
+    decay_all: bool = False,
+) -> Optimizer:
     """``torch.optim.AdamW`` over ``params``; bind other values with ``functools.partial``."""
     return torch.optim.AdamW(param_groups(params, weight_decay, decay_all), lr=lr, betas=(beta1, beta2), eps=eps)
 
 
-def optim_fn_accum_adam(params: list[tuple[str, Tensor]], lr: float = 1e-3, beta1: float = 0.9, beta2: float = 0.999,
-                        eps: float = 1e-8, weight_decay: float = 1.0 / 32768, accum_iter: int = 4, decay_all: bool = False) -> Optimizer:
+def optim_fn_accum_adam(
+    params: list[tuple[str, Tensor]],
+    lr: float = 1e-3,
+    beta1: float = 0.9,
+    beta2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 1.0 / 32768,
+    accum_iter: int = 4,
+    decay_all: bool = False,
+) -> Optimizer:
     """:class:`AccumAdam` over ``params``; ``accum_iter`` should grow with the number of processes."""
-    return AccumAdam(param_groups(params, weight_decay, decay_all), lr=lr, betas=(beta1, beta2), eps=eps, accum_iter=accum_iter)
+    return AccumAdam(
+        param_groups(params, weight_decay, decay_all), lr=lr, betas=(beta1, beta2), eps=eps, accum_iter=accum_iter
+    )
 
 
-def optim_fn_accum_adamw(params: list[tuple[str, Tensor]], lr: float = 1e-3, beta1: float = 0.9, beta2: float = 0.999,
-                         eps: float = 1e-8, weight_decay: float = 0.1, accum_iter: int = 4, decay_all: bool = False) -> Optimizer:
+def optim_fn_accum_adamw(
+    params: list[tuple[str, Tensor]],
+    lr: float = 1e-3,
+    beta1: float = 0.9,
+    beta2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.1,
+    accum_iter: int = 4,
+    decay_all: bool = False,
+) -> Optimizer:
     """:class:`AccumAdamW` over ``params``; ``accum_iter`` should grow with the number of processes."""
-    return AccumAdamW(param_groups(params, weight_decay, decay_all), lr=lr, betas=(beta1, beta2), eps=eps, accum_iter=accum_iter)
+    return AccumAdamW(
+        param_groups(params, weight_decay, decay_all), lr=lr, betas=(beta1, beta2), eps=eps, accum_iter=accum_iter
+    )
 
 
-def lr_scheduler_fn_cosine_with_warmup(optimizer: Optimizer, t_max: int, t_warmup: int, cosine_eta_min: float = 1e-6,
-                                       warmup_decay: float = 0.01) -> LRScheduler:
+def lr_scheduler_fn_cosine_with_warmup(
+    optimizer: Optimizer, t_max: int, t_warmup: int, cosine_eta_min: float = 1e-6, warmup_decay: float = 0.01
+) -> LRScheduler:
     """Linear warm-up from ``warmup_decay * lr`` over ``t_warmup`` steps, then cosine to ``cosine_eta_min``
     over ``t_max`` steps. Bind ``t_max``/``t_warmup`` with ``functools.partial`` to get an ``lr_scheduler_fn``."""
     warmup = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=warmup_decay, total_iters=t_warmup)

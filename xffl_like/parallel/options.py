@@ -9,8 +9,9 @@ also checks the section's relations to the other sections). The worker side is
 from __future__ import annotations
 
 import inspect
+from collections.abc import Mapping
 from dataclasses import fields
-from typing import Any, Mapping
+from typing import Any
 
 from ..checks import is_int, is_number
 from ..schema import ParallelConfig
@@ -32,10 +33,20 @@ DP_ALGORITHMS: dict[str, type[Algorithm]] = {
     "async_model_average": AsyncModelAverage,
 }
 # The keys each mode reads; the others keep the schema's defaults (those of conf/parallel/fsdp.yaml).
-_USED = {"fsdp": (), "decentralized": ("topology", "optimizer", "accum_iter", "bucket_mb"),
-         "bagua": ("bucket_mb", "algorithm", "options", "switch")}
-_OWNER = {"topology": "decentralized", "optimizer": "decentralized", "accum_iter": "decentralized",
-          "bucket_mb": "decentralized or parallel=bagua", "algorithm": "bagua", "options": "bagua", "switch": "bagua"}
+_USED = {
+    "fsdp": (),
+    "decentralized": ("topology", "optimizer", "accum_iter", "bucket_mb"),
+    "bagua": ("bucket_mb", "algorithm", "options", "switch"),
+}
+_OWNER = {
+    "topology": "decentralized",
+    "optimizer": "decentralized",
+    "accum_iter": "decentralized",
+    "bucket_mb": "decentralized or parallel=bagua",
+    "algorithm": "bagua",
+    "options": "bagua",
+    "switch": "bagua",
+}
 
 
 def dp_algorithm(name: Any, options: Any, where: str = "parallel.") -> Algorithm:
@@ -43,8 +54,9 @@ def dp_algorithm(name: Any, options: Any, where: str = "parallel.") -> Algorithm
     if name not in DP_ALGORITHMS:
         raise ValueError(f"{where}algorithm={name!r}: use one of {', '.join(DP_ALGORITHMS)}")
     if not isinstance(options, Mapping):
-        raise ValueError(f"{where}options={options!r}: must be a mapping of {name}'s keyword arguments, e.g. "
-                         f"{{hierarchical: true}}")
+        raise ValueError(
+            f"{where}options={options!r}: must be a mapping of {name}'s keyword arguments, e.g. {{hierarchical: true}}"
+        )
     try:
         return DP_ALGORITHMS[name](**options)
     except TypeError:
@@ -63,17 +75,22 @@ def validate_parallel(cfg: ParallelConfig) -> None:
     for f in fields(ParallelConfig):
         key = f.name
         if key != "name" and key not in _USED[name] and getattr(cfg, key) != getattr(defaults, key):
-            raise ValueError(f"parallel.{key}={getattr(cfg, key)!r} applies to parallel={_OWNER[key]}, "
-                             f"not parallel={name}: drop it or select that mode")
+            raise ValueError(
+                f"parallel.{key}={getattr(cfg, key)!r} applies to parallel={_OWNER[key]}, "
+                f"not parallel={name}: drop it or select that mode"
+            )
     if cfg.topology not in TOPOLOGIES:
         raise ValueError(f"parallel.topology={cfg.topology!r}: use one of {', '.join(TOPOLOGIES)}")
     if cfg.optimizer not in DP_OPTIMIZERS:
         raise ValueError(f"parallel.optimizer={cfg.optimizer!r}: use one of {', '.join(DP_OPTIMIZERS)}")
     if not is_int(cfg.accum_iter) or cfg.accum_iter < 1:
-        raise ValueError(f"parallel.accum_iter={cfg.accum_iter!r}: must be an integer >= 1 (e.g. parallel.accum_iter=4)")
+        raise ValueError(
+            f"parallel.accum_iter={cfg.accum_iter!r}: must be an integer >= 1 (e.g. parallel.accum_iter=4)"
+        )
     if not is_number(cfg.bucket_mb) or not 0 < cfg.bucket_mb < float("inf"):  # inf: no bucket size, a crash in workers
-        raise ValueError(f"parallel.bucket_mb={cfg.bucket_mb!r}: must be a positive number of MiB "
-                         f"(e.g. parallel.bucket_mb=25)")
+        raise ValueError(
+            f"parallel.bucket_mb={cfg.bucket_mb!r}: must be a positive number of MiB (e.g. parallel.bucket_mb=25)"
+        )
     dp_algorithm(cfg.algorithm, cfg.options or {}, "parallel.")
     raw = cfg.switch or []
     if not isinstance(raw, (list, tuple)):

@@ -20,15 +20,15 @@ distinct edge, once, on every process of the world in the same order.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 import torch.distributed as dist
 
 __all__ = ["Edge", "Topology", "TOPOLOGIES", "register_topology", "topology_edges", "edge_group"]
 
 # name -> fn(n members, processes per node) -> list (per iteration) of list of Edge over positions 0..n-1
-TOPOLOGIES: dict[str, Callable[[int, int], list[list["Edge"]]]] = {}
+TOPOLOGIES: dict[str, Callable[[int, int], list[list[Edge]]]] = {}
 
 
 @dataclass
@@ -95,8 +95,9 @@ def _one_peer_exp(n: int, local: int) -> list[list[Edge]]:
     # Iteration k pairs i with i + 2^k: log2(n) iterations reach exact consensus.
     rounds = round(math.log2(n)) if n > 0 else 0
     if n < 2 or 2**rounds != n:
-        raise ValueError(f"topology 'one-peer-exp' needs a power-of-two number of processes, got {n}: "
-                         f"use {_powers_of_two()}")
+        raise ValueError(
+            f"topology 'one-peer-exp' needs a power-of-two number of processes, got {n}: use {_powers_of_two()}"
+        )
     edges = []
     for k in range(rounds):
         used, its = set(), []
@@ -120,7 +121,8 @@ def _alternating_exp_ring(n: int, local: int) -> list[list[Edge]]:
     if local < 2 or nodes < 2 or n % local or 2**rounds != nodes:
         raise ValueError(
             f"topology 'alternating-exp-ring' needs a power-of-two number of nodes (>= 2) with >= 2 processes each, "
-            f"got {n} processes with {local} per node: use e.g. 4 = 2x2, 8 = 2x4 or 4x2, 16 = 4x4 processes")
+            f"got {n} processes with {local} per node: use e.g. 4 = 2x2, 8 = 2x4 or 4x2, 16 = 4x4 processes"
+        )
 
     def node(j):
         return list(range(j * local, (j + 1) * local))
@@ -202,8 +204,13 @@ class Topology:
     process outside ``ranks`` takes part in creating the groups and has no edges).
     """
 
-    def __init__(self, name: str = "complete", ranks: Sequence[int] | None = None, local_world_size: int = 1,
-                 hierarchical: bool = False):
+    def __init__(
+        self,
+        name: str = "complete",
+        ranks: Sequence[int] | None = None,
+        local_world_size: int = 1,
+        hierarchical: bool = False,
+    ):
         if not dist.is_initialized():
             raise RuntimeError("Topology needs torch.distributed to be initialized (dist.init_process_group)")
         self.name = name
@@ -229,8 +236,10 @@ class Topology:
                     # An edge over whole parts of several nodes: sum inside each node, among the
                     # nodes' leaders, then back inside the node. Across the link that is 1x the
                     # bytes each way instead of a flat ring all-reduce's 2(k-1)/k per node boundary.
-                    parts = [[r for r in e.ranks if r // local_world_size == n]
-                             for n in sorted({r // local_world_size for r in e.ranks})]
+                    parts = [
+                        [r for r in e.ranks if r // local_world_size == n]
+                        for n in sorted({r // local_world_size for r in e.ranks})
+                    ]
                     if len(parts) > 1 and all(len(p) > 1 for p in parts):
                         # Groups of their own (a channel): the steps run on a communication thread,
                         # and must not share a group with the training thread's collectives.

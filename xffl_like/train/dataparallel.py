@@ -19,20 +19,20 @@ sections (:func:`xffl_like.config.validate_config`) before any worker starts;
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from .. import parallel as P
-from ..parallel.options import DP_ALGORITHMS
 from ..models import build_model
+from ..parallel.options import DP_ALGORITHMS
 from ..schema import JobConfig
+from .optim import Schedule, build_optimizer, build_scheduler
 from .round_dump import RoundDump
-from .optim import OptimConfig, Schedule, build_optimizer, build_scheduler
 
 __all__ = ["DataParallelSync", "Switch"]
 
@@ -75,15 +75,21 @@ class DataParallelSync:
         node = state.facility_size  # "node" = facility in the main job (sizes may differ)
         if self.cfg.name == "decentralized":
             self.wrapped = P.DecentralizedDataParallel(
-                model, self._optim_fn(), partial(build_scheduler, cfg=ocfg, total_steps=steps),
-                topology=self.cfg.topology, grad_clip_norm=ocfg.grad_clip, bucket_size_in_mb=float(self.cfg.bucket_mb),
-                local_world_size=node)
+                model,
+                self._optim_fn(),
+                partial(build_scheduler, cfg=ocfg, total_steps=steps),
+                topology=self.cfg.topology,
+                grad_clip_norm=ocfg.grad_clip,
+                bucket_size_in_mb=float(self.cfg.bucket_mb),
+                local_world_size=node,
+            )
         else:
             self.optimizer = build_optimizer(model, ocfg)
             self.scheduler = build_scheduler(self.optimizer, ocfg, steps)
             algorithm = DP_ALGORITHMS[self.cfg.algorithm](**(self.cfg.options or {}))
-            self.wrapped = P.with_algorithm(model, self.optimizer, algorithm, bucket_mb=float(self.cfg.bucket_mb),
-                                            local_world_size=node)
+            self.wrapped = P.with_algorithm(
+                model, self.optimizer, algorithm, bucket_mb=float(self.cfg.bucket_mb), local_world_size=node
+            )
         self._next = {at: Switch(at, name, options) for at, name, options in self.cfg.algorithms()[1:]}
         self.module = self.wrapped
 
@@ -91,11 +97,23 @@ class DataParallelSync:
         o, name = self.ocfg, self.cfg.optimizer
         if name == "optim":
             return partial(build_optimizer, cfg=o)  # the optim group over one bucket's (name, parameter) pairs
-        factory = {"adam": P.optim_fn_adam, "adamw": P.optim_fn_adamw, "accum_adam": P.optim_fn_accum_adam,
-                   "accum_adamw": P.optim_fn_accum_adamw}[name]
+        factory = {
+            "adam": P.optim_fn_adam,
+            "adamw": P.optim_fn_adamw,
+            "accum_adam": P.optim_fn_accum_adam,
+            "accum_adamw": P.optim_fn_accum_adamw,
+        }[name]
         extra = {"accum_iter": self.cfg.accum_iter} if name.startswith("accum_") else {}
-        return partial(factory, lr=o.lr, beta1=o.betas[0], beta2=o.betas[1], eps=o.eps, weight_decay=o.weight_decay,
-                       decay_all=o.decay_all, **extra)
+        return partial(
+            factory,
+            lr=o.lr,
+            beta1=o.betas[0],
+            beta2=o.betas[1],
+            eps=o.eps,
+            weight_decay=o.weight_decay,
+            decay_all=o.decay_all,
+            **extra,
+        )
 
     # ------------------------------------------------------------------ the loop's calls (Sync)
     def restore(self, losses: torch.Tensor) -> None:
@@ -190,8 +208,13 @@ class DataParallelSync:
         """End of training: every copy the exact mean of all (collective); what the summary adds."""
         self.dump.save(len(self.switches), "before")  # the copies as trained, before the final mean
         self.average()
-        return {"extra": {"parallel": self.describe(), "consensus_distance": self.consensus,
-                          "final_consensus_distance": self.consensus[-1]["distance"] if self.consensus else 0.0}}
+        return {
+            "extra": {
+                "parallel": self.describe(),
+                "consensus_distance": self.consensus,
+                "final_consensus_distance": self.consensus[-1]["distance"] if self.consensus else 0.0,
+            }
+        }
 
     @torch.no_grad()
     def average(self) -> None:
@@ -207,7 +230,17 @@ class DataParallelSync:
         """What the summary reports under ``parallel``."""
         c = self.cfg
         if c.name == "decentralized":
-            return {"name": c.name, "topology": c.topology, "optimizer": c.optimizer, "bucket_mb": float(c.bucket_mb),
-                    "buckets": len(self.wrapped.optimizers)}
-        return {"name": c.name, "algorithm": c.algorithm, "options": dict(c.options or {}), "bucket_mb": float(c.bucket_mb),
-                "switches": self.switches}
+            return {
+                "name": c.name,
+                "topology": c.topology,
+                "optimizer": c.optimizer,
+                "bucket_mb": float(c.bucket_mb),
+                "buckets": len(self.wrapped.optimizers),
+            }
+        return {
+            "name": c.name,
+            "algorithm": c.algorithm,
+            "options": dict(c.options or {}),
+            "bucket_mb": float(c.bucket_mb),
+            "switches": self.switches,
+        }

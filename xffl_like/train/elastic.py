@@ -146,8 +146,9 @@ class ElasticSync(FederatedSync):
 
     def finish(self) -> dict:
         federation = self.federation.describe()
-        federation["elastic"]["rewarm"] = (None if self.rewarm_from is None else
-                                           {"from_step": self.rewarm_from, "steps": self.warmup_steps})
+        federation["elastic"]["rewarm"] = (
+            None if self.rewarm_from is None else {"from_step": self.rewarm_from, "steps": self.warmup_steps}
+        )
         return {"strategy": self.strategy, "federation": federation, "checkpoints": self.ckpt.close()}
 
     def leave(self) -> str:

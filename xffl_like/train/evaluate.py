@@ -37,8 +37,12 @@ def _mean_loss(model, batches, device, loss_chunk: int | None) -> torch.Tensor:
 
 def evaluate(model, batches, device, loss_chunk: int | None = None) -> float:
     """Mean loss over every rank's held-out ``batches`` (a collective over the default group)."""
-    total = torch.stack([_mean_loss(model, batches, device, loss_chunk) * len(batches),
-                         torch.tensor(float(len(batches)), dtype=torch.float64, device=device)])
+    total = torch.stack(
+        [
+            _mean_loss(model, batches, device, loss_chunk) * len(batches),
+            torch.tensor(float(len(batches)), dtype=torch.float64, device=device),
+        ]
+    )
     dist.all_reduce(total)
     return float(total[0] / total[1])
 

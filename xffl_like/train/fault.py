@@ -41,8 +41,11 @@ class FaultInjector:
         self.step_started = time.perf_counter()
         if self.kill and step == self.kill_step:
             # The time lets a demo measure how long the job takes to notice (kill to exit).
-            print(f"fault: rank {os.environ.get('RANK', '?')} kills itself at step {step} (t={time.time():.3f})",
-                  file=sys.stderr, flush=True)
+            print(
+                f"fault: rank {os.environ.get('RANK', '?')} kills itself at step {step} (t={time.time():.3f})",
+                file=sys.stderr,
+                flush=True,
+            )
             sys.stdout.flush()
             os.kill(os.getpid(), signal.SIGKILL)
 

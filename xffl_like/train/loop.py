@@ -46,9 +46,11 @@ def train_worker(cfg: JobConfig, run_dir: str, started_at: float | None = None) 
     layout = plan_layout(env.world_size, dcfg.federated, dcfg.hsdp, env.local_world_size)
     # Exchanges overlapping local steps run on groups of their own (federation.overlap_steps in any phase).
     overlap = cfg.parallel.name == "fsdp" and any(
-        phase.config.overlap_steps > 0 for phase in plan_phases(cfg.federation, cfg.train.steps))
-    state = build_state(layout, env, backend=dcfg.backend, num_streams=cfg.strategy.streams,
-                        timeout_s=dcfg.timeout_s, overlap=overlap)
+        phase.config.overlap_steps > 0 for phase in plan_phases(cfg.federation, cfg.train.steps)
+    )
+    state = build_state(
+        layout, env, backend=dcfg.backend, num_streams=cfg.strategy.streams, timeout_s=dcfg.timeout_s, overlap=overlap
+    )
     try:
         return _train(cfg, state, Path(run_dir), started_at or time.time())
     finally:
@@ -107,8 +109,18 @@ def _stop_step(sync: Sync, done: int, steps: int, step_seconds: float) -> int:
     return done
 
 
-def _interrupted(sync: Sync, observer, state: DistributedState, signum: int, done: int, steps: int,
-                 rounds: list[dict], losses: torch.Tensor, evals: list[dict], run_dir: Path) -> dict | None:
+def _interrupted(
+    sync: Sync,
+    observer,
+    state: DistributedState,
+    signum: int,
+    done: int,
+    steps: int,
+    rounds: list[dict],
+    losses: torch.Tensor,
+    evals: list[dict],
+    run_dir: Path,
+) -> dict | None:
     """Stop after ``done`` steps: a checkpoint at a round boundary, none elsewhere; rank 0 returns
     ``{"interrupted": {...}}`` (what the launcher's one line says). An elastic facility saves at any
     step (what it rejoins with: its model, inner optimizer and data position; the federation's state
@@ -133,8 +145,17 @@ def _interrupted(sync: Sync, observer, state: DistributedState, signum: int, don
     observer.abort()
     if state.rank != 0:
         return None
-    return {"interrupted": {"signal": signal_name(signum), "step": done, "steps": steps, "checkpoint": saved,
-                            "last_checkpoint": last, "run_dir": str(run_dir), "left": left}}
+    return {
+        "interrupted": {
+            "signal": signal_name(signum),
+            "step": done,
+            "steps": steps,
+            "checkpoint": saved,
+            "last_checkpoint": last,
+            "run_dir": str(run_dir),
+            "left": left,
+        }
+    }
 
 
 def _train(cfg: JobConfig, state: DistributedState, run_dir: Path, started_at: float) -> dict | None:
@@ -148,9 +169,15 @@ def _train(cfg: JobConfig, state: DistributedState, run_dir: Path, started_at: f
     dist.all_reduce(setup_rss, op=dist.ReduceOp.MAX)
     data_facility, data_facilities = sync.data_facility or (state.facility, state.num_facilities)
     data = build_data(
-        cfg.data, vocab_size=cfg.model.vocab_size, seq_len=tcfg.seq_len, batch_size=tcfg.batch_size,
-        seed=sync.data_seed, facility=data_facility, num_facilities=data_facilities,
-        facility_rank=state.facility_rank, facility_size=state.facility_size,
+        cfg.data,
+        vocab_size=cfg.model.vocab_size,
+        seq_len=tcfg.seq_len,
+        batch_size=tcfg.batch_size,
+        seed=sync.data_seed,
+        facility=data_facility,
+        num_facilities=data_facilities,
+        facility_rank=state.facility_rank,
+        facility_size=state.facility_size,
     )
     tokens_per_step = tcfg.batch_size * tcfg.seq_len * accum * state.world_size
     eval_batches = data.eval_batches()
@@ -161,8 +188,17 @@ def _train(cfg: JobConfig, state: DistributedState, run_dir: Path, started_at: f
     rounds: list[dict] = list(restored["rounds"]) if restored else []
     # {"step", "loss_local", "loss_global", "time"}: losses per facility, None when not evaluated
     evals: list[dict] = list(restored.get("records", {}).get("evals", [])) if restored else []
-    observer = Observer(tcfg, cfg.strategy, cfg.logger, state, run_dir, restored, rounds_at=sync.applies_at,
-                        experiment=cfg.experiment, config=resolved)
+    observer = Observer(
+        tcfg,
+        cfg.strategy,
+        cfg.logger,
+        state,
+        run_dir,
+        restored,
+        rounds_at=sync.applies_at,
+        experiment=cfg.experiment,
+        config=resolved,
+    )
     fault = FaultInjector(cfg.fault, state.rank, state.facility)
     timer = PhaseTimer(device)
     facility_group = state.group("facility")
@@ -178,6 +214,7 @@ def _train(cfg: JobConfig, state: DistributedState, run_dir: Path, started_at: f
         for step in range(start_step, sync.steps):  # this facility's steps (federation.every as a list: its own)
             done = step + 1
             fault.before_step(done)
+
             # Micro-batch i of step s is batch s * grad_accum + i of the source: with grad_accum=1, as before.
             def micro_batch(i, step=step + data_at - start_step):
                 batch = data.train_batch(step * accum + i)
@@ -209,8 +246,14 @@ def _train(cfg: JobConfig, state: DistributedState, run_dir: Path, started_at: f
             if local_eval:
                 record_eval["time"] = time.time()  # when it was known: wall-clock time-to-loss (bench.wan)
                 evals.append(record_eval)
-            log.add(step, facility_loss, sync.lr(), time.perf_counter() - start, record_eval if local_eval else None,
-                    sync.metrics(done))
+            log.add(
+                step,
+                facility_loss,
+                sync.lr(),
+                time.perf_counter() - start,
+                record_eval if local_eval else None,
+                sync.metrics(done),
+            )
             last = sync.ends_at(done)  # federation.every_s: the round just made may end the job
             if local_eval or done % tcfg.log_every == 0 or last:  # local_eval: every round boundary too
                 log.flush()
@@ -266,9 +309,23 @@ def _train(cfg: JobConfig, state: DistributedState, run_dir: Path, started_at: f
         observer.finish(None)
         return None
     summary = job_summary(
-        cfg.experiment, state, losses=losses, steps=steps, trained_steps=trained,
-        tokens_per_step=tokens_per_step, train_seconds=train_seconds, train_started_at=train_started_at,
-        started_at=started_at, eval_loss=eval_loss, evals=evals, divergence=divergence, phases=phases,
-        setup_rss=setup_rss, rounds=rounds, facility_steps=facility_steps, **reported)
+        cfg.experiment,
+        state,
+        losses=losses,
+        steps=steps,
+        trained_steps=trained,
+        tokens_per_step=tokens_per_step,
+        train_seconds=train_seconds,
+        train_started_at=train_started_at,
+        started_at=started_at,
+        eval_loss=eval_loss,
+        evals=evals,
+        divergence=divergence,
+        phases=phases,
+        setup_rss=setup_rss,
+        rounds=rounds,
+        facility_steps=facility_steps,
+        **reported,
+    )
     observer.finish(summary)
     return summary

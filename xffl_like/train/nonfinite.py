@@ -64,7 +64,9 @@ class NonFiniteGuard:
         self.policy = policy
         self.state, self.model, self.optimizer, self.dir = state, model, optimizer, checkpoint_dir
 
-    def weights_for_round(self, weights: list[float] | None, round_index: int, step: int) -> tuple[list[float] | None, list[int]]:
+    def weights_for_round(
+        self, weights: list[float] | None, round_index: int, step: int
+    ) -> tuple[list[float] | None, list[int]]:
         """The weights of this round's mean and the facilities left out of it."""
         bad = nonfinite_facilities(self.model, self.state)
         if not bad:
@@ -77,8 +79,10 @@ class NonFiniteGuard:
             last = latest_checkpoint(self.dir)
             hint = f"last good checkpoint: {last} (resume={last})" if last else "no checkpoint was written yet"
             why = "" if self.policy != "skip" else " (every facility: nothing left to average)"
-            raise NonFiniteError(f"non-finite weights in {where} before round {round_index} (step {step}){why}; {hint}; "
-                                 f"federation.on_nonfinite=skip leaves such a facility out of the round")
+            raise NonFiniteError(
+                f"non-finite weights in {where} before round {round_index} (step {step}){why}; {hint}; "
+                f"federation.on_nonfinite=skip leaves such a facility out of the round"
+            )
         if self.state.facility in bad:
             self._scrub()
         base = [1.0] * n if weights is None else list(weights)

@@ -10,21 +10,22 @@ plain values and a checkpoint can restore it.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 import torch
 from torch import Tensor, nn
 
 from ..schema import OPTIMIZERS, SCHEDULES, OptimConfig
 
-__all__ = ["OPTIMIZERS", "SCHEDULES", "OptimConfig", "Schedule", "build_optimizer", "build_scheduler",
-           "decay_groups"]
+__all__ = ["OPTIMIZERS", "SCHEDULES", "OptimConfig", "Schedule", "build_optimizer", "build_scheduler", "decay_groups"]
 
 _EMBEDDING_NAMES = ("wte", "wpe")  # GPT-2's embedding modules, whose names do not say "embed"
 
 
-def decay_groups(params: nn.Module | Iterable[tuple[str, Tensor]], decay_all: bool = False) -> tuple[list[str], list[str]]:
+def decay_groups(
+    params: nn.Module | Iterable[tuple[str, Tensor]], decay_all: bool = False
+) -> tuple[list[str], list[str]]:
     """Names of the parameters that get weight decay, and of those that do not: the one rule of
     the project, used by the main job's optimizer and by the ``xffl_like.parallel`` factories.
 
@@ -44,7 +45,7 @@ def decay_groups(params: nn.Module | Iterable[tuple[str, Tensor]], decay_all: bo
 
     def exempt(name: str, param: Tensor) -> bool:
         module = name.rsplit(".", 1)[0].split(".")[-1].lower() if "." in name else ""
-        return (param.ndim < 2 or id(param) in embeddings or "embed" in module or module in _EMBEDDING_NAMES)
+        return param.ndim < 2 or id(param) in embeddings or "embed" in module or module in _EMBEDDING_NAMES
 
     decay, no_decay, seen = [], [], set()
     for name, param in params:
@@ -63,8 +64,11 @@ def build_optimizer(model: nn.Module | Iterable[tuple[str, Tensor]], cfg: OptimC
         model = list(model)
     params = dict(model.named_parameters()) if isinstance(model, nn.Module) else dict(model)
     decay, no_decay = decay_groups(model, cfg.decay_all)
-    groups = [{"params": [params[n] for n in names], "weight_decay": wd}
-              for names, wd in ((decay, cfg.weight_decay), (no_decay, 0.0)) if names]
+    groups = [
+        {"params": [params[n] for n in names], "weight_decay": wd}
+        for names, wd in ((decay, cfg.weight_decay), (no_decay, 0.0))
+        if names
+    ]
     if cfg.name == "adamw":
         return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
     return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
@@ -98,7 +102,10 @@ class Schedule:
         return self.min_ratio + (1.0 - self.min_ratio) * 0.5 * (1.0 + math.cos(math.pi * p))
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
-    """A ``LambdaLR`` over every group of ``optimizer`` following :class:`Schedule`; step it after each optimizer step."""
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """A ``LambdaLR`` over every group of ``optimizer`` following :class:`Schedule`; step it after each
+    optimizer step."""
     schedule = Schedule(cfg.schedule, cfg.warmup_steps, total_steps, cfg.min_lr / cfg.lr)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)

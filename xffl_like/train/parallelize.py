@@ -24,15 +24,18 @@ def shard_model(model: nn.Module, state: DistributedState, dtype: str = "float32
     up to ~0.4% at the longest positions).
     """
     policy = MixedPrecisionPolicy(param_dtype=DTYPES[dtype], reduce_dtype=torch.float32)
-    block_policy = MixedPrecisionPolicy(param_dtype=DTYPES[dtype], reduce_dtype=torch.float32,
-                                        cast_forward_inputs=False)
+    block_policy = MixedPrecisionPolicy(
+        param_dtype=DTYPES[dtype], reduce_dtype=torch.float32, cast_forward_inputs=False
+    )
     for block in model.layers:
         fully_shard(block, mesh=state.mesh, mp_policy=block_policy)
     fully_shard(model, mesh=state.mesh, mp_policy=policy)
     return model
 
 
-def build_sharded_model(cfg_model: ModelConfig, state: DistributedState, dtype: str = "float32", seed: int = 0) -> nn.Module:
+def build_sharded_model(
+    cfg_model: ModelConfig, state: DistributedState, dtype: str = "float32", seed: int = 0
+) -> nn.Module:
     """The facility's sharded model, initialised from ``seed`` or loaded from ``model.path`` (HF).
 
     ``model.init=meta``: build on the meta device, ``fully_shard``, allocate only the local

@@ -57,8 +57,16 @@ class RoundDump:
             shapes[name] = list(param.shape)  # a DTensor's shape is the global one
             placements[name] = [repr(p) for p in getattr(param, "placements", ())]
         record = {
-            "rank": state.rank, "facility": state.facility, "replica": state.replica, "shard": state.shard,
-            "shard_size": state.shard_size, "round": round_, "phase": phase,
-            "params": params, "shapes": shapes, "placements": placements, **extra,
+            "rank": state.rank,
+            "facility": state.facility,
+            "replica": state.replica,
+            "shard": state.shard,
+            "shard_size": state.shard_size,
+            "round": round_,
+            "phase": phase,
+            "params": params,
+            "shapes": shapes,
+            "placements": placements,
+            **extra,
         }
         torch.save(record, dump_path(self.directory, round_, phase, state.rank))

@@ -8,7 +8,7 @@ the loop.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch.distributed.fsdp import FSDPModule
@@ -45,8 +45,9 @@ def accumulate_gradients(
         with timer("data"):
             inputs, targets = (t.to(device, non_blocking=True) for t in micro_batch(i))
         with timer("forward"):
-            loss = model(inputs, targets, loss_chunk=cfg.loss_chunk,
-                         checkpoint_layers=cfg.activation_checkpointing == "full")
+            loss = model(
+                inputs, targets, loss_chunk=cfg.loss_chunk, checkpoint_layers=cfg.activation_checkpointing == "full"
+            )
         with timer("backward"):
             (loss / k).backward()
         total += loss.detach().double()

@@ -28,7 +28,7 @@ def _fingerprints(pieces: list[torch.Tensor]) -> torch.Tensor:
         return torch.zeros(0, 2, dtype=torch.int64)
     device = pieces[0].device
     gen = torch.Generator().manual_seed(0x5EED)
-    w = (torch.randint(-(1 << 62), 1 << 62, (max(p.numel() for p in pieces),), generator=gen, dtype=torch.int64) | 1)
+    w = torch.randint(-(1 << 62), 1 << 62, (max(p.numel() for p in pieces),), generator=gen, dtype=torch.int64) | 1
     w = w.to(device)
     out = []
     for piece in pieces:
@@ -50,8 +50,7 @@ def max_param_divergence(model: torch.nn.Module, state: DistributedState) -> flo
     send the model across facilities again.
     """
     group = state.group("peers")  # every holder of this rank's shard
-    pieces = [piece for param in model.parameters()
-              for piece in to_local(param).detach().reshape(-1).split(PIECE)]
+    pieces = [piece for param in model.parameters() for piece in to_local(param).detach().reshape(-1).split(PIECE)]
     prints = _fingerprints(pieces)  # on the CPU (gloo) wherever the parameters are
     hi, lo = prints.clone(), prints.clone()
     dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
@@ -83,11 +82,29 @@ def gather_facility_losses(losses: torch.Tensor, state: DistributedState) -> tor
     return losses
 
 
-def job_summary(experiment: str, state: DistributedState, *, losses: torch.Tensor, steps: int, trained_steps: int,
-                tokens_per_step: int, train_seconds: float, train_started_at: float, started_at: float,
-                eval_loss: float, evals: list[dict], divergence: float, phases: dict, setup_rss: torch.Tensor,
-                rounds: list[dict] | None = None, strategy: dict | None = None, federation: dict | None = None,
-                checkpoints=None, extra: dict | None = None, facility_steps: list[int] | None = None) -> dict:
+def job_summary(
+    experiment: str,
+    state: DistributedState,
+    *,
+    losses: torch.Tensor,
+    steps: int,
+    trained_steps: int,
+    tokens_per_step: int,
+    train_seconds: float,
+    train_started_at: float,
+    started_at: float,
+    eval_loss: float,
+    evals: list[dict],
+    divergence: float,
+    phases: dict,
+    setup_rss: torch.Tensor,
+    rounds: list[dict] | None = None,
+    strategy: dict | None = None,
+    federation: dict | None = None,
+    checkpoints=None,
+    extra: dict | None = None,
+    facility_steps: list[int] | None = None,
+) -> dict:
     """The summary (rank 0) of job ``experiment``: ``losses`` from :func:`gather_facility_losses`, ``trained_steps`` the
     steps this process ran (fewer than ``steps`` after a resume), ``rounds`` the round records
     (none without federated rounds), ``extra`` keys of one loop only (e.g. ``parallel``). With facilities of
@@ -132,10 +149,18 @@ def job_summary(experiment: str, state: DistributedState, *, losses: torch.Tenso
         "cross_facility_bytes_per_round": [r["cross_facility_bytes"] for r in rounds],
         "facility_losses": losses.tolist(),
         "skipped_facilities": [r["skipped_facilities"] for r in rounds],
-        "round_records": [{"step": r["step"], "phase": r.get("phase", 0), "fragment": r.get("fragment"),
-                           "switch": bool(r.get("switch", False)), "started_step": r.get("started_step", r["step"]),
-                           "steps_taken": r.get("steps_taken"), "waited_s": r.get("waited_s")}
-                          for r in rounds],
+        "round_records": [
+            {
+                "step": r["step"],
+                "phase": r.get("phase", 0),
+                "fragment": r.get("fragment"),
+                "switch": bool(r.get("switch", False)),
+                "started_step": r.get("started_step", r["step"]),
+                "steps_taken": r.get("steps_taken"),
+                "waited_s": r.get("waited_s"),
+            }
+            for r in rounds
+        ],
         "checkpoints": checkpoints,
         "tokens_per_second": tokens / train_seconds if tokens else 0.0,
         "train_seconds": train_seconds,

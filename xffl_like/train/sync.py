@@ -111,8 +111,17 @@ class FederatedSync:
         self.data_seed = cfg.seed  # which batches this facility draws (with its index in the layout)
         self.data_facility = None  # the layout's facility index and count
         self.dump = RoundDump(self.model, state)  # tests only ($XFFL_TEST_DUMP_ROUNDS): values around each round
-        self.ckpt = Checkpointer(cfg.checkpoint, state, run_dir, self.model, self.optimizer, self.scheduler,
-                                 self.federation, resume=cfg.resume, config=config)
+        self.ckpt = Checkpointer(
+            cfg.checkpoint,
+            state,
+            run_dir,
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            self.federation,
+            resume=cfg.resume,
+            config=config,
+        )
         self.guard = NonFiniteGuard(cfg.federation.on_nonfinite, state, self.model, self.optimizer, self.ckpt.dir)
 
     def _federation(self, cfg: JobConfig, state: DistributedState):
@@ -171,8 +180,10 @@ class FederatedSync:
         # Ranks arrive at different times; the wait is charged to the loop's aggregation phase
         # (and shows as imbalance), the round's seconds time the exchange alone.
         dist.barrier()
-        return [{**record, "waited": self.waited}
-                for record in self.federation.finish_due(done, self._adjust(done), self.dump, index)]
+        return [
+            {**record, "waited": self.waited}
+            for record in self.federation.finish_due(done, self._adjust(done), self.dump, index)
+        ]
 
     def arrive(self, done: int) -> None:
         """Where ``applies_at(done)``, before the round's evaluation: wait until every facility is at the
@@ -195,8 +206,9 @@ class FederatedSync:
 
     def end_step(self, done: int, rounds: list[dict], losses: torch.Tensor, evals: list[dict]) -> None:
         if self.federation.boundary_at(done):  # nothing is in flight here: a step's exchanges start after it
-            self.ckpt.after_round(self.job_step(done), rounds, losses, final=self.ends_at(done),
-                                  records={"evals": evals})
+            self.ckpt.after_round(
+                self.job_step(done), rounds, losses, final=self.ends_at(done), records={"evals": evals}
+            )
 
     def starts_at(self, done: int) -> bool:
         return self.federation.starts_at(done)

@@ -41,13 +41,15 @@ STALE_S = 6 * HEARTBEAT_S
 def _store(cfg) -> dist.TCPStore:
     host, port = address(cfg.lighthouse)
     try:
-        return dist.TCPStore(host, port + 1, is_master=False, wait_for_workers=False,
-                             timeout=timedelta(seconds=float(cfg.timeout_s)))
+        return dist.TCPStore(
+            host, port + 1, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=float(cfg.timeout_s))
+        )
     except (RuntimeError, OSError) as exc:
         raise ElasticError(
             f"federation.elastic.lighthouse={cfg.lighthouse}: no lighthouse answered within "
             f"federation.elastic.timeout_s={cfg.timeout_s:g} s ({str(exc).splitlines()[0][:120]}): start one with "
-            f"`python -m xffl_like.lighthouse --port {port}` on {host}, or fix the address") from None
+            f"`python -m xffl_like.lighthouse --port {port}` on {host}, or fix the address"
+        ) from None
 
 
 class _Beat:
@@ -71,7 +73,7 @@ class _Beat:
         self._thread.join(timeout=5)
 
 
-def admit(job) -> "_Beat":
+def admit(job) -> _Beat:
     """In the launching process, before workers start: reach the lighthouse, take this facility's
     name and check the federation's description. Raises :class:`ElasticError` (one line). Returns
     the thread that keeps the name taken while this process lives."""
@@ -83,8 +85,10 @@ def admit(job) -> "_Beat":
     theirs = json.loads(store.compare_set("federation/spec", "", text).decode())
     difference = first_difference(mine, theirs)
     if difference is not None:
-        raise ElasticError(f"facility {name} does not match the federation at {cfg.lighthouse}: {difference}; run it "
-                           f"with the federation's settings (or start a new lighthouse for a new federation)")
+        raise ElasticError(
+            f"facility {name} does not match the federation at {cfg.lighthouse}: {difference}; run it "
+            f"with the federation's settings (or start a new lighthouse for a new federation)"
+        )
     token = uuid.uuid4().hex
     key, alive = f"facility/{name}", f"facility/{name}/alive"
     held = store.compare_set(key, "", token).decode()
@@ -92,8 +96,10 @@ def admit(job) -> "_Beat":
         before = store.add(alive, 0)
         time.sleep(STALE_S)
         if store.add(alive, 0) != before:
-            raise ElasticError(f"a facility named {name} is already in the federation at {cfg.lighthouse}: give this "
-                               f"one another name (federation.elastic.facility=NAME)")
+            raise ElasticError(
+                f"a facility named {name} is already in the federation at {cfg.lighthouse}: give this "
+                f"one another name (federation.elastic.facility=NAME)"
+            )
         store.set(key, token)
     return _Beat(lambda: store.add(alive, 1))
 
@@ -114,8 +120,10 @@ class Coordinator:
             self.client = LighthouseClient(url, connect_timeout=self.timeout)
             beats = LighthouseClient(url, connect_timeout=self.timeout)  # its own connection, for its own thread
         except Exception as exc:  # noqa: BLE001 - torchft raises RuntimeError/OSError variants
-            raise ElasticError(f"federation.elastic.lighthouse={cfg.lighthouse}: the lighthouse does not answer "
-                               f"({str(exc).splitlines()[0][:120]}): is `python -m xffl_like.lighthouse` running?") from None
+            raise ElasticError(
+                f"federation.elastic.lighthouse={cfg.lighthouse}: the lighthouse does not answer "
+                f"({str(exc).splitlines()[0][:120]}): is `python -m xffl_like.lighthouse` running?"
+            ) from None
         alive = f"facility/{name}/alive"
 
         def beat():
@@ -138,9 +146,11 @@ class Coordinator:
                 now = time.monotonic()
                 failing_since = failing_since or now
                 if now - failing_since > self.timeout.total_seconds():
-                    raise ElasticError(f"the lighthouse at {self.cfg.lighthouse} stopped answering "
-                                       f"({str(exc).splitlines()[0][:120]}); restart it and this facility "
-                                       f"rejoins when started again") from None
+                    raise ElasticError(
+                        f"the lighthouse at {self.cfg.lighthouse} stopped answering "
+                        f"({str(exc).splitlines()[0][:120]}); restart it and this facility "
+                        f"rejoins when started again"
+                    ) from None
                 time.sleep(HEARTBEAT_S)
 
     def _answers(self) -> bool:

@@ -112,7 +112,7 @@ class ElasticFederation:
         for p in self.params:
             full = p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
             if out is not None:
-                out[offset: offset + p.numel()].copy_(full.reshape(-1))
+                out[offset : offset + p.numel()].copy_(full.reshape(-1))
             offset += p.numel()
         return out
 
@@ -125,7 +125,7 @@ class ElasticFederation:
         for p in self.params:
             buf = torch.empty(p.shape, dtype=torch.float32, device=self.state.device)
             if flat is not None:
-                buf.copy_(flat[offset: offset + p.numel()].view(p.shape))
+                buf.copy_(flat[offset : offset + p.numel()].view(p.shape))
             dist.broadcast(buf, src=0)
             if isinstance(p, DTensor):  # this rank's piece, cut locally (no communication)
                 buf = distribute_tensor(buf, p.device_mesh, p.placements, src_data_rank=None).to_local()
@@ -138,11 +138,13 @@ class ElasticFederation:
         returns the leader's result (None elsewhere). Collective."""
         result: dict = {}
         if self.leader:
+
             def run():
                 try:
                     result["value"] = work()
                 except BaseException as exc:  # noqa: BLE001 - re-raised in the main thread
                     result["error"] = exc
+
             thread = threading.Thread(target=run, daemon=True, name="xffl-elastic-round")
             thread.start()
         flag = torch.zeros(1, dtype=torch.int32, device=self.state.device)
@@ -187,8 +189,9 @@ class ElasticFederation:
         out = self._while_leader_works(lambda: self._lead(full, float(tokens.item()), done, joining))
         header = torch.zeros(5, dtype=torch.float64, device=self.state.device)
         if self.leader:
-            header.copy_(torch.tensor([out["round"], out["step"], float(out["changed"]), out["bytes"],
-                                       float(out["ended"])]))
+            header.copy_(
+                torch.tensor([out["round"], out["step"], float(out["changed"]), out["bytes"], float(out["ended"])])
+            )
         dist.broadcast(header, src=0)
         before = self.round
         self.round, step, changed, sent = int(header[0]), int(header[1]), bool(header[2]), int(header[3])
@@ -197,10 +200,15 @@ class ElasticFederation:
         if changed:
             self._scatter(self.theta if self.leader else None)
         # The index of the round committed here; None for a join that only healed (no mean yet).
-        record = {"round": self.round - 1 if self.round > before else None, "step": step, "fragment": None,
-                  "seconds": time.perf_counter() - start,
-                  "bytes_per_rank": sent if self.leader else 0, "cross_facility_bytes": sent,
-                  "skipped_facilities": []}
+        record = {
+            "round": self.round - 1 if self.round > before else None,
+            "step": step,
+            "fragment": None,
+            "seconds": time.perf_counter() - start,
+            "bytes_per_rank": sent if self.leader else 0,
+            "cross_facility_bytes": sent,
+            "skipped_facilities": [],
+        }
         if self.leader:
             record.update({k: out[k] for k in ("facilities", "healed", "attempts")})
             self.records.append(record)
@@ -212,8 +220,15 @@ class ElasticFederation:
         _test_hold(self.round)
         while True:
             attempts += 1
-            data = {"round": self.round, "step": done, "tokens": tokens, "joining": joining,
-                    "taken": done - self.last_step, "every": cfg.every, "steps": self.steps}
+            data = {
+                "round": self.round,
+                "step": done,
+                "tokens": tokens,
+                "joining": joining,
+                "taken": done - self.last_step,
+                "every": cfg.every,
+                "steps": self.steps,
+            }
             quorum = self.coordinator.quorum(self.round, data)
             names = [m.replica_id for m in quorum.participants]
             if joining and len(names) < cfg.elastic.min_facilities:
@@ -222,8 +237,11 @@ class ElasticFederation:
             try:
                 out = self._exchange(quorum, names, mine, tokens, joining, done)
             except (RuntimeError, OSError) as exc:  # a member lost: drop the round, ask again
-                print(f"facility {self.name}: round {self.round} with {', '.join(names)} dropped "
-                      f"({str(exc).splitlines()[0][:100]}); asking the lighthouse again", flush=True)
+                print(
+                    f"facility {self.name}: round {self.round} with {', '.join(names)} dropped "
+                    f"({str(exc).splitlines()[0][:100]}); asking the lighthouse again",
+                    flush=True,
+                )
                 continue
             out.update(attempts=attempts, facilities=names)
             return out
@@ -241,8 +259,9 @@ class ElasticFederation:
         # 3. heal: the donor's state to a scratch copy (applied only after the commit)
         theta = self.theta
         buffers = dict(self.outer.buffers)
-        counters = torch.tensor([float(self.round), float(info[donor]["step"]), float(self.outer.steps)],
-                                dtype=torch.float64)  # the donor's round, step and outer steps
+        counters = torch.tensor(
+            [float(self.round), float(info[donor]["step"]), float(self.outer.steps)], dtype=torch.float64
+        )  # the donor's round, step and outer steps
         if behind:
             healed = [counters.clone(), self.theta.clone(), *(b.clone() for b in buffers.values())]
             for t in healed:
@@ -257,8 +276,9 @@ class ElasticFederation:
         mode = cfg.weights
         if mode is None:
             mode = "tokens" if cfg.paced or len({info[i].get("taken") for i in at_boundary}) > 1 else "uniform"
-        weights = [(float(info[i]["tokens"]) if mode == "tokens" else 1.0) if i in at_boundary else 0.0
-                   for i in range(n)]
+        weights = [
+            (float(info[i]["tokens"]) if mode == "tokens" else 1.0) if i in at_boundary else 0.0 for i in range(n)
+        ]
         total, target, residual = sum(weights), None, None
         if total > 0:
             if self.compressor is None:
@@ -267,8 +287,9 @@ class ElasticFederation:
                     _work(pg.allreduce([target]))
                     sent += 2 * (n - 1) * target.nbytes // n
             else:
-                target, residual, bytes_out = self._compressed_mean(pg, n, theta, mine, weights, total,
-                                                                    contributes=weights[me] > 0)
+                target, residual, bytes_out = self._compressed_mean(
+                    pg, n, theta, mine, weights, total, contributes=weights[me] > 0
+                )
                 sent += bytes_out
         _test_pause(self.round)
         # 5. commit: completes only if every member got here
@@ -299,14 +320,31 @@ class ElasticFederation:
                 delta = target if self.compressor is not None else torch.sub(self.theta, target)
                 self.outer.step(delta)
             rounds += 1
-        self._dump({"facilities": names, "weights": weights, "healed": [names[i] for i in behind], "round": rounds,
-                    "step": step, "before": mine, "after": self.theta.clone(), "applied": target is not None})
+        self._dump(
+            {
+                "facilities": names,
+                "weights": weights,
+                "healed": [names[i] for i in behind],
+                "round": rounds,
+                "step": step,
+                "before": mine,
+                "after": self.theta.clone(),
+                "applied": target is not None,
+            }
+        )
         changed = target is not None or me in behind or joining
-        return {"round": rounds, "step": step, "changed": changed, "bytes": sent, "ended": ended,
-                "healed": [names[i] for i in behind]}
+        return {
+            "round": rounds,
+            "step": step,
+            "changed": changed,
+            "bytes": sent,
+            "ended": ended,
+            "healed": [names[i] for i in behind],
+        }
 
-    def _compressed_mean(self, pg, n: int, theta: Tensor, mine: Tensor, weights: list[float], total: float,
-                         contributes: bool):
+    def _compressed_mean(
+        self, pg, n: int, theta: Tensor, mine: Tensor, weights: list[float], total: float, contributes: bool
+    ):
         """The weighted mean of the members' compressed updates ``θ_global - θ_f``; the new residual (a member
         that heals this round sends zeros and keeps its residual: its update is not part of the mean)."""
         comp = self.compressor
@@ -348,8 +386,20 @@ class ElasticFederation:
     def describe(self) -> dict:
         o = self.options
         paced = {"every_s": o.every_s} if o.every_s is not None else {}
-        return {"algorithm": o.algorithm, "every": o.every, **paced, "topology": o.topology, "outer": o.outer.name,
-                "outer_lr": o.outer.lr, "compression": o.compression, "elastic": {
-                    "facility": self.name, "lighthouse": o.elastic.lighthouse,
-                    "rounds": [{k: r[k] for k in ("round", "step", "seconds", "facilities", "healed", "attempts")}
-                               for r in self.records]}}
+        return {
+            "algorithm": o.algorithm,
+            "every": o.every,
+            **paced,
+            "topology": o.topology,
+            "outer": o.outer.name,
+            "outer_lr": o.outer.lr,
+            "compression": o.compression,
+            "elastic": {
+                "facility": self.name,
+                "lighthouse": o.elastic.lighthouse,
+                "rounds": [
+                    {k: r[k] for k in ("round", "step", "seconds", "facilities", "healed", "attempts")}
+                    for r in self.records
+                ],
+            },
+        }

@@ -21,8 +21,10 @@ def address(lighthouse: str) -> tuple[str, int]:
     host, sep, port = str(lighthouse).rpartition(":")
     host = host.strip("[]")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65535:
-        raise ValueError(f"federation.elastic.lighthouse={lighthouse!r}: must be HOST:PORT (the address "
-                         f"`python -m xffl_like.lighthouse` prints, e.g. login1:29510)")
+        raise ValueError(
+            f"federation.elastic.lighthouse={lighthouse!r}: must be HOST:PORT (the address "
+            f"`python -m xffl_like.lighthouse` prints, e.g. login1:29510)"
+        )
     return host, int(port)
 
 
@@ -43,12 +45,17 @@ def validate_elastic(job, layout) -> None:
     import importlib.util
 
     if importlib.util.find_spec("torchft") is None:
-        raise ValueError("federation.elastic.lighthouse needs torchft (its Lighthouse): pip install -c constraints.txt "
-                         "-e \".[elastic]\"")
-    if e.facility is not None and (not isinstance(e.facility, str) or not e.facility.strip()
-                                   or any(c in e.facility for c in "/ \t\n")):
-        raise ValueError(f"federation.elastic.facility={e.facility!r}: a name without spaces or '/', e.g. "
-                         f"federation.elastic.facility=leonardo")
+        raise ValueError(
+            "federation.elastic.lighthouse needs torchft (its Lighthouse): pip install -c constraints.txt "
+            '-e ".[elastic]"'
+        )
+    if e.facility is not None and (
+        not isinstance(e.facility, str) or not e.facility.strip() or any(c in e.facility for c in "/ \t\n")
+    ):
+        raise ValueError(
+            f"federation.elastic.facility={e.facility!r}: a name without spaces or '/', e.g. "
+            f"federation.elastic.facility=leonardo"
+        )
     if not is_int(e.min_facilities) or e.min_facilities < 1:
         raise ValueError(f"federation.elastic.min_facilities={e.min_facilities!r}: must be an integer >= 1")
     if not is_number(e.timeout_s) or not math.isfinite(e.timeout_s) or e.timeout_s <= 0:
@@ -56,8 +63,10 @@ def validate_elastic(job, layout) -> None:
     if not isinstance(e.rewarm, bool):
         raise ValueError(f"federation.elastic.rewarm={e.rewarm!r}: must be true or false")
     if layout.num_facilities != 1:
-        raise ValueError(f"federation.elastic.lighthouse: each facility is its own job, so distributed.* describes "
-                         f"this facility only; set distributed.federated=null (now {job.distributed.federated!r})")
+        raise ValueError(
+            f"federation.elastic.lighthouse: each facility is its own job, so distributed.* describes "
+            f"this facility only; set distributed.federated=null (now {job.distributed.federated!r})"
+        )
     refused = {
         "federation.algorithm=synchronous": fed.algorithm != "federated",
         f"federation.topology={fed.topology}": fed.topology != "complete",
@@ -68,8 +77,10 @@ def validate_elastic(job, layout) -> None:
     }
     for what, bad in refused.items():
         if bad:
-            raise ValueError(f"{what} does not work with federation.elastic.lighthouse (rounds among the facilities "
-                             f"present): use rounds of averaging or an outer optimizer, with weights uniform or tokens")
+            raise ValueError(
+                f"{what} does not work with federation.elastic.lighthouse (rounds among the facilities "
+                f"present): use rounds of averaging or an outer optimizer, with weights uniform or tokens"
+            )
 
 
 def federation_spec(job) -> dict[str, Any]:
@@ -106,8 +117,10 @@ def first_difference(mine: dict, theirs: dict) -> str | None:
     for key in mine:
         if key != "parameters" and mine[key] != theirs.get(key):
             if key == "rounds":
-                return (f"{mine[key]} rounds here (train.steps / federation.every), {theirs.get(key)} in the "
-                        f"federation: set train.steps to {theirs.get(key)} x federation.every")
+                return (
+                    f"{mine[key]} rounds here (train.steps / federation.every), {theirs.get(key)} in the "
+                    f"federation: set train.steps to {theirs.get(key)} x federation.every"
+                )
             name = key if key == "train.steps" else f"federation.{key}"
             return f"{name}: {mine[key]!r} here, {theirs.get(key)!r} in the federation"
     return None

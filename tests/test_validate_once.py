@@ -1,8 +1,10 @@
-"""Each config section is checked exactly once in the launcher: validate_config runs every section's
-validator one time (a second run, or a missing one, fails here)."""
+"""Each config section is checked exactly once in the launcher: validate_config walks its one table
+(config.VALIDATORS) once, and every owner's validator it reaches runs one time (a second run, or a
+missing one, fails here)."""
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 
 import xffl_like.checkpoint.resume as resume
@@ -14,34 +16,42 @@ import xffl_like.parallel.options as parallel_options
 from xffl_like.job import CONF_DIR, choices, resolve
 from xffl_like.schema import JobConfig, job_config
 
-# (module, function name) of every section's validator that validate_config reaches.
-VALIDATORS = [
-    (config, "validate_distributed"),
-    (config, "validate_train"),
-    (config, "validate_optim"),
-    (config, "validate_logger"),
-    (config, "validate_export"),
+# (module, function name) of the owners' validators that the table's checks reach, each once.
+OWNERS = [
     (config, "resolve_model"),
     (config, "plan_layout"),
     (parallel_options, "validate_parallel"),
+    (parallel_options, "check_parallel_job"),
     (fed_options, "validate_federation"),
     (fed_options, "validate_outer"),
     (resume, "validate_durability"),
     (fed_options, "validate_pace"),
     (pace, "check_pace_job"),
-    (config, "_check_slow_fault"),
     (elastic, "validate_elastic"),
 ]
 
 
-def test_every_section_validator_runs_exactly_once(monkeypatch):
+def _compose(*overrides: str) -> JobConfig:
     from hydra import compose, initialize_config_dir
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
         composed = compose(
-            config_name="config", overrides=["+experiment=llama_fed", "logger=none"], return_hydra_config=True
+            config_name="config",
+            overrides=["+experiment=llama_fed", "logger=none", *overrides],
+            return_hydra_config=True,
         )
-    job = job_config(resolve(composed), choices(composed))
+    return job_config(resolve(composed), choices(composed))
+
+
+def test_the_table_has_one_signature_and_unique_names():
+    names = [name for name, _ in config.VALIDATORS]
+    assert len(names) == len(set(names))
+    for name, check in config.VALIDATORS:
+        assert list(inspect.signature(check).parameters) == ["job", "ctx"], name
+
+
+def test_every_section_validator_runs_exactly_once(monkeypatch):
+    job = _compose()
     calls: dict[str, int] = {}
 
     def counted(name, fn):
@@ -51,9 +61,11 @@ def test_every_section_validator_runs_exactly_once(monkeypatch):
 
         return wrapper
 
-    for module, name in VALIDATORS:
+    table = tuple((name, counted(f"table:{name}", check)) for name, check in config.VALIDATORS)
+    monkeypatch.setattr(config, "VALIDATORS", table)
+    for module, name in OWNERS:
         monkeypatch.setattr(module, name, counted(name, getattr(module, name)))
-    # validate_config imports these by name at call time from their packages: wrap those bindings too.
+    # The table's checks import these by name at call time from their packages: wrap those bindings too.
     import xffl_like.aggregation as aggregation
     import xffl_like.data as data
     import xffl_like.federation as federation
@@ -61,28 +73,24 @@ def test_every_section_validator_runs_exactly_once(monkeypatch):
     monkeypatch.setattr(federation, "validate_federation", fed_options.validate_federation)
     for module, name in ((aggregation, "validate_strategy_options"), (data, "validate_data")):
         monkeypatch.setattr(module, name, counted(name, getattr(module, name)))
+    normalised = []
+    original_normalise = config.normalise
+    monkeypatch.setattr(config, "normalise", lambda *a: normalised.append(1) or original_normalise(*a))
 
     validated, layout = config.validate_config(job, 4, 4, Path.cwd())
-    expected = {name: 1 for _, name in VALIDATORS} | {"validate_strategy_options": 1, "validate_data": 1}
+    expected = (
+        {f"table:{name}": 1 for name, _ in config.VALIDATORS}
+        | {name: 1 for _, name in OWNERS}
+        | {"validate_strategy_options": 1, "validate_data": 1}
+    )
     assert calls == expected
+    assert normalised == [1]
     assert isinstance(validated, JobConfig) and layout.num_facilities == 2
 
 
 def test_the_federation_section_is_planned_once_with_a_schedule(monkeypatch):
     """With a schedule, the section's validator still runs once (it checks each phase itself)."""
-    from hydra import compose, initialize_config_dir
-
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        composed = compose(
-            config_name="config",
-            overrides=[
-                "+experiment=llama_fed",
-                "logger=none",
-                "federation.schedule=[{until_step:4,algorithm:synchronous},{until_step:null}]",
-            ],
-            return_hydra_config=True,
-        )
-    job = job_config(resolve(composed), choices(composed))
+    job = _compose("federation.schedule=[{until_step:4,algorithm:synchronous},{until_step:null}]")
     calls = []
     original = fed_options.validate_federation
     monkeypatch.setattr(fed_options, "validate_federation", lambda *a, **k: calls.append(1) or original(*a, **k))
@@ -91,3 +99,13 @@ def test_the_federation_section_is_planned_once_with_a_schedule(monkeypatch):
     monkeypatch.setattr(federation, "validate_federation", fed_options.validate_federation)
     config.validate_config(job, 4, 4, Path.cwd())
     assert calls == [1]
+
+
+def test_normalise_is_the_one_rewrite():
+    """The checks leave the job as composed; normalise writes hsdp=1 for a full copy per rank, adamw's betas a pair."""
+    job = _compose("parallel=decentralized", "federation=default")
+    assert job.distributed.hsdp is None and job.optim.betas == [0.9, 0.95]
+    validated, layout = config.validate_config(job, 4, 4, Path.cwd())
+    assert validated.distributed.hsdp == 1 and layout.shard_size == 1
+    assert validated.optim.betas == (0.9, 0.95)
+    assert job.distributed.hsdp is None and job.optim.betas == [0.9, 0.95]  # the checks rewrote nothing

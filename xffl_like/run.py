@@ -16,8 +16,8 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from .config import compose_error
 from .distributed.env import read_env, reports_launcher_errors
+from .hydra_errors import compose_error
 from .job import JobFailed, JobInterrupted, run_local
 
 

@@ -25,6 +25,7 @@ from typing import Any, Union
 from omegaconf import MISSING
 
 from .checks import is_int, is_number
+from .errors import ConfigError
 
 __all__ = [
     "ACTIVATION_CHECKPOINTING",
@@ -124,8 +125,9 @@ class StrategyConfig(Section):
 
 @dataclass(frozen=True)
 class OptimConfig(Section):
-    """``conf/optim/*.yaml``, checked by :meth:`from_mapping`. A key of the other optimizer must keep
-    its default (``optim.momentum=0.9`` under adamw would be silently unused: refused)."""
+    """``conf/optim/*.yaml``, checked by :meth:`check`, then :meth:`normalised` (both: :meth:`from_mapping`).
+    A key of the other optimizer must keep its default (``optim.momentum=0.9`` under adamw would be
+    silently unused: refused)."""
 
     #: ``adamw`` (decoupled weight decay) or ``sgd`` (momentum, L2 weight decay).
     name: str = MISSING
@@ -149,71 +151,94 @@ class OptimConfig(Section):
 
     @classmethod
     def from_mapping(cls, m: Mapping[str, Any]) -> OptimConfig:
-        """Build from the plain ``optim`` mapping (``as_plain(job.optim)``); raise ``ValueError`` with one line
-        naming the key and the fix."""
-        name = m.get("name")
+        """Build from the plain ``optim`` mapping (``as_plain(job.optim)``): :meth:`check` it and return it
+        :meth:`normalised`; one-line :class:`~xffl_like.errors.ConfigError` naming the key and the fix."""
+        section = cls(**{key: m.get(key, default) for key, default in _OPTIM_GIVEN.items()})
+        section.check()
+        return section.normalised()
+
+    def check(self) -> None:
+        """Every ``optim.*`` value (the launcher's ``optim`` check; :meth:`from_mapping` for a mapping):
+        one-line :class:`~xffl_like.errors.ConfigError` naming the key and the fix."""
+        name = self.name
         if name not in OPTIMIZERS:
-            raise ValueError(f"optim.name={name!r}: use one of {', '.join(OPTIMIZERS)} (e.g. optim=adamw or optim=sgd)")
-
-        def number(key: str, low: float = 0.0, strict: bool = False, default: Any = None) -> float:
-            value = m.get(key, default)
-            if not _number(value) or value < low or (strict and value == low):
-                what = "a positive number" if strict else f"a number >= {low:g}"
-                raise ValueError(
-                    f"optim.{key}={value!r}: must be {what} (e.g. optim.{key}={default if default is not None else 1})"
-                )
-            return float(value)
-
-        warmup = m.get("warmup_steps", 0)
+            raise ConfigError(
+                f"optim.name={name!r}: use one of {', '.join(OPTIMIZERS)} (e.g. optim=adamw or optim=sgd)"
+            )
+        warmup = self.warmup_steps
         if not is_int(warmup) or warmup < 0:
-            raise ValueError(f"optim.warmup_steps={warmup!r}: must be an integer >= 0 (e.g. optim.warmup_steps=0)")
-        schedule = m.get("schedule", "constant")
-        if schedule not in SCHEDULES:
-            raise ValueError(f"optim.schedule={schedule!r}: use one of {', '.join(SCHEDULES)}")
-        decay_all = m.get("decay_all", False)
-        if not isinstance(decay_all, bool):
-            raise ValueError(f"optim.decay_all={decay_all!r}: must be true or false")
-        lr = number("lr", strict=True, default=1e-3)
-        min_lr = number("min_lr", default=0.0)
+            raise ConfigError(f"optim.warmup_steps={warmup!r}: must be an integer >= 0 (e.g. optim.warmup_steps=0)")
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"optim.schedule={self.schedule!r}: use one of {', '.join(SCHEDULES)}")
+        if not isinstance(self.decay_all, bool):
+            raise ConfigError(f"optim.decay_all={self.decay_all!r}: must be true or false")
+        lr, min_lr = self._number("lr", strict=True), self._number("min_lr")
         if min_lr > lr:
-            raise ValueError(
+            raise ConfigError(
                 f"optim.min_lr={min_lr:g} exceeds optim.lr={lr:g}: the schedule decays from lr down to "
                 f"min_lr, so set optim.min_lr <= optim.lr"
             )
         for key, (owner, default) in _OPTIM_OWN.items():
-            value = m.get(key, default)
+            value = getattr(self, key)
             value = list(value) if isinstance(value, tuple) else value  # betas: a list in YAML, a tuple in code
             if owner != name and value != default:
-                raise ValueError(
+                raise ConfigError(
                     f"optim.{key}={value!r} applies to optim={owner}, not optim={name}: "
                     f"drop it, or select that optimizer with optim={owner} (the group, not optim.name)"
                 )
-        kwargs: dict[str, Any] = {}
         if name == "adamw":
-            betas = m.get("betas", (0.9, 0.999))
+            betas = self.betas
             if not (
                 isinstance(betas, (list, tuple)) and len(betas) == 2 and all(_number(b) and 0 <= b < 1 for b in betas)
             ):
-                raise ValueError(f"optim.betas={betas!r}: must be two numbers in [0, 1) (e.g. optim.betas=[0.9,0.95])")
-            kwargs = {"betas": (float(betas[0]), float(betas[1])), "eps": number("eps", strict=True, default=1e-8)}
+                raise ConfigError(f"optim.betas={betas!r}: must be two numbers in [0, 1) (e.g. optim.betas=[0.9,0.95])")
+            self._number("eps", strict=True)
+        elif self._number("momentum") >= 1:
+            raise ConfigError(f"optim.momentum={float(self.momentum):g}: must be in [0, 1) (e.g. optim.momentum=0.9)")
+        self._number("weight_decay"), self._number("grad_clip")
+
+    def _number(self, key: str, strict: bool = False) -> float:
+        """``optim.<key>`` as a float: a finite number >= 0 (> 0 if ``strict``)."""
+        value, default = getattr(self, key), _OPTIM_GIVEN[key]
+        if not _number(value) or value < 0 or (strict and value == 0):
+            what = "a positive number" if strict else "a number >= 0"
+            raise ConfigError(f"optim.{key}={value!r}: must be {what} (e.g. optim.{key}={default})")
+        return float(value)
+
+    def normalised(self) -> OptimConfig:
+        """The checked section as workers read it: the numbers floats, adamw's ``betas`` a pair of floats,
+        the other optimizer's keys at their defaults."""
+        if self.name == "adamw":
+            own: dict[str, Any] = {"betas": (float(self.betas[0]), float(self.betas[1])), "eps": float(self.eps)}
         else:
-            kwargs = {"momentum": number("momentum", default=0.0)}
-            if kwargs["momentum"] >= 1:
-                raise ValueError(f"optim.momentum={kwargs['momentum']:g}: must be in [0, 1) (e.g. optim.momentum=0.9)")
-        return cls(
-            name=name,
-            lr=lr,
-            weight_decay=number("weight_decay", default=0.0),
-            warmup_steps=warmup,
-            schedule=schedule,
-            min_lr=min_lr,
-            decay_all=decay_all,
-            grad_clip=number("grad_clip", default=0.0),
-            **kwargs,
+            own = {"momentum": float(self.momentum)}
+        return type(self)(
+            name=self.name,
+            lr=float(self.lr),
+            weight_decay=float(self.weight_decay),
+            warmup_steps=self.warmup_steps,
+            schedule=self.schedule,
+            min_lr=float(self.min_lr),
+            decay_all=self.decay_all,
+            grad_clip=float(self.grad_clip),
+            **own,
         )
 
 
-# The keys of one optimizer only, with their schema defaults (what the other optimizer's yaml leaves).
+#: ``optim.*`` -> the value :meth:`OptimConfig.from_mapping` takes where a mapping lacks the key.
+_OPTIM_GIVEN: dict[str, Any] = {
+    "name": None,
+    "lr": 1e-3,
+    "weight_decay": 0.0,
+    "warmup_steps": 0,
+    "schedule": "constant",
+    "min_lr": 0.0,
+    "decay_all": False,
+    "grad_clip": 0.0,
+    "betas": (0.9, 0.999),
+    "eps": 1e-8,
+    "momentum": 0.0,
+}
 _OPTIM_OWN = {"betas": ("adamw", [0.9, 0.999]), "eps": ("adamw", 1e-8), "momentum": ("sgd", 0.0)}
 
 
@@ -288,7 +313,7 @@ class FederationConfig(Section):
 
 @dataclass(frozen=True)
 class TrainConfig(Section):
-    """``conf/train/default.yaml``, checked by :meth:`from_mapping`."""
+    """``conf/train/default.yaml``, checked by :meth:`check` (:meth:`from_mapping` for a plain mapping)."""
 
     #: Local optimizer steps in total.
     steps: int = MISSING
@@ -309,32 +334,39 @@ class TrainConfig(Section):
 
     @classmethod
     def from_mapping(cls, m: Mapping[str, Any]) -> TrainConfig:
-        """Build from the plain ``train`` mapping (keys other components own are ignored); one-line
-        ``ValueError`` on a bad value."""
+        """Build from the plain ``train`` mapping (keys other components own are ignored) and :meth:`check`
+        it; one-line :class:`~xffl_like.errors.ConfigError` on a bad value."""
+        section = cls(**{key: m.get(key, default) for key, (_, default) in _TRAIN_RULES.items()})
+        section.check()
+        return section
 
-        def integer(key: str, low: int, default: Any = None) -> int:
-            value = m.get(key, default)
-            if not is_int(value) or value < low:
-                raise ValueError(f"train.{key}={value!r}: must be an integer >= {low} (e.g. train.{key}={max(low, 1)})")
-            return value
+    def check(self) -> None:
+        """Every ``train.*`` value, in the order of :data:`_TRAIN_RULES` (the launcher's ``train`` check;
+        :meth:`from_mapping` for a mapping): one-line :class:`~xffl_like.errors.ConfigError`."""
+        for key, (rule, _) in _TRAIN_RULES.items():
+            value = getattr(self, key)
+            if isinstance(rule, tuple):
+                if value not in rule:
+                    raise ConfigError(f"train.{key}={value!r}: use one of {', '.join(rule)}")
+            elif not is_int(value) or value < rule:
+                raise ConfigError(
+                    f"train.{key}={value!r}: must be an integer >= {rule} (e.g. train.{key}={max(rule, 1)})"
+                )
 
-        def choice(key: str, options: tuple[str, ...], default: str) -> str:
-            value = m.get(key, default)
-            if value not in options:
-                raise ValueError(f"train.{key}={value!r}: use one of {', '.join(options)}")
-            return value
 
-        return cls(
-            steps=integer("steps", 0),
-            batch_size=integer("batch_size", 1),
-            seq_len=integer("seq_len", 1),
-            dtype=choice("dtype", _DTYPES, "float32"),
-            log_every=integer("log_every", 1, 10),
-            grad_accum=integer("grad_accum", 1, 1),
-            activation_checkpointing=choice("activation_checkpointing", ACTIVATION_CHECKPOINTING, "none"),
-            loss_chunk=integer("loss_chunk", 1, 1024),
-            eval_every=integer("eval_every", 0, 0),
-        )
+#: ``train.*`` -> (the least integer or the options, the value :meth:`TrainConfig.from_mapping` takes where a
+#: mapping lacks the key); checked in this order.
+_TRAIN_RULES: dict[str, tuple[Any, Any]] = {
+    "steps": (0, None),
+    "batch_size": (1, None),
+    "seq_len": (1, None),
+    "dtype": (_DTYPES, "float32"),
+    "log_every": (1, 10),
+    "grad_accum": (1, 1),
+    "activation_checkpointing": (ACTIVATION_CHECKPOINTING, "none"),
+    "loss_chunk": (1, 1024),
+    "eval_every": (0, 0),
+}
 
 
 @dataclass(frozen=True, init=False, repr=False, eq=False)
@@ -468,7 +500,7 @@ def section_of(dotted: str) -> tuple[type, Any] | None:
 
 
 def check_keys(cfg: Mapping[str, Any], choices: Mapping[str, Any] | None = None) -> None:
-    """Raise ``ValueError`` (one line) for the first key of ``cfg`` that the schema does not have.
+    """Raise ``ConfigError`` (one line) for the first key of ``cfg`` that the schema does not have.
 
     Hydra's ``+key=value`` (and ``++``) adds keys past a structured config; this finds them.
     A field typed ``Any`` or as a dict (``distributed.federated``, ``model.rope_scaling``) takes any value.
@@ -479,7 +511,7 @@ def check_keys(cfg: Mapping[str, Any], choices: Mapping[str, Any] | None = None)
         for key, value in node.items():
             dotted = f"{prefix}{key}"
             if key not in known:
-                raise ValueError(unknown_key_message(dotted, choices))
+                raise ConfigError(unknown_key_message(dotted, choices))
             nested = _section_type(known[key])
             if nested is not None and isinstance(value, Mapping):
                 walk(value, nested, f"{dotted}.")

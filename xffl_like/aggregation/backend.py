@@ -12,6 +12,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ..errors import ConfigError
+
 __all__ = ["check_collective", "check_mpi_transport", "gloo_has_avg", "mpi_communicator", "reduce_op"]
 
 
@@ -54,9 +56,11 @@ def check_mpi_transport() -> None:
     from ..distributed.env import mpi_launched
 
     if not mpi_installed():
-        raise ValueError(f"strategy.transport=mpi needs mpi4py and an MPI runtime: install the mpi extra ({MPI_EXTRA})")
+        raise ConfigError(
+            f"strategy.transport=mpi needs mpi4py and an MPI runtime: install the mpi extra ({MPI_EXTRA})"
+        )
     if not mpi_launched():
-        raise ValueError(
+        raise ConfigError(
             "strategy.transport=mpi needs the job started by an MPI launcher, e.g. "
             "mpirun -n 4 python -m xffl_like.run strategy.transport=mpi (or use strategy.transport=torch)"
         )

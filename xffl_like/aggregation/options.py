@@ -18,6 +18,7 @@ from typing import Any
 from torch import nn
 
 from ..checks import is_int, is_number
+from ..errors import ConfigError
 from ..schema import StrategyConfig
 from .backend import check_mpi_transport
 from .planners import BUILDERS, STRATEGIES
@@ -33,13 +34,13 @@ def _looks_like_class_name(pattern: str) -> bool:
 
 
 def strategy_config(options: Mapping[str, Any]) -> StrategyConfig:
-    """The section from a plain mapping (``conf/strategy/*.yaml`` as a dict); one-line ``ValueError``
+    """The section from a plain mapping (``conf/strategy/*.yaml`` as a dict); one-line ``ConfigError``
     for an unknown key. Values are not checked here (:func:`validate_strategy_options` does)."""
     if not isinstance(options, Mapping):
-        raise ValueError(f"strategy options must be a mapping with keys {list(_KEYS)}, got {type(options).__name__}")
+        raise ConfigError(f"strategy options must be a mapping with keys {list(_KEYS)}, got {type(options).__name__}")
     unknown = [k for k in options if k not in _KEYS]
     if unknown:
-        raise ValueError(f"unknown strategy option(s) {unknown}: valid keys are {list(_KEYS)}")
+        raise ConfigError(f"unknown strategy option(s) {unknown}: valid keys are {list(_KEYS)}")
     return StrategyConfig(**options)
 
 
@@ -67,7 +68,7 @@ def validate_strategy_options(
     """Check the ``strategy`` section and return it normalised (``bucket_mb`` a float, ``only``
     a tuple or None).
 
-    Raises ``ValueError`` with one sentence naming the bad value and the valid ones. With
+    Raises ``ConfigError`` with one sentence naming the bad value and the valid ones. With
     ``param_names``, every ``only`` pattern must match a parameter name (a bare capitalised
     identifier is taken for a module class name and only checked when ``model`` is given).
     Build the section from a plain mapping with :func:`strategy_config` first.
@@ -79,31 +80,31 @@ def validate_strategy_options(
         )
     cfg = options
     if cfg.name not in BUILDERS:
-        raise ValueError(f"unknown strategy name {cfg.name!r}: valid names are {list(STRATEGIES)}")
+        raise ConfigError(f"unknown strategy name {cfg.name!r}: valid names are {list(STRATEGIES)}")
     if not is_int(cfg.streams) or cfg.streams < 1:
-        raise ValueError(f"strategy.streams={cfg.streams!r}: need an integer of at least 1")
+        raise ConfigError(f"strategy.streams={cfg.streams!r}: need an integer of at least 1")
     if cfg.streams > MAX_STREAMS:
-        raise ValueError(
+        raise ConfigError(
             f"strategy.streams={cfg.streams}: at most {MAX_STREAMS} (every stream is one more process group "
             f"per facility, replica group and exchange, each created by every rank before training); "
             f"use strategy.streams<={MAX_STREAMS}"
         )
     if not is_number(cfg.bucket_mb) or not cfg.bucket_mb > 0 or not math.isfinite(cfg.bucket_mb):
-        raise ValueError(f"strategy.bucket_mb={cfg.bucket_mb!r}: need a positive number of megabytes")
+        raise ConfigError(f"strategy.bucket_mb={cfg.bucket_mb!r}: need a positive number of megabytes")
     if cfg.mode not in AGGREGATION_MODES:
-        raise ValueError(f"strategy.mode={cfg.mode!r}: valid modes are {list(AGGREGATION_MODES)}")
+        raise ConfigError(f"strategy.mode={cfg.mode!r}: valid modes are {list(AGGREGATION_MODES)}")
     only = cfg.only
     if only is not None:
         if isinstance(only, str):
             only = [only]
         only = tuple(only)
         if not only or not all(isinstance(p, str) and p for p in only):
-            raise ValueError(
+            raise ConfigError(
                 f"strategy.only={list(only)}: need a non-empty list of parameter-name globs or module class names, "
                 "or null"
             )
     if cfg.transport not in TRANSPORTS:
-        raise ValueError(f"strategy.transport={cfg.transport!r}: valid transports are {list(TRANSPORTS)}")
+        raise ConfigError(f"strategy.transport={cfg.transport!r}: valid transports are {list(TRANSPORTS)}")
     if cfg.transport == "mpi":
         check_mpi_transport()
     cfg = normalise_strategy(dataclasses.replace(cfg, only=only))
@@ -120,7 +121,7 @@ def validate_strategy_options(
             if classes is not None and any(pattern in c for c in classes.values()):
                 continue
             shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
-            raise ValueError(
+            raise ConfigError(
                 f"strategy.only pattern {pattern!r} matches no parameter name"
                 + ("" if classes is None else " nor module class")
                 + f": parameters look like {shown}"

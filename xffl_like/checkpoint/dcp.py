@@ -157,7 +157,9 @@ class Checkpointer:
         self.state, self.run_dir = state, Path(run_dir)
         self.resume, self.config = resume, config
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
-        self.federation = federation  # its state_dict(): outer optimizer, theta_global, residuals, counters
+        # The sync (train/sync.py): its state_dict() holds the federation's outer optimizer, theta_global, residuals,
+        # counters; state_dict(at_step=s) the template a checkpoint of step s loads into.
+        self.federation = federation
         self.dir = checkpoint_dir(checkpoint, run_dir)
         # ``async`` is a Python keyword: no attribute syntax for it.
         self.every, self.keep, self.use_async = (
@@ -250,9 +252,7 @@ class Checkpointer:
             sd[f"f{f}"]["losses"] = losses_row
         federation_sd = None
         if self.federation is not None and f"f{f}.federation.rounds" in present:
-            if hasattr(self.federation, "resume_at"):  # a federation.schedule: the phase running at that step
-                self.federation.resume_at(saved["step"])
-            federation_sd = self.federation.state_dict()
+            federation_sd = self.federation.state_dict(at_step=saved["step"])  # the phase running at that step
             sd[f"f{f}"]["federation"] = federation_sd
         rng = {k: torch.empty_like(v) for k, v in self._rng().items() if f"rank{me}.rng.{k}" in present}
         if rng:

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..checks import not_regular
+from ..errors import ConfigError
 from ..models.llama import LlamaConfig, fill_local_
 from ..schema import DataConfig, ExportConfig
 
@@ -95,17 +96,26 @@ def from_hf_layout(w: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------- config.json
-def _fail(path: Path, why: str) -> ValueError:
-    return ValueError(f"model.path={path}: {why}")
+def _fail(path: Path, why: str) -> ConfigError:
+    return ConfigError(f"model.path={path}: {why}")
 
 
 def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
     """Our ``conf/model`` keys from ``<path>/config.json`` of a ``LlamaForCausalLM``.
 
     Reads both spellings of RoPE: transformers 4's ``rope_theta`` + ``rope_scaling`` and
-    transformers 5's ``rope_parameters``. Anything our Llama cannot represent is refused.
+    transformers 5's ``rope_parameters``. Anything our Llama cannot represent is refused
+    (:class:`~xffl_like.errors.ConfigError`, one line).
     """
-    path = Path(path)
+    try:
+        return _read_hf_config(Path(path))
+    except ConfigError:
+        raise
+    except ValueError as exc:  # a value of config.json that is not a number: Python's own line
+        raise ConfigError(str(exc)) from None
+
+
+def _read_hf_config(path: Path) -> dict[str, Any]:
     if not path.is_dir():
         raise _fail(path, "not a directory (pass model.path=<local Hugging Face model directory>)")
     file = path / "config.json"

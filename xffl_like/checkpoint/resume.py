@@ -1,7 +1,7 @@
 """Before launch: validate the durability keys and resolve ``resume`` to one complete checkpoint.
 
-Runs in the launching process (rank 0 under torchrun); every problem is a ``ValueError``
-with one sentence naming the key, the value and the fix. Nothing here writes to disk.
+Runs in the launching process (rank 0 under torchrun); every problem is a ``ValueError`` (a key's:
+a ``ConfigError``) with one sentence naming the key, the value and the fix. Nothing here writes to disk.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..checks import is_int
+from ..errors import ConfigError
 from ..schema import CheckpointConfig, JobConfig, as_plain, build_section
 from .dcp import checkpoint_dir
 from .store import LATEST, Damaged, check_intact, newest_intact, read_metadata, read_state
@@ -67,7 +68,7 @@ def _int(value, key: str, low: int, high: int | None = None, example: str = "") 
     ok = is_int(value) and value >= low and (high is None or value <= high)
     if not ok:
         span = f">= {low}" if high is None else f"in {low}..{high}"
-        raise ValueError(f"{key}={value!r}: must be an integer {span}{example}")
+        raise ConfigError(f"{key}={value!r}: must be an integer {span}{example}")
     return value
 
 
@@ -79,23 +80,23 @@ def validate_durability(job: JobConfig, world_size: int) -> None:
     _int(ccfg.keep, "checkpoint.keep", 1, example=" (checkpoints kept; the newest is always needed, e.g. 2)")
     is_async = getattr(ccfg, "async")  # a Python keyword
     if not isinstance(is_async, bool):
-        raise ValueError(f"checkpoint.async={is_async!r}: use true or false")
+        raise ConfigError(f"checkpoint.async={is_async!r}: use true or false")
     if ccfg.dir is not None and (not isinstance(ccfg.dir, str) or not ccfg.dir.strip()):
-        raise ValueError(f"checkpoint.dir={ccfg.dir!r}: use a directory path, or null for <run_dir>/checkpoints")
+        raise ConfigError(f"checkpoint.dir={ccfg.dir!r}: use a directory path, or null for <run_dir>/checkpoints")
     _int(job.distributed.max_restarts, "distributed.max_restarts", 0, example=" (0: no restart)")
     policy = job.federation.on_nonfinite
     if policy not in ("fail", "skip"):
-        raise ValueError(f"federation.on_nonfinite={policy!r}: use fail or skip")
+        raise ConfigError(f"federation.on_nonfinite={policy!r}: use fail or skip")
     for rank_key, step_key in (("kill_rank", "at_step"), ("nan_rank", "nan_step")):
         rank, step = getattr(fcfg, rank_key), getattr(fcfg, step_key)
         if (rank is None) != (step is None):
-            raise ValueError(f"fault.{rank_key}={rank!r} fault.{step_key}={step!r}: set both (or neither)")
+            raise ConfigError(f"fault.{rank_key}={rank!r} fault.{step_key}={step!r}: set both (or neither)")
         if rank is not None:
             _int(rank, f"fault.{rank_key}", 0, world_size - 1, f" (a rank of this {world_size}-process job)")
             _int(step, f"fault.{step_key}", 1, steps, f" (a step of this {steps}-step job, 1-based)")
     resume = job.resume
     if resume is not None and (not isinstance(resume, str) or not resume.strip()):
-        raise ValueError(f"resume={resume!r}: use a run directory, a checkpoint directory or latest")
+        raise ConfigError(f"resume={resume!r}: use a run directory, a checkpoint directory or latest")
 
 
 def check_writable(path: Path, key: str) -> None:

@@ -1,7 +1,7 @@
 """Data layer: deterministic per-(facility, rank) token batches.
 
 ``build_data`` returns a :class:`DataSource` for one worker; ``validate_data`` checks a
-config in the launching process before any worker starts (one-sentence ``ValueError``).
+config in the launching process before any worker starts (one-sentence ``ConfigError``).
 Both take the typed :class:`~xffl_like.schema.DataConfig`; sources read the values
 ``validate_data`` accepted and do not check them again.
 Sources: ``synthetic`` (non-IID sparse Markov chain, no files), ``text`` (UTF-8 corpus,
@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 
 from ..checks import is_int
+from ..errors import ConfigError
 from ..schema import DataConfig
 from .source import DataSource, check_positive_int, mix_seed, resolve_paths
 from .synthetic import SyntheticMarkovSource, _check_non_iid, build_synthetic, validate_synthetic
@@ -53,7 +54,7 @@ def _name(cfg_data: DataConfig) -> str:
         raise TypeError(f"the data layer takes a xffl_like.schema.DataConfig, got {type(cfg_data).__name__}")
     name = cfg_data.name
     if name not in DATA_SOURCES:
-        raise ValueError(
+        raise ConfigError(
             f"data.name: unknown data source {name!r} (pass data.name=synthetic, data.name=text or data.name=tokens)"
         )
     return str(name)
@@ -66,9 +67,9 @@ def _check_layout(
     check_positive_int(num_facilities, "num_facilities", "set at least one facility")
     check_positive_int(facility_size, "facility_size", "give each facility at least one worker")
     if not is_int(facility) or not 0 <= facility < num_facilities:
-        raise ValueError(f"facility: {facility!r} is not in 0..{num_facilities - 1} (num_facilities={num_facilities})")
+        raise ConfigError(f"facility: {facility!r} is not in 0..{num_facilities - 1} (num_facilities={num_facilities})")
     if not is_int(facility_rank) or not 0 <= facility_rank < facility_size:
-        raise ValueError(
+        raise ConfigError(
             f"facility_rank: {facility_rank!r} is not in 0..{facility_size - 1} (facility_size={facility_size})"
         )
 

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import torch
 
 from ..checks import is_number
+from ..errors import ConfigError
 
 if TYPE_CHECKING:
     from ..schema import DataConfig
@@ -88,28 +89,30 @@ def resolve_paths(cfg_data: DataConfig, base_dir: str | os.PathLike | None = Non
 
     Relative paths resolve against ``base_dir`` (the launch directory); ``~`` is
     expanded.  ``base_dir=None`` means :func:`default_base_dir`.  Raises
-    ``ValueError`` when ``data.path`` is missing or empty.
+    ``ConfigError`` when ``data.path`` is missing or empty.
     """
     raw = cfg_data.path
     if raw is None or (isinstance(raw, str) and not raw.strip()):
-        raise ValueError("data.path: no text file given (pass data.path=<existing UTF-8 text file> or a list of files)")
+        raise ConfigError(
+            "data.path: no text file given (pass data.path=<existing UTF-8 text file> or a list of files)"
+        )
     if isinstance(raw, (str, os.PathLike)):
         items = [raw]
     else:
         try:
             items = list(raw)  # list / tuple / ListConfig
         except TypeError:
-            raise ValueError(
+            raise ConfigError(
                 f"data.path: expected a file path or a list of file paths, got {raw!r} "
                 "(pass data.path=<existing UTF-8 text file>)"
             ) from None
         if not items:
-            raise ValueError("data.path: the list of files is empty (pass data.path=<existing UTF-8 text file>)")
+            raise ConfigError("data.path: the list of files is empty (pass data.path=<existing UTF-8 text file>)")
     base = Path(base_dir) if base_dir is not None else default_base_dir()
     out: list[Path] = []
     for item in items:
         if not isinstance(item, (str, os.PathLike)) or not str(item).strip():
-            raise ValueError(f"data.path: invalid entry {item!r} (pass data.path=<existing UTF-8 text file>)")
+            raise ConfigError(f"data.path: invalid entry {item!r} (pass data.path=<existing UTF-8 text file>)")
         p = Path(item).expanduser()
         if not p.is_absolute():
             p = base / p
@@ -118,11 +121,11 @@ def resolve_paths(cfg_data: DataConfig, base_dir: str | os.PathLike | None = Non
 
 
 def check_positive_int(value: Any, what: str, fix: str) -> int:
-    """``int(value)`` if it is a positive integer, else a one-sentence ValueError naming ``what``."""
+    """``int(value)`` if it is a positive integer, else a one-sentence ConfigError naming ``what``."""
     if not is_number(value) or isinstance(value, float) and (not math.isfinite(value) or value != int(value)):
-        raise ValueError(f"{what}: must be a positive integer, got {value!r} ({fix})")
+        raise ConfigError(f"{what}: must be a positive integer, got {value!r} ({fix})")
     if int(value) <= 0:
-        raise ValueError(f"{what}: must be a positive integer, got {value!r} ({fix})")
+        raise ConfigError(f"{what}: must be a positive integer, got {value!r} ({fix})")
     return int(value)
 
 

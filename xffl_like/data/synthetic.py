@@ -24,6 +24,7 @@ import math
 import torch
 
 from ..checks import is_number
+from ..errors import ConfigError
 from ..schema import DataConfig
 from .source import check_num_eval_batches, check_positive_int, make_generator
 
@@ -47,14 +48,14 @@ def _check_non_iid(cfg_data: DataConfig) -> float:
         value = float(value)
         ok = math.isfinite(value) and 0.0 <= value <= 1.0
     if not ok:
-        raise ValueError(f"data.non_iid: must be a number in [0, 1], got {value!r} (pass e.g. data.non_iid=0.5)")
+        raise ConfigError(f"data.non_iid: must be a number in [0, 1], got {value!r} (pass e.g. data.non_iid=0.5)")
     return value
 
 
 def validate_synthetic(cfg_data: DataConfig, *, vocab_size: int, seq_len: int) -> None:
     check_positive_int(vocab_size, "vocab_size", "set the model's vocab_size to at least 2")
     if vocab_size < 2:
-        raise ValueError(
+        raise ConfigError(
             f"vocab_size: must be at least 2 for the synthetic source, got {vocab_size} "
             "(set the model's vocab_size to at least 2)"
         )

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from ..checks import is_int, is_number, not_regular
+from ..errors import ConfigError
 from ..schema import DataConfig
 from .source import (
     check_num_eval_batches,
@@ -94,7 +95,7 @@ def _check_eval_fraction(cfg_data: DataConfig) -> float:
         value = float(value)
         ok = math.isfinite(value) and 0.0 < value < 1.0
     if not ok:
-        raise ValueError(
+        raise ConfigError(
             f"data.eval_fraction: must be a number strictly between 0 and 1, got {value!r} "
             "(pass e.g. data.eval_fraction=0.1)"
         )
@@ -104,7 +105,7 @@ def _check_eval_fraction(cfg_data: DataConfig) -> float:
 def _check_partition(cfg_data: DataConfig) -> str:
     value = cfg_data.partition
     if value not in PARTITIONS:
-        raise ValueError(
+        raise ConfigError(
             f"data.partition: unknown partition {value!r} "
             "(pass data.partition=contiguous or data.partition=interleaved)"
         )
@@ -121,7 +122,7 @@ def _check_block_size(cfg_data: DataConfig) -> int:
 
 def _check_vocab(vocab_size: Any) -> None:
     if not is_int(vocab_size) or vocab_size < BYTE_VOCAB_SIZE:
-        raise ValueError(
+        raise ConfigError(
             f"vocab_size: {vocab_size!r} is smaller than {BYTE_VOCAB_SIZE}, the vocabulary of the byte "
             f"tokenizer used by data.name=text (set the model's vocab_size to at least {BYTE_VOCAB_SIZE})"
         )
@@ -132,20 +133,20 @@ def load_corpus(paths: Sequence[Path]) -> bytes:
     chunks: list[bytes] = []
     for p in paths:
         if not p.exists():
-            raise ValueError(f"data.path: file not found: {p} ({_fix_path()})")
+            raise ConfigError(f"data.path: file not found: {p} ({_fix_path()})")
         kind = not_regular(p)
         if kind is not None or not p.is_file():
-            raise ValueError(f"data.path: not a regular file: {p} is {kind or 'not a regular file'} ({_fix_path()})")
+            raise ConfigError(f"data.path: not a regular file: {p} is {kind or 'not a regular file'} ({_fix_path()})")
         try:
             data = p.read_bytes()
         except OSError as exc:
-            raise ValueError(f"data.path: cannot read {p}: {exc.strerror or exc} ({_fix_path()})") from None
+            raise ConfigError(f"data.path: cannot read {p}: {exc.strerror or exc} ({_fix_path()})") from None
         if not data:
-            raise ValueError(f"data.path: file is empty: {p} (pass data.path=<non-empty UTF-8 text file>)")
+            raise ConfigError(f"data.path: file is empty: {p} (pass data.path=<non-empty UTF-8 text file>)")
         try:
             data.decode("utf-8")
         except UnicodeDecodeError as exc:
-            raise ValueError(
+            raise ConfigError(
                 f"data.path: file is not valid UTF-8 text: {p} (invalid byte at offset {exc.start}; "
                 "pass data.path=<UTF-8 text file> or convert it, e.g. with iconv)"
             ) from None
@@ -163,7 +164,7 @@ def _check_length(num_bytes: int, eval_fraction: float, seq_len: int, paths: Seq
     n_train, n_eval = split_sizes(num_bytes, eval_fraction, seq_len)
     if n_train < seq_len + 1:
         where = str(paths[0]) if len(paths) == 1 else f"{len(paths)} files"
-        raise ValueError(
+        raise ConfigError(
             f"data.path: corpus {where} has {num_bytes} bytes, too short for seq_len={seq_len} with "
             f"eval_fraction={eval_fraction} (the training part left after the {n_eval}-byte held-out tail "
             f"has {max(n_train, 0)} bytes, fewer than seq_len+1={seq_len + 1}); pass a longer text file "
@@ -190,7 +191,7 @@ def _check_tokenizer_vocab(cfg_data: DataConfig, vocab_size: int) -> None:
 
     tok = load_tokenizer(spec)
     if not is_int(vocab_size) or vocab_size < tok.vocab_size:
-        raise ValueError(
+        raise ConfigError(
             f"model.vocab_size={vocab_size!r} is smaller than the vocabulary of data.tokenizer "
             f"({tok.vocab_size}, {tok.name}): raise model.vocab_size or use the model's own tokenizer"
         )
@@ -224,7 +225,9 @@ def facility_segments(
     if partition == "interleaved":
         n_blocks = -(-n_train // block_size)
         return [(j * block_size, min((j + 1) * block_size, n_train)) for j in range(facility, n_blocks, num_facilities)]
-    raise ValueError(f"data.partition: unknown partition {partition!r} (pass data.partition=contiguous or interleaved)")
+    raise ConfigError(
+        f"data.partition: unknown partition {partition!r} (pass data.partition=contiguous or interleaved)"
+    )
 
 
 def rank_segments(segments: Sequence[Segment], facility_size: int, facility_rank: int) -> list[Segment]:
@@ -308,7 +311,7 @@ class TextByteSource:
         usable = [(a, b) for a, b in self.train_segments if b - a >= window]
         if not usable:
             share = sum(b - a for a, b in self.train_segments)
-            raise ValueError(
+            raise ConfigError(
                 f"data.path: the {self.n_train}-byte training part split over {self.num_facilities} facilities "
                 f"({partition}) and {self.facility_size} ranks leaves facility {self.facility} rank "
                 f"{self.facility_rank} with {share} bytes and no run of seq_len+1={window} contiguous bytes; "

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ..checks import not_regular
+from ..errors import ConfigError
 
 __all__ = ["ByteTokenizer", "HFTokenizer", "load_tokenizer", "tokenizer_files", "tokenizer_path"]
 
@@ -46,7 +47,7 @@ class HFTokenizer:
         try:
             self.tok = Tokenizer.from_file(str(file))
         except Exception as exc:  # noqa: BLE001 - the Rust library raises its own exception type
-            raise ValueError(f"tokenizer {file}: not a readable tokenizer.json ({exc})") from None
+            raise ConfigError(f"tokenizer {file}: not a readable tokenizer.json ({exc})") from None
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
         self.eos_id = self._eos(file)
 
@@ -73,11 +74,11 @@ class HFTokenizer:
 
 
 def tokenizer_path(spec: Any, base_dir: str | os.PathLike | None = None) -> Path | None:
-    """The ``tokenizer.json`` that ``spec`` names (None for ``byte``); one-line ValueError if absent."""
+    """The ``tokenizer.json`` that ``spec`` names (None for ``byte``); one-line ConfigError if absent."""
     if spec == "byte":
         return None
     if not isinstance(spec, (str, os.PathLike)) or not str(spec).strip():
-        raise ValueError(f"data.tokenizer={spec!r}: use byte or a path to tokenizer.json or a directory holding it")
+        raise ConfigError(f"data.tokenizer={spec!r}: use byte or a path to tokenizer.json or a directory holding it")
     path = Path(spec).expanduser()
     if not path.is_absolute() and base_dir is not None:
         path = Path(base_dir) / path
@@ -85,12 +86,12 @@ def tokenizer_path(spec: Any, base_dir: str | os.PathLike | None = None) -> Path
     file = path / "tokenizer.json" if path.is_dir() else path
     kind = not_regular(file)
     if kind is not None:
-        raise ValueError(
+        raise ConfigError(
             f"data.tokenizer={spec}: {file} is not a regular file ({kind}); "
             "use byte or a path to tokenizer.json or a directory holding it"
         )
     if not file.is_file():
-        raise ValueError(
+        raise ConfigError(
             f"data.tokenizer={spec}: no tokenizer.json at {file} "
             "(use byte or a path to tokenizer.json or a directory holding it)"
         )

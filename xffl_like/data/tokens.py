@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from ..checks import is_int, not_regular
+from ..errors import ConfigError
 from ..schema import DataConfig
 from .corpus_format import FORMAT, META, TOKENS, output_for
 from .source import check_num_eval_batches, resolve_paths
@@ -36,7 +37,7 @@ __all__ = ["build_tokens", "check_layout_fits", "read_meta", "validate_tokens"]
 def _directory(cfg_data: DataConfig, base_dir) -> Path:
     paths = resolve_paths(cfg_data, base_dir)
     if len(paths) != 1:
-        raise ValueError(
+        raise ConfigError(
             f"data.path: data=tokens takes one directory written by xffl_like.data.prepare, got {len(paths)}"
         )
     directory = paths[0]
@@ -45,7 +46,7 @@ def _directory(cfg_data: DataConfig, base_dir) -> Path:
         what = (
             f"is not a directory ({kind})" if kind else "is a file, not the directory written by xffl_like.data.prepare"
         )
-        raise ValueError(
+        raise ConfigError(
             f"data.path={directory}: {what}; data=tokens takes that directory ({_fix(directory)}), "
             f"or train on a text file with data=text"
         )
@@ -69,24 +70,24 @@ def read_meta(directory: Path) -> dict:
     for name in (META, TOKENS):  # before reading: a device or /proc file never ends or changes
         kind = not_regular(directory / name)
         if kind is not None:
-            raise ValueError(f"data.path={directory}: {name} is not a regular file ({kind}; {fix})")
+            raise ConfigError(f"data.path={directory}: {name} is not a regular file ({kind}; {fix})")
     try:
         meta = json.loads((directory / META).read_text())
     except FileNotFoundError:
-        raise ValueError(f"data.path={directory}: no {META} ({fix})") from None
+        raise ConfigError(f"data.path={directory}: no {META} ({fix})") from None
     except (OSError, ValueError) as exc:
-        raise ValueError(f"data.path={directory}: {META} is unreadable ({exc}; {fix})") from None
+        raise ConfigError(f"data.path={directory}: {META} is unreadable ({exc}; {fix})") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("dtype") not in ("uint16", "uint32"):
-        raise ValueError(f"data.path={directory}: {META} is not a {FORMAT} description ({fix})")
+        raise ConfigError(f"data.path={directory}: {META} is not a {FORMAT} description ({fix})")
     for key in ("vocab_size", "num_tokens"):
         value = meta.get(key)
         if not is_int(value) or value < (1 if key == "vocab_size" else 0):
-            raise ValueError(
+            raise ConfigError(
                 f"data.path={directory}: {META} has {key}={value!r}, not a "
                 f"{'positive integer' if key == 'vocab_size' else 'count'} ({fix})"
             )
     if meta["vocab_size"] > np.iinfo(meta["dtype"]).max + 1:
-        raise ValueError(
+        raise ConfigError(
             f"data.path={directory}: {META} has vocab_size={meta['vocab_size']}, more ids than "
             f"dtype={meta['dtype']} holds ({fix})"
         )
@@ -94,7 +95,7 @@ def read_meta(directory: Path) -> dict:
     expected = int(meta["num_tokens"]) * np.dtype(meta["dtype"]).itemsize
     if not tokens.is_file() or tokens.stat().st_size != expected:
         size = tokens.stat().st_size if tokens.is_file() else "missing"
-        raise ValueError(
+        raise ConfigError(
             f"data.path={directory}: {TOKENS} is {size} bytes, {META} promises {expected} "
             f"(truncated or from another run; {fix})"
         )
@@ -110,14 +111,14 @@ def validate_tokens(cfg_data: DataConfig, *, vocab_size: int, seq_len: int, base
     directory = _directory(cfg_data, base_dir)
     meta = read_meta(directory)
     if vocab_size < int(meta["vocab_size"]):
-        raise ValueError(
+        raise ConfigError(
             f"model.vocab_size={vocab_size} is smaller than the vocabulary of the corpus's tokenizer "
             f"({meta['vocab_size']}, {meta['tokenizer']}): raise model.vocab_size or prepare with "
             "the model's own tokenizer"
         )
     n_train, _ = split_sizes(int(meta["num_tokens"]), frac, seq_len)
     if n_train < seq_len + 1:
-        raise ValueError(
+        raise ConfigError(
             f"data.path={directory}: {meta['num_tokens']} tokens are too few for seq_len={seq_len} with "
             f"eval_fraction={frac}; prepare more text or lower train.seq_len"
         )
@@ -141,7 +142,7 @@ def check_layout_fits(num_tokens: int, cfg_data: DataConfig, layout, *, batch_si
             if windows < batch_size:
                 share = sum(b - a for a, b in mine)
                 need = batch_size * window * layout.world_size
-                raise ValueError(
+                raise ConfigError(
                     f"data.path: the {n_train:,}-token training part of the corpus gives facility {f} rank {r} "
                     f"{share:,} tokens, {windows} windows of seq_len+1={window}, fewer than train.batch_size="
                     f"{batch_size}; the layout of {layout.world_size} ranks needs about {need:,} tokens: add "
@@ -153,7 +154,7 @@ def check_layout_fits(num_tokens: int, cfg_data: DataConfig, layout, *, batch_si
     # every worker's memory with offsets.
     wanted = cfg_data.num_eval_batches * batch_size
     if wanted > n_eval:
-        raise ValueError(
+        raise ConfigError(
             f"data.num_eval_batches={cfg_data.num_eval_batches}: {wanted:,} held-out windows per rank (times "
             f"train.batch_size={batch_size}), more than the {n_eval:,} tokens of the held-out tail; use "
             f"data.num_eval_batches<={max(n_eval // batch_size, 1)} or raise data.eval_fraction"

@@ -1,6 +1,6 @@
 """Pure planning and validation of the process layout.
 
-Numbers in, a frozen :class:`Layout` or a ``ValueError`` out. Nothing here touches
+Numbers in, a frozen :class:`Layout` or a ``ConfigError`` out. Nothing here touches
 ``torch.distributed``: the launching process calls :func:`plan_layout` before any
 worker starts, and every worker rebuilds the same plan from the same numbers.
 
@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..checks import is_int
+from ..errors import ConfigError
 
 __all__ = ["Coords", "Layout", "Exchange", "plan_layout"]
 
@@ -158,25 +159,25 @@ def _facility_sizes(world_size: int, federated: int | Sequence[int] | None) -> t
     if federated is None:
         return (world_size,)
     if isinstance(federated, bool):
-        raise ValueError(f"distributed.federated must be an int or a list of ints, got {federated!r}")
+        raise ConfigError(f"distributed.federated must be an int or a list of ints, got {federated!r}")
     if isinstance(federated, int):
         if federated <= 0:
-            raise ValueError(
+            raise ConfigError(
                 f"distributed.federated={federated}: the facility size must be positive "
                 f"(e.g. federated={max(1, world_size // 2)} for 2 facilities)"
             )
         if world_size % federated:
             divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
-            raise ValueError(
+            raise ConfigError(
                 f"distributed.federated={federated} does not divide the world size {world_size}: "
                 f"use a facility size in {divisors}, or a list of sizes summing to {world_size}"
             )
         return (federated,) * (world_size // federated)
     sizes = tuple(federated)
     if not sizes or any(not is_int(s) or s <= 0 for s in sizes):
-        raise ValueError(f"distributed.federated={list(sizes)}: facility sizes must be positive integers")
+        raise ConfigError(f"distributed.federated={list(sizes)}: facility sizes must be positive integers")
     if sum(sizes) != world_size:
-        raise ValueError(
+        raise ConfigError(
             f"distributed.federated={list(sizes)} sums to {sum(sizes)} processes but the world has "
             f"{world_size}: make the sizes sum to {world_size} or set distributed.nproc_per_node={sum(sizes)}"
         )
@@ -200,12 +201,12 @@ def plan_layout(
         local_world_size: processes per node (defaults to ``world_size``: one node).
     """
     if not is_int(world_size) or world_size <= 0:
-        raise ValueError(f"world size must be a positive integer, got {world_size!r}")
+        raise ConfigError(f"world size must be a positive integer, got {world_size!r}")
     local = world_size if local_world_size is None else local_world_size
     if not is_int(local) or local <= 0:
-        raise ValueError(f"processes per node must be a positive integer, got {local!r}")
+        raise ConfigError(f"processes per node must be a positive integer, got {local!r}")
     if world_size % local:
-        raise ValueError(
+        raise ConfigError(
             f"world size {world_size} is not a multiple of {local} processes per node: "
             f"every node must run the same number of processes"
         )
@@ -213,7 +214,7 @@ def plan_layout(
     if hsdp is None:
         if len(set(sizes)) > 1:
             common = math.gcd(*sizes)
-            raise ValueError(
+            raise ConfigError(
                 f"facilities of unequal sizes {list(sizes)} cannot each shard over the whole facility "
                 f"(peers must hold the same shard): set distributed.hsdp to a common divisor, "
                 f"e.g. distributed.hsdp={common}"
@@ -221,12 +222,12 @@ def plan_layout(
         shard = sizes[0]
     else:
         if not is_int(hsdp) or hsdp <= 0:
-            raise ValueError(f"distributed.hsdp={hsdp!r}: the shard size must be a positive integer or null")
+            raise ConfigError(f"distributed.hsdp={hsdp!r}: the shard size must be a positive integer or null")
         bad = [s for s in sizes if s % hsdp]
         if bad:
             common = math.gcd(*sizes)
             choices = [d for d in range(1, common + 1) if common % d == 0]
-            raise ValueError(
+            raise ConfigError(
                 f"distributed.hsdp={hsdp} does not divide facility size(s) {bad} of {list(sizes)}: "
                 f"the shard size must divide every facility; valid values are {choices} or null"
             )

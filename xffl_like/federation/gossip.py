@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..errors import ConfigError
 from ..parallel.topology import TOPOLOGIES, Edge, edge_group, topology_edges
 
 __all__ = ["GOSSIP_TOPOLOGIES", "gossip_members", "check_gossip_layout", "Gossip"]
@@ -41,13 +42,13 @@ def gossip_members(layout, name: str, shard: int) -> tuple[list[int], int]:
 
 
 def check_gossip_layout(layout, name: str) -> None:
-    """Raise ``ValueError`` (one line, naming counts that work) when ``name`` cannot run on ``layout``."""
+    """Raise ``ConfigError`` (one line, naming counts that work) when ``name`` cannot run on ``layout``."""
     if name not in GOSSIP_TOPOLOGIES:
-        raise ValueError(f"federation.topology={name!r}: use one of {', '.join(GOSSIP_TOPOLOGIES)}")
+        raise ConfigError(f"federation.topology={name!r}: use one of {', '.join(GOSSIP_TOPOLOGIES)}")
     n = layout.num_facilities
     if name == "alternating-exp-ring":
         if len(set(layout.replicas)) != 1 or layout.replicas[0] < 2 or n < 2 or n & (n - 1):
-            raise ValueError(
+            raise ConfigError(
                 f"federation.topology=alternating-exp-ring needs a power-of-two number of facilities (>= 2) with the "
                 f"same number (>= 2) of replicas each, got {n} facilities with replicas {list(layout.replicas)}: "
                 f"e.g. distributed.federated=2 distributed.hsdp=1 on 4 processes, or use topology ring"
@@ -57,7 +58,7 @@ def check_gossip_layout(layout, name: str) -> None:
         topology_edges(name, n)
     except ValueError as exc:
         msg = str(exc).replace("processes", "facilities")
-        raise ValueError(f"federation.topology={name} across {n} facilities: {msg}") from None
+        raise ConfigError(f"federation.topology={name} across {n} facilities: {msg}") from None
 
 
 class Gossip:

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..checks import is_int, is_number
+from ..errors import ConfigError
 from ..schema import FederationConfig, OuterConfig, as_plain, build_section
 from .compress import COMPRESSIONS
 from .gossip import check_gossip_layout
@@ -103,41 +104,41 @@ def plan_phases(cfg: FederationConfig, steps: int | None = None) -> list[Phase]:
 
 
 def _check_schedule(schedule: Any, steps: int | None) -> None:
-    """The shape of ``federation.schedule`` (one ``ValueError`` line; ``steps``: ``train.steps``)."""
+    """The shape of ``federation.schedule`` (one ``ConfigError`` line; ``steps``: ``train.steps``)."""
     if not isinstance(schedule, (list, tuple)) or not schedule:
-        raise ValueError(f"federation.schedule={schedule!r}: must be a non-empty list of phases ({_EXAMPLE}) or null")
+        raise ConfigError(f"federation.schedule={schedule!r}: must be a non-empty list of phases ({_EXAMPLE}) or null")
     previous = 0
     for i, entry in enumerate(schedule):
         where = f"federation.schedule[{i}]"
         if not isinstance(entry, Mapping):
-            raise ValueError(f"{where}={entry!r}: a phase is a mapping of until_step and federation keys ({_EXAMPLE})")
+            raise ConfigError(f"{where}={entry!r}: a phase is a mapping of until_step and federation keys ({_EXAMPLE})")
         if "until_step" not in entry:
-            raise ValueError(
+            raise ConfigError(
                 f"{where}: until_step is missing (the step the phase ends after; null: the end of training)"
             )
         unknown = sorted(set(entry) - PHASE_KEYS - {"until_step"})
         if unknown:
-            raise ValueError(f"{where}: unknown key(s) {unknown}: a phase takes until_step and {sorted(PHASE_KEYS)}")
+            raise ConfigError(f"{where}: unknown key(s) {unknown}: a phase takes until_step and {sorted(PHASE_KEYS)}")
         if "outer" in entry and not isinstance(entry["outer"], Mapping):
-            raise ValueError(
+            raise ConfigError(
                 f"{where}.outer={entry['outer']!r}: must be a mapping of outer keys (e.g. {{name: nesterov}})"
             )
         unknown = sorted(set(entry.get("outer") or {}) - {f.name for f in fields(OuterConfig)})
         if unknown:
-            raise ValueError(
+            raise ConfigError(
                 f"{where}: federation.outer: unknown key(s) {unknown}: use name, lr, momentum, betas, eps, offload"
             )
         until, last = entry["until_step"], i == len(schedule) - 1
         if until is None:
             if not last:
-                raise ValueError(f"{where}.until_step=null: only the last phase may run to the end of training")
+                raise ConfigError(f"{where}.until_step=null: only the last phase may run to the end of training")
         elif not is_int(until) or until <= previous:
-            raise ValueError(
+            raise ConfigError(
                 f"{where}.until_step={until!r}: must be an integer > {previous} (phases end at "
                 f"increasing steps; null for the last)"
             )
         elif last and steps is not None and until < steps:
-            raise ValueError(
+            raise ConfigError(
                 f"{where}.until_step={until}: the last phase ends before train.steps={steps}; "
                 f"make it null (the end of training)"
             )
@@ -148,7 +149,7 @@ def validate_federation(cfg: FederationConfig, layout, steps: int | None = None)
     """Check the ``federation`` section against the planned layout (launching process, once):
     the top-level keys, and with ``schedule`` its shape and every phase (``steps``: ``train.steps``).
     Returns the phases (:func:`plan_phases`); :func:`check_fragments` bounds their fragments by
-    the model's blocks. One ``ValueError`` line naming the key and the fix."""
+    the model's blocks. One ``ConfigError`` line naming the key and the fix."""
     validate_pace(cfg, layout.num_facilities, steps or 0)
     _check_one(cfg, layout)
     if cfg.schedule is None:
@@ -158,14 +159,14 @@ def validate_federation(cfg: FederationConfig, layout, steps: int | None = None)
     for phase in phases:
         try:
             if phase.config.paced or not is_int(phase.config.every) or phase.config.every < 1:
-                raise ValueError(
+                raise ConfigError(
                     f"federation.every={phase.config.every!r}, every_s={phase.config.every_s!r}: a phase "
                     f"takes a positive integer every and no every_s (phases switch at a step every "
                     f"facility reaches in the same round)"
                 )
             _check_one(phase.config, layout)
         except ValueError as exc:
-            raise ValueError(f"{phase.where}: {exc}") from None
+            raise ConfigError(f"{phase.where}: {exc}") from None
     return phases
 
 
@@ -178,14 +179,14 @@ def check_fragments(phases: list[Phase], num_layers: int) -> None:
                 f"federation.fragments={fragments} exceeds the model's {num_layers} blocks (model.n_layers): "
                 f"use fragments <= {num_layers}"
             )
-            raise ValueError(f"{phase.where}: {msg}" if phase.scheduled else msg)
+            raise ConfigError(f"{phase.where}: {msg}" if phase.scheduled else msg)
 
 
 def _check_one(cfg: FederationConfig, layout) -> None:
-    """One phase's (or the section's) keys; one ``ValueError`` line naming the key and the fix."""
+    """One phase's (or the section's) keys; one ``ConfigError`` line naming the key and the fix."""
     num_facilities = layout.num_facilities
     if cfg.algorithm not in FEDERATION_ALGORITHMS:
-        raise ValueError(f"federation.algorithm={cfg.algorithm!r}: use federated or synchronous")
+        raise ConfigError(f"federation.algorithm={cfg.algorithm!r}: use federated or synchronous")
     weights = cfg.weights
     if weights not in (None, "uniform", "tokens"):
         if not (
@@ -194,7 +195,7 @@ def _check_one(cfg: FederationConfig, layout) -> None:
             and all(is_number(w) and w >= 0 for w in weights)
             and sum(weights) > 0
         ):
-            raise ValueError(
+            raise ConfigError(
                 f"federation.weights={weights!r}: use uniform, tokens, or a list of {num_facilities} non-negative "
                 f"numbers with a positive sum (one per facility); null: uniform, or tokens when facilities take "
                 f"different steps per round"
@@ -202,26 +203,26 @@ def _check_one(cfg: FederationConfig, layout) -> None:
     topology, compression = cfg.topology, cfg.compression
     validate_outer(cfg.outer)
     if compression not in COMPRESSIONS:
-        raise ValueError(f"federation.compression={compression!r}: use one of {', '.join(COMPRESSIONS)}")
+        raise ConfigError(f"federation.compression={compression!r}: use one of {', '.join(COMPRESSIONS)}")
     if not is_int(cfg.chunk_size) or cfg.chunk_size < 1:
-        raise ValueError(
+        raise ConfigError(
             f"federation.chunk_size={cfg.chunk_size!r}: must be a positive integer (values per "
             f"min-max chunk, e.g. 4096)"
         )
     if not isinstance(cfg.error_feedback, bool):
-        raise ValueError(f"federation.error_feedback={cfg.error_feedback!r}: must be true or false")
+        raise ConfigError(f"federation.error_feedback={cfg.error_feedback!r}: must be true or false")
     if cfg.error_feedback and compression == "none":
-        raise ValueError(
+        raise ConfigError(
             "federation.error_feedback=true needs federation.compression=bf16 or uint8 "
             "(nothing is lost without compression)"
         )
     if topology != "complete" and compression != "none":
-        raise ValueError(
+        raise ConfigError(
             f"federation.topology={topology} with federation.compression={compression}: compressed "
             f"gossip is not supported; use topology=complete or compression=none"
         )
     if topology != "complete" and cfg.mean_weights != "uniform":
-        raise ValueError(
+        raise ConfigError(
             f"federation.weights={weights!r} with federation.topology={topology}: gossip "
             f"mixes with the topology's own weights; use weights=uniform or topology=complete"
         )
@@ -240,12 +241,12 @@ def _check_one(cfg: FederationConfig, layout) -> None:
             if bad
         ]
         if changed:
-            raise ValueError(
+            raise ConfigError(
                 f"federation.algorithm=synchronous averages gradients every step, so federation."
                 f"{changed[0]} does not apply: drop it or use algorithm=federated"
             )
     if topology != "complete" and (fragments > 1 or overlap > 0):
-        raise ValueError(
+        raise ConfigError(
             f"federation.topology={topology} with federation.fragments={fragments} / overlap_steps="
             f"{overlap}: streaming gossip is not supported; use topology=complete or fragments=1 "
             f"overlap_steps=0"
@@ -259,19 +260,21 @@ def _check_streaming(cfg: FederationConfig) -> None:
     them: :func:`~.pace.check_pace_job`)."""
     every, fragments, overlap, alpha = cfg.every, cfg.fragments, cfg.overlap_steps, cfg.merge_alpha
     if not is_int(fragments) or fragments < 1:
-        raise ValueError(f"federation.fragments={fragments!r}: must be a positive integer (1: the whole model at once)")
+        raise ConfigError(
+            f"federation.fragments={fragments!r}: must be a positive integer (1: the whole model at once)"
+        )
     if not cfg.paced and fragments > every:
-        raise ValueError(
+        raise ConfigError(
             f"federation.fragments={fragments} exceeds federation.every={every}: each fragment syncs at "
             f"its own step of the round; use fragments <= every"
         )
     if not is_int(overlap) or overlap < 0:
-        raise ValueError(f"federation.overlap_steps={overlap!r}: must be an integer >= 0 (0: no overlap)")
+        raise ConfigError(f"federation.overlap_steps={overlap!r}: must be an integer >= 0 (0: no overlap)")
     if not cfg.paced and overlap * fragments >= every:
-        raise ValueError(
+        raise ConfigError(
             f"federation.overlap_steps={overlap} must be < federation.every/fragments = "
             f"{every}/{fragments} so that one fragment is in flight at a time: lower overlap_steps or "
             f"fragments, or raise every"
         )
     if not is_number(alpha) or not 0.0 <= alpha <= 1.0:
-        raise ValueError(f"federation.merge_alpha={alpha!r}: must be a number in [0, 1] (Streaming DiLoCo: 0.5)")
+        raise ConfigError(f"federation.merge_alpha={alpha!r}: must be a number in [0, 1] (Streaming DiLoCo: 0.5)")

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from ..checks import is_number
+from ..errors import ConfigError
 from ..schema import OuterConfig
 
 __all__ = ["OUTER_NAMES", "OuterOptimizer", "validate_outer"]
@@ -33,7 +34,7 @@ OUTER_NAMES = ("average", "nesterov", "momentum", "adam")
 def validate_outer(cfg: OuterConfig) -> None:
     """Check ``federation.outer`` (the section or a phase's); raises ``ValueError`` with one line naming the key."""
     if cfg.name not in OUTER_NAMES:
-        raise ValueError(f"federation.outer.name={cfg.name!r}: use one of {', '.join(OUTER_NAMES)}")
+        raise ConfigError(f"federation.outer.name={cfg.name!r}: use one of {', '.join(OUTER_NAMES)}")
 
     def number(key, lo, hi, lo_open=False, hi_open=False):
         v = getattr(cfg, key)
@@ -41,18 +42,18 @@ def validate_outer(cfg: OuterConfig) -> None:
         ok = ok and (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi)
         if not ok:
             span = f"{'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
-            raise ValueError(f"federation.outer.{key}={v!r}: must be a number in {span}")
+            raise ConfigError(f"federation.outer.{key}={v!r}: must be a number in {span}")
 
     number("lr", 0.0, math.inf, lo_open=True, hi_open=True)
     number("momentum", 0.0, 1.0, hi_open=True)
     betas = cfg.betas
     if not (isinstance(betas, (list, tuple)) and len(betas) == 2 and all(is_number(b) and 0 <= b < 1 for b in betas)):
-        raise ValueError(f"federation.outer.betas={betas!r}: must be two numbers in [0, 1), e.g. [0.9, 0.99]")
+        raise ConfigError(f"federation.outer.betas={betas!r}: must be two numbers in [0, 1), e.g. [0.9, 0.99]")
     number("eps", 0.0, math.inf, lo_open=True, hi_open=True)
     if not isinstance(cfg.offload, bool):
-        raise ValueError(f"federation.outer.offload={cfg.offload!r}: must be true or false")
+        raise ConfigError(f"federation.outer.offload={cfg.offload!r}: must be true or false")
     if cfg.name in ("nesterov", "momentum") and cfg.momentum == 0:
-        raise ValueError(f"federation.outer.name={cfg.name} needs federation.outer.momentum > 0 (DiLoCo: 0.9)")
+        raise ConfigError(f"federation.outer.name={cfg.name} needs federation.outer.momentum > 0 (DiLoCo: 0.9)")
 
 
 class OuterOptimizer:

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from ..checks import is_int, is_number
+from ..errors import ConfigError
 from ..schema import FederationConfig
 
 __all__ = ["MAX_EVERY_S", "RoundPace", "check_pace_job", "facility_steps", "validate_pace"]
@@ -50,53 +51,53 @@ MAX_EVERY_S = 86400.0
 
 def validate_pace(fed: FederationConfig, num_facilities: int, steps: int) -> None:
     """``federation.every`` / ``every_s`` (launching process, once; from ``validate_federation``): one
-    ``ValueError`` line naming the key and the fix. The relations with other sections
+    ``ConfigError`` line naming the key and the fix. The relations with other sections
     (:func:`check_pace_job`) are checked beside the others in :func:`xffl_like.config.validate_config`."""
     every, every_s = fed.every, fed.every_s
     if every_s is not None:
         if not is_number(every_s) or not 0 < every_s <= MAX_EVERY_S or not math.isfinite(every_s):
-            raise ValueError(
+            raise ConfigError(
                 f"federation.every_s={every_s!r}: must be a number of seconds in (0, {MAX_EVERY_S:.0f}] "
                 f"(e.g. federation.every_s=30)"
             )
         if every is not None:
-            raise ValueError(
+            raise ConfigError(
                 f"federation.every_s={every_s} with federation.every={every!r}: a round ends by time or "
                 f"after a number of steps, not both; set federation.every=null"
             )
         return
     if every is None:
-        raise ValueError(
+        raise ConfigError(
             "federation.every=null: give the local steps per round (e.g. federation.every=10), one per "
             "facility (federation.every=[32,16]), or rounds by time (federation.every_s=30)"
         )
     if isinstance(every, (list, tuple)):
         if fed.elastic.lighthouse:
-            raise ValueError(
+            raise ConfigError(
                 f"federation.every as a list ({list(every)!r}) with federation.elastic.lighthouse: each "
                 f"facility is its own job: give each its own federation.every (a number) and train.steps "
                 f"= the federation's rounds x that number, or use federation.every_s"
             )
         if len(every) != num_facilities:
-            raise ValueError(
+            raise ConfigError(
                 f"federation.every={list(every)!r}: {len(every)} entries for {num_facilities} "
                 f"facilities; give one per facility (e.g. federation.every={[10] * num_facilities})"
             )
         bad = next((h for h in every if not is_int(h) or h < 1), None)
         if bad is not None:
-            raise ValueError(
+            raise ConfigError(
                 f"federation.every={list(every)!r}: entry {bad!r} is not a positive integer (each "
                 f"facility's local steps per round)"
             )
         if steps > 0 and steps % max(every) != 0:
-            raise ValueError(
+            raise ConfigError(
                 f"federation.every={list(every)!r} with train.steps={steps}: the rounds must be whole "
                 f"for the facility with the most steps per round; use a multiple of {max(every)} "
                 f"(e.g. train.steps={max(every) * max(1, steps // max(every))})"
             )
         return
     if not is_int(every) or every < 1:
-        raise ValueError(
+        raise ConfigError(
             f"federation.every={every!r}: must be a positive integer, one per facility "
             f"(e.g. federation.every=[32,16]), or null with federation.every_s"
         )
@@ -104,7 +105,7 @@ def validate_pace(fed: FederationConfig, num_facilities: int, steps: int) -> Non
 
 def check_pace_job(fed: FederationConfig, *, parallel: str, eval_every: int) -> None:
     """Per-facility paces against the rest of the federation and the job: what makes no sense with
-    facilities that take different numbers of steps between rounds (one ``ValueError`` line)."""
+    facilities that take different numbers of steps between rounds (one ``ConfigError`` line)."""
     if not fed.paced:
         return
     key = f"federation.every={list(fed.every)!r}" if fed.every_s is None else f"federation.every_s={fed.every_s}"
@@ -137,7 +138,7 @@ def check_pace_job(fed: FederationConfig, *, parallel: str, eval_every: int) -> 
         None,
     )
     if clash:
-        raise ValueError(f"{key}: {clash}")
+        raise ConfigError(f"{key}: {clash}")
 
 
 def facility_steps(cfg: FederationConfig, facility: int, steps: int) -> int:

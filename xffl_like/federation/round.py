@@ -1,11 +1,12 @@
 """What happens across facilities: one :class:`Federation` per worker, built after the strategy.
 
-``algorithm=federated`` (default): every ``every`` local steps, :meth:`Federation.round`
+``algorithm=federated`` (default): at each round of its clock (:mod:`.clock`: every ``every`` local
+steps, or per facility), :meth:`Federation.round`
 
-1. forms this round's target of the facilities' weights: the weighted mean through the
-   aggregation strategy (``topology=complete``), the mix with this round's gossip peers
-   (other topologies), or the compressed mean of the facilities' updates
-   (``compression=bf16|uint8``, see :mod:`.compress`);
+1. forms this round's target of the facilities' weights, by the mixing chosen at construction:
+   the weighted mean through the aggregation strategy (:class:`PlainMean`, ``topology=complete``),
+   the mix with this round's gossip peers (:class:`GossipMix`, other topologies), or the compressed
+   mean of the facilities' updates (:class:`CompressedMix`, ``compression=bf16|uint8``, see :mod:`.compress`);
 2. takes the pseudo-gradient ``delta = theta_global - target`` and makes an outer step
    on ``theta_global`` (:mod:`.outer`), then sets every copy's parameters to it.
 
@@ -21,7 +22,8 @@ averages the gradients across facilities (data parallel over every model copy).
 :class:`~.streaming.StreamingFederation` (rounds of one fragment at a time, overlapped with
 local steps). The loop drives either through :meth:`Federation.finish_due` and
 :meth:`Federation.start_due` after every step, via :class:`~.schedule.FederationSchedule`
-(``federation.schedule``: phases).
+(``federation.schedule``: phases); the training side's part of a round (the non-finite guard's
+weights, the tests' record of the values) comes as the :class:`~.protocol.RoundHooks` given at construction.
 """
 
 from __future__ import annotations
@@ -36,17 +38,74 @@ from torch import Tensor
 from ..aggregation import aggregate
 from ..distributed.state import to_local
 from ..schema import FederationConfig
+from .clock import round_clock
 from .compress import CompressedMean
 from .gossip import Gossip
 from .options import round_weights
 from .outer import OuterOptimizer
-from .pace import RoundPace
+from .protocol import NoHooks, RoundClock, RoundHooks
 
-__all__ = ["Federation"]
+__all__ = ["CompressedMix", "Federation", "GossipMix", "PlainMean"]
 
 
 def _local(p: Tensor) -> Tensor:
     return to_local(p).detach()
+
+
+def _sum_over_world(value: int, state) -> int:
+    total = torch.tensor([float(value)], dtype=torch.float64, device=state.device)
+    dist.all_reduce(total)
+    return int(total.item())
+
+
+class PlainMean:
+    """A round's target: the weighted mean through the aggregation strategy (``topology=complete``)."""
+
+    def __init__(self, strategy, state):
+        self.strategy, self.state = strategy, state
+
+    def mix(self, weights: list[float] | None, index: int) -> tuple[Tensor | None, int, int]:
+        """Set the parameters to the target; ``(delta or None, bytes this rank sent, bytes across facilities)``."""
+        result = aggregate(self.strategy, self.state, weights)
+        return None, result.bytes_per_rank, result.cross_facility_bytes
+
+
+class GossipMix:
+    """A round's target: the mix with this round's gossip peers (other topologies; the weights are the topology's)."""
+
+    def __init__(self, gossip: Gossip, state):
+        self.gossip, self.state = gossip, state
+
+    def mix(self, weights: list[float] | None, index: int) -> tuple[Tensor | None, int, int]:
+        sent = self.gossip.mix(index)
+        return None, sent, _sum_over_world(sent, self.state)
+
+
+class CompressedMix:
+    """A round's target: the compressed mean of the facilities' updates ``theta_global - theta_f``
+    (``compression=bf16|uint8``): the pseudo-gradient itself, the parameters untouched."""
+
+    def __init__(self, federation: Federation, compressor: CompressedMean):
+        self.federation, self.compressor = federation, compressor
+
+    def mix(self, weights: list[float] | None, index: int) -> tuple[Tensor | None, int, int]:
+        fed = self.federation
+        state, n = fed.state, fed.state.num_facilities
+        update = fed._read_params(torch.empty(fed.numel, dtype=torch.float32, device=state.device))
+        update.neg_().add_(fed.theta.to(state.device))
+        message = self.compressor.prepare(update)  # every replica: the same bytes and residual
+        scales = [1.0 / n] * n if weights is None else [w / sum(weights) for w in weights]
+        if n == 1:
+            delta, sent = self.compressor.reduce(message, None, 0, scales)
+            return delta, sent, _sum_over_world(sent, state)
+        if state.replica == 0:  # one copy per facility crosses the boundary (peers in facility order)
+            delta, sent = self.compressor.reduce(message, state.group("senders"), state.facility, scales)
+        else:
+            delta, sent = torch.empty(fed.numel, dtype=torch.float32, device=state.device), 0
+        if state.num_replicas > 1:  # the first replica hands the mean update to the others
+            src = state.layout.facility_offsets[state.facility] + state.shard
+            dist.broadcast(delta, src=src, group=state.group("replica"))
+        return delta, sent, _sum_over_world(sent, state)
 
 
 class Federation:
@@ -58,13 +117,32 @@ class Federation:
 
     _streaming = False  # StreamingFederation handles fragments and overlap
 
-    def __init__(self, cfg: FederationConfig, model: torch.nn.Module, strategy, state):
+    def __init__(
+        self,
+        cfg: FederationConfig,
+        model: torch.nn.Module,
+        strategy,
+        state,
+        *,
+        begin: int = 0,
+        end: int | None = None,
+        last: bool = True,
+        clock: RoundClock | None = None,
+        hooks: RoundHooks | None = None,
+    ):
+        """Over the steps ``begin < step <= end`` (a phase of ``federation.schedule``, or the whole job):
+        rounds count from ``begin``; ``last``: the job ends at ``end`` (a final round there). ``clock``:
+        where rounds end (by default :func:`~.clock.round_clock`'s); ``hooks``: what the training side
+        does at each round (by default nothing)."""
         self.options = o = cfg  # validated in the launcher (options.validate_federation)
         if o.streaming and not self._streaming:
             raise ValueError(
                 "federation.fragments / overlap_steps: build it with schedule.build_federation (a StreamingFederation)"
             )
         self.model, self.strategy, self.state = model, strategy, state
+        self.begin, self.end, self.last = begin, end, last
+        self.clock = clock if clock is not None else round_clock(cfg, state, end, begin=begin, end=end, last=last)
+        self.hooks = hooks if hooks is not None else NoHooks()
         named = list(model.named_parameters())
         self.names = [named[i][0] for i in strategy.selected]
         self.params = [named[i][1] for i in strategy.selected]
@@ -83,13 +161,14 @@ class Federation:
                     o.compression, self.numel, state.num_facilities, o.chunk_size, o.error_feedback, device=state.device
                 )
         self.rounds = 0
-        # federation.every as a list or every_s: where this facility's rounds end (set by build_federation),
-        # and every facility's steps so far (known to all after each round).
-        self.pace: RoundPace | None = None
-        self.facility_steps = torch.zeros(state.num_facilities, dtype=torch.int64)
-        # The steps this federation covers (a phase of federation.schedule, or the whole job):
-        # rounds count from ``begin``; ``last``: the job ends at ``end`` (a final round there).
-        self.begin, self.end, self.last = 0, None, True
+        self.mixing = self._mixing()  # what forms a round's target, chosen once
+
+    def _mixing(self) -> PlainMean | GossipMix | CompressedMix:
+        if self.compressor is not None:
+            return CompressedMix(self, self.compressor)
+        if self.gossip is not None:
+            return GossipMix(self.gossip, self.state)
+        return PlainMean(self.strategy, self.state)
 
     def _allocate_theta(self) -> None:
         o, state = self.options, self.state
@@ -127,78 +206,27 @@ class Federation:
 
     # ------------------------------------------------------------------ the loop's interface
     def applies_at(self, done: int) -> bool:
-        """Whether rounds end after ``done`` steps (then :meth:`finish_due` returns their records).
-        Rounds count from ``begin``; at ``end`` a final round only when the job ends there (a
-        phase switch of :mod:`.schedule` averages instead)."""
-        if self.pace is not None:
-            return self.pace.due(done)
-        if not self.federated or done <= self.begin:
-            return False
-        if self.end is not None and done >= self.end:
-            return done == self.end and self.last
-        return (done - self.begin) % self.options.every == 0
+        """Whether rounds end after ``done`` steps (then :meth:`finish_due` returns their records): at
+        the clock's boundaries, but at ``end`` only when the job ends there (a phase switch of
+        :mod:`.schedule` averages instead); never for ``synchronous``."""
+        return self.federated and self.clock.due(done) and (self.last or done != self.end)
 
-    def boundary_at(self, done: int) -> bool:
-        """A round, or for ``synchronous`` every ``every`` steps and at the end: where the loop
-        evaluates the local model and may checkpoint."""
-        if self.federated:  # per-facility paces need federated rounds (refused otherwise)
-            return self.applies_at(done)
-        return done > self.begin and ((done - self.begin) % self.options.every == 0 or done == self.end)
-
-    def finish_due(self, done: int, adjust=None, dump=None, index: int = 0) -> list[dict]:
-        """The rounds that end after ``done`` steps, as records numbered from ``index``.
-        ``adjust(weights, round_index)`` may change a round's weights (the non-finite guard);
-        ``dump`` (a :class:`~xffl_like.train.round_dump.RoundDump`) records values around each round."""
+    def finish_due(self, done: int, index: int) -> list[dict]:
+        """The rounds that end after ``done`` steps, as records numbered from ``index``."""
         if not self.applies_at(done):
             return []
-        taken, to_cap = self._meet(done) if self.pace is not None else (None, None)
-        if dump is not None:
-            dump.save(index, "before")
-        out = self.round(adjust=None if adjust is None else lambda weights: adjust(weights, index))
-        if dump is not None:
-            dump.save(index, "after", bytes_per_rank=out["bytes_per_rank"])
-        if self.pace is not None:
-            self.pace.round_done(done, to_cap)
+        taken = self.clock.meet(done)
+        self.hooks.save(index, "before")
+        out = self.round(index, done)
+        self.hooks.save(index, "after", bytes_per_rank=out["bytes_per_rank"])
+        self.clock.round_done(done)
         return [{"round": index, "step": done, "fragment": None, "steps_taken": taken, **out}]
-
-    # ------------------------------------------------------------------ per-facility paces (federation/pace.py)
-    @property
-    def paced(self) -> bool:
-        return self.pace is not None
-
-    def _meet(self, done: int) -> tuple[list[int], list[float]]:
-        """The steps every facility took in this round, from which :attr:`facility_steps` and, with
-        ``every_s``, the end of the job follow, and every facility's :meth:`~.pace.RoundPace.seconds_to_cap`
-        (one collective over the world; step counts are exact in float64)."""
-        state = self.state
-        met = torch.zeros(2, state.num_facilities, dtype=torch.float64)
-        if state.facility_rank == 0:
-            met[0, state.facility] = done - self.pace.first
-            met[1, state.facility] = self.pace.seconds_to_cap(done)
-        dist.all_reduce(met)
-        taken = met[0].round().to(torch.int64)
-        self.facility_steps += taken
-        return taken.tolist(), met[1].tolist()
-
-    def job_step(self, done: int) -> int:
-        """The job's step after this facility's ``done`` steps: with per-facility paces, the most
-        steps any facility has taken (known at a round: what checkpoints are named by); else ``done``."""
-        return int(self.facility_steps.max()) if self.pace is not None else done
-
-    def ends_at(self, done: int) -> bool:
-        """Whether this facility's training ends after its ``done`` steps: at ``end``; with ``every_s``
-        after the first round in which a facility reached it."""
-        if self.pace is not None and self.pace.every is None:
-            return self.pace.due(done) and int(self.facility_steps.max()) >= self.pace.cap
-        if self.pace is not None:
-            return done == self.pace.steps
-        return self.last and done == self.end
 
     def starts_at(self, done: int) -> bool:
         """Whether an exchange that overlaps the next local steps starts after ``done`` steps."""
         return False
 
-    def start_due(self, done: int, adjust=None, dump=None, index: int = 0) -> None:
+    def start_due(self, done: int, index: int) -> None:
         """Start the exchanges that overlap the next local steps (``overlap_steps``); none here."""
 
     def wait(self) -> None:
@@ -214,8 +242,7 @@ class Federation:
     def after_backward(self) -> int:
         """``synchronous``: average the gradients over every facility (weighted like the mean).
         Returns the bytes this rank sent across facilities (0 when federated)."""
-        if self.pace is not None:
-            self.pace.step_taken()
+        self.clock.step_taken()
         if self.federated:
             return 0
         state = self.state
@@ -250,27 +277,14 @@ class Federation:
             offset += t.numel()
 
     @torch.no_grad()
-    def round(self, adjust=None) -> dict:
-        """One round across facilities; returns ``seconds``, ``bytes_per_rank``, ``cross_facility_bytes``
-        and ``skipped_facilities``. ``adjust(weights) -> (weights, skipped)`` may change this round's
-        weights (the non-finite guard leaves facilities out with weight 0)."""
+    def round(self, index: int = 0, done: int = 0) -> dict:
+        """One round across facilities (record ``index``, after ``done`` steps); returns ``seconds``,
+        ``bytes_per_rank``, ``cross_facility_bytes`` and ``skipped_facilities``. The hooks may change
+        this round's weights (the non-finite guard leaves facilities out with weight 0)."""
         start = time.perf_counter()
-        state = self.state
-        weights = self.facility_weights()
-        skipped: list[int] = []
-        if adjust is not None:
-            weights, skipped = adjust(weights)
-        index, self.rounds = self.rounds, self.rounds + 1
-        delta = None
-        if self.compressor is not None:
-            delta, sent_bytes = self._compressed_delta(weights)
-            cross = self._sum_over_world(sent_bytes)
-        elif self.gossip is not None:
-            sent_bytes = self.gossip.mix(index)
-            cross = self._sum_over_world(sent_bytes)
-        else:
-            result = aggregate(self.strategy, state, weights)
-            sent_bytes, cross = result.bytes_per_rank, result.cross_facility_bytes
+        weights, skipped = self.hooks.weights_for_round(self.facility_weights(), index, done)
+        rounds, self.rounds = self.rounds, self.rounds + 1
+        delta, sent_bytes, cross = self.mixing.mix(weights, rounds)
         if self.outer is not None:
             if delta is None:  # theta_global - the target the parameters now hold
                 delta = self._read_params(torch.empty_like(self.theta)).neg_().add_(self.theta)
@@ -283,28 +297,8 @@ class Federation:
             "skipped_facilities": skipped,
         }
 
-    def _compressed_delta(self, weights) -> tuple[Tensor, int]:
-        """The compressed mean of the facilities' updates ``theta_global - theta_f``, and the bytes sent."""
-        state, n = self.state, self.state.num_facilities
-        update = self._read_params(torch.empty(self.numel, dtype=torch.float32, device=state.device))
-        update.neg_().add_(self.theta.to(state.device))
-        message = self.compressor.prepare(update)  # every replica: the same bytes and residual
-        scales = [1.0 / n] * n if weights is None else [w / sum(weights) for w in weights]
-        if n == 1:
-            return self.compressor.reduce(message, None, 0, scales)
-        if state.replica == 0:  # one copy per facility crosses the boundary (peers in facility order)
-            delta, sent = self.compressor.reduce(message, state.group("senders"), state.facility, scales)
-        else:
-            delta, sent = torch.empty(self.numel, dtype=torch.float32, device=state.device), 0
-        if state.num_replicas > 1:  # the first replica hands the mean update to the others
-            src = state.layout.facility_offsets[state.facility] + state.shard
-            dist.broadcast(delta, src=src, group=state.group("replica"))
-        return delta, sent
-
     def _sum_over_world(self, value: int) -> int:
-        total = torch.tensor([float(value)], dtype=torch.float64, device=self.state.device)
-        dist.all_reduce(total)
-        return int(total.item())
+        return _sum_over_world(value, self.state)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
@@ -313,8 +307,7 @@ class Federation:
         state and the error-feedback residual; plus counters. Empty tensors sections when unused."""
         # Counters as tensors: DCP stores other objects pickled, which safe loading refuses.
         out: dict[str, Any] = {"rounds": torch.tensor(self.rounds), "tokens": self.tokens.clone()}
-        if self.pace is not None:  # each facility's own step: where it resumes (checkpoints carry the job's)
-            out["facility_steps"] = self.facility_steps.clone()
+        out.update(self.clock.state_dict())  # facility_steps, with different steps per facility
         if self.theta is None:
             return out
         out["theta_global"] = self._as_dtensors(self.theta)
@@ -330,8 +323,7 @@ class Federation:
         """Restore what :meth:`state_dict` returned (tensors are copied into the live buffers)."""
         self.rounds = int(sd["rounds"])
         self.tokens.copy_(sd["tokens"])
-        if self.pace is not None:
-            self.facility_steps.copy_(sd["facility_steps"])
+        self.clock.load_state_dict(sd)
         if self.theta is None:
             return
         self._load_flat(self.theta, sd["theta_global"])

@@ -28,12 +28,13 @@ import torch
 
 from ..aggregation import aggregate
 from ..schema import FederationConfig
+from .clock import round_clock
 from .options import plan_phases
-from .pace import RoundPace
+from .protocol import FederationPhase, NoHooks, RoundClock, RoundHooks
 from .round import Federation
 from .streaming import StreamingFederation
 
-__all__ = ["FederationSchedule", "build_federation"]
+__all__ = ["FederationSchedule", "PhaseClock", "build_federation"]
 
 
 def build_federation(
@@ -44,15 +45,66 @@ def build_federation(
     begin: int = 0,
     end: int | None = None,
     last: bool = True,
+    steps: int | None = None,
+    hooks: RoundHooks | None = None,
 ) -> Federation:
-    """The federation of ``cfg`` (validated) over steps ``begin < step <= end``: a
-    :class:`~.streaming.StreamingFederation` for ``fragments > 1`` or ``overlap_steps > 0``, else a
-    :class:`~.round.Federation`. Collective, like their constructors."""
-    fed = (StreamingFederation if cfg.streaming else Federation)(cfg, model, strategy, state)
-    fed.begin, fed.end, fed.last = begin, end, last
-    if cfg.paced:  # federation.every as a list or every_s (no schedule, no streaming: refused before launch)
-        fed.pace = RoundPace(cfg, state, end)
-    return fed
+    """The federation of ``cfg`` (validated) over steps ``begin < step <= end`` of a job of ``steps``
+    (default ``end``): a :class:`~.streaming.StreamingFederation` for ``fragments > 1`` or
+    ``overlap_steps > 0``, else a :class:`~.round.Federation`, with its :func:`~.clock.round_clock`.
+    Collective, like their constructors."""
+    clock = round_clock(cfg, state, end if steps is None else steps, begin=begin, end=end, last=last)
+    kind = StreamingFederation if cfg.streaming else Federation
+    return kind(cfg, model, strategy, state, begin=begin, end=end, last=last, clock=clock, hooks=hooks)
+
+
+class PhaseClock:
+    """The schedule's :class:`~.protocol.RoundClock`: the running phase's clock (it follows the
+    switches, and a resume's :meth:`FederationSchedule.resume_at`), whose end is due (a switch)."""
+
+    def __init__(self, schedule: FederationSchedule):
+        self.schedule = schedule
+
+    @property
+    def current(self) -> RoundClock:
+        return self.schedule.current.clock
+
+    @property
+    def steps(self) -> int:
+        return self.current.steps
+
+    @property
+    def facility_steps(self) -> list[int] | None:
+        return self.current.facility_steps
+
+    def start(self, done: int) -> None:
+        self.current.start(done)
+
+    def step_taken(self) -> None:
+        self.current.step_taken()
+
+    def due(self, done: int) -> bool:
+        return self.current.due(done)
+
+    def rounds_at(self, done: int) -> bool:
+        return self.current.rounds_at(done)
+
+    def ends_at(self, done: int) -> bool:
+        return self.current.ends_at(done)
+
+    def job_step(self, done: int) -> int:
+        return self.current.job_step(done)
+
+    def meet(self, done: int) -> list[int] | None:
+        return self.current.meet(done)
+
+    def round_done(self, done: int) -> None:
+        self.current.round_done(done)
+
+    def state_dict(self) -> dict:
+        return self.current.state_dict()
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.current.load_state_dict(sd)
 
 
 class FederationSchedule:
@@ -61,12 +113,24 @@ class FederationSchedule:
     Collective: every rank constructs it (and switches) at the same point.
     """
 
-    def __init__(self, cfg: FederationConfig, model: torch.nn.Module, strategy, state, steps: int):
+    def __init__(
+        self,
+        cfg: FederationConfig,
+        model: torch.nn.Module,
+        strategy,
+        state,
+        steps: int,
+        hooks: RoundHooks | None = None,
+    ):
+        """``steps``: the job's (``train.steps``); ``hooks``: what the training side does at each round
+        (the non-finite guard's weights, the tests' record of the values), by default nothing."""
         self.phases = plan_phases(cfg, steps)  # validated in the launcher: planned, not checked
         self.model, self.strategy, self.state, self.steps = model, strategy, state, steps
+        self.hooks = hooks if hooks is not None else NoHooks()
         self.index = -1
-        self.current: Federation = None  # type: ignore[assignment]
+        self.current: FederationPhase = None  # type: ignore[assignment]
         self._enter(0)
+        self.clock: RoundClock = PhaseClock(self)  # the running phase's, whichever it is
 
     def _end(self, i: int) -> tuple[int, bool]:
         """Phase ``i``'s last step and whether the job ends there."""
@@ -80,7 +144,15 @@ class FederationSchedule:
         end, last = self._end(i)
         self.index = i
         self.current = build_federation(
-            phase.config, self.model, self.strategy, self.state, begin=phase.from_step, end=end, last=last
+            phase.config,
+            self.model,
+            self.strategy,
+            self.state,
+            begin=phase.from_step,
+            end=end,
+            last=last,
+            steps=self.steps,
+            hooks=self.hooks,
         )
 
     def resume_at(self, step: int) -> None:
@@ -91,30 +163,6 @@ class FederationSchedule:
             i += 1
         if i != self.index:
             self._enter(i)
-
-    @property
-    def federated(self) -> bool:
-        return self.current.federated
-
-    @property
-    def paced(self) -> bool:
-        """Facilities take different steps per round (``federation.every`` a list, or ``every_s``)."""
-        return self.current.paced
-
-    @property
-    def facility_steps(self):
-        return self.current.facility_steps
-
-    def job_step(self, done: int) -> int:
-        return self.current.job_step(done)
-
-    def start_clock(self, done: int) -> None:
-        """Training starts now, after ``done`` steps (a time-paced round counts from here)."""
-        if self.current.paced:
-            self.current.pace.start(done)
-
-    def ends_at(self, done: int) -> bool:
-        return self.current.ends_at(done)
 
     def describe(self) -> dict:
         """The summary's ``federation``: the (last) phase's algorithm and, with a schedule, the phases."""
@@ -145,40 +193,33 @@ class FederationSchedule:
     def applies_at(self, done: int) -> bool:
         return self._switch_at(done) or self.current.applies_at(done)
 
-    def boundary_at(self, done: int) -> bool:
-        return self._switch_at(done) or self.current.boundary_at(done)
-
-    def finish_due(self, done: int, adjust=None, dump=None, index: int = 0) -> list[dict]:
-        """The records of the rounds after ``done`` steps (each with its ``phase``); at a switch the
-        average, then the next phase."""
+    def finish_due(self, done: int, index: int) -> list[dict]:
+        """The records of the rounds after ``done`` steps (each with its ``phase``), numbered from
+        ``index``; at a switch the average, then the next phase."""
         phase = self.index
         if self._switch_at(done):
-            records = [self._switch(done, adjust, dump, index)]
+            records = [self._switch(done, index)]
             self._enter(self.index + 1)
         else:
-            records = self.current.finish_due(done, adjust, dump, index)
+            records = self.current.finish_due(done, index)
         return [{**r, "phase": phase} for r in records]
 
     def starts_at(self, done: int) -> bool:
         return self.current.starts_at(done)
 
-    def start_due(self, done: int, adjust=None, dump=None, index: int = 0) -> None:
-        self.current.start_due(done, adjust, dump, index)
+    def start_due(self, done: int, index: int) -> None:
+        self.current.start_due(done, index)
 
     @torch.no_grad()
-    def _switch(self, done: int, adjust, dump, index: int) -> dict:
+    def _switch(self, done: int, index: int) -> dict:
         self.current.wait()  # nothing is in flight at a phase's end; made sure
         spec = self.current.options.weights
         weights = [float(w) for w in spec] if isinstance(spec, (list, tuple)) else None
-        skipped: list[int] = []
-        if adjust is not None:
-            weights, skipped = adjust(weights, index)
-        if dump is not None:
-            dump.save(index, "before")
+        weights, skipped = self.hooks.weights_for_round(weights, index, done)
+        self.hooks.save(index, "before")
         start = time.perf_counter()
         result = aggregate(self.strategy, self.state, weights)
-        if dump is not None:
-            dump.save(index, "after", bytes_per_rank=result.bytes_per_rank)
+        self.hooks.save(index, "after", bytes_per_rank=result.bytes_per_rank)
         return {
             "round": index,
             "step": done,

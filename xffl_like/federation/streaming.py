@@ -38,8 +38,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..schema import FederationConfig
+from .clock import sync_offsets, synced_at
 from .compress import CompressedMean
 from .options import round_weights
+from .protocol import RoundClock, RoundHooks
 from .round import Federation
 
 __all__ = ["StreamingFederation", "fragment_of", "sync_offsets", "synced_at"]
@@ -59,16 +61,6 @@ def fragment_of(names: list[str], num_layers: int, fragments: int) -> list[int]:
         else:
             out.append(fragments - 1 if seen_block else 0)
     return out
-
-
-def sync_offsets(every: int, fragments: int) -> list[int]:
-    """Step (in ``1..every``) of the round at which each fragment is synced."""
-    return [(k + 1) * every // fragments for k in range(fragments)]
-
-
-def synced_at(step: int, every: int, fragments: int) -> list[int]:
-    """Fragments synced after ``step`` (>= 1) steps of the phase: ``(step - o_k) % every == 0``."""
-    return [k for k, o in enumerate(sync_offsets(every, fragments)) if step >= o and (step - o) % every == 0]
 
 
 def count_blocks(names: list[str]) -> int:
@@ -120,8 +112,20 @@ class StreamingFederation(Federation):
 
     _streaming = True
 
-    def __init__(self, cfg: FederationConfig, model: torch.nn.Module, strategy, state):
-        super().__init__(cfg, model, strategy, state)
+    def __init__(
+        self,
+        cfg: FederationConfig,
+        model: torch.nn.Module,
+        strategy,
+        state,
+        *,
+        begin: int = 0,
+        end: int | None = None,
+        last: bool = True,
+        clock: RoundClock | None = None,
+        hooks: RoundHooks | None = None,
+    ):
+        super().__init__(cfg, model, strategy, state, begin=begin, end=end, last=last, clock=clock, hooks=hooks)
         o, n = self.options, state.num_facilities
         K = o.fragments
         all_names = [name for name, _ in model.named_parameters()]
@@ -185,22 +189,20 @@ class StreamingFederation(Federation):
     def applies_at(self, done: int) -> bool:
         return bool(self._synced(done))
 
-    def finish_due(self, done: int, adjust=None, dump=None, index: int = 0) -> list[dict]:
+    def finish_due(self, done: int, index: int) -> list[dict]:
         """Apply the fragments synced after ``done`` steps: the one in flight, or (no overlap, and
         every fragment at the job's last step) exchanged now."""
         records = []
         final = self.end is not None and done == self.end
         for k in self._synced(done):
-            if dump is not None:
-                dump.save(index, "before")
+            self.hooks.save(index, "before")
             if self.inflight is None or final:
                 self.wait()  # by construction nothing is in flight at the end; never two at once
-                self._launch(k, done, adjust, index, background=False)
+                self._launch(k, done, index, background=False)
             elif self.inflight["fragment"] != k:
                 raise RuntimeError(f"fragment {self.inflight['fragment']} in flight at the sync of fragment {k}")
             record = self._apply(done, blend=self.options.overlap_steps > 0 and not final)
-            if dump is not None:
-                dump.save(index, "after", bytes_per_rank=record["bytes_per_rank"], fragment=k)
+            self.hooks.save(index, "after", bytes_per_rank=record["bytes_per_rank"], fragment=k)
             records.append({"round": index, **record})
             index += 1
         return records
@@ -211,15 +213,14 @@ class StreamingFederation(Federation):
             return False
         return bool(self._synced(done + tau))
 
-    def start_due(self, done: int, adjust=None, dump=None, index: int = 0) -> None:
+    def start_due(self, done: int, index: int) -> None:
         """Start the exchange of the fragment synced ``overlap_steps`` after ``done`` (before the
         phase's end: the last step syncs without overlap)."""
         if not self.starts_at(done):
             return
         for k in self._synced(done + self.options.overlap_steps):
-            self._launch(k, done, adjust, index, background=True)
-            if dump is not None:
-                dump.save(index, "start", fragment=k, step=done)
+            self._launch(k, done, index, background=True)
+            self.hooks.save(index, "start", fragment=k, step=done)
 
     def wait(self) -> None:
         if self.inflight is not None:
@@ -250,59 +251,70 @@ class StreamingFederation(Federation):
             offset += t.numel()
 
     @torch.no_grad()
-    def _launch(self, k: int, done: int, adjust, index: int, background: bool) -> None:
+    def _launch(self, k: int, done: int, index: int, background: bool) -> None:
+        """Start fragment ``k``'s exchange (numbered ``index``) on a snapshot taken now."""
         if self.inflight is not None and self.inflight["work"].thread is not None:
             self.inflight["work"].result()
         started = time.perf_counter()
         state, n = self.state, self.state.num_facilities
-        weights = self._fragment_weights(k)
-        skipped: list[int] = []
-        if adjust is not None:
-            weights, skipped = adjust(weights, index)
+        weights, skipped = self.hooks.weights_for_round(self._fragment_weights(k), index, done)
         if state.facility in skipped:
             # A facility left out restarts every fragment from the weights all facilities last agreed on.
             self._write_params(self.theta.to(state.device))
-        a, b = self.bounds[k]
-        snapshot = self._read_range(a, b)
         scales = [1.0 / n] * n if weights is None else [w / sum(weights) for w in weights]
-        comp = self.compressors[k]
-        source = state.layout.facility_offsets[state.facility] + state.shard
-        peers, replicas, me, first = self.peers, self.replicas, state.facility, state.replica == 0
-
-        if comp is not None:
-            message = comp.prepare(snapshot.neg_().add_(self.theta[a:b].to(state.device)))
-
-            def exchange():  # the compressed mean update theta_global - theta_f
-                if n == 1:
-                    return comp.reduce(message, None, 0, scales)
-                delta, sent = (
-                    comp.reduce(message, peers, me, scales)
-                    if first
-                    else (torch.empty(b - a, dtype=torch.float32, device=message.device), 0)
-                )
-                if replicas is not None:
-                    dist.broadcast(delta, src=source, group=replicas)
-                return delta, sent
-        else:
-            snapshot.mul_(scales[me])
-
-            def exchange():  # the weighted mean of the facilities' snapshots
-                sent = 0
-                if n > 1 and first:
-                    dist.all_reduce(snapshot, group=peers)
-                    sent = 2 * (n - 1) * snapshot.nbytes // n  # a ring all-reduce's sends
-                if replicas is not None:
-                    dist.broadcast(snapshot, src=source, group=replicas)
-                return snapshot, sent
-
+        compressed = self.compressors[k] is not None
+        exchange = self._compressed_exchange(k, scales) if compressed else self._mean_exchange(k, scales)
         self.inflight = {
             "fragment": k,
             "step": done,
             "skipped": skipped,
-            "compressed": comp is not None,
+            "compressed": compressed,
             "work": _Exchange(exchange, background, state.device),
             "blocked": time.perf_counter() - started,
         }
+
+    def _compressed_exchange(self, k: int, scales: list[float]) -> Callable[[], tuple[Tensor, int]]:
+        """Fragment ``k``'s exchange: the compressed mean update ``theta_global - theta_f`` (the message
+        prepared now)."""
+        state, n = self.state, self.state.num_facilities
+        a, b = self.bounds[k]
+        comp = self.compressors[k]
+        message = comp.prepare(self._read_range(a, b).neg_().add_(self.theta[a:b].to(state.device)))
+        source = state.layout.facility_offsets[state.facility] + state.shard
+        peers, replicas, me, first = self.peers, self.replicas, state.facility, state.replica == 0
+
+        def exchange():
+            if n == 1:
+                return comp.reduce(message, None, 0, scales)
+            delta, sent = (
+                comp.reduce(message, peers, me, scales)
+                if first
+                else (torch.empty(b - a, dtype=torch.float32, device=message.device), 0)
+            )
+            if replicas is not None:
+                dist.broadcast(delta, src=source, group=replicas)
+            return delta, sent
+
+        return exchange
+
+    def _mean_exchange(self, k: int, scales: list[float]) -> Callable[[], tuple[Tensor, int]]:
+        """Fragment ``k``'s exchange: the weighted mean of the facilities' snapshots (taken now)."""
+        state, n = self.state, self.state.num_facilities
+        a, b = self.bounds[k]
+        snapshot = self._read_range(a, b).mul_(scales[state.facility])
+        source = state.layout.facility_offsets[state.facility] + state.shard
+        peers, replicas, first = self.peers, self.replicas, state.replica == 0
+
+        def exchange():
+            sent = 0
+            if n > 1 and first:
+                dist.all_reduce(snapshot, group=peers)
+                sent = 2 * (n - 1) * snapshot.nbytes // n  # a ring all-reduce's sends
+            if replicas is not None:
+                dist.broadcast(snapshot, src=source, group=replicas)
+            return snapshot, sent
+
+        return exchange
 
     @torch.no_grad()
     def _apply(self, done: int, blend: bool) -> dict:

@@ -20,6 +20,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..checks import is_int, is_number
 from ..distributed.state import to_local
+from ..errors import ConfigError
 from ..schema import ModelConfig
 from .loss import chunked_cross_entropy
 
@@ -53,27 +54,27 @@ class LlamaConfig:
         for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim", "max_seq_len"):
             v = getattr(self, k)
             if not is_int(v) or v <= 0:
-                raise ValueError(f"model.{k} must be a positive integer, got {v!r}; set it to e.g. 128.")
+                raise ConfigError(f"model.{k} must be a positive integer, got {v!r}; set it to e.g. 128.")
         for k in ("norm_eps", "rope_theta"):
             v = getattr(self, k)
             if not is_number(v) or v <= 0:
-                raise ValueError(f"model.{k} must be a positive number, got {v!r}; the usual value is 1e-5 / 10000.0.")
+                raise ConfigError(f"model.{k} must be a positive number, got {v!r}; the usual value is 1e-5 / 10000.0.")
         if not isinstance(self.tie_embeddings, bool):
-            raise ValueError(f"model.tie_embeddings must be true or false, got {self.tie_embeddings!r}.")
+            raise ConfigError(f"model.tie_embeddings must be true or false, got {self.tie_embeddings!r}.")
         if self.dim % self.n_heads:
-            raise ValueError(
+            raise ConfigError(
                 f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}; "
                 f"choose n_heads that divides dim (e.g. {self.dim // 64 or 1})."
             )
         if self.n_heads % self.n_kv_heads:
-            raise ValueError(
+            raise ConfigError(
                 f"model.n_heads={self.n_heads} is not divisible by model.n_kv_heads={self.n_kv_heads}; "
                 f"choose n_kv_heads that divides n_heads (e.g. 1 or {self.n_heads})."
             )
         if self.rope_scaling is not None:
             _check_rope_scaling(self.rope_scaling)
         if self.head_dim % 2:
-            raise ValueError(
+            raise ConfigError(
                 f"head_dim = model.dim / model.n_heads = {self.head_dim} is odd but RoPE needs it even; "
                 f"change model.dim or model.n_heads."
             )
@@ -98,12 +99,12 @@ class LlamaConfig:
         known = {f.name for f in fields(cls)}
         for k in m:
             if k not in known:
-                raise ValueError(
+                raise ConfigError(
                     f"Unknown model config key {k!r}; valid keys are: {', '.join(sorted(known | set(BUILD_KEYS)))}."
                 )
         for f in fields(cls):
             if f.default is MISSING and f.name not in m:
-                raise ValueError(f"Missing model config key {f.name!r}; add `{f.name}: <value>` to the model yaml.")
+                raise ConfigError(f"Missing model config key {f.name!r}; add `{f.name}: <value>` to the model yaml.")
         for k in ("norm_eps", "rope_theta"):  # yaml may give 500000 (int) for a float
             if type(m.get(k)) is int:
                 m[k] = float(m[k])
@@ -116,24 +117,24 @@ ROPE_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_
 
 def _check_rope_scaling(rs: Any) -> None:
     if not isinstance(rs, Mapping):
-        raise ValueError(
+        raise ConfigError(
             f"model.rope_scaling must be null or a mapping with {', '.join(ROPE_SCALING_KEYS)}; got {rs!r}."
         )
     extra = set(rs) - set(ROPE_SCALING_KEYS) - {"rope_type"}
     if extra or rs.get("rope_type", "llama3") != "llama3":
-        raise ValueError(
+        raise ConfigError(
             f"model.rope_scaling={dict(rs)!r}: only Llama-3 scaling (rope_type llama3 with "
             f"{', '.join(ROPE_SCALING_KEYS)}) is supported."
         )
     for k in ROPE_SCALING_KEYS:
         v = rs.get(k)
         if not is_number(v) or v <= 0:
-            raise ValueError(
+            raise ConfigError(
                 f"model.rope_scaling.{k} must be a positive number, got {v!r} (Llama 3.1 uses "
                 f"factor 8, low_freq_factor 1, high_freq_factor 4, original_max_position_embeddings 8192)."
             )
     if rs["high_freq_factor"] <= rs["low_freq_factor"]:
-        raise ValueError(
+        raise ConfigError(
             f"model.rope_scaling: high_freq_factor={rs['high_freq_factor']} must exceed "
             f"low_freq_factor={rs['low_freq_factor']}."
         )

@@ -99,6 +99,12 @@ class BaguaModule(nn.Module):
         self.algorithm = algorithm
         algorithm.attach(self)
 
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
+        """FSDP2's micro-batch switch. Bagua's algorithms synchronise in every backward pass, so only ``True`` is
+        possible (the main job refuses ``train.grad_accum`` > 1 with ``parallel=bagua``)."""
+        if not requires_gradient_sync:
+            raise ValueError("BaguaModule synchronises every backward pass: it has no gradient accumulation")
+
     def forward(self, *args, **kwargs):
         """Run the module; in training, let the algorithm start its pre-forward communication."""
         if self.training and torch.is_grad_enabled():

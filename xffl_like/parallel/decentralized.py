@@ -209,6 +209,10 @@ class DecentralizedDataParallel(nn.Module):
         """While enabled, backward passes only accumulate gradients (no update, no step counted)."""
         self._accumulating = enable
 
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
+        """FSDP2's name for the same switch: ``False`` for the micro-batches before a step's last."""
+        self.set_accumulate_grad(not requires_gradient_sync)
+
     def forward(self, *args, **kwargs):
         """Run the model; at the second training iteration, set up the buckets and apply the first update."""
         if self._step == 1 and not self._initialized:

@@ -3,7 +3,7 @@
 ``parallel=fsdp`` (the default) is the FSDP2/HSDP path with the federation's rounds
 (:class:`~.sync.FederatedSync`). ``parallel=decentralized`` and ``parallel=bagua`` keep a full
 copy of the model on every rank and let :mod:`xffl_like.parallel` keep the copies in step
-(:class:`DataParallelSync`, the same worker loop, :mod:`.loop`): no FSDP, no rounds across
+(:class:`DataParallelSync`, the same :class:`~.trainer.Trainer`): no FSDP, no rounds across
 facilities, no checkpoints. The consensus distance (mean distance of the copies to their
 average) is logged at every log step: ``consensus_distance`` in ``metrics.jsonl``,
 ``train/consensus_distance`` on W&B, the history and the last value in ``summary.json``.
@@ -29,12 +29,24 @@ from torch import nn
 
 from .. import parallel as P
 from ..models import build_model
+from ..observe.timing import PhaseTimer
 from ..parallel.options import DP_ALGORITHMS
 from ..schema import JobConfig
 from .optim import Schedule, build_optimizer, build_scheduler
-from .round_dump import RoundDump
+from .round_dump import round_observers
+from .sync import RoundHooks, SyncBase
 
-__all__ = ["DataParallelSync", "Switch"]
+__all__ = ["DataParallelSync", "Switch", "build_full_model"]
+
+
+def build_full_model(cfg: JobConfig, state) -> nn.Module:
+    """A full copy of the model on this rank, the same start on every rank (``model.path``: Hugging Face weights)."""
+    model = build_model(cfg.model, device=state.device, seed=cfg.seed)
+    if cfg.model.path:
+        from ..checkpoint.hf import load_hf_weights
+
+        load_hf_weights(model, cfg.model.path)
+    return model
 
 
 @dataclass(frozen=True)
@@ -46,29 +58,24 @@ class Switch:
     options: dict = field(default_factory=dict)
 
 
-class DataParallelSync:
+class DataParallelSync(SyncBase):
     """The :class:`~.sync.Sync` of ``parallel=decentralized|bagua``: one worker's full copy.
 
     ``model`` is the plain model (every rank a full copy: evaluate and export it);
     ``module`` (also ``wrapped``) is what the training step calls. ``optimizer``/``scheduler``
     are the job's for Bagua and ``None`` for Decent-DP, whose optimizers (one per bucket) step
-    inside the backward pass. Collective: every rank builds it at the same point.
+    inside the backward pass. No checkpoints (refused by the launcher's checks). Collective:
+    every rank builds it at the same point.
     """
 
-    def __init__(self, cfg: JobConfig, state):
-        """Reads ``cfg.parallel`` (the validated section), ``model``, ``optim``, ``seed``, ``train.steps`` and
-        ``train.log_every``."""
+    def __init__(self, cfg: JobConfig, state, model: nn.Module, timer: PhaseTimer):
+        """Reads ``cfg.parallel`` (the validated section), ``optim``, ``train.steps`` and ``train.log_every``;
+        ``model``: the same start on every rank."""
         self.cfg, ocfg, steps = cfg.parallel, cfg.optim, cfg.train.steps
-        model = build_model(cfg.model, device=state.device, seed=cfg.seed)  # the same start on every rank
-        if cfg.model.path:
-            from ..checkpoint.hf import load_hf_weights
-
-            load_hf_weights(model, cfg.model.path)
         self.state, self.model, self.ocfg, self.steps, self.log_every = state, model, ocfg, steps, cfg.train.log_every
+        self.timer = timer
         self.consensus: list[dict] = []
-        self.ckpt = None  # no checkpoints (refused by the launcher's checks)
-        self.data_seed = cfg.seed
-        self.dump = RoundDump(model, state)  # tests only ($XFFL_TEST_DUMP_ROUNDS): the copies around switches, the end
+        self.hooks = RoundHooks(None, round_observers(model, state))  # tests: the copies around switches, the end
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler = None
         self.switches: list[dict] = []
@@ -115,40 +122,7 @@ class DataParallelSync:
             **extra,
         )
 
-    # ------------------------------------------------------------------ the loop's calls (Sync)
-    def restore(self, losses: torch.Tensor) -> None:
-        return None  # no checkpoints (refused by the launcher's checks)
-
-    def begin(self, start_step: int, rounds: int) -> int:
-        return start_step
-
-    def close(self) -> None:
-        pass
-
-    def trained(self, tokens: int) -> None:
-        pass
-
-    paced = False  # every copy steps in lockstep
-    data_facility = None  # the layout's facility index and count
-
-    def arrive(self, done: int) -> None:
-        pass
-
-    def ends_at(self, done: int) -> bool:
-        return done == self.steps
-
-    def job_step(self, done: int) -> int:
-        return done
-
-    def boundary_at(self, done: int) -> bool:
-        return done == self.steps  # no rounds: the local model is evaluated at the end (and every eval_every)
-
-    def applies_at(self, done: int) -> bool:
-        return False
-
-    def finish_due(self, done: int, index: int) -> list[dict]:
-        return []
-
+    # ------------------------------------------------------------------ the trainer's calls (Sync)
     def metrics(self, done: int) -> dict:
         """The consensus distance at every log step and the last (collective there)."""
         if done % self.log_every and done != self.steps:
@@ -157,29 +131,28 @@ class DataParallelSync:
         self.consensus.append({"step": done, "distance": distance})
         return {"consensus": distance}
 
-    def end_step(self, done: int, rounds: list[dict], losses: torch.Tensor, evals: list[dict]) -> None:
-        pass
-
-    def starts_at(self, done: int) -> bool:
-        return self.switch_due(done) is not None
-
     def start_due(self, done: int, index: int) -> None:
-        self.dump.save(len(self.switches), "before")
-        self.switch(self.switch_due(done))
-        self.dump.save(len(self.switches) - 1, "after")
+        """An algorithm switch after step ``done``; after the last step every copy becomes the mean of all."""
+        switch = self.switch_due(done)
+        if switch is not None and done < self.steps:
+            with self.timer("aggregation"):
+                self.hooks.save(len(self.switches), "before")
+                self.switch(switch)
+                self.hooks.save(len(self.switches) - 1, "after")
+        if done == self.steps:
+            self.hooks.save(len(self.switches), "before")  # the copies as trained, before the final mean
+            self.average()
 
-    def optimizer_step(self) -> None:
-        self.step()
-
-    def step(self) -> None:
-        """After the step's backward passes: Bagua's optimizer step (Decent-DP stepped inside backward)."""
-        if self.optimizer is None:
-            return
-        if self.ocfg.grad_clip > 0:
-            nn.utils.clip_grad_norm_(self.model.parameters(), self.ocfg.grad_clip)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
+    def optimizer_step(self, tokens: int) -> float:
+        """After the step's backward passes: Bagua's optimizer step (Decent-DP stepped inside backward);
+        the learning rate of the step just taken."""
+        if self.optimizer is not None:
+            if self.ocfg.grad_clip > 0:
+                nn.utils.clip_grad_norm_(self.model.parameters(), self.ocfg.grad_clip)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.scheduler.step()
+        return self.lr()
 
     def lr(self) -> float:
         """The learning rate of the step just taken."""
@@ -204,15 +177,14 @@ class DataParallelSync:
         """Mean distance of the copies to their average (collective)."""
         return P.consensus_distance(self.model)
 
-    def finish(self) -> dict:
-        """End of training: every copy the exact mean of all (collective); what the summary adds."""
-        self.dump.save(len(self.switches), "before")  # the copies as trained, before the final mean
-        self.average()
+    def close(self) -> dict:
+        """What the summary adds (the copies were averaged after the last step)."""
+        last = self.consensus[-1]["distance"] if self.consensus else 0.0
         return {
             "extra": {
                 "parallel": self.describe(),
                 "consensus_distance": self.consensus,
-                "final_consensus_distance": self.consensus[-1]["distance"] if self.consensus else 0.0,
+                "final_consensus_distance": last,
             }
         }
 

@@ -24,7 +24,7 @@ from torch import nn
 
 from ..distributed.state import DistributedState, to_local
 
-__all__ = ["ENV", "RoundDump", "dump_path"]
+__all__ = ["ENV", "RoundDump", "dump_path", "round_observers"]
 
 ENV = "XFFL_TEST_DUMP_ROUNDS"
 
@@ -32,6 +32,12 @@ ENV = "XFFL_TEST_DUMP_ROUNDS"
 def dump_path(directory: str | Path, round_: int, phase: str, rank: int) -> Path:
     """Where rank ``rank`` records ``phase`` (``before``/``after``) of round ``round_``."""
     return Path(directory) / f"round{round_:03d}_{phase}_rank{rank:03d}.pt"
+
+
+def round_observers(model: nn.Module, state: DistributedState) -> list[RoundDump]:
+    """The observers of a job's rounds: a :class:`RoundDump` when ``$XFFL_TEST_DUMP_ROUNDS`` names a
+    directory (tests), else none. Production signatures never take a dump."""
+    return [RoundDump(model, state)] if os.environ.get(ENV) else []
 
 
 class RoundDump:

@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from torch.distributed.fsdp import FSDPModule
 
 from ..schema import ACTIVATION_CHECKPOINTING, TrainConfig
 
@@ -38,10 +37,7 @@ def accumulate_gradients(
     k = cfg.grad_accum
     total = torch.zeros((), dtype=torch.float64, device=device)
     for i in range(k):
-        if isinstance(model, FSDPModule):
-            model.set_requires_gradient_sync(i == k - 1)
-        elif hasattr(model, "set_accumulate_grad"):  # DecentralizedDataParallel: update after the last only
-            model.set_accumulate_grad(i < k - 1)
+        model.set_requires_gradient_sync(i == k - 1)
         with timer("data"):
             inputs, targets = (t.to(device, non_blocking=True) for t in micro_batch(i))
         with timer("forward"):

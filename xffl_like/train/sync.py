@@ -1,39 +1,40 @@
-"""What keeps the copies of the model in step: the one interface the worker loop calls.
+"""What keeps the copies of the model in step: the one seam between the trainer and everything else.
 
-:mod:`.loop` runs the same skeleton for every job (local steps, evaluations, logging, the
-summary) and calls a :class:`Sync` at fixed points of each step, the way torchft's
-``LocalSGD``/``DiLoCo`` hook into a plain training loop:
+The :class:`~.trainer.Trainer` runs the same steps for every job and calls a :class:`Sync` at two
+points of each, the way torchft's ``LocalSGD``/``DiLoCo`` hook into a plain training loop:
 
-============================  =================================================================
-``module``                    what the step runs forward and backward on
-``data_seed``                 the seed of the batches this facility draws
-``begin(step, rounds)``       before the first step: the step to train from (an elastic joiner's differs)
-``trained(tokens)``           after each micro-batch: tokens actually trained
-``optimizer_step()``          after the step's backward passes: inner optimizer(s), gradient sync
-``lr()``                      the learning rate of the step just taken
-``boundary_at(done)``         evaluate the local model after ``done`` steps
-``applies_at(done)``          a round (or a phase switch) ends after ``done`` steps
-``arrive(done)``              there, first: wait for the others (the round's ``waited_s``)
-``finish_due(done, index)``   end the due rounds: their records
-``metrics(done)``             extra values for this step's log row
-``end_step(done, ...)``       after the step's logging: checkpoints
-``start_due(done, index)``    where ``starts_at(done)``: exchanges that start, algorithm switches
-``ends_at(done)``             training ends after ``done`` steps (``federation.every_s``: decided at a round)
-``job_step(done)``            the job's step a checkpoint is named by (``done``, unless facilities' steps differ)
-``finish()``                  after the last step: every copy the same model; what the summary adds
-``close()``                   after the loop, however it ended (an elastic facility leaves)
-============================  =================================================================
+=================================  ==============================================================
+``module``                         what the step runs forward and backward on; it takes the
+                                   micro-batch switch (``set_requires_gradient_sync``)
+``capabilities``                   what the trainer may rely on (:class:`Capabilities`)
+``optimizer_step(tokens)``         after the step's backward passes (``tokens`` trained in them):
+                                   inner optimizer(s), gradient sync; the step's learning rate
+``on_step_end(done, index, then)`` after ``done`` steps: whatever happens there (a join before
+                                   the first step, a round's wait and exchange, fragments, metrics),
+                                   ``then(end)`` (the trainer evaluates, logs, checkpoints, agrees
+                                   on a stop), then what starts there (overlapped exchanges,
+                                   algorithm switches) unless ``then`` said stop
+``state_dict()``/``load_state_dict()``  the federation's state in the job's checkpoints
+``leave()``                        at a stop: leave the federation; the line saying how to rejoin
+``close()``                        after the loop, however it ended; what the summary adds
+=================================  ==============================================================
 
-Three implementations: :class:`FederatedSync` (``parallel=fsdp``: FSDP2/HSDP inside a facility,
-the federation's rounds across facilities, checkpoints) and
-:class:`~.dataparallel.DataParallelSync` (``parallel=decentralized|bagua``: a full copy per rank
-kept in step by :mod:`xffl_like.parallel`), and :class:`~.elastic.ElasticSync`
-(``federation.elastic.lighthouse``: this job is one facility; rounds among the facilities present).
+When rounds, the end and a checkpoint's step fall is the round clock's
+(:class:`xffl_like.federation.clock.RoundClock`), which the trainer holds beside the sync.
+
+Three implementations, built by :func:`~.trainer.build_trainer`: :class:`FederatedSync`
+(``parallel=fsdp``: FSDP2/HSDP inside a facility, the federation's rounds across facilities),
+:class:`~.elastic.ElasticSync` (``federation.elastic.lighthouse``: this job is one facility; rounds
+among the facilities present) and :class:`~.dataparallel.DataParallelSync`
+(``parallel=decentralized|bagua``: a full copy per rank kept in step by :mod:`xffl_like.parallel`).
+The first two compose the same :class:`ShardedParts`.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -42,125 +43,141 @@ import torch.distributed as dist
 from torch import nn
 
 from ..aggregation import build_strategy
-from ..checkpoint import Checkpointer
+from ..checkpoint.dcp import checkpoint_dir
 from ..distributed.state import DistributedState
 from ..federation import FederationSchedule
 from ..federation.pace import facility_steps
+from ..observe.timing import PhaseTimer
 from ..schema import JobConfig
 from .nonfinite import NonFiniteGuard
 from .optim import build_optimizer, build_scheduler
 from .parallelize import build_sharded_model, contiguous_shards
-from .round_dump import RoundDump
+from .round_dump import round_observers
 
-__all__ = ["FederatedSync", "Sync"]
+__all__ = ["Capabilities", "FederatedSync", "RoundHooks", "ShardedParts", "StepEnd", "Sync", "SyncBase"]
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a sync declares, so that the trainer never asks what kind it has."""
+
+    #: Exact checkpoints at round boundaries: a stop request goes on to the next one when it is near.
+    checkpoints: bool = False
+    #: One facility of a federation of independent jobs: it stops at any step and leaves the federation.
+    elastic: bool = False
+    #: Facilities take different steps between rounds: no collective of every rank in between (stops agree at rounds).
+    paced: bool = False
+
+
+@dataclass
+class StepEnd:
+    """What happened after a step: the round records to log and keep, extra values for the step's log row."""
+
+    step: int  # the step training continues from (an elastic joiner: the federation's)
+    rounds: list[dict] = field(default_factory=list)
+    metrics: dict = field(default_factory=dict)
+
+
+#: The trainer's part of the end of a step (evaluate, log, checkpoint, agree on a stop): False to stop there.
+Settle = Callable[[StepEnd], bool]
 
 
 class Sync(Protocol):
-    """Keeps the copies of the model in step; see the module docstring for when each is called."""
+    """Keeps the copies of the model in step; see the module docstring for when each member is called."""
 
-    model: nn.Module  # this rank's model: evaluated, measured and exported
-    module: nn.Module  # what the training step calls (the model, or a wrapper of it)
-    ckpt: Checkpointer | None  # the job's checkpoints (None: this kind of job writes none)
+    module: nn.Module
+    capabilities: Capabilities
 
-    data_seed: int  # the seed of the batches this facility draws
-    data_facility: tuple[int, int] | None  # (facility, facilities) in the data, if not the layout's
-    steps: int  # this facility's steps in the job (federation.every as a list: its own)
-    paced: bool  # facilities take different steps between rounds: no collective of every rank in between
-
-    def restore(self, losses: torch.Tensor) -> dict | None: ...
-    def begin(self, start_step: int, rounds: int) -> int: ...
-    def trained(self, tokens: int) -> None: ...
-    def optimizer_step(self) -> None: ...
-    def lr(self) -> float: ...
-    def boundary_at(self, done: int) -> bool: ...
-    def applies_at(self, done: int) -> bool: ...
-    def arrive(self, done: int) -> None: ...
-    def finish_due(self, done: int, index: int) -> list[dict]: ...
-    def metrics(self, done: int) -> dict: ...
-    def end_step(self, done: int, rounds: list[dict], losses: torch.Tensor, evals: list[dict]) -> None: ...
-    def starts_at(self, done: int) -> bool: ...
-    def start_due(self, done: int, index: int) -> None: ...
-    def ends_at(self, done: int) -> bool: ...
-    def job_step(self, done: int) -> int: ...
-    def finish(self) -> dict: ...
-    def close(self) -> None: ...
+    def optimizer_step(self, tokens: int) -> float: ...
+    def on_step_end(self, done: int, index: int, then: Settle) -> StepEnd: ...
+    def state_dict(self, at_step: int | None = None) -> dict: ...
+    def load_state_dict(self, sd: dict) -> None: ...
+    def leave(self) -> str | None: ...
+    def close(self) -> dict: ...
 
 
-class FederatedSync:
-    """``parallel=fsdp``: the model sharded over the facility (FSDP2, HSDP with replicas), an inner
-    optimizer per rank, the federation's rounds across facilities (:mod:`xffl_like.federation`),
-    the non-finite guard before each round and a DCP checkpoint after each boundary.
+class SyncBase:
+    """Defaults for a :class:`Sync`: an implementation overrides what it changes. The first
+    :meth:`on_step_end` is the start (after the restored step, before the first step trained)."""
 
-    Collective: every rank builds it at the same point.
-    """
+    capabilities = Capabilities()
+    started = False
 
-    def __init__(self, cfg: JobConfig, state: DistributedState, run_dir: Path, config: dict):
-        """``config``: the whole resolved job config as plain values (recorded in each checkpoint)."""
-        tcfg, ocfg = cfg.train, cfg.optim
-        self.state, self.grad_clip = state, ocfg.grad_clip
-        # This facility's steps (federation.every as a list: its own number of rounds x its entry).
-        self.steps = facility_steps(cfg.federation, state.facility, tcfg.steps)
-        self.paced = cfg.federation.paced  # facilities take different steps per round (federation/pace.py)
-        self.waited = 0.0  # this rank's wait at the last round for the other facilities
-        self.model = self.module = build_sharded_model(cfg.model, state, tcfg.dtype, seed=cfg.seed)  # same start
-        contiguous_shards(self.model, state.shard_size)  # aggregation buckets become views: no copies
-        self.optimizer = build_optimizer(self.model, ocfg)
-        self.scheduler = build_scheduler(self.optimizer, ocfg, self.steps)
-        self.strategy = {"name": cfg.strategy.name, "streams": cfg.strategy.streams}
-        self.federation = self._federation(cfg, state)
-        self.data_seed = cfg.seed  # which batches this facility draws (with its index in the layout)
-        self.data_facility = None  # the layout's facility index and count
-        self.dump = RoundDump(self.model, state)  # tests only ($XFFL_TEST_DUMP_ROUNDS): values around each round
-        self.ckpt = Checkpointer(
-            cfg.checkpoint,
-            state,
-            run_dir,
-            self.model,
-            self.optimizer,
-            self.scheduler,
-            self.federation,
-            resume=cfg.resume,
-            config=config,
-        )
-        self.guard = NonFiniteGuard(cfg.federation.on_nonfinite, state, self.model, self.optimizer, self.ckpt.dir)
+    def on_step_end(self, done: int, index: int, then: Settle) -> StepEnd:
+        if not self.started:
+            self.started = True
+            return self.start(done, index)
+        end = StepEnd(done, self.finish_due(done, index), self.metrics(done))
+        if then(end):
+            self.start_due(done, index + len(end.rounds))
+        return end
 
-    def _federation(self, cfg: JobConfig, state: DistributedState):
-        """What runs the rounds across facilities (collective)."""
-        strategy = build_strategy(self.model, state, cfg.strategy)
-        return FederationSchedule(cfg.federation, self.model, strategy, state, cfg.train.steps)
+    def start(self, done: int, index: int) -> StepEnd:
+        """Before the first step of this job, after ``done`` (restored) steps."""
+        return StepEnd(done)
 
-    def _adjust(self, done: int):
-        """The non-finite guard sets the weights of a round ending or starting after ``done`` steps."""
-        return lambda weights, index: self.guard.weights_for_round(weights, index, done)
+    def finish_due(self, done: int, index: int) -> list[dict]:
+        """The rounds that end after ``done`` steps (records numbered from ``index``)."""
+        return []
 
-    def restore(self, losses: torch.Tensor) -> dict | None:
-        schedules = [dict(fn.__dict__) for fn in self.scheduler.lr_lambdas]  # this facility's own
-        saved = self.ckpt.restore(losses)  # None: a fresh start
-        if saved is None or not self.paced:
-            return saved
-        # A checkpoint is named by the job's step; this facility resumes at its own, on its own schedule
-        # (state.json holds rank 0's scheduler: facility 0's steps and position).
-        steps = self.federation.facility_steps.tolist()
-        own = steps[self.state.facility]
-        for fn, schedule in zip(self.scheduler.lr_lambdas, schedules):
-            fn.__dict__.update(schedule)
-        self.scheduler.last_epoch = own - 1
-        self.scheduler.step()
-        return {**saved, "step": own, "facility_steps": steps}
+    def metrics(self, done: int) -> dict:
+        """Extra values for the log row of step ``done``."""
+        return {}
 
-    def begin(self, start_step: int, rounds: int) -> int:
-        self.federation.start_clock(start_step)
-        if start_step == 0:
-            self.dump.save(0, "init")  # tests: the common start, theta_global of every fragment
-        # An exchange overlapping the first steps starts now (after a resume: as the saved run did).
-        self.federation.start_due(start_step, self._adjust(start_step), self.dump, rounds)
-        return start_step
+    def start_due(self, done: int, index: int) -> None:
+        """What starts after ``done`` steps, once the step is settled."""
 
-    def trained(self, tokens: int) -> None:
-        self.federation.trained(tokens)  # tokens actually trained (federation.weights=tokens)
+    def state_dict(self, at_step: int | None = None) -> dict:
+        return {}
 
-    def optimizer_step(self) -> None:
-        self.federation.after_backward()  # synchronous: gradients averaged across facilities
+    def load_state_dict(self, sd: dict) -> None:
+        pass
+
+    def leave(self) -> str | None:
+        return None
+
+    def close(self) -> dict:
+        return {}
+
+
+class RoundHooks:
+    """What a federation calls around each round: the non-finite guard sets its weights, observers
+    (tests' :class:`~.round_dump.RoundDump`, registered by :func:`~.round_dump.round_observers`)
+    see the values around it."""
+
+    def __init__(self, guard: NonFiniteGuard | None, observers: list):
+        self.guard, self.observers = guard, observers
+
+    def weights_for_round(self, weights: list[float] | None, index: int, done: int):
+        if self.guard is None:
+            return weights, []
+        return self.guard.weights_for_round(weights, index, done)
+
+    def save(self, round_: int, phase: str, **extra) -> None:
+        for observer in self.observers:
+            observer.save(round_, phase, **extra)
+
+
+@dataclass
+class ShardedParts:
+    """A facility's FSDP2/HSDP model (the same start on every rank), its inner optimizer and learning-rate
+    schedule over ``steps``: what :class:`FederatedSync` and :class:`~.elastic.ElasticSync` share."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    grad_clip: float
+
+    @classmethod
+    def build(cls, cfg: JobConfig, state: DistributedState, steps: int) -> ShardedParts:
+        """Collective: every rank builds them at the same point."""
+        model = build_sharded_model(cfg.model, state, cfg.train.dtype, seed=cfg.seed)
+        contiguous_shards(model, state.shard_size)  # aggregation buckets become views: no copies
+        optimizer = build_optimizer(model, cfg.optim)
+        return cls(model, optimizer, build_scheduler(optimizer, cfg.optim, steps), cfg.optim.grad_clip)
+
+    def step(self) -> None:
+        """Clip, step, zero the gradients, advance the schedule."""
         if self.grad_clip > 0:
             nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
         self.optimizer.step()
@@ -170,54 +187,82 @@ class FederatedSync:
     def lr(self) -> float:
         return self.optimizer.param_groups[0]["lr"]
 
-    def boundary_at(self, done: int) -> bool:
-        return self.federation.boundary_at(done)  # synchronous: every `every` steps
 
-    def applies_at(self, done: int) -> bool:
-        return self.federation.applies_at(done)  # synchronous runs have no rounds (but a phase switch)
+class FederatedSync(SyncBase):
+    """``parallel=fsdp``: the model sharded over the facility, an inner optimizer per rank, the
+    federation's rounds across facilities (:mod:`xffl_like.federation`) with the non-finite guard
+    before each. Collective: every rank builds it at the same point."""
+
+    def __init__(self, cfg: JobConfig, state: DistributedState, parts: ShardedParts, run_dir: Path, timer: PhaseTimer):
+        self.state, self.parts, self.timer = state, parts, timer
+        self.module = parts.model
+        self.capabilities = Capabilities(checkpoints=True, paced=cfg.federation.paced)
+        guard = NonFiniteGuard(
+            cfg.federation.on_nonfinite, state, parts.model, parts.optimizer, checkpoint_dir(cfg.checkpoint, run_dir)
+        )
+        self.hooks = RoundHooks(guard, round_observers(parts.model, state))
+        strategy = build_strategy(parts.model, state, cfg.strategy)
+        self.rounds = FederationSchedule(cfg.federation, parts.model, strategy, state, cfg.train.steps, self.hooks)
+        self.clock = self.rounds.clock
+        self.strategy = {"name": cfg.strategy.name, "streams": cfg.strategy.streams}
+        # This facility's own schedule (a checkpoint's state.json holds rank 0's: facility 0's, when paces differ).
+        self._own_schedules = [dict(fn.__dict__) for fn in parts.scheduler.lr_lambdas]
+
+    def start(self, done: int, index: int) -> StepEnd:
+        self.clock.start(done)
+        if done == 0:
+            self.hooks.save(0, "init")  # tests: the common start, theta_global of every fragment
+        self.start_due(done, index)  # an exchange overlapping the first steps (after a resume: as the saved run did)
+        return StepEnd(done)
+
+    def optimizer_step(self, tokens: int) -> float:
+        self.rounds.trained(tokens)  # federation.weights=tokens
+        self.rounds.after_backward()  # synchronous: gradients averaged across facilities
+        self.parts.step()
+        return self.parts.lr()
 
     def finish_due(self, done: int, index: int) -> list[dict]:
-        # Ranks arrive at different times; the wait is charged to the loop's aggregation phase
-        # (and shows as imbalance), the round's seconds time the exchange alone.
-        dist.barrier()
-        return [
-            {**record, "waited": self.waited}
-            for record in self.federation.finish_due(done, self._adjust(done), self.dump, index)
-        ]
-
-    def arrive(self, done: int) -> None:
-        """Where ``applies_at(done)``, before the round's evaluation: wait until every facility is at the
-        round (collective). The wait, this rank's share of the round's ``waited_s``, is what a slower
-        facility costs the others."""
-        arrived = time.perf_counter()
-        dist.barrier()
-        self.waited = time.perf_counter() - arrived
-
-    def ends_at(self, done: int) -> bool:
-        """Whether this facility's training ends after its ``done`` steps."""
-        return self.federation.ends_at(done)
-
-    def job_step(self, done: int) -> int:
-        """The job's step (what a checkpoint is named by) after this facility's ``done`` steps."""
-        return self.federation.job_step(done)
-
-    def metrics(self, done: int) -> dict:
-        return {}
-
-    def end_step(self, done: int, rounds: list[dict], losses: torch.Tensor, evals: list[dict]) -> None:
-        if self.federation.boundary_at(done):  # nothing is in flight here: a step's exchanges start after it
-            self.ckpt.after_round(
-                self.job_step(done), rounds, losses, final=self.ends_at(done), records={"evals": evals}
-            )
-
-    def starts_at(self, done: int) -> bool:
-        return self.federation.starts_at(done)
+        if not self.rounds.applies_at(done):
+            return []
+        # Every facility at the round first: this rank's wait, its share of the round's waited_s (what a slower
+        # facility costs the others), is one aggregation iteration with the exchange; the round's seconds time
+        # the exchange alone.
+        with self.timer("aggregation"):
+            arrived = time.perf_counter()
+            dist.barrier()
+            waited = time.perf_counter() - arrived
+        with self.timer("aggregation", join=True):
+            records = self.rounds.finish_due(done, index)
+        return [{**record, "waited": waited} for record in records]
 
     def start_due(self, done: int, index: int) -> None:
-        self.federation.start_due(done, self._adjust(done), self.dump, index)
+        if self.rounds.starts_at(done):  # exchanges overlapping the next steps start after the step's checkpoint
+            with self.timer("aggregation"):
+                self.rounds.start_due(done, index)
 
-    def finish(self) -> dict:
-        return {"strategy": self.strategy, "federation": self.federation.describe(), "checkpoints": self.ckpt.close()}
+    def state_dict(self, at_step: int | None = None) -> dict:
+        """The federation's state; ``at_step``: of the phase that runs after that step (the template a
+        checkpoint of that step loads into)."""
+        if at_step is not None:
+            self.rounds.resume_at(at_step)
+        return self.rounds.state_dict()
 
-    def close(self) -> None:
-        """After the loop, whether it finished, stopped or failed."""
+    def load_state_dict(self, sd: dict) -> None:
+        self.rounds.load_state_dict(sd)
+        steps = self.clock.facility_steps
+        if steps is None:
+            return
+        # A checkpoint is named by the job's step; this facility resumes at its own, on its own schedule.
+        scheduler = self.parts.scheduler
+        for fn, schedule in zip(scheduler.lr_lambdas, self._own_schedules):
+            fn.__dict__.update(schedule)
+        scheduler.last_epoch = steps[self.state.facility] - 1
+        scheduler.step()
+
+    def close(self) -> dict:
+        return {"strategy": self.strategy, "federation": self.rounds.describe()}
+
+
+def sharded_steps(cfg: JobConfig, state: DistributedState) -> int:
+    """This facility's steps in the job (``federation.every`` as a list: its own rounds x its entry)."""
+    return facility_steps(cfg.federation, state.facility, cfg.train.steps)

@@ -40,8 +40,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ...distributed.state import to_local
+from ..clock import round_clock
 from ..compress import CompressedMean
 from ..outer import OuterOptimizer
+from ..protocol import RoundClock
 
 __all__ = ["ElasticFederation"]
 
@@ -75,10 +77,23 @@ def _test_hold(round_index: int) -> None:
             time.sleep(0.1)
 
 
+def _roles(info: list[dict]) -> tuple[int, list[int], list[int]]:
+    """From the members' data: the donor (the first up-to-date member that does not join), the members
+    behind (to heal: an older round, or joining), the members at a boundary (the others)."""
+    latest = max(int(d.get("round", 0)) for d in info)
+    ready = [i for i, d in enumerate(info) if int(d.get("round", 0)) == latest]
+    donor = next((i for i in ready if not info[i].get("joining")), ready[0])
+    behind = [i for i, d in enumerate(info) if i != donor and (int(d.get("round", 0)) < latest or d.get("joining"))]
+    at_boundary = [i for i, d in enumerate(info) if not d.get("joining") and i not in behind]
+    return donor, behind, at_boundary
+
+
 class ElasticFederation:
-    """This rank's side of the rounds among facilities (collective over the facility's world)."""
+    """This rank's side of the rounds among facilities (collective over the facility's world); the
+    training side's :class:`~..protocol.Rounds`, plus :meth:`join` and :meth:`leave`."""
 
     def __init__(self, cfg, model: torch.nn.Module, state, name: str, steps: int):
+        """``steps``: this facility's steps in the job."""
         self.options, self.state, self.name, self.steps = cfg, state, name, steps
         self.model = model
         self.params = list(model.parameters())
@@ -93,6 +108,8 @@ class ElasticFederation:
         self.theta: Tensor | None = None
         self.outer: OuterOptimizer | None = None
         self.compressor: CompressedMean | None = None
+        # Where this facility's rounds end: every `every` of its steps, or by its own step time (every_s).
+        self.clock: RoundClock = round_clock(cfg, state, steps, ended=lambda: self.ended)
         full = self._gather()
         if self.leader:
             from .coordinator import Coordinator
@@ -163,9 +180,30 @@ class ElasticFederation:
             raise ElasticError(f"facility {self.name}: its leader left the federation (see rank 0's line)")
         return result.get("value")
 
-    # ------------------------------------------------------------------ the loop's interface
+    # ------------------------------------------------------------------ the loop's interface (protocol.Rounds)
     def trained(self, tokens: int) -> None:
         self.tokens += tokens
+
+    def after_backward(self) -> int:
+        """A local step was taken (its backward passes are done); nothing crosses facilities here."""
+        self.clock.step_taken()
+        return 0
+
+    def applies_at(self, done: int) -> bool:
+        """A round after ``done`` steps: at each of the clock's boundaries."""
+        return self.clock.due(done)
+
+    def finish_due(self, done: int, index: int) -> list[dict]:
+        """The round after ``done`` steps (its record); the clock's next round begins."""
+        record = self.round_at(done)
+        self.clock.round_done(done)
+        return [record]
+
+    def starts_at(self, done: int) -> bool:
+        return False  # no exchange overlaps local steps
+
+    def start_due(self, done: int, index: int) -> None:
+        pass
 
     def join(self, step: int) -> int:
         """Before training: take part in the federation's next round as a member to heal (weight 0),
@@ -249,77 +287,22 @@ class ElasticFederation:
     def _exchange(self, quorum, names: list[str], mine: Tensor, tokens: float, joining: bool, done: int) -> dict:
         cfg, me, n = self.options, names.index(self.name), len(names)
         info = [dict(m.data or {}) for m in quorum.participants]
-        latest = max(int(d.get("round", 0)) for d in info)
-        ready = [i for i, d in enumerate(info) if int(d.get("round", 0)) == latest]
-        donor = next((i for i in ready if not info[i].get("joining")), ready[0])
-        behind = [i for i, d in enumerate(info) if i != donor and (int(d.get("round", 0)) < latest or d.get("joining"))]
-        at_boundary = [i for i, d in enumerate(info) if not d.get("joining") and i not in behind]
+        donor, behind, at_boundary = _roles(info)
         pg = self.coordinator.group(quorum, me) if n > 1 else None
-        sent = 0
         # 3. heal: the donor's state to a scratch copy (applied only after the commit)
-        theta = self.theta
-        buffers = dict(self.outer.buffers)
-        counters = torch.tensor(
-            [float(self.round), float(info[donor]["step"]), float(self.outer.steps)], dtype=torch.float64
-        )  # the donor's round, step and outer steps
-        if behind:
-            healed = [counters.clone(), self.theta.clone(), *(b.clone() for b in buffers.values())]
-            for t in healed:
-                _work(pg.broadcast(t, donor))
-                sent += t.nbytes if me == donor else 0
-            if me in behind:
-                counters, theta = healed[0], healed[1]
-                buffers = dict(zip(buffers, healed[2:]))
+        counters, theta, buffers, sent = self._heal(pg, info, donor, behind, me)
         # 4. the weighted mean over the members at a boundary (the healed ones weigh 0)
-        # weights=null: tokens when the members took different steps since their last round (each facility its own
-        # federation.every, or every_s), else uniform.
-        mode = cfg.weights
-        if mode is None:
-            mode = "tokens" if cfg.paced or len({info[i].get("taken") for i in at_boundary}) > 1 else "uniform"
-        weights = [
-            (float(info[i]["tokens"]) if mode == "tokens" else 1.0) if i in at_boundary else 0.0 for i in range(n)
-        ]
-        total, target, residual = sum(weights), None, None
-        if total > 0:
-            if self.compressor is None:
-                target = mine * (weights[me] / total)
-                if pg is not None:
-                    _work(pg.allreduce([target]))
-                    sent += 2 * (n - 1) * target.nbytes // n
-            else:
-                target, residual, bytes_out = self._compressed_mean(
-                    pg, n, theta, mine, weights, total, contributes=weights[me] > 0
-                )
-                sent += bytes_out
+        weights = self._weights(info, at_boundary)
+        target, residual, bytes_out = self._mean(pg, me, theta, mine, weights)
+        sent += bytes_out
         _test_pause(self.round)
         # 5. commit: completes only if every member got here
         if pg is not None:
             _work(pg.allreduce([torch.ones(1)]))
-        self.theta = theta
-        self.outer.theta = theta
-        self.outer.buffers.update(buffers)
-        self.outer.steps = int(counters[2])
-        rounds = int(counters[0])
-        # The step this facility trains from: its own; a joiner (or a member that missed a commit) without
-        # every_s takes the federation's rounds x its own federation.every (the donor's step when every is shared).
-        step = done
-        if (joining or me in behind) and cfg.every_s is None:
-            theirs = info[donor]
-            if int(theirs["step"]) >= int(theirs.get("steps", self.steps)):
-                step = self.steps  # the federation's last step
-            else:  # as many of its own rounds as the donor's steps are of the donor's
-                step = min(int(theirs["step"]) // int(theirs.get("every") or cfg.every) * cfg.every, self.steps)
+        rounds = self._commit(counters, theta, buffers, target, residual)
+        step = self._own_step(info[donor], done) if joining or me in behind else done
         # federation.every_s: the job ends after the first round in which a member reached train.steps.
         ended = cfg.every_s is not None and max(int(d.get("step", 0)) for d in info) >= self.steps
-        if residual is not None:
-            self.compressor.residual = residual
-        if target is not None:
-            if self.compressor is None and cfg.outer.is_plain_mean:
-                self.theta.copy_(target)
-            else:
-                delta = target if self.compressor is not None else torch.sub(self.theta, target)
-                self.outer.step(delta)
-            rounds += 1
         self._dump(
             {
                 "facilities": names,
@@ -341,6 +324,79 @@ class ElasticFederation:
             "ended": ended,
             "healed": [names[i] for i in behind],
         }
+
+    def _heal(self, pg, info: list[dict], donor: int, behind: list[int], me: int):
+        """The donor's round, step and outer steps, θ_global and the outer buffers: this member's own
+        (scratch copies for a member behind), and the bytes this member sent."""
+        theta, buffers, sent = self.theta, dict(self.outer.buffers), 0
+        counters = torch.tensor(
+            [float(self.round), float(info[donor]["step"]), float(self.outer.steps)], dtype=torch.float64
+        )  # the donor's round, step and outer steps
+        if behind:
+            healed = [counters.clone(), self.theta.clone(), *(b.clone() for b in buffers.values())]
+            for t in healed:
+                _work(pg.broadcast(t, donor))
+                sent += t.nbytes if me == donor else 0
+            if me in behind:
+                counters, theta = healed[0], healed[1]
+                buffers = dict(zip(buffers, healed[2:]))
+        return counters, theta, buffers, sent
+
+    def _weights(self, info: list[dict], at_boundary: list[int]) -> list[float]:
+        """Each member's weight in the mean (0 for the healed ones). ``weights=null``: tokens when the members
+        took different steps since their last round (each facility its own federation.every, or every_s), else
+        uniform."""
+        cfg = self.options
+        mode = cfg.weights
+        if mode is None:
+            mode = "tokens" if cfg.paced or len({info[i].get("taken") for i in at_boundary}) > 1 else "uniform"
+        return [
+            (float(info[i]["tokens"]) if mode == "tokens" else 1.0) if i in at_boundary else 0.0
+            for i in range(len(info))
+        ]
+
+    def _mean(self, pg, me: int, theta: Tensor, mine: Tensor, weights: list[float]):
+        """The round's target (None when no member weighs), the new residual, the bytes this member sent."""
+        n, total = len(weights), sum(weights)
+        if total <= 0:
+            return None, None, 0
+        if self.compressor is not None:
+            return self._compressed_mean(pg, n, theta, mine, weights, total, contributes=weights[me] > 0)
+        target = mine * (weights[me] / total)
+        if pg is None:
+            return target, None, 0
+        _work(pg.allreduce([target]))
+        return target, None, 2 * (n - 1) * target.nbytes // n
+
+    def _commit(self, counters: Tensor, theta: Tensor, buffers: dict, target, residual) -> int:
+        """After the commit: adopt the (healed) state, move θ_global to the target; the rounds made."""
+        cfg = self.options
+        self.theta = theta
+        self.outer.theta = theta
+        self.outer.buffers.update(buffers)
+        self.outer.steps = int(counters[2])
+        rounds = int(counters[0])
+        if residual is not None:
+            self.compressor.residual = residual
+        if target is not None:
+            if self.compressor is None and cfg.outer.is_plain_mean:
+                self.theta.copy_(target)
+            else:
+                delta = target if self.compressor is not None else torch.sub(self.theta, target)
+                self.outer.step(delta)
+            rounds += 1
+        return rounds
+
+    def _own_step(self, theirs: dict, done: int) -> int:
+        """The step a joiner (or a member that missed a commit) trains from: its own with every_s; else the
+        federation's rounds x its own federation.every (the donor's step when every is shared)."""
+        cfg = self.options
+        if cfg.every_s is not None:
+            return done
+        if int(theirs["step"]) >= int(theirs.get("steps", self.steps)):
+            return self.steps  # the federation's last step
+        # as many of its own rounds as the donor's steps are of the donor's
+        return min(int(theirs["step"]) // int(theirs.get("every") or cfg.every) * cfg.every, self.steps)
 
     def _compressed_mean(
         self, pg, n: int, theta: Tensor, mine: Tensor, weights: list[float], total: float, contributes: bool

@@ -8,6 +8,7 @@ import socket
 from typing import Any
 
 from ...checks import is_int, is_number
+from ...errors import ConfigError
 
 __all__ = ["ElasticError", "address", "facility_name", "federation_spec", "first_difference", "validate_elastic"]
 
@@ -17,11 +18,11 @@ class ElasticError(RuntimeError):
 
 
 def address(lighthouse: str) -> tuple[str, int]:
-    """``HOST:PORT`` (``[v6]:PORT`` too) -> (host, port); ``ValueError`` with one line otherwise."""
+    """``HOST:PORT`` (``[v6]:PORT`` too) -> (host, port); ``ConfigError`` with one line otherwise."""
     host, sep, port = str(lighthouse).rpartition(":")
     host = host.strip("[]")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65535:
-        raise ValueError(
+        raise ConfigError(
             f"federation.elastic.lighthouse={lighthouse!r}: must be HOST:PORT (the address "
             f"`python -m xffl_like.lighthouse` prints, e.g. login1:29510)"
         )
@@ -37,7 +38,7 @@ def facility_name(cfg) -> str:
 
 
 def validate_elastic(job, layout) -> None:
-    """Check ``federation.elastic`` against the rest of ``job`` (``ValueError``, one line)."""
+    """Check ``federation.elastic`` against the rest of ``job`` (``ConfigError``, one line)."""
     e, fed = job.federation.elastic, job.federation
     if e.lighthouse is None:
         return
@@ -45,25 +46,25 @@ def validate_elastic(job, layout) -> None:
     import importlib.util
 
     if importlib.util.find_spec("torchft") is None:
-        raise ValueError(
+        raise ConfigError(
             "federation.elastic.lighthouse needs torchft (its Lighthouse): pip install -c constraints.txt "
             '-e ".[elastic]"'
         )
     if e.facility is not None and (
         not isinstance(e.facility, str) or not e.facility.strip() or any(c in e.facility for c in "/ \t\n")
     ):
-        raise ValueError(
+        raise ConfigError(
             f"federation.elastic.facility={e.facility!r}: a name without spaces or '/', e.g. "
             f"federation.elastic.facility=leonardo"
         )
     if not is_int(e.min_facilities) or e.min_facilities < 1:
-        raise ValueError(f"federation.elastic.min_facilities={e.min_facilities!r}: must be an integer >= 1")
+        raise ConfigError(f"federation.elastic.min_facilities={e.min_facilities!r}: must be an integer >= 1")
     if not is_number(e.timeout_s) or not math.isfinite(e.timeout_s) or e.timeout_s <= 0:
-        raise ValueError(f"federation.elastic.timeout_s={e.timeout_s!r}: must be a number of seconds > 0")
+        raise ConfigError(f"federation.elastic.timeout_s={e.timeout_s!r}: must be a number of seconds > 0")
     if not isinstance(e.rewarm, bool):
-        raise ValueError(f"federation.elastic.rewarm={e.rewarm!r}: must be true or false")
+        raise ConfigError(f"federation.elastic.rewarm={e.rewarm!r}: must be true or false")
     if layout.num_facilities != 1:
-        raise ValueError(
+        raise ConfigError(
             f"federation.elastic.lighthouse: each facility is its own job, so distributed.* describes "
             f"this facility only; set distributed.federated=null (now {job.distributed.federated!r})"
         )
@@ -77,7 +78,7 @@ def validate_elastic(job, layout) -> None:
     }
     for what, bad in refused.items():
         if bad:
-            raise ValueError(
+            raise ConfigError(
                 f"{what} does not work with federation.elastic.lighthouse (rounds among the facilities "
                 f"present): use rounds of averaging or an outer optimizer, with weights uniform or tokens"
             )

@@ -1,0 +1,365 @@
+"""The trainer: one skeleton for every job, its parts as typed attributes (as torchtitan's ``Trainer``).
+
+:func:`build_trainer` builds the parts for the job's mode, the one place that chooses:
+
+- ``model``: this rank's model (evaluated, measured, exported);
+- ``sync``: what keeps its copies in step (:class:`~.sync.Sync`);
+- ``clock``: when rounds, the end and a checkpoint's step fall (:class:`~xffl_like.federation.clock.RoundClock`);
+- ``checkpointer``: the job's checkpoints (``None`` where the mode writes none);
+- ``data``: this rank's batches.
+
+:meth:`Trainer.train` restores, then loops over :meth:`~Trainer.train_step` and
+:meth:`~Trainer.maybe_round` (whose settling evaluates, logs, checkpoints and runs
+:meth:`~Trainer.maybe_stop`), and ends with :meth:`~Trainer.summarize` (rank 0: the summary, also
+written to ``summary.json``; other ranks ``None``). It never asks what kind of sync it has: the
+sync declares its :class:`~.sync.Capabilities`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..checkpoint import Checkpointer
+from ..data import build_data
+from ..distributed.signals import agree_stop, signal_name
+from ..distributed.state import DistributedState
+from ..federation.clock import RoundClock, end_clock
+from ..observe import Observer
+from ..observe.timing import PhaseTimer, gather_phase_table
+from ..schema import JobConfig, as_plain
+from .evaluate import eval_points, evaluate, facility_eval
+from .fault import FaultInjector
+from .parallelize import peak_rss_mb
+from .step import accumulate_gradients
+from .summary import gather_facility_losses, job_summary, max_param_divergence
+from .sync import FederatedSync, ShardedParts, StepEnd, Sync, sharded_steps
+
+__all__ = ["STOP_GRACE_S", "Parts", "Trainer", "build_parts", "build_trainer"]
+
+#: After a stop request, training goes on to the next round boundary (where checkpoints are exact)
+#: when that is at most this many seconds away; otherwise it stops at once, without a checkpoint.
+STOP_GRACE_S = 5.0
+
+
+@dataclass(frozen=True)
+class Parts:
+    """What :func:`build_parts` builds for the job's mode."""
+
+    model: nn.Module
+    sync: Sync
+    clock: RoundClock
+    checkpointer: Checkpointer | None
+    data_identity: tuple[int, int, int]  # (seed, facility, facilities) of this rank's batches
+
+
+def build_parts(cfg: JobConfig, state: DistributedState, run_dir: Path, timer: PhaseTimer) -> Parts:
+    """The model and what keeps its copies in step, for ``cfg.parallel.name`` and ``federation.elastic``
+    (collective: every rank builds them at the same point)."""
+    layout_identity = (cfg.seed, state.facility, state.num_facilities)
+    if cfg.parallel.name != "fsdp":  # full copies: Decent-DP or Bagua
+        from .dataparallel import DataParallelSync, build_full_model
+
+        model = build_full_model(cfg, state)
+        sync = DataParallelSync(cfg, state, model, timer)
+        return Parts(model, sync, end_clock(cfg.train.steps), None, layout_identity)
+    steps = sharded_steps(cfg, state)
+    parts = ShardedParts.build(cfg, state, steps)
+    if cfg.federation.elastic.lighthouse:  # this job is one facility of a federation of independent jobs
+        from .elastic import ElasticSync, data_identity
+
+        sync, identity = ElasticSync(cfg, state, parts, steps, timer), data_identity(cfg)
+    else:
+        sync, identity = FederatedSync(cfg, state, parts, run_dir, timer), layout_identity
+    checkpointer = Checkpointer(
+        cfg.checkpoint, state, run_dir, parts.model, parts.optimizer, parts.scheduler, sync,
+        resume=cfg.resume, config=as_plain(cfg),
+    )  # fmt: skip
+    return Parts(parts.model, sync, sync.clock, checkpointer, identity)
+
+
+def build_trainer(cfg: JobConfig, state: DistributedState, run_dir: Path, started_at: float) -> Trainer:
+    """The job's trainer on this rank (collective)."""
+    torch.manual_seed(cfg.seed)
+    timer = PhaseTimer(state.device)
+    parts = build_parts(cfg, state, run_dir, timer)
+    setup_rss = torch.tensor(peak_rss_mb(), dtype=torch.float64)
+    dist.all_reduce(setup_rss, op=dist.ReduceOp.MAX)
+    return Trainer(cfg, state, run_dir, parts, timer, setup_rss, started_at)
+
+
+class StepLog:
+    """Each step's facility loss stays on the device; the rows reach ``losses`` and the observer
+    (metrics.jsonl, W&B, progress) in one host sync every ``train.log_every`` steps, and before
+    anything that reads them (an evaluation, a round, a checkpoint, a stop, the end): a float() of
+    the loss every step would make a GPU wait for each step's kernels before queueing the next."""
+
+    def __init__(self, observer, losses: torch.Tensor, facility: int, tokens_per_step: int):
+        self.observer, self.losses, self.facility, self.tokens_per_step = observer, losses, facility, tokens_per_step
+        self.rows: list[tuple] = []
+
+    def add(self, step: int, loss: torch.Tensor, lr: float, elapsed: float, evals: dict | None, extra: dict) -> None:
+        self.rows.append((step, loss.detach(), lr, elapsed, evals, extra))
+
+    def flush(self) -> None:
+        if not self.rows:
+            return
+        values = torch.stack([row[1].reshape(()) for row in self.rows]).tolist()  # the one host sync
+        for (step, _, lr, elapsed, evals, extra), value in zip(self.rows, values):
+            self.losses[self.facility, step] = value
+            self.observer.step(step, value, lr, self.tokens_per_step, elapsed, evals, **extra)
+        self.rows.clear()
+
+
+class Trainer:
+    """One rank's training job: its parts, the run's records, and the steps."""
+
+    model: nn.Module
+    sync: Sync
+    clock: RoundClock
+    checkpointer: Checkpointer | None
+    timer: PhaseTimer
+    observer: Observer
+    losses: torch.Tensor  # row f: facility f's mean loss per step (filled by this rank's facility share)
+    rounds: list[dict]  # the round records
+    evals: list[dict]  # {"step", "loss_local", "loss_global", "time"}: losses per facility, None when not evaluated
+
+    def __init__(self, cfg, state, run_dir, parts: Parts, timer: PhaseTimer, setup_rss, started_at: float):
+        tcfg = cfg.train
+        self.cfg, self.tcfg, self.state, self.run_dir = cfg, tcfg, state, Path(run_dir)
+        self.model, self.sync, self.clock, self.checkpointer = parts.model, parts.sync, parts.clock, parts.checkpointer
+        self.timer, self.setup_rss, self.started_at = timer, setup_rss, started_at
+        seed, facility, facilities = parts.data_identity
+        self.data = build_data(
+            cfg.data, vocab_size=cfg.model.vocab_size, seq_len=tcfg.seq_len, batch_size=tcfg.batch_size,
+            seed=seed, facility=facility, num_facilities=facilities,
+            facility_rank=state.facility_rank, facility_size=state.facility_size,
+        )  # fmt: skip
+        self.eval_batches = self.data.eval_batches()
+        self.tokens_per_step = tcfg.batch_size * tcfg.seq_len * tcfg.grad_accum * state.world_size
+        self.losses = torch.zeros(state.num_facilities, tcfg.steps, dtype=torch.float64)
+        self.fault = FaultInjector(cfg.fault, state.rank, state.facility)
+        self.stop_at: int | None = None  # the step a stop request ends training at
+        self.signum: int | None = None
+        self.last = False  # training ends after the step just settled
+
+    # ------------------------------------------------------------------ the whole job
+    def train(self) -> dict | None:
+        self.restore()
+        dist.barrier()
+        self.start, self.train_started_at = time.perf_counter(), time.time()
+        try:
+            done = self.begin()
+            for step in range(done, self.clock.steps):  # this facility's steps (federation.every as a list: its own)
+                done = step + 1
+                self.train_step(step)
+                if self.maybe_round(done):
+                    return self.interrupted(done)
+                if self.last:
+                    break
+        except BaseException:
+            self.observer.abort()
+            self.sync.close()
+            raise
+        return self.summarize(done)
+
+    def restore(self) -> None:
+        """From the job's checkpoint, if any: the step, the records, the observer's files and W&B runs."""
+        saved = self.checkpointer.restore(self.losses) if self.checkpointer is not None else None
+        steps = self.clock.facility_steps
+        if saved is not None and steps is not None:  # facilities of different paces: this one's own step
+            saved = {**saved, "step": steps[self.state.facility], "facility_steps": list(steps)}
+        self.restored = saved
+        self.start_step = saved["step"] if saved else 0
+        self.rounds = list(saved["rounds"]) if saved else []
+        self.evals = list(saved.get("records", {}).get("evals", [])) if saved else []
+        cfg = self.cfg
+        self.observer = Observer(
+            self.tcfg, cfg.strategy, cfg.logger, self.state, self.run_dir, saved, rounds_at=self.clock.rounds_at,
+            experiment=cfg.experiment, config=as_plain(cfg),
+        )  # fmt: skip
+        self.log = StepLog(self.observer, self.losses, self.state.facility, self.tokens_per_step)
+
+    def begin(self) -> int:
+        """The sync's start: an elastic facility joins here and adopts the federation's step (its data keep
+        their own position). Returns the step to train from."""
+        end = self.sync.on_step_end(self.start_step, len(self.rounds), self.settle)
+        self.data_shift, self.first_step = self.start_step - end.step, end.step
+        return end.step
+
+    # ------------------------------------------------------------------ one step
+    def train_step(self, step: int) -> None:
+        """Forward and backward of the step's micro-batches, the optimizer step, the facility's mean loss."""
+        done, accum = step + 1, self.tcfg.grad_accum
+        self.fault.before_step(done)
+        at, tokens = step + self.data_shift, 0
+
+        def micro_batch(i: int):  # micro-batch i of step s is batch s * grad_accum + i of the source
+            nonlocal tokens
+            batch = self.data.train_batch(at * accum + i)
+            tokens += batch[1].numel()  # tokens actually trained (federation.weights=tokens)
+            return batch
+
+        loss = accumulate_gradients(self.sync.module, micro_batch, self.tcfg, self.state.device, self.timer)
+        with self.timer("optimizer"):
+            self.step_lr = self.sync.optimizer_step(tokens)
+        self.fault.after_step(done, self.model)
+        self.step_loss = loss / self.state.facility_size
+        dist.all_reduce(self.step_loss, group=self.state.group("facility"))
+
+    def maybe_round(self, done: int) -> bool:
+        """After ``done`` steps: at a boundary evaluate the local model first; then whatever the sync does
+        there, settled by :meth:`settle`. Returns whether training stops here."""
+        self.local_eval = eval_points(done, self.clock.due(done), self.tcfg.eval_every)
+        self.eval_record = {"step": done, "loss_local": None, "loss_global": None}
+        if self.local_eval:
+            self.eval_record["loss_local"] = self._facility_eval()
+        self.sync.on_step_end(done, len(self.rounds), self.settle)
+        return self.stop_at is not None and done >= self.stop_at and not self.last
+
+    def settle(self, end: StepEnd) -> bool:
+        """The trainer's part of the end of a step, once the sync's rounds are made: the records, the global
+        evaluation, the log row, a checkpoint, the stop agreement. False: training stops here."""
+        done = end.step
+        for record in end.rounds:
+            self.rounds.append(record)
+            self.observer.round(record)
+        if end.rounds:
+            self.eval_record["loss_global"] = self._facility_eval()
+        if self.local_eval:
+            self.eval_record["time"] = time.time()  # when it was known: wall-clock time-to-loss (bench.wan)
+            self.evals.append(self.eval_record)
+        elapsed = time.perf_counter() - self.start
+        self.log.add(done - 1, self.step_loss, self.step_lr, elapsed, self.eval_record if self.local_eval else None,
+                     end.metrics)  # fmt: skip
+        self.last = self.clock.ends_at(done)  # federation.every_s: the round just made may end the job
+        if self.local_eval or done % self.tcfg.log_every == 0 or self.last:  # local_eval: every boundary too
+            self.log.flush()
+        self.maybe_checkpoint(done)
+        return not self.maybe_stop(done, met=bool(end.rounds))
+
+    def _facility_eval(self) -> list[float]:
+        return facility_eval(self.model, self.eval_batches, self.state, self.tcfg.loss_chunk)
+
+    def maybe_checkpoint(self, done: int) -> None:
+        """After a boundary's rounds (nothing is in flight there: a step's exchanges start after it)."""
+        if self.checkpointer is not None and self.clock.due(done):
+            self.checkpointer.after_round(
+                self.clock.job_step(done), self.rounds, self.losses, final=self.last, records={"evals": self.evals}
+            )
+
+    def maybe_stop(self, done: int, met: bool) -> bool:
+        """SIGINT/SIGTERM on any rank: every rank stops at the same step (facilities of different paces agree
+        at rounds only, ``met``: one ended here). Whether training stops after this step."""
+        signum = agree_stop() if not self.sync.capabilities.paced or met else None
+        if signum:
+            self.signum = signum
+            if self.stop_at is None:
+                self.stop_at = self._stop_step(done)
+        return self.stop_at is not None and done >= self.stop_at and not self.last
+
+    def _stop_step(self, done: int) -> int:
+        """Collective: where to stop after a stop request seen after ``done`` steps. Checkpoints are exact at
+        round boundaries only; the next one when it is at most :data:`STOP_GRACE_S` away (by the slowest rank's
+        mean step time), else here. Without checkpoints, elastic or paced (this is a round): here."""
+        caps = self.sync.capabilities
+        if not caps.checkpoints or caps.elastic or caps.paced:
+            return done
+        seconds = torch.tensor([(time.perf_counter() - self.start) / (done - self.first_step)], dtype=torch.float64)
+        dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+        for step in range(done, self.tcfg.steps + 1):
+            if self.clock.due(step):
+                return step if (step - done) * float(seconds) <= STOP_GRACE_S else done
+        return done
+
+    # ------------------------------------------------------------------ the end
+    def interrupted(self, done: int) -> dict | None:
+        """Stop after ``done`` steps: a checkpoint at a round boundary, none elsewhere (an elastic facility
+        saves at any step: what it rejoins with, and leaves the federation); rank 0 returns
+        ``{"interrupted": {...}}`` (what the launcher's one line says)."""
+        self.log.flush()
+        caps, ckpt = self.sync.capabilities, self.checkpointer
+        exact = self.clock.due(done) or caps.elastic
+        saved = last = None
+        if ckpt is not None:
+            if exact:  # no-op if the cadence saved it
+                ckpt.save(self.clock.job_step(done), self.rounds, self.losses, records={"evals": self.evals})
+            ckpt.wait()  # published, or raises
+            if self.state.rank == 0:
+                last = self._last_checkpoint(ckpt)
+                saved = last if exact else None
+            dist.barrier(group=ckpt.group)
+        left = self.sync.leave()
+        self.observer.abort()
+        if self.state.rank != 0:
+            return None
+        stop = {"signal": signal_name(self.signum), "step": done, "steps": self.tcfg.steps, "checkpoint": saved,
+                "last_checkpoint": last, "run_dir": str(self.run_dir), "left": left}  # fmt: skip
+        return {"interrupted": stop}
+
+    @staticmethod
+    def _last_checkpoint(ckpt: Checkpointer) -> str | None:
+        from ..checkpoint.store import latest_checkpoint, remove_stale
+
+        remove_stale(ckpt.dir)  # temporaries of an interrupted save
+        latest = latest_checkpoint(ckpt.dir)
+        return str(latest) if latest else None
+
+    def summarize(self, done: int) -> dict | None:
+        """After the last step: every copy the same model, evaluated and measured; rank 0's summary."""
+        train_seconds = time.perf_counter() - self.start
+        reported = self.sync.close()
+        if self.checkpointer is not None:
+            reported["checkpoints"] = self.checkpointer.close()
+        state, tcfg = self.state, self.tcfg
+        eval_loss = evaluate(self.model, self.eval_batches, state.device, tcfg.loss_chunk)
+        divergence = max_param_divergence(self.model, state)
+        gather_facility_losses(self.losses, state)
+        phases = gather_phase_table(self.timer, state, done - self.first_step)
+        if self.cfg.export.hf:
+            from ..checkpoint.hf import export_job
+
+            export_job(self.model, state, self.run_dir, self.cfg.export, self.cfg.data, base_model=self.cfg.model.path)
+        self._round_times()
+        facility_steps, trained = self._trained(done)
+        if state.rank != 0:
+            self.observer.finish(None)
+            return None
+        summary = job_summary(
+            self.cfg.experiment, state, losses=self.losses, steps=tcfg.steps, trained_steps=trained,
+            tokens_per_step=self.tokens_per_step, train_seconds=train_seconds,
+            train_started_at=self.train_started_at, started_at=self.started_at, eval_loss=eval_loss,
+            evals=self.evals, divergence=divergence, phases=phases, setup_rss=self.setup_rss, rounds=self.rounds,
+            facility_steps=facility_steps, **reported,
+        )  # fmt: skip
+        self.observer.finish(summary)
+        return summary
+
+    def _round_times(self) -> None:
+        """Each round's seconds: the slowest rank's; its ``waited_s``: each facility's wait at it for the others (its
+        slowest rank's). Rounds a resume restored carry rank 0's wait from state.json, so each facility's column
+        there holds facility 0's: approximate for those rounds."""
+        agg = torch.tensor([r["seconds"] for r in self.rounds], dtype=torch.float64)
+        dist.all_reduce(agg, op=dist.ReduceOp.MAX)
+        waited = torch.zeros(len(self.rounds), self.state.num_facilities, dtype=torch.float64)
+        for i, record in enumerate(self.rounds):
+            if "waited" in record:
+                waited[i, self.state.facility] = record.pop("waited")
+        dist.all_reduce(waited, op=dist.ReduceOp.MAX)
+        for record, seconds, wait in zip(self.rounds, agg.tolist(), waited.tolist()):
+            record["seconds"] = seconds
+            record.setdefault("waited_s", wait)
+
+    def _trained(self, done: int) -> tuple[list[int] | None, int | list[int]]:
+        """Every facility's steps so far (facilities of different paces; else None), and the steps trained in
+        this job: this facility's, or with different paces every facility's (for the job's tokens)."""
+        steps = self.clock.facility_steps
+        if steps is None:
+            return None, done - self.first_step
+        before = self.restored.get("facility_steps") if self.restored else None
+        return list(steps), [n - (before[f] if before else 0) for f, n in enumerate(steps)]

@@ -20,6 +20,7 @@ from .config import validate_config
 from .distributed.launch import WorkerFailure, launch_local, start_fork_server
 from .errors import ConfigError
 from .hydra_errors import compose_error
+from .plan import worker_plan
 from .schema import JobConfig, as_plain, job_config
 
 __all__ = ["CONF_DIR", "JobFailed", "JobInterrupted", "run_local", "run_under_launcher", "resolve"]
@@ -259,7 +260,7 @@ def run_local(cfg: DictConfig, run_dir: Path, worker: Callable | None = None) ->
     try:
         results = launch_local(
             worker or _train_worker,
-            (job, str(run_dir), started),
+            (job, str(run_dir), started, worker_plan(job, layout)),
             nproc,
             error_dir=run_dir / "errors",
             max_restarts=job.distributed.max_restarts,
@@ -370,14 +371,15 @@ def configured_backend(overrides: list[str]) -> str:
     return "auto"
 
 
-def _validate_here(overrides: list[str], env) -> tuple[JobConfig, Path]:
-    """Compose, validate and resolve ``resume``; the validated job and the run directory."""
+def _validate_here(overrides: list[str], env):
+    """Compose, validate and resolve ``resume``; the validated job, the run directory and the workers' plan."""
     composed = _compose(overrides)
     job = typed_config(resolve(composed), choices(composed))
     job, layout = validate_config(job, env.world_size, env.local_world_size, Path.cwd())
     if env.rank != 0:
-        return job, Path(".")
-    return prepare_durability(job, layout, _torchrun_run_dir(job.experiment))
+        return job, Path("."), None
+    job, run_dir = prepare_durability(job, layout, _torchrun_run_dir(job.experiment))
+    return job, run_dir, worker_plan(job, layout)
 
 
 #: Seconds at the rendezvous before a process says what it waits for (a stale RANK/WORLD_SIZE, a missing peer).
@@ -497,21 +499,21 @@ def run_under_launcher(overrides: list[str]) -> int:
     payload: list = [None]
     if env.rank == 0:
         try:
-            job, run_dir = _validate_here(overrides, env)
+            job, run_dir, plan = _validate_here(overrides, env)
             beat = _admit(job)  # noqa: F841 - keeps this facility's name taken while rank 0 lives
             _save_config(job, run_dir)
-            payload = [(job, str(run_dir), None)]
+            payload = [(job, str(run_dir), plan, None)]
         except Exception as exc:  # noqa: BLE001 - every rank must learn that the job is off
-            payload = [(None, None, _one_line(exc))]
+            payload = [(None, None, None, _one_line(exc))]
     dist.broadcast_object_list(payload, src=0)
-    job, run_dir, error = payload[0]
+    job, run_dir, plan, error = payload[0]
     if error is not None:
         if env.rank == 0:
             print(f"error: {error}", file=sys.stderr)
         dist.destroy_process_group()
         return 2
     try:
-        result = train_worker(job, run_dir, started)
+        result = train_worker(job, run_dir, started, plan)
     except Exception as exc:  # noqa: BLE001 - one line per failing rank, not a traceback
         print(f"error: rank {env.rank}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1

@@ -121,10 +121,12 @@ class FederationSchedule:
         state,
         steps: int,
         hooks: RoundHooks | None = None,
+        phases=None,
     ):
         """``steps``: the job's (``train.steps``); ``hooks``: what the training side does at each round
         (the non-finite guard's weights, the tests' record of the values), by default nothing."""
-        self.phases = plan_phases(cfg, steps)  # validated in the launcher: planned, not checked
+        # The launcher's plan (workers receive it); planned here only when built on its own (tests, benchmarks).
+        self.phases = list(phases) if phases is not None else plan_phases(cfg, steps)
         self.model, self.strategy, self.state, self.steps = model, strategy, state, steps
         self.hooks = hooks if hooks is not None else NoHooks()
         self.index = -1

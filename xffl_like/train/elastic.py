@@ -41,18 +41,24 @@ def data_identity(cfg: JobConfig) -> tuple[int, int, int]:
 class ElasticSync(SyncBase):
     """Rounds among the facilities present; joins at the start, leaves at a stop and when closed."""
 
-    def __init__(self, cfg: JobConfig, state: DistributedState, parts: ShardedParts, steps: int, timer: PhaseTimer):
-        self.parts, self.module, self.timer = parts, parts.model, timer
-        self.name = facility_name(cfg.federation.elastic)
+    def __init__(self, parts: ShardedParts, federation, timer: PhaseTimer, *, rewarm: int, strategy: dict):
+        """``federation``: this facility's :class:`~xffl_like.federation.elastic.exchange.ElasticFederation`;
+        ``rewarm``: the warm-up steps of a fresh optimizer that joins late (0: none)."""
+        self.parts, self.module, self.federation, self.timer = parts, parts.model, federation, timer
+        self.name, self.clock, self.strategy = federation.name, federation.clock, strategy
         # This world is one facility: its ranks step together, stop at any step, and it leaves at a stop.
         self.capabilities = Capabilities(checkpoints=True, elastic=True)
-        self.federation = ElasticFederation(cfg.federation, parts.model, state, self.name, steps)
-        self.clock = self.federation.clock
-        self.strategy = {"name": cfg.strategy.name, "streams": cfg.strategy.streams}
-        self.rewarm = cfg.federation.elastic.rewarm and cfg.optim.warmup_steps > 0
-        self.warmup_steps = cfg.optim.warmup_steps
+        self.warmup_steps = rewarm
         self.fresh_optimizer = True  # no checkpoint restored
         self.rewarm_from: int | None = None  # the join step a fresh optimizer warms up again from
+
+    @classmethod
+    def build(cls, cfg: JobConfig, state: DistributedState, parts: ShardedParts, steps: int, timer: PhaseTimer):
+        """The job's: this facility joins the federation of ``federation.elastic`` (collective)."""
+        federation = ElasticFederation(cfg.federation, parts.model, state, facility_name(cfg.federation.elastic), steps)
+        rewarm = cfg.optim.warmup_steps if cfg.federation.elastic.rewarm else 0
+        described = {"name": cfg.strategy.name, "streams": cfg.strategy.streams}
+        return cls(parts, federation, timer, rewarm=rewarm, strategy=described)
 
     def start(self, done: int, index: int) -> StepEnd:
         step = self.federation.join(done)
@@ -60,7 +66,7 @@ class ElasticSync(SyncBase):
         if step > 0:  # the schedule follows the federation's step (also drops a restored rewarm factor)
             self.parts.scheduler.last_epoch = step - 1
             self.parts.scheduler.step()
-        if self.rewarm and self.fresh_optimizer and step > 0:
+        if self.warmup_steps > 0 and self.fresh_optimizer and step > 0:
             self.rewarm_from = step
             self._rewarm(step)
         return StepEnd(step)

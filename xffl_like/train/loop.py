@@ -1,4 +1,4 @@
-"""The worker's entry point: ``train_worker(cfg, run_dir)`` runs in every process.
+"""The worker's entry point: ``train_worker(cfg, run_dir, started_at, plan)`` runs in every process.
 
 ``cfg`` is the typed :class:`~xffl_like.schema.JobConfig` the launcher validated (workers never start
 Hydra); ``run_dir`` is the job's one run directory. The worker builds its
@@ -10,32 +10,26 @@ writes ``summary.json``); other ranks return ``None``.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import torch.distributed as dist
 
-from ..distributed.layout import plan_layout
 from ..distributed.state import build_state, read_env
-from ..federation import plan_phases
+from ..plan import WorkerPlan
 from ..schema import JobConfig
 from .trainer import STOP_GRACE_S, build_trainer
 
 __all__ = ["STOP_GRACE_S", "train_worker"]
 
 
-def train_worker(cfg: JobConfig, run_dir: str, started_at: float | None = None) -> dict | None:
-    env = read_env()
-    dcfg = cfg.distributed
-    layout = plan_layout(env.world_size, dcfg.federated, dcfg.hsdp, env.local_world_size)
-    # Exchanges overlapping local steps run on groups of their own (federation.overlap_steps in any phase).
-    overlap = cfg.parallel.name == "fsdp" and any(
-        phase.config.overlap_steps > 0 for phase in plan_phases(cfg.federation, cfg.train.steps)
-    )
+def train_worker(cfg: JobConfig, run_dir: str, started_at: float, plan: WorkerPlan) -> dict | None:
+    """Train on this rank: ``plan`` is the launcher's (the layout and the federation's phases)."""
+    env, dcfg = read_env(), cfg.distributed
     state = build_state(
-        layout, env, backend=dcfg.backend, num_streams=cfg.strategy.streams, timeout_s=dcfg.timeout_s, overlap=overlap
-    )
+        plan.layout, env, backend=dcfg.backend, num_streams=cfg.strategy.streams, timeout_s=dcfg.timeout_s,
+        overlap=plan.overlap,
+    )  # fmt: skip
     try:
-        return build_trainer(cfg, state, Path(run_dir), started_at or time.time()).train()
+        return build_trainer(cfg, state, Path(run_dir), started_at, plan.phases).train()
     finally:
         dist.destroy_process_group()

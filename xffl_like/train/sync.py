@@ -47,6 +47,7 @@ from ..checkpoint.dcp import checkpoint_dir
 from ..distributed.state import DistributedState
 from ..federation import FederationSchedule
 from ..federation.pace import facility_steps
+from ..federation.protocol import Rounds
 from ..observe.timing import PhaseTimer
 from ..schema import JobConfig
 from .nonfinite import NonFiniteGuard
@@ -193,20 +194,33 @@ class FederatedSync(SyncBase):
     federation's rounds across facilities (:mod:`xffl_like.federation`) with the non-finite guard
     before each. Collective: every rank builds it at the same point."""
 
-    def __init__(self, cfg: JobConfig, state: DistributedState, parts: ShardedParts, run_dir: Path, timer: PhaseTimer):
-        self.state, self.parts, self.timer = state, parts, timer
-        self.module = parts.model
-        self.capabilities = Capabilities(checkpoints=True, paced=cfg.federation.paced)
-        guard = NonFiniteGuard(
-            cfg.federation.on_nonfinite, state, parts.model, parts.optimizer, checkpoint_dir(cfg.checkpoint, run_dir)
-        )
-        self.hooks = RoundHooks(guard, round_observers(parts.model, state))
-        strategy = build_strategy(parts.model, state, cfg.strategy)
-        self.rounds = FederationSchedule(cfg.federation, parts.model, strategy, state, cfg.train.steps, self.hooks)
-        self.clock = self.rounds.clock
-        self.strategy = {"name": cfg.strategy.name, "streams": cfg.strategy.streams}
+    def __init__(
+        self, state: DistributedState, parts: ShardedParts, rounds: Rounds, hooks: RoundHooks, timer: PhaseTimer,
+        *, paced: bool, strategy: dict,
+    ):  # fmt: skip
+        """``rounds``: the federation (:class:`~xffl_like.federation.protocol.Rounds`) built with ``hooks``;
+        ``paced``: facilities take different steps per round; ``strategy``: the summary's ``strategy``."""
+        self.state, self.parts, self.rounds, self.hooks, self.timer = state, parts, rounds, hooks, timer
+        self.module, self.clock, self.strategy = parts.model, rounds.clock, strategy
+        self.capabilities = Capabilities(checkpoints=True, paced=paced)
         # This facility's own schedule (a checkpoint's state.json holds rank 0's: facility 0's, when paces differ).
         self._own_schedules = [dict(fn.__dict__) for fn in parts.scheduler.lr_lambdas]
+
+    @classmethod
+    def build(
+        cls, cfg: JobConfig, state: DistributedState, parts: ShardedParts, run_dir: Path, timer: PhaseTimer, phases
+    ) -> FederatedSync:
+        """The job's: the non-finite guard and round observers, the strategy and the federation of ``phases``
+        (the launcher's plan, :class:`~xffl_like.plan.WorkerPlan`). Collective."""
+        where = checkpoint_dir(cfg.checkpoint, run_dir)
+        guard = NonFiniteGuard(cfg.federation.on_nonfinite, state, parts.model, parts.optimizer, where)
+        hooks = RoundHooks(guard, round_observers(parts.model, state))
+        strategy = build_strategy(parts.model, state, cfg.strategy)
+        rounds = FederationSchedule(
+            cfg.federation, parts.model, strategy, state, cfg.train.steps, hooks, phases=phases
+        )  # fmt: skip
+        described = {"name": cfg.strategy.name, "streams": cfg.strategy.streams}
+        return cls(state, parts, rounds, hooks, timer, paced=cfg.federation.paced, strategy=described)
 
     def start(self, done: int, index: int) -> StepEnd:
         self.clock.start(done)

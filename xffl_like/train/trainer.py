@@ -58,9 +58,9 @@ class Parts:
     data_identity: tuple[int, int, int]  # (seed, facility, facilities) of this rank's batches
 
 
-def build_parts(cfg: JobConfig, state: DistributedState, run_dir: Path, timer: PhaseTimer) -> Parts:
+def build_parts(cfg: JobConfig, state: DistributedState, run_dir: Path, timer: PhaseTimer, phases) -> Parts:
     """The model and what keeps its copies in step, for ``cfg.parallel.name`` and ``federation.elastic``
-    (collective: every rank builds them at the same point)."""
+    (collective: every rank builds them at the same point). ``phases``: the launcher's plan of the federation."""
     layout_identity = (cfg.seed, state.facility, state.num_facilities)
     if cfg.parallel.name != "fsdp":  # full copies: Decent-DP or Bagua
         from .dataparallel import DataParallelSync, build_full_model
@@ -73,9 +73,9 @@ def build_parts(cfg: JobConfig, state: DistributedState, run_dir: Path, timer: P
     if cfg.federation.elastic.lighthouse:  # this job is one facility of a federation of independent jobs
         from .elastic import ElasticSync, data_identity
 
-        sync, identity = ElasticSync(cfg, state, parts, steps, timer), data_identity(cfg)
+        sync, identity = ElasticSync.build(cfg, state, parts, steps, timer), data_identity(cfg)
     else:
-        sync, identity = FederatedSync(cfg, state, parts, run_dir, timer), layout_identity
+        sync, identity = FederatedSync.build(cfg, state, parts, run_dir, timer, phases), layout_identity
     checkpointer = Checkpointer(
         cfg.checkpoint, state, run_dir, parts.model, parts.optimizer, parts.scheduler, sync,
         resume=cfg.resume, config=as_plain(cfg),
@@ -83,11 +83,11 @@ def build_parts(cfg: JobConfig, state: DistributedState, run_dir: Path, timer: P
     return Parts(parts.model, sync, sync.clock, checkpointer, identity)
 
 
-def build_trainer(cfg: JobConfig, state: DistributedState, run_dir: Path, started_at: float) -> Trainer:
+def build_trainer(cfg: JobConfig, state: DistributedState, run_dir: Path, started_at: float, phases) -> Trainer:
     """The job's trainer on this rank (collective)."""
     torch.manual_seed(cfg.seed)
     timer = PhaseTimer(state.device)
-    parts = build_parts(cfg, state, run_dir, timer)
+    parts = build_parts(cfg, state, run_dir, timer, phases)
     setup_rss = torch.tensor(peak_rss_mb(), dtype=torch.float64)
     dist.all_reduce(setup_rss, op=dist.ReduceOp.MAX)
     return Trainer(cfg, state, run_dir, parts, timer, setup_rss, started_at)

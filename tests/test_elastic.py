@@ -462,10 +462,10 @@ def _pair(address, tmp_path, names, extra_a, extra_b) -> dict[str, list[int]]:
 
 @pytest.mark.slow
 def test_facilities_of_different_speeds_as_independent_jobs(lighthouse, tmp_path):
-    """Issue 21 with federation.elastic. (1) Each facility its own federation.every with as many rounds:
-    a takes 4 steps per round for 8 steps, b 2 for 4; (2) rounds by time: d slowed 4x takes fewer steps
-    per round than c. Every committed round is the mean weighted by the tokens each member trained since
-    its last round, computed here from each facility's own step records and the batch geometry."""
+    """Issue 21 with federation.elastic. (1) Each facility its own federation.every with as many rounds: a takes 4
+    steps per round for 8 steps, b 2 for 4; (2) rounds by time: d slowed 12x (load cannot make it keep pace) takes
+    fewer steps per round than c. Every committed round is the mean weighted by the tokens each member trained
+    since its last round, computed here from each facility's own step records and the batch geometry."""
 
     def check(names, steps: dict[str, list[int]]) -> None:
         first, other = names
@@ -490,12 +490,12 @@ def test_facilities_of_different_speeds_as_independent_jobs(lighthouse, tmp_path
     assert steps == {"a": [4, 4], "b": [2, 2]}, steps
     check(("a", "b"), steps)
 
-    # (2) rounds by time: federation.every_s, d's steps four times as slow; the job ends after the first
+    # (2) rounds by time: federation.every_s, d's steps twelve times as slow; the job ends after the first
     # round in which one of them reached train.steps=10.
     timed = ["federation.every=null", "federation.every_s=2.5", "train.steps=10"]
     with _lighthouse(tmp_path, "timed") as timed_lighthouse:  # a new federation: its own round time
         steps = _pair(
-            timed_lighthouse, tmp_path, ("c", "d"), timed, [*timed, "fault.slow_facility=0", "fault.slow_factor=4"]
+            timed_lighthouse, tmp_path, ("c", "d"), timed, [*timed, "fault.slow_facility=0", "fault.slow_factor=12"]
         )
     assert all(n >= 1 for row in steps.values() for n in row), steps
     ends = {n: sum(row) for n, row in steps.items()}

@@ -134,16 +134,16 @@ def test_a_list_resumes_exactly_after_a_kill(listed, tmp_path):
 
 
 def test_rounds_by_time_follow_each_facility_s_speed(tmp_path):
-    """``every_s``: facility 1 (slowed 4x) takes fewer steps per round than facility 0; every round is the
-    tokens-weighted mean of the steps each took; the job ends after the first round in which a facility
-    reached train.steps, and no facility trains past it."""
+    """``every_s``: facility 1 (slowed 12x, so that load cannot make it keep pace) takes fewer steps per round than
+    facility 0; every round is the tokens-weighted mean of the steps each took; the job ends after the first round
+    in which a facility reached train.steps, and no facility trains past it."""
     steps = 10
     summary, run_dir = _run(
         [
             "federation.every=null",
             "federation.every_s=2.5",
             "fault.slow_facility=1",
-            "fault.slow_factor=4",
+            "fault.slow_factor=12",  # so slow that a loaded machine cannot make it keep pace
             f"train.steps={steps}",
         ],
         tmp_path,

@@ -22,11 +22,17 @@ Tiers (markers registered in pyproject.toml, ``--strict-markers``):
 
 ``python -m pytest -q`` runs everything; ``python -m pytest -q -m "not slow"`` is the fast tier
 (a couple of minutes); ``-m "not multiprocess and not cli"`` keeps to the pytest process.
+
+Fixtures shared by several modules:
+
+- ``gloo_world``: a one-process gloo world in the pytest process and its ``DistributedState`` (one
+  facility of one rank); the process group is destroyed afterwards, whatever the test did.
 """
 
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 _TESTS = str(Path(__file__).resolve().parent)
@@ -37,3 +43,24 @@ if _TESTS not in sys.path:
 # intra-op thread is as fast, and it does not fight the multi-process tests' workers for the
 # machine's cores (two threads under load made a value check 40x slower).
 torch.set_num_threads(1)
+
+
+@pytest.fixture
+def gloo_world(tmp_path_factory):
+    """A one-process gloo world in the pytest process: the default process group (a file store in a
+    fresh folder) and the :class:`~xffl_like.distributed.state.DistributedState` of one facility of one
+    rank (``plan_layout(1, 1, 1, 1)``, CPU), yielded. The default group and every group of the state
+    are destroyed afterwards, however the test ended: other tests expect no process group here."""
+    import torch.distributed as dist
+
+    from xffl_like.distributed.env import ProcessEnv
+    from xffl_like.distributed.layout import plan_layout
+    from xffl_like.distributed.state import build_state
+
+    assert not dist.is_initialized(), "a default process group was left in the pytest process"
+    store = tmp_path_factory.mktemp("gloo_world") / "store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    try:
+        yield build_state(plan_layout(1, 1, 1, 1), ProcessEnv(0, 1, 0, 1), backend="gloo")
+    finally:
+        dist.destroy_process_group()

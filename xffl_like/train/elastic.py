@@ -25,6 +25,7 @@ from ..federation.elastic import facility_name
 from ..federation.elastic.exchange import ElasticFederation
 from ..observe.timing import PhaseTimer
 from ..schema import JobConfig
+from .optim import schedule_at
 from .sync import Capabilities, ShardedParts, StepEnd, SyncBase
 
 __all__ = ["ElasticSync", "data_identity"]
@@ -64,8 +65,7 @@ class ElasticSync(SyncBase):
         step = self.federation.join(done)
         self.clock.start(step)
         if step > 0:  # the schedule follows the federation's step (also drops a restored rewarm factor)
-            self.parts.scheduler.last_epoch = step - 1
-            self.parts.scheduler.step()
+            schedule_at(self.parts.scheduler, step)
         if self.warmup_steps > 0 and self.fresh_optimizer and step > 0:
             self.rewarm_from = step
             self._rewarm(step)

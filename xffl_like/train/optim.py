@@ -18,7 +18,16 @@ from torch import Tensor, nn
 
 from ..schema import OPTIMIZERS, SCHEDULES, OptimConfig
 
-__all__ = ["OPTIMIZERS", "SCHEDULES", "OptimConfig", "Schedule", "build_optimizer", "build_scheduler", "decay_groups"]
+__all__ = [
+    "OPTIMIZERS",
+    "SCHEDULES",
+    "OptimConfig",
+    "Schedule",
+    "build_optimizer",
+    "build_scheduler",
+    "decay_groups",
+    "schedule_at",
+]
 
 _EMBEDDING_NAMES = ("wte", "wpe")  # GPT-2's embedding modules, whose names do not say "embed"
 
@@ -109,3 +118,14 @@ def build_scheduler(
     optimizer step."""
     schedule = Schedule(cfg.schedule, cfg.warmup_steps, total_steps, cfg.min_lr / cfg.lr)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+
+
+def schedule_at(scheduler: torch.optim.lr_scheduler.LambdaLR, step: int) -> None:
+    """Move ``scheduler`` to step ``step`` (0-based: the next optimizer step is step ``step``) and set every
+    group's learning rate from it: what ``last_epoch = step - 1; step()`` does, without PyTorch's warning
+    about a scheduler stepped before its optimizer (a resumed or joining facility moves it before training)."""
+    scheduler.last_epoch = step
+    groups = scheduler.optimizer.param_groups
+    for group, base, fn in zip(groups, scheduler.base_lrs, scheduler.lr_lambdas):
+        group["lr"] = base * fn(step)
+    scheduler._last_lr = [group["lr"] for group in groups]

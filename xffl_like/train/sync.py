@@ -16,7 +16,8 @@ points of each, the way torchft's ``LocalSGD``/``DiLoCo`` hook into a plain trai
                                    algorithm switches) unless ``then`` said stop
 ``state_dict()``/``load_state_dict()``  the federation's state in the job's checkpoints
 ``leave()``                        at a stop: leave the federation; the line saying how to rejoin
-``close()``                        after the loop, however it ended; what the summary adds
+``close()``                        after the loop when it ends or fails (a stop calls ``leave()``
+                                   instead); what the summary adds
 =================================  ==============================================================
 
 When rounds, the end and a checkpoint's step fall is the round clock's
@@ -51,7 +52,7 @@ from ..federation.protocol import Rounds
 from ..observe.timing import PhaseTimer
 from ..schema import JobConfig
 from .nonfinite import NonFiniteGuard
-from .optim import build_optimizer, build_scheduler
+from .optim import build_optimizer, build_scheduler, schedule_at
 from .parallelize import build_sharded_model, contiguous_shards
 from .round_dump import round_observers
 
@@ -270,8 +271,7 @@ class FederatedSync(SyncBase):
         scheduler = self.parts.scheduler
         for fn, schedule in zip(scheduler.lr_lambdas, self._own_schedules):
             fn.__dict__.update(schedule)
-        scheduler.last_epoch = steps[self.state.facility] - 1
-        scheduler.step()
+        schedule_at(scheduler, steps[self.state.facility])
 
     def close(self) -> dict:
         return {"strategy": self.strategy, "federation": self.rounds.describe()}

@@ -1,4 +1,5 @@
-"""Tier 1: the package's structure -- no import cycle between xffl_like's modules.
+"""Tier 1: the package's structure -- no import cycle between xffl_like's modules; short functions where the
+trainer meets the federation.
 
 Every ``import`` and ``from ... import`` of every module (function-level ones too, read with
 ``ast``) is an edge to the xffl_like module it names (``from . import codec`` names the
@@ -102,3 +103,16 @@ def test_console_scripts_name_callables():
     for name, target in scripts.items():
         module, _, attr = target.partition(":")
         assert callable(getattr(importlib.import_module(module), attr)), (name, target)
+
+
+def test_functions_in_train_and_federation_are_short():
+    """Issue 27: no function in ``train/`` or ``federation/`` over 60 lines (the seam stays readable)."""
+    package = REPO / "xffl_like"
+    long = []
+    for path in sorted([*(package / "train").rglob("*.py"), *(package / "federation").rglob("*.py")]):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > 60:
+                    long.append(f"{path.relative_to(package)}:{node.name}:{lines}")
+    assert not long, long

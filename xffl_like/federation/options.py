@@ -184,24 +184,36 @@ def check_fragments(phases: list[Phase], num_layers: int) -> None:
 
 def _check_one(cfg: FederationConfig, layout) -> None:
     """One phase's (or the section's) keys; one ``ConfigError`` line naming the key and the fix."""
-    num_facilities = layout.num_facilities
     if cfg.algorithm not in FEDERATION_ALGORITHMS:
         raise ConfigError(f"federation.algorithm={cfg.algorithm!r}: use federated or synchronous")
-    weights = cfg.weights
-    if weights not in (None, "uniform", "tokens"):
-        if not (
-            isinstance(weights, (list, tuple))
-            and len(weights) == num_facilities
-            and all(is_number(w) and w >= 0 for w in weights)
-            and sum(weights) > 0
-        ):
-            raise ConfigError(
-                f"federation.weights={weights!r}: use uniform, tokens, or a list of {num_facilities} non-negative "
-                f"numbers with a positive sum (one per facility); null: uniform, or tokens when facilities take "
-                f"different steps per round"
-            )
-    topology, compression = cfg.topology, cfg.compression
+    _check_weights(cfg.weights, layout.num_facilities)
     validate_outer(cfg.outer)
+    _check_compression(cfg)
+    _check_streaming(cfg)
+    _check_combinations(cfg)
+    if cfg.algorithm == "federated" and cfg.topology != "complete":
+        check_gossip_layout(layout, cfg.topology)
+
+
+def _check_weights(weights, num_facilities: int) -> None:
+    if weights in (None, "uniform", "tokens"):
+        return
+    if not (
+        isinstance(weights, (list, tuple))
+        and len(weights) == num_facilities
+        and all(is_number(w) and w >= 0 for w in weights)
+        and sum(weights) > 0
+    ):
+        raise ConfigError(
+            f"federation.weights={weights!r}: use uniform, tokens, or a list of {num_facilities} non-negative "
+            f"numbers with a positive sum (one per facility); null: uniform, or tokens when facilities take "
+            f"different steps per round"
+        )
+
+
+def _check_compression(cfg: FederationConfig) -> None:
+    """``compression``, ``chunk_size``, ``error_feedback``, and gossip's limits on compression and weights."""
+    topology, compression = cfg.topology, cfg.compression
     if compression not in COMPRESSIONS:
         raise ConfigError(f"federation.compression={compression!r}: use one of {', '.join(COMPRESSIONS)}")
     if not is_int(cfg.chunk_size) or cfg.chunk_size < 1:
@@ -223,17 +235,20 @@ def _check_one(cfg: FederationConfig, layout) -> None:
         )
     if topology != "complete" and cfg.mean_weights != "uniform":
         raise ConfigError(
-            f"federation.weights={weights!r} with federation.topology={topology}: gossip "
+            f"federation.weights={cfg.weights!r} with federation.topology={topology}: gossip "
             f"mixes with the topology's own weights; use weights=uniform or topology=complete"
         )
-    _check_streaming(cfg)
-    fragments, overlap = cfg.fragments, cfg.overlap_steps
+
+
+def _check_combinations(cfg: FederationConfig) -> None:
+    """What ``synchronous`` and gossip exclude."""
+    topology, fragments, overlap = cfg.topology, cfg.fragments, cfg.overlap_steps
     if cfg.algorithm == "synchronous":
         changed = [
             k
             for k, bad in (
                 ("topology", topology != "complete"),
-                ("compression", compression != "none"),
+                ("compression", cfg.compression != "none"),
                 ("outer", not cfg.outer.is_plain_mean),
                 ("fragments", fragments > 1),
                 ("overlap_steps", overlap > 0),
@@ -251,8 +266,6 @@ def _check_one(cfg: FederationConfig, layout) -> None:
             f"{overlap}: streaming gossip is not supported; use topology=complete or fragments=1 "
             f"overlap_steps=0"
         )
-    if cfg.algorithm == "federated" and topology != "complete":
-        check_gossip_layout(layout, topology)
 
 
 def _check_streaming(cfg: FederationConfig) -> None:

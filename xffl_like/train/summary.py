@@ -82,6 +82,46 @@ def gather_facility_losses(losses: torch.Tensor, state: DistributedState) -> tor
     return losses
 
 
+def _losses_and_tokens(state, losses, steps, trained_steps, tokens_per_step, facility_steps):
+    """The summary's first and final loss and the job's tokens (see :func:`job_summary`)."""
+    per_step = losses.mean(dim=0)
+    # The first step this job (or the run it resumed) trained: an elastic facility that joined late has no
+    # losses before the federation's step it joined at.
+    first = int(per_step.ne(0).nonzero()[0]) if steps and per_step.ne(0).any() else 0
+    first_loss = float(per_step[first]) if steps else None
+    final_loss = float(per_step[-1]) if steps else None
+    tokens = tokens_per_step * trained_steps if isinstance(trained_steps, int) else 0
+    if facility_steps is not None:  # facilities of different paces: each at its own first and last step
+        sizes = state.layout.facility_sizes
+        tokens = sum(tokens_per_step * size // state.world_size * n for size, n in zip(sizes, trained_steps))
+        if steps and all(facility_steps):
+            firsts = [int(row.ne(0).nonzero()[0]) if row.ne(0).any() else 0 for row in losses]
+            first_loss = sum(float(row[i]) for row, i in zip(losses, firsts)) / len(firsts)
+            final_loss = sum(float(row[n - 1]) for row, n in zip(losses, facility_steps)) / len(facility_steps)
+    return first_loss, final_loss, tokens
+
+
+def _layout(layout) -> dict:
+    return {
+        "facility_sizes": list(layout.facility_sizes),
+        "shard_size": layout.shard_size,
+        "replicas_per_facility": list(layout.replicas),
+    }
+
+
+def _round_record(r: dict) -> dict:
+    """A round's entry in the summary's ``round_records``."""
+    return {
+        "step": r["step"],
+        "phase": r.get("phase", 0),
+        "fragment": r.get("fragment"),
+        "switch": bool(r.get("switch", False)),
+        "started_step": r.get("started_step", r["step"]),
+        "steps_taken": r.get("steps_taken"),
+        "waited_s": r.get("waited_s"),
+    }
+
+
 def job_summary(
     experiment: str,
     state: DistributedState,
@@ -105,34 +145,18 @@ def job_summary(
     extra: dict | None = None,
     facility_steps: list[int] | None = None,
 ) -> dict:
-    """The summary (rank 0) of job ``experiment``: ``losses`` from :func:`gather_facility_losses`, ``trained_steps`` the
-    steps this process ran (fewer than ``steps`` after a resume), ``rounds`` the round records
-    (none without federated rounds), ``extra`` keys of one loop only (e.g. ``parallel``). With facilities of
-    different paces (``federation.every`` a list, ``every_s``): ``facility_steps`` each facility's steps so far
-    and ``trained_steps`` a list, each facility's steps in this job."""
+    """The summary (rank 0) of job ``experiment``: ``losses`` from :func:`gather_facility_losses`, ``trained_steps``
+    the steps this process ran (fewer than ``steps`` after a resume), ``rounds`` the round records (none without
+    federated rounds), ``extra`` keys of one loop only (e.g. ``parallel``). Facilities of different paces:
+    ``facility_steps`` each facility's steps so far, ``trained_steps`` a list of each one's steps in this job."""
     rounds = rounds or []
-    per_step = losses.mean(dim=0)
-    # The first step this job (or the run it resumed) trained: an elastic facility that joined late has no
-    # losses before the federation's step it joined at.
-    first = int(per_step.ne(0).nonzero()[0]) if steps and per_step.ne(0).any() else 0
-    first_loss = float(per_step[first]) if steps else None
-    final_loss = float(per_step[-1]) if steps else None
-    tokens = tokens_per_step * trained_steps if isinstance(trained_steps, int) else 0
-    if facility_steps is not None:  # facilities of different paces: each at its own first and last step
-        sizes = state.layout.facility_sizes
-        tokens = sum(tokens_per_step * size // state.world_size * n for size, n in zip(sizes, trained_steps))
-        if steps and all(facility_steps):
-            firsts = [int(row.ne(0).nonzero()[0]) if row.ne(0).any() else 0 for row in losses]
-            first_loss = sum(float(row[i]) for row, i in zip(losses, firsts)) / len(firsts)
-            final_loss = sum(float(row[n - 1]) for row, n in zip(losses, facility_steps)) / len(facility_steps)
+    first_loss, final_loss, tokens = _losses_and_tokens(
+        state, losses, steps, trained_steps, tokens_per_step, facility_steps
+    )
     return {
         "experiment": experiment,
         "world_size": state.world_size,
-        "layout": {
-            "facility_sizes": list(state.layout.facility_sizes),
-            "shard_size": state.layout.shard_size,
-            "replicas_per_facility": list(state.layout.replicas),
-        },
+        "layout": _layout(state.layout),
         "strategy": strategy,
         "federation": federation,
         **(extra or {}),
@@ -149,18 +173,7 @@ def job_summary(
         "cross_facility_bytes_per_round": [r["cross_facility_bytes"] for r in rounds],
         "facility_losses": losses.tolist(),
         "skipped_facilities": [r["skipped_facilities"] for r in rounds],
-        "round_records": [
-            {
-                "step": r["step"],
-                "phase": r.get("phase", 0),
-                "fragment": r.get("fragment"),
-                "switch": bool(r.get("switch", False)),
-                "started_step": r.get("started_step", r["step"]),
-                "steps_taken": r.get("steps_taken"),
-                "waited_s": r.get("waited_s"),
-            }
-            for r in rounds
-        ],
+        "round_records": [_round_record(r) for r in rounds],
         "checkpoints": checkpoints,
         "tokens_per_second": tokens / train_seconds if tokens else 0.0,
         "train_seconds": train_seconds,

@@ -122,6 +122,30 @@ def _round_record(r: dict) -> dict:
     }
 
 
+def _round_tables(rounds: list[dict], losses: torch.Tensor) -> dict:
+    """The summary's per-round lists and per-facility loss table, in the summary's key order."""
+    return {
+        "aggregation_seconds": [r["seconds"] for r in rounds],
+        "aggregation_bytes_per_rank": [r["bytes_per_rank"] for r in rounds],
+        "cross_facility_bytes_per_round": [r["cross_facility_bytes"] for r in rounds],
+        "facility_losses": losses.tolist(),
+        "skipped_facilities": [r["skipped_facilities"] for r in rounds],
+        "round_records": [_round_record(r) for r in rounds],
+    }
+
+
+def _timings(tokens, train_seconds, train_started_at, phases, setup_rss, started_at) -> dict:
+    """The summary's throughput, clocks and memory (its last keys: ``wall_seconds`` read now)."""
+    return {
+        "tokens_per_second": tokens / train_seconds if tokens else 0.0,
+        "train_seconds": train_seconds,
+        "train_started_at": train_started_at,
+        "phases": phases,
+        "setup_peak_rss_mb": float(setup_rss),
+        "wall_seconds": time.time() - started_at,
+    }
+
+
 def job_summary(
     experiment: str,
     state: DistributedState,
@@ -168,17 +192,7 @@ def job_summary(
         "eval_loss": eval_loss,
         "eval_history": evals,
         "max_param_divergence_after_last_round": divergence,
-        "aggregation_seconds": [r["seconds"] for r in rounds],
-        "aggregation_bytes_per_rank": [r["bytes_per_rank"] for r in rounds],
-        "cross_facility_bytes_per_round": [r["cross_facility_bytes"] for r in rounds],
-        "facility_losses": losses.tolist(),
-        "skipped_facilities": [r["skipped_facilities"] for r in rounds],
-        "round_records": [_round_record(r) for r in rounds],
+        **_round_tables(rounds, losses),
         "checkpoints": checkpoints,
-        "tokens_per_second": tokens / train_seconds if tokens else 0.0,
-        "train_seconds": train_seconds,
-        "train_started_at": train_started_at,
-        "phases": phases,
-        "setup_peak_rss_mb": float(setup_rss),
-        "wall_seconds": time.time() - started_at,
+        **_timings(tokens, train_seconds, train_started_at, phases, setup_rss, started_at),
     }

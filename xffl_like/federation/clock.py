@@ -138,7 +138,23 @@ class FixedClock:
         pass
 
 
-class PacedClock:
+class _Paced:
+    """A clock whose rounds end where its :class:`~.pace.RoundPace` (``self.pace``) says."""
+
+    def start(self, done: int) -> None:
+        self.pace.start(done)
+
+    def step_taken(self) -> None:
+        self.pace.step_taken()
+
+    def due(self, done: int) -> bool:
+        return self.pace.due(done)
+
+    def rounds_at(self, done: int) -> bool:
+        return self.pace.due(done)
+
+
+class PacedClock(_Paced):
     """Facilities take different steps per round (``federation.every`` a list, or ``every_s``):
     :class:`~.pace.RoundPace` says where this facility's round ends; at each round every facility
     learns the others' steps (:meth:`meet`). Checkpoints are named by the most steps any took."""
@@ -153,18 +169,6 @@ class PacedClock:
     @property
     def facility_steps(self) -> list[int]:
         return self._steps.tolist()
-
-    def start(self, done: int) -> None:
-        self.pace.start(done)
-
-    def step_taken(self) -> None:
-        self.pace.step_taken()
-
-    def due(self, done: int) -> bool:
-        return self.pace.due(done)
-
-    def rounds_at(self, done: int) -> bool:
-        return self.pace.due(done)
 
     def job_step(self, done: int) -> int:
         """The most steps any facility has taken (known at a round: what checkpoints are named by)."""
@@ -210,7 +214,7 @@ class TimedClock(PacedClock):
         return self.pace.due(done) and int(self._steps.max()) >= self.pace.cap
 
 
-class ElasticTimedClock:
+class ElasticTimedClock(_Paced):
     """``federation.every_s`` for an elastic facility: rounds by its own step time; the job ends at
     ``train.steps``, or after the first round in which a facility reached it (``ended()``: the last
     round's quorum says so)."""
@@ -220,18 +224,6 @@ class ElasticTimedClock:
     def __init__(self, cfg: FederationConfig, state, steps: int, ended: Callable[[], bool]):
         self.pace = RoundPace(cfg, state, steps)
         self.steps, self.ended = steps, ended
-
-    def start(self, done: int) -> None:
-        self.pace.start(done)
-
-    def step_taken(self) -> None:
-        self.pace.step_taken()
-
-    def due(self, done: int) -> bool:
-        return self.pace.due(done)
-
-    def rounds_at(self, done: int) -> bool:
-        return self.pace.due(done)
 
     def ends_at(self, done: int) -> bool:
         return done >= self.steps or (self.pace.due(done) and self.ended())

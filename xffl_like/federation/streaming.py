@@ -41,7 +41,6 @@ from ..schema import FederationConfig
 from .clock import sync_offsets, synced_at
 from .compress import CompressedMean
 from .options import round_weights
-from .protocol import RoundClock, RoundHooks
 from .round import Federation
 
 __all__ = ["StreamingFederation", "fragment_of", "sync_offsets", "synced_at"]
@@ -112,20 +111,9 @@ class StreamingFederation(Federation):
 
     _streaming = True
 
-    def __init__(
-        self,
-        cfg: FederationConfig,
-        model: torch.nn.Module,
-        strategy,
-        state,
-        *,
-        begin: int = 0,
-        end: int | None = None,
-        last: bool = True,
-        clock: RoundClock | None = None,
-        hooks: RoundHooks | None = None,
-    ):
-        super().__init__(cfg, model, strategy, state, begin=begin, end=end, last=last, clock=clock, hooks=hooks)
+    def __init__(self, cfg: FederationConfig, model: torch.nn.Module, strategy, state, **span):
+        """As :class:`~.round.Federation`'s (``span``: its keyword arguments: begin, end, last, clock, hooks)."""
+        super().__init__(cfg, model, strategy, state, **span)
         o, n = self.options, state.num_facilities
         K = o.fragments
         all_names = [name for name, _ in model.named_parameters()]

@@ -241,14 +241,15 @@ def test_federated_sync_rounds_checkpoints_and_exchanges_in_order(gloo_world, tm
     assert logged_steps(run_dir) == list(range(1, STEPS + 1))
 
 
-@pytest.mark.parametrize("grace", [trainer_module.STOP_GRACE_S, 0.0], ids=["next-boundary", "at-once"])
+# A grace no step time can exceed, and none: the rule decides, not how fast this machine is today.
+@pytest.mark.parametrize("grace", [1e9, 0.0], ids=["next-boundary", "at-once"])
 def test_federated_sync_stops_at_the_next_boundary_within_the_grace(
     gloo_world, tmp_path, stop_request, monkeypatch, grace
 ):
     monkeypatch.setattr(trainer_module, "STOP_GRACE_S", grace)
     cfg, run_dir = job(*FEDERATED), tmp_path / "run"
     t, rounds, log = federated(cfg, gloo_world, run_dir)
-    stop_before(t, 2)  # seen after 3 steps; the next boundary, 4, is a step away (milliseconds here)
+    stop_before(t, 2)  # seen after 3 steps; the next boundary, 4, is a step away
 
     stopped = t.train()["interrupted"]
 

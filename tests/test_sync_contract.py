@@ -111,7 +111,7 @@ def trainer(cfg, state, run_dir: Path, model, sync, clock, ckpt, identity=None) 
     identity = identity or (cfg.seed, state.facility, state.num_facilities)
     parts = Parts(model, sync, clock, ckpt, identity)
     setup_rss = torch.tensor(0.0, dtype=torch.float64)
-    return Trainer(cfg, state, run_dir, parts, sync.timer, setup_rss, time.time())
+    return Trainer(cfg, state, run_dir, parts, sync.timer, setup_rss, time.time(), as_plain(cfg))
 
 
 def federated(cfg, state, run_dir: Path):

@@ -37,6 +37,7 @@ __all__ = [
     "check_fragments",
     "plan_phases",
     "round_weights",
+    "rounds_description",
     "validate_federation",
 ]
 
@@ -44,6 +45,21 @@ FEDERATION_ALGORITHMS = ("federated", "synchronous")
 #: The keys a phase of ``federation.schedule`` may override: every federation key but these three.
 PHASE_KEYS = frozenset(f.name for f in fields(FederationConfig)) - {"schedule", "on_nonfinite", "elastic"}
 _EXAMPLE = "e.g. [{until_step: 50, algorithm: synchronous}, {until_step: null, every: 16}]"
+
+
+def rounds_description(o: FederationConfig) -> dict:
+    """The summary's ``federation`` for rounds: the algorithm, ``every`` (and ``every_s``), topology, outer rule,
+    compression (one world's :class:`~.round.Federation` and an elastic facility's alike)."""
+    paced = {"every_s": o.every_s} if o.every_s is not None else {}
+    return {
+        "algorithm": o.algorithm,
+        "every": o.every,
+        **paced,
+        "topology": o.topology,
+        "outer": o.outer.name,
+        "outer_lr": o.outer.lr,
+        "compression": o.compression,
+    }
 
 
 def round_weights(spec: Any, tokens: Tensor) -> list[float] | None:

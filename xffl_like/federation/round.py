@@ -41,7 +41,7 @@ from ..schema import FederationConfig
 from .clock import round_clock
 from .compress import CompressedMean
 from .gossip import Gossip
-from .options import round_weights
+from .options import round_weights, rounds_description
 from .outer import OuterOptimizer
 from .protocol import NoHooks, RoundClock, RoundHooks
 
@@ -186,18 +186,7 @@ class Federation:
     def describe(self) -> dict:
         """What the summary records: the algorithm and, for rounds, topology, outer rule, compression."""
         o = self.options
-        if not self.federated:
-            return {"algorithm": o.algorithm}
-        paced = {"every_s": o.every_s} if o.every_s is not None else {}
-        return {
-            "algorithm": o.algorithm,
-            "every": o.every,
-            **paced,
-            "topology": o.topology,
-            "outer": o.outer.name,
-            "outer_lr": o.outer.lr,
-            "compression": o.compression,
-        }
+        return rounds_description(o) if self.federated else {"algorithm": o.algorithm}
 
     # ------------------------------------------------------------------ per step
     def trained(self, tokens: int) -> None:

@@ -58,9 +58,12 @@ class Parts:
     data_identity: tuple[int, int, int]  # (seed, facility, facilities) of this rank's batches
 
 
-def build_parts(cfg: JobConfig, state: DistributedState, run_dir: Path, timer: PhaseTimer, phases) -> Parts:
+def build_parts(
+    cfg: JobConfig, state: DistributedState, run_dir: Path, timer: PhaseTimer, phases, config: dict
+) -> Parts:
     """The model and what keeps its copies in step, for ``cfg.parallel.name`` and ``federation.elastic``
-    (collective: every rank builds them at the same point). ``phases``: the launcher's plan of the federation."""
+    (collective: every rank builds them at the same point). ``phases``: the launcher's plan of the federation;
+    ``config``: the job as plain values (``schema.as_plain``), recorded in each checkpoint."""
     layout_identity = (cfg.seed, state.facility, state.num_facilities)
     if cfg.parallel.name != "fsdp":  # full copies: Decent-DP or Bagua
         from .dataparallel import DataParallelSync, build_full_model
@@ -78,7 +81,7 @@ def build_parts(cfg: JobConfig, state: DistributedState, run_dir: Path, timer: P
         sync, identity = FederatedSync.build(cfg, state, parts, run_dir, timer, phases), layout_identity
     checkpointer = Checkpointer(
         cfg.checkpoint, state, run_dir, parts.model, parts.optimizer, parts.scheduler, sync,
-        resume=cfg.resume, config=as_plain(cfg),
+        resume=cfg.resume, config=config,
     )  # fmt: skip
     return Parts(parts.model, sync, sync.clock, checkpointer, identity)
 
@@ -87,10 +90,11 @@ def build_trainer(cfg: JobConfig, state: DistributedState, run_dir: Path, starte
     """The job's trainer on this rank (collective)."""
     torch.manual_seed(cfg.seed)
     timer = PhaseTimer(state.device)
-    parts = build_parts(cfg, state, run_dir, timer, phases)
+    config = as_plain(cfg)  # recorded whole in each checkpoint's state.json and as W&B's run config
+    parts = build_parts(cfg, state, run_dir, timer, phases, config)
     setup_rss = torch.tensor(peak_rss_mb(), dtype=torch.float64)
     dist.all_reduce(setup_rss, op=dist.ReduceOp.MAX)
-    return Trainer(cfg, state, run_dir, parts, timer, setup_rss, started_at)
+    return Trainer(cfg, state, run_dir, parts, timer, setup_rss, started_at, config)
 
 
 class StepLog:
@@ -129,11 +133,13 @@ class Trainer:
     rounds: list[dict]  # the round records
     evals: list[dict]  # {"step", "loss_local", "loss_global", "time"}: losses per facility, None when not evaluated
 
-    def __init__(self, cfg, state, run_dir, parts: Parts, timer: PhaseTimer, setup_rss, started_at: float):
+    def __init__(
+        self, cfg, state, run_dir, parts: Parts, timer: PhaseTimer, setup_rss, started_at: float, config: dict
+    ):
         tcfg = cfg.train
         self.cfg, self.tcfg, self.state, self.run_dir = cfg, tcfg, state, Path(run_dir)
         self.model, self.sync, self.clock, self.checkpointer = parts.model, parts.sync, parts.clock, parts.checkpointer
-        self.timer, self.setup_rss, self.started_at = timer, setup_rss, started_at
+        self.timer, self.setup_rss, self.started_at, self.config = timer, setup_rss, started_at, config
         seed, facility, facilities = parts.data_identity
         self.data = build_data(
             cfg.data, vocab_size=cfg.model.vocab_size, seq_len=tcfg.seq_len, batch_size=tcfg.batch_size,
@@ -181,7 +187,7 @@ class Trainer:
         cfg = self.cfg
         self.observer = Observer(
             self.tcfg, cfg.strategy, cfg.logger, self.state, self.run_dir, saved, rounds_at=self.clock.rounds_at,
-            experiment=cfg.experiment, config=as_plain(cfg),
+            experiment=cfg.experiment, config=self.config,
         )  # fmt: skip
         self.log = StepLog(self.observer, self.losses, self.state.facility, self.tokens_per_step)
 

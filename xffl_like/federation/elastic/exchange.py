@@ -42,6 +42,7 @@ from torch import Tensor
 from ...distributed.state import to_local
 from ..clock import round_clock
 from ..compress import CompressedMean
+from ..options import rounds_description
 from ..outer import OuterOptimizer
 from ..protocol import RoundClock
 
@@ -441,15 +442,8 @@ class ElasticFederation:
 
     def describe(self) -> dict:
         o = self.options
-        paced = {"every_s": o.every_s} if o.every_s is not None else {}
         return {
-            "algorithm": o.algorithm,
-            "every": o.every,
-            **paced,
-            "topology": o.topology,
-            "outer": o.outer.name,
-            "outer_lr": o.outer.lr,
-            "compression": o.compression,
+            **rounds_description(o),
             "elastic": {
                 "facility": self.name,
                 "lighthouse": o.elastic.lighthouse,

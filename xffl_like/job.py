@@ -291,13 +291,21 @@ def run_local(cfg: DictConfig, run_dir: Path, worker: Callable | None = None) ->
 
 
 def _admit(job: JobConfig):
-    """``federation.elastic.lighthouse``: join the federation's registry before workers start (one line if refused)."""
-    if not job.federation.elastic.lighthouse:
+    """An elastic facility, before workers start: the lighthouse's registry takes its name, or the hub
+    answers, admits its identity and matches its description (one line if refused)."""
+    e = job.federation.elastic
+    if not e.enabled:
         return None
-    from .federation.elastic import ElasticError
+    from .federation.elastic import ElasticError, facility_name
     from .federation.elastic.coordinator import admit
+    from .federation.elastic.hub_link import hub_link
 
     try:
+        if e.hub:
+            link = hub_link(job, facility_name(e), job.distributed.nproc_per_node)
+            link.probe()
+            link.channel.close()
+            return None
         return admit(job)
     except ElasticError as exc:
         raise JobFailed(str(exc)) from None
@@ -520,5 +528,5 @@ def run_under_launcher(overrides: list[str]) -> int:
     if stopped_by() is not None and isinstance(result, dict) and "interrupted" in result:
         print(interrupted_line(result["interrupted"], launcher="<your launcher>"), file=sys.stderr, flush=True)
     if stopped_by() is not None and (result is None or "interrupted" in result):
-        return 0 if job.federation.elastic.lighthouse else exit_code(stopped_by())  # elastic: left the federation
+        return 0 if job.federation.elastic.enabled else exit_code(stopped_by())  # elastic: left the federation
     return 0

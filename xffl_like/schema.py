@@ -265,10 +265,21 @@ class ElasticConfig(Section):
     (``federation/elastic/``); without ``lighthouse`` every facility lives in one world, as before."""
 
     lighthouse: str | None = None  # HOST:PORT of `python -m xffl_like.lighthouse`; null: one world
-    facility: str | None = None  # this facility's unique name; null: from the Slurm job or the host
+    hub: str | None = None  # HOST:PORT of `python -m xffl_like.hub serve` (dialled out to, mutual TLS)
+    ca: str | None = None  # the hub's ca.crt (from `python -m xffl_like.hub init`)
+    cert: str | None = None  # this facility's certificate (its common name is the facility's name)
+    key: str | None = None  # this facility's private key
+    facility: str | None = None  # this facility's unique name; null: its certificate's, or the Slurm job's or host's
     min_facilities: int = 1  # training starts once this many facilities are present
-    timeout_s: float = 60.0  # to reach the lighthouse; a facility silent this long is dropped from a round
+    timeout_s: float = 60.0  # to reach the lighthouse or hub; a facility silent this long is dropped from a round
     rewarm: bool = True  # a joiner with a fresh inner optimizer warms its lr up again over optim.warmup_steps
+    grace_s: float = 60.0  # hub: a round closes this long after it opened, whoever has not arrived
+    max_norm_ratio: float = 10.0  # hub: an update norm over this many times the median is rejected
+
+    @property
+    def enabled(self) -> bool:
+        """Each facility is its own job (a lighthouse or a hub); else one world."""
+        return bool(self.lighthouse or self.hub)
 
 
 @dataclass(frozen=True)

@@ -72,7 +72,7 @@ def validate_pace(fed: FederationConfig, num_facilities: int, steps: int) -> Non
             "facility (federation.every=[32,16]), or rounds by time (federation.every_s=30)"
         )
     if isinstance(every, (list, tuple)):
-        if fed.elastic.lighthouse:
+        if fed.elastic.enabled:
             raise ConfigError(
                 f"federation.every as a list ({list(every)!r}) with federation.elastic.lighthouse: each "
                 f"facility is its own job: give each its own federation.every (a number) and train.steps "

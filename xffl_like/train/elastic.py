@@ -23,6 +23,7 @@ import zlib
 from ..distributed.state import DistributedState
 from ..federation.elastic import facility_name
 from ..federation.elastic.exchange import ElasticFederation
+from ..federation.elastic.hub_link import hub_link
 from ..observe.timing import PhaseTimer
 from ..schema import JobConfig
 from .optim import schedule_at
@@ -56,7 +57,9 @@ class ElasticSync(SyncBase):
     @classmethod
     def build(cls, cfg: JobConfig, state: DistributedState, parts: ShardedParts, steps: int, timer: PhaseTimer):
         """The job's: this facility joins the federation of ``federation.elastic`` (collective)."""
-        federation = ElasticFederation(cfg.federation, parts.model, state, facility_name(cfg.federation.elastic), steps)
+        name = facility_name(cfg.federation.elastic)
+        link = hub_link(cfg, name, state.world_size) if cfg.federation.elastic.hub and state.rank == 0 else None
+        federation = ElasticFederation(cfg.federation, parts.model, state, name, steps, link=link)
         rewarm = cfg.optim.warmup_steps if cfg.federation.elastic.rewarm else 0
         described = {"name": cfg.strategy.name, "streams": cfg.strategy.streams}
         return cls(parts, federation, timer, rewarm=rewarm, strategy=described)
@@ -110,7 +113,8 @@ class ElasticSync(SyncBase):
     def leave(self) -> str:
         """Leave the federation now (at a stop request); the line that says how to rejoin."""
         self.federation.leave()
-        return f"facility {self.name} left the federation at {self.federation.options.elastic.lighthouse}"
+        e = self.federation.options.elastic
+        return f"facility {self.name} left the federation at {e.hub or e.lighthouse}"
 
     def close(self) -> dict:
         self.federation.leave()

@@ -73,7 +73,7 @@ def build_parts(
         return Parts(model, sync, end_clock(cfg.train.steps), None, layout_identity)
     steps = sharded_steps(cfg, state)
     parts = ShardedParts.build(cfg, state, steps)
-    if cfg.federation.elastic.lighthouse:  # this job is one facility of a federation of independent jobs
+    if cfg.federation.elastic.enabled:  # this job is one facility of a federation of independent jobs
         from .elastic import ElasticSync, data_identity
 
         sync, identity = ElasticSync.build(cfg, state, parts, steps, timer), data_identity(cfg)

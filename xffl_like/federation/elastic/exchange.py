@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ...distributed.signals import requested
 from ...distributed.state import to_local
 from ..clock import round_clock
 from ..compress import CompressedMean
@@ -93,8 +94,9 @@ class ElasticFederation:
     """This rank's side of the rounds among facilities (collective over the facility's world); the
     training side's :class:`~..protocol.Rounds`, plus :meth:`join` and :meth:`leave`."""
 
-    def __init__(self, cfg, model: torch.nn.Module, state, name: str, steps: int):
-        """``steps``: this facility's steps in the job."""
+    def __init__(self, cfg, model: torch.nn.Module, state, name: str, steps: int, link=None):
+        """``steps``: this facility's steps in the job; ``link``: with ``federation.elastic.hub``, the
+        leader's :class:`~.hub_link.HubLink` (the hub holds the federation; None elsewhere)."""
         self.options, self.state, self.name, self.steps = cfg, state, name, steps
         self.model = model
         self.params = list(model.parameters())
@@ -106,13 +108,16 @@ class ElasticFederation:
         self.ended = False  # federation.every_s: the last round made ended the job
         self.last_step = 0  # this facility's steps at its last round (or join)
         self.coordinator = None
+        self.link = link
         self.theta: Tensor | None = None
         self.outer: OuterOptimizer | None = None
         self.compressor: CompressedMean | None = None
         # Where this facility's rounds end: every `every` of its steps, or by its own step time (every_s).
         self.clock: RoundClock = round_clock(cfg, state, steps, ended=lambda: self.ended)
         full = self._gather()
-        if self.leader:
+        if self.leader and link is not None:
+            self.theta = full  # the one flat copy: uploaded, then overwritten by θ_global
+        elif self.leader:
             from .coordinator import Coordinator
 
             self.coordinator = Coordinator(cfg.elastic, name)
@@ -169,6 +174,8 @@ class ElasticFederation:
         while True:
             if self.leader:
                 thread.join(timeout=1.0)
+                if self.link is not None and thread.is_alive() and requested() is not None:
+                    self.link.cancel()  # a stop while waiting in a round: leave now, not after the round
                 flag.fill_(0 if thread.is_alive() else (2 if "error" in result else 1))
             dist.broadcast(flag, src=0)
             if int(flag.item()) != 0:
@@ -218,6 +225,8 @@ class ElasticFederation:
     def leave(self) -> None:
         if self.coordinator is not None:
             self.coordinator.leave()
+        if self.link is not None and self.leader:
+            self.link.leave()
 
     def _round(self, done: int, joining: bool) -> dict:
         start = time.perf_counter()
@@ -249,12 +258,15 @@ class ElasticFederation:
             "skipped_facilities": [],
         }
         if self.leader:
-            record.update({k: out[k] for k in ("facilities", "healed", "attempts")})
+            record.update({k: out[k] for k in ("facilities", "healed", "attempts", "status", "reason", "rejected")
+                           if k in out})  # fmt: skip
             self.records.append(record)
         return record
 
     # ------------------------------------------------------------------ the leader's round
     def _lead(self, mine: Tensor, tokens: float, done: int, joining: bool) -> dict:
+        if self.link is not None:
+            return self._lead_hub(mine, tokens, done, joining)
         attempts, cfg = 0, self.options
         _test_hold(self.round)
         while True:
@@ -284,6 +296,20 @@ class ElasticFederation:
                 continue
             out.update(attempts=attempts, facilities=names)
             return out
+
+    def _lead_hub(self, mine: Tensor, tokens: float, done: int, joining: bool) -> dict:
+        """Through the hub: ``mine`` is uploaded, then holds θ_global (the hub's, bitwise)."""
+        before = mine.clone() if os.environ.get(_DUMP) else None
+        if joining:
+            out = self.link.join(mine, done, self.options.elastic.min_facilities)
+        else:
+            out = self.link.round(mine, done, tokens, taken=done - self.last_step)
+        self.theta = mine
+        if before is not None and out["status"] not in ("missed", "joined", "created"):
+            self._dump({**{k: out[k] for k in ("facilities", "healed", "round", "step", "status", "rejected")},
+                        "weights": out["weights"], "tokens": tokens, "before": before, "after": mine.clone(),
+                        "applied": out["status"] == "accepted"})  # fmt: skip
+        return out
 
     def _exchange(self, quorum, names: list[str], mine: Tensor, tokens: float, joining: bool, done: int) -> dict:
         cfg, me, n = self.options, names.index(self.name), len(names)
@@ -447,8 +473,23 @@ class ElasticFederation:
             "elastic": {
                 "facility": self.name,
                 "lighthouse": o.elastic.lighthouse,
+                "hub": o.elastic.hub,
                 "rounds": [
-                    {k: r[k] for k in ("round", "step", "seconds", "facilities", "healed", "attempts")}
+                    {
+                        k: r[k]
+                        for k in (
+                            "round",
+                            "step",
+                            "seconds",
+                            "facilities",
+                            "healed",
+                            "attempts",
+                            "status",
+                            "reason",
+                            "rejected",
+                        )
+                        if k in r
+                    }  # fmt: skip
                     for r in self.records
                 ],
             },

@@ -10,29 +10,46 @@ from typing import Any
 from ...checks import is_int, is_number
 from ...errors import ConfigError
 
-__all__ = ["ElasticError", "address", "facility_name", "federation_spec", "first_difference", "validate_elastic"]
+__all__ = [
+    "ElasticError",
+    "address",
+    "facility_name",
+    "federation_spec",
+    "first_difference",
+    "validate_elastic",
+]
 
 
 class ElasticError(RuntimeError):
     """One line naming what keeps this facility out of the federation, and the fix."""
 
 
-def address(lighthouse: str) -> tuple[str, int]:
+def address(value: str, key: str = "federation.elastic.lighthouse") -> tuple[str, int]:
     """``HOST:PORT`` (``[v6]:PORT`` too) -> (host, port); ``ConfigError`` with one line otherwise."""
-    host, sep, port = str(lighthouse).rpartition(":")
-    host = host.strip("[]")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65535:
+    text = str(value)
+    if text.startswith("["):
+        host, sep, port = text[1:].partition("]:")
+    else:
+        host, sep, port = text.rpartition(":")
+        if ":" in host:  # a bare IPv6 address: its port cannot be told from its last group
+            sep = ""
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        serve = "python -m xffl_like.hub serve" if key.endswith("hub") else "python -m xffl_like.lighthouse"
         raise ConfigError(
-            f"federation.elastic.lighthouse={lighthouse!r}: must be HOST:PORT (the address "
-            f"`python -m xffl_like.lighthouse` prints, e.g. login1:29510)"
+            f"{key}={value!r}: must be HOST:PORT or [IPv6]:PORT (the address `{serve}` prints, e.g. login1:29510)"
         )
     return host, int(port)
 
 
 def facility_name(cfg) -> str:
-    """``federation.elastic.facility``, else ``xffl-<SLURM_JOB_ID>`` under Slurm, else the host's name."""
+    """``federation.elastic.facility``, else its certificate's common name (with a hub), else
+    ``xffl-<SLURM_JOB_ID>`` under Slurm, else the host's name."""
     if cfg.facility:
         return str(cfg.facility)
+    if getattr(cfg, "cert", None):
+        from ...hub.identity import peer_identity
+
+        return peer_identity(open(cfg.cert, "rb").read())[0]
     job = os.environ.get("SLURM_JOB_ID")
     return f"xffl-{job}" if job else socket.gethostname().split(".")[0]
 
@@ -40,16 +57,17 @@ def facility_name(cfg) -> str:
 def validate_elastic(job, layout) -> None:
     """Check ``federation.elastic`` against the rest of ``job`` (``ConfigError``, one line)."""
     e, fed = job.federation.elastic, job.federation
-    if e.lighthouse is None:
+    if not e.enabled:
         return
-    address(e.lighthouse)
-    import importlib.util
-
-    if importlib.util.find_spec("torchft") is None:
+    if e.lighthouse and e.hub:
         raise ConfigError(
-            "federation.elastic.lighthouse needs torchft (its Lighthouse): pip install -c constraints.txt "
-            '-e ".[elastic]"'
+            "federation.elastic.lighthouse and federation.elastic.hub are both set: facilities meet at one of them "
+            "(the hub: across firewalls, with identities); set the other to null"
         )
+    if e.hub:
+        _validate_hub(e, fed)
+    else:
+        _validate_lighthouse(e)
     if e.facility is not None and (
         not isinstance(e.facility, str) or not e.facility.strip() or any(c in e.facility for c in "/ \t\n")
     ):
@@ -125,3 +143,50 @@ def first_difference(mine: dict, theirs: dict) -> str | None:
             name = key if key == "train.steps" else f"federation.{key}"
             return f"{name}: {mine[key]!r} here, {theirs.get(key)!r} in the federation"
     return None
+
+
+def _validate_lighthouse(e) -> None:
+    address(e.lighthouse)
+    import importlib.util
+
+    if importlib.util.find_spec("torchft") is None:
+        raise ConfigError(
+            "federation.elastic.lighthouse needs torchft (its Lighthouse): pip install -c constraints.txt "
+            '-e ".[elastic]"'
+        )
+
+
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def _validate_hub(e, fed) -> None:
+    """``federation.elastic.hub`` and its identity files (read and checked here, before workers start)."""
+    host, _ = address(e.hub, "federation.elastic.hub")
+    given = [k for k in ("ca", "cert", "key") if getattr(e, k) is not None]
+    if given and len(given) != 3:
+        missing = ", ".join(f"federation.elastic.{k}" for k in ("ca", "cert", "key") if k not in given)
+        raise ConfigError(
+            f"federation.elastic.hub needs ca, cert and key together; {missing} missing (the files "
+            f"`python -m xffl_like.hub init DIR` wrote: DIR/ca.crt, DIR/facilities/NAME.crt and .key)"
+        )
+    if not given and host not in _LOOPBACK:
+        raise ConfigError(
+            f"federation.elastic.hub={e.hub}: give federation.elastic.ca, cert and key (mutual TLS); only a "
+            f"hub on loopback started with `serve --insecure` takes plaintext (tests and one-machine demos)"
+        )
+    if given:
+        from ...hub.identity import IdentityError, check_facility_identity
+
+        try:
+            check_facility_identity(e.ca, e.cert, e.key, e.facility)
+        except IdentityError as exc:
+            raise ConfigError(str(exc)) from None
+    for key, lo in (("grace_s", 0.0), ("max_norm_ratio", 1.0)):
+        v = getattr(e, key)
+        if not is_number(v) or not math.isfinite(v) or v <= lo:
+            raise ConfigError(f"federation.elastic.{key}={v!r}: must be a number > {lo:g}")
+    if fed.compression != "none":
+        raise ConfigError(
+            f"federation.compression={fed.compression} through the hub is not built yet: the hub averages full "
+            f"fp32 parameters; use federation.compression=none with federation.elastic.hub"
+        )

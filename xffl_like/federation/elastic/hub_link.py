@@ -1,0 +1,262 @@
+"""A facility leader's link to the hub (``federation.elastic.hub``): gRPC over mutual TLS, outbound only.
+
+The leader joins (creating the federation when it is the first, or downloading θ_global), beats
+every :data:`BEAT_S` from a daemon thread, and at each boundary arrives, uploads its parameters
+when the hub wants them and downloads θ_global once the round is decided. A hub that does not
+answer costs the round, not the job: the facility trains on and tries again at its next boundary
+(backing off), and the hub's version tells it on return whether it missed a commit.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import grpc
+from torch import Tensor
+
+from ...hub.wire import GRPC_OPTIONS, SERVICE, Frames, frames_of, pack, unpack
+from .options import ElasticError, address, federation_spec
+
+__all__ = ["BEAT_S", "HubLink", "explain", "hub_link", "hub_spec"]
+
+BEAT_S = 1.0
+_WAIT_LINE_S = 10.0
+
+
+def explain(exc: grpc.RpcError, hub: str) -> str:
+    """One line for a failed call: what went wrong with the hub ``hub`` and the fix."""
+    code, details = exc.code(), (exc.details() or "").splitlines()[0][:200] if exc.details() else ""
+    low = details.lower()
+    if code == grpc.StatusCode.UNAVAILABLE:
+        if "not in peer certificate" in low or "hostname" in low:
+            return (
+                f"the hub at {hub} presented a certificate that does not name the host dialled ({details}): dial a "
+                f"name given to `python -m xffl_like.hub init --host`, or issue the hub a certificate for it"
+            )
+        if "ssl" in low or "handshake" in low or "certificate" in low or "tls" in low:
+            return (
+                f"the TLS handshake with the hub at {hub} failed ({details}): federation.elastic.ca must be the hub's "
+                f"ca.crt and cert/key a pair it issued (python -m xffl_like.hub add DIR NAME)"
+            )
+        return (
+            f"the hub at {hub} does not answer ({details or 'unavailable'}): is `python -m xffl_like.hub serve` "
+            f"running there and reachable from this node (or through the relay)?"
+        )
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return f"the hub at {hub} did not answer in time: is it overloaded or the link down?"
+    return f"the hub at {hub} refused this facility: {details}"
+
+
+def _read(path: str | None) -> bytes | None:
+    return None if path is None else Path(path).read_bytes()
+
+
+class HubLink:
+    """The leader's side of the hub's protocol (:mod:`xffl_like.hub.wire`)."""
+
+    def __init__(self, cfg, name: str, spec: dict, geometry: dict, steps: int, every: int | None):
+        self.cfg, self.name, self.spec, self.geometry = cfg, name, spec, geometry
+        self.steps, self.every, self.hub = steps, every, cfg.hub
+        self.session = uuid.uuid4().hex
+        self.version = 0
+        self.insecure = cfg.cert is None
+        host, port = address(cfg.hub, "federation.elastic.hub")
+        target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        if self.insecure:
+            self.channel = grpc.insecure_channel(target, options=GRPC_OPTIONS)
+        else:
+            creds = grpc.ssl_channel_credentials(_read(cfg.ca), _read(cfg.key), _read(cfg.cert))
+            self.channel = grpc.secure_channel(target, creds, options=GRPC_OPTIONS)
+        self._beat: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._call = None  # the call in flight that :meth:`cancel` may cut
+        self.backoff_until = 0.0
+        self.missed = 0
+
+    # ------------------------------------------------------------------ calls
+    def _msg(self, **kw) -> dict:
+        kw.setdefault("session", self.session)
+        if self.insecure:
+            kw["facility"] = self.name
+        return kw
+
+    def unary(self, method: str, timeout: float | None = None, **kw) -> dict:
+        call = self.channel.unary_unary(f"/{SERVICE}/{method}")
+        return unpack(call(pack(self._msg(**kw)), timeout=timeout or float(self.cfg.timeout_s)))
+
+    def _stream(self, method: str, **kw):
+        call = self.channel.unary_stream(f"/{SERVICE}/{method}")(pack(self._msg(**kw)))
+        self._call = call
+        return call
+
+    def _upload(self, flat: Tensor, kind: str, rid: int | None = None) -> dict:
+        header = self._msg(kind=kind, round=rid)
+        call = self.channel.stream_unary(f"/{SERVICE}/Upload")
+        return unpack(call(frames_of(header, flat), timeout=max(float(self.cfg.timeout_s), 600.0)))
+
+    def _download(self, call, flat: Tensor) -> dict:
+        frames = Frames(call, flat.numel() * 4, {"version": int, "status": str})
+        frames.into(flat)
+        self._call = None
+        return frames.header
+
+    def cancel(self) -> None:
+        """Cut the call in flight (a stop request while waiting in a round)."""
+        call = self._call
+        if call is not None:
+            call.cancel()
+
+    # ------------------------------------------------------------------ membership
+    def probe(self) -> None:
+        """The launcher's check before workers start: the hub answers, admits this identity and description."""
+        try:
+            self.unary("Join", spec=self.spec, geometry=self.geometry, steps=self.steps, every=self.every, probe=True)
+        except grpc.RpcError as exc:
+            raise ElasticError(f"facility {self.name}: {explain(exc, self.hub)}") from None
+
+    def join(self, flat: Tensor, done: int, min_facilities: int) -> dict:
+        """Join; ``flat`` (this facility's parameters) becomes θ_global. Returns the leader's round result."""
+        try:
+            return self._join(flat, done, min_facilities)
+        except grpc.RpcError as exc:
+            raise ElasticError(f"facility {self.name}: {explain(exc, self.hub)}") from None
+
+    def _join(self, flat: Tensor, done: int, min_facilities: int) -> dict:
+        while True:
+            out = self.unary("Join", spec=self.spec, geometry=self.geometry, steps=self.steps, every=self.every)
+            if out["status"] != "retry":
+                break
+            time.sleep(0.5)
+        self._start_beats()
+        if out["status"] == "create":
+            out = self._upload(flat, "create")
+            self.version = out["version"]
+            return self._result(out, done, changed=False, healed=[], status="created")
+        self._wait_for(min_facilities)
+        header = self._download(self._stream("Fetch"), flat)
+        self.version = header["version"]
+        step = done if self.cfg_every_s else min(int(header["progress"]) * int(self.every), self.steps)
+        return self._result(header, step, changed=True, healed=[self.name], status="joined")
+
+    @property
+    def cfg_every_s(self) -> bool:
+        return self.spec.get("every_s") is not None
+
+    def _wait_for(self, n: int) -> None:
+        said = 0.0
+        while True:
+            live = self.unary("Beat")["live"]
+            if len(live) >= n:
+                return
+            if time.monotonic() - said > _WAIT_LINE_S:
+                print(f"facility {self.name}: waiting for {n - len(live)} more facilities at the hub {self.hub}",
+                      flush=True)  # fmt: skip
+                said = time.monotonic()
+            time.sleep(0.5)
+
+    def _start_beats(self) -> None:
+        if self._beat is not None:
+            return
+
+        def run():
+            while not self._stop.wait(BEAT_S):
+                try:
+                    self.unary("Beat", timeout=5.0)
+                except grpc.RpcError:
+                    pass  # a missed beat is the hub's to judge; rounds say what went wrong
+
+        self._beat = threading.Thread(target=run, name="xffl-hub-beat", daemon=True)
+        self._beat.start()
+
+    def leave(self) -> None:
+        self._stop.set()
+        try:
+            self.unary("Leave", timeout=5.0)
+        except grpc.RpcError:
+            pass  # the hub notices the missing heartbeats
+        self.channel.close()
+
+    # ------------------------------------------------------------------ rounds
+    def round(self, flat: Tensor, done: int, tokens: float, taken: int) -> dict:
+        """The round at this boundary: ``flat`` (this facility's parameters) becomes θ_global after it."""
+        if time.monotonic() < self.backoff_until:
+            return self._missed(done, "the hub did not answer at an earlier boundary")
+        try:
+            arrived = self.unary("Arrive", version=self.version, step=done, taken=taken, tokens=tokens)
+            if arrived["action"] == "upload":
+                self._upload(flat, "round", arrived["round"])
+            elif arrived.get("reason"):
+                print(f"facility {self.name}: heals this round ({arrived['reason']})", flush=True)
+            header = self._download(self._stream("Result", round=arrived["round"]), flat)
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.CANCELLED:
+                raise ElasticError(f"facility {self.name}: left while waiting in a round") from None
+            if exc.code() in (grpc.StatusCode.NOT_FOUND,):
+                self._rejoin()
+            self.missed += 1
+            self.backoff_until = time.monotonic() + min(30.0, 2.0**self.missed)
+            return self._missed(done, explain(exc, self.hub))
+        self.missed = 0
+        self.version = header["version"]
+        if header["status"] == "rejected":
+            print(f"facility {self.name}: the hub rejected this facility's contribution ({header['reason']}); "
+                  f"it heals to θ_global", flush=True)  # fmt: skip
+        healed = [] if header["status"] == "accepted" else [self.name]
+        return self._result(header, done, changed=True, healed=healed, status=header["status"])
+
+    def _rejoin(self) -> None:
+        self.session = uuid.uuid4().hex
+        self.unary("Join", spec=self.spec, geometry=self.geometry, steps=self.steps, every=self.every)
+
+    def _missed(self, done: int, why: str) -> dict:
+        print(f"facility {self.name}: round at step {done} missed ({why}); training on", flush=True)
+        return {"round": self.version, "step": done, "changed": False, "bytes": 0, "ended": False, "healed": [],
+                "facilities": [], "attempts": 1, "status": "missed", "reason": why}  # fmt: skip
+
+    def _result(self, header: dict, step: int, changed: bool, healed: list, status: str) -> dict:
+        nbytes = 8 * self.geometry_numel if changed else 4 * self.geometry_numel
+        return {
+            "round": int(header["version"]),
+            "step": step,
+            "changed": changed,
+            "bytes": nbytes,
+            "ended": bool(header.get("ended")),
+            "healed": healed,
+            "facilities": sorted(header.get("accepted", {}) or header.get("live", [])),
+            "attempts": 1,
+            "status": status,
+            "reason": header.get("reason"),
+            "rejected": header.get("rejected", {}),
+            "weights": header.get("accepted", {}),
+        }
+
+    @property
+    def geometry_numel(self) -> int:
+        import math
+
+        return sum(math.prod(p[1]) for p in self.spec["parameters"])
+
+
+def hub_spec(job) -> dict[str, Any]:
+    """What every facility of a hub's federation shares: :func:`federation_spec` plus the hub's rules."""
+    e, fed = job.federation.elastic, job.federation
+    return {
+        **federation_spec(job),
+        "grace_s": float(e.grace_s),
+        "max_norm_ratio": float(e.max_norm_ratio),
+        "weights_rule": fed.weights,
+        "paced": fed.paced,
+        "min_facilities": e.min_facilities,
+    }
+
+
+def hub_link(job, name: str, world_size: int):
+    """This facility leader's :class:`~.hub_link.HubLink` (``federation.elastic.hub``)."""
+    t = job.train
+    geometry = {"batch_size": t.batch_size * t.grad_accum, "seq_len": t.seq_len, "dp": world_size}
+    every = job.federation.every if job.federation.every_s is None else None
+    return HubLink(job.federation.elastic, name, hub_spec(job), geometry, t.steps, every)

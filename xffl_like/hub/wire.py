@@ -1,0 +1,156 @@
+"""What crosses between a facility's leader and the hub: gRPC methods on raw bytes, no protobuf
+and nothing pickled.
+
+Every method of the service ``xffl.hub.Hub`` carries bytes. A control message is one UTF-8 JSON
+object of at most :data:`MAX_JSON` bytes (:func:`pack` / :func:`unpack`, which refuses anything
+else). Tensors travel as a stream of frames: a JSON header frame, then raw little-endian chunks of
+at most :data:`CHUNK_BYTES` each; the receiver checks every chunk's size against what the header
+announced before it touches any state (:class:`Frames`).
+
+Methods (the facility is the client; its name is its certificate's common name):
+
+- ``Join`` (unary): the federation's description and this facility's geometry -> membership;
+- ``Beat`` (unary): a heartbeat of the member's session;
+- ``Arrive`` (unary): at a round boundary -> ``upload`` or ``heal``;
+- ``Upload`` (stream -> unary): the member's parameters (or compressed update);
+- ``Result`` (unary -> stream): waits for the round's commit, then θ_global;
+- ``Fetch`` (unary -> stream): θ_global now (a joiner);
+- ``Leave`` (unary).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "CHUNK_BYTES",
+    "GRPC_OPTIONS",
+    "MAX_JSON",
+    "METHODS",
+    "SERVICE",
+    "Frames",
+    "WireError",
+    "frames_of",
+    "pack",
+    "unpack",
+]
+
+SERVICE = "xffl.hub.Hub"
+METHODS = ("Join", "Beat", "Arrive", "Upload", "Result", "Fetch", "Leave")
+#: Raw bytes per tensor frame (tens of MB: few frames, bounded buffers on both sides).
+CHUNK_BYTES = 16 << 20
+#: The largest control message.
+MAX_JSON = 1 << 20
+_MAX_MESSAGE = CHUNK_BYTES + (1 << 20)
+
+#: Channel and server options shared by both ends: frames up to CHUNK_BYTES; keepalive pings so a
+#: NAT or proxy on the way never drops a connection idle in a long round.
+GRPC_OPTIONS = [
+    ("grpc.max_send_message_length", _MAX_MESSAGE),
+    ("grpc.max_receive_message_length", _MAX_MESSAGE),
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+]
+
+
+class WireError(ValueError):
+    """A message that is not what the protocol allows (one line)."""
+
+
+def pack(obj: dict[str, Any]) -> bytes:
+    """A control message (JSON; non-finite numbers are refused)."""
+    data = json.dumps(obj, allow_nan=False, separators=(",", ":")).encode()
+    if len(data) > MAX_JSON:
+        raise WireError(f"control message of {len(data)} bytes (at most {MAX_JSON})")
+    return data
+
+
+def _no_constants(name: str):
+    raise WireError(f"non-finite number {name} in a control message")
+
+
+def unpack(data: bytes, required: dict[str, type | tuple[type, ...]] | None = None) -> dict[str, Any]:
+    """A control message, checked: one JSON object within :data:`MAX_JSON` bytes, with each
+    ``required`` key of its type (``int`` excludes ``bool``; floats finite)."""
+    if not isinstance(data, bytes) or len(data) > MAX_JSON:
+        raise WireError("control message too large or not bytes")
+    try:
+        obj = json.loads(data.decode("utf-8"), parse_constant=_no_constants)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise WireError(f"control message is not JSON ({exc})") from None
+    if not isinstance(obj, dict):
+        raise WireError("control message is not a JSON object")
+    for key, kind in (required or {}).items():
+        value = obj.get(key)
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        ok = isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds)
+        if ok and isinstance(value, float) and not math.isfinite(value):
+            ok = False
+        if not ok:
+            raise WireError(f"control message: {key}={value!r} is not a {'/'.join(k.__name__ for k in kinds)}")
+    return obj
+
+
+def frames_of(header: dict[str, Any], flat: Tensor | None) -> Iterator[bytes]:
+    """``header`` (JSON, with ``nbytes``) then ``flat``'s bytes in frames of :data:`CHUNK_BYTES`."""
+    raw = _as_bytes(flat)
+    yield pack({**header, "nbytes": 0 if raw is None else raw.numel()})
+    if raw is None:
+        return
+    for start in range(0, raw.numel(), CHUNK_BYTES):
+        yield raw[start : start + CHUNK_BYTES].numpy().tobytes()
+
+
+def _as_bytes(flat: Tensor | None) -> Tensor | None:
+    if flat is None:
+        return None
+    return flat.detach().contiguous().view(-1).view(torch.uint8)
+
+
+class Frames:
+    """Receives the frames of one tensor: the header, then exactly ``nbytes`` of chunks.
+
+    ``expect``: the bytes the receiver allows (a number, or a set of allowed sizes); a header that
+    announces another size, a chunk over :data:`CHUNK_BYTES`, or more or fewer bytes than announced
+    is a :class:`WireError`. Chunks are handed on as they arrive (:meth:`chunks`), never joined."""
+
+    def __init__(self, frames: Iterator[bytes], expect: int | set[int], required: dict | None = None):
+        self.frames = iter(frames)
+        try:
+            first = next(self.frames)
+        except StopIteration:
+            raise WireError("empty stream (no header)") from None
+        self.header = unpack(first, {"nbytes": int, **(required or {})})
+        self.nbytes = self.header["nbytes"]
+        allowed = expect if isinstance(expect, set) else {expect}
+        if self.nbytes not in allowed:
+            raise WireError(f"{self.nbytes} bytes announced, expected {' or '.join(map(str, sorted(allowed)))}")
+
+    def chunks(self) -> Iterator[tuple[int, bytes]]:
+        """(offset in bytes, chunk) in order; raises :class:`WireError` on any size mismatch."""
+        seen = 0
+        for frame in self.frames:
+            if not isinstance(frame, bytes) or not frame or len(frame) > CHUNK_BYTES:
+                raise WireError(f"a frame of {len(frame) if isinstance(frame, bytes) else '?'} bytes")
+            if seen + len(frame) > self.nbytes:
+                raise WireError(f"more than the {self.nbytes} bytes announced")
+            yield seen, frame
+            seen += len(frame)
+        if seen != self.nbytes:
+            raise WireError(f"{seen} bytes received of the {self.nbytes} announced")
+
+    def into(self, out: Tensor) -> Tensor:
+        """All chunks copied into ``out`` (its bytes must be ``nbytes``)."""
+        raw = out.view(-1).view(torch.uint8)
+        for offset, chunk in self.chunks():
+            raw[offset : offset + len(chunk)].copy_(torch.frombuffer(bytearray(chunk), dtype=torch.uint8))
+        return out

@@ -36,6 +36,7 @@ from torch import Tensor
 
 from ..federation.elastic.options import first_difference
 from ..federation.outer import OuterOptimizer, validate_outer
+from ..federation.update_codec import CODECS, UpdateCodec
 from ..schema import OuterConfig
 from . import store
 from .wire import CHUNK_BYTES, Frames, WireError, frames_of
@@ -119,6 +120,13 @@ def _rules(spec: dict) -> None:
         v = spec.get(key)
         if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0):
             raise HubError(f"federation.elastic.{key}={v!r} is invalid", "INVALID_ARGUMENT")
+    comp = spec.get("compression")
+    if not isinstance(comp, dict) or comp.get("kind") not in ("none", *CODECS):
+        raise HubError(f"compression {comp!r}: the hub takes none, {', '.join(CODECS)}", "INVALID_ARGUMENT")
+    if comp["kind"] != "none":
+        size = comp.get("chunk_size")
+        if not (isinstance(size, int) and not isinstance(size, bool) and 1 <= size <= 1 << 24):
+            raise HubError(f"federation.chunk_size={size!r} is invalid", "INVALID_ARGUMENT")
     if spec.get("weights_rule") not in (None, "uniform", "tokens"):
         raise HubError(f"weights {spec.get('weights_rule')!r}: the hub weighs uniform or tokens", "INVALID_ARGUMENT")
 
@@ -160,6 +168,7 @@ class HubFederation:
         self.theta: Tensor | None = snap.theta if snap else None
         self.acc: Tensor | None = None
         self.outer: OuterOptimizer | None = None
+        self.codec: UpdateCodec | None = None
         if snap is not None:
             self._restore(snap)
         self._stop = threading.Event()
@@ -167,7 +176,20 @@ class HubFederation:
         self._thread.start()
 
     # ------------------------------------------------------------------ state
+    def _codec(self, spec: dict) -> UpdateCodec | None:
+        comp = spec["compression"]
+        return None if comp["kind"] == "none" else UpdateCodec(comp["kind"], numel_of(spec), comp["chunk_size"])
+
+    def expected_bytes(self, kind: str) -> int:
+        """The bytes an upload of ``kind`` must have: parameters (fp32), or the codec's message."""
+        if kind == "create":
+            return 4 * numel_of(self.pending_spec)
+        if self.theta is None:
+            raise HubError("the federation has not been created yet: join again", "FAILED_PRECONDITION")
+        return self.codec.nbytes if self.codec is not None else 4 * self.theta.numel()
+
     def _restore(self, snap: store.Snapshot) -> None:
+        self.codec = self._codec(snap.spec)
         self.outer = OuterOptimizer(_outer_config(snap.spec), snap.theta)
         for k, v in snap.buffers.items():
             self.outer.buffers[k].copy_(v)
@@ -289,6 +311,7 @@ class HubFederation:
         with self.cv:
             self.spec, self.theta, self.creator = spec, theta, None
             self.outer = OuterOptimizer(_outer_config(spec), theta)
+            self.codec = self._codec(spec)
             self.snap = store.Snapshot(0, spec, theta)
             self._save()
             self.log(f"hub: facility {name} created the federation ({theta.numel()} parameters)")
@@ -359,7 +382,12 @@ class HubFederation:
         return {"ok": a.uploaded, "reason": a.reason}
 
     def _spool(self, frames: Frames, path: Path) -> float:
-        """Write the chunks to ``path``; the norm of ``θ_global - θ_f`` (nan when not finite)."""
+        """Write the chunks to ``path``; the norm of the update ``θ_global - θ_f`` (nan when not finite)."""
+        if self.codec is not None:
+            with open(path, "wb") as fh:
+                for _, chunk in frames.chunks():
+                    fh.write(chunk)
+            return self._update_norm(path)
         squares, finite = 0.0, True
         theta = self.theta
         with open(path, "wb") as fh:
@@ -374,6 +402,15 @@ class HubFederation:
                     squares += float(torch.sub(mine, x).double().square().sum())
                 fh.write(chunk)
         return math.sqrt(squares) if finite else math.nan
+
+    def _update_norm(self, path: Path) -> float:
+        squares = 0.0
+        with open(path, "rb") as fh:
+            for _, values in self.codec.decode_stream(fh.read):
+                if not bool(torch.isfinite(values).all()):
+                    return math.nan
+                squares += float(values.double().square().sum())
+        return math.sqrt(squares)
 
     def _closable(self, r: Round, now: float) -> bool:
         live = {n for n, m in self.members.items() if m.live(now)}
@@ -453,7 +490,9 @@ class HubFederation:
         acc.zero_()
         for n, a in accepted.items():
             self._accumulate(acc, a.spool, weights[n] / total)
-        if self.outer.options.is_plain_mean:
+        if self.codec is not None:  # acc: the mean update, θ_global - mean
+            self.outer.step(acc)
+        elif self.outer.options.is_plain_mean:
             self.theta.copy_(acc)
         else:
             self.outer.step(torch.sub(self.theta, acc, out=acc))
@@ -468,6 +507,12 @@ class HubFederation:
                 "healed": healed}  # fmt: skip
 
     def _accumulate(self, acc: Tensor, path: Path, scale: float) -> None:
+        if self.codec is not None:
+            with open(path, "rb") as fh:
+                for start, values in self.codec.decode_stream(fh.read):
+                    acc[start : start + values.numel()].add_(values, alpha=scale)
+            path.unlink(missing_ok=True)
+            return
         with open(path, "rb") as fh:
             offset = 0
             while chunk := fh.read(CHUNK_BYTES):

@@ -92,10 +92,7 @@ class HubService:
     def upload(self, request_iterator, context) -> bytes:
         def run():
             fed = self.fed
-            if fed.theta is None and fed.creator is None:
-                raise HubError("the federation has not been created yet: join again", "FAILED_PRECONDITION")
-            numel = fed.theta.numel() if fed.theta is not None else _creating_numel(fed)
-            frames = Frames(request_iterator, 4 * numel, {**_SESSION, "kind": str})
+            frames = Frames(request_iterator, fed.expected_bytes, {**_SESSION, "kind": str})
             name = self._name(context, frames.header)
             if frames.header["kind"] == "create":
                 fed._member(name, frames.header["session"])
@@ -151,12 +148,6 @@ class HubService:
                 "Leave": unary(self.leave),
             },
         )
-
-
-def _creating_numel(fed: HubFederation) -> int:
-    from .federation import numel_of
-
-    return numel_of(fed.pending_spec)
 
 
 def _open_state(path: Path, fresh: bool) -> store.Snapshot | None:

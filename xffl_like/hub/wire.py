@@ -119,11 +119,11 @@ def _as_bytes(flat: Tensor | None) -> Tensor | None:
 class Frames:
     """Receives the frames of one tensor: the header, then exactly ``nbytes`` of chunks.
 
-    ``expect``: the bytes the receiver allows (a number, or a set of allowed sizes); a header that
+    ``expect``: the bytes the receiver allows (a number, or a function of the header's ``kind``); a header that
     announces another size, a chunk over :data:`CHUNK_BYTES`, or more or fewer bytes than announced
     is a :class:`WireError`. Chunks are handed on as they arrive (:meth:`chunks`), never joined."""
 
-    def __init__(self, frames: Iterator[bytes], expect: int | set[int], required: dict | None = None):
+    def __init__(self, frames: Iterator[bytes], expect, required: dict | None = None):
         self.frames = iter(frames)
         try:
             first = next(self.frames)
@@ -131,9 +131,9 @@ class Frames:
             raise WireError("empty stream (no header)") from None
         self.header = unpack(first, {"nbytes": int, **(required or {})})
         self.nbytes = self.header["nbytes"]
-        allowed = expect if isinstance(expect, set) else {expect}
-        if self.nbytes not in allowed:
-            raise WireError(f"{self.nbytes} bytes announced, expected {' or '.join(map(str, sorted(allowed)))}")
+        allowed = expect(self.header.get("kind")) if callable(expect) else expect
+        if self.nbytes != allowed:
+            raise WireError(f"{self.nbytes} bytes announced, expected {allowed}")
 
     def chunks(self) -> Iterator[tuple[int, bytes]]:
         """(offset in bytes, chunk) in order; raises :class:`WireError` on any size mismatch."""

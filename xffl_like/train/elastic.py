@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import zlib
 
+from ..checkpoint.dcp import checkpoint_dir
 from ..distributed.state import DistributedState
 from ..federation.elastic import facility_name
 from ..federation.elastic.exchange import ElasticFederation
 from ..federation.elastic.hub_link import hub_link
 from ..observe.timing import PhaseTimer
 from ..schema import JobConfig
+from .nonfinite import NonFiniteGuard
 from .optim import schedule_at
 from .sync import Capabilities, ShardedParts, StepEnd, SyncBase
 
@@ -43,10 +45,12 @@ def data_identity(cfg: JobConfig) -> tuple[int, int, int]:
 class ElasticSync(SyncBase):
     """Rounds among the facilities present; joins at the start, leaves at a stop and when closed."""
 
-    def __init__(self, parts: ShardedParts, federation, timer: PhaseTimer, *, rewarm: int, strategy: dict):
+    def __init__(self, parts: ShardedParts, federation, timer: PhaseTimer, *, rewarm: int, strategy: dict, guard=None):
         """``federation``: this facility's :class:`~xffl_like.federation.elastic.exchange.ElasticFederation`;
-        ``rewarm``: the warm-up steps of a fresh optimizer that joins late (0: none)."""
+        ``rewarm``: the warm-up steps of a fresh optimizer that joins late (0: none); ``guard``: the
+        :class:`~.nonfinite.NonFiniteGuard` of ``federation.on_nonfinite``, checked before each round."""
         self.parts, self.module, self.federation, self.timer = parts, parts.model, federation, timer
+        self.guard = guard
         self.name, self.clock, self.strategy = federation.name, federation.clock, strategy
         # This world is one facility: its ranks step together, stop at any step, and it leaves at a stop.
         self.capabilities = Capabilities(checkpoints=True, elastic=True)
@@ -55,14 +59,18 @@ class ElasticSync(SyncBase):
         self.rewarm_from: int | None = None  # the join step a fresh optimizer warms up again from
 
     @classmethod
-    def build(cls, cfg: JobConfig, state: DistributedState, parts: ShardedParts, steps: int, timer: PhaseTimer):
+    def build(
+        cls, cfg: JobConfig, state: DistributedState, parts: ShardedParts, run_dir, steps: int, timer: PhaseTimer
+    ):
         """The job's: this facility joins the federation of ``federation.elastic`` (collective)."""
         name = facility_name(cfg.federation.elastic)
         link = hub_link(cfg, name, state.world_size) if cfg.federation.elastic.hub and state.rank == 0 else None
         federation = ElasticFederation(cfg.federation, parts.model, state, name, steps, link=link)
         rewarm = cfg.optim.warmup_steps if cfg.federation.elastic.rewarm else 0
         described = {"name": cfg.strategy.name, "streams": cfg.strategy.streams}
-        return cls(parts, federation, timer, rewarm=rewarm, strategy=described)
+        where = checkpoint_dir(cfg.checkpoint, run_dir)
+        guard = NonFiniteGuard(cfg.federation.on_nonfinite, state, parts.model, parts.optimizer, where)
+        return cls(parts, federation, timer, rewarm=rewarm, strategy=described, guard=guard)
 
     def start(self, done: int, index: int) -> StepEnd:
         step = self.federation.join(done)
@@ -100,6 +108,8 @@ class ElasticSync(SyncBase):
     def finish_due(self, done: int, index: int) -> list[dict]:
         if not self.federation.applies_at(done):
             return []
+        if self.guard is not None:  # fail: stop with one line; skip: the hub rejects it, and it heals
+            self.guard.check_own(self.federation.round, done)
         with self.timer("aggregation"):  # the round's quorum is where facilities meet: its wait is in the round
             return self.federation.finish_due(done, index)
 

@@ -88,6 +88,27 @@ class NonFiniteGuard:
         base = [1.0] * n if weights is None else list(weights)
         return [0.0 if f in bad else w for f, w in enumerate(base)], bad
 
+    def check_own(self, round_index: int, step: int) -> bool:
+        """A facility of an elastic federation, before its round: ``fail`` raises on non-finite weights;
+        ``skip`` zeroes its optimizer's non-finite moments and returns True (the hub rejects its
+        contribution and it adopts θ_global, as ``skip`` does in one world). Collective in the facility."""
+        bad = not bool(all_finite(_locals(self.model)))
+        flag = torch.tensor([float(bad)], device=self.state.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if not flag.item():
+            return False
+        if self.policy != "skip":
+            from ..checkpoint.store import latest_checkpoint
+
+            last = latest_checkpoint(self.dir)
+            hint = f"last good checkpoint: {last} (resume={last})" if last else "no checkpoint was written yet"
+            raise NonFiniteError(
+                f"non-finite weights in this facility before round {round_index} (step {step}); {hint}; "
+                f"federation.on_nonfinite=skip sends them to be rejected and adopts θ_global instead"
+            )
+        self._scrub()
+        return True
+
     @torch.no_grad()
     def _scrub(self) -> None:
         # The mean replaces the weights; zeros keep NaN out of the weighted sum (0 x NaN = NaN).

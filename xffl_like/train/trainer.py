@@ -76,7 +76,7 @@ def build_parts(
     if cfg.federation.elastic.enabled:  # this job is one facility of a federation of independent jobs
         from .elastic import ElasticSync, data_identity
 
-        sync, identity = ElasticSync.build(cfg, state, parts, steps, timer), data_identity(cfg)
+        sync, identity = ElasticSync.build(cfg, state, parts, run_dir, steps, timer), data_identity(cfg)
     else:
         sync, identity = FederatedSync.build(cfg, state, parts, run_dir, timer, phases), layout_identity
     checkpointer = Checkpointer(

@@ -115,8 +115,13 @@ class ElasticFederation:
         # Where this facility's rounds end: every `every` of its steps, or by its own step time (every_s).
         self.clock: RoundClock = round_clock(cfg, state, steps, ended=lambda: self.ended)
         full = self._gather()
+        self.ef: Tensor | None = None  # hub with compression: θ_global + this facility's residual
         if self.leader and link is not None:
             self.theta = full  # the one flat copy: uploaded, then overwritten by θ_global
+            if cfg.compression != "none":
+                from ..update_codec import UpdateCodec
+
+                self.codec = UpdateCodec(cfg.compression, self.numel, cfg.chunk_size)
         elif self.leader:
             from .coordinator import Coordinator
 
@@ -302,6 +307,10 @@ class ElasticFederation:
         before = mine.clone() if os.environ.get(_DUMP) else None
         if joining:
             out = self.link.join(mine, done, self.options.elastic.min_facilities)
+            if self.options.compression != "none":
+                self.ef = mine.clone()  # θ_global, no residual yet
+        elif self.ef is not None:
+            out = self._round_compressed(mine, done, tokens)
         else:
             out = self.link.round(mine, done, tokens, taken=done - self.last_step)
         self.theta = mine
@@ -309,6 +318,26 @@ class ElasticFederation:
             self._dump({**{k: out[k] for k in ("facilities", "healed", "round", "step", "status", "rejected")},
                         "weights": out["weights"], "tokens": tokens, "before": before, "after": mine.clone(),
                         "applied": out["status"] == "accepted"})  # fmt: skip
+        return out
+
+    def _round_compressed(self, mine: Tensor, done: int, tokens: float) -> dict:
+        """Upload the encoded update ``θ_global + residual - θ_f``; keep the new residual only when the hub
+        accepted it (a rejected or healed facility starts again from θ_global, without residual)."""
+        message = self.codec.encode(torch.sub(self.ef, mine))
+        kept = {}
+
+        def on_status(header: dict) -> None:
+            kept["status"] = header["status"]
+            if header["status"] == "accepted" and self.options.error_feedback:
+                self.ef.sub_(mine).sub_(self.codec.decode(message))  # the residual, until θ_global is added
+
+        out = self.link.round(mine, done, tokens, taken=done - self.last_step, message=message, on_status=on_status)
+        if kept.get("status") == "accepted" and self.options.error_feedback:
+            self.ef.add_(mine)
+        elif "status" in kept:
+            self.ef.copy_(mine)
+        if out["status"] == "accepted":
+            out["bytes"] = message.numel() + 4 * self.numel
         return out
 
     def _exchange(self, quorum, names: list[str], mine: Tensor, tokens: float, joining: bool, done: int) -> dict:

@@ -9,6 +9,7 @@ answer costs the round, not the job: the facility trains on and tries again at i
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import uuid
@@ -49,6 +50,15 @@ def explain(exc: grpc.RpcError, hub: str) -> str:
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return f"the hub at {hub} did not answer in time: is it overloaded or the link down?"
     return f"the hub at {hub} refused this facility: {details}"
+
+
+def _test_poison(flat: Tensor, tokens: float) -> float:
+    """Tests: ``$XFFL_TEST_HUB_SCALE=S`` uploads the parameters times S; ``$XFFL_TEST_HUB_TOKENS=T``
+    claims T tokens (a facility that lies, for the hub's checks)."""
+    scale = os.environ.get("XFFL_TEST_HUB_SCALE")
+    if scale:
+        flat.mul_(float(scale))
+    return float(os.environ.get("XFFL_TEST_HUB_TOKENS") or tokens)
 
 
 def _read(path: str | None) -> bytes | None:
@@ -96,10 +106,15 @@ class HubLink:
     def _upload(self, flat: Tensor, kind: str, rid: int | None = None) -> dict:
         header = self._msg(kind=kind, round=rid)
         call = self.channel.stream_unary(f"/{SERVICE}/Upload")
-        return unpack(call(frames_of(header, flat), timeout=max(float(self.cfg.timeout_s), 600.0)))
+        future = self._call = call.future(frames_of(header, flat))
+        out = unpack(future.result())
+        self._call = None
+        return out
 
-    def _download(self, call, flat: Tensor) -> dict:
+    def _download(self, call, flat: Tensor, on_status=None) -> dict:
         frames = Frames(call, flat.numel() * 4, {"version": int, "status": str})
+        if on_status is not None:  # before θ_global overwrites ``flat``
+            on_status(frames.header)
         frames.into(flat)
         self._call = None
         return frames.header
@@ -181,20 +196,23 @@ class HubLink:
         self.channel.close()
 
     # ------------------------------------------------------------------ rounds
-    def round(self, flat: Tensor, done: int, tokens: float, taken: int) -> dict:
-        """The round at this boundary: ``flat`` (this facility's parameters) becomes θ_global after it."""
+    def round(self, flat: Tensor, done: int, tokens: float, taken: int, message=None, on_status=None) -> dict:
+        """The round at this boundary: ``flat`` (this facility's parameters) becomes θ_global after it.
+        ``message``: with compression, the encoded update uploaded instead of ``flat``; ``on_status(header)``
+        runs once the hub has decided, before θ_global overwrites ``flat``."""
         if time.monotonic() < self.backoff_until:
             return self._missed(done, "the hub did not answer at an earlier boundary")
+        tokens = _test_poison(flat, tokens)
         try:
             arrived = self.unary("Arrive", version=self.version, step=done, taken=taken, tokens=tokens)
             if arrived["action"] == "upload":
-                self._upload(flat, "round", arrived["round"])
+                self._upload(flat if message is None else message, "round", arrived["round"])
             elif arrived.get("reason"):
                 print(f"facility {self.name}: heals this round ({arrived['reason']})", flush=True)
-            header = self._download(self._stream("Result", round=arrived["round"]), flat)
+            header = self._download(self._stream("Result", round=arrived["round"]), flat, on_status)
         except grpc.RpcError as exc:
-            if exc.code() == grpc.StatusCode.CANCELLED:
-                raise ElasticError(f"facility {self.name}: left while waiting in a round") from None
+            if exc.code() == grpc.StatusCode.CANCELLED:  # a stop request while waiting: the trainer leaves next
+                return {**self._missed(done, "a stop request while waiting in the round"), "status": "left"}
             if exc.code() in (grpc.StatusCode.NOT_FOUND,):
                 self._rejoin()
             self.missed += 1

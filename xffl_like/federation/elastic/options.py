@@ -185,8 +185,3 @@ def _validate_hub(e, fed) -> None:
         v = getattr(e, key)
         if not is_number(v) or not math.isfinite(v) or v <= lo:
             raise ConfigError(f"federation.elastic.{key}={v!r}: must be a number > {lo:g}")
-    if fed.compression != "none":
-        raise ConfigError(
-            f"federation.compression={fed.compression} through the hub is not built yet: the hub averages full "
-            f"fp32 parameters; use federation.compression=none with federation.elastic.hub"
-        )

@@ -1,0 +1,76 @@
+"""A facility's update ``θ_global - θ_f`` as it travels to the hub, compressed (``federation.compression``).
+
+One flat message per facility: ``bf16`` (two bytes a value) or ``uint8`` (min-max chunks of about
+``federation.chunk_size`` values, :mod:`xffl_like.parallel.codec`). The facility encodes it whole;
+the hub decodes it chunk by chunk as it reads it back (:meth:`UpdateCodec.decode_stream`), so it
+never holds a decoded copy beside its accumulator. Both ends size the message from the federation's
+description alone, so the hub checks every byte count before it reads one.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import Tensor
+
+from ..parallel import codec
+
+__all__ = ["CODECS", "UpdateCodec"]
+
+CODECS = ("bf16", "uint8")
+_ROWS = 1024  # uint8 chunks decoded at a time by the hub
+
+
+class UpdateCodec:
+    """The ``kind`` message of ``numel`` values (``chunk_size``: values per uint8 chunk, about)."""
+
+    def __init__(self, kind: str, numel: int, chunk_size: int):
+        if kind not in CODECS:
+            raise ValueError(f"compression {kind!r}: the hub decodes {', '.join(CODECS)}")
+        if not 1 <= chunk_size <= 1 << 24:
+            raise ValueError(f"chunk_size {chunk_size} out of range")
+        self.kind, self.numel = kind, numel
+        self.chunks = max(1, math.ceil(numel / chunk_size))
+        self.length = codec.chunk_length(numel, self.chunks)  # values per chunk (the last one padded)
+
+    @property
+    def nbytes(self) -> int:
+        if self.kind == "bf16":
+            return 2 * self.numel
+        return codec.packed_bytes(self.numel, self.chunks)
+
+    def encode(self, update: Tensor) -> Tensor:
+        """The message's bytes (flat uint8)."""
+        if self.kind == "bf16":
+            return update.reshape(-1).to(torch.bfloat16).view(torch.uint8)
+        return codec.compress(update.reshape(-1), self.chunks).view(-1)
+
+    def decode(self, message: Tensor) -> Tensor:
+        """The update the message carries (flat fp32, ``numel`` values)."""
+        if self.kind == "bf16":
+            return message.view(torch.bfloat16).float()
+        return codec.decompress(message.view(self.chunks, -1), self.numel)
+
+    def decode_stream(self, read: Callable[[int], bytes]) -> Iterator[tuple[int, Tensor]]:
+        """(first value, values) decoded in order from ``read(n)`` (the message's bytes, as a file gives them)."""
+        if self.kind == "bf16":
+            step = 1 << 22
+            for start in range(0, self.numel, step):
+                n = min(step, self.numel - start)
+                yield start, _exact(read(2 * n), 2 * n).view(torch.bfloat16).float()
+            return
+        row = codec.HEADER_BYTES + self.length
+        for first in range(0, self.chunks, _ROWS):
+            rows = min(_ROWS, self.chunks - first)
+            start = first * self.length
+            n = min(rows * self.length, self.numel - start)
+            packed = _exact(read(rows * row), rows * row).view(rows, row)
+            yield start, codec.decompress(packed, n)
+
+
+def _exact(data: bytes, n: int) -> Tensor:
+    if len(data) != n:
+        raise ValueError(f"{len(data)} bytes where the message has {n}")
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)

@@ -141,12 +141,13 @@ def test_cli_runs_as_module():
     assert "'distributed.federated=[2]'" in proc.stdout
 
 
-def test_elastic_scripts_are_independent_jobs():
-    """--lighthouse: one script per facility, each its own rendezvous and job, leaving at walltime (USR1)."""
-    f0, f1 = render(
-        [2, 1],
-        SlurmOptions(gpus_per_node=4, time="02:00:00", lighthouse="login1:29510", overrides=("+experiment=llama_fed",)),
+def test_elastic_scripts_are_independent_jobs_dialling_the_hub():
+    """--hub: one script per facility, each its own rendezvous and job, dialling out to the hub with its own
+    certificate, leaving at walltime (USR1)."""
+    opts = SlurmOptions(
+        gpus_per_node=4, time="02:00:00", hub="login1:29510", certs="/site/xffl", overrides=("+experiment=llama_fed",)
     )
+    f0, f1 = render([2, 1], opts)
     assert (f0.filename, f1.filename) == ("xffl-f0.sbatch", "xffl-f1.sbatch")
     for script, name, nodes in ((f0, "xffl-f0", 2), (f1, "xffl-f1", 1)):
         lines = script.text.splitlines()
@@ -157,15 +158,21 @@ def test_elastic_scripts_are_independent_jobs():
             "#SBATCH --gpus-per-node=4",
             "#SBATCH --signal=USR1@120",
             "#SBATCH --time=02:00:00",
-            "#   nohup python -m xffl_like.lighthouse --port 29510 > lighthouse.log 2>&1 &",
+            "#   python -m xffl_like.hub init CERTS --facilities xffl-f0,xffl-f1 --host login1",
+            "#   nohup python -m xffl_like.hub serve --port 29510 --certs CERTS --state hub-state > hub.log 2>&1 &",
             'export MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)"',
             "srun --kill-on-bad-exit=1 python -m xffl_like.run distributed.federated=null "
-            f"federation.elastic.lighthouse=login1:29510 federation.elastic.facility={name} "
-            "+experiment=llama_fed",
+            f"federation.elastic.hub=login1:29510 federation.elastic.facility={name} "
+            f"federation.elastic.ca=/site/xffl/ca.crt federation.elastic.cert=/site/xffl/{name}.crt "
+            f"federation.elastic.key=/site/xffl/{name}.key +experiment=llama_fed",
         ):
             assert want in lines, (want, script.text)
         assert "XFFL_RDZV_ENDPOINT" not in script.text and "torchrun" not in script.text  # nothing shared
     with pytest.raises(ValueError, match="leave them out"):
-        render([1], SlurmOptions(gpus_per_node=4, lighthouse="login1:29510", overrides=("distributed.federated=2",)))
+        render([1], SlurmOptions(gpus_per_node=4, hub="login1:29510", overrides=("distributed.federated=2",)))
+    with pytest.raises(ValueError, match="leave them out"):
+        render([1], SlurmOptions(gpus_per_node=4, hub="login1:29510", overrides=("federation.elastic.key=/k",)))
     with pytest.raises(ValueError, match="HOST:PORT"):
-        render([1], SlurmOptions(gpus_per_node=4, lighthouse="login1"))
+        render([1], SlurmOptions(gpus_per_node=4, hub="login1"))
+    with pytest.raises(ValueError, match="cannot both hold"):  # it was silently ignored
+        render([1], SlurmOptions(gpus_per_node=4, hub="login1:29510", rdzv_endpoint="h:1"))

@@ -1,8 +1,9 @@
 """Slurm sbatch scripts for a job that spans facilities: one allocation per facility.
 
-With ``--lighthouse HOST:PORT`` the facilities are independent jobs of an elastic federation
-(``federation.elastic``): each script has its own rendezvous, one process per GPU under ``srun``,
-``--signal=USR1@120`` to leave before walltime, and nothing that waits for or kills another facility.
+With ``--hub HOST:PORT`` the facilities are independent jobs of a federation held by the hub
+(``federation.elastic.hub``, certificates under ``--certs``): each script has its own rendezvous, one
+process per GPU under ``srun``, ``--signal=USR1@120`` to leave before walltime, and nothing that waits
+for, listens for or kills another facility.
 Without it, as follows.
 
 Each facility's allocation runs one ``torchrun`` per node (through ``srun``); every
@@ -75,10 +76,13 @@ exec torchrun --nnodes={total_nodes} --nproc-per-node={gpus} \\
 
 _ELASTIC = """\
 #!/bin/bash
-# Facility {name} of an elastic federation: an independent job of {nodes} node(s) x {gpus} GPU(s), one
-# process per GPU under srun, meeting the others at the lighthouse {lighthouse}. Start the lighthouse
-# first, on a login or service node every facility reaches:
-#   nohup python -m xffl_like.lighthouse --port {port} > lighthouse.log 2>&1 &
+# Facility {name} of a federation held by the hub {hub}: an independent job of {nodes} node(s) x {gpus}
+# GPU(s), one process per GPU under srun. Its leader dials out to the hub over mutual TLS; no process of
+# this job listens for other sites. Once, on the hub's host (a login or service node, or a small VM that
+# every facility reaches outbound):
+#   python -m xffl_like.hub init CERTS --facilities {names} --host {hub_host}
+#   nohup python -m xffl_like.hub serve --port {port} --certs CERTS --state hub-state > hub.log 2>&1 &
+# then copy CERTS/ca.crt and CERTS/facilities/{name}.crt and .key here, to {certs}/ (keys mode 0600).
 # Submit this script whenever (facilities join at the next round boundary); resubmit it after its
 # walltime with the same run directory (XFFL_RUN_DIR) and resume=$XFFL_RUN_DIR to rejoin from its checkpoint.
 # Rendered by: {command}
@@ -111,7 +115,8 @@ class SlurmOptions:
     rdzv_endpoint: str | None = None  # HOST:PORT; default: facility 0's first node, port 29500
     setup: str | None = None  # a shell line run before srun (modules, virtual environment)
     overrides: tuple[str, ...] = ()
-    lighthouse: str | None = None  # HOST:PORT: independent facilities of an elastic federation
+    hub: str | None = None  # HOST:PORT: independent facilities of a federation held by the hub
+    certs: str = "certs"  # where each site keeps ca.crt and its facility's .crt and .key
 
 
 @dataclass(frozen=True)
@@ -146,9 +151,11 @@ def command_line(nodes: Sequence[int], opts: SlurmOptions) -> str:
     ]
     if opts.job_name != "xffl":
         parts.append(f"--job-name {shlex.quote(opts.job_name)}")
-    for flag in ("partition", "account", "time", "rdzv_endpoint", "setup", "lighthouse"):
+    for flag in ("partition", "account", "time", "rdzv_endpoint", "setup", "hub"):
         if getattr(opts, flag):
             parts.append(f"--{flag.replace('_', '-')} {shlex.quote(getattr(opts, flag))}")
+    if opts.hub and opts.certs != "certs":
+        parts.append(f"--certs {shlex.quote(opts.certs)}")
     if opts.overrides:
         parts += ["--", *map(shlex.quote, opts.overrides)]
     return " ".join(parts)
@@ -160,7 +167,7 @@ def render(nodes: Sequence[int], opts: SlurmOptions) -> list[FacilityScript]:
         raise ValueError(f"--nodes {','.join(map(str, nodes))}: every facility needs at least one node")
     if opts.gpus_per_node <= 0:
         raise ValueError(f"--gpus-per-node {opts.gpus_per_node}: must be positive")
-    if opts.lighthouse:
+    if opts.hub:
         return _render_elastic(nodes, opts)
     overrides = " ".join(shlex.quote(o) for o in _overrides(nodes, opts))
     extra = "".join(
@@ -208,40 +215,49 @@ def render(nodes: Sequence[int], opts: SlurmOptions) -> list[FacilityScript]:
 
 
 def _render_elastic(nodes: Sequence[int], opts: SlurmOptions) -> list[FacilityScript]:
-    """``--lighthouse``: one independent script per facility (``federation.elastic``), named ``<job>-f<f>``."""
+    """``--hub``: one independent script per facility (``federation.elastic.hub``), named ``<job>-f<f>``."""
     from ..federation.elastic.options import address
 
-    _, port = address(opts.lighthouse)
-    if any(
-        o.lstrip("+~").startswith(
-            ("distributed.federated=", "federation.elastic.facility=", "federation.elastic.lighthouse=")
-        )
-        for o in opts.overrides
-    ):
+    host, port = address(opts.hub, "--hub")
+    if opts.rdzv_endpoint:
         raise ValueError(
-            "with --lighthouse each script sets distributed.federated=null, federation.elastic.facility "
-            "and federation.elastic.lighthouse itself: leave them out of the overrides"
+            "--rdzv-endpoint and --hub cannot both hold: with a hub each facility is its own job with its own "
+            "rendezvous (its first node); leave --rdzv-endpoint out"
+        )
+    owned = ("distributed.federated=", "federation.elastic.facility=", "federation.elastic.hub=",
+             "federation.elastic.ca=", "federation.elastic.cert=", "federation.elastic.key=")  # fmt: skip
+    if any(o.lstrip("+~").startswith(owned) for o in opts.overrides):
+        raise ValueError(
+            "with --hub each script sets distributed.federated=null and federation.elastic.facility, hub, ca, "
+            "cert and key itself: leave them out of the overrides"
         )
     extra = "".join(
         f"#SBATCH --{key}={value}\n"
         for key, value in (("partition", opts.partition), ("account", opts.account), ("time", opts.time))
         if value
     )
+    names = [f"{opts.job_name}-f{f}" for f in range(len(nodes))]
     scripts = []
     for f, n in enumerate(nodes):
-        name = f"{opts.job_name}-f{f}"
+        name, certs = names[f], opts.certs.rstrip("/")
         mine = [
             "distributed.federated=null",
-            f"federation.elastic.lighthouse={opts.lighthouse}",
+            f"federation.elastic.hub={opts.hub}",
             f"federation.elastic.facility={name}",
+            f"federation.elastic.ca={certs}/ca.crt",
+            f"federation.elastic.cert={certs}/{name}.crt",
+            f"federation.elastic.key={certs}/{name}.key",
             *opts.overrides,
         ]
         text = _ELASTIC.format(
             name=name,
+            names=",".join(names),
             nodes=n,
             gpus=opts.gpus_per_node,
-            lighthouse=opts.lighthouse,
+            hub=opts.hub,
+            hub_host=host,
             port=port,
+            certs=certs,
             command=command_line(nodes, opts),
             extra=extra,
             rdzv_port=DEFAULT_PORT,
@@ -255,7 +271,7 @@ def _render_elastic(nodes: Sequence[int], opts: SlurmOptions) -> list[FacilitySc
 def submit_commands(scripts: Sequence[FacilityScript], opts: SlurmOptions, out_dir: str = ".") -> list[str]:
     """The shell commands that submit the scripts, facility 0 first."""
     path = [shlex.quote(str(Path(out_dir) / s.filename)) for s in scripts]
-    if len(scripts) == 1 or opts.rdzv_endpoint or opts.lighthouse:  # elastic: in any order, at any time
+    if len(scripts) == 1 or opts.rdzv_endpoint or opts.hub:  # elastic: in any order, at any time
         return [f"sbatch {p}" for p in path]
     first = (
         f"sbatch {path[0]}   # then read the endpoint from its log: "
@@ -282,9 +298,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--setup", help="shell line run before srun, e.g. 'source .venv/bin/activate'")
     p.add_argument(
-        "--lighthouse",
-        help="HOST:PORT of `python -m xffl_like.lighthouse`: one independent job per "
-        "facility (federation.elastic), no shared rendezvous",
+        "--hub",
+        help="HOST:PORT of `python -m xffl_like.hub serve`: one independent job per facility "
+        "(federation.elastic.hub), each dialling out to the hub; no shared rendezvous",
+    )
+    p.add_argument(
+        "--certs",
+        default="certs",
+        help="with --hub: the directory where each site keeps ca.crt and its facility's NAME.crt and NAME.key",
     )
     p.add_argument("--out-dir", default=".", help="where the scripts are written (not with --dry-run)")
     p.add_argument(
@@ -312,7 +333,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.rdzv_endpoint,
         args.setup,
         tuple(args.overrides),
-        args.lighthouse,
+        args.hub,
+        args.certs,
     )
     try:
         scripts = render(nodes, opts)
@@ -333,7 +355,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.no_submit:
         print("submit (facility 0 first):\n" + "\n".join(commands))
         return 0
-    if len(scripts) > 1 and not (opts.rdzv_endpoint or opts.lighthouse):
+    if len(scripts) > 1 and not (opts.rdzv_endpoint or opts.hub):
         print(
             "several facilities and no --rdzv-endpoint: submit facility 0, then the others with its endpoint:\n"
             + "\n".join(commands)

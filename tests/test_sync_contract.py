@@ -53,7 +53,7 @@ FEDERATED = [
     f"federation.every={EVERY}",
     f"train.grad_accum={ACCUM}",
 ]
-ELASTIC = [*FEDERATED, "federation.elastic.lighthouse=localhost:29999", "federation.elastic.facility=a"]
+ELASTIC = [*FEDERATED, "federation.elastic.hub=localhost:29999", "federation.elastic.facility=a"]
 BAGUA = ["+experiment=bagua_switch", "parallel.switch=[]"]  # gradient all-reduce throughout
 
 
@@ -296,7 +296,7 @@ def test_elastic_sync_stops_at_once_and_leaves(gloo_world, tmp_path, stop_reques
     assert stopped["step"] == 3 and stopped["signal"] == "SIGTERM"
     here = str(run_dir / "checkpoints" / checkpoint_name(3))  # an elastic facility saves at any step
     assert stopped["checkpoint"] == here and stopped["last_checkpoint"] == here
-    assert stopped["left"] == "facility a left the federation at localhost:29999"
+    assert stopped["left"] == "facility a left the federation at the hub localhost:29999"
     federation.leave.assert_called_once_with()
     assert federation.trained.call_count == 3
     assert federation.finish_due.call_args_list == [call(2, 0)]

@@ -250,7 +250,7 @@ def run_local(cfg: DictConfig, run_dir: Path, worker: Callable | None = None) ->
         job, layout = validate_config(job, nproc, nproc, Path.cwd())
     except ConfigError as exc:
         raise JobFailed(str(exc)) from None
-    beat = _admit(job)  # an elastic facility: the lighthouse answers, the name is free, the model matches
+    _admit(job)  # a facility of the hub's federation: the hub answers, admits its identity, the model matches
     start_fork_server()  # the workers' imports run while this process prepares the run directory
     fresh = run_dir
     job, run_dir = prepare_durability(job, layout, run_dir)
@@ -285,30 +285,25 @@ def run_local(cfg: DictConfig, run_dir: Path, worker: Callable | None = None) ->
         info = results[0]["interrupted"]
         code = 0 if info.get("left") else exit_code(signal.Signals[info["signal"]])  # left at walltime: a success
         raise JobInterrupted(interrupted_line(info), code)
-    if beat is not None:
-        beat.stop()
     return results[0]
 
 
-def _admit(job: JobConfig):
-    """An elastic facility, before workers start: the lighthouse's registry takes its name, or the hub
-    answers, admits its identity and matches its description (one line if refused)."""
+def _admit(job: JobConfig) -> None:
+    """A facility of the hub's federation, before workers start: the hub answers, admits its identity (its
+    certificate's name, not revoked, not in use) and matches its description (one line if refused)."""
     e = job.federation.elastic
     if not e.enabled:
-        return None
+        return
     from .federation.elastic import ElasticError, facility_name
-    from .federation.elastic.coordinator import admit
     from .federation.elastic.hub_link import hub_link
 
+    link = hub_link(job, facility_name(e), job.distributed.nproc_per_node)
     try:
-        if e.hub:
-            link = hub_link(job, facility_name(e), job.distributed.nproc_per_node)
-            link.probe()
-            link.channel.close()
-            return None
-        return admit(job)
+        link.probe()
     except ElasticError as exc:
         raise JobFailed(str(exc)) from None
+    finally:
+        link.channel.close()
 
 
 def _train_worker(*args):
@@ -508,7 +503,7 @@ def run_under_launcher(overrides: list[str]) -> int:
     if env.rank == 0:
         try:
             job, run_dir, plan = _validate_here(overrides, env)
-            beat = _admit(job)  # noqa: F841 - keeps this facility's name taken while rank 0 lives
+            _admit(job)
             _save_config(job, run_dir)
             payload = [(job, str(run_dir), plan, None)]
         except Exception as exc:  # noqa: BLE001 - every rank must learn that the job is off

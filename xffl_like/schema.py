@@ -261,25 +261,24 @@ class OuterConfig(Section):
 
 @dataclass(frozen=True)
 class ElasticConfig(Section):
-    """``federation.elastic``: each facility its own job, rounds among the facilities present
-    (``federation/elastic/``); without ``lighthouse`` every facility lives in one world, as before."""
+    """``federation.elastic``: each facility its own job, rounds held by the hub (``federation/elastic/``,
+    :mod:`xffl_like.hub`); without ``hub`` every facility lives in one world, as before."""
 
-    lighthouse: str | None = None  # HOST:PORT of `python -m xffl_like.lighthouse`; null: one world
-    hub: str | None = None  # HOST:PORT of `python -m xffl_like.hub serve` (dialled out to, mutual TLS)
+    hub: str | None = None  # HOST:PORT of `python -m xffl_like.hub serve` (dialled out to, mutual TLS); null: one world
     ca: str | None = None  # the hub's ca.crt (from `python -m xffl_like.hub init`)
     cert: str | None = None  # this facility's certificate (its common name is the facility's name)
     key: str | None = None  # this facility's private key
     facility: str | None = None  # this facility's unique name; null: its certificate's, or the Slurm job's or host's
     min_facilities: int = 1  # training starts once this many facilities are present
-    timeout_s: float = 60.0  # to reach the lighthouse or hub; a facility silent this long is dropped from a round
+    timeout_s: float = 60.0  # seconds a call to the hub may take (the launcher's check, a round's control calls)
     rewarm: bool = True  # a joiner with a fresh inner optimizer warms its lr up again over optim.warmup_steps
     grace_s: float = 60.0  # hub: a round closes this long after it opened, whoever has not arrived
     max_norm_ratio: float = 10.0  # hub: an update norm over this many times the median is rejected
 
     @property
     def enabled(self) -> bool:
-        """Each facility is its own job (a lighthouse or a hub); else one world."""
-        return bool(self.lighthouse or self.hub)
+        """Each facility is its own job, meeting the others at the hub; else one world."""
+        return bool(self.hub)
 
 
 @dataclass(frozen=True)
@@ -530,8 +529,20 @@ def check_keys(cfg: Mapping[str, Any], choices: Mapping[str, Any] | None = None)
     walk({k: v for k, v in cfg.items() if k != "hydra"}, JobConfig, "")
 
 
+#: Keys that existed once: the line for each says what replaced it.
+REMOVED_KEYS = {
+    "federation.elastic.lighthouse": (
+        "federation.elastic.lighthouse was replaced by the hub (facilities dial out to it over mutual TLS): start "
+        "`python -m xffl_like.hub serve` and set federation.elastic.hub=HOST:PORT with federation.elastic.ca, cert "
+        "and key (docs/running.md, Facilities behind firewalls)"
+    ),
+}
+
+
 def unknown_key_message(dotted: str, choices: Mapping[str, Any] | None = None) -> str:
     """The one line for a key the schema does not have, naming the group option when known."""
+    if dotted in REMOVED_KEYS:
+        return REMOVED_KEYS[dotted]
     top = dotted.split(".")[0]
     if top == dotted:
         where = "the root config"

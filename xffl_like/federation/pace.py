@@ -74,7 +74,7 @@ def validate_pace(fed: FederationConfig, num_facilities: int, steps: int) -> Non
     if isinstance(every, (list, tuple)):
         if fed.elastic.enabled:
             raise ConfigError(
-                f"federation.every as a list ({list(every)!r}) with federation.elastic.lighthouse: each "
+                f"federation.every as a list ({list(every)!r}) with federation.elastic.hub: each "
                 f"facility is its own job: give each its own federation.every (a number) and train.steps "
                 f"= the federation's rounds x that number, or use federation.every_s"
             )

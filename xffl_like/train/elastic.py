@@ -1,10 +1,10 @@
-"""``federation.elastic.lighthouse``: this job is one facility of a federation of independent jobs.
+"""``federation.elastic.hub``: this job is one facility of a federation of independent jobs.
 
 :class:`ElasticSync` composes the facility's :class:`~.sync.ShardedParts` (FSDP2/HSDP inside the
 facility, the inner optimizer and its schedule) with
 :class:`~xffl_like.federation.elastic.exchange.ElasticFederation`'s rounds: among the facilities
-present at each boundary, by the Lighthouse's quorum. Before the first step the facility joins: it
-heals from a live facility and adopts the federation's step (its data position and inner optimizer
+arriving at each boundary, held by the hub. Before the first step the facility joins: it
+downloads θ_global from the hub and adopts the federation's step (its data position and inner optimizer
 stay its own: from its checkpoint, or fresh). A joiner whose inner optimizer is fresh (no checkpoint
 of its own) warms its learning rate up again from its join step (``federation.elastic.rewarm``), as
 any fresh optimizer does at step 0.
@@ -109,7 +109,7 @@ class ElasticSync(SyncBase):
         if not self.federation.applies_at(done):
             return []
         if self.guard is not None:  # fail: stop with one line; skip: the hub rejects it, and it heals
-            self.guard.check_own(self.federation.round, done)
+            self.guard.check_own(index, done)
         with self.timer("aggregation"):  # the round's quorum is where facilities meet: its wait is in the round
             return self.federation.finish_due(done, index)
 
@@ -124,7 +124,7 @@ class ElasticSync(SyncBase):
         """Leave the federation now (at a stop request); the line that says how to rejoin."""
         self.federation.leave()
         e = self.federation.options.elastic
-        return f"facility {self.name} left the federation at {e.hub or e.lighthouse}"
+        return f"facility {self.name} left the federation at the hub {e.hub}"
 
     def close(self) -> dict:
         self.federation.leave()

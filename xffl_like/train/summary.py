@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ..distributed.state import DistributedState, to_local
+from .parallelize import peak_rss_mb
 
 __all__ = ["gather_facility_losses", "job_summary", "max_param_divergence"]
 
@@ -142,6 +143,7 @@ def _timings(tokens, train_seconds, train_started_at, phases, setup_rss, started
         "train_started_at": train_started_at,
         "phases": phases,
         "setup_peak_rss_mb": float(setup_rss),
+        "peak_rss_mb": peak_rss_mb(),  # rank 0's (an elastic facility's leader), over the whole job
         "wall_seconds": time.time() - started_at,
     }
 

@@ -25,7 +25,7 @@ When rounds, the end and a checkpoint's step fall is the round clock's
 
 Three implementations, built by :func:`~.trainer.build_trainer`: :class:`FederatedSync`
 (``parallel=fsdp``: FSDP2/HSDP inside a facility, the federation's rounds across facilities),
-:class:`~.elastic.ElasticSync` (``federation.elastic.lighthouse``: this job is one facility; rounds
+:class:`~.elastic.ElasticSync` (``federation.elastic.hub``: this job is one facility; rounds
 among the facilities present) and :class:`~.dataparallel.DataParallelSync`
 (``parallel=decentralized|bagua``: a full copy per rank kept in step by :mod:`xffl_like.parallel`).
 The first two compose the same :class:`ShardedParts`.

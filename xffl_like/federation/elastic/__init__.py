@@ -1,17 +1,15 @@
-"""Facilities as independent jobs: rounds among the facilities present (``federation.elastic``).
+"""Facilities as independent jobs: rounds held by the hub (``federation.elastic``).
 
-With ``federation.elastic.lighthouse=HOST:PORT`` each facility is its own job (its own launcher,
-rendezvous and default process group; ``distributed.*`` describes this facility only). The
-facilities meet at ``python -m xffl_like.lighthouse``:
+With ``federation.elastic.hub=HOST:PORT`` each facility is its own job (its own launcher, rendezvous
+and default process group; ``distributed.*`` describes this facility only). Its leader dials out to
+``python -m xffl_like.hub serve`` (:mod:`xffl_like.hub`), which holds the federation:
 
-- :mod:`.options`: the checks of ``federation.elastic`` (before workers start), the facility's
-  name, the federation's description a joining facility must match;
-- :mod:`.coordinator`: the facility leader's link to the lighthouse (torchft's Lighthouse for
-  membership, heartbeats and each round's quorum; a TCPStore for names, the description and the
-  rendezvous of each round's process group) and the launcher's admission;
-- :mod:`.exchange`: :class:`ElasticFederation`, a round among the quorum's facilities (heal the
-  ones behind from a live one, the weighted mean, outer step, compression), applied only once
-  every member has the whole result.
+- :mod:`.options`: the checks of ``federation.elastic`` (before workers start), the facility's name,
+  the federation's description a joining facility must match;
+- :mod:`.hub_link`: the leader's gRPC link to the hub (mutual TLS, outbound only): join, heartbeats,
+  arrive, upload, the round's result;
+- :mod:`.exchange`: :class:`ElasticFederation`, this facility's side of each round (gather its shards,
+  upload, take θ_global back to every rank).
 """
 
 from .options import ElasticError, facility_name, federation_spec, validate_elastic

@@ -52,6 +52,15 @@ def explain(exc: grpc.RpcError, hub: str) -> str:
     return f"the hub at {hub} refused this facility: {details}"
 
 
+def _test_pause(round_index: int) -> None:
+    """Tests ($XFFL_TEST_ELASTIC_PAUSE=ROUND:FILE): this leader stops after uploading its contribution to
+    version ROUND's round, writes FILE and waits there 120 s (for the test to kill its facility mid-round)."""
+    spec = os.environ.get("XFFL_TEST_ELASTIC_PAUSE")
+    if spec and int(spec.split(":", 1)[0]) == round_index:
+        Path(spec.split(":", 1)[1]).write_text(str(os.getpid()))
+        time.sleep(120)
+
+
 def _test_poison(flat: Tensor, tokens: float) -> float:
     """Tests: ``$XFFL_TEST_HUB_SCALE=S`` uploads the parameters times S; ``$XFFL_TEST_HUB_TOKENS=T``
     claims T tokens (a facility that lies, for the hub's checks)."""
@@ -207,6 +216,7 @@ class HubLink:
             arrived = self.unary("Arrive", version=self.version, step=done, taken=taken, tokens=tokens)
             if arrived["action"] == "upload":
                 self._upload(flat if message is None else message, "round", arrived["round"])
+                _test_pause(self.version)
             elif arrived.get("reason"):
                 print(f"facility {self.name}: heals this round ({arrived['reason']})", flush=True)
             header = self._download(self._stream("Result", round=arrived["round"]), flat, on_status)

@@ -24,7 +24,7 @@ class ElasticError(RuntimeError):
     """One line naming what keeps this facility out of the federation, and the fix."""
 
 
-def address(value: str, key: str = "federation.elastic.lighthouse") -> tuple[str, int]:
+def address(value: str, key: str = "federation.elastic.hub") -> tuple[str, int]:
     """``HOST:PORT`` (``[v6]:PORT`` too) -> (host, port); ``ConfigError`` with one line otherwise."""
     text = str(value)
     if text.startswith("["):
@@ -34,9 +34,9 @@ def address(value: str, key: str = "federation.elastic.lighthouse") -> tuple[str
         if ":" in host:  # a bare IPv6 address: its port cannot be told from its last group
             sep = ""
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        serve = "python -m xffl_like.hub serve" if key.endswith("hub") else "python -m xffl_like.lighthouse"
         raise ConfigError(
-            f"{key}={value!r}: must be HOST:PORT or [IPv6]:PORT (the address `{serve}` prints, e.g. login1:29510)"
+            f"{key}={value!r}: must be HOST:PORT or [IPv6]:PORT (the address `python -m xffl_like.hub serve` "
+            f"prints, e.g. login1:29510)"
         )
     return host, int(port)
 
@@ -59,15 +59,7 @@ def validate_elastic(job, layout) -> None:
     e, fed = job.federation.elastic, job.federation
     if not e.enabled:
         return
-    if e.lighthouse and e.hub:
-        raise ConfigError(
-            "federation.elastic.lighthouse and federation.elastic.hub are both set: facilities meet at one of them "
-            "(the hub: across firewalls, with identities); set the other to null"
-        )
-    if e.hub:
-        _validate_hub(e, fed)
-    else:
-        _validate_lighthouse(e)
+    _validate_hub(e, fed)
     if e.facility is not None and (
         not isinstance(e.facility, str) or not e.facility.strip() or any(c in e.facility for c in "/ \t\n")
     ):
@@ -83,7 +75,7 @@ def validate_elastic(job, layout) -> None:
         raise ConfigError(f"federation.elastic.rewarm={e.rewarm!r}: must be true or false")
     if layout.num_facilities != 1:
         raise ConfigError(
-            f"federation.elastic.lighthouse: each facility is its own job, so distributed.* describes "
+            f"federation.elastic.hub: each facility is its own job, so distributed.* describes "
             f"this facility only; set distributed.federated=null (now {job.distributed.federated!r})"
         )
     refused = {
@@ -97,8 +89,8 @@ def validate_elastic(job, layout) -> None:
     for what, bad in refused.items():
         if bad:
             raise ConfigError(
-                f"{what} does not work with federation.elastic.lighthouse (rounds among the facilities "
-                f"present): use rounds of averaging or an outer optimizer, with weights uniform or tokens"
+                f"{what} does not work with federation.elastic.hub (rounds among the facilities present): "
+                f"use rounds of averaging or an outer optimizer, with weights uniform or tokens"
             )
 
 
@@ -143,17 +135,6 @@ def first_difference(mine: dict, theirs: dict) -> str | None:
             name = key if key == "train.steps" else f"federation.{key}"
             return f"{name}: {mine[key]!r} here, {theirs.get(key)!r} in the federation"
     return None
-
-
-def _validate_lighthouse(e) -> None:
-    address(e.lighthouse)
-    import importlib.util
-
-    if importlib.util.find_spec("torchft") is None:
-        raise ConfigError(
-            "federation.elastic.lighthouse needs torchft (its Lighthouse): pip install -c constraints.txt "
-            '-e ".[elastic]"'
-        )
 
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")

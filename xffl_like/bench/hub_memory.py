@@ -1,0 +1,119 @@
+"""``python -m xffl_like.bench.hub_memory``: the peak resident memory of a hub and of a facility
+leader, per parameter, for ``model=llama_bench`` (or ``--model NAME``).
+
+Three runs on this machine, one after the other:
+
+1. the facility alone (``distributed.federated=null``, no federation): its leader's peak;
+2. two facilities (one process each) through an ``--insecure`` hub on loopback, Nesterov outer
+   optimizer (one state buffer), ``--compression`` as given: the leader's peak (its ``summary.json``'s
+   ``peak_rss_mb``) and the hub's (``VmHWM`` of its process, read before it stops; its idle
+   resident memory is read after it starts serving).
+
+Per parameter: leader ``(federated peak - alone peak) / parameters``; hub ``(peak - idle) / parameters``.
+Those are the bytes that grow with the model, the figures that extrapolate to 8B and 70B (printed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+__all__ = ["main"]
+
+_RUN = ["+experiment=llama_fed", "logger=none", "train.steps=4", "train.seq_len=32", "train.batch_size=2",
+        "optim.warmup_steps=1", "distributed.nproc_per_node=1", "train.log_every=100"]  # fmt: skip
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _status(pid: int, key: str) -> float:
+    """``VmRSS``/``VmHWM`` of ``pid`` in MiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(f"{key}:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no {key} for pid {pid}")
+
+
+def _job(args: list[str], run_dir: Path, env: dict) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "xffl_like.run", *_RUN, *args, f"hydra.run.dir={run_dir}"]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def _summary(proc: subprocess.Popen, run_dir: Path, timeout: float) -> dict:
+    _, err = proc.communicate(timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"a facility failed ({proc.returncode}): {err[-800:]}")
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def measure(model: str, compression: str, work: Path, timeout: float = 900.0) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
+    common = [f"model={model}", "distributed.federated=null"]
+    alone = _summary(_job(common, work / "alone", env), work / "alone", timeout)
+    port = _free_port()
+    hub = subprocess.Popen(
+        [sys.executable, "-m", "xffl_like.hub", "serve", "--insecure", "--port", str(port), "--state",
+         str(work / "state")], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    try:
+        line = hub.stdout.readline()
+        while line and "serving on" not in line:
+            line = hub.stdout.readline()
+        idle = _status(hub.pid, "VmRSS")
+        fed = [*common, f"federation.elastic.hub=127.0.0.1:{port}", "federation.every=2",
+               "federation.outer.name=nesterov", "federation.outer.lr=0.7", "federation.outer.momentum=0.9",
+               f"federation.compression={compression}",
+               *(["federation.error_feedback=true"] if compression != "none" else [])]  # fmt: skip
+        procs = {n: _job([*fed, f"federation.elastic.facility={n}"], work / n, env) for n in ("a", "b")}
+        summaries = {n: _summary(p, work / n, timeout) for n, p in procs.items()}
+        hub_peak = _status(hub.pid, "VmHWM")
+    finally:
+        hub.send_signal(signal.SIGTERM)
+        hub.wait(timeout=30)
+    from ..hub.store import load_latest
+
+    numel = load_latest(work / "state").theta.numel()  # the federation's parameters, as the hub saved them
+    return {"alone": alone, "federated": summaries, "hub_idle_mb": idle, "hub_peak_mb": hub_peak, "numel": numel}
+
+
+def report(result: dict, numel: int) -> dict:
+    mib = 1 << 20
+    leader = max(s["peak_rss_mb"] for s in result["federated"].values()) - result["alone"]["peak_rss_mb"]
+    hub = result["hub_peak_mb"] - result["hub_idle_mb"]
+    per = {"leader_bytes_per_param": leader * mib / numel, "hub_bytes_per_param": hub * mib / numel}
+    return {"parameters": numel, "leader_extra_mb": leader, "hub_extra_mb": hub, **per,
+            **{f"{w}_gb_at_{n}": per[f"{w}_bytes_per_param"] * size / 1e9 for w in ("leader", "hub")
+               for n, size in (("8b", 8e9), ("70b", 70e9))}}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m xffl_like.bench.hub_memory", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="llama_bench")
+    p.add_argument("--compression", default="none", choices=["none", "bf16", "uint8"])
+    p.add_argument("--out", help="write the figures as JSON here")
+    args = p.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="xffl-hub-memory-") as tmp:
+        start = time.time()
+        result = measure(args.model, args.compression, Path(tmp))
+        figures = report(result, result["numel"])
+    figures.update(model=args.model, compression=args.compression, seconds=time.time() - start)
+    for key, value in figures.items():
+        print(f"{key}: {value:.3f}" if isinstance(value, float) else f"{key}: {value}")
+    if args.out:
+        Path(args.out).write_text(json.dumps(figures, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -238,7 +238,9 @@ class HubFederation:
                         "FAILED_PRECONDITION",
                     )
             elif self.creator not in (None, name):
-                return {"status": "retry"}  # another facility is creating the federation
+                if self.members[self.creator].live(now):
+                    return {"status": "retry"}  # another facility is creating the federation
+                self.creator = None  # it died before its parameters arrived: this one creates it
             if msg.get("probe"):
                 return {"status": "ok", "version": self.version}
             if self.spec is None:

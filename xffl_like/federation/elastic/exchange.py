@@ -258,12 +258,15 @@ class ElasticFederation:
         return out
 
     def _dump(self, values: dict) -> None:
-        """Tests ($XFFL_TEST_DUMP_ROUNDS): the leader's parameters before and θ_global after each committed round."""
+        """Tests ($XFFL_TEST_DUMP_ROUNDS): the leader's parameters before and θ_global after each round (written
+        whole, then renamed: a reader never sees half a file)."""
         where = os.environ.get(_DUMP)
         if where:
             path = Path(where) / self.name
             path.mkdir(parents=True, exist_ok=True)
-            torch.save(values, path / f"round-{values['round']:04d}-{time.time_ns()}.pt")
+            final = path / f"round-{values['round']:04d}-{time.time_ns()}.pt"
+            torch.save(values, path / f".{final.name}.tmp")
+            os.replace(path / f".{final.name}.tmp", final)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:

@@ -193,7 +193,8 @@ def serve_main(args) -> int:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2
     fed = HubFederation(Path(args.state), snap, log=lambda line: print(line, flush=True))
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=64), options=GRPC_OPTIONS)
+    # so_reuseport off: a second hub on a port in use is refused instead of sharing it
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=64), options=[*GRPC_OPTIONS, ("grpc.so_reuseport", 0)])
     server.add_generic_rpc_handlers((HubService(fed, None if args.insecure else Path(args.certs)).handler(),))
     bind = "127.0.0.1" if args.insecure else args.bind
     try:

@@ -75,8 +75,9 @@ def test_a_facility_killed_is_left_out_then_restarts_and_heals(hub, tmp_path):
     # a: 2 processes FSDP; b: 1 process; c: 2 processes HSDP (2 replicas of 1 shard). b waits before arriving
     # at the round of version 2 and is SIGKILLed there, with its whole process group.
     outer = ["federation.outer.name=average", "federation.outer.lr=0.5", "federation.elastic.min_facilities=3"]
-    never = tmp_path / "never"
-    a = _facility("a", hub, tmp_path, nproc=2, extra=outer)
+    never, back = tmp_path / "never", tmp_path / "b-back"
+    # a arrives at the round of version 3 only once b's restart asks to join: b surely rejoins while a trains.
+    a = _facility("a", hub, tmp_path, nproc=2, extra=outer, env={"XFFL_TEST_ELASTIC_HOLD": f"3:{back}"})
     b = _facility("b", hub, tmp_path, nproc=1, extra=outer, env={"XFFL_TEST_ELASTIC_HOLD": f"2:{never}"})
     c = _facility("c", hub, tmp_path, nproc=2, extra=[*outer, "distributed.hsdp=1"])
     dump = tmp_path / "dump"
@@ -85,7 +86,9 @@ def test_a_facility_killed_is_left_out_then_restarts_and_heals(hub, tmp_path):
         time.sleep(2)  # b is at its next boundary, holding
         b.kill()
         time.sleep(3)
-        again = _facility("b", hub, tmp_path, nproc=1, extra=outer, resume=b.dir)
+        again = _facility(
+            "b", hub, tmp_path, nproc=1, extra=outer, resume=b.dir, env={"XFFL_TEST_ELASTIC_ASKING": str(back)}
+        )
         results = {n: f.wait() for n, f in (("a", a), ("c", c), ("b", again))}
     finally:
         for f in (a, b, c):

@@ -8,6 +8,7 @@ from the request, for tests and one-machine demos.
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import sys
@@ -16,7 +17,8 @@ import time
 from concurrent import futures
 from pathlib import Path
 
-import grpc
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # gRPC core's own info lines (a refused handshake) stay quiet
+import grpc  # noqa: E402 - after its verbosity is set
 
 from . import store
 from .federation import HubError, HubFederation

@@ -16,7 +16,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import grpc
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # gRPC core's own info lines (a refused handshake) stay quiet
+import grpc  # noqa: E402 - after its verbosity is set
 from torch import Tensor
 
 from ...hub.wire import GRPC_OPTIONS, SERVICE, Frames, frames_of, pack, unpack

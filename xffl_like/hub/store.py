@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 from torch import Tensor
 
 __all__ = ["KEEP", "Snapshot", "StateError", "load_latest", "save"]
@@ -52,6 +51,27 @@ def _crc(t: Tensor) -> str:
     return f"{crc:08x}"
 
 
+def _write_safetensors(fh, tensors: dict[str, Tensor], metadata: dict[str, str]) -> None:
+    """The safetensors format (an 8-byte little-endian header length, the JSON header, then each tensor's
+    bytes), written tensor by tensor from the tensors' own memory: ``safetensors.torch.save_file`` would
+    first copy every tensor (the whole state twice in memory). Read back with ``safetensors.safe_open``."""
+    header: dict = {"__metadata__": metadata}
+    offset = 0
+    for name, t in tensors.items():
+        if t.dtype != torch.float32 or not t.is_contiguous():
+            raise ValueError(f"{name}: the hub saves contiguous fp32 tensors")
+        header[name] = {"dtype": "F32", "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
+        offset += t.nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
+    fh.write(len(text).to_bytes(8, "little"))
+    fh.write(text)
+    for t in tensors.values():
+        raw = t.view(-1).view(torch.uint8).numpy()
+        for start in range(0, raw.size, 64 << 20):
+            fh.write(memoryview(raw[start : start + (64 << 20)]))
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -75,8 +95,9 @@ def save(directory: Path, snap: Snapshot) -> Path:
     }
     final = directory / f"state-{snap.version:010d}.safetensors"
     tmp = directory / f".{final.name}.tmp"
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata={"xffl": json.dumps(meta)})
-    with open(tmp, "rb+") as fh:
+    with open(tmp, "wb") as fh:
+        _write_safetensors(fh, tensors, {"xffl": json.dumps(meta)})
+        fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, final)
     _fsync_dir(directory)

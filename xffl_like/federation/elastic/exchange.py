@@ -85,8 +85,11 @@ class ElasticFederation:
     # ------------------------------------------------------------------ inside the facility
     @torch.no_grad()
     def _gather(self) -> Tensor | None:
-        """The full parameters, flat fp32 in host memory, on the leader (collective)."""
-        out = torch.empty(self.numel, dtype=torch.float32) if self.leader else None
+        """The full parameters, flat fp32 in host memory, on the leader (collective): into its one flat
+        buffer (θ_global's, overwritten: the hub sends it back after the round)."""
+        out = None
+        if self.leader:
+            out = self.theta if self.theta is not None else torch.empty(self.numel, dtype=torch.float32)
         offset = 0
         for p in self.params:
             full = p.full_tensor() if hasattr(p, "full_tensor") else p.detach()

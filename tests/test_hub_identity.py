@@ -1,8 +1,9 @@
-"""The hub's identities, wire format and durable state, in one process (no training).
+"""The hub's identities, wire format and durable state, in one process (no training; the one ``cli`` test
+runs the commands as new processes).
 
 Identities are made with ``python -m xffl_like.hub init`` and read back with ``cryptography`` here; a
-real mutual-TLS handshake with Python's own ``ssl`` module checks what the hub negotiates. Bad files
-give one line each, naming the file and the fix.
+real mutual-TLS handshake through grpcio (the hub's own credentials and the facility's) checks what
+the hub negotiates and sees. Bad files give one line each, naming the file and the fix.
 """
 
 from __future__ import annotations
@@ -10,14 +11,15 @@ from __future__ import annotations
 import datetime as dt
 import os
 import socket
-import ssl
 import stat
 import subprocess
 import sys
-import threading
 import time
+from concurrent import futures
 from pathlib import Path
 
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # gRPC core's info lines (the refused handshakes) stay quiet
+import grpc  # after its verbosity is set
 import pytest
 import torch
 from cryptography import x509
@@ -26,7 +28,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from helpers import REPO
 
-from xffl_like.hub import store
+from xffl_like.hub import cli, store
 from xffl_like.hub.identity import (
     IdentityError,
     RevocationList,
@@ -34,6 +36,7 @@ from xffl_like.hub.identity import (
     check_facility_identity,
     check_hub_identity,
     init_dir,
+    peer_identity,
     revoke_facility,
 )
 from xffl_like.hub.wire import CHUNK_BYTES, Frames, WireError, frames_of, pack, unpack
@@ -49,8 +52,8 @@ def _cli(*args):
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("pki") / "certs"
-    out = _cli("init", str(d), "--facilities", "a,b", "--host", "localhost,127.0.0.1,hub.example.org")
-    assert out.returncode == 0 and out.stderr == "", out.stderr
+    hosts = ["--host", "localhost,127.0.0.1", "--host", "hub.example.org"]  # comma-separated and repeated
+    assert cli.main(["init", str(d), "--facilities", "a,b", *hosts]) == 0
     return d
 
 
@@ -76,8 +79,24 @@ def test_init_writes_a_ca_the_hub_and_one_identity_per_facility(pki):
     assert key.public_key().public_numbers() == a.public_key().public_numbers()
     assert check_facility_identity(pki / "ca.crt", f / "a.crt", f / "a.key") == "a"
     check_hub_identity(pki)
-    again = _cli("init", str(pki), "--facilities", "c")  # never over an existing CA
-    assert again.returncode == 2 and again.stderr.count("\n") == 1 and "is not empty" in again.stderr
+
+
+def test_init_checks_names_and_hosts_before_writing(tmp_path):
+    for facilities, hosts, words in (
+        (["a", "a"], None, "appears twice"),
+        (["../a"], None, "facility name"),
+        (["a"], ["bad host"], "neither a DNS name nor an IP address"),
+    ):
+        with pytest.raises(IdentityError, match=words):
+            init_dir(tmp_path / "d", facilities, hosts)
+        assert not (tmp_path / "d").exists()
+    (tmp_path / "file").write_text("")
+    with pytest.raises(IdentityError, match="is a file"):
+        init_dir(tmp_path / "file", ["a"])
+    init_dir(tmp_path / "v6", ["a"], ["[::1]", "*.example.org"])
+    sans = _cert(tmp_path / "v6" / "hub.crt").extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert [str(ip) for ip in sans.get_values_for_type(x509.IPAddress)] == ["::1"]
+    assert sans.get_values_for_type(x509.DNSName) == ["*.example.org"]
 
 
 def test_add_revoke_and_reissue(tmp_path):
@@ -95,14 +114,34 @@ def test_add_revoke_and_reissue(tmp_path):
     new = (d / "facilities" / "a.crt").read_bytes()
     assert listed.is_revoked(old) and not listed.is_revoked(new)
     assert stat.S_IMODE((d / "facilities" / "a.key").stat().st_mode) == 0o600
+    revoke_facility(d, "a")  # the new one, too; both serials stay listed
+    assert listed.is_revoked(new) and listed.is_revoked(old)
+
+
+@pytest.mark.cli
+def test_commands_answer_bad_input_in_one_line(pki, tmp_path):
+    """Through ``python -m xffl_like.hub`` (a new process each): one line on stderr, exit 2, no traceback.
+    (``serve``'s lines are checked in this process below: its new python would import torch; tests/test_hub.py
+    runs it end to end.)"""
+    cases = []
     for args, words in (
-        (("revoke", str(d), "zz"), "nothing to revoke"),
-        (("add", str(d), "bad name"), "facility name"),
+        (("init", str(pki), "--facilities", "c"), "is not empty"),  # never over an existing CA
+        (("init", str(tmp_path / "new")), "--facilities"),  # argparse's mistakes are one line too
+        (("revoke", str(pki), "zz"), "nothing to revoke"),
+        (("add", str(pki), "bad name"), "facility name"),
         (("add", str(tmp_path / "none"), "x"), "no readable CA"),
     ):
-        out = _cli(*args)
-        assert out.returncode == 2 and out.stderr.count("\n") == 1 and words in out.stderr, out.stderr
-        assert "Traceback" not in out.stderr
+        command = [sys.executable, "-m", "xffl_like.hub", *args]
+        proc = subprocess.Popen(command, cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        cases.append((args, words, proc))
+    for args, words, proc in cases:  # all at once: each is a new python
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 2 and err.count("\n") == 1 and words in err, (args, err)
+        assert err.startswith("error: ") and "Traceback" not in err
+    init_dir(tmp_path / "certs", ["b"])
+    ok = _cli("revoke", str(tmp_path / "certs"), "b")
+    assert ok.returncode == 0 and ok.stdout.count("\n") == 1 and "facility b revoked" in ok.stdout, ok
+    assert RevocationList(tmp_path / "certs").is_revoked((tmp_path / "certs" / "facilities" / "b.crt").read_bytes())
 
 
 def _expired(pki: Path, out: Path) -> tuple[Path, Path]:
@@ -141,6 +180,8 @@ def test_each_bad_identity_file_is_one_line(pki, tmp_path):
         ((ca, other / "facilities" / "a.crt", other / "facilities" / "a.key", None), "was not issued by"),
         ((ca, old_crt, old_key, None), "expired on"),
         ((ca, f / "a.crt", f / "a.key", "b"), "is issued to 'a'"),
+        ((ca, pki / "hub.crt", pki / "hub.key", None), "is not a facility's certificate"),
+        ((ca, ca, pki / "ca.key", None), "is not a facility's certificate"),
     ]
     for args, words in cases:
         with pytest.raises(IdentityError) as info:
@@ -148,49 +189,49 @@ def test_each_bad_identity_file_is_one_line(pki, tmp_path):
         assert words in str(info.value) and "\n" not in str(info.value), str(info.value)
 
 
-def _serve_tls(pki: Path, ready: threading.Event, result: dict, port_box: list) -> None:
-    """A TLS server with the hub's identity that requires a client certificate (as the hub's gRPC server does)."""
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    ctx.load_cert_chain(pki / "hub.crt", pki / "hub.key")
-    ctx.load_verify_locations(pki / "ca.crt")
-    ctx.verify_mode = ssl.CERT_REQUIRED
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        s.listen(4)
-        port_box.append(s.getsockname()[1])
-        ready.set()
-        s.settimeout(20)
-        for _ in range(2):
-            conn, _ = s.accept()
-            try:
-                with ctx.wrap_socket(conn, server_side=True) as tls:
-                    result.setdefault("peers", []).append(tls.getpeercert()["subject"])
-            except ssl.SSLError as exc:
-                result.setdefault("refused", []).append(str(exc))
-
-
-def test_the_identities_make_a_mutual_tls_13_handshake(pki, tmp_path):
+def test_the_identities_make_a_mutual_tls_13_grpc_handshake(pki, tmp_path):
+    """The hub's gRPC credentials with the facility's: TLS 1.3, and the server sees the facility's CN and
+    certificate; a certificate of another CA, or the hub's own (serverAuth only), is refused in the handshake."""
     other = tmp_path / "other"
     init_dir(other, ["a"])
-    ready, result, port = threading.Event(), {}, []
-    server = threading.Thread(target=_serve_tls, args=(pki, ready, result, port), daemon=True)
+    seen: list[dict] = []
+
+    def echo(request: bytes, context) -> bytes:
+        seen.append(context.auth_context())
+        return request
+
+    handler = grpc.method_handlers_generic_handler("t.Echo", {"Echo": grpc.unary_unary_rpc_method_handler(echo)})
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    server.add_generic_rpc_handlers((handler,))
+    ca, hub_cert, hub_key = check_hub_identity(pki)
+    creds = grpc.ssl_server_credentials([(hub_key, hub_cert)], root_certificates=ca, require_client_auth=True)
+    port = server.add_secure_port("localhost:0", creds)
+    assert port > 0
     server.start()
-    ready.wait(10)
 
-    def dial(certs: Path) -> str:
-        ctx = ssl.create_default_context(cafile=str(pki / "ca.crt"))
-        ctx.load_cert_chain(certs / "facilities" / "a.crt", certs / "facilities" / "a.key")
-        with socket.create_connection(("127.0.0.1", port[0]), timeout=10) as raw:
-            with ctx.wrap_socket(raw, server_hostname="localhost") as tls:
-                version = tls.version()
-                tls.recv(1)  # the server's verdict on our certificate arrives after the handshake in TLS 1.3
-                return version
+    def dial(crt: Path, key: Path) -> bytes:
+        mine = grpc.ssl_channel_credentials(ca, key.read_bytes(), crt.read_bytes())
+        with grpc.secure_channel(f"localhost:{port}", mine) as channel:  # 'localhost': a SAN of hub.crt
+            return channel.unary_unary("/t.Echo/Echo")(b"hello", timeout=10)
 
-    assert dial(pki) == "TLSv1.3"
-    with pytest.raises((ssl.SSLError, ConnectionError)):
-        dial(other)  # a certificate from another CA
-    server.join(10)
-    assert result["peers"][0] == ((("commonName", "a"),),) and len(result["refused"]) == 1, result
+    try:
+        f = pki / "facilities"
+        assert dial(f / "a.crt", f / "a.key") == b"hello"
+        auth = seen.pop()
+        assert auth["x509_common_name"] == [b"a"] and auth["ssl_tls_version"] == [b"TLSv1.3"], auth
+        name, serial, _ = peer_identity(auth["x509_pem_cert"][0])  # what the hub reads on every call
+        assert (name, serial) == ("a", f"{_cert(f / 'a.crt').serial_number:x}")
+        assert not RevocationList(pki).is_revoked(auth["x509_pem_cert"][0])
+        for crt, key in (
+            (other / "facilities" / "a.crt", other / "facilities" / "a.key"),  # another CA
+            (pki / "hub.crt", pki / "hub.key"),  # the hub's certificate: not a client's
+        ):
+            with pytest.raises(grpc.RpcError) as info:
+                dial(crt, key)
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE, info.value
+        assert not seen  # refused in the handshake: the method never ran
+    finally:
+        server.stop(None)
 
 
 def test_wire_checks_every_size_and_value():
@@ -240,18 +281,23 @@ def test_state_is_atomic_keeps_two_and_refuses_damage(tmp_path):
         store.load_latest(tmp_path)
 
 
-def test_serve_refuses_damaged_state_and_missing_certs_in_one_line(tmp_path):
+def test_serve_refuses_damaged_state_missing_certs_and_a_busy_port_in_one_line(tmp_path, capsys):
     state = tmp_path / "state"
     state.mkdir()
     (state / "state-0000000001.safetensors").write_bytes(b"garbage")
-    out = _cli("serve", "--port", "1", "--insecure", "--state", str(state))
-    assert out.returncode == 2 and out.stderr.count("\n") == 1 and "--fresh" in out.stderr, out.stderr
-    out = _cli("serve", "--port", "1", "--certs", str(tmp_path / "none"), "--state", str(state))
-    assert out.returncode == 2 and out.stderr.count("\n") == 1 and "ca.crt" in out.stderr, out.stderr
+    assert cli.main(["serve", "--port", "1", "--certs", str(tmp_path / "none"), "--state", str(state)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and "ca.crt" in err, err
+    assert cli.main(["serve", "--port", "1", "--insecure", "--state", str(state)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and "--fresh" in err, err
     busy = socket.socket()
     busy.bind(("127.0.0.1", 0))
     busy.listen(1)
     start = time.time()
-    out = _cli("serve", "--port", str(busy.getsockname()[1]), "--insecure", "--state", str(tmp_path / "new"))
-    busy.close()
-    assert out.returncode == 2 and "choose a free --port" in out.stderr and time.time() - start < 30, out
+    try:
+        code = cli.main(["serve", "--port", str(busy.getsockname()[1]), "--insecure", "--state", str(tmp_path / "new")])
+    finally:
+        busy.close()
+    err = capsys.readouterr().err
+    assert code == 2 and "choose a free --port" in err and time.time() - start < 30, err

@@ -19,13 +19,25 @@ from .identity import IdentityError, add_facility, init_dir, revoke_facility
 __all__ = ["main"]
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage mistakes in one line too (``error: ...``, exit 2), naming the --help to read."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m xffl_like.hub", description=__doc__.split("\n\n")[0])
+    p = _Parser(prog="python -m xffl_like.hub", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     i = sub.add_parser("init", help="a CA, the hub's identity and one identity per facility")
     i.add_argument("dir")
     i.add_argument("--facilities", required=True, help="comma-separated facility names, e.g. leonardo,lumi")
-    i.add_argument("--host", default="localhost,127.0.0.1", help="names and addresses facilities dial (the hub's SANs)")
+    i.add_argument(
+        "--host",
+        action="append",
+        help="names and addresses facilities dial (the hub's SANs), comma-separated or repeated "
+        "(default: localhost,127.0.0.1)",
+    )
     a = sub.add_parser("add", help="one more facility's identity")
     a.add_argument("dir")
     a.add_argument("name")
@@ -52,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         if args.command == "init":
-            written = init_dir(args.dir, _split(args.facilities), _split(args.host))
+            hosts = [h for text in args.host or ["localhost,127.0.0.1"] for h in _split(text)]
+            written = init_dir(args.dir, _split(args.facilities), hosts)
             print(f"wrote {len(written)} files to {args.dir}: ca.crt, ca.key, hub.crt, hub.key and facilities/ "
                   f"(keys mode 0600; keep ca.key on the hub's host)")  # fmt: skip
         elif args.command == "add":
@@ -69,6 +82,10 @@ def main(argv: list[str] | None = None) -> int:
             return serve_main(args)
     except IdentityError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    except OSError as exc:  # a directory that cannot be written, a full disk
+        where = f": {exc.filename}" if exc.filename else ""
+        print(f"error: {args.command}: {exc.strerror or exc}{where}", file=sys.stderr, flush=True)
         return 2
     return 0
 

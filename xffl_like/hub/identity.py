@@ -39,6 +39,8 @@ __all__ = [
 ]
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+HOST = re.compile(rf"^(?:\*\.)?{_LABEL}(?:\.{_LABEL})*$")  # a DNS name (a leading '*.' allowed) for the hub's SANs
 DAYS = 825
 
 
@@ -83,9 +85,15 @@ def _builder(subject: str, issuer: x509.Name, public_key, days: int) -> x509.Cer
 def _sans(hosts: list[str]) -> list[x509.GeneralName]:
     out: list[x509.GeneralName] = []
     for host in hosts:
+        bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host  # [::1]
         try:
-            out.append(x509.IPAddress(ipaddress.ip_address(host)))
+            out.append(x509.IPAddress(ipaddress.ip_address(bare)))
         except ValueError:
+            if not HOST.match(host) or len(host) > 253:
+                raise IdentityError(
+                    f"--host {host!r} is neither a DNS name nor an IP address: give the names and addresses "
+                    f"facilities dial, comma-separated, e.g. --host hub.example.org,192.0.2.10"
+                ) from None
             out.append(x509.DNSName(host))
     return out
 
@@ -117,9 +125,13 @@ def init_dir(path: str | Path, facilities: list[str], hosts: list[str] | None = 
     names = [_check_name(n) for n in facilities]
     if len(set(names)) != len(names):
         raise IdentityError(f"--facilities {','.join(names)}: a name appears twice")
+    if days < 1:
+        raise IdentityError(f"days={days}: certificates must be valid for at least one day")
+    if path.exists() and not path.is_dir():
+        raise IdentityError(f"{path} is a file: init writes a new CA into an empty or new directory")
     if path.exists() and any(path.iterdir()):
         raise IdentityError(f"{path} is not empty: init writes a new CA into an empty or new directory (or use add)")
-    hosts = hosts or ["localhost", "127.0.0.1"]
+    sans = _sans(hosts or ["localhost", "127.0.0.1"])  # checked before anything is written
     (path / "facilities").mkdir(parents=True, exist_ok=True)
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_cert = (
@@ -130,7 +142,7 @@ def init_dir(path: str | Path, facilities: list[str], hosts: list[str] | None = 
     )
     _write_key(path / "ca.key", ca_key)
     _write_cert(path / "ca.crt", ca_cert)
-    hub_key, hub_cert = _leaf(ca_key, ca_cert, "xffl_like hub", _sans(hosts), ExtendedKeyUsageOID.SERVER_AUTH, days)
+    hub_key, hub_cert = _leaf(ca_key, ca_cert, "xffl_like hub", sans, ExtendedKeyUsageOID.SERVER_AUTH, days)
     _write_key(path / "hub.key", hub_key)
     _write_cert(path / "hub.crt", hub_cert)
     written = [path / "ca.crt", path / "ca.key", path / "hub.crt", path / "hub.key"]
@@ -196,6 +208,14 @@ def revoke_facility(path: str | Path, name: str) -> str:
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, target)
+    try:  # the rename itself survives a crash of the host
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
     return serial
 
 
@@ -281,6 +301,19 @@ def _signed_by(cert: x509.Certificate, ca: x509.Certificate) -> bool:
         return False
 
 
+def _is_client_cert(cert: x509.Certificate) -> bool:
+    try:
+        if cert.extensions.get_extension_for_class(x509.BasicConstraints).value.ca:
+            return False
+    except x509.ExtensionNotFound:
+        pass
+    try:
+        usages = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    except x509.ExtensionNotFound:
+        return True  # no EKU: any purpose (TLS accepts it as a client's)
+    return ExtendedKeyUsageOID.CLIENT_AUTH in usages
+
+
 def _valid_now(cert: x509.Certificate, path, key: str) -> None:
     now = dt.datetime.now(dt.timezone.utc)
     if now > cert.not_valid_after_utc:
@@ -296,7 +329,9 @@ def _valid_now(cert: x509.Certificate, path, key: str) -> None:
 
 def check_facility_identity(ca, cert, key, facility: str | None = None) -> str:
     """A facility's files, checked before it dials: readable, the key matching the certificate, the certificate
-    signed by the CA and valid now, its common name ``facility`` when given. Returns the name."""
+    signed by the CA, a client's (clientAuth) and valid now, its common name ``facility`` when given. Returns the
+    name. Raises :class:`IdentityError` (one line: the file, the problem, the fix): a hub refuses a bad certificate
+    with nothing but a closed socket on the facility's side, so this is where the facility learns why."""
     k = "federation.elastic"
     ca_cert = _load_cert(_read(ca, "hub's CA certificate (DIR/ca.crt)", f"{k}.ca"), ca, f"{k}.ca")
     mine = _load_cert(_read(cert, "facility's certificate", f"{k}.cert"), cert, f"{k}.cert")
@@ -307,6 +342,11 @@ def check_facility_identity(ca, cert, key, facility: str | None = None) -> str:
         raise IdentityError(
             f"{k}.cert={cert} was not issued by {k}.ca={ca}: use the certificate and CA of the same "
             f"`python -m xffl_like.hub init`"
+        )
+    if not _is_client_cert(mine):
+        raise IdentityError(
+            f"{k}.cert={cert} is not a facility's certificate (a CA's or the hub's: no clientAuth usage): "
+            f"give DIR/facilities/<name>.crt from hub init/add"
         )
     _valid_now(mine, cert, f"{k}.cert")
     name = peer_identity(mine.public_bytes(serialization.Encoding.PEM))[0]

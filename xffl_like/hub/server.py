@@ -53,7 +53,13 @@ class HubService:
         if len(names) != 1 or len(pems) != 1:
             raise HubError("no client certificate", "UNAUTHENTICATED")
         name = names[0].decode(errors="replace")
-        if self.revoked.is_revoked(pems[0]):
+        from .identity import IdentityError
+
+        try:
+            revoked = self.revoked.is_revoked(pems[0])
+        except IdentityError as exc:  # revoked.json damaged by hand: refuse everyone, saying why
+            raise HubError(f"the hub cannot read its revocation list ({exc})", "UNAVAILABLE") from None
+        if revoked:
             raise HubError(
                 f"facility {name}'s certificate is revoked: ask the hub's operator for a new one "
                 f"(python -m xffl_like.hub add DIR {name})",

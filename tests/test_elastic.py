@@ -379,3 +379,32 @@ def test_facilities_of_different_speeds_as_independent_jobs(hub, tmp_path):
     running = [max(sum(steps[n][: i + 1]) for n in steps) for i in range(len(steps["c"]))]
     assert all(x < 10 for x in running[:-1]), running  # it ended at the first round that reached 10
     check(("c", "d"), steps)
+
+
+@pytest.mark.slow
+def test_a_walltime_signal_while_waiting_in_a_round_leaves_within_seconds(hub, tmp_path):
+    """a waits in a round for b (live, holding before it arrives); SIGUSR1 to a: it cuts the wait, saves,
+    leaves and exits 0 within seconds, not after grace_s (120 s)."""
+    never = tmp_path / "never"
+    a = _facility("a", hub, tmp_path, extra=["federation.elastic.min_facilities=2"])
+    b = _facility("b", hub, tmp_path, extra=["federation.elastic.min_facilities=2"],
+                  env={"XFFL_TEST_ELASTIC_HOLD": f"1:{never}"})  # fmt: skip
+    try:
+        wait_for(lambda: _waiting(tmp_path / "dump", "a"), what="a's first round with b")
+        time.sleep(3)  # a is in the round's wait now (b holds before arriving)
+        signalled = time.time()
+        os.kill(a.proc.pid, signal.SIGUSR1)
+        rc, out = a.wait(timeout=60)
+        took = time.time() - signalled
+    finally:
+        for f in (a, b):
+            f.kill()
+    assert rc == 0, out
+    assert took < 20, took
+    lines = [line for line in out.splitlines() if "left the federation" in line]
+    assert len(lines) == 1 and "resume=" in lines[0], out
+
+
+def _waiting(dump: Path, name: str) -> bool:
+    """``name`` committed version 1 (with b): its next boundary's round is the one b holds back."""
+    return any(r["round"] == 1 and r["status"] == "accepted" for r in rounds(dump, name))

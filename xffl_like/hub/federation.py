@@ -340,18 +340,18 @@ class HubFederation:
             elif r.closing:
                 a.heal, a.reason = True, "arrived after the round closed (federation.elastic.grace_s)"
             else:
-                a.reason = self._claims(m, a)
-                a.heal = a.reason is not None
+                a.reason = self._claims(m, a)  # a claim that cannot hold: rejected, nothing uploaded
             r.arrivals[name] = a
             self.cv.notify_all()
-            return {"action": "heal" if a.heal else "upload", "round": r.rid, "reason": a.reason}
+            upload = not a.heal and a.reason is None
+            return {"action": "upload" if upload else "heal", "round": r.rid, "reason": a.reason}
 
     def _claims(self, m: Member, a: Arrival) -> str | None:
         """Why the member's claims cannot hold (None: they can)."""
         g = m.geometry
         if a.taken < 1 or a.step < a.taken:
             return f"claims {a.taken} steps taken at step {a.step}"
-        if m.last_step is not None and a.step - m.last_step != a.taken:
+        if m.last_step is not None and a.step - m.last_step < a.taken:  # more when it missed rounds
             return f"claims {a.taken} steps since its last round at step {m.last_step}, now at step {a.step}"
         if a.step > m.steps:
             return f"claims step {a.step} of a job of {m.steps} steps"

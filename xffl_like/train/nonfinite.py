@@ -106,13 +106,13 @@ class NonFiniteGuard:
                 f"non-finite weights in this facility before round {round_index} (step {step}); {hint}; "
                 f"federation.on_nonfinite=skip sends them to be rejected and adopts θ_global instead"
             )
-        self._scrub()
+        self._scrub(weights=False)  # its weights go as they are: the hub rejects them, θ_global replaces them
         return True
 
     @torch.no_grad()
-    def _scrub(self) -> None:
+    def _scrub(self, weights: bool = True) -> None:
         # The mean replaces the weights; zeros keep NaN out of the weighted sum (0 x NaN = NaN).
-        for t in _locals(self.model):
+        for t in _locals(self.model) if weights else []:
             torch.nan_to_num_(t, nan=0.0, posinf=0.0, neginf=0.0)
         for per_param in self.optimizer.state.values():
             for value in per_param.values():

@@ -160,6 +160,7 @@ class HubLink:
         if out["status"] == "create":
             out = self._upload(flat, "create")
             self.version = out["version"]
+            self._wait_for(min_facilities)
             return self._result(out, done, changed=False, healed=[], status="created")
         self._wait_for(min_facilities)
         header = self._download(self._stream("Fetch"), flat)

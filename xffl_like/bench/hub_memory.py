@@ -9,8 +9,10 @@ Three runs on this machine, one after the other:
    ``peak_rss_mb``) and the hub's (``VmHWM`` of its process, read before it stops; its idle
    resident memory is read after it starts serving).
 
-Per parameter: leader ``(federated peak - alone peak) / parameters``; hub ``(peak - idle) / parameters``.
-Those are the bytes that grow with the model, the figures that extrapolate to 8B and 70B (printed).
+Both are run for ``--model`` and for ``--small`` (``llama_tiny``); the bytes per parameter are the slope
+between the two, ``(extra(model) - extra(small)) / (parameters(model) - parameters(small))``, so what does
+not grow with the model (torch's and gRPC's own start-up) is left out: the figures that extrapolate to 8B
+and 70B (printed). Leader's extra: federated peak minus alone peak; hub's: its peak minus its idle memory.
 """
 
 from __future__ import annotations
@@ -87,12 +89,22 @@ def measure(model: str, compression: str, work: Path, timeout: float = 900.0) ->
     return {"alone": alone, "federated": summaries, "hub_idle_mb": idle, "hub_peak_mb": hub_peak, "numel": numel}
 
 
-def report(result: dict, numel: int) -> dict:
-    mib = 1 << 20
+def _extra(result: dict) -> tuple[float, float]:
+    """(leader's, hub's) memory beyond what the same job needs without the hub, MiB."""
     leader = max(s["peak_rss_mb"] for s in result["federated"].values()) - result["alone"]["peak_rss_mb"]
-    hub = result["hub_peak_mb"] - result["hub_idle_mb"]
-    per = {"leader_bytes_per_param": leader * mib / numel, "hub_bytes_per_param": hub * mib / numel}
-    return {"parameters": numel, "leader_extra_mb": leader, "hub_extra_mb": hub, **per,
+    return leader, result["hub_peak_mb"] - result["hub_idle_mb"]
+
+
+def report(big: dict, small: dict) -> dict:
+    mib = 1 << 20
+    (leader, hub), (leader0, hub0) = _extra(big), _extra(small)
+    numel = big["numel"] - small["numel"]
+    per = {
+        "leader_bytes_per_param": (leader - leader0) * mib / numel,
+        "hub_bytes_per_param": (hub - hub0) * mib / numel,
+    }
+    return {"parameters": big["numel"], "small_parameters": small["numel"], "leader_extra_mb": leader,
+            "hub_extra_mb": hub, "leader_fixed_mb": leader0, "hub_fixed_mb": hub0, **per,
             **{f"{w}_gb_at_{n}": per[f"{w}_bytes_per_param"] * size / 1e9 for w in ("leader", "hub")
                for n, size in (("8b", 8e9), ("70b", 70e9))}}  # fmt: skip
 
@@ -100,13 +112,15 @@ def report(result: dict, numel: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m xffl_like.bench.hub_memory", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="llama_bench")
+    p.add_argument("--small", default="llama_tiny", help="the small model of the slope")
     p.add_argument("--compression", default="none", choices=["none", "bf16", "uint8"])
     p.add_argument("--out", help="write the figures as JSON here")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="xffl-hub-memory-") as tmp:
         start = time.time()
-        result = measure(args.model, args.compression, Path(tmp))
-        figures = report(result, result["numel"])
+        small = measure(args.small, args.compression, Path(tmp) / "small")
+        big = measure(args.model, args.compression, Path(tmp) / "big")
+        figures = report(big, small)
     figures.update(model=args.model, compression=args.compression, seconds=time.time() - start)
     for key, value in figures.items():
         print(f"{key}: {value:.3f}" if isinstance(value, float) else f"{key}: {value}")

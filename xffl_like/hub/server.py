@@ -190,8 +190,21 @@ def _credentials(certs: Path) -> grpc.ServerCredentials:
     return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=True)
 
 
+def _return_big_buffers() -> None:
+    """glibc: buffers of 1 MiB and more (the 16 MiB frames) are mapped and unmapped each time, never kept in
+    a thread's heap: the hub's peak stays θ_global, the outer state and the accumulator (measured: 26.5 bytes
+    per parameter without this, 16.5 with it, on llama_bench). Elsewhere a no-op."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD (also ends its dynamic growth)
+    except (OSError, AttributeError):
+        pass
+
+
 def serve_main(args) -> int:
     """Run the hub until SIGINT/SIGTERM; 0 after a clean stop, 2 (one line) on bad input."""
+    _return_big_buffers()
     try:
         if not args.insecure and args.certs is None:
             raise store.StateError("serve needs --certs DIR (from `python -m xffl_like.hub init DIR`), or --insecure")

@@ -46,7 +46,8 @@ def explain(exc: grpc.RpcError, hub: str) -> str:
             )
         return (
             f"the hub at {hub} does not answer ({details or 'unavailable'}): is `python -m xffl_like.hub serve` "
-            f"running there and reachable from this node (or through the relay)?"
+            f"running there and reachable from this node (or through the relay)? A hub that serves TLS closes a "
+            f"plaintext connection too: give federation.elastic.ca, cert and key"
         )
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return f"the hub at {hub} did not answer in time: is it overloaded or the link down?"

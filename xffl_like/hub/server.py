@@ -109,26 +109,31 @@ class HubService:
 
         return self._call(context, run)
 
-    def result(self, request: bytes, context):
+    def _stream(self, context, frames):
+        """The frames of ``frames()``, with a refusal as the call's status (as :meth:`_call` does)."""
         try:
-            msg = unpack(request, _SESSION)
-            rid = msg.get("round")
-            if rid is not None and (not isinstance(rid, int) or isinstance(rid, bool)):
-                raise WireError(f"round={rid!r}")
-            yield from self.fed.result(self._name(context, msg), msg["session"], rid, context.is_active)
+            yield from frames()
         except HubError as exc:
             context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
         except WireError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request: {exc}")
 
-    def fetch(self, request: bytes, context):
-        try:
+    def result(self, request: bytes, context):
+        def frames():
             msg = unpack(request, _SESSION)
-            yield from self.fed.fetch(self._name(context, msg), msg["session"])
-        except HubError as exc:
-            context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
-        except WireError as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request: {exc}")
+            rid = msg.get("round")
+            if rid is not None and (not isinstance(rid, int) or isinstance(rid, bool)):
+                raise WireError(f"round={rid!r}")
+            return self.fed.result(self._name(context, msg), msg["session"], rid, context.is_active)
+
+        return self._stream(context, frames)
+
+    def fetch(self, request: bytes, context):
+        def frames():
+            msg = unpack(request, _SESSION)
+            return self.fed.fetch(self._name(context, msg), msg["session"])
+
+        return self._stream(context, frames)
 
     def leave(self, request: bytes, context) -> bytes:
         def run():

@@ -440,6 +440,20 @@ def _port_in_use(exc: BaseException) -> bool:
     return getattr(exc, "errno", None) == errno.EADDRINUSE or "address already in use" in str(exc).lower()
 
 
+def _finalize_mpi_last() -> None:
+    """atexit under an MPI launcher, while the interpreter is whole: torch's process groups first
+    (destroyed, dropped, their gloo threads joined: :func:`~xffl_like.parallel.comm.release_process_groups`),
+    then MPI. mpi4py would finalize MPI itself only at the very end of interpreter teardown (``Py_AtExit``),
+    after whatever groups teardown frees, in whatever order, and a gloo thread aborting there (see
+    ``parallel.comm``) makes mpiexec fail a job that had finished."""
+    from .parallel.comm import release_process_groups
+
+    release_process_groups()
+    mpi = sys.modules.get("mpi4py.MPI")  # never imported here: only where the rendezvous or the transport used it
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        mpi.Finalize()
+
+
 def run_under_launcher(overrides: list[str]) -> int:
     """torchrun/srun/mpirun path: rank 0 composes and validates, every rank trains.
 
@@ -462,6 +476,10 @@ def run_under_launcher(overrides: list[str]) -> int:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     env = read_env()
+    if env.launcher == "mpi":  # registered after train.loop's import, so it runs before parallel.comm's hook
+        import atexit
+
+        atexit.register(_finalize_mpi_last)
     try:
         env = agree_rendezvous(env)  # under mpirun: MPI agrees on MASTER_ADDR/MASTER_PORT
     except (ValueError, ImportError) as exc:  # e.g. no mpi4py: the line names the extra to install

@@ -13,4 +13,6 @@ them by name, ``workers.<module>.<function>``, so ``tests/`` is on ``sys.path``:
 - ``train``: gradient accumulation and process-group knobs (test_train_knobs.py)
 - ``durability``: the non-finite guard (test_durability.py)
 - ``cli_batch``: many ``python -m xffl_like.run`` command lines in one process (test_run.py)
+- ``exit_ddp``: a user's Decent-DP script that returns without closing anything (test_exit.py)
+- ``exit_launch``: ranks forked from one process with torchrun's environment, for many repetitions (test_exit.py)
 """

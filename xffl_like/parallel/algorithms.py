@@ -52,6 +52,10 @@ class Algorithm:
     def detach(self) -> None:
         """Finish pending communication and stop (collective)."""
 
+    def _drop_groups(self) -> None:
+        """After ``detach`` at exit: forget the process groups (see BaguaModule._finish_at_exit)."""
+        self.comm = None
+
     def before_forward(self) -> None:  # noqa: D102
         pass
 
@@ -147,6 +151,10 @@ class ByteGrad(GradientAllReduce):
     def detach(self):
         self._pending = []
         self._thread.close()
+
+    def _drop_groups(self):
+        super()._drop_groups()
+        self._bcast_group = None
 
     def grad_ready(self, bucket):
         flat = bucket.grads_flat()  # a copy: the gradients stay untouched until after_backward
@@ -420,6 +428,10 @@ class AsyncModelAverage(Algorithm):
 
     def detach(self):
         self.abort()
+
+    def _drop_groups(self):
+        super()._drop_groups()
+        self._warmup._drop_groups()
 
     def _apply(self) -> None:  # under self._lock
         if self._delta is not None:

@@ -22,7 +22,7 @@ from torch.optim import Optimizer
 
 from .algorithms import Algorithm
 from .buckets import Bucket
-from .comm import NodeComm, node_comm
+from .comm import NodeComm, close_at_exit, node_comm
 
 __all__ = ["BaguaModule", "Bucket", "with_algorithm", "broadcast_parameters", "allreduce_parameters"]
 
@@ -95,9 +95,13 @@ class BaguaModule(nn.Module):
         self._reset_backward()
         self._stepped = 0
         self._async_group = None
+        self._closed = False
         broadcast_parameters(module)
         self.algorithm = algorithm
         algorithm.attach(self)
+        # A script may end without close() or destroy_process_group: the algorithm's exchange in flight
+        # and its threads must then be finished before the interpreter's teardown (comm.close_at_exit).
+        close_at_exit(self)
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
         """FSDP2's micro-batch switch. Bagua's algorithms synchronise in every backward pass, so only ``True`` is
@@ -107,15 +111,40 @@ class BaguaModule(nn.Module):
 
     def forward(self, *args, **kwargs):
         """Run the module; in training, let the algorithm start its pre-forward communication."""
-        if self.training and torch.is_grad_enabled():
+        if self.training and torch.is_grad_enabled() and not self._closed:
             self.algorithm.before_forward()
         return self.module(*args, **kwargs)
+
+    def close(self) -> None:
+        """Stop the algorithm (``detach``: its communication in flight finishes, its threads end) and
+        stop reporting events to it: later iterations train each copy locally, without communication.
+        Collective (every rank calls it, as ``switch_to``); idempotent; done at exit for a script that
+        does not call it."""
+        if self._closed:
+            return
+        self._closed = True
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        self.algorithm.detach()
+
+    def _finish_at_exit(self, timeout: float | None) -> None:
+        """At exit (comm.finish_communication): close, then drop the references to process groups so
+        that destroying the groups really ends them (comm.release_process_groups). The algorithm's
+        own waits are not bounded by ``timeout``: they end when the exchange does, or fails."""
+        try:
+            self.close()
+        finally:
+            self.algorithm._drop_groups()
+            self.comm, self._async_group = None, None
 
     def switch_to(self, algorithm: Algorithm) -> BaguaModule:
         """Stop the current algorithm, average weights, buffers and optimizer state over all ranks, and
         continue with ``algorithm`` (collective). Returns ``self``."""
         if not isinstance(algorithm, Algorithm):
             raise TypeError(f"algorithm must be an xffl_like.parallel Algorithm, got {type(algorithm).__name__}")
+        if self._closed:
+            raise RuntimeError("switch_to after close(): this BaguaModule no longer communicates")
         self.algorithm.detach()
         allreduce_parameters(self.module)
         self._average_optimizer_state()

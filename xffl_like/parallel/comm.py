@@ -14,8 +14,13 @@ collective that only some ranks entered.
 
 from __future__ import annotations
 
+import atexit
+import datetime
+import gc
+import itertools
 import os
 import queue
+import sys
 import threading
 import weakref
 from collections.abc import Callable
@@ -28,19 +33,24 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..comm.backends import handles_cpu
+from . import topology as _topology
 from .topology import edge_group
 
 __all__ = [
     "CommThread",
     "NodeComm",
+    "close_at_exit",
     "consensus_distance",
+    "finish_communication",
     "flat_copy",
     "node_channel",
     "node_comm",
     "node_sizes",
     "p2p_exchange",
+    "release_process_groups",
     "split_nodes",
     "unflatten_into",
+    "wait_work",
 ]
 
 
@@ -111,10 +121,12 @@ class CommThread:
         self._jobs.put((future, fn, args))
         return future
 
-    def close(self) -> None:
-        """Run the queued jobs, then stop the thread (idempotent)."""
+    def close(self, timeout: float | None = None) -> bool:
+        """Run the queued jobs, then stop the thread (idempotent); with ``timeout``, wait at most that
+        many seconds for it. Whether the thread has stopped."""
         self._finalizer.detach()
-        _stop(self._jobs, self._thread, None)
+        _stop(self._jobs, self._thread, timeout)
+        return not self._thread.is_alive()
 
 
 _EXIT_JOIN_S = 10.0  # at exit or collection: a job stuck in a collective (a dead peer) must not hang the exit
@@ -141,6 +153,97 @@ def _serve(jobs: queue.SimpleQueue) -> None:
                 error = exc
                 future.set_exception(exc)
         future = fn = args = None
+
+
+# ---------------------------------------------------------------------------------------------------- at exit
+# Why a process that simply returns must still finish its communication first. When a gloo worker
+# thread finishes a collective it drops the work's references to its tensors; with torch's PyObject
+# preservation, dropping the last C++ reference of a tensor that Python also holds decrefs its
+# PyObject, which takes the GIL. Once the interpreter has begun finalizing, taking the GIL ends the
+# thread (PyThread_exit_thread, a forced unwind) and the unwind through torch's noexcept destructors
+# calls std::terminate: "terminate called without an active exception", SIGABRT, after the script's
+# last line (gdb: runLoop -> ~AsyncAllreduceWork -> TensorImpl::decref_pyobject -> take_gil; see
+# pytorch PR 179291). Any collective completed a few milliseconds before the end (global_avg's) is
+# enough, and so is a Python daemon thread (CommThread) still inside one. Destroying a group is not
+# enough either: gloo joins its worker threads only in the group's C++ destructor, i.e. when the last
+# Python reference goes, which for a group held by a live object or a cache happens during teardown.
+#
+# So, while the interpreter is still whole (atexit, or the framework's workers before they return):
+# every object that communicates finishes what it has in flight and stops its threads
+# (finish_communication), then every process group is destroyed and the references this package
+# keeps to groups are dropped, and garbage is collected, so that gloo joins its threads right then
+# (release_process_groups). The hook below is registered when this module is imported, so it runs
+# after the atexit handlers of a script that imports this package first (atexit runs in reverse
+# order): a script's own ``atexit.register(dist.destroy_process_group)`` still finds its group.
+
+_OPEN: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # creation number -> object
+_CREATED = itertools.count()
+_USED = False  # whether an object ever registered: the exit hook does nothing in other processes
+
+
+def close_at_exit(obj: Any) -> None:
+    """Have ``obj._finish_at_exit(timeout)`` called at interpreter exit (or by :func:`finish_communication`)
+    if ``obj`` is still alive then; held weakly. Objects are finished in creation order, the same on
+    every rank. ``_finish_at_exit`` finishes the object's communication in flight, waiting at most
+    ``timeout`` seconds, stops its threads, and drops its references to process groups."""
+    global _USED
+    _USED = True
+    _OPEN[next(_CREATED)] = obj
+
+
+def finish_communication(timeout: float | None = _EXIT_JOIN_S) -> bool:
+    """Finish the communication of every live object registered with :func:`close_at_exit`, in
+    creation order (idempotent). A failure is reported in one line on stderr, not raised (this runs
+    on the way out); whether every object finished cleanly."""
+    clean = True
+    for key in sorted(_OPEN.keys()):
+        obj = _OPEN.pop(key, None)
+        if obj is None:
+            continue
+        try:
+            obj._finish_at_exit(timeout)
+        except Exception as exc:  # noqa: BLE001 - on the way out: one line, then the other objects
+            clean = False
+            print(
+                f"warning: {type(obj).__name__} could not finish its communication at exit: "
+                f"{type(exc).__name__}: {exc}",
+                file=sys.stderr,
+                flush=True,
+            )
+        obj = None
+    return clean
+
+
+def release_process_groups() -> None:
+    """Destroy every process group if the default one still exists, drop this package's cached
+    references to groups (:func:`~.topology.edge_group`'s), then collect garbage: each gloo group
+    whose last reference goes joins its worker threads now, while they can still take the GIL
+    (see the note above). Call it once this process is done communicating; idempotent."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    _OPEN.clear()  # nothing is left to finish once the groups are gone (not finished: a failing job)
+    _topology._GROUPS.clear()
+    gc.collect()  # groups held in reference cycles (a module and its hooks, a trainer) go now
+
+
+def _at_exit() -> None:
+    if _USED:
+        finish_communication()
+        release_process_groups()
+
+
+atexit.register(_at_exit)
+
+
+def wait_work(work: Any, timeout: float | None = None) -> None:
+    """Wait for a collective's ``work`` (or anything with ``wait(timeout)`` in seconds), at most
+    ``timeout`` seconds when given (then raises)."""
+    if timeout is None:
+        work.wait()
+    elif isinstance(work, dist.Work):
+        work.wait(datetime.timedelta(seconds=timeout))
+    else:
+        work.wait(timeout)
 
 
 def split_nodes(declared: list[int]) -> tuple[int, ...]:

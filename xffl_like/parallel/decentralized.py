@@ -37,7 +37,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from .comm import CommThread, node_sizes
+from .comm import CommThread, close_at_exit, node_sizes, wait_work
 from .topology import Edge, Topology
 
 __all__ = ["DecentralizedDataParallel", "OPTIM_FN_TYPE", "LR_SCHEDULER_FN_TYPE"]
@@ -69,8 +69,8 @@ class _Pending:
     def __init__(self, future):
         self.future = future
 
-    def wait(self) -> None:
-        self.future.result()
+    def wait(self, timeout: float | None = None) -> None:
+        self.future.result(timeout)
 
 
 class _Bucket:
@@ -115,13 +115,14 @@ class _Bucket:
             else:
                 self.op = dist.all_reduce(self.comm, group=edge.group, async_op=True)
 
-    def finish(self) -> None:
-        """Wait for the pending mixing and replace the weights by the mix."""
+    def finish(self, timeout: float | None = None) -> None:
+        """Wait for the pending mixing (at most ``timeout`` seconds when given, then raise) and replace
+        the weights by the mix."""
         edge, op = self.edge, self.op
         self.edge, self.op = None, None
         if edge is None or len(edge.ranks) == 1:
             return
-        op.wait()
+        wait_work(op, timeout)
         # comm = c * sum_{j in R} x_j, so w x_i + c sum_{j != i} x_j = (w - c) x_i + comm
         keep = edge.weight - edge.others_weight
         if self.block is not None:
@@ -142,6 +143,9 @@ class DecentralizedDataParallel(nn.Module):
     ``set_accumulate_grad(True)`` makes the following forward/backward passes only
     accumulate gradients (no step counted, no update). ``global_avg()`` replaces
     every copy by the exact mean over all ranks (call it before evaluating).
+    ``close()`` finishes the mixing in flight and stops communicating; a script that
+    never calls it (nor ``destroy_process_group``) is closed at exit, while the
+    interpreter is still whole (see :func:`~xffl_like.parallel.comm.close_at_exit`).
     ``local_world_size`` (default ``LOCAL_WORLD_SIZE``) is the processes per node
     used by ``alternating-exp-ring``. Assumes every parameter is used once per
     backward, like Decent-DP.
@@ -200,9 +204,14 @@ class DecentralizedDataParallel(nn.Module):
         self._step = 0
         self._accumulating = False
         self._initialized = False
+        self._closed = False
         with torch.no_grad():  # every copy starts from rank 0's weights
             for t in list(self._params) + [b for b in model.buffers()]:
                 dist.broadcast(t.data, 0)
+        # A script may end without close() or destroy_process_group: the last mixing, global_avg's
+        # all-reduces and the communication thread must then be finished before the interpreter's
+        # teardown, or the process aborts after its last line (see comm.close_at_exit).
+        close_at_exit(self)
 
     # -- user API ----------------------------------------------------------------------------------------------
     def set_accumulate_grad(self, enable: bool = True) -> None:
@@ -215,6 +224,8 @@ class DecentralizedDataParallel(nn.Module):
 
     def forward(self, *args, **kwargs):
         """Run the model; at the second training iteration, set up the buckets and apply the first update."""
+        if self._closed:
+            return self._model(*args, **kwargs)
         if self._step == 1 and not self._initialized:
             self._setup()
         if self._model.training and not self._accumulating:
@@ -260,6 +271,39 @@ class DecentralizedDataParallel(nn.Module):
         for b in self._buckets:
             if b.op is not None:
                 b.op.wait()
+
+    def close(self) -> None:
+        """Finish the mixing in flight (wait for it and apply it to the weights, as ``global_avg`` does
+        first) and stop communicating: the communication thread ends and later backward passes only
+        compute gradients (no update, no mixing); ``forward`` runs the model, ``global_avg`` still
+        works while the process group exists. Every rank calls it (each finishes a mixing all ranks
+        started). Idempotent; done at exit for a script that does not call it."""
+        self._close()
+
+    @torch.no_grad()
+    def _close(self, timeout: float | None = None) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for h in self._trace_hooks + self._hooks:
+            h.remove()
+        self._trace_hooks, self._hooks = [], []
+        try:
+            for b in self._buckets:
+                b.finish(timeout)
+        finally:  # stop the thread even when a mixing failed (it runs, then skips, what is queued)
+            if self._thread is not None and not self._thread.close(timeout):
+                raise RuntimeError(f"the communication thread did not stop within {timeout} s")
+
+    def _finish_at_exit(self, timeout: float | None) -> None:
+        """At exit (comm.finish_communication): close, then drop the references to process groups
+        (this topology's edges), so that destroying the groups really ends them (comm.release_process_groups)."""
+        try:
+            self._close(timeout)
+        finally:
+            for iteration in self._topo.schedule:
+                for e in iteration:
+                    e.group = e.node_group = e.leaders_group = None
 
     @torch.no_grad()
     def global_avg(self) -> None:

@@ -12,9 +12,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch.distributed as dist
-
 from ..distributed.state import build_state, read_env
+from ..parallel.comm import finish_communication, release_process_groups
 from ..plan import WorkerPlan
 from ..schema import JobConfig
 from .trainer import STOP_GRACE_S, build_trainer
@@ -30,6 +29,13 @@ def train_worker(cfg: JobConfig, run_dir: str, started_at: float, plan: WorkerPl
         overlap=plan.overlap,
     )  # fmt: skip
     try:
-        return build_trainer(cfg, state, Path(run_dir), started_at, plan.phases).train()
+        result = build_trainer(cfg, state, Path(run_dir), started_at, plan.phases).train()
+        finish_communication()  # a data-parallel module's last exchange, on every rank (not after a failure)
+        return result
     finally:
-        dist.destroy_process_group()
+        # Destroyed is not gone: gloo joins a group's worker threads only when the group's last reference
+        # goes, and a worker still releasing a recent collective's tensors in interpreter teardown aborts
+        # the process after its last line (parallel.comm, "at exit"). So drop this frame's state, destroy
+        # every group, drop the package's cached groups and collect the cycles holding the rest, now.
+        state = None  # noqa: F841
+        release_process_groups()  # dist.destroy_process_group() included

@@ -19,6 +19,10 @@ congestion control is the host's (recorded in :attr:`Network.tcp`).
 died without cleaning up (``sweep_stale``). :meth:`Network.close` kills what still runs in its
 namespaces (by process id, from ``ip netns pids``) and deletes them, which deletes their veth
 pairs; it runs on exit, on failure and on SIGINT/SIGTERM (:func:`cleanup_on_signals`).
+
+:class:`HubNetwork` is the other topology, sites that reach only a hub: a namespace for the hub and one
+per facility, a veth pair from each facility to the hub on its own subnet, no route between facilities
+(see its docstring).
 """
 
 from __future__ import annotations
@@ -51,6 +55,8 @@ __all__ = [
     "busy_window",
     "SUBNET",
     "WAN_SYSCTLS",
+    "HubNetwork",
+    "HUB_SUBNET",
 ]
 
 SUBNET = "10.77.0"
@@ -58,8 +64,8 @@ SUBNET = "10.77.0"
 WAN_SYSCTLS = {"net.ipv4.tcp_slow_start_after_idle": "0"}
 _TCP_KEYS = ("net.ipv4.tcp_congestion_control", "net.ipv4.tcp_slow_start_after_idle")
 _KILL_GRACE_S = 10.0
-_PREFIX_RE = re.compile(r"^xfw(\d+)-")
-_LINK_RE = re.compile(r"^x(\d+)[fs]\d+$")
+_PREFIX_RE = re.compile(r"^xf[wh](\d+)-")  # xfw: Network, xfh: HubNetwork
+_LINK_RE = re.compile(r"^[xy](\d+)[fsh]\d+$")  # x<pid>f/s<i>: Network, y<pid>f/h<i>: HubNetwork
 
 
 class NetnsError(RuntimeError):
@@ -478,3 +484,181 @@ def cleanup_on_signals() -> Iterator[None]:
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
+
+
+#: :class:`HubNetwork`: facility ``i``'s link is ``<HUB_SUBNET>.<i>.0/24``, the hub's end ``.1``, the facility's ``.2``.
+HUB_SUBNET = "10.78"
+
+
+class HubNetwork:
+    """Sites that reach only a hub: one namespace for the hub, one per facility, and one veth pair from
+    each facility's namespace to the hub's, each pair its own subnet (``<HUB_SUBNET>.<i>.0/24``: the hub's
+    end ``.1``, the facility's ``.2``).
+
+    Isolation by topology (no firewall rules): a facility's namespace holds its loopback and its end of
+    its own pair, with the connected route of that /24 and no default route, so the only other host it
+    can reach is the hub's address on its link; the hub's namespace starts with ``net.ipv4.ip_forward=0``
+    (checked here: :class:`NetnsError` otherwise), so it does not route between its pairs.
+
+    Shaping (``tc tbf``): the facility's end of pair ``i`` at ``link_mbit`` (its uplink, the facility's
+    egress) and the hub's end at ``link_mbit`` (its downlink), each facility's line the only bottleneck:
+    every facility has its own pair, so the hub adds none of its own (a VM in a data centre, its network
+    faster than any one facility's line). With ``hub_multiple`` the hub's end is shaped at
+    ``hub_multiple x link_mbit`` instead (a facility's downlink that many times its uplink):
+    :attr:`down_mbit`. :data:`WAN_SYSCTLS` are set in every namespace (the hub sends the downloads).
+
+    Names: namespaces ``xfh<pid>-hub`` and ``xfh<pid>-f<i>``, interfaces ``y<pid>f<i>`` (facility's end) and
+    ``y<pid>h<i>`` (hub's end); :func:`sweep_stale` removes those of a process that died. Use as a context
+    manager (or call :meth:`close`, idempotent): whatever runs in the namespaces is killed by process id and
+    the namespaces (and so the pairs) are deleted, also on an exception or Ctrl-C (SIGTERM with
+    :func:`cleanup_on_signals`). Every ``ip``/``tc`` command is bounded (30 s).
+    """
+
+    def __init__(self, facilities: int, link_mbit: float, hub_multiple: float | None = None, prefix: str | None = None):
+        if facilities < 1:
+            raise ValueError(f"a hub network needs at least 1 facility, got {facilities}")
+        if facilities > 250:
+            raise ValueError(f"facilities={facilities}: at most 250 (one /24 each under {HUB_SUBNET})")
+        if not link_mbit > 0:
+            raise ValueError(f"link_mbit={link_mbit!r}: must be a positive number of Mbit/s")
+        if hub_multiple is not None and not hub_multiple > 0:
+            raise ValueError(f"hub_multiple={hub_multiple!r}: must be a positive number (or None)")
+        self.prefix = prefix or f"xfh{os.getpid()}"
+        self.link_mbit = float(link_mbit)
+        #: The rate of the hub's end of every pair: each facility's download.
+        self.down_mbit = self.link_mbit * (hub_multiple if hub_multiple is not None else 1.0)
+        self.hub = f"{self.prefix}-hub"
+        tag = "y" + self.prefix.removeprefix("xfh")[:9]
+        self.facilities = [
+            Facility(f"{self.prefix}-f{i}", f"{tag}f{i}", f"{HUB_SUBNET}.{i}.2") for i in range(facilities)
+        ]
+        #: The hub's end of each pair (in the hub's namespace) and its address there.
+        self.hub_interfaces = [f"{tag}h{i}" for i in range(facilities)]
+        self.hub_addresses = [f"{HUB_SUBNET}.{i}.1" for i in range(facilities)]
+        self.tcp: dict[str, str] = {}
+        self._made: list[str] = []
+        self._holders: list[subprocess.Popen] = []
+        self._closed = False
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self) -> None:
+        sweep_stale()
+        _run("ip", "netns", "add", self.hub)
+        self._made.append(self.hub)
+        _run("ip", "-n", self.hub, "link", "set", "lo", "up")
+        forwarding = _sysctl(self.hub, "net.ipv4.ip_forward")
+        if forwarding != "0":
+            raise NetnsError(f"net.ipv4.ip_forward={forwarding} in the new namespace {self.hub}: it would route "
+                             f"between facilities")  # fmt: skip
+        for key, value in WAN_SYSCTLS.items():
+            _sysctl(self.hub, key, value)
+        for i, fac in enumerate(self.facilities):
+            _run("ip", "netns", "add", fac.namespace)
+            self._made.append(fac.namespace)
+            hub_end = self.hub_interfaces[i]
+            # Made in this namespace, moved at once (a failure in between: swept by name later).
+            _run("ip", "link", "add", fac.interface, "type", "veth", "peer", "name", hub_end)
+            _run("ip", "link", "set", hub_end, "netns", self.hub)
+            _run("ip", "link", "set", fac.interface, "netns", fac.namespace)
+            _run("ip", "-n", self.hub, "addr", "add", f"{self.hub_addresses[i]}/24", "dev", hub_end)
+            _run("ip", "-n", self.hub, "link", "set", hub_end, "up")
+            _run("ip", "-n", fac.namespace, "addr", "add", f"{fac.address}/24", "dev", fac.interface)
+            _run("ip", "-n", fac.namespace, "link", "set", fac.interface, "up")
+            _run("ip", "-n", fac.namespace, "link", "set", "lo", "up")
+            for key, value in WAN_SYSCTLS.items():
+                _sysctl(fac.namespace, key, value)
+            routes = _run("ip", "-n", fac.namespace, "route", "show").stdout
+            if "default" in routes:
+                raise NetnsError(f"namespace {fac.namespace} has a default route: {routes.strip()}")
+            _tbf(fac.namespace, fac.interface, self.link_mbit)  # the facility's upload
+            _tbf(self.hub, hub_end, self.down_mbit)  # its download
+            self._holders.append(
+                subprocess.Popen(
+                    [*fac.exec_prefix(), "sleep", "2147483647"], stdin=subprocess.DEVNULL, start_new_session=True
+                )
+            )
+        self.tcp = {key: _sysctl(self.hub, key) for key in _TCP_KEYS}
+        deadline = time.time() + 10
+        while True:  # each holder reads its namespace's counters once it has entered it
+            try:
+                self.counters()
+                break
+            except (NetnsError, OSError):
+                if time.time() > deadline:
+                    raise
+                time.sleep(0.02)
+
+    def namespace(self, where: int | str) -> str:
+        """The namespace of facility ``where`` (an index), or the hub's (``"hub"``)."""
+        if where == "hub":
+            return self.hub
+        if isinstance(where, int) and 0 <= where < len(self.facilities):
+            return self.facilities[where].namespace
+        raise ValueError(f"where={where!r}: a facility index (0..{len(self.facilities) - 1}) or 'hub'")
+
+    def exec_prefix(self, where: int | str) -> list[str]:
+        """Command prefix that runs a program in facility ``where``'s namespace (or the hub's)."""
+        return ["ip", "netns", "exec", self.namespace(where)]
+
+    def popen(self, where: int | str, cmd: list[str], **kwargs) -> subprocess.Popen:
+        """Start ``cmd`` in facility ``where``'s namespace (or the hub's), in a session of its own (so its
+        whole process group can be killed); stdin from /dev/null unless given."""
+        kwargs.setdefault("stdin", subprocess.DEVNULL)
+        kwargs.setdefault("start_new_session", True)
+        return subprocess.Popen([*self.exec_prefix(where), *cmd], **kwargs)
+
+    def run(self, where: int | str, cmd: list[str], timeout: float = 30.0) -> subprocess.CompletedProcess:
+        """Run ``cmd`` to its end in facility ``where``'s namespace (or the hub's), bounded by ``timeout``."""
+        return subprocess.run(
+            [*self.exec_prefix(where), *cmd], capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL
+        )
+
+    def hub_address(self, facility: int) -> str:
+        """The hub's address as facility ``facility`` sees it: the hub's end of that facility's pair."""
+        return self.hub_addresses[facility]
+
+    def counters(self) -> list[tuple[int, int]]:
+        """(tx_bytes, rx_bytes) of each facility's end of its pair: what it sent to the hub and received from
+        it (Ethernet frames: headers included)."""
+        out = []
+        for fac, holder in zip(self.facilities, self._holders):
+            for line in open(f"/proc/{holder.pid}/net/dev").read().splitlines():
+                name, _, values = line.partition(":")
+                if name.strip() == fac.interface:
+                    fields = values.split()
+                    out.append((int(fields[8]), int(fields[0])))
+                    break
+            else:
+                raise NetnsError(f"interface {fac.interface} is gone from namespace {fac.namespace}")
+        return out
+
+    def kill_processes(self) -> None:
+        """SIGKILL whatever still runs in the namespaces (the hub's included), leaving the network up."""
+        holders = {h.pid for h in self._holders}
+        for name in self._made:
+            _kill_inside(name, exclude=holders)
+
+    def close(self) -> None:
+        """Kill what runs in the namespaces, delete them (and so their pairs). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for holder in self._holders:
+            holder.kill()
+            holder.wait()
+        for name in reversed(self._made):
+            _delete(name)
+        for i, fac in enumerate(self.facilities):  # a pair made but not yet moved: still in this namespace
+            for name in (fac.interface, self.hub_interfaces[i]):
+                if os.path.exists(f"/sys/class/net/{name}"):
+                    _run("ip", "link", "delete", name, check=False)
+
+    def __enter__(self) -> HubNetwork:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -20,6 +20,11 @@ Writes ``wan.json``, ``wan.md`` and ``wan.png`` into its run directory and print
 jobs meeting at a lighthouse) through faults: a facility starting late, one killed and restarted,
 a heal of ``model=llama_bench``; see :mod:`.elastic_wan`.
 
+``bench.mode=hub`` runs facilities behind firewalls: each in a namespace that reaches only the hub's
+(``python -m xffl_like.hub serve``), dialling out to it over mutual TLS; a round's time against its bytes at
+line rate, TLS's cost against ``--insecure``, a facility and the hub SIGKILLed, a late joiner; see
+:mod:`.hub_wan`.
+
 ``bench.mode=speeds`` runs facilities of different speeds (issue 21): ``bench.speeds.configs`` as
 ``train`` runs ``bench.configs`` (same steps, same target, ``bench.reference`` names one of them), with
 ``bench.speeds.slow`` (``fault.slow_facility=1 fault.slow_factor=2.0``: facility 1 at half speed)
@@ -84,7 +89,7 @@ __all__ = [
 ]
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
-MODES = ("train", "link", "elastic", "speeds")
+MODES = ("train", "link", "elastic", "speeds", "hub")
 #: ``bench.mode=speeds``: issue 21's goal, ``bench.speeds.paced``'s time to the target over ``bench.speeds.fixed``'s ...
 GOAL_RATIO = 0.75
 #: ... and the largest share of its training time any facility of ``paced`` spent waiting at the rounds.
@@ -222,7 +227,7 @@ def _check(plain: dict) -> dict:
         raise WanFailed(
             f"{key} must map config names to lists of overrides, e.g. {{synchronous: [+experiment=synchronous]}}"
         )
-    if bench["mode"] == "elastic":
+    if bench["mode"] in ("elastic", "hub"):
         return bench
     if bench["mode"] in ("train", "speeds") and bench.get("reference") not in configs:
         raise WanFailed(f"bench.reference={bench.get('reference')!r}: name one of {key} {list(configs)}")
@@ -441,6 +446,13 @@ def run_wan(cfg: DictConfig, run_dir: Path) -> dict | None:
     bench = _check(plain)
     if bench["mode"] == "elastic":
         return _run_elastic(plain, bench, run_dir)
+    if bench["mode"] == "hub":
+        from .hub_wan import check_hub, run_hub_mode
+
+        wrong = check_hub(bench)
+        if wrong:
+            raise WanFailed(wrong)
+        return run_hub_mode(plain, bench, run_dir)
     runs = _runs(bench)
     _validate_runs(runs, bench)
     why = unavailable()
@@ -589,6 +601,10 @@ def format_table(report: dict) -> str:
         from .elastic_wan import format_elastic
 
         return format_elastic(report)
+    if report["mode"] == "hub":
+        from .hub_wan import format_hub
+
+        return format_hub(report)
     if report["mode"] == "link":
         r = report["results"].get("link")
         if r is None:

@@ -231,7 +231,9 @@ def test_guards_each_one_line(hub, tmp_path):
         return hub_link(typed_config(resolve(cfg), choices(cfg)), name, 1)
 
     first = link("a")
-    first.join(torch.zeros(first.geometry_numel), 0, 1)  # creates the federation; a stays live (heartbeats)
+    mine = tmp_path / "a.f32"
+    torch.zeros(first.geometry_numel).numpy().tofile(mine)
+    first.join(mine, tmp_path / "theta.f32", 0, 1)  # creates the federation; a stays live (heartbeats)
     try:
         cases = [
             (["model.dim=48"], "parameter 0: tok_embeddings.weight"),

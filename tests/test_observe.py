@@ -381,3 +381,27 @@ def test_outputs_are_documented(tiny_job):
     ]
     missing = sorted({n for n in names if f"`{n}" not in doc and f"{n}`" not in doc})
     assert not missing, f"not in docs/outputs.md: {missing}"
+
+
+def test_wandb_rounds_carry_the_hubs_verdict():
+    """A hub's facility logs what the hub made of its update: status, a 0/1 chart and the reason."""
+    from xffl_like.observe.wandb_logger import WandbLogger
+
+    class Run:
+        rows: list = []
+
+        def log(self, row, step):
+            self.rows.append((step, row))
+
+    logger = object.__new__(WandbLogger)
+    logger.run = Run()
+    base = {"round": 3, "step": 8, "seconds": 1.0, "bytes_per_rank": 4, "cross_facility_bytes": 4,
+            "algbw_gbps": 0.0, "busbw_gbps": 0.0, "strategy": "fused", "streams": 1}  # fmt: skip
+    logger.round(base, status="rejected", reason="update norm 1e6 x the median")
+    logger.round({**base, "step": 10}, status="accepted")
+    logger.round({**base, "step": 12})
+    (s1, r1), (s2, r2), (s3, r3) = logger.run.rows
+    assert (s1, r1["round/status"], r1["round/accepted"], r1["round/reason"]) == (
+        8, "rejected", 0, "update norm 1e6 x the median")  # fmt: skip
+    assert (s2, r2["round/status"], r2["round/accepted"], "round/reason" in r2) == (10, "accepted", 1, False)
+    assert not any(k.startswith("round/") for k in r3)

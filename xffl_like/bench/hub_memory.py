@@ -1,5 +1,5 @@
 """``python -m xffl_like.bench.hub_memory``: the peak resident memory of a hub and of a facility
-leader, per parameter, for ``model=llama_bench`` (or ``--model NAME``).
+leader, per parameter, for ``model=llama_bench`` (or ``--model``).
 
 Three runs on this machine, one after the other:
 
@@ -9,10 +9,15 @@ Three runs on this machine, one after the other:
    ``peak_rss_mb``) and the hub's (``VmHWM`` of its process, read before it stops; its idle
    resident memory is read after it starts serving).
 
-Both are run for ``--model`` and for ``--small`` (``llama_tiny``); the bytes per parameter are the slope
-between the two, ``(extra(model) - extra(small)) / (parameters(model) - parameters(small))``, so what does
-not grow with the model (torch's and gRPC's own start-up) is left out: the figures that extrapolate to 8B
-and 70B (printed). Leader's extra: federated peak minus alone peak; hub's: its peak minus its idle memory.
+Both are run for ``--large`` (``llama_bench`` with 24 layers, 109.8 M parameters) and for ``--model``
+(``llama_bench``, 58.5 M); the bytes per parameter are the slope between the two,
+``(extra(large) - extra(model)) / (parameters(large) - parameters(model))``, so what does not grow with the
+model is left out: torch's and gRPC's own start-up, and the buffers of the frames in flight (a few 16 MB
+frames per facility, whatever the model's size; a model smaller than a frame would count them per
+parameter). These are the figures that extrapolate to 8B and 70B (printed), beside each process's peak for
+``--model`` itself. Leader's extra: federated peak minus alone peak, with the same rounds and synchronous
+checkpoints (an asynchronous one would stage a copy of the state in the window); hub's: its peak minus its
+idle memory.
 """
 
 from __future__ import annotations
@@ -30,8 +35,18 @@ from pathlib import Path
 
 __all__ = ["main"]
 
-_RUN = ["+experiment=llama_fed", "logger=none", "train.steps=4", "train.seq_len=32", "train.batch_size=2",
-        "optim.warmup_steps=1", "distributed.nproc_per_node=1", "train.log_every=100"]  # fmt: skip
+_RUN = [
+    "+experiment=llama_fed",
+    "logger=none",
+    "train.steps=4",
+    "train.seq_len=32",
+    "train.batch_size=2",
+    "optim.warmup_steps=1",
+    "distributed.nproc_per_node=1",
+    "train.log_every=100",
+    "federation.every=2",
+    "checkpoint.async=false",
+]  # fmt: skip (the same rounds and checkpoints with and without the hub)
 
 
 def _free_port() -> int:
@@ -62,7 +77,8 @@ def _summary(proc: subprocess.Popen, run_dir: Path, timeout: float) -> dict:
 
 def measure(model: str, compression: str, work: Path, timeout: float = 900.0) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
-    common = [f"model={model}", "distributed.federated=null"]
+    common = [*model.split(), "distributed.federated=null"]  # "NAME key=value ..."
+    common[0] = f"model={common[0]}"
     alone = _summary(_job(common, work / "alone", env), work / "alone", timeout)
     port = _free_port()
     hub = subprocess.Popen(
@@ -73,7 +89,7 @@ def measure(model: str, compression: str, work: Path, timeout: float = 900.0) ->
         while line and "serving on" not in line:
             line = hub.stdout.readline()
         idle = _status(hub.pid, "VmRSS")
-        fed = [*common, f"federation.elastic.hub=127.0.0.1:{port}", "federation.every=2",
+        fed = [*common, f"federation.elastic.hub=127.0.0.1:{port}",
                "federation.outer.name=nesterov", "federation.outer.lr=0.7", "federation.outer.momentum=0.9",
                f"federation.compression={compression}",
                *(["federation.error_feedback=true"] if compression != "none" else [])]  # fmt: skip
@@ -95,31 +111,36 @@ def _extra(result: dict) -> tuple[float, float]:
     return leader, result["hub_peak_mb"] - result["hub_idle_mb"]
 
 
-def report(big: dict, small: dict) -> dict:
+def report(large: dict, model: dict) -> dict:
+    """The slope between ``large`` and ``model`` (bytes per parameter, and at 8B and 70B), and ``model``'s own
+    extra memory and peaks."""
     mib = 1 << 20
-    (leader, hub), (leader0, hub0) = _extra(big), _extra(small)
-    numel = big["numel"] - small["numel"]
+    (leader, hub), (leader0, hub0) = _extra(large), _extra(model)
+    numel = large["numel"] - model["numel"]
     per = {
         "leader_bytes_per_param": (leader - leader0) * mib / numel,
         "hub_bytes_per_param": (hub - hub0) * mib / numel,
     }
-    return {"parameters": big["numel"], "small_parameters": small["numel"], "leader_extra_mb": leader,
-            "hub_extra_mb": hub, "leader_fixed_mb": leader0, "hub_fixed_mb": hub0, **per,
+    leader_peak = max(s["peak_rss_mb"] for s in model["federated"].values())
+    return {"parameters": model["numel"], "large_parameters": large["numel"], "leader_extra_mb": leader0,
+            "hub_extra_mb": hub0, "leader_peak_mb": leader_peak, "hub_peak_mb": model["hub_peak_mb"],
+            "leader_extra_bytes_per_param": leader0 * mib / model["numel"],
+            "hub_extra_bytes_per_param": hub0 * mib / model["numel"], **per,
             **{f"{w}_gb_at_{n}": per[f"{w}_bytes_per_param"] * size / 1e9 for w in ("leader", "hub")
                for n, size in (("8b", 8e9), ("70b", 70e9))}}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m xffl_like.bench.hub_memory", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="llama_bench")
-    p.add_argument("--small", default="llama_tiny", help="the small model of the slope")
+    p.add_argument("--model", default="llama_bench", help="the model measured: NAME [key=value ...]")
+    p.add_argument("--large", default="llama_bench model.n_layers=24", help="the larger model of the slope")
     p.add_argument("--compression", default="none", choices=["none", "bf16", "uint8"])
     p.add_argument("--out", help="write the figures as JSON here")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="xffl-hub-memory-") as tmp:
         start = time.time()
-        small = measure(args.small, args.compression, Path(tmp) / "small")
-        big = measure(args.model, args.compression, Path(tmp) / "big")
+        small = measure(args.model, args.compression, Path(tmp) / "model")
+        big = measure(args.large, args.compression, Path(tmp) / "large")
         figures = report(big, small)
     figures.update(model=args.model, compression=args.compression, seconds=time.time() - start)
     for key, value in figures.items():

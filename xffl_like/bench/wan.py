@@ -16,10 +16,6 @@ first evaluation whose loss reaches the reference's final eval loss. The bytes t
 crossed are read from the link interfaces' counters (sampled every 50 ms), not computed.
 Writes ``wan.json``, ``wan.md`` and ``wan.png`` into its run directory and prints the table.
 
-``bench.mode=elastic`` runs an elastic federation (``federation.elastic``, facilities as independent
-jobs meeting at a lighthouse) through faults: a facility starting late, one killed and restarted,
-a heal of ``model=llama_bench``; see :mod:`.elastic_wan`.
-
 ``bench.mode=hub`` runs facilities behind firewalls: each in a namespace that reaches only the hub's
 (``python -m xffl_like.hub serve``), dialling out to it over mutual TLS; a round's time against its bytes at
 line rate, TLS's cost against ``--insecure``, a facility and the hub SIGKILLed, a late joiner; see
@@ -89,7 +85,7 @@ __all__ = [
 ]
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
-MODES = ("train", "link", "elastic", "speeds", "hub")
+MODES = ("train", "link", "speeds", "hub")
 #: ``bench.mode=speeds``: issue 21's goal, ``bench.speeds.paced``'s time to the target over ``bench.speeds.fixed``'s ...
 GOAL_RATIO = 0.75
 #: ... and the largest share of its training time any facility of ``paced`` spent waiting at the rounds.
@@ -227,7 +223,7 @@ def _check(plain: dict) -> dict:
         raise WanFailed(
             f"{key} must map config names to lists of overrides, e.g. {{synchronous: [+experiment=synchronous]}}"
         )
-    if bench["mode"] in ("elastic", "hub"):
+    if bench["mode"] == "hub":
         return bench
     if bench["mode"] in ("train", "speeds") and bench.get("reference") not in configs:
         raise WanFailed(f"bench.reference={bench.get('reference')!r}: name one of {key} {list(configs)}")
@@ -444,8 +440,6 @@ def run_wan(cfg: DictConfig, run_dir: Path) -> dict | None:
     plain = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     plain.pop("hydra", None)
     bench = _check(plain)
-    if bench["mode"] == "elastic":
-        return _run_elastic(plain, bench, run_dir)
     if bench["mode"] == "hub":
         from .hub_wan import check_hub, run_hub_mode
 
@@ -536,30 +530,6 @@ def run_wan(cfg: DictConfig, run_dir: Path) -> dict | None:
     return report
 
 
-def _run_elastic(plain: dict, bench: dict, run_dir: Path) -> dict | None:
-    """``bench.mode=elastic``: the scenarios of :mod:`.elastic_wan` over a network of 2 facilities."""
-    from .elastic_wan import format_elastic, run_elastic
-
-    why = unavailable()
-    if why:
-        print(f"bench.wan skipped: {why}", flush=True)
-        return None
-    run_dir.mkdir(parents=True, exist_ok=True)
-    OmegaConf.save(OmegaConf.create(plain), run_dir / "config.yaml")
-    with cleanup_on_signals():
-        try:
-            network = Network(2, bench["link_mbit"])
-        except NetnsError as exc:
-            print(f"bench.wan skipped: cannot build network namespaces here: {exc}", flush=True)
-            return None
-        with network, CounterSampler(network) as sampler:
-            report = run_elastic(bench, network, sampler, run_dir)
-    report["tcp"] = network.tcp
-    (run_dir / "wan.json").write_text(json.dumps(report, indent=2) + "\n")
-    (run_dir / "wan.md").write_text(format_elastic(report) + "\n")
-    return report
-
-
 def _report(bench: dict, results: dict, failures: dict) -> dict:
     report = {
         "mode": bench["mode"],
@@ -597,10 +567,6 @@ def _report(bench: dict, results: dict, failures: dict) -> dict:
 
 def format_table(report: dict) -> str:
     """The results as a markdown table (also printed)."""
-    if report["mode"] == "elastic":
-        from .elastic_wan import format_elastic
-
-        return format_elastic(report)
     if report["mode"] == "hub":
         from .hub_wan import format_hub
 

@@ -47,6 +47,28 @@ class UpdateCodec:
             return update.reshape(-1).to(torch.bfloat16).view(torch.uint8)
         return codec.compress(update.reshape(-1), self.chunks).view(-1)
 
+    def window(self, about: int) -> int:
+        """Values per window of :meth:`encode_window`: ``about``, rounded to whole chunks (at least one)."""
+        unit = 1 if self.kind == "bf16" else self.length
+        return max(unit, about // unit * unit)
+
+    def encode_window(self, values: Tensor, start: int) -> Tensor:
+        """The bytes of the message that encode ``values``, the values from ``start`` on (a multiple of
+        :meth:`window`'s unit): the same bytes as :meth:`encode` of the whole gives there."""
+        if self.kind == "bf16":
+            return values.reshape(-1).to(torch.bfloat16).view(torch.uint8)
+        rows = math.ceil(values.numel() / self.length)
+        padded = values.new_empty(rows * self.length)
+        padded[: values.numel()].copy_(values.reshape(-1))
+        padded[values.numel() :] = values.reshape(-1)[-1]  # as the whole message pads its last chunk
+        return codec.compress(padded, rows).view(-1)
+
+    def decode_window(self, message: Tensor, start: int, numel: int) -> Tensor:
+        """The ``numel`` values that :meth:`encode_window`'s ``message`` carries (flat fp32)."""
+        if self.kind == "bf16":
+            return message.view(torch.bfloat16).float()
+        return codec.decompress(message.view(-1, codec.HEADER_BYTES + self.length), numel)
+
     def decode(self, message: Tensor) -> Tensor:
         """The update the message carries (flat fp32, ``numel`` values)."""
         if self.kind == "bf16":

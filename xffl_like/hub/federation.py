@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -39,7 +40,7 @@ from ..federation.outer import OuterOptimizer, validate_outer
 from ..federation.update_codec import CODECS, UpdateCodec
 from ..schema import OuterConfig
 from . import store
-from .wire import CHUNK_BYTES, Frames, WireError, frames_of
+from .wire import Frames, WireError, frames_of
 
 __all__ = ["LIVE_S", "HubError", "HubFederation"]
 
@@ -129,6 +130,25 @@ def _rules(spec: dict) -> None:
             raise HubError(f"federation.chunk_size={size!r} is invalid", "INVALID_ARGUMENT")
     if spec.get("weights_rule") not in (None, "uniform", "tokens"):
         raise HubError(f"weights {spec.get('weights_rule')!r}: the hub weighs uniform or tokens", "INVALID_ARGUMENT")
+
+
+_SLICE = 1 << 20  # values checked or accumulated at a time: transient buffers of a few MB per upload
+
+
+def _squares(values: np.ndarray, theta: Tensor | None, first: int) -> float:
+    """The sum of squares of ``theta[first:] - values`` (of ``values`` when ``theta`` is None), in fp64, a
+    slice at a time; inf or nan when a value is not finite."""
+    total = 0.0
+    for start in range(0, values.size, _SLICE):
+        x = torch.from_numpy(values[start : start + _SLICE]) if values.flags.writeable else None
+        if x is None:  # a received frame is read-only: copy one slice
+            x = torch.from_numpy(values[start : start + _SLICE].copy())
+        if theta is not None:
+            x = torch.sub(theta[first + start : first + start + x.numel()], x, out=x)
+        total += float(torch.linalg.vector_norm(x, dtype=torch.float64) ** 2)
+        if not math.isfinite(total):
+            return total
+    return total
 
 
 def numel_of(spec: dict) -> int:
@@ -330,13 +350,15 @@ class HubFederation:
                 raise HubError("the federation has not been created yet: join again", "FAILED_PRECONDITION")
             r = self.round
             if r is None or r.version != self.version:
+                if int(msg["version"]) != self.version:  # nothing to wait for: θ_global now
+                    return {"action": "heal", "round": None, "reason": self._stale(msg)}
                 r = self.round = Round(self.next_rid, self.version, time.monotonic())
                 self.next_rid += 1
             a = Arrival(int(msg["step"]), int(msg["taken"]), float(msg["tokens"]), heal=False)
             if name in r.arrivals:
                 raise HubError(f"facility {name} already arrived at this round", "ALREADY_EXISTS")
             if int(msg["version"]) != self.version:
-                a.heal, a.reason = True, f"version {msg['version']} (the hub's is {self.version})"
+                a.heal, a.reason = True, self._stale(msg)
             elif r.closing:
                 a.heal, a.reason = True, "arrived after the round closed (federation.elastic.grace_s)"
             else:
@@ -345,6 +367,9 @@ class HubFederation:
             self.cv.notify_all()
             upload = not a.heal and a.reason is None
             return {"action": "upload" if upload else "heal", "round": r.rid, "reason": a.reason}
+
+    def _stale(self, msg: dict) -> str:
+        return f"version {msg['version']} (the hub's is {self.version})"
 
     def _claims(self, m: Member, a: Arrival) -> str | None:
         """Why the member's claims cannot hold (None: they can)."""
@@ -390,28 +415,24 @@ class HubFederation:
                 for _, chunk in frames.chunks():
                     fh.write(chunk)
             return self._update_norm(path)
-        squares, finite = 0.0, True
+        squares = 0.0
         theta = self.theta
         with open(path, "wb") as fh:
             for offset, chunk in frames.chunks():
                 if offset % 4 or len(chunk) % 4:
                     raise WireError("a frame that splits a value")
-                x = torch.frombuffer(bytearray(chunk), dtype=torch.float32)
-                mine = theta[offset // 4 : offset // 4 + x.numel()]
-                if finite and not bool(torch.isfinite(x).all()):
-                    finite = False
-                if finite:
-                    squares += float(torch.sub(mine, x).double().square().sum())
                 fh.write(chunk)
-        return math.sqrt(squares) if finite else math.nan
+                if math.isfinite(squares):  # read in place: the frame is never copied
+                    squares += _squares(np.frombuffer(chunk, dtype=np.float32), theta, offset // 4)
+        return math.sqrt(squares) if math.isfinite(squares) else math.nan
 
     def _update_norm(self, path: Path) -> float:
         squares = 0.0
         with open(path, "rb") as fh:
             for _, values in self.codec.decode_stream(fh.read):
-                if not bool(torch.isfinite(values).all()):
+                squares += _squares(values.numpy(), None, 0)
+                if not math.isfinite(squares):
                     return math.nan
-                squares += float(values.double().square().sum())
         return math.sqrt(squares)
 
     def _closable(self, r: Round, now: float) -> bool:
@@ -516,11 +537,11 @@ class HubFederation:
             path.unlink(missing_ok=True)
             return
         with open(path, "rb") as fh:
-            offset = 0
-            while chunk := fh.read(CHUNK_BYTES):
-                x = torch.frombuffer(bytearray(chunk), dtype=torch.float32)
-                acc[offset : offset + x.numel()].add_(x, alpha=scale)
-                offset += x.numel()
+            offset, x = 0, torch.empty(_SLICE, dtype=torch.float32)
+            while got := fh.readinto(memoryview(x.numpy()).cast("B")):
+                n = got // 4
+                acc[offset : offset + n].add_(x[:n], alpha=scale)
+                offset += n
         path.unlink(missing_ok=True)
 
     def _advance(self, r: Round, accepted: dict[str, Arrival]) -> None:

@@ -25,6 +25,7 @@ import math
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -37,6 +38,7 @@ __all__ = [
     "Frames",
     "WireError",
     "frames_of",
+    "frames_of_file",
     "pack",
     "unpack",
 ]
@@ -113,6 +115,17 @@ def frames_of(header: dict[str, Any], flat: Tensor | None) -> Iterator[bytes]:
         yield raw[start : start + CHUNK_BYTES].numpy().tobytes()
 
 
+def frames_of_file(header: dict[str, Any], path) -> Iterator[bytes]:
+    """``header`` (JSON, with ``nbytes``) then the bytes of the file ``path``, read a frame at a time (a
+    contribution spooled to disk is never loaded whole)."""
+    with open(path, "rb") as fh:
+        fh.seek(0, 2)
+        yield pack({**header, "nbytes": fh.tell()})
+        fh.seek(0)
+        while chunk := fh.read(CHUNK_BYTES):
+            yield chunk
+
+
 def _as_bytes(flat: Tensor | None) -> Tensor | None:
     if flat is None:
         return None
@@ -151,9 +164,15 @@ class Frames:
         if seen != self.nbytes:
             raise WireError(f"{seen} bytes received of the {self.nbytes} announced")
 
+    def to_file(self, path) -> None:
+        """All chunks written to the file ``path`` in order (created or truncated)."""
+        with open(path, "wb") as fh:
+            for _, chunk in self.chunks():
+                fh.write(chunk)
+
     def into(self, out: Tensor) -> Tensor:
         """All chunks copied into ``out`` (its bytes must be ``nbytes``)."""
-        raw = out.view(-1).view(torch.uint8)
+        raw = out.view(-1).view(torch.uint8).numpy()
         for offset, chunk in self.chunks():
-            raw[offset : offset + len(chunk)].copy_(torch.frombuffer(bytearray(chunk), dtype=torch.uint8))
+            raw[offset : offset + len(chunk)] = np.frombuffer(chunk, dtype=np.uint8)  # no copy of the frame
         return out

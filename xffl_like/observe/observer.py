@@ -183,7 +183,11 @@ class Observer:
         if self.wandb is not None:
             taken = record.get("steps_taken")
             self.wandb.round(
-                row, steps_taken=None if taken is None else taken[self.state.facility], waited=record.get("waited")
+                row,
+                steps_taken=None if taken is None else taken[self.state.facility],
+                waited=record.get("waited"),
+                status=record.get("status"),  # a facility of a hub's federation: what the hub made of its update
+                reason=record.get("reason"),
             )
         if self.lead:
             self.rounds.append(row)

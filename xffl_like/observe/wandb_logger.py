@@ -128,9 +128,18 @@ class WandbLogger:
             {"train/loss": loss, "train/lr": lr, "train/tokens_per_s": tokens_per_s, **(extra or {})}, step=step
         )
 
-    def round(self, record: dict, steps_taken: int | None = None, waited: float | None = None) -> None:
+    def round(
+        self,
+        record: dict,
+        steps_taken: int | None = None,
+        waited: float | None = None,
+        status: str | None = None,
+        reason: str | None = None,
+    ) -> None:
         """One round's row; ``steps_taken``: this facility's steps in the round (per-facility paces);
-        ``waited``: this rank's wait there for the other facilities."""
+        ``waited``: this rank's wait there for the other facilities; ``status`` and ``reason``: what the hub
+        made of this facility's contribution (``round/status``, ``round/accepted`` 1 or 0 for charts, and
+        ``round/reason``: why it was rejected, healed or missed)."""
         keys = (
             "round",
             "seconds",
@@ -146,6 +155,10 @@ class WandbLogger:
             row["round/steps_taken"] = steps_taken
         if waited is not None:
             row["round/waited_s"] = waited
+        if status is not None:
+            row["round/status"], row["round/accepted"] = status, int(status == "accepted")
+            if reason:
+                row["round/reason"] = reason
         self.run.log(row, step=record["step"])
 
     def finish(self, summary: dict | None) -> None:

@@ -19,6 +19,7 @@ plus that number.
 from __future__ import annotations
 
 import zlib
+from pathlib import Path
 
 from ..checkpoint.dcp import checkpoint_dir
 from ..distributed.state import DistributedState
@@ -65,7 +66,8 @@ class ElasticSync(SyncBase):
         """The job's: this facility joins the federation of ``federation.elastic`` (collective)."""
         name = facility_name(cfg.federation.elastic)
         link = hub_link(cfg, name, state.world_size) if cfg.federation.elastic.hub and state.rank == 0 else None
-        federation = ElasticFederation(cfg.federation, parts.model, state, name, steps, link=link)
+        spool = Path(run_dir) / ".hub-spool"
+        federation = ElasticFederation(cfg.federation, parts.model, state, name, steps, link=link, spool=spool)
         rewarm = cfg.optim.warmup_steps if cfg.federation.elastic.rewarm else 0
         described = {"name": cfg.strategy.name, "streams": cfg.strategy.streams}
         where = checkpoint_dir(cfg.checkpoint, run_dir)

@@ -1,15 +1,18 @@
 """A facility's side of the rounds held by the hub: :class:`ElasticFederation`.
 
 Facilities differ in size and sharding, so what crosses is between each facility's leader (rank 0 of
-its own world) and the hub (:mod:`xffl_like.hub`), on full, flat fp32 vectors of the parameters:
+its own world) and the hub (:mod:`xffl_like.hub`), on full, flat fp32 vectors of the parameters, which
+the leader streams through files (its spool, under the run directory) and never holds whole:
 
-1. every rank of the facility takes part in gathering the full parameters onto the leader;
-2. the leader arrives at the hub (:class:`.hub_link.HubLink`) and uploads its parameters, or with
-   ``federation.compression`` its encoded update ``θ_global - θ_f`` plus its error-feedback residual,
-   while the other ranks wait on a small broadcast every second;
+1. every rank of the facility takes part in gathering the full parameters, one at a time, into the
+   leader's spool file;
+2. the leader arrives at the hub (:class:`.hub_link.HubLink`) and uploads that file a frame at a time, or
+   with ``federation.compression`` the encoding of its update ``θ_global - θ_f`` plus its error-feedback
+   residual (encoded window by window; its one full buffer is ``ef``, θ_global and the residual folded
+   together), while the other ranks wait on a small broadcast every second;
 3. the hub decides the round (who arrived within ``grace_s``, whose contribution passes its checks),
-   applies the weighted mean and the outer step, saves, and sends θ_global back: it overwrites the
-   gathered vector, and the leader broadcasts it to its facility, where each rank copies its own shard.
+   applies the weighted mean and the outer step, saves, and sends θ_global back into a second file,
+   which the leader broadcasts to its facility one parameter at a time; each rank copies its own shard.
 
 A facility whose version differs from the hub's (a joiner, a restart, a missed commit) or whose
 contribution is rejected heals: it receives θ_global and contributes nothing to that round. A hub that
@@ -24,6 +27,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -38,6 +42,39 @@ from ..update_codec import UpdateCodec
 __all__ = ["ElasticFederation"]
 
 _DUMP = "XFFL_TEST_DUMP_ROUNDS"  # tests: each round's values on the leader, beside the records
+_WINDOW = 1 << 22  # values read, encoded or folded at a time by the leader (16 MB of fp32)
+
+
+class _Spool:
+    """The leader's files for one round: its parameters, θ_global, the encoded update, its residual."""
+
+    def __init__(self, directory: Path):
+        directory.mkdir(parents=True, exist_ok=True)
+        self.directory = directory
+        self.mine, self.theta = directory / "parameters.f32", directory / "theta_global.f32"
+        self.message, self.residual = directory / "update.bin", directory / "residual.f32"
+
+    def remove(self) -> None:
+        for path in (self.mine, self.theta, self.message, self.residual):
+            path.unlink(missing_ok=True)
+        try:
+            self.directory.rmdir()
+        except OSError:
+            pass  # not empty: something else of the user's is there
+
+
+def _read_into(fh, out: Tensor) -> Tensor:
+    """Exactly ``out``'s bytes from ``fh`` into ``out`` (a contiguous CPU tensor)."""
+    view = memoryview(out.numpy()).cast("B")
+    got = fh.readinto(view)
+    if got != len(view):
+        raise OSError(f"{fh.name}: {got} bytes where {len(view)} were expected (the spool file is damaged)")
+    return out
+
+
+def _load(path: Path) -> Tensor:
+    """A whole spooled file as flat fp32 (the compressed path's ``ef``; tests' dumps)."""
+    return torch.from_numpy(np.fromfile(path, dtype=np.float32))
 
 
 def _test_hold(round_index: int) -> None:
@@ -58,9 +95,10 @@ class ElasticFederation:
     """This rank's side of the rounds among facilities (collective over the facility's world); the
     training side's :class:`~..protocol.Rounds`, plus :meth:`join` and :meth:`leave`."""
 
-    def __init__(self, cfg, model: torch.nn.Module, state, name: str, steps: int, link=None):
+    def __init__(self, cfg, model: torch.nn.Module, state, name: str, steps: int, link=None, spool=None):
         """``steps``: this facility's steps in the job; ``link``: the leader's :class:`~.hub_link.HubLink`
-        (None on the other ranks)."""
+        (None on the other ranks); ``spool``: the leader's directory for what crosses (the run directory's
+        ``.hub-spool`` by default)."""
         self.options, self.state, self.name, self.steps = cfg, state, name, steps
         self.model = model
         self.params = list(model.parameters())
@@ -72,47 +110,52 @@ class ElasticFederation:
         self.ended = False  # federation.every_s: the last round made ended the job
         self.last_step = 0  # this facility's steps at its last round (or join)
         self.link = link
-        self.theta: Tensor | None = None
         # Where this facility's rounds end: every `every` of its steps, or by its own step time (every_s).
         self.clock: RoundClock = round_clock(cfg, state, steps, ended=lambda: self.ended)
-        full = self._gather()
-        self.ef: Tensor | None = None  # hub with compression: θ_global + this facility's residual
+        self.ef: Tensor | None = None  # hub with compression: θ_global + this facility's residual (leader)
+        self.codec: UpdateCodec | None = None
         if self.leader:
-            self.theta = full  # the one flat copy: uploaded, then overwritten by θ_global
+            self.files = _Spool(Path(spool) if spool is not None else Path.cwd() / ".hub-spool")
             if cfg.compression != "none":
                 self.codec = UpdateCodec(cfg.compression, self.numel, cfg.chunk_size)
 
     # ------------------------------------------------------------------ inside the facility
     @torch.no_grad()
-    def _gather(self) -> Tensor | None:
-        """The full parameters, flat fp32 in host memory, on the leader (collective): into its one flat
-        buffer (θ_global's, overwritten: the hub sends it back after the round)."""
-        out = None
-        if self.leader:
-            out = self.theta if self.theta is not None else torch.empty(self.numel, dtype=torch.float32)
-        offset = 0
-        for p in self.params:
-            full = p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
-            if out is not None:
-                out[offset : offset + p.numel()].copy_(full.reshape(-1))
-            offset += p.numel()
-        return out
+    def _gather(self, path: Path | None) -> None:
+        """The full parameters, flat fp32, into the leader's file ``path`` one parameter at a time
+        (collective): the leader never holds a second copy of the model."""
+        fh = open(path, "wb") if self.leader else None
+        try:
+            for p in self.params:
+                full = p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
+                if fh is not None:
+                    full.reshape(-1).to("cpu", torch.float32).contiguous().numpy().tofile(fh)
+                del full
+        finally:
+            if fh is not None:
+                fh.close()
 
     @torch.no_grad()
-    def _scatter(self, flat: Tensor | None) -> None:
-        """Set every rank's shards to the leader's full ``flat`` (collective)."""
+    def _scatter(self, path: Path | None) -> None:
+        """Set every rank's shards to the flat parameters of the leader's file ``path`` (collective)."""
         from torch.distributed.tensor import DTensor, distribute_tensor
 
-        offset = 0
-        for p in self.params:
-            buf = torch.empty(p.shape, dtype=torch.float32, device=self.state.device)
-            if flat is not None:
-                buf.copy_(flat[offset : offset + p.numel()].view(p.shape))
-            dist.broadcast(buf, src=0)
-            if isinstance(p, DTensor):  # this rank's piece, cut locally (no communication)
-                buf = distribute_tensor(buf, p.device_mesh, p.placements, src_data_rank=None).to_local()
-            to_local(p).detach().copy_(buf)
-            offset += p.numel()
+        fh = open(path, "rb") if self.leader else None
+        try:
+            for p in self.params:
+                buf = torch.empty(p.shape, dtype=torch.float32, device=self.state.device)
+                if fh is not None:
+                    host = buf if buf.device.type == "cpu" else torch.empty(p.shape, dtype=torch.float32)
+                    _read_into(fh, host)
+                    if host is not buf:
+                        buf.copy_(host)
+                dist.broadcast(buf, src=0)
+                if isinstance(p, DTensor):  # this rank's piece, cut locally (no communication)
+                    buf = distribute_tensor(buf, p.device_mesh, p.placements, src_data_rank=None).to_local()
+                to_local(p).detach().copy_(buf)
+        finally:
+            if fh is not None:
+                fh.close()
 
     def _while_leader_works(self, work):
         """Run ``work()`` on the leader while the other ranks wait on a small broadcast every second
@@ -184,14 +227,16 @@ class ElasticFederation:
     def leave(self) -> None:
         if self.link is not None:
             self.link.leave()
+        if self.leader:
+            self.files.remove()
 
     def _round(self, done: int, joining: bool) -> dict:
         start = time.perf_counter()
-        full = self._gather()
+        self._gather(self.files.mine if self.leader else None)
         tokens = torch.tensor([self.tokens], dtype=torch.float64, device=self.state.device)
         dist.all_reduce(tokens)
         self.tokens = 0.0
-        out = self._while_leader_works(lambda: self._lead(full, float(tokens.item()), done, joining))
+        out = self._while_leader_works(lambda: self._lead(float(tokens.item()), done, joining))
         header = torch.zeros(5, dtype=torch.float64, device=self.state.device)
         if self.leader:
             header.copy_(
@@ -203,7 +248,7 @@ class ElasticFederation:
         self.ended = bool(header[4])
         self.last_step = step
         if changed:
-            self._scatter(self.theta if self.leader else None)
+            self._scatter(self.files.theta if self.leader else None)
         # The index of the round committed here; None for a join that only healed (no mean yet).
         record = {
             "round": self.round - 1 if self.round > before else None,
@@ -221,44 +266,62 @@ class ElasticFederation:
         return record
 
     # ------------------------------------------------------------------ the leader's round
-    def _lead(self, mine: Tensor, tokens: float, done: int, joining: bool) -> dict:
-        """Through the hub: ``mine`` is uploaded, then holds θ_global (the hub's, bitwise)."""
-        before = mine.clone() if os.environ.get(_DUMP) else None
+    def _lead(self, tokens: float, done: int, joining: bool) -> dict:
+        """Through the hub: the spooled parameters (``files.mine``) go up, θ_global comes back into
+        ``files.theta`` (the hub's, bitwise)."""
+        f = self.files
+        before = _load(f.mine) if os.environ.get(_DUMP) else None
         _test_hold(self.round)
         if joining:
-            out = self.link.join(mine, done, self.options.elastic.min_facilities)
-            if self.options.compression != "none":
-                self.ef = mine.clone()  # θ_global, no residual yet
-        elif self.ef is not None:
-            out = self._round_compressed(mine, done, tokens)
+            out = self.link.join(f.mine, f.theta, done, self.options.elastic.min_facilities)
+            if self.codec is not None:  # θ_global, no residual yet
+                self.ef = _load(f.mine if out["status"] == "created" else f.theta)
+        elif self.codec is not None:
+            out = self._round_compressed(done, tokens)
         else:
-            out = self.link.round(mine, done, tokens, taken=done - self.last_step)
-        self.theta = mine
+            out = self.link.round(f.mine, f.theta, done, tokens, taken=done - self.last_step)
         if before is not None and out["status"] not in ("missed", "left"):
+            after = _load(f.mine if out["status"] == "created" else f.theta)
             self._dump({**{k: out[k] for k in ("facilities", "healed", "round", "step", "status", "rejected")},
-                        "weights": out["weights"], "tokens": tokens, "before": before, "after": mine.clone(),
+                        "weights": out["weights"], "tokens": tokens, "before": before, "after": after,
                         "applied": out["status"] == "accepted"})  # fmt: skip
         return out
 
-    def _round_compressed(self, mine: Tensor, done: int, tokens: float) -> dict:
+    def _round_compressed(self, done: int, tokens: float) -> dict:
         """Upload the encoded update ``θ_global + residual - θ_f``; keep the new residual only when the hub
         accepted it (a rejected or healed facility starts again from θ_global, without residual)."""
-        message = self.codec.encode(torch.sub(self.ef, mine))
-        kept = {}
-
-        def on_status(header: dict) -> None:
-            kept["status"] = header["status"]
-            if header["status"] == "accepted" and self.options.error_feedback:
-                self.ef.sub_(mine).sub_(self.codec.decode(message))  # the residual, until θ_global is added
-
-        out = self.link.round(mine, done, tokens, taken=done - self.last_step, message=message, on_status=on_status)
-        if kept.get("status") == "accepted" and self.options.error_feedback:
-            self.ef.add_(mine)
-        elif "status" in kept:
-            self.ef.copy_(mine)
+        f, feedback = self.files, self.options.error_feedback
+        self._encode(feedback)
+        out = self.link.round(f.mine, f.theta, done, tokens, taken=done - self.last_step, message=f.message)
+        if out["status"] in ("missed", "left"):
+            return out  # nothing decided: θ_global and the residual stay as they were
+        self._refold(with_residual=feedback and out["status"] == "accepted")
         if out["status"] == "accepted":
-            out["bytes"] = message.numel() + 4 * self.numel
+            out["bytes"] = f.message.stat().st_size + 4 * self.numel
         return out
+
+    def _encode(self, feedback: bool) -> None:
+        """``files.message``: the encoding of ``ef - θ_f``, window by window; ``files.residual``: what it
+        lost (with error feedback). Only ``ef`` is held whole."""
+        f, step = self.files, self.codec.window(_WINDOW)
+        with open(f.mine, "rb") as mine, open(f.message, "wb") as message, open(f.residual, "wb") as residual:
+            for start in range(0, self.numel, step):
+                n = min(step, self.numel - start)
+                update = self.ef[start : start + n] - _read_into(mine, torch.empty(n, dtype=torch.float32))
+                encoded = self.codec.encode_window(update, start)
+                encoded.numpy().tofile(message)
+                if feedback:
+                    update.sub_(self.codec.decode_window(encoded, start, n)).numpy().tofile(residual)
+
+    def _refold(self, with_residual: bool) -> None:
+        """``ef`` becomes θ_global (``files.theta``), plus the residual of an accepted update."""
+        f, step = self.files, _WINDOW
+        with open(f.theta, "rb") as theta, open(f.residual if with_residual else os.devnull, "rb") as residual:
+            for start in range(0, self.numel, step):
+                window = self.ef[start : start + step]
+                _read_into(theta, window)
+                if with_residual:
+                    window.add_(_read_into(residual, torch.empty_like(window)))
 
     def _dump(self, values: dict) -> None:
         """Tests ($XFFL_TEST_DUMP_ROUNDS): the leader's parameters before and θ_global after each round (written

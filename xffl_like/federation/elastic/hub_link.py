@@ -18,9 +18,9 @@ from typing import Any
 
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # gRPC core's own info lines (a refused handshake) stay quiet
 import grpc  # noqa: E402 - after its verbosity is set
-from torch import Tensor
+import numpy as np
 
-from ...hub.wire import GRPC_OPTIONS, SERVICE, Frames, frames_of, pack, unpack
+from ...hub.wire import GRPC_OPTIONS, SERVICE, Frames, frames_of_file, pack, unpack
 from .options import ElasticError, address, federation_spec
 
 __all__ = ["BEAT_S", "HubLink", "explain", "hub_link", "hub_spec"]
@@ -63,12 +63,13 @@ def _test_pause(round_index: int) -> None:
         time.sleep(120)
 
 
-def _test_poison(flat: Tensor, tokens: float) -> float:
-    """Tests: ``$XFFL_TEST_HUB_SCALE=S`` uploads the parameters times S; ``$XFFL_TEST_HUB_TOKENS=T``
-    claims T tokens (a facility that lies, for the hub's checks)."""
+def _test_poison(path: Path | None, tokens: float) -> float:
+    """Tests: ``$XFFL_TEST_HUB_SCALE=S`` uploads the parameters (the spooled file ``path``) times S;
+    ``$XFFL_TEST_HUB_TOKENS=T`` claims T tokens (a facility that lies, for the hub's checks)."""
     scale = os.environ.get("XFFL_TEST_HUB_SCALE")
-    if scale:
-        flat.mul_(float(scale))
+    if scale and path is not None:
+        values = np.fromfile(path, dtype=np.float32)
+        (values * np.float32(scale)).tofile(path)
     return float(os.environ.get("XFFL_TEST_HUB_TOKENS") or tokens)
 
 
@@ -114,19 +115,19 @@ class HubLink:
         self._call = call
         return call
 
-    def _upload(self, flat: Tensor, kind: str, rid: int | None = None) -> dict:
+    def _upload(self, path: Path, kind: str, rid: int | None = None) -> dict:
+        """Upload the spooled file ``path`` (parameters, or an encoded update), a frame at a time."""
         header = self._msg(kind=kind, round=rid)
         call = self.channel.stream_unary(f"/{SERVICE}/Upload")
-        future = self._call = call.future(frames_of(header, flat))
+        future = self._call = call.future(frames_of_file(header, path))
         out = unpack(future.result())
         self._call = None
         return out
 
-    def _download(self, call, flat: Tensor, on_status=None) -> dict:
-        frames = Frames(call, flat.numel() * 4, {"version": int, "status": str})
-        if on_status is not None:  # before θ_global overwrites ``flat``
-            on_status(frames.header)
-        frames.into(flat)
+    def _download(self, call, path: Path) -> dict:
+        """θ_global into the file ``path``, a frame at a time; the result's header."""
+        frames = Frames(call, 4 * self.geometry_numel, {"version": int, "status": str})
+        frames.to_file(path)
         self._call = None
         return frames.header
 
@@ -144,14 +145,15 @@ class HubLink:
         except grpc.RpcError as exc:
             raise ElasticError(f"facility {self.name}: {explain(exc, self.hub)}") from None
 
-    def join(self, flat: Tensor, done: int, min_facilities: int) -> dict:
-        """Join; ``flat`` (this facility's parameters) becomes θ_global. Returns the leader's round result."""
+    def join(self, mine: Path, theta: Path, done: int, min_facilities: int) -> dict:
+        """Join: this facility's parameters (the file ``mine``) create the federation, or θ_global is
+        downloaded into the file ``theta``. Returns the leader's round result."""
         try:
-            return self._join(flat, done, min_facilities)
+            return self._join(mine, theta, done, min_facilities)
         except grpc.RpcError as exc:
             raise ElasticError(f"facility {self.name}: {explain(exc, self.hub)}") from None
 
-    def _join(self, flat: Tensor, done: int, min_facilities: int) -> dict:
+    def _join(self, mine: Path, theta: Path, done: int, min_facilities: int) -> dict:
         while True:
             out = self.unary("Join", spec=self.spec, geometry=self.geometry, steps=self.steps, every=self.every)
             if out["status"] != "retry":
@@ -159,12 +161,12 @@ class HubLink:
             time.sleep(0.5)
         self._start_beats()
         if out["status"] == "create":
-            out = self._upload(flat, "create")
+            out = self._upload(mine, "create")
             self.version = out["version"]
             self._wait_for(min_facilities)
             return self._result(out, done, changed=False, healed=[], status="created")
         self._wait_for(min_facilities)
-        header = self._download(self._stream("Fetch"), flat)
+        header = self._download(self._stream("Fetch"), theta)
         self.version = header["version"]
         step = done if self.cfg_every_s else min(int(header["progress"]) * int(self.every), self.steps)
         return self._result(header, step, changed=True, healed=[self.name], status="joined")
@@ -208,21 +210,20 @@ class HubLink:
         self.channel.close()
 
     # ------------------------------------------------------------------ rounds
-    def round(self, flat: Tensor, done: int, tokens: float, taken: int, message=None, on_status=None) -> dict:
-        """The round at this boundary: ``flat`` (this facility's parameters) becomes θ_global after it.
-        ``message``: with compression, the encoded update uploaded instead of ``flat``; ``on_status(header)``
-        runs once the hub has decided, before θ_global overwrites ``flat``."""
+    def round(self, mine: Path, theta: Path, done: int, tokens: float, taken: int, message: Path | None = None) -> dict:
+        """The round at this boundary: the file ``mine`` (this facility's parameters, or with compression the
+        file ``message`` of its encoded update) goes up; θ_global comes back into the file ``theta``."""
         if time.monotonic() < self.backoff_until:
             return self._missed(done, "the hub did not answer at an earlier boundary")
-        tokens = _test_poison(flat, tokens)
+        tokens = _test_poison(mine if message is None else None, tokens)
         try:
             arrived = self.unary("Arrive", version=self.version, step=done, taken=taken, tokens=tokens)
             if arrived["action"] == "upload":
-                self._upload(flat if message is None else message, "round", arrived["round"])
+                self._upload(mine if message is None else message, "round", arrived["round"])
                 _test_pause(self.version)
             elif arrived.get("reason"):
                 print(f"facility {self.name}: heals this round ({arrived['reason']})", flush=True)
-            header = self._download(self._stream("Result", round=arrived["round"]), flat, on_status)
+            header = self._download(self._stream("Result", round=arrived["round"]), theta)
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.CANCELLED:  # a stop request while waiting: the trainer leaves next
                 return {**self._missed(done, "a stop request while waiting in the round"), "status": "left"}

@@ -1,0 +1,59 @@
+"""The hub's round rules, in one process (no gRPC): what a member at a boundary is told, and when."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from xffl_like.hub.federation import HubFederation
+from xffl_like.hub.wire import Frames, frames_of
+
+SPEC = {
+    "parameters": [["w", [6], "float32"]],
+    "algorithm": "federated",
+    "outer": {"name": "average", "lr": 1.0, "momentum": 0.0, "betas": [0.9, 0.99], "eps": 1e-8, "offload": False},
+    "compression": {"kind": "none", "chunk_size": 4096, "error_feedback": False},
+    "every_s": None,
+    "rounds": 10,
+    "train.steps": None,
+    "weights": "uniform",
+    "grace_s": 60.0,
+    "max_norm_ratio": 10.0,
+    "weights_rule": None,
+    "paced": False,
+    "min_facilities": 1,
+}
+GEOMETRY = {"batch_size": 2, "seq_len": 8, "dp": 1}
+
+
+def _join(fed: HubFederation, name: str) -> str:
+    session = f"session-{name}"
+    fed.join(name, {"spec": SPEC, "session": session, "geometry": GEOMETRY, "every": 2, "steps": 20})
+    return session
+
+
+def test_a_stale_member_with_no_round_open_heals_at_once(tmp_path):
+    """A member behind the hub's version arriving when no round is open opens none (it would wait up to
+    grace_s for members that are not at a boundary) and reads θ_global at once."""
+    fed = HubFederation(tmp_path / "state", None, log=lambda _: None)
+    try:
+        a = _join(fed, "a")
+        theta = torch.arange(6, dtype=torch.float32)
+        fed.create("a", Frames(frames_of({"kind": "create"}, theta), 24))
+        b = _join(fed, "b")
+        start = time.monotonic()
+        out = fed.arrive("b", {"session": b, "version": 3, "step": 2, "taken": 2, "tokens": 32.0})
+        assert out == {"action": "heal", "round": None, "reason": "version 3 (the hub's is 0)"}
+        assert fed.round is None, "a heal opened a round the live members would have to fill"
+        frames = Frames(fed.result("b", b, out["round"], lambda: True), 24, {"status": str})
+        received = frames.into(torch.empty(6, dtype=torch.float32))
+        assert time.monotonic() - start < 5
+        assert frames.header["status"] == "healed" and torch.equal(received, theta)
+        # A member at the hub's version still opens the round, and a stale one then joins it to heal.
+        opened = fed.arrive("a", {"session": a, "version": 0, "step": 2, "taken": 2, "tokens": 32.0})
+        assert opened["action"] == "upload" and opened["round"] == 0
+        joined = fed.arrive("b", {"session": b, "version": 3, "step": 4, "taken": 2, "tokens": 32.0})
+        assert joined == {"action": "heal", "round": 0, "reason": "version 3 (the hub's is 0)"}
+    finally:
+        fed.close()

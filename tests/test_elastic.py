@@ -407,6 +407,24 @@ def test_a_walltime_signal_while_waiting_in_a_round_leaves_within_seconds(hub, t
     assert len(lines) == 1 and "resume=" in lines[0], out
 
 
+def test_a_stop_while_waiting_for_more_facilities_leaves_at_once(hub, tmp_path):
+    """min_facilities=3 with one facility: it says what it waits for, and SIGTERM ends the wait (and the job,
+    143) within seconds, not after the join's wait."""
+    a = _facility("a", hub, tmp_path, extra=["federation.elastic.min_facilities=3"])
+    try:
+        wait_for(lambda: "waiting for 2 more facilities" in Path(a.out.name).read_text(), what="a's waiting line")
+        signalled = time.time()
+        os.kill(a.proc.pid, signal.SIGTERM)
+        rc, out = a.wait(timeout=60)
+        took = time.time() - signalled
+    finally:
+        a.kill()
+    assert took < 15, (took, out)
+    assert rc == 143, out
+    assert "Traceback" not in out, out
+    assert "a stop request while joining at the hub" in out, out
+
+
 def _waiting(dump: Path, name: str) -> bool:
     """``name`` committed version 1 (with b): its next boundary's round is the one b holds back."""
     return any(r["round"] == 1 and r["status"] == "accepted" for r in rounds(dump, name))

@@ -171,6 +171,19 @@ def test_a_signal_stops_at_a_step_with_a_checkpoint_and_resumes(tmp_path, signum
 
 
 @pytest.mark.slow
+def test_a_stop_cuts_an_injected_slow_step(tmp_path):
+    """Facility 1's steps sleep 999 x their own time (fault.slow_factor=1000); facilities of their own pace
+    (a list of every) so facility 0 logs its steps meanwhile. SIGTERM ends the job within seconds, not after
+    the sleep (minutes)."""
+    args = ["+experiment=llama_fed", "logger=none", "train.steps=40", "federation.every=[4,4]", *TINY,
+            "train.log_every=1", "fault.slow_facility=1", "fault.slow_factor=1000"]  # fmt: skip
+    rc, err, seconds = _interrupt(args, tmp_path / "run", signal.SIGTERM)
+    assert seconds < 20, f"{seconds:.1f} s from the signal to the exit: {err[-2000:]}"
+    assert rc == 143, err
+    assert "Traceback" not in err, err
+
+
+@pytest.mark.slow
 def test_a_second_sigint_exits_at_once(tmp_path):
     run_dir = tmp_path / "run"
     # Whether the second one finds the workers still stopping or the launcher already ending, the job
@@ -243,3 +256,31 @@ def test_a_stale_launcher_environment_says_what_it_waits_for(tmp_path, case, var
         proc.communicate()
         if sock is not None:
             sock.close()
+
+
+@pytest.mark.parametrize(
+    "signame, code", [("SIGINT", 130), ("SIGTERM", 143), ("SIGUSR1", 0)], ids=["SIGINT", "SIGTERM", "SIGUSR1"]
+)
+def test_an_elastic_facility_that_leaves_exits_as_documented(monkeypatch, tmp_path, signame, code):
+    """An elastic facility stopped by a signal leaves its federation, then exits as any job does (Ctrl-C 130,
+    SIGTERM 143: docs/running.md), except at Slurm's walltime notice (SIGUSR1): 0, it rejoins later. The
+    launcher's decision on what rank 0 returned (no process is started: launch_local and the hub's probe are
+    replaced)."""
+    from hydra import compose, initialize_config_dir
+
+    import xffl_like.job as job_module
+    from xffl_like import CONF_DIR
+
+    left = "facility a left the federation at the hub localhost:29999"
+    info = {"signal": signame, "step": 3, "steps": 8, "checkpoint": str(tmp_path / "c"), "last_checkpoint": None,
+            "run_dir": str(tmp_path / "run"), "left": left}  # fmt: skip
+    monkeypatch.setattr(job_module, "launch_local", lambda *args, **kw: [{"interrupted": info}])
+    monkeypatch.setattr(job_module, "_admit", lambda job: None)
+    overrides = ["+experiment=llama_fed", "distributed.federated=null", "distributed.nproc_per_node=1",
+                 "federation.elastic.hub=localhost:29999", "federation.elastic.facility=a", "logger=none"]  # fmt: skip
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        cfg = compose(config_name="config", overrides=overrides, return_hydra_config=True)
+    with pytest.raises(job_module.JobInterrupted) as stopped:
+        job_module.run_local(cfg, tmp_path / "run")
+    assert stopped.value.code == code and str(stopped.value).startswith("facility a left"), str(stopped.value)
+    assert job_module.stop_exit_code(getattr(signal, signame), left=False) == 128 + getattr(signal, signame)

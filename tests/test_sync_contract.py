@@ -264,6 +264,7 @@ def test_federated_sync_stops_at_the_next_boundary_within_the_grace(
 
 
 # ----------------------------------------------------------------------------- ElasticSync
+@pytest.mark.filterwarnings("error:Detected call of `lr_scheduler")  # a joiner moves its schedule quietly
 def test_elastic_sync_late_joiner_adopts_the_federation_step_and_leaves_when_closed(gloo_world, tmp_path):
     cfg, run_dir = job(*ELASTIC), tmp_path / "run"
     t, federation = elastic(cfg, gloo_world, run_dir, join_at=4)
@@ -282,8 +283,25 @@ def test_elastic_sync_late_joiner_adopts_the_federation_step_and_leaves_when_clo
     federation.leave.assert_called_once_with()
     assert summary["rounds"] == 1 and summary["steps"] == STEPS
     assert summary["federation"]["elastic"]["rewarm"] == {"from_step": 4, "steps": cfg.optim.warmup_steps}
-    assert summary["facility_losses"][0][:4] == [0.0] * 4 and all(summary["facility_losses"][0][4:])
+    # Steps before the join were not taken: no loss (not 0.0); the first loss is the join's first step's.
+    assert summary["facility_losses"][0][:4] == [None] * 4 and all(summary["facility_losses"][0][4:])
+    assert summary["first_loss"] == summary["facility_losses"][0][4]
     assert checkpoints(run_dir) == [checkpoint_name(STEPS)]
+
+
+def test_elastic_facility_that_ends_early_reports_the_steps_it_took(gloo_world, tmp_path):
+    """The federation ended after the facility's 4th step (another reached train.steps, or every_s's last round):
+    the summary says 4 steps, the 4th step's loss as the final one, and no loss for steps 5 and 6."""
+    cfg, run_dir = job(*ELASTIC), tmp_path / "run"
+    t, federation = elastic(cfg, gloo_world, run_dir, join_at=0)
+    t.clock.ends_at = lambda done: done == 4  # as an ended federation's round says so
+
+    summary = t.train()
+
+    losses = summary["facility_losses"][0]
+    assert summary["steps"] == 4 and len(losses) == 4 and None not in losses, summary
+    assert summary["final_loss"] == losses[3] and summary["first_loss"] == losses[0]
+    assert summary["final_loss"] > 1.0 and summary["rounds"] == 2
 
 
 def test_elastic_sync_stops_at_once_and_leaves(gloo_world, tmp_path, stop_request):

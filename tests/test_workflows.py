@@ -176,3 +176,28 @@ def test_elastic_scripts_are_independent_jobs_dialling_the_hub():
         render([1], SlurmOptions(gpus_per_node=4, hub="login1"))
     with pytest.raises(ValueError, match="cannot both hold"):  # it was silently ignored
         render([1], SlurmOptions(gpus_per_node=4, hub="login1:29510", rdzv_endpoint="h:1"))
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--dry-run", "--no-submit"], "--dry-run and --no-submit cannot both hold"),
+        (["--dry-run", "--out-dir", "x"], "--dry-run and --out-dir x cannot both hold"),
+        (["--dry-run", "--certs", "c"], "--certs c without --hub"),
+        (["--dry-run", "--hub", "h:1", "--hub", "h:2"], "--hub given twice"),
+        (["--dry-run", "--nodes", "2"], "--nodes given twice"),
+        (["--dry-run", "--", "federation.elastic.hub=h:1"], "use --hub HOST:PORT"),
+        (["--dry-run", "--hub", "h:1", "--rdzv-endpoint", "h:2"], "cannot both hold"),
+    ],
+)
+def test_options_that_would_be_ignored_are_refused(args, says, tmp_path, capsys, monkeypatch):
+    """Every pair of the renderer's options where one would be silently ignored: one line, exit 2, nothing written."""
+    monkeypatch.chdir(tmp_path)
+    try:
+        code = main(["--nodes", "1", "--gpus-per-node", "1", *args])
+    except SystemExit as exc:  # argparse's refusals
+        code = exc.code
+    err = capsys.readouterr().err
+    assert code == 2 and says in err, err
+    assert [line for line in err.splitlines() if "error" in line] == [err.splitlines()[-1]]
+    assert list(tmp_path.iterdir()) == []

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from . import CONF_DIR
 from .config import validate_config
 from .distributed.launch import WorkerFailure, launch_local, start_fork_server
 from .errors import ConfigError
@@ -24,8 +25,6 @@ from .plan import worker_plan
 from .schema import JobConfig, as_plain, job_config
 
 __all__ = ["CONF_DIR", "JobFailed", "JobInterrupted", "run_local", "run_under_launcher", "resolve"]
-
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
 
 class JobFailed(RuntimeError):
@@ -56,14 +55,31 @@ def _again(run_dir: Path, resume: bool, launcher: str = "python") -> str:
     return f"{launcher} -m xffl_like.run {args}{tail}".replace("  ", " ")
 
 
+def stop_exit_code(signum: int, left: bool) -> int:
+    """The exit status of a job a signal stopped: 0 for an elastic facility that ``left`` its federation at
+    Slurm's walltime notice (SIGUSR1, ``--signal=USR1@120``: a success, it rejoins later); otherwise the
+    shell's 128 + the signal, elastic or not (Ctrl-C 130, SIGTERM 143)."""
+    import signal
+
+    from .distributed.signals import exit_code
+
+    return 0 if left and signum == signal.SIGUSR1 else exit_code(signum)
+
+
 def interrupted_line(info: dict, launcher: str = "python") -> str:
     """The one line of a job that a signal stopped (``info``: what rank 0's loop returned)."""
     head = f"interrupted at step {info['step']} of {info['steps']} ({info['signal']})"
     run_dir = Path(info["run_dir"])
+    if info.get("left") and not (info["checkpoint"] or info.get("last_checkpoint")):  # stopped while joining
+        return (
+            f"{info['left']} at step {info['step']} of {info['steps']} ({info['signal']}) before training: nothing "
+            f"to save; join again with: {_again(run_dir, False, launcher)}"
+        )
     if info.get("left"):  # an elastic facility: it rejoins the federation from its checkpoint
+        saved = info["checkpoint"] or f"none at this step (the last: {info['last_checkpoint']})"
         return (
             f"{info['left']} at step {info['step']} of {info['steps']} ({info['signal']}): checkpoint saved to "
-            f"{info['checkpoint']}; rejoin with: {_again(run_dir, True, launcher)}"
+            f"{saved}; rejoin with: {_again(run_dir, True, launcher)}"
         )
     if info.get("checkpoint"):
         return f"{head}: checkpoint saved to {info['checkpoint']}; resume with: {_again(run_dir, True, launcher)}"
@@ -280,11 +296,8 @@ def run_local(cfg: DictConfig, run_dir: Path, worker: Callable | None = None) ->
     if isinstance(results[0], dict) and "interrupted" in results[0]:
         import signal
 
-        from .distributed.signals import exit_code
-
         info = results[0]["interrupted"]
-        code = 0 if info.get("left") else exit_code(signal.Signals[info["signal"]])  # left at walltime: a success
-        raise JobInterrupted(interrupted_line(info), code)
+        raise JobInterrupted(interrupted_line(info), stop_exit_code(signal.Signals[info["signal"]], info.get("left")))
     return results[0]
 
 
@@ -466,7 +479,7 @@ def run_under_launcher(overrides: list[str]) -> int:
     import torch.distributed as dist
 
     from .distributed.env import agree_rendezvous
-    from .distributed.signals import die_with_parent, exit_code, install_stop_handlers, stopped_by
+    from .distributed.signals import die_with_parent, install_stop_handlers, stopped_by
     from .distributed.state import init_default_group, read_env
     from .train.loop import train_worker
 
@@ -541,5 +554,5 @@ def run_under_launcher(overrides: list[str]) -> int:
     if stopped_by() is not None and isinstance(result, dict) and "interrupted" in result:
         print(interrupted_line(result["interrupted"], launcher="<your launcher>"), file=sys.stderr, flush=True)
     if stopped_by() is not None and (result is None or "interrupted" in result):
-        return 0 if job.federation.elastic.enabled else exit_code(stopped_by())  # elastic: left the federation
+        return stop_exit_code(stopped_by(), job.federation.elastic.enabled)
     return 0

@@ -16,12 +16,14 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from . import CONF_DIR
 from .distributed.env import read_env, reports_launcher_errors
 from .hydra_errors import compose_error
 from .job import JobFailed, JobInterrupted, run_local
 
 
-@hydra.main(config_path="../conf", config_name="config", version_base=None)
+# An absolute path (package data): a relative one would be read as the module "conf" under the console script
+@hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)
 def main(cfg: DictConfig) -> dict | None:
     hc = HydraConfig.get()
     run_dir = Path(hc.runtime.output_dir)

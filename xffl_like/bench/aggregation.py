@@ -28,11 +28,11 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from .. import CONF_DIR
 from ..checks import is_int, is_number
 
 __all__ = ["BenchFailed", "run_bench", "bench_worker", "format_table"]
 
-CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 STRATEGY_DIR = CONF_DIR / "strategy"
 DTYPES = ("float32", "bfloat16")
 

@@ -20,10 +20,11 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
+from .. import CONF_DIR
 from ..data import build_data, validate_data
 from ..schema import DataConfig
 
-MODEL_DIR = Path(__file__).resolve().parents[2] / "conf" / "model"
+MODEL_DIR = CONF_DIR / "model"
 
 
 def _median_seconds(fn, repeats: int) -> float:

@@ -24,6 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from .. import CONF_DIR
+
 __all__ = ["CHECKS", "Result", "main", "run_check"]
 
 REPO = Path(__file__).resolve().parents[2]
@@ -200,7 +202,7 @@ def parameters(model: str) -> int:
     """The parameter count of ``conf/model/<model>.yaml`` (Llama: embeddings, blocks, final norm, head)."""
     from omegaconf import OmegaConf
 
-    m = OmegaConf.load(REPO / "conf" / "model" / f"{model}.yaml")
+    m = OmegaConf.load(CONF_DIR / "model" / f"{model}.yaml")
     kv = m.dim * m.n_kv_heads // m.n_heads
     block = 2 * m.dim * m.dim + 2 * m.dim * kv + 3 * m.dim * m.ffn_dim + 2 * m.dim
     return m.vocab_size * m.dim * (1 if m.tie_embeddings else 2) + m.n_layers * block + m.dim

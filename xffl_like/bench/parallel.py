@@ -36,6 +36,8 @@ import sys
 import time
 from pathlib import Path
 
+from .. import CONF_DIR
+
 METHODS = [
     "ddp",
     "local",
@@ -48,7 +50,6 @@ METHODS = [
     "bagua:low_precision_decentralized",
     "bagua:async",
 ]
-ROOT = Path(__file__).resolve().parents[2]
 HELD_OUT_SEED = 10_000  # held-out batches come from generators no training rank uses
 
 
@@ -109,7 +110,7 @@ def _worker(args: dict) -> dict:
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    cfg = LlamaConfig.from_mapping(yaml.safe_load((ROOT / "conf" / "model" / f"{args['model']}.yaml").read_text()))
+    cfg = LlamaConfig.from_mapping(yaml.safe_load((CONF_DIR / "model" / f"{args['model']}.yaml").read_text()))
     data = _batches(rank, args["steps"], args["batch"], args["seq"], cfg.vocab_size)
     held_out = _batches(HELD_OUT_SEED + rank, args["eval_batches"], args["batch"], args["seq"], cfg.vocab_size)
     runs = {}
@@ -320,7 +321,7 @@ def main(argv: list[str] | None = None) -> dict:
         problems.append(
             f"--link-mbit needs at least 2 nodes: --nproc {a.nproc} / --local-world-size {a.local_world_size}"
         )
-    if not (ROOT / "conf" / "model" / f"{a.model}.yaml").exists():
+    if not (CONF_DIR / "model" / f"{a.model}.yaml").exists():
         problems.append(f"--model {a.model}: no conf/model/{a.model}.yaml")
     if problems:
         print("error: " + "; ".join(problems), file=sys.stderr)

@@ -54,6 +54,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+from .. import CONF_DIR
 from ..checks import is_int, is_number
 from .netns import (
     CounterSampler,
@@ -84,7 +85,6 @@ __all__ = [
     "GOAL_WAIT",
 ]
 
-CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 MODES = ("train", "link", "speeds", "hub")
 #: ``bench.mode=speeds``: issue 21's goal, ``bench.speeds.paced``'s time to the target over ``bench.speeds.fixed``'s ...
 GOAL_RATIO = 0.75

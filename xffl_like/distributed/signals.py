@@ -41,6 +41,7 @@ __all__ = [
     "install_stop_handlers",
     "requested",
     "signal_name",
+    "sleep",
     "stopped_by",
 ]
 
@@ -77,6 +78,18 @@ def _handler(signum, frame) -> None:
         shutil.rmtree(path, ignore_errors=True)
     sys.stderr.flush()
     os._exit(exit_code(signum))
+
+
+def sleep(seconds: float, poll: float = 0.2) -> bool:
+    """Sleep up to ``seconds``, back within ``poll`` of a stop request; True if one came. Every wait of a
+    worker that is not a collective goes through here, so that a stop is never held up by it."""
+    end = time.monotonic() + max(0.0, seconds)
+    while _request["signum"] is None:
+        left = end - time.monotonic()
+        if left <= 0:
+            return False
+        time.sleep(min(poll, left))
+    return True
 
 
 def install_stop_handlers() -> None:

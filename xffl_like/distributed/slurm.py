@@ -116,7 +116,7 @@ class SlurmOptions:
     setup: str | None = None  # a shell line run before srun (modules, virtual environment)
     overrides: tuple[str, ...] = ()
     hub: str | None = None  # HOST:PORT: independent facilities of a federation held by the hub
-    certs: str = "certs"  # where each site keeps ca.crt and its facility's .crt and .key
+    certs: str | None = None  # with hub: where each site keeps ca.crt and its facility's .crt and .key (certs)
 
 
 @dataclass(frozen=True)
@@ -154,7 +154,7 @@ def command_line(nodes: Sequence[int], opts: SlurmOptions) -> str:
     for flag in ("partition", "account", "time", "rdzv_endpoint", "setup", "hub"):
         if getattr(opts, flag):
             parts.append(f"--{flag.replace('_', '-')} {shlex.quote(getattr(opts, flag))}")
-    if opts.hub and opts.certs != "certs":
+    if opts.hub and opts.certs:
         parts.append(f"--certs {shlex.quote(opts.certs)}")
     if opts.overrides:
         parts += ["--", *map(shlex.quote, opts.overrides)]
@@ -169,6 +169,12 @@ def render(nodes: Sequence[int], opts: SlurmOptions) -> list[FacilityScript]:
         raise ValueError(f"--gpus-per-node {opts.gpus_per_node}: must be positive")
     if opts.hub:
         return _render_elastic(nodes, opts)
+    if opts.certs:
+        raise ValueError(f"--certs {opts.certs} without --hub: certificates are for a hub's facilities; add --hub "
+                         "HOST:PORT or leave --certs out")  # fmt: skip
+    if any(o.lstrip("+~").startswith("federation.elastic.hub=") for o in opts.overrides):
+        raise ValueError("federation.elastic.hub in the overrides renders one job across facilities that also dials "
+                         "a hub: use --hub HOST:PORT (one independent job per facility) instead")  # fmt: skip
     overrides = " ".join(shlex.quote(o) for o in _overrides(nodes, opts))
     extra = "".join(
         f"#SBATCH --{key}={value}\n"
@@ -239,7 +245,7 @@ def _render_elastic(nodes: Sequence[int], opts: SlurmOptions) -> list[FacilitySc
     names = [f"{opts.job_name}-f{f}" for f in range(len(nodes))]
     scripts = []
     for f, n in enumerate(nodes):
-        name, certs = names[f], opts.certs.rstrip("/")
+        name, certs = names[f], (opts.certs or "certs").rstrip("/")
         mine = [
             "distributed.federated=null",
             f"federation.elastic.hub={opts.hub}",
@@ -304,16 +310,42 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--certs",
-        default="certs",
-        help="with --hub: the directory where each site keeps ca.crt and its facility's NAME.crt and NAME.key",
+        help="with --hub: the directory where each site keeps ca.crt and its facility's NAME.crt and NAME.key "
+        "(default: certs)",
     )
-    p.add_argument("--out-dir", default=".", help="where the scripts are written (not with --dry-run)")
+    p.add_argument("--out-dir", help="where the scripts are written (default: .; not with --dry-run)")
     p.add_argument(
         "--dry-run", action="store_true", help="print the scripts and the sbatch commands; write and submit nothing"
     )
     p.add_argument("--no-submit", action="store_true", help="write the scripts to --out-dir; submit nothing")
     p.add_argument("overrides", nargs="*", help="Hydra overrides for the job (after --), e.g. +experiment=llama_fed")
+    for action in p._actions:  # an option given twice: the first would be ignored without a word
+        if action.option_strings and action.dest != "help":
+            action.__class__ = _once(type(action))
     return p
+
+
+def _once(kind: type[argparse.Action]) -> type[argparse.Action]:
+    """``kind`` (an argparse action class) that refuses a second occurrence of its option."""
+
+    class Once(kind):
+        def __call__(self, parser, namespace, values, option_string=None):
+            given = namespace.__dict__.setdefault("_given", set())
+            if self.dest in given:
+                parser.error(f"{option_string} given twice: give it once (the first would be ignored)")
+            given.add(self.dest)
+            super().__call__(parser, namespace, values, option_string)
+
+    return Once
+
+
+def _contradiction(args: argparse.Namespace) -> str | None:
+    """Options of the command line that cannot both hold (one would be silently ignored)."""
+    if args.dry_run and args.no_submit:
+        return "--dry-run and --no-submit cannot both hold: --dry-run writes nothing, --no-submit writes the scripts"
+    if args.dry_run and args.out_dir is not None:
+        return f"--dry-run and --out-dir {args.out_dir} cannot both hold: a dry run writes nothing; drop one"
+    return None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -324,6 +356,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError:
         print(f"error: --nodes {args.nodes}: use comma-separated node counts, e.g. 2,1", file=sys.stderr)
         return 2
+    clash = _contradiction(args)
+    if clash:
+        print(f"error: {clash}", file=sys.stderr)
+        return 2
+    args.out_dir = args.out_dir or "."
     opts = SlurmOptions(
         args.gpus_per_node,
         args.job_name,

@@ -261,8 +261,8 @@ class HubFederation:
                 if self.members[self.creator].live(now):
                     return {"status": "retry"}  # another facility is creating the federation
                 self.creator = None  # it died before its parameters arrived: this one creates it
-            if msg.get("probe"):
-                return {"status": "ok", "version": self.version}
+            if msg.get("probe"):  # ended: the launcher refuses before its workers start
+                return {"status": "ok", **self._public()}
             if self.spec is None:
                 numel_of(spec), _outer_config(spec), _rules(spec)
                 self.creator, self.pending_spec = name, spec

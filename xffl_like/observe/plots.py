@@ -35,13 +35,14 @@ def _integer_ticks():
 
 
 def plot_losses(facility_losses: Sequence[Sequence[float]], round_steps: Sequence[int], path: Path) -> str | None:
-    """Training loss per facility against the step; dashed lines at aggregation rounds."""
+    """Training loss per facility against the step (None: no step taken); dashed lines at aggregation rounds."""
     fig = _figure()
     if fig is None:
         return f"{Path(path).name} skipped: {_NO_MPL}"
     ax = fig.add_subplot()
-    for f, losses in enumerate(facility_losses):
-        ax.plot(range(1, len(losses) + 1), losses, label=f"facility {f}", linewidth=1.2)
+    for f, losses in enumerate(facility_losses):  # None: a step the facility did not take (a gap)
+        values = [float("nan") if v is None else v for v in losses]
+        ax.plot(range(1, len(values) + 1), values, label=f"facility {f}", linewidth=1.2)
     for i, step in enumerate(round_steps):
         ax.axvline(
             step, color="grey", linestyle="--", linewidth=0.7, alpha=0.6, label="aggregation" if i == 0 else None

@@ -247,10 +247,18 @@ class SweepSummary(Callback):
 def main() -> None:
     """``xffl-sweep-summary SWEEP_DIR`` (and ``python -m xffl_like.observe.sweep``): write and print the
     sweep's summary; exit status 1 if any job failed."""
-    if len(sys.argv) != 2:
-        sys.exit("usage: python -m xffl_like.observe.sweep SWEEP_DIR")
-    done = write_sweep_summary(sys.argv[1])
-    print((Path(sys.argv[1]) / "sweep_summary.md").read_text(), end="")
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="xffl-sweep-summary", description="Write and print a sweep's sweep_summary.csv and .md."
+    )
+    parser.add_argument("sweep_dir", type=Path, help="a multirun's sweep directory (hydra.sweep.dir)")
+    sweep_dir = parser.parse_args().sweep_dir
+    if not sweep_dir.is_dir():
+        print(f"error: {sweep_dir}: no such sweep directory (give a multirun's hydra.sweep.dir)", file=sys.stderr)
+        sys.exit(2)
+    done = write_sweep_summary(sweep_dir)
+    print((sweep_dir / "sweep_summary.md").read_text(), end="")
     sys.exit(1 if any(r["status"] != "ok" for r in done) else 0)
 
 

@@ -19,6 +19,7 @@ import time
 import torch
 
 from ..checkpoint.dcp import restart_count
+from ..distributed import signals
 from ..distributed.state import to_local
 from ..schema import FaultConfig
 
@@ -55,7 +56,7 @@ class FaultInjector:
         if self.slow > 0:
             if torch.cuda.is_available() and to_local(next(model.parameters())).is_cuda:
                 torch.cuda.synchronize()  # the step's own time, not the time to queue it
-            time.sleep(self.slow * (time.perf_counter() - self.step_started))
+            signals.sleep(self.slow * (time.perf_counter() - self.step_started))  # a stop request cuts it
         if self.nan and step == self.nan_step:
             for param in model.parameters():
                 local = to_local(param)

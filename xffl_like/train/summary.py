@@ -7,6 +7,7 @@ The worker loop (:mod:`.loop`) ends every job this way, whatever keeps its copie
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -84,22 +85,30 @@ def gather_facility_losses(losses: torch.Tensor, state: DistributedState) -> tor
 
 
 def _losses_and_tokens(state, losses, steps, trained_steps, tokens_per_step, facility_steps):
-    """The summary's first and final loss and the job's tokens (see :func:`job_summary`)."""
-    per_step = losses.mean(dim=0)
-    # The first step this job (or the run it resumed) trained: an elastic facility that joined late has no
-    # losses before the federation's step it joined at.
-    first = int(per_step.ne(0).nonzero()[0]) if steps and per_step.ne(0).any() else 0
-    first_loss = float(per_step[first]) if steps else None
-    final_loss = float(per_step[-1]) if steps else None
+    """The summary's first and final loss and the job's tokens (see :func:`job_summary`). A step not taken
+    has no loss (NaN in ``losses``): an elastic facility that joined late has none before the federation's
+    step it joined at, a facility that stopped early none after its last step."""
+    first_loss = final_loss = None
+    taken = losses[:, :steps].isfinite()
+    if facility_steps is None and taken.any():  # the facilities step together: the mean of theirs
+        per_step = losses[:, :steps].mean(dim=0)
+        at = per_step.isfinite().nonzero().flatten().tolist() or [0]
+        first_loss, final_loss = float(per_step[at[0]]), float(per_step[at[-1]])
+    elif facility_steps is not None and taken.any():  # different paces: each at its own first and last step
+        rows = [(row[ok.nonzero()[0]], row[ok.nonzero()[-1]]) for row, ok in zip(losses, taken) if ok.any()]
+        first_loss = sum(float(first) for first, _ in rows) / len(rows)
+        final_loss = sum(float(last) for _, last in rows) / len(rows)
     tokens = tokens_per_step * trained_steps if isinstance(trained_steps, int) else 0
-    if facility_steps is not None:  # facilities of different paces: each at its own first and last step
+    if facility_steps is not None:
         sizes = state.layout.facility_sizes
         tokens = sum(tokens_per_step * size // state.world_size * n for size, n in zip(sizes, trained_steps))
-        if steps and all(facility_steps):
-            firsts = [int(row.ne(0).nonzero()[0]) if row.ne(0).any() else 0 for row in losses]
-            first_loss = sum(float(row[i]) for row, i in zip(losses, firsts)) / len(firsts)
-            final_loss = sum(float(row[n - 1]) for row, n in zip(losses, facility_steps)) / len(facility_steps)
     return first_loss, final_loss, tokens
+
+
+def _facility_losses(losses: torch.Tensor, steps: int) -> list[list[float | None]]:
+    """``[facility][step]`` up to the job's last step; ``None`` where a facility took no step (no figure
+    is made up: not the steps before an elastic facility joined, nor those after a slower one's last)."""
+    return [[None if math.isnan(v) else v for v in row] for row in losses[:, :steps].tolist()]
 
 
 def _layout(layout) -> dict:
@@ -123,13 +132,13 @@ def _round_record(r: dict) -> dict:
     }
 
 
-def _round_tables(rounds: list[dict], losses: torch.Tensor) -> dict:
+def _round_tables(rounds: list[dict], losses: torch.Tensor, steps: int) -> dict:
     """The summary's per-round lists and per-facility loss table, in the summary's key order."""
     return {
         "aggregation_seconds": [r["seconds"] for r in rounds],
         "aggregation_bytes_per_rank": [r["bytes_per_rank"] for r in rounds],
         "cross_facility_bytes_per_round": [r["cross_facility_bytes"] for r in rounds],
-        "facility_losses": losses.tolist(),
+        "facility_losses": _facility_losses(losses, steps),
         "skipped_facilities": [r["skipped_facilities"] for r in rounds],
         "round_records": [_round_record(r) for r in rounds],
     }
@@ -171,10 +180,12 @@ def job_summary(
     extra: dict | None = None,
     facility_steps: list[int] | None = None,
 ) -> dict:
-    """The summary (rank 0) of job ``experiment``: ``losses`` from :func:`gather_facility_losses`, ``trained_steps``
-    the steps this process ran (fewer than ``steps`` after a resume), ``rounds`` the round records (none without
-    federated rounds), ``extra`` keys of one loop only (e.g. ``parallel``). Facilities of different paces:
-    ``facility_steps`` each facility's steps so far, ``trained_steps`` a list of each one's steps in this job."""
+    """The summary (rank 0) of job ``experiment``: ``losses`` from :func:`gather_facility_losses` (NaN: a step not
+    taken), ``steps`` the last step the job reached (``train.steps`` unless it ended early: a federation that
+    ended, ``federation.every_s``), ``trained_steps`` the steps this process ran (fewer than ``steps`` after a
+    resume), ``rounds`` the round records (none without federated rounds), ``extra`` keys of one loop only (e.g.
+    ``parallel``). Facilities of different paces: ``facility_steps`` each facility's steps so far (``steps``: the
+    most), ``trained_steps`` a list of each one's steps in this job."""
     rounds = rounds or []
     first_loss, final_loss, tokens = _losses_and_tokens(
         state, losses, steps, trained_steps, tokens_per_step, facility_steps
@@ -194,7 +205,7 @@ def job_summary(
         "eval_loss": eval_loss,
         "eval_history": evals,
         "max_param_divergence_after_last_round": divergence,
-        **_round_tables(rounds, losses),
+        **_round_tables(rounds, losses, steps),
         "checkpoints": checkpoints,
         **_timings(tokens, train_seconds, train_started_at, phases, setup_rss, started_at),
     }

@@ -129,7 +129,7 @@ class Trainer:
     checkpointer: Checkpointer | None
     timer: PhaseTimer
     observer: Observer
-    losses: torch.Tensor  # row f: facility f's mean loss per step (filled by this rank's facility share)
+    losses: torch.Tensor  # row f: facility f's mean loss per step (filled by this rank's facility share), NaN: none
     rounds: list[dict]  # the round records
     evals: list[dict]  # {"step", "loss_local", "loss_global", "time"}: losses per facility, None when not evaluated
 
@@ -148,7 +148,8 @@ class Trainer:
         )  # fmt: skip
         self.eval_batches = self.data.eval_batches()
         self.tokens_per_step = tcfg.batch_size * tcfg.seq_len * tcfg.grad_accum * state.world_size
-        self.losses = torch.zeros(state.num_facilities, tcfg.steps, dtype=torch.float64)
+        # NaN: no step taken (an elastic facility before it joined, any facility after its last step).
+        self.losses = torch.full((state.num_facilities, tcfg.steps), float("nan"), dtype=torch.float64)
         self.fault = FaultInjector(cfg.fault, state.rank, state.facility)
         self.stop_at: int | None = None  # the step a stop request ends training at
         self.signum: int | None = None
@@ -161,6 +162,8 @@ class Trainer:
         self.start, self.train_started_at = time.perf_counter(), time.time()
         try:
             done = self.begin()
+            if self.sync.capabilities.elastic and self.maybe_stop(done, met=True):
+                return self.interrupted(done)  # a stop while joining: no step trained outside the federation
             for step in range(done, self.clock.steps):  # this facility's steps (federation.every as a list: its own)
                 done = step + 1
                 self.train_step(step)
@@ -290,7 +293,7 @@ class Trainer:
         ``{"interrupted": {...}}`` (what the launcher's one line says)."""
         self.log.flush()
         caps, ckpt = self.sync.capabilities, self.checkpointer
-        exact = self.clock.due(done) or caps.elastic
+        exact = (self.clock.due(done) or caps.elastic) and done > self.start_step  # a restored step is saved
         saved = last = None
         if ckpt is not None:
             if exact:  # no-op if the cadence saved it
@@ -337,7 +340,7 @@ class Trainer:
             self.observer.finish(None)
             return None
         summary = job_summary(
-            self.cfg.experiment, state, losses=self.losses, steps=tcfg.steps, trained_steps=trained,
+            self.cfg.experiment, state, losses=self.losses, steps=max(facility_steps or [done]), trained_steps=trained,
             tokens_per_step=self.tokens_per_step, train_seconds=train_seconds,
             train_started_at=self.train_started_at, started_at=self.started_at, eval_loss=eval_loss,
             evals=self.evals, divergence=divergence, phases=phases, setup_rss=self.setup_rss, rounds=self.rounds,

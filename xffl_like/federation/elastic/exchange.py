@@ -274,7 +274,7 @@ class ElasticFederation:
         _test_hold(self.round)
         if joining:
             out = self.link.join(f.mine, f.theta, done, self.options.elastic.min_facilities)
-            if self.codec is not None:  # θ_global, no residual yet
+            if self.codec is not None and out["status"] in ("created", "joined"):  # θ_global, no residual yet
                 self.ef = _load(f.mine if out["status"] == "created" else f.theta)
         elif self.codec is not None:
             out = self._round_compressed(done, tokens)

@@ -73,6 +73,10 @@ def _test_poison(path: Path | None, tokens: float) -> float:
     return float(os.environ.get("XFFL_TEST_HUB_TOKENS") or tokens)
 
 
+class _Cancelled(Exception):
+    """A stop request ended a wait of the join."""
+
+
 def _read(path: str | None) -> bytes | None:
     return None if path is None else Path(path).read_bytes()
 
@@ -96,6 +100,7 @@ class HubLink:
         self._beat: threading.Thread | None = None
         self._stop = threading.Event()
         self._call = None  # the call in flight that :meth:`cancel` may cut
+        self._cancelled = threading.Event()  # a stop request: the waits of a join end too
         self.backoff_until = 0.0
         self.missed = 0
 
@@ -132,7 +137,8 @@ class HubLink:
         return frames.header
 
     def cancel(self) -> None:
-        """Cut the call in flight (a stop request while waiting in a round)."""
+        """Cut the call in flight and end a join's waits (a stop request while waiting at the hub)."""
+        self._cancelled.set()
         call = self._call
         if call is not None:
             call.cancel()
@@ -141,16 +147,33 @@ class HubLink:
     def probe(self) -> None:
         """The launcher's check before workers start: the hub answers, admits this identity and description."""
         try:
-            self.unary("Join", spec=self.spec, geometry=self.geometry, steps=self.steps, every=self.every, probe=True)
+            out = self.unary(
+                "Join", spec=self.spec, geometry=self.geometry, steps=self.steps, every=self.every, probe=True
+            )
         except grpc.RpcError as exc:
             raise ElasticError(f"facility {self.name}: {explain(exc, self.hub)}") from None
+        self._refuse_if_ended(out)
+
+    def _refuse_if_ended(self, out: dict) -> None:
+        """A federation that ended (a facility reached its train.steps) trains no more: joining it would
+        train nothing, or alone from its last θ_global. One line; the job exits non-zero."""
+        if out.get("ended"):
+            raise ElasticError(
+                f"facility {self.name}: the federation at the hub {self.hub} has ended (a facility reached its "
+                f"train.steps, after {out.get('version')} rounds): nothing is left to train; to train again, serve a "
+                f"new federation (python -m xffl_like.hub serve with another --state)"
+            )
 
     def join(self, mine: Path, theta: Path, done: int, min_facilities: int) -> dict:
         """Join: this facility's parameters (the file ``mine``) create the federation, or θ_global is
         downloaded into the file ``theta``. Returns the leader's round result."""
         try:
             return self._join(mine, theta, done, min_facilities)
+        except _Cancelled:
+            return self._left(done, "joining")
         except grpc.RpcError as exc:
+            if self._cancelled.is_set():
+                return self._left(done, "joining")
             raise ElasticError(f"facility {self.name}: {explain(exc, self.hub)}") from None
 
     def _join(self, mine: Path, theta: Path, done: int, min_facilities: int) -> dict:
@@ -158,7 +181,8 @@ class HubLink:
             out = self.unary("Join", spec=self.spec, geometry=self.geometry, steps=self.steps, every=self.every)
             if out["status"] != "retry":
                 break
-            time.sleep(0.5)
+            self._pause(0.5)
+        self._refuse_if_ended(out)  # it ended since the launcher's probe
         self._start_beats()
         if out["status"] == "create":
             out = self._upload(mine, "create")
@@ -185,7 +209,11 @@ class HubLink:
                 print(f"facility {self.name}: waiting for {n - len(live)} more facilities at the hub {self.hub}",
                       flush=True)  # fmt: skip
                 said = time.monotonic()
-            time.sleep(0.5)
+            self._pause(0.5)
+
+    def _pause(self, seconds: float) -> None:
+        if self._cancelled.wait(seconds):
+            raise _Cancelled
 
     def _start_beats(self) -> None:
         if self._beat is not None:
@@ -226,7 +254,7 @@ class HubLink:
             header = self._download(self._stream("Result", round=arrived["round"]), theta)
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.CANCELLED:  # a stop request while waiting: the trainer leaves next
-                return {**self._missed(done, "a stop request while waiting in the round"), "status": "left"}
+                return self._left(done, "waiting in the round")
             if exc.code() in (grpc.StatusCode.NOT_FOUND,):
                 self._rejoin()
             self.missed += 1
@@ -243,6 +271,12 @@ class HubLink:
     def _rejoin(self) -> None:
         self.session = uuid.uuid4().hex
         self.unary("Join", spec=self.spec, geometry=self.geometry, steps=self.steps, every=self.every)
+
+    def _left(self, done: int, where: str) -> dict:
+        print(f"facility {self.name}: a stop request while {where} at the hub {self.hub}; it leaves", flush=True)
+        why = f"a stop request while {where}"
+        return {"round": self.version, "step": done, "changed": False, "bytes": 0, "ended": False, "healed": [],
+                "facilities": [], "attempts": 1, "status": "left", "reason": why}  # fmt: skip
 
     def _missed(self, done: int, why: str) -> dict:
         print(f"facility {self.name}: round at step {done} missed ({why}); training on", flush=True)

@@ -1,0 +1,61 @@
+"""A facility that asks to join a federation that has ended (a facility reached its train.steps): refused in one
+line before its workers start, not trained alone from step 0 or from the last θ_global without a word. In one
+process: the hub's federation answers the facility's link directly (no gRPC)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from xffl_like.federation.elastic import ElasticError
+from xffl_like.federation.elastic.hub_link import HubLink
+from xffl_like.hub.federation import HubFederation
+from xffl_like.hub.wire import Frames, frames_of
+
+SPEC = {
+    "parameters": [["w", [6], "float32"]],
+    "algorithm": "federated",
+    "outer": {"name": "average", "lr": 1.0, "momentum": 0.0, "betas": [0.9, 0.99], "eps": 1e-8, "offload": False},
+    "compression": {"kind": "none", "chunk_size": 4096, "error_feedback": False},
+    "every_s": None,
+    "rounds": 10,
+    "train.steps": None,
+    "weights": "uniform",
+    "grace_s": 60.0,
+    "max_norm_ratio": 10.0,
+    "weights_rule": None,
+    "paced": False,
+    "min_facilities": 1,
+}
+GEOMETRY = {"batch_size": 2, "seq_len": 8, "dp": 1}
+
+
+def _link(fed: HubFederation, name: str) -> HubLink:
+    """Facility ``name``'s link, its calls answered by ``fed`` in this process."""
+    cfg = SimpleNamespace(hub="hub.example:29510", cert=None, ca=None, key=None, timeout_s=5.0)
+    link = HubLink(cfg, name, SPEC, GEOMETRY, steps=20, every=2)
+    link.channel.close()
+    link.unary = lambda method, timeout=None, **kw: getattr(fed, method.lower())(name, link._msg(**kw))
+    return link
+
+
+def test_joining_a_federation_that_ended_is_refused_in_one_line(tmp_path):
+    fed = HubFederation(tmp_path / "state", None, log=lambda _: None)
+    try:
+        a = _link(fed, "a")
+        a.probe()  # a live federation admits
+        fed.join("a", a._msg(spec=SPEC, geometry=GEOMETRY, steps=20, every=2))
+        fed.create("a", Frames(frames_of({"kind": "create"}, torch.zeros(6)), 24))
+        _link(fed, "b").probe()
+        fed.snap.ended = True  # a's round at its step 20 ended it
+        with pytest.raises(ElasticError) as refused:
+            _link(fed, "b").probe()  # the launcher's check: before any worker starts
+        line = str(refused.value)
+        assert "\n" not in line and line.startswith("facility b: the federation at the hub hub.example:29510 has ended")
+        assert "serve a new federation" in line
+        with pytest.raises(ElasticError, match="has ended"):  # ended between the probe and the workers' join
+            _link(fed, "c")._join(tmp_path / "mine", tmp_path / "theta", 0, 1)
+    finally:
+        fed.close()

@@ -1,11 +1,17 @@
-"""The hub's round rules, in one process (no gRPC): what a member at a boundary is told, and when."""
+"""The hub's rules, in one process (no gRPC): what a member at a boundary is told, and when; a facility that asks
+to join a federation that has ended is refused in one line before its workers start (not trained alone from step 0
+or from the last θ_global without a word)."""
 
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
+import pytest
 import torch
 
+from xffl_like.federation.elastic import ElasticError
+from xffl_like.federation.elastic.hub_link import HubLink
 from xffl_like.hub.federation import HubFederation
 from xffl_like.hub.wire import Frames, frames_of
 
@@ -55,5 +61,34 @@ def test_a_stale_member_with_no_round_open_heals_at_once(tmp_path):
         assert opened["action"] == "upload" and opened["round"] == 0
         joined = fed.arrive("b", {"session": b, "version": 3, "step": 4, "taken": 2, "tokens": 32.0})
         assert joined == {"action": "heal", "round": 0, "reason": "version 3 (the hub's is 0)"}
+    finally:
+        fed.close()
+
+
+def _link(fed: HubFederation, name: str) -> HubLink:
+    """Facility ``name``'s link, its calls answered by ``fed`` in this process."""
+    cfg = SimpleNamespace(hub="hub.example:29510", cert=None, ca=None, key=None, timeout_s=5.0)
+    link = HubLink(cfg, name, SPEC, GEOMETRY, steps=20, every=2)
+    link.channel.close()
+    link.unary = lambda method, timeout=None, **kw: getattr(fed, method.lower())(name, link._msg(**kw))
+    return link
+
+
+def test_joining_a_federation_that_ended_is_refused_in_one_line(tmp_path):
+    fed = HubFederation(tmp_path / "state", None, log=lambda _: None)
+    try:
+        a = _link(fed, "a")
+        a.probe()  # a live federation admits
+        fed.join("a", a._msg(spec=SPEC, geometry=GEOMETRY, steps=20, every=2))
+        fed.create("a", Frames(frames_of({"kind": "create"}, torch.zeros(6)), 24))
+        _link(fed, "b").probe()
+        fed.snap.ended = True  # a's round at its step 20 ended it
+        with pytest.raises(ElasticError) as refused:
+            _link(fed, "b").probe()  # the launcher's check: before any worker starts
+        line = str(refused.value)
+        assert "\n" not in line and line.startswith("facility b: the federation at the hub hub.example:29510 has ended")
+        assert "serve a new federation" in line
+        with pytest.raises(ElasticError, match="has ended"):  # ended between the probe and the workers' join
+            _link(fed, "c")._join(tmp_path / "mine", tmp_path / "theta", 0, 1)
     finally:
         fed.close()

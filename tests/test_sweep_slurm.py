@@ -8,8 +8,10 @@ import csv
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -265,3 +267,106 @@ def test_without_the_extra_one_line_names_it(tmp_path, launcher):
         f"pip install -c constraints.txt -e '.[slurm]'"
     ]
     assert not (tmp_path / "sweep").exists()
+
+
+def _tree(pid: int) -> set[int]:
+    """``pid``'s descendants now (a point's torchrun runs in a session of its own, still below it)."""
+    from hydra_plugins.xffl_like_launcher._submitit_sweep import _descendants
+
+    return _descendants(pid)
+
+
+def _gone(pids: set[int], within: float) -> list[int]:
+    """The processes of ``pids`` still alive after ``within`` seconds (zombies count as gone)."""
+    deadline = time.monotonic() + within
+    while True:
+        alive = [p for p in pids if _alive(p)]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.2)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _sweep(sweep_dir: Path) -> subprocess.Popen:
+    """Three points of one process each: 4 steps, then two of 5000 (their own session: a terminal's group)."""
+    tiny = [o for o in TINY if not o.startswith("train.steps=")]
+    cmd = [sys.executable, "-m", "xffl_like.run", "-m", "+experiment=llama_fed", "hydra/launcher=local_submitit",
+           *tiny, "train.seq_len=32", "distributed.federated=null", "distributed.nproc_per_node=1",
+           "train.steps=4,5000,5000", f"hydra.sweep.dir={sweep_dir}"]  # fmt: skip
+    return subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # fmt: skip
+
+
+@needs_extra
+@pytest.mark.cli
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="walks /proc")
+def test_ctrl_c_stops_every_point_in_seconds_and_summarises_those_that_finished(tmp_path):
+    """Ctrl-C (SIGINT to the foreground process group) of a local_submitit sweep: one line, 130, no process
+    of any point alive 10 s later, and the summary of the point that had finished. Then the same during the
+    points' start-up: no error of a half-imported module, the same line."""
+    sweep_dir = tmp_path / "sweep"
+
+    def running(d: Path) -> bool:  # point 0 finished (its submitit job's result), points 1 and 2 training
+        rows = [m for i in (1, 2) for m in d.glob(f"{i}_*/metrics.jsonl")]  # a point's directory: <num>_<strategy>
+        return bool(list(d.glob(".submitit/*/*_result.pkl"))) and len(rows) == 2 and all(r.stat().st_size for r in rows)
+
+    rc, err, left = _ctrl_c(sweep_dir, running)
+    assert rc == 130, err
+    assert not left, f"processes of the sweep's points alive 10 s after Ctrl-C: {left}"
+    assert "Traceback" not in err, err
+    lines = [line for line in err.splitlines() if "interrupted" in line]
+    assert len(lines) == 1 and "1 of 3 point(s) had finished" in lines[0], err
+    with open(sweep_dir / "sweep_summary.csv", newline="") as fh:
+        rows = {r["job"]: r["status"] for r in csv.DictReader(fh)}
+    assert rows["0_fused"] == "ok" and all(rows.get(j) != "ok" for j in ("1_fused", "2_fused")), rows
+
+    rc, err, left = _ctrl_c(tmp_path / "early", lambda d: bool(list(d.glob(".submitit/*/*"))), after=1.0)
+    assert rc == 130, err
+    assert not left, left
+    assert "Traceback" not in err and "Error locating target" not in err, err
+    assert len([line for line in err.splitlines() if "interrupted" in line]) == 1, err
+
+
+def _ctrl_c(sweep_dir: Path, ready, after: float = 0.0) -> tuple[int, str, list[int]]:
+    """Start the sweep, wait until ``ready(sweep_dir)`` (and ``after`` s more), send SIGINT to its process group as
+    a terminal's Ctrl-C does: (exit status, stderr, processes of its points alive 10 s later)."""
+    proc = _sweep(sweep_dir)
+    try:
+        deadline = time.monotonic() + 240
+        while not ready(sweep_dir):
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the sweep's points did not start"
+            time.sleep(0.05)
+        time.sleep(after)
+        points = _tree(proc.pid)
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+        return proc.returncode, err, _gone(points, 10)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+@needs_extra
+@pytest.mark.cli
+def test_the_slurm_launcher_without_slurm_is_one_line(tmp_path):
+    bin_dir = tmp_path / "empty"
+    bin_dir.mkdir()
+    path = os.pathsep.join(d for d in os.environ["PATH"].split(os.pathsep) if not (Path(d) / "sbatch").exists())
+    proc = subprocess.run(
+        [sys.executable, "-m", "xffl_like.run", "-m", "+experiment=llama_fed", "hydra/launcher=slurm",
+         "strategy=fused,layer_by_layer", f"hydra.sweep.dir={tmp_path / 'sweep'}"],
+        cwd=REPO, env=_env(PATH=path), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "error: hydra/launcher=slurm needs Slurm, and sbatch is not on PATH here: run the sweep on the cluster's "
+        "login node, or hydra/launcher=local_submitit to run its points on this machine; nothing was submitted"
+    ], proc.stderr

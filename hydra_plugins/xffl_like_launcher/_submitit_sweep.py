@@ -17,9 +17,12 @@ import json
 import logging
 import os
 import re
+import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -122,7 +125,9 @@ def _torchrun(
     if run_dir is not None:
         child_env["XFFL_RUN_DIR"] = str(run_dir)
     print(f"xffl: node {env.node} of {env.num_nodes}: {' '.join(cmd[1:])}", flush=True)
-    proc = subprocess.Popen(cmd, env=child_env, stderr=subprocess.PIPE, text=True, bufsize=1)
+    # Its own session: a stop reaches the point from the sweep's process (which stops every point), never
+    # half of it from the terminal.
+    proc = subprocess.Popen(cmd, env=child_env, stderr=subprocess.PIPE, text=True, bufsize=1, start_new_session=True)
     assert proc.stderr is not None
     for line in proc.stderr:  # passed on as it comes (the task's log), error lines kept
         sys.stderr.write(line)
@@ -212,18 +217,134 @@ class _SweepLauncher(BaseSubmititLauncher):
         init = {"folder": self.params["submitit_folder"]}
         if "max_num_timeout" in self.params:
             init[f"{self._EXECUTOR}_max_num_timeout"] = self.params["max_num_timeout"]
-        executor = submitit.AutoExecutor(cluster=self._EXECUTOR, **init)
-        log.info(f"Submitit '{self._EXECUTOR}' sweep output dir : {sweep_dir}")
-        jobs = []
-        for idx, overrides, launcher in points:
-            executor.update_parameters(**executor_parameters(launcher, self._EXECUTOR))
-            job = executor.submit(self, overrides, "hydra.sweep.dir", idx, f"job_id_for_{idx}", Singleton.get_state())
-            log.info(
-                f"\t#{idx} : {' '.join(filter_overrides(overrides))} -> job {job.job_id}: {launcher['nodes']} "
-                f"node(s) x {launcher['processes_per_node']} process(es)"
-            )
-            jobs.append(job)
-        return [job.results()[0] for job in jobs]
+        jobs: list = []
+        with _stop_requests() as stop:
+            try:
+                executor = submitit.AutoExecutor(cluster=self._EXECUTOR, **init)
+                log.info(f"Submitit '{self._EXECUTOR}' sweep output dir : {sweep_dir}")
+                for idx, overrides, launcher in points:
+                    executor.update_parameters(**executor_parameters(launcher, self._EXECUTOR))
+                    with _terminal_ignored():  # a point's processes hear a stop from here, not the terminal
+                        job = executor.submit(
+                            self, overrides, "hydra.sweep.dir", idx, f"job_id_for_{idx}", Singleton.get_state()
+                        )
+                    log.info(
+                        f"\t#{idx} : {' '.join(filter_overrides(overrides))} -> job {job.job_id}: "
+                        f"{launcher['nodes']} node(s) x {launcher['processes_per_node']} process(es)"
+                    )
+                    jobs.append(job)
+                return [job.results()[0] for job in jobs]
+            except KeyboardInterrupt:
+                _stop_points(jobs, sweep_dir, stop.get("signum", signal.SIGINT), len(points))
+            except RuntimeError as exc:  # submitit's: no Slurm here, sbatch refused the job
+                _stop_points(jobs, sweep_dir, None, len(points))
+                _refuse(f"hydra/launcher={self._NAME}: {str(exc).splitlines()[0]}; {len(jobs)} of {len(points)} "
+                        f"point(s) were submitted (and are stopped)")  # fmt: skip
+
+
+class _terminal_ignored:
+    """SIGINT ignored while a point's processes start: they inherit it (a Ctrl-C in the terminal reaches the
+    whole foreground process group), so only the sweep's process hears it and stops every point in order."""
+
+    def __enter__(self):
+        self.before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    def __exit__(self, *exc):
+        signal.signal(signal.SIGINT, self.before)
+
+
+class _stop_requests:
+    """While points run: SIGTERM (a scheduler, ``kill``) stops the sweep as Ctrl-C does (KeyboardInterrupt);
+    the signal received is ``stop["signum"]``."""
+
+    def __enter__(self) -> dict:
+        self.stop: dict = {}
+
+        def handler(signum, frame):
+            self.stop["signum"] = signum
+            raise KeyboardInterrupt
+
+        self.before = signal.signal(signal.SIGTERM, handler)
+        return self.stop
+
+    def __exit__(self, *exc):
+        signal.signal(signal.SIGTERM, self.before)
+
+
+#: After a stop: seconds a point's processes have to end on SIGTERM (a checkpoint at a step) before SIGKILL.
+STOP_GRACE_S = 5.0
+
+
+def _stop_points(jobs: list, sweep_dir: Path, signum: int | None, total: int) -> None:
+    """Stop every point still running (local: its processes, SIGTERM then SIGKILL after
+    :data:`STOP_GRACE_S`; Slurm: scancel), write the summary of those that finished, and, for a signal, exit
+    128 + the signal with one line."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the stop short
+    pids = set()
+    for job in jobs:
+        process = getattr(job, "_process", None)  # a local job: its controller
+        if process is not None:
+            pids |= {process.pid, *_descendants(process.pid)}
+        elif not job.done():
+            job.cancel(check=False)
+    _end(pids)
+    from xffl_like.observe.sweep import write_sweep_summary
+
+    rows = write_sweep_summary(sweep_dir, plot=False) if sweep_dir.is_dir() else []
+    done = sum(1 for r in rows if r["status"] == "ok")
+    if signum is not None:
+        name = signal.Signals(signum).name
+        print(
+            f"interrupted ({name}): the sweep stopped; {done} of {total} point(s) had finished, the others were "
+            f"stopped; summary: {sweep_dir / 'sweep_summary.md'}",
+            file=sys.stderr,
+            flush=True,
+        )
+        raise SystemExit(128 + int(signum))
+
+
+def _end(pids: set[int]) -> None:
+    """SIGTERM to ``pids`` (and to the process group each leads), SIGKILL to what is left after the grace."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in pids:
+            for kill in (os.killpg, os.kill):
+                try:
+                    kill(pid, sig)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        deadline = time.monotonic() + (STOP_GRACE_S if sig == signal.SIGTERM else 2.0)
+        while time.monotonic() < deadline and any(_alive(p) for p in pids):
+            time.sleep(0.1)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.waitpid(pid, os.WNOHANG)  # reap our own children
+    except ChildProcessError:
+        pass
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every process below ``pid`` (Linux: /proc; elsewhere none)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
 
 
 def _shown(overrides: Sequence[str]) -> str:
@@ -237,13 +358,20 @@ def _refuse(line: str) -> None:
 
 class LocalSweepLauncher(_SweepLauncher):
     _EXECUTOR = "local"
+    _NAME = "local_submitit"
 
 
 class SlurmSweepLauncher(_SweepLauncher):
     _EXECUTOR = "slurm"
+    _NAME = "slurm"
 
     def check(self, points: list[tuple]) -> None:
-        """No point may ask for more nodes than one job may have in its partition."""
+        """Slurm is here, and no point asks for more nodes than one job may have in its partition."""
+        if shutil.which("sbatch") is None:
+            raise SweepRefused(
+                "hydra/launcher=slurm needs Slurm, and sbatch is not on PATH here: run the sweep on the cluster's "
+                "login node, or hydra/launcher=local_submitit to run its points on this machine; nothing was submitted"
+            )
         by_partition: dict[Any, list[tuple]] = {}
         for point in points:
             by_partition.setdefault((point[2].get("partition"), point[2].get("max_nodes")), []).append(point)

@@ -68,7 +68,8 @@ MAX_TIMEOUT_S = 7 * 24 * 3600
 
 def validate_distributed(job: JobConfig, ctx: ValidationContext) -> None:
     """``distributed.*`` values (the layout they describe is the ``layout`` check's); under ``backend=nccl``
-    each of ``ctx.local_world_size`` processes on this node needs its own GPU."""
+    each of ``ctx.local_world_size`` processes on this node needs its own GPU
+    (:func:`~xffl_like.distributed.device.choose_backend`)."""
     cfg = job.distributed
     _positive_int(cfg.nproc_per_node, "distributed.nproc_per_node")
     _positive_int(cfg.timeout_s, "distributed.timeout_s")
@@ -79,21 +80,10 @@ def validate_distributed(job: JobConfig, ctx: ValidationContext) -> None:
         )
     if cfg.backend not in ("auto", "gloo", "nccl"):
         raise ConfigError(f"distributed.backend={cfg.backend!r}: use auto, gloo or nccl")
-    if cfg.backend == "nccl":
-        import torch
+    from .distributed.device import choose_backend
 
-        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        local = ctx.local_world_size if ctx.local_world_size is not None else cfg.nproc_per_node
-        if gpus == 0:
-            raise ConfigError(
-                "distributed.backend=nccl needs CUDA GPUs, and torch sees none on this machine: "
-                "use distributed.backend=auto (gloo on CPU)"
-            )
-        if gpus < local:
-            raise ConfigError(
-                f"distributed.backend=nccl needs one GPU per process: {local} processes on this node, "
-                f"{gpus} GPU(s): lower distributed.nproc_per_node to {gpus} or use distributed.backend=gloo"
-            )
+    # nccl needs one GPU per process (or per srun task that Slurm bound its GPU to); auto chooses (device.py)
+    choose_backend(cfg.backend, ctx.local_world_size if ctx.local_world_size is not None else cfg.nproc_per_node)
 
 
 def validate_train(job: JobConfig, ctx: ValidationContext) -> None:

@@ -266,6 +266,7 @@ def run_local(cfg: DictConfig, run_dir: Path, worker: Callable | None = None) ->
         job, layout = validate_config(job, nproc, nproc, Path.cwd())
     except ConfigError as exc:
         raise JobFailed(str(exc)) from None
+    device_notice(job, nproc)
     _admit(job)  # a facility of the hub's federation: the hub answers, admits its identity, the model matches
     start_fork_server()  # the workers' imports run while this process prepares the run directory
     fresh = run_dir
@@ -371,20 +372,30 @@ def _one_line(exc: BaseException) -> str:
     return compose_error(exc) or (str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
 
 
-def configured_backend(overrides: list[str]) -> str:
-    """``distributed.backend`` of the job ``overrides`` compose to, read before the default group exists
-    (every rank composes; Hydra reads only files). ``auto`` where the config does not compose or names a
-    backend this process cannot start (``nccl`` without a GPU): rank 0 then refuses the job in one line
-    once the group exists, as for any bad config."""
-    import torch
+def configured_backend(overrides: list[str], local_world_size: int = 1) -> str:
+    """The backend (``gloo`` or ``nccl``) of the job ``overrides`` compose to with ``local_world_size``
+    processes on this node, read before the default group exists (every rank composes; Hydra reads only
+    files): :func:`~xffl_like.distributed.device.choose_backend`'s. ``auto``'s choice where the config does not
+    compose or names a backend this node cannot run (``nccl`` without a GPU per process): rank 0 then refuses
+    the job in one line once the group exists, as for any bad config."""
+    from .distributed.device import choose_backend
 
     try:
         backend = str(OmegaConf.select(_compose(overrides), "distributed.backend", default="auto"))
+        return choose_backend(backend, local_world_size).backend
     except Exception:  # noqa: BLE001 - reported by rank 0's validation
-        return "auto"
-    if backend == "gloo" or (backend == "nccl" and torch.cuda.is_available()):
-        return backend
-    return "auto"
+        return choose_backend("auto", local_world_size).backend
+
+
+def device_notice(job: JobConfig, local_world_size: int) -> None:
+    """Print :func:`~xffl_like.distributed.device.choose_backend`'s notice, if any (one line, stderr): what
+    ``distributed.backend=auto`` chose instead of the GPUs, and how to change it. Once per job: the launching
+    process, or rank 0 under a launcher."""
+    from .distributed.device import choose_backend
+
+    notice = choose_backend(job.distributed.backend, local_world_size).notice
+    if notice:
+        print(notice, file=sys.stderr, flush=True)
 
 
 def _validate_here(overrides: list[str], env):
@@ -518,7 +529,7 @@ def run_under_launcher(overrides: list[str]) -> int:
     # build_state applies distributed.timeout_s to this group once rank 0 has shared the config.
     try:
         with _waiting_notice(env):
-            init_default_group(env, configured_backend(overrides))
+            init_default_group(env, configured_backend(overrides, env.local_world_size))
     except (OSError, RuntimeError) as exc:
         if not _port_in_use(exc):
             raise
@@ -534,6 +545,7 @@ def run_under_launcher(overrides: list[str]) -> int:
     if env.rank == 0:
         try:
             job, run_dir, plan = _validate_here(overrides, env)
+            device_notice(job, env.local_world_size)
             _admit(job)
             _save_config(job, run_dir)
             payload = [(job, str(run_dir), plan, None)]

@@ -45,6 +45,7 @@ __all__ = [
     "OuterConfig",
     "ParallelConfig",
     "StrategyConfig",
+    "TopkConfig",
     "TrainConfig",
     "as_plain",
     "check_keys",
@@ -57,7 +58,9 @@ __all__ = [
 OPTIMIZERS = ("adamw", "sgd")
 SCHEDULES = ("constant", "cosine", "linear")
 ACTIVATION_CHECKPOINTING = ("none", "full")
-_DTYPES = ("float32", "bfloat16")
+_DTYPES = ("auto", "float32", "bfloat16")
+#: ``train.compile``: ``auto`` compiles on CUDA only.
+COMPILE = ("auto", True, False)
 Number = Union[int, float]  # keeps 25 an int and 0.25 a float (sweep directory names, the saved config)
 
 
@@ -260,6 +263,15 @@ class OuterConfig(Section):
 
 
 @dataclass(frozen=True)
+class TopkConfig(Section):
+    """``federation.topk``: ``compression=topk``, SparseLoCo's sparse messages (``federation/topk.py``)."""
+
+    density: float = 0.02  # fraction of each chunk's values sent, in (0, 1]
+    bits: int = 2  # 2 | 4 | 8: the sent values' quantization, per chunk
+    decay: float = 0.95  # the error-feedback accumulator's decay beta: e = beta * e + update (SparseLoCo: 0.95)
+
+
+@dataclass(frozen=True)
 class ElasticConfig(Section):
     """``federation.elastic``: each facility its own job, rounds held by the hub (``federation/elastic/``,
     :mod:`xffl_like.hub`); without ``hub`` every facility lives in one world, as before."""
@@ -291,9 +303,10 @@ class FederationConfig(Section):
     weights: Any = None  # null (uniform; tokens when facilities take different steps) | uniform | tokens | a list
     topology: str = "complete"  # complete | ring | one-peer-exp | alternating-exp-ring
     outer: OuterConfig = field(default_factory=OuterConfig)
-    compression: str = "none"  # none | bf16 | uint8
-    chunk_size: int = 4096  # values per min-max chunk (uint8)
+    compression: str = "none"  # none | bf16 | uint8 | topk
+    chunk_size: int = 4096  # values per min-max chunk (uint8), per top-k chunk (topk)
     error_feedback: bool = False
+    topk: TopkConfig = field(default_factory=TopkConfig)
     fragments: int = 1  # contiguous fragments of the blocks, synced at staggered steps (Streaming DiLoCo)
     overlap_steps: int = 0  # a fragment's exchange starts this many steps before it is applied
     merge_alpha: float = 0.5  # with overlap: merge_alpha * local + (1 - merge_alpha) * new global
@@ -331,7 +344,11 @@ class TrainConfig(Section):
     batch_size: int = MISSING
     #: Tokens per sequence.
     seq_len: int = MISSING
-    dtype: str = "float32"  # float32 | bfloat16
+    #: ``auto`` (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16: the compute dtype; weights and the
+    #: gradient reduction stay float32 (FSDP2's MixedPrecisionPolicy).
+    dtype: str = "auto"
+    #: ``torch.compile`` each decoder block (as torchtitan): ``auto`` on CUDA only, ``true``, ``false``.
+    compile: Any = "auto"
     log_every: int = 10
     #: Micro-batches per optimizer step; gradients are reduced inside the facility only after the last.
     grad_accum: int = 1
@@ -356,8 +373,9 @@ class TrainConfig(Section):
         for key, (rule, _) in _TRAIN_RULES.items():
             value = getattr(self, key)
             if isinstance(rule, tuple):
-                if value not in rule:
-                    raise ConfigError(f"train.{key}={value!r}: use one of {', '.join(rule)}")
+                if value not in rule or type(value) not in {type(r) for r in rule}:  # 1 == True: not a bool
+                    options = ", ".join(str(r).lower() if isinstance(r, bool) else r for r in rule)
+                    raise ConfigError(f"train.{key}={value!r}: use one of {options}")
             elif not is_int(value) or value < rule:
                 raise ConfigError(
                     f"train.{key}={value!r}: must be an integer >= {rule} (e.g. train.{key}={max(rule, 1)})"
@@ -370,7 +388,8 @@ _TRAIN_RULES: dict[str, tuple[Any, Any]] = {
     "steps": (0, None),
     "batch_size": (1, None),
     "seq_len": (1, None),
-    "dtype": (_DTYPES, "float32"),
+    "dtype": (_DTYPES, "auto"),
+    "compile": (COMPILE, "auto"),
     "log_every": (1, 10),
     "grad_accum": (1, 1),
     "activation_checkpointing": (ACTIVATION_CHECKPOINTING, "none"),

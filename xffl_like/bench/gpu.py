@@ -41,17 +41,6 @@ BASE = [
     "train.batch_size=4",
 ]
 ONE_GPU = ["distributed.nproc_per_node=1", "distributed.federated=null", "distributed.backend=nccl"]
-#: Dense bf16 tensor-core peak (FLOP/s) by the name torch reports, for MFU.
-PEAK_BF16 = {
-    "H100": 989e12,
-    "H200": 989e12,
-    "GH200": 989e12,
-    "B200": 2250e12,
-    "A100": 312e12,
-    "L40S": 362e12,
-    "A10": 125e12,
-    "L4": 121e12,
-}
 
 
 @dataclass
@@ -208,11 +197,33 @@ def parameters(model: str) -> int:
     return m.vocab_size * m.dim * (1 if m.tie_embeddings else 2) + m.n_layers * block + m.dim
 
 
-def peak_flops() -> float | None:
-    import torch
+def _model_conf(model: str) -> dict:
+    from omegaconf import OmegaConf
 
-    name = torch.cuda.get_device_name(0)
-    return next((v for k, v in sorted(PEAK_BF16.items(), key=lambda kv: -len(kv[0])) if k in name), None)
+    return OmegaConf.to_container(OmegaConf.load(CONF_DIR / "model" / f"{model}.yaml"))
+
+
+def check_mfu(tmp: Path) -> Result:
+    """``python -m xffl_like.bench.mfu``: llama3_2_1b, bf16, sequence 2048, steady-state steps, with and
+    without ``torch.compile``."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "xffl_like.bench.mfu", "--model", "llama3_2_1b", "--seq", "2048", "--batch", "4",
+         "--compile", "both"],
+        cwd=REPO, capture_output=True, text=True, timeout=1500,
+    )  # fmt: skip
+    lines = [x for x in proc.stdout.splitlines() if x.strip()]
+    if proc.returncode != 0:
+        errors = [x for x in proc.stderr.splitlines() if x.strip()]
+        return Result("mfu_llama3_2_1b", "FAIL", f"exit {proc.returncode}: {(errors or ['no output'])[-1][:300]}")
+    return Result("mfu_llama3_2_1b", "PASS", " | ".join(lines))
+
+
+def peak_flops() -> float | None:
+    """The device's bf16 dense peak by its name and SKU (:func:`xffl_like.bench.mfu.peak_flops`)."""
+    from .mfu import peak_flops as by_name
+
+    peak = by_name()
+    return peak[0] if peak else None
 
 
 def _throughput(model: str, seq: int, batch: int):
@@ -235,10 +246,15 @@ def _throughput(model: str, seq: int, batch: int):
             ],
             tmp / name,
         )
+        from ..models import LlamaConfig
+        from .mfu import flops_per_token
+
         tps, peak = s["tokens_per_second"], peak_flops()
-        # 6 N FLOPs per token (forward and backward); recomputing the blocks adds 2 N that MFU does not count.
-        mfu = f"MFU {6 * parameters(model) * tps / peak:.1%}" if peak else "MFU n/a (unknown GPU peak)"
-        return Result(name, "PASS", f"{tps:,.0f} tokens/s, {mfu} (6N FLOPs/token, bf16, activation checkpointing)")
+        # 6 N + 12 L d T FLOPs per token (bench.mfu); recomputing the blocks is not counted. The whole job's
+        # tokens/s (rounds, evaluations included): `mfu_llama3_2_1b` times steady-state steps only.
+        per_token = flops_per_token(LlamaConfig.from_mapping(_model_conf(model)), seq)[0]
+        mfu = f"MFU {per_token * tps / peak:.1%}" if peak else "MFU n/a (unknown GPU peak)"
+        return Result(name, "PASS", f"{tps:,.0f} tokens/s, {mfu} (whole job, bf16, activation checkpointing)")
 
     run.__name__ = f"check_throughput_{model}"
     return run
@@ -261,6 +277,7 @@ CHECKS: dict[str, Callable[[Path], Result]] = {
     "meta_hf": check_meta_hf,
     "throughput_llama_bench": _throughput("llama_bench", 256, 8),
     "throughput_llama3_2_1b": _throughput("llama3_2_1b", 1024, 4),
+    "mfu_llama3_2_1b": check_mfu,
 }
 
 

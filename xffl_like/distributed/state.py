@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from .device import cuda_defaults, cuda_device
+from .device import choose_backend, cuda_defaults, cuda_device
 from .env import ProcessEnv, read_env
 from .layout import Coords, Exchange, Layout
 
@@ -171,6 +171,16 @@ class DistributedState:
     def is_hsdp(self) -> bool:
         return self.mesh.ndim == 2
 
+    def group_backends(self) -> dict[str, str | None]:
+        """The backend of every process group this rank built, by name (:data:`GROUP_NAMES`; ``None`` where this
+        rank is not a member), e.g. ``{"world": "nccl", "background": "gloo", ...}`` (``dist.get_backend``: an nccl
+        group's gloo for CPU tensors is not named)."""
+        out = {}
+        for name, handles in self.groups.items():
+            group = handles[0]
+            out[name] = None if group is None else str(dist.get_backend(group))
+        return out
+
     def describe(self) -> str:
         """A readable table of this rank's coordinates and groups."""
         split = ", ".join(
@@ -194,13 +204,15 @@ class DistributedState:
         return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
-def resolve_backend(backend: str, cuda_available: bool | None = None) -> str:
-    """The device backend of ``distributed.backend``: ``auto`` is nccl where CUDA is available, else gloo."""
+def resolve_backend(backend: str, cuda_available: bool | None = None, local_world_size: int = 1) -> str:
+    """The device backend of ``distributed.backend``: ``auto`` is nccl where each of ``local_world_size``
+    processes on this node has a GPU, else gloo (:func:`~.device.choose_backend`); ``cuda_available`` given:
+    nccl where it is true."""
     if backend != "auto":
         return backend
-    if cuda_available is None:
-        cuda_available = torch.cuda.is_available()
-    return "nccl" if cuda_available else "gloo"
+    if cuda_available is not None:
+        return "nccl" if cuda_available else "gloo"
+    return choose_backend("auto", local_world_size).backend
 
 
 def group_backend(backend: str) -> str:
@@ -215,9 +227,10 @@ def group_backend(backend: str) -> str:
 def init_default_group(env: ProcessEnv, backend: str = "auto", timeout_s: float = 300.0) -> torch.device:
     """Set this process's device, then initialise the default process group; return the device.
 
-    The device is set first so that NCCL's communicators bind to this rank's GPU (not GPU 0).
+    The device is set first so that NCCL's communicators bind to this rank's GPU (not GPU 0). ``auto`` is
+    :func:`~.device.choose_backend`'s choice for this node (nccl only with one GPU per process).
     """
-    backend = resolve_backend(backend)
+    backend = resolve_backend(backend, local_world_size=env.local_world_size)
     device = cuda_device(env.local_rank) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         cuda_defaults(device)
@@ -256,7 +269,7 @@ def build_state(
         raise ValueError(f"the launcher started {env.world_size} processes but the layout plans {layout.world_size}")
     if num_streams < 1:
         raise ValueError(f"strategy.streams={num_streams}: need at least one stream")
-    backend = resolve_backend(backend)
+    backend = resolve_backend(backend, local_world_size=env.local_world_size)
     timeout = timedelta(seconds=timeout_s)
     if not dist.is_initialized():
         device = init_default_group(env, backend, timeout_s)

@@ -203,10 +203,9 @@ class Attention(nn.Module):
         v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, hd]
-        rep = self.n_heads // self.n_kv_heads  # grouped-query attention: each kv head serves `rep` q heads
-        if rep > 1:
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        # Grouped-query attention: each kv head serves n_heads // n_kv_heads q heads. SDPA's kernels read the
+        # shared K/V heads in place (enable_gqa), never a repeat_interleave'd copy of K and V.
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
 

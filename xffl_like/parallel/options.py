@@ -166,7 +166,8 @@ def _check_full_copies(job: JobConfig, mode: str) -> None:
             f"federation.outer (name={fed.outer.name!r}, lr={fed.outer.lr!r}) does not apply to "
             f"parallel={mode} (no federation rounds): use federation=default or parallel=fsdp"
         )
-    if job.train.dtype != "float32":  # a full copy per rank, no FSDP mixed-precision policy: nothing would be bf16
+    # a full copy per rank, no FSDP mixed-precision policy: nothing would be bf16 (auto: float32 here)
+    if job.train.dtype not in ("float32", "auto"):
         raise ConfigError(
             f"train.dtype={job.train.dtype} with parallel={mode}: the full copies train in float32 (no "
             f"mixed precision there); use train.dtype=float32, or parallel=fsdp for bfloat16"

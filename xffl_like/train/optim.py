@@ -79,7 +79,10 @@ def build_optimizer(model: nn.Module | Iterable[tuple[str, Tensor]], cfg: OptimC
         if names
     ]
     if cfg.name == "adamw":
-        return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
+        from .speed import fused_adamw
+
+        fused = fused_adamw(params.values()) or None  # None: torch's default (foreach), as before
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, fused=fused)
     return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
 
 

@@ -194,6 +194,8 @@ def job_summary(
         "experiment": experiment,
         "world_size": state.world_size,
         "layout": _layout(state.layout),
+        "device": str(state.device),  # this rank's (rank 0's): cpu, or cuda:<n> (distributed.backend's choice)
+        "group_backends": state.group_backends(),  # each process group's backend, by name (GROUP_NAMES)
         "strategy": strategy,
         "federation": federation,
         **(extra or {}),

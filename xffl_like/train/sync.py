@@ -55,6 +55,7 @@ from .nonfinite import NonFiniteGuard
 from .optim import build_optimizer, build_scheduler, schedule_at
 from .parallelize import build_sharded_model, contiguous_shards
 from .round_dump import round_observers
+from .speed import compile_blocks, compiles, compute_dtype
 
 __all__ = ["Capabilities", "FederatedSync", "RoundHooks", "ShardedParts", "StepEnd", "Sync", "SyncBase"]
 
@@ -69,6 +70,9 @@ class Capabilities:
     elastic: bool = False
     #: Facilities take different steps between rounds: no collective of every rank in between (stops agree at rounds).
     paced: bool = False
+    #: Nothing crosses facilities between rounds: a stop request is agreed across facilities at round boundaries
+    #: only (paced rounds, and rounds of a fixed ``every`` among several facilities), never on every step.
+    quiet_between_rounds: bool = False
 
 
 @dataclass
@@ -173,8 +177,11 @@ class ShardedParts:
     @classmethod
     def build(cls, cfg: JobConfig, state: DistributedState, steps: int) -> ShardedParts:
         """Collective: every rank builds them at the same point."""
-        model = build_sharded_model(cfg.model, state, cfg.train.dtype, seed=cfg.seed)
+        dtype = compute_dtype(cfg.train.dtype, state.device)  # auto: bfloat16 on CUDA, float32 on CPU
+        model = build_sharded_model(cfg.model, state, dtype, seed=cfg.seed)
         contiguous_shards(model, state.shard_size)  # aggregation buckets become views: no copies
+        if compiles(cfg.train.compile, state.device):  # auto: on CUDA
+            compile_blocks(model)
         optimizer = build_optimizer(model, cfg.optim)
         return cls(model, optimizer, build_scheduler(optimizer, cfg.optim, steps), cfg.optim.grad_clip)
 
@@ -197,13 +204,15 @@ class FederatedSync(SyncBase):
 
     def __init__(
         self, state: DistributedState, parts: ShardedParts, rounds: Rounds, hooks: RoundHooks, timer: PhaseTimer,
-        *, paced: bool, strategy: dict,
+        *, paced: bool, strategy: dict, rounds_only: bool = False,
     ):  # fmt: skip
         """``rounds``: the federation (:class:`~xffl_like.federation.protocol.Rounds`) built with ``hooks``;
-        ``paced``: facilities take different steps per round; ``strategy``: the summary's ``strategy``."""
+        ``paced``: facilities take different steps per round; ``strategy``: the summary's ``strategy``;
+        ``rounds_only``: facilities meet at rounds only (no ``synchronous`` phase averaging every step)."""
         self.state, self.parts, self.rounds, self.hooks, self.timer = state, parts, rounds, hooks, timer
         self.module, self.clock, self.strategy = parts.model, rounds.clock, strategy
-        self.capabilities = Capabilities(checkpoints=True, paced=paced)
+        quiet = paced or (state.num_facilities > 1 and rounds_only)
+        self.capabilities = Capabilities(checkpoints=True, paced=paced, quiet_between_rounds=quiet)
         # This facility's own schedule (a checkpoint's state.json holds rank 0's: facility 0's, when paces differ).
         self._own_schedules = [dict(fn.__dict__) for fn in parts.scheduler.lr_lambdas]
 
@@ -221,7 +230,9 @@ class FederatedSync(SyncBase):
             cfg.federation, parts.model, strategy, state, cfg.train.steps, hooks, phases=phases
         )  # fmt: skip
         described = {"name": cfg.strategy.name, "streams": cfg.strategy.streams}
-        return cls(state, parts, rounds, hooks, timer, paced=cfg.federation.paced, strategy=described)
+        fed = cfg.federation
+        rounds_only = fed.algorithm != "synchronous" and not fed.schedule  # a schedule may switch to synchronous
+        return cls(state, parts, rounds, hooks, timer, paced=fed.paced, strategy=described, rounds_only=rounds_only)
 
     def start(self, done: int, index: int) -> StepEnd:
         self.clock.start(done)

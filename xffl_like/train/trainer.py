@@ -146,6 +146,10 @@ class Trainer:
             seed=seed, facility=facility, num_facilities=facilities,
             facility_rank=state.facility_rank, facility_size=state.facility_size,
         )  # fmt: skip
+        if state.device.type == "cuda":  # the next batch drawn on a thread, pinned, copied non_blocking
+            from ..data.prefetch import Prefetcher
+
+            self.data = Prefetcher(self.data)
         self.eval_batches = self.data.eval_batches()
         self.tokens_per_step = tcfg.batch_size * tcfg.seq_len * tcfg.grad_accum * state.world_size
         # NaN: no step taken (an elastic facility before it joined, any facility after its last step).
@@ -263,9 +267,11 @@ class Trainer:
             )
 
     def maybe_stop(self, done: int, met: bool) -> bool:
-        """SIGINT/SIGTERM on any rank: every rank stops at the same step (facilities of different paces agree
-        at rounds only, ``met``: one ended here). Whether training stops after this step."""
-        signum = agree_stop() if not self.sync.capabilities.paced or met else None
+        """SIGINT/SIGTERM on any rank: every rank stops at the same step. Where nothing crosses facilities
+        between rounds (``quiet_between_rounds``) the request is agreed at rounds only (``met``: one ended
+        here), so no message crosses a facility's link on every step; else on every step. Whether training
+        stops after this step."""
+        signum = agree_stop() if not self.sync.capabilities.quiet_between_rounds or met else None
         if signum:
             self.signum = signum
             if self.stop_at is None:

@@ -1,0 +1,50 @@
+"""The speed knobs whose default depends on the device: ``train.dtype=auto``, ``train.compile=auto``, fused AdamW.
+
+Chosen for CUDA, and the CPU job unchanged: ``auto`` is bfloat16 and compiled blocks on CUDA, float32 and
+eager on the CPU; AdamW is fused where its parameters live on a non-CPU device torch has fused kernels for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+__all__ = ["compile_blocks", "compiles", "compute_dtype", "fused_adamw"]
+
+
+def compute_dtype(dtype: str, device: torch.device) -> str:
+    """``train.dtype`` on ``device``: ``auto`` is ``bfloat16`` on CUDA, ``float32`` elsewhere. Weights and the
+    gradient reduction stay float32 whatever it is (:func:`~.parallelize.shard_model`'s policy)."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if torch.device(device).type == "cuda" else "float32"
+
+
+def compiles(value, device: torch.device) -> bool:
+    """``train.compile`` on ``device``: ``auto`` compiles on CUDA only."""
+    return torch.device(device).type == "cuda" if value == "auto" else bool(value)
+
+
+def compile_blocks(model: nn.Module, backend: str = "inductor") -> int:
+    """``torch.compile`` each decoder block's ``forward`` in place (as torchtitan compiles per block: the blocks
+    are alike, so one graph serves them all). The modules, their parameter names and FSDP2's hooks stay as they
+    are: the hooks run around the compiled forward (all-gather before it, reshard after), activation
+    checkpointing wraps it. Returns the blocks compiled."""
+    for block in model.layers:
+        block.forward = torch.compile(block.forward, backend=backend)
+    return len(model.layers)
+
+
+def fused_adamw(params: Iterable[torch.Tensor]) -> bool:
+    """Whether AdamW over ``params`` runs fused: all on one device type other than the CPU (the CPU keeps the
+    foreach implementation and its figures) that has fused kernels (CUDA, XPU, ...)."""
+    try:
+        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+        supported = set(_get_fused_kernels_supported_devices())
+    except ImportError:  # pragma: no cover - an older torch
+        supported = {"cuda"}
+    kinds = {p.device.type for p in params}
+    return len(kinds) == 1 and kinds <= supported - {"cpu"}

@@ -407,3 +407,24 @@ def test_throughput_times_steady_state_steps_on_cpu():
 def test_throughput_on_cuda_reports_mfu():
     m = measure("llama_tiny", 64, 4, warmup=2, steps=3)
     assert m.dtype == "bfloat16" and (m.mfu is None or 0 < m.mfu < 1)
+
+
+def test_async_staging_reuses_one_host_buffer_per_rank_across_saves():
+    """The checkpointer's one stager copies each save into the host buffers of the last one (same place, shape and
+    dtype): no allocation per save; a tensor whose shape changed gets a new buffer."""
+    from xffl_like.checkpoint.staging import HostStager
+
+    stager = HostStager()
+    sd = {"model": {"w": torch.arange(6.0)}, "optim": [torch.ones(3)], "step": 3}
+    first = stager.stage(sd)
+    ptrs = (first["model"]["w"].data_ptr(), first["optim"][0].data_ptr())
+    assert first["model"]["w"].data_ptr() != sd["model"]["w"].data_ptr() and first["step"] == 3
+    sd["model"]["w"].add_(10)
+    sd["optim"][0].mul_(5)
+    second = stager.stage(sd)
+    assert (second["model"]["w"].data_ptr(), second["optim"][0].data_ptr()) == ptrs
+    assert torch.equal(second["model"]["w"], torch.arange(6.0) + 10)
+    assert torch.equal(second["optim"][0], torch.full((3,), 5.0))
+    sd["model"]["w"] = torch.zeros(7)
+    third = stager.stage(sd)
+    assert third["model"]["w"].shape == (7,) and third["optim"][0].data_ptr() == ptrs[1]

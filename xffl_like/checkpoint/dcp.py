@@ -172,6 +172,7 @@ class Checkpointer:
         # background thread, which must never interleave with the training loop's collectives on the same group.
         self.group = state.group("background")
         self.pending: Future | None = None
+        self.stager = HostStager()  # its host buffers serve every save of this rank
         self.pending_dir: Path = self.dir  # the .tmp- directory of the save in flight
         self.published = threading.Event()
         self.published.set()
@@ -318,9 +319,7 @@ class Checkpointer:
             if self.lead:
                 self.published.clear()
             self.pending_dir = tmp
-            self.pending = dcp.async_save(
-                sd, storage_writer=writer, process_group=self.group, async_stager=HostStager()
-            )
+            self.pending = dcp.async_save(sd, storage_writer=writer, process_group=self.group, async_stager=self.stager)
             if self.lead:
                 self.pending.add_done_callback(lambda fut: self._publish(fut, tmp, final, meta, started))
         else:

@@ -120,6 +120,24 @@ BAD = [
     ),
     # the quoting the hint gives works: the path reaches validation (a file too short to train on)
     (["data=text", "data.path='{root}/a b/é.txt'"], "data.path: corpus {root}/a b/é.txt has 6 bytes"),
+    # issue 29: top-k with low-bit values and error feedback
+    (
+        ["federation.compression=topk", "federation.error_feedback=true", "federation.topk.density=0"],
+        "federation.topk.density=0.0: must be a number in (0, 1]",
+    ),
+    (
+        ["federation.compression=topk", "federation.error_feedback=true", "federation.topk.density=1.5"],
+        "federation.topk.density=1.5: must be a number in (0, 1]",
+    ),
+    (
+        ["federation.compression=topk", "federation.error_feedback=true", "federation.topk.bits=3"],
+        "federation.topk.bits=3: use 2, 4 or 8",
+    ),
+    (["federation.compression=topk"], "federation.compression=topk needs federation.error_feedback=true"),
+    (
+        ["federation.compression=topk", "federation.error_feedback=true", "federation.topology=ring"],
+        "federation.topology=ring with federation.compression=topk: compressed gossip is not supported",
+    ),
 ]
 
 

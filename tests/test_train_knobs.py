@@ -313,7 +313,7 @@ def one_line_error(overrides):
         (["logger=none", "logger.mode=onlin"], "logger.mode='onlin'"),  # every section's keys are checked, used or not
         (["data=text", "data.non_iid=3"], "data.non_iid: must be a number in [0, 1], got 3.0"),
         (["optim.name=adam"], "optim.name='adam': use one of adamw, sgd"),
-        (["train.dtype=fp8"], "train.dtype='fp8': use one of float32, bfloat16"),
+        (["train.dtype=fp8"], "train.dtype='fp8': use one of auto, float32, bfloat16"),
         (["federation.outer.lr=fast"], "federation.outer.lr='fast': must be a number (e.g. federation.outer.lr=1.0)"),
         (["federation.outer.offload=maybe"], "federation.outer.offload='maybe': must be true or false"),
         (

@@ -33,7 +33,7 @@ from ..parallel import codec
 
 __all__ = ["COMPRESSIONS", "CompressedMean"]
 
-COMPRESSIONS = ("none", "bf16", "uint8")
+COMPRESSIONS = ("none", "bf16", "uint8", "topk")  # topk: federation/topk.py
 
 
 class CompressedMean:

@@ -24,11 +24,12 @@ from torch import Tensor
 
 from ..checks import is_int, is_number
 from ..errors import ConfigError
-from ..schema import FederationConfig, OuterConfig, as_plain, build_section
+from ..schema import FederationConfig, OuterConfig, TopkConfig, as_plain, build_section
 from .compress import COMPRESSIONS
 from .gossip import check_gossip_layout
 from .outer import validate_outer
 from .pace import validate_pace
+from .topk import BITS
 
 __all__ = [
     "FEDERATION_ALGORITHMS",
@@ -59,6 +60,7 @@ def rounds_description(o: FederationConfig) -> dict:
         "outer": o.outer.name,
         "outer_lr": o.outer.lr,
         "compression": o.compression,
+        **({"topk": as_plain(o.topk)} if o.compression == "topk" else {}),
     }
 
 
@@ -98,8 +100,8 @@ class Phase:
 def _merge(base: dict, override: Mapping) -> dict:
     out = dict(base)
     for key, value in override.items():
-        if key == "outer" and isinstance(value, Mapping):
-            out["outer"] = {**(base.get("outer") or {}), **value}
+        if key in ("outer", "topk") and isinstance(value, Mapping):
+            out[key] = {**(base.get(key) or {}), **value}
         else:
             out[key] = value
     return out
@@ -144,6 +146,9 @@ def _check_schedule(schedule: Any, steps: int | None) -> None:
             raise ConfigError(
                 f"{where}: federation.outer: unknown key(s) {unknown}: use name, lr, momentum, betas, eps, offload"
             )
+        topk = entry.get("topk", {})
+        if not isinstance(topk, Mapping) or set(topk) - {f.name for f in fields(TopkConfig)}:
+            raise ConfigError(f"{where}.topk={topk!r}: a mapping of density, bits, decay (e.g. {{density: 0.02}})")
         until, last = entry["until_step"], i == len(schedule) - 1
         if until is None:
             if not last:
@@ -244,6 +249,13 @@ def _check_compression(cfg: FederationConfig) -> None:
             "federation.error_feedback=true needs federation.compression=bf16 or uint8 "
             "(nothing is lost without compression)"
         )
+    if compression == "topk":
+        _check_topk(cfg)
+    elif cfg.topk != TopkConfig():
+        raise ConfigError(
+            f"federation.topk={as_plain(cfg.topk)} applies to federation.compression=topk, not "
+            f"{compression}: drop it, or set federation.compression=topk"
+        )
     if topology != "complete" and compression != "none":
         raise ConfigError(
             f"federation.topology={topology} with federation.compression={compression}: compressed "
@@ -253,6 +265,35 @@ def _check_compression(cfg: FederationConfig) -> None:
         raise ConfigError(
             f"federation.weights={cfg.weights!r} with federation.topology={topology}: gossip "
             f"mixes with the topology's own weights; use weights=uniform or topology=complete"
+        )
+
+
+def _check_topk(cfg: FederationConfig) -> None:
+    """``federation.topk.*`` and what ``compression=topk`` needs (SparseLoCo: error feedback, whole rounds)."""
+    t = cfg.topk
+    if not is_number(t.density) or not 0 < t.density <= 1:
+        raise ConfigError(
+            f"federation.topk.density={t.density!r}: must be a number in (0, 1] (the fraction of each chunk's "
+            f"values sent, e.g. 0.02)"
+        )
+    if not is_int(t.bits) or t.bits not in BITS:
+        raise ConfigError(f"federation.topk.bits={t.bits!r}: use 2, 4 or 8 (the sent values' bits)")
+    if not is_number(t.decay) or not 0 <= t.decay <= 1:
+        raise ConfigError(
+            f"federation.topk.decay={t.decay!r}: must be a number in [0, 1] (the error-feedback accumulator's "
+            f"decay; SparseLoCo: 0.95)"
+        )
+    if cfg.error_feedback is not True:
+        raise ConfigError(
+            "federation.compression=topk needs federation.error_feedback=true (the values a message leaves out "
+            "stay in SparseLoCo's accumulator for later rounds)"
+        )
+    fragments, overlap = cfg.fragments, cfg.overlap_steps  # their own checks follow (_check_streaming)
+    if (is_int(fragments) and fragments > 1) or (is_int(overlap) and overlap > 0):
+        raise ConfigError(
+            f"federation.compression=topk with federation.fragments={cfg.fragments} / overlap_steps="
+            f"{cfg.overlap_steps}: streaming rounds do not send top-k messages; use fragments=1 overlap_steps=0, "
+            f"or compression=uint8"
         )
 
 

@@ -6,7 +6,8 @@ steps, or per facility), :meth:`Federation.round`
 1. forms this round's target of the facilities' weights, by the mixing chosen at construction:
    the weighted mean through the aggregation strategy (:class:`PlainMean`, ``topology=complete``),
    the mix with this round's gossip peers (:class:`GossipMix`, other topologies), or the compressed
-   mean of the facilities' updates (:class:`CompressedMix`, ``compression=bf16|uint8``, see :mod:`.compress`);
+   mean of the facilities' updates (:class:`CompressedMix`, ``compression=bf16|uint8``, see :mod:`.compress`;
+   ``topk``: SparseLoCo's sparse messages with error feedback, see :mod:`.topk`);
 2. takes the pseudo-gradient ``delta = theta_global - target`` and makes an outer step
    on ``theta_global`` (:mod:`.outer`), then sets every copy's parameters to it.
 
@@ -44,6 +45,7 @@ from .gossip import Gossip
 from .options import round_weights, rounds_description
 from .outer import OuterOptimizer
 from .protocol import NoHooks, RoundClock, RoundHooks
+from .topk import TopkMean
 
 __all__ = ["CompressedMix", "Federation", "GossipMix", "PlainMean"]
 
@@ -69,6 +71,10 @@ class PlainMean:
         result = aggregate(self.strategy, self.state, weights)
         return None, result.bytes_per_rank, result.cross_facility_bytes
 
+    def recorded(self) -> dict:
+        """What the tests' record of the round keeps beside the weights (nothing here)."""
+        return {}
+
 
 class GossipMix:
     """A round's target: the mix with this round's gossip peers (other topologies; the weights are the topology's)."""
@@ -80,13 +86,26 @@ class GossipMix:
         sent = self.gossip.mix(index)
         return None, sent, _sum_over_world(sent, self.state)
 
+    def recorded(self) -> dict:
+        return {}
+
 
 class CompressedMix:
     """A round's target: the compressed mean of the facilities' updates ``theta_global - theta_f``
-    (``compression=bf16|uint8``): the pseudo-gradient itself, the parameters untouched."""
+    (``compression=bf16|uint8|topk``): the pseudo-gradient itself, the parameters untouched."""
 
-    def __init__(self, federation: Federation, compressor: CompressedMean):
+    def __init__(self, federation: Federation, compressor: CompressedMean | TopkMean):
         self.federation, self.compressor = federation, compressor
+        self.message: Tensor | None = None  # the last round's, until :meth:`recorded` hands it over
+
+    def recorded(self) -> dict:
+        """This rank's last message and its error-feedback residual after it (the tests' record of a round)."""
+        message, self.message = self.message, None
+        residual = self.compressor.residual
+        return {
+            **({"message": message} if message is not None else {}),
+            **({"residual": residual} if residual is not None else {}),
+        }
 
     def mix(self, weights: list[float] | None, index: int) -> tuple[Tensor | None, int, int]:
         fed = self.federation
@@ -94,6 +113,7 @@ class CompressedMix:
         update = fed._read_params(torch.empty(fed.numel, dtype=torch.float32, device=state.device))
         update.neg_().add_(fed.theta.to(state.device))
         message = self.compressor.prepare(update)  # every replica: the same bytes and residual
+        self.message = message
         scales = [1.0 / n] * n if weights is None else [w / sum(weights) for w in weights]
         if n == 1:
             delta, sent = self.compressor.reduce(message, None, 0, scales)
@@ -153,12 +173,15 @@ class Federation:
         # theta_global and the outer state: flat fp32 over this rank's shards, when a round needs them.
         self.theta: Tensor | None = None
         self.outer: OuterOptimizer | None = None
-        self.compressor: CompressedMean | None = None
+        self.compressor: CompressedMean | TopkMean | None = None
         if self.federated and not o.streaming and (not o.outer.is_plain_mean or o.compression != "none"):
             self._allocate_theta()
-            if o.compression != "none":
+            n, t = state.num_facilities, o.topk
+            if o.compression == "topk":
+                self.compressor = TopkMean(self.numel, n, o.chunk_size, t.density, t.bits, t.decay, device=state.device)
+            elif o.compression != "none":
                 self.compressor = CompressedMean(
-                    o.compression, self.numel, state.num_facilities, o.chunk_size, o.error_feedback, device=state.device
+                    o.compression, self.numel, n, o.chunk_size, o.error_feedback, device=state.device
                 )
         self.rounds = 0
         self.mixing = self._mixing()  # what forms a round's target, chosen once
@@ -207,7 +230,7 @@ class Federation:
         taken = self.clock.meet(done)
         self.hooks.save(index, "before")
         out = self.round(index, done)
-        self.hooks.save(index, "after", bytes_per_rank=out["bytes_per_rank"])
+        self.hooks.save(index, "after", bytes_per_rank=out["bytes_per_rank"], **self.mixing.recorded())
         self.clock.round_done(done)
         return [{"round": index, "step": done, "fragment": None, "steps_taken": taken, **out}]
 

@@ -11,7 +11,9 @@ is recorded and nothing is read: no config key, no cost.
 One file per rank, round and phase: ``round<R>_<phase>_rank<K>.pt`` (``phase`` is
 ``before`` or ``after``; also ``init`` once before the first step, and ``start`` where an
 overlapped fragment exchange takes its snapshot, numbered by the round that applies it),
-a dict of plain values and tensors that ``torch.load(..., weights_only=True)`` reads.
+a dict of plain values and tensors that ``torch.load(..., weights_only=True)`` reads. With compression,
+``after`` also holds this rank's ``message`` (the bytes it sent) and its error-feedback ``residual``
+after the round, so a test can decode what every facility sent.
 """
 
 from __future__ import annotations
@@ -52,8 +54,9 @@ class RoundDump:
             self.directory.mkdir(parents=True, exist_ok=True)
 
     @torch.no_grad()
-    def save(self, round_: int, phase: str, **extra: int | float) -> None:
-        """Record this rank's local shards (``phase``: ``before`` or ``after`` the aggregation, ``init``, ``start``)."""
+    def save(self, round_: int, phase: str, **extra: int | float | torch.Tensor) -> None:
+        """Record this rank's local shards (``phase``: ``before`` or ``after`` the aggregation, ``init``, ``start``)
+        and ``extra`` (tensors copied to the CPU)."""
         if self.directory is None:
             return
         state, params, shapes, placements = self.state, {}, {}, {}
@@ -73,6 +76,6 @@ class RoundDump:
             "params": params,
             "shapes": shapes,
             "placements": placements,
-            **extra,
+            **{k: v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v for k, v in extra.items()},
         }
         torch.save(record, dump_path(self.directory, round_, phase, state.rank))

@@ -92,6 +92,11 @@ def validate_elastic(job, layout) -> None:
                 f"{what} does not work with federation.elastic.hub (rounds among the facilities present): "
                 f"use rounds of averaging or an outer optimizer, with weights uniform or tokens"
             )
+    if fed.compression == "topk":
+        raise ConfigError(
+            "federation.compression=topk does not go through the hub yet (the hub decodes bf16 and uint8): use "
+            "federation.compression=uint8 with federation.error_feedback=true, or topk in one world"
+        )
 
 
 def federation_spec(job) -> dict[str, Any]:

@@ -200,7 +200,7 @@ def test_late_joiner_heals_bitwise_then_leaves_on_sigusr1_at_once(hub, tmp_path)
     records = a.summary()["federation"]["elastic"]["rounds"]
     assert [r["step"] for r in records] == list(range(0, STEPS + 1, EVERY))
     after = [r["seconds"] for r in records if r["step"] > max(r2["step"] for r2 in rb.values())]
-    assert after and after[0] < 10, after
+    assert after and after[0] < 60, after  # not grace_s (120 s): the bound load cannot reach, the wait it rules out
     assert time.time() - left_at < 200
     # b joined with a fresh inner optimizer (no checkpoint): its learning rate warmed up again from its join
     # step over optim.warmup_steps, on top of the schedule; a's followed the schedule alone.
@@ -269,6 +269,7 @@ def test_guards_each_one_line(hub, tmp_path):
         (["distributed.federated=2"], "distributed.federated=null"),
         (["federation.topology=ring"], "federation.topology=ring"),
         (["federation.fragments=2"], "federation.fragments"),
+        (["federation.compression=topk", "federation.error_feedback=true"], "compression=topk does not go through"),
         (["federation.weights=[1]"], "a list in federation.weights"),
         (["federation.every=[4,2]"], "federation.every as a list"),
         (["parallel=decentralized"], "parallel=decentralized"),
@@ -325,12 +326,12 @@ def _round_steps(summary: dict) -> list[int]:
     return [b - a for a, b in zip(steps, steps[1:])]
 
 
-def _pair(hub, tmp_path, names, extra_a, extra_b) -> dict[str, list[int]]:
+def _pair(hub, tmp_path, names, extra_a, extra_b, envs=(None, None)) -> dict[str, list[int]]:
     """Facilities ``names`` (1 process each) until both end; the local steps each took before each round."""
     both = ["federation.elastic.min_facilities=2", "optim.warmup_steps=2", "federation.elastic.grace_s=120"]
     pair = [
-        Facility(names[0], hub, tmp_path, base=both, extra=extra_a),
-        Facility(names[1], hub, tmp_path, base=both, extra=extra_b),
+        Facility(names[0], hub, tmp_path, base=both, extra=extra_a, env=envs[0]),
+        Facility(names[1], hub, tmp_path, base=both, extra=extra_b, env=envs[1]),
     ]
     try:
         results = [f.wait() for f in pair]
@@ -345,9 +346,11 @@ def _pair(hub, tmp_path, names, extra_a, extra_b) -> dict[str, list[int]]:
 @pytest.mark.slow
 def test_facilities_of_different_speeds_as_independent_jobs(hub, tmp_path):
     """Issue 21 through the hub. (1) Each facility its own federation.every with as many rounds: a takes 4 steps
-    per round for 8 steps, b 2 for 4; (2) rounds by time: d slowed 12x (load cannot make it keep pace) takes
-    fewer steps per round than c. Every committed round is the mean weighted by the tokens each member trained
-    since its last round, computed here from each facility's own step records and the batch geometry."""
+    per round for 8 steps, b 2 for 4; (2) rounds by time: d slowed 12x takes fewer steps per round than c, on
+    the paces' test clock (each step 1 s for c, 12 s for d; the wall clock's rounds were a race on a loaded
+    machine, which once gave both facilities rounds of [1, 1, 8]). Every committed round is the mean weighted by
+    the tokens each member trained since its last round, computed here from each facility's own step records and
+    the batch geometry."""
 
     def check(names, steps: dict[str, list[int]]) -> None:
         first, other = names
@@ -368,14 +371,17 @@ def test_facilities_of_different_speeds_as_independent_jobs(hub, tmp_path):
     check(("a", "b"), steps)
 
     # (2) rounds by time: federation.every_s, d's steps twelve times as slow; the job ends after the first
-    # round in which one of them reached train.steps=10.
+    # round in which one of them reached train.steps=10. The rule, on the test clock: a round ends when another
+    # step would end past 2.5 s: c after 2 steps (2 s + 1 s > 2.5 s), d after 1 (12 s); c reaches 10 in round 5.
     timed = ["federation.every=null", "federation.every_s=2.5", "train.steps=10"]
+    clocks = ({"XFFL_TEST_PACE_STEP_S": "1.0"}, {"XFFL_TEST_PACE_STEP_S": "12.0"})
     other = Hub(tmp_path, name="timed")  # a new federation: its own round time
     try:
-        steps = _pair(other, tmp_path, ("c", "d"), timed, [*timed, "fault.slow_facility=0", "fault.slow_factor=12"])
+        steps = _pair(other, tmp_path, ("c", "d"), timed, [*timed, "fault.slow_facility=0", "fault.slow_factor=12"],
+                      envs=clocks)  # fmt: skip
     finally:
         other.stop()
-    assert all(n >= 1 for row in steps.values() for n in row), steps
+    assert steps == {"c": [2] * 5, "d": [1] * 5}, steps
     ends = {n: sum(row) for n, row in steps.items()}
     assert max(ends.values()) == 10 and ends["d"] < ends["c"], steps
     running = [max(sum(steps[n][: i + 1]) for n in steps) for i in range(len(steps["c"]))]
@@ -417,12 +423,30 @@ def test_a_stop_while_waiting_for_more_facilities_leaves_at_once(hub, tmp_path):
         os.kill(a.proc.pid, signal.SIGTERM)
         rc, out = a.wait(timeout=60)
         took = time.time() - signalled
+        # multiprocessing's resource tracker outlives the launcher by a moment: its output is in once it ends
+        wait_for(lambda: not _in_session(a.proc.pid), timeout=30, what="a's resource tracker")
+        out = Path(a.out.name).read_text()
     finally:
         a.kill()
     assert took < 15, (took, out)
     assert rc == 143, out
     assert "Traceback" not in out, out
     assert "a stop request while joining at the hub" in out, out
+    assert "leaked" not in out, out  # "There appear to be N leaked semaphore objects to clean up at shutdown"
+
+
+def _in_session(sid: int) -> list[int]:
+    """The live processes of session ``sid`` (a Facility's: the launcher, fork server, workers, resource tracker)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[3]) == sid and fields[0] != "Z":
+                out.append(int(entry))
+    return out
 
 
 def _waiting(dump: Path, name: str) -> bool:

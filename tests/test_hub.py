@@ -383,7 +383,7 @@ def _check_commit_from_saved(saved_meta: dict, saved: dict[str, torch.Tensor], f
 def test_the_hub_killed_mid_run_restarts_from_its_state(certs, tmp_path):
     hub = Hub(tmp_path, certs)
     copies = StateCopies(hub.state, tmp_path / "copies")
-    extra = [*NESTEROV, "federation.elastic.min_facilities=2", "federation.elastic.grace_s=5"]
+    extra = [*NESTEROV, "federation.elastic.min_facilities=2", "federation.elastic.grace_s=60"]  # both arrive
     # Each facility waits for its file before each of its rounds at version 2 (steps 6, 8, ...) until it exists.
     go = {n: tmp_path / f"go-{n}" for n in "ab"}
     facilities = [_start(n, hub, tmp_path, 10, extra=extra, env={"XFFL_TEST_ELASTIC_HOLD": f"2:{go[n]}"}) for n in go]

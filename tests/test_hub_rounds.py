@@ -54,7 +54,7 @@ def test_a_stale_member_with_no_round_open_heals_at_once(tmp_path):
         assert fed.round is None, "a heal opened a round the live members would have to fill"
         frames = Frames(fed.result("b", b, out["round"], lambda: True), 24, {"status": str})
         received = frames.into(torch.empty(6, dtype=torch.float32))
-        assert time.monotonic() - start < 5
+        assert time.monotonic() - start < 30  # not grace_s (60 s): a wait load cannot fake
         assert frames.header["status"] == "healed" and torch.equal(received, theta)
         # A member at the hub's version still opens the round, and a stale one then joins it to heal.
         opened = fed.arrive("a", {"session": a, "version": 0, "step": 2, "taken": 2, "tokens": 32.0})

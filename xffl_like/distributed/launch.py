@@ -234,7 +234,7 @@ class _Forwarder:
         return pids
 
     def _handle(self, signum, frame) -> None:
-        from .signals import REPEAT_S, exit_code
+        from .signals import REPEAT_S, exit_code, release_at_exit
 
         now = time.monotonic()
         if self.signum is None:
@@ -252,6 +252,7 @@ class _Forwarder:
                 self.on_abort(signum)
             except Exception:  # noqa: BLE001 - exiting at once regardless
                 pass
+        release_at_exit()  # the agent's semaphores (its queues and events): else the resource tracker warns
         sys.stderr.flush()
         os._exit(exit_code(signum))
 

@@ -39,6 +39,7 @@ __all__ = [
     "die_with_parent",
     "exit_code",
     "install_stop_handlers",
+    "release_at_exit",
     "requested",
     "signal_name",
     "sleep",
@@ -67,6 +68,20 @@ def cleanup_on_exit(path: Path, add: bool = True) -> None:
     (_cleanup.add if add else _cleanup.discard)(Path(path))
 
 
+def release_at_exit() -> None:
+    """Before an ``os._exit``: what multiprocessing's exit function releases at a normal exit (its finalizers
+    of exit priority >= 0), above all the named semaphores of the queues and events this process created.
+    ``os._exit`` skips it: they stayed in /dev/shm for the resource tracker to unlink, which warned of them
+    ("There appear to be N leaked semaphore objects"; the elastic agent's are 5 + 2 per worker)."""
+    util = sys.modules.get("multiprocessing.util")
+    if util is None:
+        return
+    try:
+        util._run_finalizers(0)
+    except Exception:  # noqa: BLE001 - exiting at once regardless
+        pass
+
+
 def _handler(signum, frame) -> None:
     now = time.monotonic()
     if _request["signum"] is None:
@@ -76,6 +91,7 @@ def _handler(signum, frame) -> None:
         return
     for path in list(_cleanup):  # exit at once: no checkpoint, no half-written one left behind
         shutil.rmtree(path, ignore_errors=True)
+    release_at_exit()
     sys.stderr.flush()
     os._exit(exit_code(signum))
 

@@ -360,3 +360,27 @@ def test_job_rounds_are_the_mean_of_the_decoded_messages(tmp_path):
         theta = _flat(after[0])
     assert spread > MIN_FACILITY_SPREAD  # the facilities sent different updates
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["rounds"] == 2
+
+
+@pytest.mark.parametrize("kind, topk", [("topk", (0.05, 2)), ("topk", (0.3, 8)), ("uint8", None), ("bf16", None)])
+def test_the_hubs_codec_encodes_window_by_window_the_bytes_of_the_whole(kind, topk):
+    """A facility leader encodes its update for the hub a window at a time (it never holds the whole message):
+    the windows' bytes are the whole message's, they decode to its values, and so does the hub's stream."""
+    import io
+
+    from xffl_like.federation.update_codec import UpdateCodec
+
+    numel = 10_007
+    codec = UpdateCodec(kind, numel, 100, topk)
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(3))
+    whole = codec.encode(x)
+    assert whole.numel() == codec.nbytes
+    if kind == "topk":
+        assert bytes(whole.numpy()) == ref_encode(x.numpy(), 100, *topk)
+    step = codec.window(1000)
+    parts = [codec.encode_window(x[s : s + step], s) for s in range(0, numel, step)]
+    assert torch.equal(torch.cat(parts), whole)
+    decoded = [codec.decode_window(m, s, min(step, numel - s)) for m, s in zip(parts, range(0, numel, step))]
+    assert torch.equal(torch.cat(decoded), codec.decode(whole))
+    stream = torch.cat([v for _, v in codec.decode_stream(io.BytesIO(whole.numpy().tobytes()).read)])
+    assert torch.equal(stream[:numel], codec.decode(whole))

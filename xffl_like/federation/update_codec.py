@@ -1,8 +1,9 @@
 """A facility's update ``θ_global - θ_f`` as it travels to the hub, compressed (``federation.compression``).
 
-One flat message per facility: ``bf16`` (two bytes a value) or ``uint8`` (min-max chunks of about
-``federation.chunk_size`` values, :mod:`xffl_like.parallel.codec`). The facility encodes it whole;
-the hub decodes it chunk by chunk as it reads it back (:meth:`UpdateCodec.decode_stream`), so it
+One flat message per facility: ``bf16`` (two bytes a value), ``uint8`` (min-max chunks of about
+``federation.chunk_size`` values, :mod:`xffl_like.parallel.codec`) or ``topk`` (the top-k of each chunk of
+``chunk_size`` values at a few bits, :mod:`.topk`). The facility encodes it window by window; the hub
+decodes it chunk by chunk as it reads it back (:meth:`UpdateCodec.decode_stream`), so it
 never holds a decoded copy beside its accumulator. Both ends size the message from the federation's
 description alone, so the hub checks every byte count before it reads one.
 """
@@ -16,47 +17,65 @@ import torch
 from torch import Tensor
 
 from ..parallel import codec
+from .topk import TopkCodec
 
 __all__ = ["CODECS", "UpdateCodec"]
 
-CODECS = ("bf16", "uint8")
+CODECS = ("bf16", "uint8", "topk")
 _ROWS = 1024  # uint8 chunks decoded at a time by the hub
 
 
 class UpdateCodec:
-    """The ``kind`` message of ``numel`` values (``chunk_size``: values per uint8 chunk, about)."""
+    """The ``kind`` message of ``numel`` values (``chunk_size``: values per uint8 chunk, about; per top-k
+    chunk, exactly); ``topk``: ``(density, bits)`` of ``federation.topk``."""
 
-    def __init__(self, kind: str, numel: int, chunk_size: int):
+    def __init__(self, kind: str, numel: int, chunk_size: int, topk: tuple[float, int] | None = None):
         if kind not in CODECS:
             raise ValueError(f"compression {kind!r}: the hub decodes {', '.join(CODECS)}")
         if not 1 <= chunk_size <= 1 << 24:
             raise ValueError(f"chunk_size {chunk_size} out of range")
-        self.kind, self.numel = kind, numel
+        self.kind, self.numel, self.chunk_size = kind, numel, chunk_size
         self.chunks = max(1, math.ceil(numel / chunk_size))
         self.length = codec.chunk_length(numel, self.chunks)  # values per chunk (the last one padded)
+        self.topk = None
+        if kind == "topk":
+            if topk is None:
+                raise ValueError("compression topk needs federation.topk's density and bits")
+            self.density, self.bits = topk
+            self.topk = TopkCodec(numel, chunk_size, *topk)
 
     @property
     def nbytes(self) -> int:
         if self.kind == "bf16":
             return 2 * self.numel
+        if self.topk is not None:
+            return self.topk.nbytes
         return codec.packed_bytes(self.numel, self.chunks)
 
     def encode(self, update: Tensor) -> Tensor:
         """The message's bytes (flat uint8)."""
         if self.kind == "bf16":
             return update.reshape(-1).to(torch.bfloat16).view(torch.uint8)
+        if self.topk is not None:
+            return self.topk.encode(update)
         return codec.compress(update.reshape(-1), self.chunks).view(-1)
 
     def window(self, about: int) -> int:
         """Values per window of :meth:`encode_window`: ``about``, rounded to whole chunks (at least one)."""
-        unit = 1 if self.kind == "bf16" else self.length
+        unit = 1 if self.kind == "bf16" else self.chunk_size if self.topk is not None else self.length
         return max(unit, about // unit * unit)
+
+    def _part(self, numel: int) -> TopkCodec:
+        """The top-k codec of a window of ``numel`` values: its chunks are the whole message's there."""
+        return TopkCodec(numel, self.chunk_size, self.density, self.bits)
 
     def encode_window(self, values: Tensor, start: int) -> Tensor:
         """The bytes of the message that encode ``values``, the values from ``start`` on (a multiple of
         :meth:`window`'s unit): the same bytes as :meth:`encode` of the whole gives there."""
         if self.kind == "bf16":
             return values.reshape(-1).to(torch.bfloat16).view(torch.uint8)
+        if self.topk is not None:
+            return self._part(values.numel()).encode(values.reshape(-1).contiguous())
         rows = math.ceil(values.numel() / self.length)
         padded = values.new_empty(rows * self.length)
         padded[: values.numel()].copy_(values.reshape(-1))
@@ -67,16 +86,23 @@ class UpdateCodec:
         """The ``numel`` values that :meth:`encode_window`'s ``message`` carries (flat fp32)."""
         if self.kind == "bf16":
             return message.view(torch.bfloat16).float()
+        if self.topk is not None:
+            return self._part(numel).decode(message)
         return codec.decompress(message.view(-1, codec.HEADER_BYTES + self.length), numel)
 
     def decode(self, message: Tensor) -> Tensor:
         """The update the message carries (flat fp32, ``numel`` values)."""
         if self.kind == "bf16":
             return message.view(torch.bfloat16).float()
+        if self.topk is not None:
+            return self.topk.decode(message)
         return codec.decompress(message.view(self.chunks, -1), self.numel)
 
     def decode_stream(self, read: Callable[[int], bytes]) -> Iterator[tuple[int, Tensor]]:
         """(first value, values) decoded in order from ``read(n)`` (the message's bytes, as a file gives them)."""
+        if self.topk is not None:
+            yield from self.topk.decode_stream(read)
+            return
         if self.kind == "bf16":
             step = 1 << 22
             for start in range(0, self.numel, step):

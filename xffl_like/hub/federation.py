@@ -128,6 +128,12 @@ def _rules(spec: dict) -> None:
         size = comp.get("chunk_size")
         if not (isinstance(size, int) and not isinstance(size, bool) and 1 <= size <= 1 << 24):
             raise HubError(f"federation.chunk_size={size!r} is invalid", "INVALID_ARGUMENT")
+    if comp["kind"] == "topk":
+        density, bits = comp.get("density"), comp.get("bits")
+        if not (isinstance(density, float) and 0.0 < density <= 1.0):
+            raise HubError(f"federation.topk.density={density!r} is invalid", "INVALID_ARGUMENT")
+        if bits not in (2, 4, 8) or isinstance(bits, bool):
+            raise HubError(f"federation.topk.bits={bits!r} is invalid", "INVALID_ARGUMENT")
     if spec.get("weights_rule") not in (None, "uniform", "tokens"):
         raise HubError(f"weights {spec.get('weights_rule')!r}: the hub weighs uniform or tokens", "INVALID_ARGUMENT")
 
@@ -198,7 +204,10 @@ class HubFederation:
     # ------------------------------------------------------------------ state
     def _codec(self, spec: dict) -> UpdateCodec | None:
         comp = spec["compression"]
-        return None if comp["kind"] == "none" else UpdateCodec(comp["kind"], numel_of(spec), comp["chunk_size"])
+        if comp["kind"] == "none":
+            return None
+        topk = (comp["density"], comp["bits"]) if comp["kind"] == "topk" else None
+        return UpdateCodec(comp["kind"], numel_of(spec), comp["chunk_size"], topk)
 
     def expected_bytes(self, kind: str) -> int:
         """The bytes an upload of ``kind`` must have: parameters (fp32), or the codec's message."""

@@ -23,6 +23,7 @@ optimizer, data position and version; θ_global and the outer state live at the 
 from __future__ import annotations
 
 import os
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -117,7 +118,10 @@ class ElasticFederation:
         if self.leader:
             self.files = _Spool(Path(spool) if spool is not None else Path.cwd() / ".hub-spool")
             if cfg.compression != "none":
-                self.codec = UpdateCodec(cfg.compression, self.numel, cfg.chunk_size)
+                topk = (cfg.topk.density, cfg.topk.bits) if cfg.compression == "topk" else None
+                self.codec = UpdateCodec(cfg.compression, self.numel, cfg.chunk_size, topk)
+        # SparseLoCo's error feedback decays what was not sent (federation.topk.decay); the others keep it all.
+        self.decay = float(cfg.topk.decay) if cfg.compression == "topk" else 1.0
 
     # ------------------------------------------------------------------ inside the facility
     @torch.no_grad()
@@ -274,8 +278,10 @@ class ElasticFederation:
         _test_hold(self.round)
         if joining:
             out = self.link.join(f.mine, f.theta, done, self.options.elastic.min_facilities)
+            if out["status"] == "created":  # this facility's parameters are θ_global
+                shutil.copyfile(f.mine, f.theta)
             if self.codec is not None and out["status"] in ("created", "joined"):  # θ_global, no residual yet
-                self.ef = _load(f.mine if out["status"] == "created" else f.theta)
+                self.ef = _load(f.theta)
         elif self.codec is not None:
             out = self._round_compressed(done, tokens)
         else:
@@ -284,7 +290,8 @@ class ElasticFederation:
             after = _load(f.mine if out["status"] == "created" else f.theta)
             self._dump({**{k: out[k] for k in ("facilities", "healed", "round", "step", "status", "rejected")},
                         "weights": out["weights"], "tokens": tokens, "before": before, "after": after,
-                        "applied": out["status"] == "accepted"})  # fmt: skip
+                        "applied": out["status"] == "accepted",
+                        "message": f.message.read_bytes() if self.codec and not joining else None})  # fmt: skip
         return out
 
     def _round_compressed(self, done: int, tokens: float) -> dict:
@@ -302,12 +309,22 @@ class ElasticFederation:
 
     def _encode(self, feedback: bool) -> None:
         """``files.message``: the encoding of ``ef - θ_f``, window by window; ``files.residual``: what it
-        lost (with error feedback). Only ``ef`` is held whole."""
-        f, step = self.files, self.codec.window(_WINDOW)
-        with open(f.mine, "rb") as mine, open(f.message, "wb") as message, open(f.residual, "wb") as residual:
+        lost (with error feedback). Only ``ef`` is held whole. With ``topk`` the carried residual
+        ``ef - θ_global`` (θ_global: ``files.theta``, the last one this facility holds) first decays:
+        the update is ``decay * (ef - θ_global) + θ_global - θ_f``."""
+        f, step, decay = self.files, self.codec.window(_WINDOW), self.decay
+        with (
+            open(f.mine, "rb") as mine,
+            open(f.theta if decay != 1.0 else os.devnull, "rb") as theta,
+            open(f.message, "wb") as message,
+            open(f.residual, "wb") as residual,
+        ):
             for start in range(0, self.numel, step):
                 n = min(step, self.numel - start)
                 update = self.ef[start : start + n] - _read_into(mine, torch.empty(n, dtype=torch.float32))
+                if decay != 1.0:  # minus (1 - decay) of the residual
+                    carried = self.ef[start : start + n] - _read_into(theta, torch.empty(n, dtype=torch.float32))
+                    update.sub_(carried, alpha=1.0 - decay)
                 encoded = self.codec.encode_window(update, start)
                 encoded.numpy().tofile(message)
                 if feedback:

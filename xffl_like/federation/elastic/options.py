@@ -92,11 +92,6 @@ def validate_elastic(job, layout) -> None:
                 f"{what} does not work with federation.elastic.hub (rounds among the facilities present): "
                 f"use rounds of averaging or an outer optimizer, with weights uniform or tokens"
             )
-    if fed.compression == "topk":
-        raise ConfigError(
-            "federation.compression=topk does not go through the hub yet (the hub decodes bf16 and uint8): use "
-            "federation.compression=uint8 with federation.error_feedback=true, or topk in one world"
-        )
 
 
 def federation_spec(job) -> dict[str, Any]:
@@ -112,7 +107,16 @@ def federation_spec(job) -> dict[str, Any]:
         "parameters": [[n, list(p.shape), str(p.dtype).replace("torch.", "")] for n, p in model.named_parameters()],
         "algorithm": fed.algorithm,
         "outer": as_plain(fed.outer),
-        "compression": {"kind": fed.compression, "chunk_size": fed.chunk_size, "error_feedback": fed.error_feedback},
+        "compression": {
+            "kind": fed.compression,
+            "chunk_size": fed.chunk_size,
+            "error_feedback": fed.error_feedback,
+            **(
+                {"density": float(fed.topk.density), "bits": int(fed.topk.bits), "decay": float(fed.topk.decay)}
+                if fed.compression == "topk"
+                else {}
+            ),
+        },  # fmt: skip
         # Facilities may take different steps per round (their own federation.every) if their rounds are as many;
         # with federation.every_s the round time and the last step are shared.
         "every_s": fed.every_s,

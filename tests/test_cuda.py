@@ -53,3 +53,26 @@ def test_gpu_check(name, tmp_path):
     if result.status == "SKIP":
         pytest.skip(result.line())
     assert result.status == "PASS", result.line()
+
+
+@needs_cuda
+def test_overlapped_streaming_exchange_is_enqueued_by_the_training_thread_on_a_side_stream():
+    """No NCCL from a second thread (issue 30 item 4): on CUDA the overlapped exchange runs on this thread,
+    on a stream of its own, and the training stream waits for it only at result()."""
+    import threading
+
+    from xffl_like.federation.streaming import _Exchange
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    seen = []
+
+    def fn():
+        seen.append((threading.current_thread(), torch.cuda.current_stream(device)))
+        return torch.ones(4, device=device) * 2
+
+    work = _Exchange(fn, True, device)
+    assert work.overlapped and work.thread is None
+    thread, stream = seen[0]
+    assert thread is threading.current_thread() and stream == work.stream
+    assert stream != torch.cuda.current_stream(device)
+    assert torch.equal(work.result().cpu(), torch.full((4,), 2.0)) and work.seconds >= 0

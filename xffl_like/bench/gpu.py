@@ -94,27 +94,53 @@ def _within(a: float, b: float, rel: float) -> bool:
     return abs(a - b) <= rel * abs(b)
 
 
+def ran_on_cuda(summary: dict) -> tuple[bool, str]:
+    """Whether the job ran on CUDA with nccl (its summary's ``device`` and ``group_backends``: a job that fell
+    back to the CPU over gloo must not pass a GPU check); ``(ok, what is wrong or "")``."""
+    device = str(summary.get("device") or "")
+    world = str((summary.get("group_backends") or {}).get("world") or "")
+    ok = device.startswith("cuda") and "nccl" in world
+    where = f"ran on {device or 'an unknown device'} (world group: {world or 'unknown'})"
+    return ok, "" if ok else f"{where}, not CUDA/nccl"
+
+
+def same_run(a: dict, b: dict) -> tuple[bool, str]:
+    """Whether two summaries hold bitwise the same losses (``final_loss``, every facility's every step)."""
+    differ = [k for k in ("final_loss", "facility_losses") if a.get(k) != b.get(k) or a.get(k) is None]
+    return not differ, "bitwise equal losses" if not differ else f"{', '.join(differ)} differ"
+
+
+def bf16_took_effect(bf16_loss: float, fp32_loss: float, rel: float = 0.02) -> tuple[bool, str]:
+    """bf16 vs fp32 on the same GPU: close (``rel``) but not identical (identical: bf16 was ignored)."""
+    close, differs = _within(bf16_loss, fp32_loss, rel), bf16_loss != fp32_loss
+    figure = (
+        f"final loss {bf16_loss:.6f} (bf16) vs {fp32_loss:.6f} (fp32, same GPU): "
+        f"{100 * (bf16_loss - fp32_loss) / fp32_loss:+.3f}% (limit {100 * rel:g}%)"
+    )
+    return close and differs, figure + ("" if differs else ", identical: bf16 was not used")
+
+
 # ---------------------------------------------------------------------- the checks
 def check_bf16(tmp: Path) -> Result:
-    gpu = job([*BASE, *ONE_GPU, "train.dtype=bfloat16"], tmp / "gpu")["final_loss"]
-    cpu = job(
-        [*BASE, "distributed.nproc_per_node=1", "distributed.federated=null", "distributed.backend=gloo"], tmp / "cpu"
-    )["final_loss"]
-    return Result(
-        "bf16",
-        "PASS" if _within(gpu, cpu, 0.02) else "FAIL",
-        f"final loss {gpu:.4f} (bf16, GPU) vs {cpu:.4f} (fp32, CPU): {100 * (gpu - cpu) / cpu:+.2f}% (limit 2%)",
-    )
+    low = job([*BASE, *ONE_GPU, "train.dtype=bfloat16"], tmp / "bf16")
+    full = job([*BASE, *ONE_GPU, "train.dtype=float32"], tmp / "fp32")
+    ok, figure = bf16_took_effect(low["final_loss"], full["final_loss"])
+    for s in (low, full):
+        cuda, why = ran_on_cuda(s)
+        ok, figure = ok and cuda, figure + (f"; {why}" if why else "")
+    return Result("bf16", "PASS" if ok else "FAIL", figure)
 
 
-def _multi(name: str, need: int, extra: list[str], check: Callable[[dict], tuple[bool, str]] | None = None):
+def _multi(name: str, need: int, extra: list[str], check: Callable[[dict, Path], tuple[bool, str]] | None = None):
     """A check of a job over ``need`` GPUs (one per rank, nccl) with ``extra`` overrides."""
 
     def run(tmp: Path) -> Result:
         if gpus() < need:
             return Result(name, "SKIP", f"needs {need} CUDA devices (nccl, one GPU per rank), {gpus()} here")
         s = job([*BASE, *extra], tmp / name)
-        ok, figure = check(s) if check else (True, "")
+        ok, figure = check(s, tmp) if check else (True, "")
+        cuda, why = ran_on_cuda(s)
+        ok, figure = ok and cuda, f"{figure}{', ' if figure and why else ''}{why}"
         divergence = s.get("max_param_divergence_after_last_round")
         if divergence is not None and s.get("rounds"):
             ok = ok and divergence <= 1e-6
@@ -142,13 +168,14 @@ def check_checkpoint(tmp: Path) -> Result:
     differ = [k for k in b if not k.startswith("rank") and (k not in a or not _equal(a[k], b[k]))]
     same = not differ and killed["facility_losses"] == ref["facility_losses"]
     restarted = killed["checkpoints"]["restarts"] == 1 and killed["checkpoints"]["resumed_from"] is not None
-    ok = same and restarted and ratio < 1.1
+    cuda, why = ran_on_cuda(ref)
+    ok = same and restarted and ratio < 1.1 and cuda
     return Result(
         "checkpoint",
         "PASS" if ok else "FAIL",
         f"peak during a save / before it {ratio:.3f} (limit 1.1) over {len(peaks)} saves; resumed after a "
         f"kill: {'bitwise equal' if same else f'{len(differ)} tensors differ (first {differ[:1]})'}"
-        f"{'' if restarted else ', not restarted from a checkpoint'}",
+        f"{'' if restarted else ', not restarted from a checkpoint'}{'; ' + why if why else ''}",
     )
 
 
@@ -181,9 +208,12 @@ def check_meta_hf(tmp: Path) -> Result:
     run = tmp / "meta_hf"
     s = job([*BASE, *ONE_GPU, "model.init=meta", "export.hf=true"], run)
     files = sorted(p.name for p in (run / "hf").glob("*")) if (run / "hf").is_dir() else []
-    ok = "config.json" in files and any(f.endswith(".safetensors") for f in files)
+    cuda, why = ran_on_cuda(s)
+    ok = "config.json" in files and any(f.endswith(".safetensors") for f in files) and cuda
     return Result(
-        "meta_hf", "PASS" if ok else "FAIL", f"final loss {s['final_loss']:.4f}; hf/: {', '.join(files) or 'missing'}"
+        "meta_hf",
+        "PASS" if ok else "FAIL",
+        f"final loss {s['final_loss']:.4f}; hf/: {', '.join(files) or 'missing'}{'; ' + why if why else ''}",
     )
 
 
@@ -254,17 +284,29 @@ def _throughput(model: str, seq: int, batch: int):
         # tokens/s (rounds, evaluations included): `mfu_llama3_2_1b` times steady-state steps only.
         per_token = flops_per_token(LlamaConfig.from_mapping(_model_conf(model)), seq)[0]
         mfu = f"MFU {per_token * tps / peak:.1%}" if peak else "MFU n/a (unknown GPU peak)"
-        return Result(name, "PASS", f"{tps:,.0f} tokens/s, {mfu} (whole job, bf16, activation checkpointing)")
+        cuda, why = ran_on_cuda(s)
+        figure = f"{tps:,.0f} tokens/s, {mfu} (whole job, bf16, activation checkpointing)"
+        return Result(name, "PASS" if cuda else "FAIL", figure + (f"; {why}" if why else ""))
 
     run.__name__ = f"check_throughput_{model}"
     return run
+
+
+STREAMS2 = [*ranks(2), "strategy=layer_by_layer", "strategy.streams=2"]
+
+
+def _same_as_one_stream(s: dict, tmp: Path) -> tuple[bool, str]:
+    """streams2's job against the same job on one stream: the streams change when bytes move, never the values."""
+    one = job([*BASE, *STREAMS2[:-1], "strategy.streams=1"], tmp / "streams1")
+    ok, figure = same_run(s, one)
+    return ok, f"vs one stream: {figure}"
 
 
 CHECKS: dict[str, Callable[[Path], Result]] = {
     "bf16": check_bf16,
     "facilities": _multi("facilities", 2, [*ranks(2), "federation.weights=[0.7,0.3]"]),
     "hsdp": _multi("hsdp", 4, ranks(4, federated=2, hsdp=1)),
-    "streams2": _multi("streams2", 2, [*ranks(2), "strategy=layer_by_layer", "strategy.streams=2"]),
+    "streams2": _multi("streams2", 2, STREAMS2, _same_as_one_stream),
     "uint8": _multi("uint8", 2, [*ranks(2), "federation.compression=uint8"]),
     "streaming": _multi(
         "streaming",

@@ -10,8 +10,11 @@ The offsets are spread evenly over the round and the last fragment syncs where a
 round would (``K = 1`` is today's schedule), so about ``1/K`` of the model crosses at a time.
 
 ``federation.overlap_steps=tau``: fragment ``k``'s exchange starts ``tau`` steps before it is
-applied, on a snapshot of the fragment taken then, and runs in a background thread (on CUDA
-on a side stream) over process groups of its own while the local steps continue. When it is
+applied, on a snapshot of the fragment taken then, and runs over process groups of its own
+(the state's ``overlap_*``) while the local steps continue. No second thread ever issues NCCL:
+on CUDA the training thread enqueues the exchange on a side stream (NCCL collectives only
+enqueue work; the training stream waits for the side stream when the result is applied), and
+with host tensors (gloo) a background thread runs it. When it is
 applied the outer step is made on ``theta_global`` of the fragment with the snapshot's
 pseudo-gradient, and the fragment becomes ``alpha * theta_local + (1 - alpha) * theta_global``
 (``merge_alpha``; with ``tau = 0`` exactly ``theta_global``). ``tau < H / K`` keeps one
@@ -68,19 +71,24 @@ def count_blocks(names: list[str]) -> int:
 
 
 class _Exchange:
-    """``fn()`` run inline, or in a daemon thread (``background``; on CUDA on a side stream that
-    first waits for the work already queued on the current stream)."""
+    """``fn()`` run inline, or overlapped (``background``): on CUDA issued now by the training thread
+    on a side stream that first waits for the work already queued on the current stream (the
+    snapshot), the current stream waiting for it at :meth:`result`; elsewhere in a daemon thread
+    (host tensors, gloo groups: no NCCL from a second thread either way)."""
 
     def __init__(self, fn: Callable[[], Any], background: bool, device: torch.device):
-        self.fn, self.device, self.value, self.error, self.seconds = fn, device, None, None, 0.0
-        self.stream = None
-        if device.type == "cuda":
+        self.fn, self.device, self.value, self.error, self._seconds = fn, device, None, None, 0.0
+        self.stream, self.thread, self._events = None, None, None
+        if background and device.type == "cuda":
             self.stream = torch.cuda.Stream(device=device)
             self.stream.wait_stream(torch.cuda.current_stream(device))  # the snapshot is written
-        self.thread = (
-            threading.Thread(target=self._run, name="xffl-fragment-exchange", daemon=True) if background else None
-        )
-        if self.thread is not None:
+            self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            with torch.cuda.device(device), torch.cuda.stream(self.stream):
+                self._events[0].record(self.stream)
+                self._run()
+                self._events[1].record(self.stream)
+        elif background:
+            self.thread = threading.Thread(target=self._run, name="xffl-fragment-exchange", daemon=True)
             self.thread.start()
         else:
             self._run()
@@ -88,21 +96,31 @@ class _Exchange:
     def _run(self) -> None:
         start = time.perf_counter()
         try:
-            if self.stream is not None:
-                with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
-                    self.value = self.fn()
-                self.stream.synchronize()
-            else:
-                self.value = self.fn()
+            self.value = self.fn()
         except BaseException as exc:  # noqa: BLE001 - re-raised by result() in the training thread
             self.error = exc
-        self.seconds = time.perf_counter() - start
+        self._seconds = time.perf_counter() - start
+
+    @property
+    def overlapped(self) -> bool:
+        """Whether it runs beside the local steps (a thread, or a side stream)."""
+        return self.thread is not None or self.stream is not None
+
+    @property
+    def seconds(self) -> float:
+        """How long the exchange ran (on CUDA overlapped: on the side stream, between its events)."""
+        if self._events is not None:
+            self._events[1].synchronize()
+            return self._events[0].elapsed_time(self._events[1]) / 1000
+        return self._seconds
 
     def result(self) -> Any:
         if self.thread is not None:
             self.thread.join()
         if self.error is not None:
             raise self.error
+        if self.stream is not None:  # the training stream reads the result after the side stream wrote it
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
         return self.value
 
 
@@ -139,7 +157,9 @@ class StreamingFederation(Federation):
         self.tokens = torch.zeros(K, n, dtype=torch.float64, device=state.device)
         self.inflight: dict | None = None
         # The overlapped exchange runs beside the training thread's collectives: it needs groups
-        # no one else uses (the state's overlap_*, built by build_state(..., overlap=True)).
+        # no one else uses (the state's overlap_*, built by build_state(..., overlap=True)). On CUDA
+        # the training thread itself enqueues it on a side stream; with host tensors (gloo groups) a
+        # background thread runs it (see _Exchange).
         multi_replica = state.num_replicas > 1
         if o.overlap_steps > 0:
             self.peers = state.group("overlap_peers") if n > 1 else None
@@ -241,7 +261,7 @@ class StreamingFederation(Federation):
     @torch.no_grad()
     def _launch(self, k: int, done: int, index: int, background: bool) -> None:
         """Start fragment ``k``'s exchange (numbered ``index``) on a snapshot taken now."""
-        if self.inflight is not None and self.inflight["work"].thread is not None:
+        if self.inflight is not None and self.inflight["work"].overlapped:
             self.inflight["work"].result()
         started = time.perf_counter()
         state, n = self.state, self.state.num_facilities

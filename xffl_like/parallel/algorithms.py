@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+from concurrent.futures import Future
 
 import torch
 import torch.distributed as dist
@@ -24,7 +25,8 @@ from torch import Tensor
 
 from . import codec
 from .buckets import AlgorithmHost, Bucket
-from .comm import CommThread, node_channel, p2p_exchange
+from .comm import CommThread, NodeComm, node_channel, p2p_exchange
+from .topology import background_group
 
 __all__ = [
     "Algorithm",
@@ -134,10 +136,16 @@ class ByteGrad(GradientAllReduce):
 
     Overlapped with the backward pass, as DDP's bucket all-reduces are: when a bucket's
     gradients are ready its node reduce starts (asynchronously), and the rest of its chain
-    runs on a communication thread (:class:`~xffl_like.parallel.comm.CommThread`) while
-    backward goes on; ``after_backward`` waits for the buckets in order and writes the
-    decoded gradients. The node broadcast has a group of its own (``node_channel``),
-    since it is issued by that thread while the training thread issues node reduces.
+    runs beside backward; ``after_backward`` waits for the buckets in order and writes the
+    decoded gradients. No second thread ever issues NCCL:
+
+    - on CUDA the chain is issued by the training thread on a side stream of its own (NCCL
+      collectives only enqueue work; the side stream first waits for the gradients, and the
+      training stream waits for the side stream in ``after_backward``): nothing blocks the host;
+    - elsewhere (host tensors) it runs on a communication thread
+      (:class:`~xffl_like.parallel.comm.CommThread`) over gloo groups of its own
+      (:func:`~xffl_like.parallel.topology.background_group`: the members' exchange and the node
+      broadcast), never the groups the training thread uses.
     """
 
     def __init__(self, hierarchical: bool = True, average: bool = True):
@@ -145,26 +153,45 @@ class ByteGrad(GradientAllReduce):
 
     def attach(self, module):
         super().attach(module)
-        self._bcast_group = node_channel(self.comm, "bytegrad-broadcast") if self.hierarchical else None
-        self._thread = CommThread("xffl-bytegrad")
+        members, group, _ = self._members()
+        self._thread, self._stream = None, None
+        if module.device.type == "cuda":  # the training thread, a side stream, the members' groups
+            self._stream = torch.cuda.Stream(device=module.device)
+            self._group = group
+            self._bcast_group = node_channel(self.comm, "bytegrad-broadcast") if self.hierarchical else None
+        else:  # a communication thread, on gloo groups no one else uses
+            self._group = background_group(members, "bytegrad-exchange")
+            self._bcast_group = background_node_channel(self.comm, "bytegrad-broadcast") if self.hierarchical else None
+            self._thread = CommThread("xffl-bytegrad")
 
     def detach(self):
         self._pending = []
-        self._thread.close()
+        if self._thread is not None:
+            self._thread.close()
 
     def _drop_groups(self):
         super()._drop_groups()
-        self._bcast_group = None
+        self._group, self._bcast_group = None, None
 
     def grad_ready(self, bucket):
         flat = bucket.grads_flat()  # a copy: the gradients stay untouched until after_backward
         if self.average:
             flat.div_(self.comm.world_size)
         reduced = self.comm.node_reduce(flat, async_op=True) if self.hierarchical else None
-        self._pending.append((bucket, self._thread.submit(self._exchange, flat, reduced)))
+        if self._thread is not None:
+            self._pending.append((bucket, self._thread.submit(self._exchange, flat, reduced)))
+            return
+        # CUDA: enqueue the chain on the side stream, after the gradients (and the node reduce) are written
+        self._stream.wait_stream(torch.cuda.current_stream(flat.device))
+        done: Future = Future()
+        with torch.cuda.stream(self._stream):
+            done.set_result(self._exchange(flat, reduced))
+        self._pending.append((bucket, done))
 
     def after_backward(self):
         pending, self._pending = self._pending, []
+        if self._stream is not None and pending:
+            torch.cuda.current_stream(self._stream.device).wait_stream(self._stream)
         for bucket, future in pending:
             work, rows, numel = future.result()
             if work is not None:
@@ -172,13 +199,13 @@ class ByteGrad(GradientAllReduce):
             bucket.set_grads(codec.decompress(rows, numel))
 
     def _exchange(self, flat: Tensor, reduced) -> tuple:
-        """One bucket's chain on the communication thread: ``(broadcast work or None, packed rows, numel)``."""
+        """One bucket's chain (the communication thread's job, or enqueued on the side stream):
+        ``(broadcast work or None, packed rows, numel)``."""
         numel = flat.numel()
-        if flat.is_cuda:  # this thread's current device starts as 0: make it the bucket's (streams, NCCL)
-            torch.cuda.set_device(flat.device)
         if reduced is not None:
             reduced.wait()
-        members, group, member = self._members()
+        members, _, member = self._members()
+        group = self._group
         n = len(members)
         rows = None
         if member and n > 1:
@@ -198,6 +225,17 @@ class ByteGrad(GradientAllReduce):
                 rows = torch.empty((n, codec.packed_bytes(numel, n) // n), dtype=torch.uint8, device=flat.device)
             work = dist.broadcast(rows, self.comm.leader, group=self._bcast_group, async_op=True)
         return work, rows, numel
+
+
+def background_node_channel(comm: NodeComm, channel: str) -> dist.ProcessGroup | None:
+    """:func:`~.comm.node_channel` on gloo (:func:`~.topology.background_group`): this process's node,
+    for a background thread's collectives (collective over the world: every process calls it, in one order)."""
+    starts = [sum(comm.sizes[:i]) for i in range(len(comm.sizes))]
+    groups = [
+        background_group(range(start, start + size), channel) if size > 1 else None
+        for start, size in zip(starts, comm.sizes)
+    ]
+    return groups[comm.node]
 
 
 def shift_one_peer(rank: int, n: int, comm_step: int) -> int:
@@ -363,7 +401,16 @@ class AsyncModelAverage(Algorithm):
     backward, local steps taken during an exchange are kept, and the mean over ranks is
     unchanged.
     ``abort()`` stops the thread (every rank must call it; all ranks stop after the same
-    exchange) and applies the last result; ``resume()`` starts it again."""
+    exchange) and applies the last result; ``resume()`` starts it again.
+
+    The thread never issues NCCL nor touches the training thread's stream: it averages host
+    copies of the weights over a gloo group of its own
+    (:func:`~xffl_like.parallel.topology.background_group`), so its stop flag's ``.item()`` and
+    its all-reduces wait on the host only. On CUDA its snapshot is copied on a side stream that
+    waits for the training stream's last write of the weights (an event), into pinned memory,
+    while holding the lock (the next ``optimizer.step()`` waits for the copy, never the GPU for
+    the thread); the training thread adds the result itself, before its next forward (or at
+    ``abort()``)."""
 
     def __init__(self, sync_interval_ms: int = 500, warmup_steps: int = 0):
         if sync_interval_ms < 0 or warmup_steps < 0:
@@ -382,6 +429,18 @@ class AsyncModelAverage(Algorithm):
         self._warmup = GradientAllReduce()
         self._warmup.attach(module)
         self.rounds = 0  # exchanges completed (for inspection)
+        self._group = background_group(range(dist.get_world_size()), "async-model-average")
+        self._cuda = module.device.type == "cuda"
+        self._stream = torch.cuda.Stream(device=module.device) if self._cuda else None
+        self._written: torch.cuda.Event | None = None  # the training stream's last write of the weights
+        self._mark_written()
+
+    def _mark_written(self) -> None:
+        """On CUDA: record where the training stream last wrote the weights (the thread's snapshot waits for it)."""
+        if self._cuda:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.module.device))
+            self._written = event
 
     def grad_ready(self, bucket):
         if self._steps < self.warmup_steps:
@@ -396,6 +455,7 @@ class AsyncModelAverage(Algorithm):
             raise RuntimeError(f"asynchronous model averaging failed: {self._error}")
         with self._lock:
             self._apply()
+            self._mark_written()
             self._busy = True
         if self._steps >= self.warmup_steps and self._thread is None and not self._stop.is_set():
             self.resume()
@@ -404,6 +464,7 @@ class AsyncModelAverage(Algorithm):
         self._lock.acquire()
 
     def after_step(self):
+        self._mark_written()
         self._busy = False
         self._lock.release()
         self._steps += 1
@@ -413,7 +474,7 @@ class AsyncModelAverage(Algorithm):
         if self._thread is not None:
             return
         self._stop.clear()
-        group = self.module.async_group()
+        group = self._group
         self._thread = threading.Thread(target=self._run, args=(group,), name="xffl-async-average", daemon=True)
         self._thread.start()
 
@@ -425,6 +486,7 @@ class AsyncModelAverage(Algorithm):
             self._thread = None
         with self._lock:
             self._apply()
+            self._mark_written()
 
     def detach(self):
         self.abort()
@@ -432,15 +494,30 @@ class AsyncModelAverage(Algorithm):
     def _drop_groups(self):
         super()._drop_groups()
         self._warmup._drop_groups()
+        self._group = None
 
     def _apply(self) -> None:  # under self._lock
         if self._delta is not None:
             for b, d in zip(self.module.buckets, self._delta):
-                b.set_weights(b.weights_flat().add_(d))
+                w = b.weights_flat()
+                b.set_weights(w.add_(d.to(w.device, non_blocking=True)))
             self._delta = None
 
-    def _run(self, group):
+    def _snapshot(self) -> list[Tensor]:  # under self._lock, on the thread: host copies of the weights
         buckets = self.module.buckets
+        if not self._cuda:
+            return [b.weights_flat() for b in buckets]
+        stream = self._stream
+        with torch.cuda.device(stream.device), torch.cuda.stream(stream):
+            stream.wait_event(self._written)
+            snaps = []
+            for b in buckets:
+                w = b.weights_flat()
+                snaps.append(torch.empty(w.shape, dtype=w.dtype, pin_memory=True).copy_(w, non_blocking=True))
+        stream.synchronize()  # the side stream only: the host waits, no stream waits for this thread
+        return snaps
+
+    def _run(self, group):
         n = dist.get_world_size(group)
         try:
             while True:
@@ -448,20 +525,20 @@ class AsyncModelAverage(Algorithm):
                 # agree with every rank on whether to go on: all ranks run the same exchanges.
                 while self._delta is not None and not self._stop.is_set():
                     time.sleep(0.001)
-                flag = torch.tensor([1.0 if self._stop.is_set() else 0.0], device=self.module.device)
+                flag = torch.tensor([1.0 if self._stop.is_set() else 0.0])  # a host tensor on a gloo group
                 dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
                 if flag.item() > 0:
                     break
                 with self._lock:
-                    snaps = [b.weights_flat() for b in buckets]
+                    snaps = self._snapshot()
                 deltas = []
                 for snap in snaps:
-                    avg = snap.clone()
+                    avg = torch.empty(snap.shape, dtype=snap.dtype, pin_memory=self._cuda).copy_(snap)
                     dist.all_reduce(avg, group=group)
                     deltas.append(avg.div_(n).sub_(snap))
                 with self._lock:
                     self._delta = deltas
-                    if not self._busy:
+                    if not self._busy and not self._cuda:  # on CUDA the training thread adds it (its stream)
                         self._apply()
                 self.rounds += 1
                 time.sleep(self.sync_interval_ms / 1000)

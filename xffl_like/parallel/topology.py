@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-__all__ = ["Edge", "Topology", "TOPOLOGIES", "register_topology", "topology_edges", "edge_group"]
+__all__ = ["Edge", "Topology", "TOPOLOGIES", "register_topology", "topology_edges", "edge_group", "background_group"]
 
 # name -> fn(n members, processes per node) -> list (per iteration) of list of Edge over positions 0..n-1
 TOPOLOGIES: dict[str, Callable[[int, int], list[list[Edge]]]] = {}
@@ -170,12 +170,13 @@ HIERARCHICAL_CHANNEL = "hierarchical-mixing"  # edge_group channel of the node /
 _GROUPS: dict[tuple, dist.ProcessGroup | None] = {}
 
 
-def edge_group(ranks: Sequence[int], channel: str = "") -> dist.ProcessGroup | None:
+def edge_group(ranks: Sequence[int], channel: str = "", backend: str | None = None) -> dist.ProcessGroup | None:
     """The process group of ``ranks``, created on first use; ``None`` on a process outside ``ranks``.
 
     ``channel`` names a separate group over the same ranks (never the world group itself):
     collectives issued from two threads must not share a group, since the order in which
-    the threads reach it may differ between ranks.
+    the threads reach it may differ between ranks. ``backend`` (e.g. ``"gloo"``): the group's
+    backend instead of the world's, for a background thread's work (:func:`background_group`).
 
     Collective over the world: EVERY process calls it for the same groups in the same
     order (members and non-members alike). Torch's group-local creation
@@ -186,13 +187,25 @@ def edge_group(ranks: Sequence[int], channel: str = "") -> dist.ProcessGroup | N
     """
     ranks = tuple(sorted(ranks))
     world = dist.group.WORLD
-    if len(ranks) == dist.get_world_size(world) and not channel:
+    if len(ranks) == dist.get_world_size(world) and not channel and backend is None:
         return world
-    key = (world, ranks, channel)  # the WORLD object itself: a re-initialized world never hits a stale group
+    key = (world, ranks, channel, backend)  # the WORLD object itself: a re-initialized world never hits a stale group
     if key not in _GROUPS:
-        group = dist.new_group(list(ranks))
+        group = dist.new_group(list(ranks), backend=backend)
         _GROUPS[key] = group if dist.get_rank() in ranks else None
     return _GROUPS[key]
+
+
+def background_group(ranks: Sequence[int], channel: str) -> dist.ProcessGroup | None:
+    """A gloo group over ``ranks`` for the collectives of a background thread (``channel`` names it).
+
+    NCCL from a second thread while the training thread issues NCCL collectives on other
+    communicators can deadlock (two communicators' kernels, enqueued in different orders on
+    different ranks, each waiting for the other on the GPU); gloo runs on the host, in its own
+    threads, and cannot. The thread hands it CPU tensors. Collective over the world, like
+    :func:`edge_group`.
+    """
+    return edge_group(ranks, channel, backend="gloo")
 
 
 class Topology:

@@ -20,6 +20,7 @@ import pytest
 import torch
 from helpers import REPO
 from helpers.hub import Facility, Hub, free_port, rounds, wait_for
+from helpers.phases import phases_cover_the_loop
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.cli]
 
@@ -174,6 +175,8 @@ def test_topk_through_the_hub(hub, tmp_path):
         for f in (a, b):
             f.kill()
     assert rc_a == 0 and rc_b == 0, out_a + out_b
+    for f in (a, b):  # an elastic facility's phases account for its whole loop (joins and rounds included)
+        phases_cover_the_loop(f.summary())
     dump = tmp_path / "dump"
     by = {n: _by_version(dump, n) for n in ("a", "b")}
     start = {n: next(r for r in v.values() if r["status"] in ("created", "joined")) for n, v in by.items()}

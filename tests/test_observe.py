@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from helpers import REPO as ROOT
+from helpers.phases import phases_cover_the_loop
 
 from xffl_like.observe.observer import AGG_FIELDS, bandwidth
 from xffl_like.observe.progress import Progress, steps_to_aggregation, steps_to_round
@@ -184,7 +185,8 @@ def test_phase_table_has_every_phase_for_every_rank(tiny_job):
         totals = [per_rank[r][phase]["total_s"] for r in ("0", "1")]
         assert phases[phase]["useful_s"] == pytest.approx(sum(totals) / 2)
         assert phases[phase]["waiting_s"] >= max(totals) - sum(totals) / 2 - 1e-12
-        assert phases[phase]["iterations"] == (2 if phase == "aggregation" else 4)  # 2 rounds, 4 steps
+        # 2 rounds, 4 steps, local evaluations at steps 2, 3, 4 and global ones after the 2 rounds, 2 checkpoints
+        assert phases[phase]["iterations"] == {"aggregation": 2, "eval": 5, "checkpoint": 2}.get(phase, 4), phase
         for r in ("0", "1"):
             assert per_rank[r][phase]["average_s"] == pytest.approx(
                 per_rank[r][phase]["total_s"] / phases[phase]["iterations"]
@@ -194,9 +196,10 @@ def test_phase_table_has_every_phase_for_every_rank(tiny_job):
     assert phases["total"]["waiting_s"] == pytest.approx(sum(phases[p]["waiting_s"] for p in PHASES))
     out = proc.stdout.splitlines()
     head = next(i for i, line in enumerate(out) if line.startswith("phase "))
-    assert [line.split()[0] for line in out[head + 1 : head + 7]] == [*PHASES, "total"]
+    rows = out[head + 1 : head + 2 + len(PHASES)]
+    assert [line.split()[0] for line in rows] == [*PHASES, "total"]
     assert out[head].split()[-4:] == ["useful", "s", "waiting", "s"]
-    useful_col = [float(line.split()[-2]) for line in out[head + 1 : head + 7]]
+    useful_col = [float(line.split()[-2]) for line in rows]
     assert useful_col == pytest.approx([phases[p]["useful_s"] for p in (*PHASES, "total")], abs=1e-3)
     row = next(i for i, line in enumerate(out) if line.startswith("rank "))
     assert out[row].split() == ["rank", *PHASES, "total", "seconds"]
@@ -204,6 +207,7 @@ def test_phase_table_has_every_phase_for_every_rank(tiny_job):
     assert all(len(line.split()) == len(PHASES) + 3 for line in out[row + 1 : row + 3])
     for r, line in zip(("0", "1"), out[row + 1 : row + 3]):
         assert float(line.split()[-1]) == pytest.approx(sum(v["total_s"] for v in per_rank[r].values()), abs=1e-3)
+    phases_cover_the_loop(json.loads((run_dir / "summary.json").read_text()))
 
 
 @pytest.mark.cli
@@ -360,7 +364,7 @@ def test_phase_table_format_many_ranks():
     assert stats["backward"]["max_rank"] == 7 and stats["total"]["max_rank"] == 7
     table = format_phase_table({"per_rank_seconds_per_step": per_rank, **stats})
     assert "the 16 slowest of 40 ranks" in table
-    rows = [line.split()[0] for line in table.splitlines()[1:7]]
+    rows = [line.split()[0] for line in table.splitlines()[1 : 2 + len(PHASES)]]
     assert rows == [*PHASES, "total"]
 
 

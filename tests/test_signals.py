@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from helpers import REPO, TINY
+from helpers.phases import phases_cover_the_loop
 
 pytestmark = [pytest.mark.cli]
 
@@ -327,6 +328,7 @@ def test_nothing_crosses_facilities_between_rounds(tmp_path):
     proc = _start(args, tmp_path / "run", env=env)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err
+    phases_cover_the_loop(json.loads((tmp_path / "run" / "summary.json").read_text()))  # the waits are in "wait"
     workers = [f.read_text().splitlines() for f in counts.glob("*.log")]
     workers = [lines for lines in workers if any(line.startswith("step ") for line in lines)]
     assert len(workers) == 2, workers

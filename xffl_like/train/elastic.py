@@ -75,7 +75,8 @@ class ElasticSync(SyncBase):
         return cls(parts, federation, timer, rewarm=rewarm, strategy=described, guard=guard)
 
     def start(self, done: int, index: int) -> StepEnd:
-        step = self.federation.join(done)
+        with self.timer("aggregation"):  # the join: the federation's waits and θ_global's download
+            step = self.federation.join(done)
         self.clock.start(step)
         if step > 0:  # the schedule follows the federation's step (also drops a restored rewarm factor)
             schedule_at(self.parts.scheduler, step)

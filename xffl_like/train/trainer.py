@@ -221,9 +221,10 @@ class Trainer:
         loss = accumulate_gradients(self.sync.module, micro_batch, self.tcfg, self.state.device, self.timer)
         with self.timer("optimizer"):
             self.step_lr = self.sync.optimizer_step(tokens)
-        self.fault.after_step(done, self.model)
+            self.fault.after_step(done, self.model)  # fault.slow_*: the step's own time, X times over
         self.step_loss = loss / self.state.facility_size
-        dist.all_reduce(self.step_loss, group=self.state.group("facility"))
+        with self.timer("wait"):  # the facility's slowest rank
+            dist.all_reduce(self.step_loss, group=self.state.group("facility"))
 
     def maybe_round(self, done: int) -> bool:
         """After ``done`` steps: at a boundary evaluate the local model first; then whatever the sync does
@@ -257,21 +258,26 @@ class Trainer:
         return not self.maybe_stop(done, met=bool(end.rounds))
 
     def _facility_eval(self) -> list[float]:
-        return facility_eval(self.model, self.eval_batches, self.state, self.tcfg.loss_chunk)
+        with self.timer("eval"):
+            return facility_eval(self.model, self.eval_batches, self.state, self.tcfg.loss_chunk)
 
     def maybe_checkpoint(self, done: int) -> None:
         """After a boundary's rounds (nothing is in flight there: a step's exchanges start after it)."""
         if self.checkpointer is not None and self.clock.due(done):
-            self.checkpointer.after_round(
-                self.clock.job_step(done), self.rounds, self.losses, final=self.last, records={"evals": self.evals}
-            )
+            with self.timer("checkpoint"):
+                self.checkpointer.after_round(
+                    self.clock.job_step(done), self.rounds, self.losses, final=self.last, records={"evals": self.evals}
+                )
 
     def maybe_stop(self, done: int, met: bool) -> bool:
         """SIGINT/SIGTERM on any rank: every rank stops at the same step. Where nothing crosses facilities
         between rounds (``quiet_between_rounds``) the request is agreed at rounds only (``met``: one ended
         here), so no message crosses a facility's link on every step; else on every step. Whether training
         stops after this step."""
-        signum = agree_stop() if not self.sync.capabilities.quiet_between_rounds or met else None
+        signum = None
+        if not self.sync.capabilities.quiet_between_rounds or met:
+            with self.timer("wait", join=True):  # the rest of this step's wait
+                signum = agree_stop()
         if signum:
             self.signum = signum
             if self.stop_at is None:

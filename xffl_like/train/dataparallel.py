@@ -127,7 +127,8 @@ class DataParallelSync(SyncBase):
         """The consensus distance at every log step and the last (collective there)."""
         if done % self.log_every and done != self.steps:
             return {}
-        distance = self.consensus_distance()
+        with self.timer("eval"):  # a measurement of the copies, as an evaluation is
+            distance = self.consensus_distance()
         self.consensus.append({"step": done, "distance": distance})
         return {"consensus": distance}
 
@@ -141,7 +142,8 @@ class DataParallelSync(SyncBase):
                 self.hooks.save(len(self.switches) - 1, "after")
         if done == self.steps:
             self.hooks.save(len(self.switches), "before")  # the copies as trained, before the final mean
-            self.average()
+            with self.timer("aggregation"):
+                self.average()
 
     def optimizer_step(self, tokens: int) -> float:
         """After the step's backward passes: Bagua's optimizer step (Decent-DP stepped inside backward);

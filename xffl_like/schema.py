@@ -467,6 +467,7 @@ class ParallelConfig(Section):
     the other modes keep these defaults (checked by ``xffl_like.parallel.options.validate_parallel``)."""
 
     name: str = "fsdp"  # fsdp | decentralized | bagua
+    cpu_offload: bool = False  # fsdp, CUDA: FSDP2 CPUOffloadPolicy (params, grads, optimizer state on the host)
     topology: str = "ring"  # decentralized
     optimizer: str = "optim"  # decentralized: optim | adam | adamw | accum_adam | accum_adamw
     accum_iter: int = 4  # decentralized, accum_adam(w)

@@ -48,11 +48,12 @@ DP_ALGORITHMS: dict[str, type[Algorithm]] = {
 }
 # The keys each mode reads; the others keep the schema's defaults (those of conf/parallel/fsdp.yaml).
 _USED = {
-    "fsdp": (),
+    "fsdp": ("cpu_offload",),
     "decentralized": ("topology", "optimizer", "accum_iter", "bucket_mb"),
     "bagua": ("bucket_mb", "algorithm", "options", "switch"),
 }
 _OWNER = {
+    "cpu_offload": "fsdp",
     "topology": "decentralized",
     "optimizer": "decentralized",
     "accum_iter": "decentralized",
@@ -93,6 +94,8 @@ def validate_parallel(cfg: ParallelConfig) -> None:
                 f"parallel.{key}={getattr(cfg, key)!r} applies to parallel={_OWNER[key]}, "
                 f"not parallel={name}: drop it or select that mode"
             )
+    if not isinstance(cfg.cpu_offload, bool):
+        raise ConfigError(f"parallel.cpu_offload={cfg.cpu_offload!r}: use true or false")
     if cfg.topology not in TOPOLOGIES:
         raise ConfigError(f"parallel.topology={cfg.topology!r}: use one of {', '.join(TOPOLOGIES)}")
     if cfg.optimizer not in DP_OPTIMIZERS:
@@ -136,6 +139,7 @@ def check_parallel_job(job: JobConfig, ctx: ValidationContext) -> None:
     rounds, no checkpoints); one :class:`ConfigError` line naming the key and the fix."""
     mode = job.parallel.name
     if mode == "fsdp":
+        _check_offload(job, ctx)
         return
     _check_full_copies(job, mode)
     _check_no_checkpoints(job, mode)
@@ -144,6 +148,21 @@ def check_parallel_job(job: JobConfig, ctx: ValidationContext) -> None:
         _check_decentralized(job, ctx.world_size, facilities)
     else:
         _check_bagua(job, ctx.world_size, facilities)
+
+
+def _check_offload(job: JobConfig, ctx: ValidationContext) -> None:
+    """``parallel.cpu_offload`` moves the shards from the GPU to the host: a job on CPU has nothing to move."""
+    if not job.parallel.cpu_offload:
+        return
+    from ..distributed.device import choose_backend
+
+    dist_cfg = job.distributed
+    local = ctx.local_world_size if ctx.local_world_size is not None else dist_cfg.nproc_per_node
+    if choose_backend(dist_cfg.backend, local).device_type != "cuda":
+        raise ConfigError(
+            "parallel.cpu_offload=true keeps GPU memory for activations by holding the shards on the host, "
+            "but this job runs on CPU (no CUDA device per process): drop it (parallel.cpu_offload=false)"
+        )
 
 
 def _check_full_copies(job: JobConfig, mode: str) -> None:

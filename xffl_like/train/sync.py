@@ -178,8 +178,8 @@ class ShardedParts:
     def build(cls, cfg: JobConfig, state: DistributedState, steps: int) -> ShardedParts:
         """Collective: every rank builds them at the same point."""
         dtype = compute_dtype(cfg.train.dtype, state.device)  # auto: bfloat16 on CUDA, float32 on CPU
-        model = build_sharded_model(cfg.model, state, dtype, seed=cfg.seed)
-        contiguous_shards(model, state.shard_size)  # aggregation buckets become views: no copies
+        model = build_sharded_model(cfg.model, state, dtype, seed=cfg.seed, offload=cfg.parallel.cpu_offload)
+        contiguous_shards(model, state.shard_size)  # buckets become views (model.init=meta: already laid out so)
         if compiles(cfg.train.compile, state.device):  # auto: on CUDA
             compile_blocks(model)
         optimizer = build_optimizer(model, cfg.optim)

@@ -195,7 +195,7 @@ def test_partition_limit_from_sinfo(tmp_path, monkeypatch):
     # A named partition: sinfo --partition=big lists that partition only.
     monkeypatch.setenv("PATH", _fake_bin(tmp_path, sinfo='echo "big|infinite|64"'))
     assert partition_node_limit("big") == (64, "partition big has 64 nodes (sinfo)")
-    monkeypatch.setenv("PATH", _fake_bin(tmp_path, sinfo="exit 1"))
+    monkeypatch.setenv("PATH", _fake_bin(tmp_path, sinfo="exit 1", sbatch="exit 0"))  # a cluster: sbatch is there
     assert partition_node_limit("gpu") is None  # sinfo cannot tell: no check
     points = [(0, ["distributed.federated=[8,4]"], {"nodes": 3, "partition": None, "max_nodes": 2})]
     with pytest.raises(

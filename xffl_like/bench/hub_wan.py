@@ -717,16 +717,11 @@ def check_hub(bench: dict) -> str | None:
 def run_hub_mode(plain: dict, bench: dict, run_dir: Path) -> dict | None:
     """``bench.mode=hub`` from :mod:`.wan` (which checked ``bench.hub`` with :func:`check_hub`): run the
     scenarios, write ``wan.json`` and ``wan.md``; None when namespaces cannot be made here (the reason printed)."""
-    from omegaconf import OmegaConf
+    from .netns import NetnsError, cleanup_on_signals
+    from .wan import prepare_run_dir
 
-    from .netns import NetnsError, cleanup_on_signals, unavailable
-
-    why = unavailable()
-    if why:
-        print(f"bench.wan skipped: {why}", flush=True)
+    if not prepare_run_dir(plain, run_dir):
         return None
-    run_dir.mkdir(parents=True, exist_ok=True)
-    OmegaConf.save(OmegaConf.create(plain), run_dir / "config.yaml")
     with cleanup_on_signals():
         try:
             report = run_hub(bench, run_dir)

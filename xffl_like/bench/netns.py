@@ -185,7 +185,62 @@ def _sysctl(namespace: str, key: str, value: str | None = None) -> str:
     return _run("ip", "netns", "exec", namespace, "cat", path).stdout.strip()
 
 
-class Network:
+class _Namespaces:
+    """What both topologies share: the namespaces made (deleted by :meth:`close`, also when building
+    fails), one holder process per facility whose ``/proc`` gives its interface's counters, and the
+    context manager. A subclass sets ``facilities`` and builds in ``_build``."""
+
+    facilities: list[Facility]
+
+    def _start(self) -> None:
+        self._made: list[str] = []
+        #: TCP settings of the facility namespaces (congestion control, slow start after idle).
+        self.tcp: dict[str, str] = {}
+        self._holders: list[subprocess.Popen] = []
+        self._closed = False
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self) -> None:
+        raise NotImplementedError
+
+    def counters(self) -> list[tuple[int, int]]:
+        """(tx_bytes, rx_bytes) of every facility's interface: bytes it sent over its link and received
+        (Ethernet frames: headers included)."""
+        out = []
+        for fac, holder in zip(self.facilities, self._holders):
+            for line in open(f"/proc/{holder.pid}/net/dev").read().splitlines():
+                name, _, values = line.partition(":")
+                if name.strip() == fac.interface:
+                    fields = values.split()
+                    out.append((int(fields[8]), int(fields[0])))
+                    break
+            else:
+                raise NetnsError(f"interface {fac.interface} is gone from namespace {fac.namespace}")
+        return out
+
+    def close(self) -> None:
+        """Kill the holders, delete the namespaces (and so their links). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for holder in self._holders:
+            holder.kill()
+            holder.wait()
+        for name in reversed(self._made):
+            _delete(name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class Network(_Namespaces):
     """``num_facilities`` namespaces joined by a bridge over links of ``link_mbit`` each way.
 
     Use as a context manager (or call :meth:`close`): every namespace and link it made is
@@ -205,16 +260,7 @@ class Network:
         self.facilities = [
             Facility(f"{self.prefix}-f{f}", f"{self._tag}f{f}", f"{SUBNET}.{f + 1}") for f in range(num_facilities)
         ]
-        self._made: list[str] = []
-        #: TCP settings of the facility namespaces (congestion control, slow start after idle).
-        self.tcp: dict[str, str] = {}
-        self._holders: list[subprocess.Popen] = []
-        self._closed = False
-        try:
-            self._build()
-        except BaseException:
-            self.close()
-            raise
+        self._start()
 
     def _build(self) -> None:
         sweep_stale()
@@ -258,7 +304,7 @@ class Network:
 
     def add_service_address(self, host: int = 254) -> Facility:
         """An address on the bridge itself (``<SUBNET>.<host>``, in the switch namespace): a service
-        node every facility reaches over its own shaped link, e.g. an elastic federation's lighthouse."""
+        node every facility reaches over its own shaped link."""
         address = f"{SUBNET}.{host}"
         _run("ip", "-n", self.switch, "addr", "add", f"{address}/24", "dev", "br0")
         _run("ip", "-n", self.switch, "link", "set", "lo", "up")
@@ -268,45 +314,12 @@ class Network:
         _run("ip", "netns", "add", name)
         self._made.append(name)
 
-    def counters(self) -> list[tuple[int, int]]:
-        """(tx_bytes, rx_bytes) of every facility's interface: bytes it sent to and received
-        from the other facilities (Ethernet frames: headers included)."""
-        out = []
-        for fac, holder in zip(self.facilities, self._holders):
-            text = open(f"/proc/{holder.pid}/net/dev").read()
-            for line in text.splitlines():
-                name, _, values = line.partition(":")
-                if name.strip() == fac.interface:
-                    fields = values.split()
-                    out.append((int(fields[8]), int(fields[0])))
-                    break
-            else:
-                raise NetnsError(f"interface {fac.interface} is gone from namespace {fac.namespace}")
-        return out
-
     def kill_processes(self) -> None:
         """SIGKILL whatever still runs in the facilities' namespaces (a stopped or timed-out
         run's workers), leaving the network up for the next run."""
         holders = {h.pid for h in self._holders}
         for fac in self.facilities:
             _kill_inside(fac.namespace, exclude=holders)
-
-    def close(self) -> None:
-        """Kill what runs in the namespaces, delete them (and so their links). Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        for holder in self._holders:
-            holder.kill()
-            holder.wait()
-        for name in reversed(self._made):
-            _delete(name)
-
-    def __enter__(self) -> Network:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 class CounterSampler:
@@ -490,7 +503,7 @@ def cleanup_on_signals() -> Iterator[None]:
 HUB_SUBNET = "10.78"
 
 
-class HubNetwork:
+class HubNetwork(_Namespaces):
     """Sites that reach only a hub: one namespace for the hub, one per facility, and one veth pair from
     each facility's namespace to the hub's, each pair its own subnet (``<HUB_SUBNET>.<i>.0/24``: the hub's
     end ``.1``, the facility's ``.2``).
@@ -535,15 +548,7 @@ class HubNetwork:
         #: The hub's end of each pair (in the hub's namespace) and its address there.
         self.hub_interfaces = [f"{tag}h{i}" for i in range(facilities)]
         self.hub_addresses = [f"{HUB_SUBNET}.{i}.1" for i in range(facilities)]
-        self.tcp: dict[str, str] = {}
-        self._made: list[str] = []
-        self._holders: list[subprocess.Popen] = []
-        self._closed = False
-        try:
-            self._build()
-        except BaseException:
-            self.close()
-            raise
+        self._start()
 
     def _build(self) -> None:
         sweep_stale()
@@ -621,21 +626,6 @@ class HubNetwork:
         """The hub's address as facility ``facility`` sees it: the hub's end of that facility's pair."""
         return self.hub_addresses[facility]
 
-    def counters(self) -> list[tuple[int, int]]:
-        """(tx_bytes, rx_bytes) of each facility's end of its pair: what it sent to the hub and received from
-        it (Ethernet frames: headers included)."""
-        out = []
-        for fac, holder in zip(self.facilities, self._holders):
-            for line in open(f"/proc/{holder.pid}/net/dev").read().splitlines():
-                name, _, values = line.partition(":")
-                if name.strip() == fac.interface:
-                    fields = values.split()
-                    out.append((int(fields[8]), int(fields[0])))
-                    break
-            else:
-                raise NetnsError(f"interface {fac.interface} is gone from namespace {fac.namespace}")
-        return out
-
     def kill_processes(self) -> None:
         """SIGKILL whatever still runs in the namespaces (the hub's included), leaving the network up."""
         holders = {h.pid for h in self._holders}
@@ -646,19 +636,8 @@ class HubNetwork:
         """Kill what runs in the namespaces, delete them (and so their pairs). Idempotent."""
         if self._closed:
             return
-        self._closed = True
-        for holder in self._holders:
-            holder.kill()
-            holder.wait()
-        for name in reversed(self._made):
-            _delete(name)
+        super().close()
         for i, fac in enumerate(self.facilities):  # a pair made but not yet moved: still in this namespace
             for name in (fac.interface, self.hub_interfaces[i]):
                 if os.path.exists(f"/sys/class/net/{name}"):
                     _run("ip", "link", "delete", name, check=False)
-
-    def __enter__(self) -> HubNetwork:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()

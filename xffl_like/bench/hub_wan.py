@@ -717,8 +717,7 @@ def check_hub(bench: dict) -> str | None:
 def run_hub_mode(plain: dict, bench: dict, run_dir: Path) -> dict | None:
     """``bench.mode=hub`` from :mod:`.wan` (which checked ``bench.hub`` with :func:`check_hub`): run the
     scenarios, write ``wan.json`` and ``wan.md``; None when namespaces cannot be made here (the reason printed)."""
-    from .netns import NetnsError, cleanup_on_signals
-    from .wan import prepare_run_dir
+    from .netns import NetnsError, cleanup_on_signals, prepare_run_dir
 
     if not prepare_run_dir(plain, run_dir):
         return None

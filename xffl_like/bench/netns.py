@@ -47,6 +47,7 @@ __all__ = [
     "CounterSampler",
     "facility_cpus",
     "unavailable",
+    "prepare_run_dir",
     "sweep_stale",
     "cleanup_on_signals",
     "launch_torchrun",
@@ -93,6 +94,20 @@ def unavailable() -> str | None:
     if missing:
         return f"needs {' and '.join(missing)} (iproute2): install iproute2"
     return None
+
+
+def prepare_run_dir(plain: dict, run_dir: Path) -> bool:
+    """Namespaces can be made here (else the reason printed, False): the run directory with the benchmark's
+    config in it."""
+    why = unavailable()
+    if why:
+        print(f"bench.wan skipped: {why}", flush=True)
+        return False
+    from omegaconf import OmegaConf
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(OmegaConf.create(plain), run_dir / "config.yaml")
+    return True
 
 
 def _run(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:

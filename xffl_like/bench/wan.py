@@ -63,8 +63,8 @@ from .netns import (
     busy_window,
     cleanup_on_signals,
     launch_torchrun,
+    prepare_run_dir,
     tx_at,
-    unavailable,
     wait_launchers,
 )
 
@@ -434,18 +434,6 @@ def link_round(round_seconds: float, samples: list[tuple[float, list[int]]], t0:
 
 
 # ----------------------------------------------------------------------------- the benchmark
-def prepare_run_dir(plain: dict, run_dir: Path) -> bool:
-    """Namespaces can be made here (else the reason printed, False): the run directory with the benchmark's
-    config in it."""
-    why = unavailable()
-    if why:
-        print(f"bench.wan skipped: {why}", flush=True)
-        return False
-    run_dir.mkdir(parents=True, exist_ok=True)
-    OmegaConf.save(OmegaConf.create(plain), run_dir / "config.yaml")
-    return True
-
-
 def run_wan(cfg: DictConfig, run_dir: Path) -> dict | None:
     """Validate, build the network, run every config, write ``wan.json``; ``None`` when
     namespaces cannot be made here (the reason is printed)."""

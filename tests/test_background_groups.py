@@ -122,11 +122,11 @@ def test_background_threads_use_gloo_groups_of_their_own():
 
 
 def test_streaming_exchange_overlaps_in_a_thread_on_host_tensors():
-    from xffl_like.federation.streaming import _Exchange
+    from xffl_like.federation.streaming import Exchange
 
     seen = []
-    work = _Exchange(lambda: seen.append(threading.current_thread()) or 7, True, torch.device("cpu"))
+    work = Exchange(lambda: seen.append(threading.current_thread()) or 7, True, torch.device("cpu"))
     assert work.overlapped and work.stream is None
     assert work.result() == 7 and seen[0] is not threading.main_thread()
-    inline = _Exchange(lambda: seen.append(threading.current_thread()) or 8, False, torch.device("cpu"))
+    inline = Exchange(lambda: seen.append(threading.current_thread()) or 8, False, torch.device("cpu"))
     assert not inline.overlapped and inline.result() == 8 and seen[1] is threading.main_thread()

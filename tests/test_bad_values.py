@@ -65,6 +65,13 @@ BAD = [
         "data.num_eval_batches=100000000: 800,000,000 held-out windows per rank",
     ),
     *([(["distributed.backend=nccl"], f"distributed.backend=nccl {_NCCL}")] if _NCCL else []),
+    # issue 29: the delayed outer step
+    (["federation.delay=2"], "federation.delay=2: use 0 (each round's outer step at its boundary) or 1"),
+    (["federation.algorithm=synchronous", "federation.delay=1"], "so federation.delay does not apply"),
+    (
+        ["federation.elastic.hub=127.0.0.1:9", "distributed.federated=null", "federation.delay=1"],
+        "federation.delay=1 does not work with federation.elastic.hub",
+    ),
     # issue 21: facilities of different speeds (llama_fed: 2 facilities, 60 steps, federation.every=10)
     (["federation.every=[4,2,2]"], "federation.every=[4, 2, 2]: 3 entries for 2 facilities"),
     (["federation.every=[4,0]"], "federation.every=[4, 0]: entry 0 is not a positive integer"),

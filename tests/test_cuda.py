@@ -61,7 +61,7 @@ def test_overlapped_streaming_exchange_is_enqueued_by_the_training_thread_on_a_s
     on a stream of its own, and the training stream waits for it only at result()."""
     import threading
 
-    from xffl_like.federation.streaming import _Exchange
+    from xffl_like.federation.streaming import Exchange
 
     device = torch.device("cuda", torch.cuda.current_device())
     seen = []
@@ -70,7 +70,7 @@ def test_overlapped_streaming_exchange_is_enqueued_by_the_training_thread_on_a_s
         seen.append((threading.current_thread(), torch.cuda.current_stream(device)))
         return torch.ones(4, device=device) * 2
 
-    work = _Exchange(fn, True, device)
+    work = Exchange(fn, True, device)
     assert work.overlapped and work.thread is None
     thread, stream = seen[0]
     assert thread is threading.current_thread() and stream == work.stream

@@ -7,7 +7,6 @@ eval_loss and facility_losses must be bitwise identical.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import pickle
@@ -20,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import REPO
+from helpers.same_run import assert_same_run, run_job, summary
 from workers import durability as workers
 
 from xffl_like.checkpoint.store import (
@@ -45,58 +45,15 @@ JOB = [
     "train.log_every=4",
     "logger=none",
 ]
-EXACT = ("final_loss", "eval_loss", "facility_losses", "rounds", "skipped_facilities")
-
-
-def run_cli(args, run_dir, timeout=400, env=None):
-    env = {**os.environ, "WANDB_MODE": "offline", **(env or {})}
-    cmd = [sys.executable, "-m", "xffl_like.run", *args, f"hydra.run.dir={run_dir}"]
-    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-
-
-def summary(run_dir: Path) -> dict:
-    return json.loads((run_dir / "summary.json").read_text())
-
-
-def final_tensors(run_dir: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the run's newest checkpoint, read on one process."""
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
-
-    ckpt = latest_checkpoint(run_dir / "checkpoints")
-    nested = _load_state_dict_from_keys(storage_reader=SafeFileSystemReader(str(ckpt)))
-
-    def flat(node, prefix=""):
-        for key, value in node.items():
-            yield from flat(value, f"{prefix}{key}.") if isinstance(value, dict) else [(f"{prefix}{key}", value)]
-
-    return dict(flat(nested))
-
-
-def assert_same_run(resumed: Path, reference: Path) -> None:
-    a, b = summary(resumed), summary(reference)
-    for key in EXACT:
-        assert a[key] == b[key], key
-    ta, tb = final_tensors(resumed), final_tensors(reference)
-    weights = [k for k in tb if k.startswith("f") and ".model." in k]
-    assert weights and sorted(ta) == sorted(tb)
-    for key in tb:
-        if not key.startswith("rank"):  # RNG states are per process: compared where they matter
-            assert torch.equal(ta[key], tb[key]), key
-    # The files cover the whole run once: no step twice after the resume.
-    lines = [json.loads(x) for x in (resumed / "metrics.jsonl").read_text().splitlines()]
-    assert sorted((x["facility"], x["step"]) for x in lines) == sorted(
-        (f, s) for f in range(len(b["facility_losses"])) for s in range(1, b["steps"] + 1)
-    )
-    assert len((resumed / "aggregation.csv").read_text().splitlines()) == b["rounds"] + 1
 
 
 @pytest.fixture(scope="module")
 def fsdp_runs(tmp_path_factory):
     """FSDP [2,2]: the uninterrupted job, and the same job with rank 1 killed at step 7."""
     base = tmp_path_factory.mktemp("fsdp")
-    ref = run_cli(JOB, base / "ref")
+    ref = run_job(JOB, base / "ref")
     assert ref.returncode == 0, ref.stderr
-    killed = run_cli([*JOB, "fault.kill_rank=1", "fault.at_step=7", "checkpoint.async=false"], base / "killed")
+    killed = run_job([*JOB, "fault.kill_rank=1", "fault.at_step=7", "checkpoint.async=false"], base / "killed")
     return base, killed
 
 
@@ -115,7 +72,7 @@ def test_fail_fast_names_dead_rank_and_resume_is_bitwise_exact(fsdp_runs, tmp_pa
     copy = tmp_path / "killed"
     shutil.copytree(base / "killed", copy)
     fresh = tmp_path / "fresh"
-    proc = run_cli([*JOB, f"resume={copy}"], fresh)
+    proc = run_job([*JOB, f"resume={copy}"], fresh)
     assert proc.returncode == 0, proc.stderr
     assert not fresh.exists()  # the directory Hydra made for the resume is dropped
     assert summary(copy)["checkpoints"]["resumed_from"] == str(copy / "checkpoints" / checkpoint_name(6))
@@ -147,11 +104,11 @@ def test_unequal_hsdp_elastic_restart_is_bitwise_exact(tmp_path):
         "seed=1",
         *STREAMING,
     ]
-    ref = run_cli(job, tmp_path / "ref")
+    ref = run_job(job, tmp_path / "ref")
     assert ref.returncode == 0, ref.stderr
     # Rank 5 is facility 1's second shard; async save (the step-6 checkpoint may still be in flight).
     run = tmp_path / "killed"
-    proc = run_cli([*job, "fault.kill_rank=5", "fault.at_step=7", "distributed.max_restarts=1"], run)
+    proc = run_job([*job, "fault.kill_rank=5", "fault.at_step=7", "distributed.max_restarts=1"], run)
     assert proc.returncode == 0, proc.stderr
     s = summary(run)
     assert s["checkpoints"]["restarts"] == 1 and s["checkpoints"]["resumed_from"] is not None, s["checkpoints"]
@@ -203,7 +160,7 @@ def test_nonfinite_skip_end_to_end(tmp_path):
         "federation.on_nonfinite=skip",
         "checkpoint.every_rounds=2",
     ]
-    proc = run_cli(args, tmp_path)
+    proc = run_job(args, tmp_path)
     assert proc.returncode == 0, proc.stderr
     s = summary(tmp_path)
     assert s["skipped_facilities"] == [[], [1], []]
@@ -300,6 +257,7 @@ BAD_RESUME = [
     (["model.dim=64"], None, "the config differs from the checkpoint's in model.dim (128 -> 64)"),
     (["distributed.federated=null"], None, "the checkpoint has 2 facilities, this job 1"),
     (["train.steps=6"], None, "leaves nothing to do"),
+    (["federation.delay=1"], None, "the config differs from the checkpoint's in federation.delay (0 -> 1)"),
 ]
 
 

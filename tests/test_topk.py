@@ -10,92 +10,18 @@ the messages its ranks recorded.
 from __future__ import annotations
 
 import json
-import math
-from fractions import Fraction
 
 import numpy as np
 import pytest
 import torch
 from helpers import TINY, run_recorded
 from helpers.round_values import MIN_FACILITY_SPREAD, load_rounds
+from helpers.topk_reference import TINIEST, keep, pack, ref_decode, ref_encode, ref_layout, unpack
 
 from xffl_like.distributed.layout import plan_layout
 from xffl_like.federation import validate_federation
 from xffl_like.federation.topk import TopkCodec, TopkMean
 from xffl_like.schema import FederationConfig, build_section
-
-TINIEST = np.float32(2.0**-149)
-
-
-# ----------------------------------------------------------------------------- the reference
-def _keep(density: float, length: int) -> int:
-    return min(length, math.ceil(Fraction(str(density)) * length))
-
-
-def _pack(values, width: int) -> bytes:
-    acc = 0
-    for j, v in enumerate(values):
-        assert 0 <= int(v) < 1 << width
-        acc |= int(v) << (j * width)
-    return acc.to_bytes(-(-len(values) * width // 8), "little")
-
-
-def _unpack(data: bytes, n: int, width: int) -> list[int]:
-    acc = int.from_bytes(data, "little")
-    return [(acc >> (j * width)) & ((1 << width) - 1) for j in range(n)]
-
-
-def ref_layout(numel: int, chunk: int, density: float, bits: int) -> list[tuple[int, int, int]]:
-    """``(start, length, row bytes)`` per chunk."""
-    ib = max(1, (chunk - 1).bit_length())
-    out = []
-    for start in range(0, numel, chunk):
-        length = min(chunk, numel - start)
-        k = _keep(density, length)
-        out.append((start, length, 4 + -(-k * ib // 8) + -(-k * bits // 8)))
-    return out
-
-
-def ref_encode(x: np.ndarray, chunk: int, density: float, bits: int) -> bytes:
-    x = np.asarray(x, dtype=np.float32)
-    q_max = 2 ** (bits - 1) - 1
-    ib = max(1, (chunk - 1).bit_length())
-    out = bytearray()
-    for start, length, _ in ref_layout(len(x), chunk, density, bits):
-        c = x[start : start + length]
-        k = _keep(density, length)
-        order = np.lexsort((np.arange(length), -np.abs(c)))  # largest magnitude first, then lowest index
-        index = np.sort(order[:k])
-        v = c[index]
-        mag = np.abs(v)
-        top = mag.max()
-        if bits == 2:
-            scale = max(np.sort(mag)[(k - 1) // 2], top / np.float32(2))
-        else:
-            scale = top / np.float32(q_max)
-        scale = np.float32(TINIEST if scale == 0 and top > 0 else scale)
-        q = np.clip(np.rint(v / scale), -q_max, q_max) if scale > 0 else np.zeros(k)
-        out += np.array([scale], dtype="<f4").tobytes()
-        out += _pack(index, ib) + _pack((q + q_max).astype(np.int64), bits)
-    return bytes(out)
-
-
-def ref_decode(data: bytes, numel: int, chunk: int, density: float, bits: int) -> np.ndarray:
-    q_max = 2 ** (bits - 1) - 1
-    ib = max(1, (chunk - 1).bit_length())
-    out = np.zeros(numel, dtype=np.float32)
-    offset = 0
-    for start, length, row in ref_layout(numel, chunk, density, bits):
-        k = _keep(density, length)
-        body = data[offset : offset + row]
-        offset += row
-        scale = np.frombuffer(body[:4], dtype="<f4")[0]
-        nidx = -(-k * ib // 8)
-        index = _unpack(body[4 : 4 + nidx], k, ib)
-        codes = _unpack(body[4 + nidx :], k, bits)
-        out[start + np.array(index)] = (np.array(codes, dtype=np.float32) - np.float32(q_max)) * scale
-    assert offset == len(data)
-    return out
 
 
 def _bytes(message: torch.Tensor) -> bytes:
@@ -124,7 +50,7 @@ def test_encode_decode_match_the_reference(numel, chunk, density, bits):
     assert torch.equal(decoded, torch.from_numpy(ref_decode(want, numel, chunk, density, bits)))
     # Exact top-k per chunk: the kept positions are the k largest magnitudes (distinct here).
     for start, length, _ in ref_layout(numel, chunk, density, bits):
-        k = _keep(density, length)
+        k = keep(density, length)
         largest = set((start + torch.topk(x[start : start + length].abs(), k).indices).tolist())
         index = codec.decode_sparse(message)[0]
         assert set(index[(index >= start) & (index < start + length)].tolist()) == largest
@@ -228,17 +154,17 @@ def _corrupt(codec, message, chunk, what):
     layout = ref_layout(codec.numel, codec.chunk_size, codec.density, codec.bits)
     offset = sum(row for _, _, row in layout[:chunk])
     start, length, row = layout[chunk]
-    k = _keep(codec.density, length)
+    k = keep(codec.density, length)
     ib = codec.index_bits
     nidx = -(-k * ib // 8)
     if what == "scale":
         data[offset : offset + 4] = np.array([np.nan], dtype="<f4").tobytes()
     elif what == "code":
-        data[offset + 4 + nidx : offset + row] = _pack([2**codec.bits - 1] * k, codec.bits)
+        data[offset + 4 + nidx : offset + row] = pack([2**codec.bits - 1] * k, codec.bits)
     else:
-        index = _unpack(bytes(data[offset + 4 : offset + 4 + nidx]), k, ib)
+        index = unpack(bytes(data[offset + 4 : offset + 4 + nidx]), k, ib)
         index[-1] = length if what == "range" else index[0]
-        data[offset + 4 : offset + 4 + nidx] = _pack(index, ib)
+        data[offset + 4 : offset + 4 + nidx] = pack(index, ib)
     return torch.frombuffer(data, dtype=torch.uint8)
 
 

@@ -27,5 +27,7 @@ class WorkerPlan:
 def worker_plan(job: JobConfig, layout: Layout) -> WorkerPlan:
     """The plan of a validated ``job`` on ``layout`` (pure)."""
     phases = tuple(plan_phases(job.federation, job.train.steps))
-    overlap = job.parallel.name == "fsdp" and any(phase.config.overlap_steps > 0 for phase in phases)
+    overlap = job.parallel.name == "fsdp" and any(
+        phase.config.overlap_steps > 0 or phase.config.delay > 0 for phase in phases
+    )
     return WorkerPlan(layout, phases, overlap)

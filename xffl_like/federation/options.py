@@ -177,6 +177,11 @@ def validate_federation(cfg: FederationConfig, layout, steps: int | None = None)
         return plan_phases(cfg, steps)
     _check_schedule(cfg.schedule, steps)
     phases = plan_phases(cfg, steps)
+    if any(phase.config.delay for phase in phases):
+        raise ConfigError(
+            "federation.delay=1 with federation.schedule: a phase switch averages the copies while a delayed step "
+            "is in flight; use delay=0 with a schedule, or drop the schedule"
+        )
     for phase in phases:
         try:
             if phase.config.paced or not is_int(phase.config.every) or phase.config.every < 1:
@@ -211,6 +216,7 @@ def _check_one(cfg: FederationConfig, layout) -> None:
     validate_outer(cfg.outer)
     _check_compression(cfg)
     _check_streaming(cfg)
+    _check_delay(cfg)
     _check_combinations(cfg)
     if cfg.algorithm == "federated" and cfg.topology != "complete":
         check_gossip_layout(layout, cfg.topology)
@@ -309,6 +315,7 @@ def _check_combinations(cfg: FederationConfig) -> None:
                 ("outer", not cfg.outer.is_plain_mean),
                 ("fragments", fragments > 1),
                 ("overlap_steps", overlap > 0),
+                ("delay", cfg.delay != 0),
             )
             if bad
         ]
@@ -322,6 +329,28 @@ def _check_combinations(cfg: FederationConfig) -> None:
             f"federation.topology={topology} with federation.fragments={fragments} / overlap_steps="
             f"{overlap}: streaming gossip is not supported; use topology=complete or fragments=1 "
             f"overlap_steps=0"
+        )
+
+
+def _check_delay(cfg: FederationConfig) -> None:
+    """``delay``: 0 or 1, and what a delayed outer step (federation/delayed.py) excludes besides ``synchronous``."""
+    delay = cfg.delay
+    if not is_int(delay) or delay not in (0, 1):
+        raise ConfigError(
+            f"federation.delay={delay!r}: use 0 (each round's outer step at its boundary) or 1 (one round late, its "
+            f"exchange overlapping the next round's local steps)"
+        )
+    if delay == 0 or cfg.algorithm != "federated":
+        return
+    if cfg.topology != "complete":
+        raise ConfigError(
+            f"federation.delay=1 with federation.topology={cfg.topology}: a delayed step is an outer step on the "
+            f"mean; use topology=complete or delay=0"
+        )
+    if cfg.streaming:
+        raise ConfigError(
+            f"federation.delay=1 with federation.fragments={cfg.fragments} / overlap_steps={cfg.overlap_steps}: "
+            f"streaming rounds overlap fragments their own way; use fragments=1 overlap_steps=0, or delay=0"
         )
 
 

@@ -29,6 +29,7 @@ import torch
 from ..aggregation import aggregate
 from ..schema import FederationConfig
 from .clock import round_clock
+from .delayed import DelayedFederation
 from .options import plan_phases
 from .protocol import FederationPhase, NoHooks, RoundClock, RoundHooks
 from .round import Federation
@@ -50,10 +51,11 @@ def build_federation(
 ) -> Federation:
     """The federation of ``cfg`` (validated) over steps ``begin < step <= end`` of a job of ``steps``
     (default ``end``): a :class:`~.streaming.StreamingFederation` for ``fragments > 1`` or
-    ``overlap_steps > 0``, else a :class:`~.round.Federation`, with its :func:`~.clock.round_clock`.
+    ``overlap_steps > 0``, a :class:`~.delayed.DelayedFederation` for ``delay=1``, else a
+    :class:`~.round.Federation`, with its :func:`~.clock.round_clock`.
     Collective, like their constructors."""
     clock = round_clock(cfg, state, end if steps is None else steps, begin=begin, end=end, last=last)
-    kind = StreamingFederation if cfg.streaming else Federation
+    kind = StreamingFederation if cfg.streaming else DelayedFederation if cfg.delay else Federation
     return kind(cfg, model, strategy, state, begin=begin, end=end, last=last, clock=clock, hooks=hooks)
 
 

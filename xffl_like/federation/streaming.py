@@ -46,7 +46,7 @@ from .compress import CompressedMean
 from .options import round_weights
 from .round import Federation
 
-__all__ = ["StreamingFederation", "fragment_of", "sync_offsets", "synced_at"]
+__all__ = ["Exchange", "StreamingFederation", "fragment_of", "sync_offsets", "synced_at"]
 
 _BLOCK = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
@@ -70,7 +70,7 @@ def count_blocks(names: list[str]) -> int:
     return len({m.group(1) for m in map(_BLOCK.search, names) if m})
 
 
-class _Exchange:
+class Exchange:
     """``fn()`` run inline, or overlapped (``background``): on CUDA issued now by the training thread
     on a side stream that first waits for the work already queued on the current stream (the
     snapshot), the current stream waiting for it at :meth:`result`; elsewhere in a daemon thread
@@ -159,7 +159,7 @@ class StreamingFederation(Federation):
         # The overlapped exchange runs beside the training thread's collectives: it needs groups
         # no one else uses (the state's overlap_*, built by build_state(..., overlap=True)). On CUDA
         # the training thread itself enqueues it on a side stream; with host tensors (gloo groups) a
-        # background thread runs it (see _Exchange).
+        # background thread runs it (see Exchange).
         multi_replica = state.num_replicas > 1
         if o.overlap_steps > 0:
             self.peers = state.group("overlap_peers") if n > 1 else None
@@ -277,7 +277,7 @@ class StreamingFederation(Federation):
             "step": done,
             "skipped": skipped,
             "compressed": compressed,
-            "work": _Exchange(exchange, background, state.device),
+            "work": Exchange(exchange, background, state.device),
             "blocked": time.perf_counter() - started,
         }
 

@@ -129,6 +129,7 @@ def _round_record(r: dict) -> dict:
         "started_step": r.get("started_step", r["step"]),
         "steps_taken": r.get("steps_taken"),
         "waited_s": r.get("waited_s"),
+        **({"landed": r["landed"]} if "landed" in r else {}),  # federation.delay=1: the rounds whose step landed
     }
 
 

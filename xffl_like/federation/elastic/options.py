@@ -82,6 +82,7 @@ def validate_elastic(job, layout) -> None:
         "federation.algorithm=synchronous": fed.algorithm != "federated",
         f"federation.topology={fed.topology}": fed.topology != "complete",
         "federation.fragments / overlap_steps": fed.streaming,
+        "federation.delay=1": fed.delay != 0,
         "federation.schedule": fed.schedule is not None,
         "a list in federation.weights": isinstance(fed.weights, (list, tuple)),
         f"parallel={job.parallel.name}": job.parallel.name != "fsdp",

@@ -1,0 +1,224 @@
+"""Issue 29, item 2: the delayed, overlapped outer step (``federation.delay=1``, ``federation/delayed.py``).
+
+Every boundary of two jobs is recomputed here by hand from the values the ranks recorded, with the rule as
+docs/running.md states it (``Δ_r = s_r - x_r``; round ``r - 1``'s mean lands at ``b_r``; the local model
+becomes ``θ_g - Δ_r``; at the end everything lands): top-k with error feedback and Nesterov over FSDP shards
+(the messages against the reference encoder of ``helpers.topk_reference``), and no compression with fixed
+weights over a facility of two replicas. The top-k job killed mid-round, while a delayed exchange is in
+flight, and restarted by the elastic launcher ends bitwise equal to the uninterrupted one. Then the refusals.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+
+import pytest
+import torch
+from helpers import run_recorded
+from helpers.round_values import MIN_FACILITY_SPREAD, load_rounds
+from helpers.same_run import assert_same_run, run_job, summary
+from helpers.topk_reference import ref_decode, ref_encode
+
+from xffl_like.checkpoint.store import checkpoint_name
+from xffl_like.distributed.layout import plan_layout
+from xffl_like.federation import validate_federation
+from xffl_like.schema import FederationConfig, build_section
+
+JOB = [
+    "+experiment=llama_fed",
+    "train.steps=6",
+    "federation.every=2",
+    "train.seq_len=32",
+    "train.batch_size=2",
+    "train.log_every=4",
+    "optim.warmup_steps=1",
+    "train.eval_every=0",
+    "logger=none",
+    "federation.delay=1",
+]
+CHUNK, DENSITY, BITS, DECAY, LR, MOMENTUM = 1000, 0.05, 4, 0.9, 0.7, 0.9
+TOPK = [
+    "federation.compression=topk",
+    "federation.error_feedback=true",
+    f"federation.chunk_size={CHUNK}",
+    f"federation.topk.density={DENSITY}",
+    f"federation.topk.bits={BITS}",
+    f"federation.topk.decay={DECAY}",
+    "federation.outer.name=nesterov",
+    f"federation.outer.lr={LR}",
+    f"federation.outer.momentum={MOMENTUM}",
+]
+BOUNDARIES = 3  # after steps 2, 4 and 6 (the last)
+
+
+def _flat(record: dict) -> torch.Tensor:
+    return torch.cat([t.reshape(-1) for t in record["params"].values()])
+
+
+def _by_place(records: list[dict]) -> dict[tuple[int, int, int], dict]:
+    return {(r["facility"], r["replica"], r["shard"]): r for r in records}
+
+
+def _nesterov(theta: torch.Tensor, buf: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch.optim.SGD(nesterov=True)'s step on ``theta`` with gradient ``d``, in float64."""
+    buf = MOMENTUM * buf + d
+    return theta - LR * (d + MOMENTUM * buf), buf
+
+
+@pytest.fixture(scope="module")
+def topk_runs(tmp_path_factory):
+    """The top-k job uninterrupted (its rounds recorded), and killed at step 5 and restarted: the step-4
+    checkpoint holds round 2's step, whose exchange was running in the background when rank 1 died."""
+    base = tmp_path_factory.mktemp("delay")
+    _, ref = run_recorded([*JOB, *TOPK], base)
+    killed = run_job(
+        [*JOB, *TOPK, "fault.kill_rank=1", "fault.at_step=5", "distributed.max_restarts=1", "checkpoint.async=false"],
+        base / "killed",
+    )
+    return base, ref, killed
+
+
+@pytest.mark.cli
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_topk_nesterov_rounds_by_hand(topk_runs):
+    """2 facilities x FSDP over 2 ranks. Per shard, from the recorded values: Δ_r = s_r - x_r (s_1 the start,
+    then the last boundary's parameters); the message sent after b_r is the reference encoding of
+    decay * e + Δ_r, and e + decoded is that accumulator exactly; at b_r the parameters are
+    θ_g - Δ_r, θ_g having taken Nesterov steps with the means of the decoded messages of rounds 1 .. r-1;
+    at the end both rounds land and every copy is θ_g."""
+    base, s, _ = topk_runs
+    assert s["federation"]["delay"] == 1 and s["rounds"] == BOUNDARIES
+    assert [r["landed"] for r in s["round_records"]] == [[], [2], [4, 6]]
+    rec = load_rounds(base / "rounds")
+    init = _by_place(rec[(0, "init")])
+    spread = 0.0
+    for shard in (0, 1):
+        places = [(0, 0, shard), (1, 0, shard)]
+        theta = _flat(init[places[0]]).double()
+        assert torch.equal(_flat(init[places[0]]), _flat(init[places[1]]))
+        buf = torch.zeros_like(theta)
+        start = {f: _flat(init[p]) for f, p in enumerate(places)}
+        residual = {f: torch.zeros_like(start[f]) for f in (0, 1)}
+        in_flight = None  # the decoded mean of the round whose step has not landed
+        for b in range(BOUNDARIES):
+            before, after = _by_place(rec[(b, "before")]), _by_place(rec[(b, "after")])
+            last = b == BOUNDARIES - 1
+            delta = {f: start[f] - _flat(before[p]) for f, p in enumerate(places)}
+            if in_flight is not None:
+                theta, buf = _nesterov(theta, buf, in_flight)
+            decoded = {}
+            for f, p in enumerate(places):
+                acc = residual[f] * DECAY + delta[f]
+                sent = ref_encode(acc.numpy(), CHUNK, DENSITY, BITS)
+                decoded[f] = torch.from_numpy(ref_decode(sent, acc.numel(), CHUNK, DENSITY, BITS))
+                if not last:  # recorded where its exchange starts, after the boundary's checkpoint
+                    started = _by_place(rec[(b, "start")])[p]
+                    assert started["message"].numpy().tobytes() == sent, f"boundary {b}, facility {f}"
+                    assert torch.equal(started["residual"] + decoded[f], acc)
+                residual[f] = acc - decoded[f]
+            spread = max(spread, float((decoded[0] - decoded[1]).abs().max()))
+            in_flight = (decoded[0].double() + decoded[1].double()) / 2
+            if last:
+                theta, buf = _nesterov(theta, buf, in_flight)
+            for f, p in enumerate(places):
+                want = theta if last else theta - delta[f].double()
+                err = float((_flat(after[p]).double() - want).abs().max())
+                assert err <= 1e-6, f"boundary {b}, facility {f}, shard {shard}: {err:.3g} from the rule"
+                start[f] = _flat(after[p])
+        assert torch.equal(start[0], start[1])  # the end: one model
+    assert spread > MIN_FACILITY_SPREAD  # the facilities sent different updates
+    assert s["cross_facility_bytes_per_round"][0] == 0 and all(b > 0 for b in s["cross_facility_bytes_per_round"][1:])
+
+
+@pytest.mark.cli
+@pytest.mark.slow
+def test_killed_while_an_exchange_is_in_flight_restarts_bitwise_exact(topk_runs):
+    base, _, killed = topk_runs
+    assert killed.returncode == 0, killed.stderr
+    s = summary(base / "killed")
+    assert s["checkpoints"]["restarts"] == 1 and s["checkpoints"]["resumed_from"].endswith(checkpoint_name(4)), s
+    assert_same_run(base / "killed", base / "run")
+
+
+@pytest.mark.cli
+@pytest.mark.slow
+def test_resume_with_another_delay_is_refused(topk_runs, tmp_path):
+    from hydra import compose, initialize_config_dir
+
+    from xffl_like import CONF_DIR
+    from xffl_like.job import JobFailed, run_local
+
+    base, _, _ = topk_runs
+    run = tmp_path / "run"
+    shutil.copytree(base / "run", run)
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        args = [a for a in [*JOB, *TOPK] if not a.startswith("federation.delay")]
+        cfg = compose(config_name="config", overrides=[*args, "federation.delay=0", "train.steps=8", f"resume={run}"])
+    with pytest.raises(
+        JobFailed, match=re.escape("the config differs from the checkpoint's in federation.delay (1 -> 0)")
+    ):
+        run_local(cfg, tmp_path / "fresh", worker=lambda *a: pytest.fail("a worker started"))
+
+
+@pytest.mark.cli
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_plain_mean_with_replicas_by_hand(tmp_path):
+    """Facility 0 of 2 replicas and facility 1 of one rank, no compression, weights [3, 1], outer average at
+    lr 0.8: Δ_r = s_r - x_r, the landed mean is (3 Δ_0 + Δ_1) / 4, θ_g -= 0.8 x that, the parameters θ_g - Δ_r,
+    and the replicas of facility 0 hold the same values throughout."""
+    _, s = run_recorded(
+        [
+            *JOB,
+            "distributed.nproc_per_node=3",
+            "distributed.federated=[2,1]",
+            "distributed.hsdp=1",
+            "federation.weights=[3,1]",
+            "federation.outer.name=average",
+            "federation.outer.lr=0.8",
+        ],
+        tmp_path,
+    )
+    assert s["rounds"] == BOUNDARIES
+    rec = load_rounds(tmp_path / "rounds")
+    places = [(0, 0, 0), (1, 0, 0)]
+    init = _by_place(rec[(0, "init")])
+    theta = _flat(init[places[0]]).double()
+    start = {f: _flat(init[p]) for f, p in enumerate(places)}
+    in_flight = None
+    for b in range(BOUNDARIES):
+        before, after = _by_place(rec[(b, "before")]), _by_place(rec[(b, "after")])
+        assert torch.equal(_flat(after[(0, 0, 0)]), _flat(after[(0, 1, 0)]))  # the replicas agree
+        last = b == BOUNDARIES - 1
+        delta = {f: start[f] - _flat(before[p]) for f, p in enumerate(places)}
+        if in_flight is not None:
+            theta = theta - 0.8 * in_flight
+        in_flight = (3 * delta[0].double() + delta[1].double()) / 4
+        if last:
+            theta = theta - 0.8 * in_flight
+        for f, p in enumerate(places):
+            want = theta if last else theta - delta[f].double()
+            err = float((_flat(after[p]).double() - want).abs().max())
+            assert err <= 1e-6, f"boundary {b}, facility {f}: {err:.3g} from the rule"
+            start[f] = _flat(after[p])
+    assert float((delta[0] - delta[1]).abs().max()) > MIN_FACILITY_SPREAD
+
+
+@pytest.mark.parametrize(
+    "override, needle",
+    [
+        (dict(delay=2), "federation.delay=2: use 0"),
+        (dict(delay=True), "federation.delay=True: use 0"),
+        (dict(delay=1, algorithm="synchronous"), "so federation.delay does not apply"),
+        (dict(delay=1, topology="ring"), "federation.delay=1 with federation.topology=ring"),
+        (dict(delay=1, every=4, fragments=2), "federation.delay=1 with federation.fragments=2"),
+        (dict(delay=1, schedule=[{"until_step": None, "every": 4}]), "federation.delay=1 with federation.schedule"),
+        (dict(schedule=[{"until_step": None, "delay": 1}]), "federation.delay=1 with federation.schedule"),
+    ],
+)
+def test_bad_delay_options(override, needle):
+    with pytest.raises(ValueError) as err:
+        validate_federation(build_section(FederationConfig, override), plan_layout(4, 2, None), steps=8)
+    assert needle in str(err.value) and "\n" not in str(err.value)

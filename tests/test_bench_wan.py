@@ -292,3 +292,51 @@ def test_wan_rejects_bad_input_before_building_anything(tmp_path):
     lines = stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: config synchronous:") and "no_such_preset" in lines[0]
     assert not (tmp_path / "wan.json").exists() and f"xfw{proc.pid}-" not in _namespaces()
+
+
+def test_target_figures_by_hand():
+    """Steps, bytes and overhead to the target: the first evaluation at or below it; overhead is the time to it
+    over the slowest facility's seconds per step outside the link (its slowest rank) times those steps."""
+    from xffl_like.bench.targets import compute_per_step, goal_verdicts, link_ratio, target_figures
+
+    phases = {
+        "0": {"forward": 0.2, "backward": 0.3, "aggregation": 5.0, "wait": 1.0},
+        "1": {"forward": 0.25, "backward": 0.3, "aggregation": 0.0, "wait": 0.0},
+        "2": {"forward": 0.5, "backward": 0.4, "eval": 0.1, "aggregation": 9.0},
+    }
+    summary = {"phases": {"per_rank_seconds_per_step": phases}, "layout": {"facility_sizes": [2, 1]}}
+    assert compute_per_step(summary) == pytest.approx([0.55, 1.0])
+    results = {
+        "sync": {
+            "eval_curve": [
+                {"step": 16, "seconds": 20.0, "loss": 3.0, "cross_bytes": 4_000_000},
+                {"step": 32, "seconds": 40.0, "loss": 2.0, "cross_bytes": 8_000_000},
+            ],
+            "compute_seconds_per_step": [1.0, 1.0],
+        },
+        "topk": {
+            "eval_curve": [
+                {"step": 16, "seconds": 17.0, "loss": 2.5, "cross_bytes": 3_000},
+                {"step": 32, "seconds": 34.0, "loss": 1.9, "cross_bytes": 6_000},
+                {"step": 48, "seconds": 51.0, "loss": 1.8, "cross_bytes": 9_000},
+            ],
+            "compute_seconds_per_step": compute_per_step(summary),
+        },
+        "never": {"eval_curve": [{"step": 64, "seconds": 9.0, "loss": 2.1, "cross_bytes": 1}]},
+    }
+    target_figures(results, "sync", 2.0)
+    t = results["topk"]
+    assert (t["steps_to_target"], t["steps_to_target_ratio"], t["bytes_to_target"]) == (32, 1.0, 6_000)
+    assert t["bytes_to_target_fraction"] == pytest.approx(6_000 / 8_000_000)
+    assert t["overhead"] == pytest.approx(34.0 / (1.0 * 32))
+    assert results["sync"]["overhead"] == pytest.approx(40.0 / 32) and results["never"]["steps_to_target"] is None
+    goals = goal_verdicts(results, ["topk", "never", "missing"])
+    assert goals["topk"]["bytes_to_target_fraction"]["met"] is True
+    assert goals["topk"]["overhead"]["met"] is False and goals["topk"]["steps_to_target_ratio"]["met"] is True
+    assert goals["never"]["overhead"]["met"] is None and goals["missing"]["overhead"]["value"] is None
+    assert link_ratio({"link": {"cross_bytes": 6_000}, "link_topk": {"cross_bytes": 90}}) == {
+        "ratio": 0.015,
+        "goal": 1 / 60,
+        "met": True,
+    }
+    assert link_ratio({"link": {"cross_bytes": 6_000}})["met"] is None

@@ -67,6 +67,7 @@ from .netns import (
     tx_at,
     wait_launchers,
 )
+from .targets import compute_per_step, goal_verdicts, link_ratio, target_figures
 
 __all__ = [
     "WanFailed",
@@ -233,6 +234,12 @@ def _check(plain: dict) -> dict:
             raise WanFailed(f"{where}={overrides!r}: must be a list of override strings")
     if bench["mode"] == "speeds":
         _check_speeds(bench["speeds"], bench["reference"])
+    goals = bench.get("goal_configs") or []
+    if not isinstance(goals, list) or any(name not in (bench.get("configs") or {}) for name in goals):
+        raise WanFailed(f"bench.goal_configs={goals!r}: a list of names of bench.configs {list(bench.get('configs'))}")
+    topk = bench.get("link_topk")
+    if topk is not None and (not isinstance(topk, list) or not all(isinstance(o, str) for o in topk)):
+        raise WanFailed(f"bench.link_topk={topk!r}: a list of override strings, or null")
     return bench
 
 
@@ -286,7 +293,10 @@ def _runs(bench: dict) -> dict[str, list[str]]:
         "distributed.hsdp=null",
     ]
     if bench["mode"] == "link":
-        return {"link": [*bench["common"], *bench["link_overrides"], *fixed, "train.steps=1", "federation.every=1"]}
+        one_round = [*bench["common"], *bench["link_overrides"], *fixed, "train.steps=1", "federation.every=1"]
+        one_round.append("optim.warmup_steps=1")  # one step: no warm-up to reach the lr in
+        topk = bench.get("link_topk")
+        return {"link": one_round, **({"link_topk": [*one_round, *topk]} if topk else {})}
     runs = {}
     if bench["mode"] == "speeds":
         speeds = bench["speeds"]
@@ -350,7 +360,8 @@ def _validate_run(name: str, overrides: list[str], world: int, bench: dict) -> N
         raise WanFailed(f"config {name}: {exc}") from None
     except Exception as exc:  # noqa: BLE001 - Hydra's compose errors: one line
         raise WanFailed(f"config {name}: {str(exc).splitlines()[0]}") from None
-    if name != "link" and plain["train"]["eval_every"] and plain["train"]["steps"] % plain["train"]["eval_every"]:
+    every = plain["train"]["eval_every"]
+    if bench["mode"] != "link" and every and plain["train"]["steps"] % every:
         raise WanFailed(
             f"config {name}: train.steps={plain['train']['steps']} is not a multiple of "
             f"bench.eval_every={bench['eval_every']}"
@@ -387,8 +398,12 @@ def _measure(name: str, run_dir: Path, started: float, ended: float, sampler: Co
         "cross_bytes_computed": sum(summary["cross_facility_bytes_per_round"]),
         # Mean over facilities of (bytes sent / what the uplink could carry while training ran).
         "link_utilization": sum(sent) / len(sent) / (rate * (train_end - t0)),
-        # Seconds since the start of training (the same start-up precedes every config).
-        "eval_curve": [{"step": s, "seconds": t - t0, "loss": loss} for s, t, loss in curve],
+        # Seconds since the start of training (the same start-up precedes every config), bytes across since then.
+        "eval_curve": [
+            {"step": s, "seconds": t - t0, "loss": loss, "cross_bytes": int(sum(sampler.tx_between(t0, t)))}
+            for s, t, loss in curve
+        ],
+        "compute_seconds_per_step": compute_per_step(summary),
         "eval_loss_end": summary["eval_loss"],
         "run_dir": str(run_dir),
     }
@@ -536,6 +551,7 @@ def _report(bench: dict, results: dict, failures: dict) -> dict:
         "failures": failures,
     }
     if bench["mode"] == "link":
+        report["link_ratio"] = link_ratio(results)
         return report
     ref = results.get(bench["reference"])
     report["reference"] = bench["reference"]
@@ -550,6 +566,9 @@ def _report(bench: dict, results: dict, failures: dict) -> dict:
         ttt = time_to_target(curve, report["target_eval_loss"], 0.0) if ref else None
         r["time_to_target_seconds"] = ttt
         r["time_to_target_ratio"] = ttt / ref_time if ttt is not None and ref_time else None
+    target_figures(results, bench["reference"], report["target_eval_loss"])
+    if bench["mode"] == "train":
+        report["goals"] = goal_verdicts(results, bench.get("goal_configs") or [])
     if bench["mode"] == "speeds":
         speeds = bench["speeds"]
         report["speeds"] = {k: speeds[k] for k in ("slow", "overrides", "every_s", "fixed", "paced")}
@@ -577,12 +596,13 @@ def format_table(report: dict) -> str:
             f"{100 * r['link_utilization']:.1f}% of the line rate; the link carried it in "
             f"{r['transfer_seconds']:.2f} s ({100 * (r['transfer_utilization'] or 0):.1f}% of the line rate then), "
             f"{r['round_overhead_seconds']:.2f} s of the round outside that"
+            + _format_link_ratio(report.get("link_ratio"))
         )
     if report["mode"] == "speeds":
         return format_speeds(report)
     head = (
         "| config | steps | rounds | wall s | final eval loss | time to target s | x reference | "
-        "cross MB | MB per round | link use |"
+        "cross MB | MB per round | link use | steps to target (x ref) | bytes to target x ref | overhead |"
     )
     lines = [
         f"{report['facilities']} facilities x {report['nproc_per_facility']} processes, link "
@@ -590,7 +610,7 @@ def format_table(report: dict) -> str:
         f"({report['reference']}'s final, step {report['steps']})",
         "",
         head,
-        "|" + "---|" * 10,
+        "|" + "---|" * 13,
     ]
     for name, r in report["results"].items():
 
@@ -602,11 +622,41 @@ def format_table(report: dict) -> str:
             f"{fmt(r['time_to_target_seconds'], '.1f')} | {fmt(r['time_to_target_ratio'], '.3f')} | "
             f"{r['cross_bytes'] / 1e6:.2f} | "
             f"{fmt(r.get('cross_bytes_per_round') and r['cross_bytes_per_round'] / 1e6, '.3f')} | "
-            f"{r['link_utilization']:.2f} |"
+            f"{r['link_utilization']:.2f} | {fmt(r.get('steps_to_target'), 'd')} "
+            f"({fmt(r.get('steps_to_target_ratio'), '.3f')}) | {fmt(r.get('bytes_to_target_fraction'), '.2e')} | "
+            f"{fmt(r.get('overhead'), '.3f')} |"
         )
+    lines += _format_goals(report.get("goals") or {})
     for name, why in report["failures"].items():
         lines.append(f"failed: {name}: {why}")
     return "\n".join(lines)
+
+
+_VERDICT = {True: "met", False: "not met", None: "not measured"}
+
+
+def _format_goals(goals: dict) -> list[str]:
+    """Issue 29's goals per config (bench.goal_configs): value, bound, met or not."""
+    if not goals:
+        return []
+    lines = ["", "goals (issue 29): bytes to target <= 1/1000 of the reference's, overhead <= 1.05, steps <= 1.15x"]
+    for name, figures in goals.items():
+        parts = [
+            f"{key} {'-' if v['value'] is None else format(v['value'], '.4g')} (<= {v['goal']:.4g}): "
+            f"{_VERDICT[v['met']]}"
+            for key, v in figures.items()
+        ]
+        lines.append(f"- {name}: " + "; ".join(parts))
+    return lines
+
+
+def _format_link_ratio(ratio: dict | None) -> str:
+    if not ratio or ratio["ratio"] is None:
+        return ""
+    return (
+        f"; a top-k round moved {ratio['ratio']:.4f} of the fp32 round's bytes (1/{1 / ratio['ratio']:.0f}; "
+        f"goal <= 1/{1 / ratio['goal']:.0f}): {_VERDICT[ratio['met']]}"
+    )
 
 
 def format_speeds(report: dict) -> str:

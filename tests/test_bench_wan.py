@@ -328,7 +328,7 @@ def test_target_figures_by_hand():
     t = results["topk"]
     assert (t["steps_to_target"], t["steps_to_target_ratio"], t["bytes_to_target"]) == (32, 1.0, 6_000)
     assert t["bytes_to_target_fraction"] == pytest.approx(6_000 / 8_000_000)
-    assert t["overhead"] == pytest.approx(34.0 / (1.0 * 32))
+    assert t["overhead"] == pytest.approx(34.0 / (1.0 * 32)) and t["overhead_run"] == pytest.approx(51.0 / 48)
     assert results["sync"]["overhead"] == pytest.approx(40.0 / 32) and results["never"]["steps_to_target"] is None
     goals = goal_verdicts(results, ["topk", "never", "missing"])
     assert goals["topk"]["bytes_to_target_fraction"]["met"] is True

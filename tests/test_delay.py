@@ -18,7 +18,7 @@ import torch
 from helpers import run_recorded
 from helpers.round_values import MIN_FACILITY_SPREAD, load_rounds
 from helpers.same_run import assert_same_run, run_job, summary
-from helpers.topk_reference import ref_decode, ref_encode
+from helpers.topk_reference import ref_decode, ref_encode, topk_overrides
 
 from xffl_like.checkpoint.store import checkpoint_name
 from xffl_like.distributed.layout import plan_layout
@@ -39,12 +39,7 @@ JOB = [
 ]
 CHUNK, DENSITY, BITS, DECAY, LR, MOMENTUM = 1000, 0.05, 4, 0.9, 0.7, 0.9
 TOPK = [
-    "federation.compression=topk",
-    "federation.error_feedback=true",
-    f"federation.chunk_size={CHUNK}",
-    f"federation.topk.density={DENSITY}",
-    f"federation.topk.bits={BITS}",
-    f"federation.topk.decay={DECAY}",
+    *topk_overrides(CHUNK, DENSITY, BITS, DECAY),
     "federation.outer.name=nesterov",
     f"federation.outer.lr={LR}",
     f"federation.outer.momentum={MOMENTUM}",
@@ -166,22 +161,24 @@ def test_resume_with_another_delay_is_refused(topk_runs, tmp_path):
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_plain_mean_with_replicas_by_hand(tmp_path):
-    """Facility 0 of 2 replicas and facility 1 of one rank, no compression, weights [3, 1], outer average at
-    lr 0.8: Δ_r = s_r - x_r, the landed mean is (3 Δ_0 + Δ_1) / 4, θ_g -= 0.8 x that, the parameters θ_g - Δ_r,
-    and the replicas of facility 0 hold the same values throughout."""
+    """Facility 0 of 2 replicas taking 2 steps per round and facility 1 of one rank taking 1 (their own
+    paces), no compression, weights [3, 1], outer average at lr 0.8: Δ_r = s_r - x_r, the landed mean is
+    (3 Δ_0 + Δ_1) / 4, θ_g -= 0.8 x that, the parameters θ_g - Δ_r, and the replicas of facility 0 hold the
+    same values throughout."""
     _, s = run_recorded(
         [
             *JOB,
             "distributed.nproc_per_node=3",
             "distributed.federated=[2,1]",
             "distributed.hsdp=1",
+            "federation.every=[2,1]",
             "federation.weights=[3,1]",
             "federation.outer.name=average",
             "federation.outer.lr=0.8",
         ],
         tmp_path,
     )
-    assert s["rounds"] == BOUNDARIES
+    assert s["rounds"] == BOUNDARIES and [r["steps_taken"] for r in s["round_records"]] == [[2, 1]] * BOUNDARIES
     rec = load_rounds(tmp_path / "rounds")
     places = [(0, 0, 0), (1, 0, 0)]
     init = _by_place(rec[(0, "init")])

@@ -16,7 +16,7 @@ import pytest
 import torch
 from helpers import TINY, run_recorded
 from helpers.round_values import MIN_FACILITY_SPREAD, load_rounds
-from helpers.topk_reference import TINIEST, keep, pack, ref_decode, ref_encode, ref_layout, unpack
+from helpers.topk_reference import TINIEST, keep, pack, ref_decode, ref_encode, ref_layout, topk_overrides, unpack
 
 from xffl_like.distributed.layout import plan_layout
 from xffl_like.federation import validate_federation
@@ -243,12 +243,7 @@ def test_job_rounds_are_the_mean_of_the_decoded_messages(tmp_path):
             "train.steps=4",
             "optim.warmup_steps=1",
             "train.eval_every=0",
-            "federation.compression=topk",
-            "federation.error_feedback=true",
-            f"federation.chunk_size={CHUNK}",
-            f"federation.topk.density={DENSITY}",
-            f"federation.topk.bits={BITS}",
-            f"federation.topk.decay={DECAY}",
+            *topk_overrides(CHUNK, DENSITY, BITS, DECAY),
         ],
         tmp_path,
     )

@@ -79,3 +79,15 @@ def ref_decode(data: bytes, numel: int, chunk: int, density: float, bits: int) -
         out[start + np.array(index)] = (np.array(codes, dtype=np.float32) - np.float32(q_max)) * scale
     assert offset == len(data)
     return out
+
+
+def topk_overrides(chunk: int, density: float, bits: int, decay: float) -> list[str]:
+    """A job's overrides for ``compression=topk`` with these settings (error feedback on, as topk needs)."""
+    return [
+        "federation.compression=topk",
+        "federation.error_feedback=true",
+        f"federation.chunk_size={chunk}",
+        f"federation.topk.density={density}",
+        f"federation.topk.bits={bits}",
+        f"federation.topk.decay={decay}",
+    ]

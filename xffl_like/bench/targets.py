@@ -8,7 +8,8 @@ Per config, at the first evaluation whose loss reaches the target (the reference
 - ``overhead``: the time to the target over the compute time of the slowest facility over the same steps,
   ``steps_to_target x`` its seconds per step outside the link, read from its phase table (every phase but
   ``aggregation`` and ``wait``: data, forward, backward, optimizer, eval, checkpoint; the facility's slowest
-  rank). 1.0: the link is fully hidden behind compute.
+  rank). 1.0: the link is fully hidden behind compute. ``overhead_run``: the same over the whole run (to its
+  last evaluation), measured whether or not the config reaches the target.
 
 The goals of issue 29 (:data:`GOALS`) apply to ``bench.goal_configs``: :func:`goal_verdicts` says met or not
 per config and figure.
@@ -61,6 +62,9 @@ def target_figures(results: dict, reference: str, target: float | None) -> None:
                 figures["steps_to_target_ratio"] = point["step"] / ref_point["step"]
                 if point.get("cross_bytes") is not None and ref_point.get("cross_bytes"):
                     figures["bytes_to_target_fraction"] = point["cross_bytes"] / ref_point["cross_bytes"]
+        last = r["eval_curve"][-1] if r["eval_curve"] else None
+        compute_run = max(r.get("compute_seconds_per_step") or [0.0]) * (last["step"] if last else 0)
+        figures["overhead_run"] = last["seconds"] / compute_run if compute_run > 0 else None
         r.update(figures)
 
 

@@ -602,7 +602,8 @@ def format_table(report: dict) -> str:
         return format_speeds(report)
     head = (
         "| config | steps | rounds | wall s | final eval loss | time to target s | x reference | "
-        "cross MB | MB per round | link use | steps to target (x ref) | bytes to target x ref | overhead |"
+        "cross MB | MB per round | link use | steps to target (x ref) | bytes to target x ref | overhead | "
+        "overhead, whole run |"
     )
     lines = [
         f"{report['facilities']} facilities x {report['nproc_per_facility']} processes, link "
@@ -610,7 +611,7 @@ def format_table(report: dict) -> str:
         f"({report['reference']}'s final, step {report['steps']})",
         "",
         head,
-        "|" + "---|" * 13,
+        "|" + "---|" * 14,
     ]
     for name, r in report["results"].items():
 
@@ -624,7 +625,7 @@ def format_table(report: dict) -> str:
             f"{fmt(r.get('cross_bytes_per_round') and r['cross_bytes_per_round'] / 1e6, '.3f')} | "
             f"{r['link_utilization']:.2f} | {fmt(r.get('steps_to_target'), 'd')} "
             f"({fmt(r.get('steps_to_target_ratio'), '.3f')}) | {fmt(r.get('bytes_to_target_fraction'), '.2e')} | "
-            f"{fmt(r.get('overhead'), '.3f')} |"
+            f"{fmt(r.get('overhead'), '.3f')} | {fmt(r.get('overhead_run'), '.3f')} |"
         )
     lines += _format_goals(report.get("goals") or {})
     for name, why in report["failures"].items():
@@ -677,7 +678,7 @@ def format_speeds(report: dict) -> str:
         "",
         "| config | steps per facility | rounds | steps per round | every_s | wall s | train s | eval loss at end | "
         "time to target s | x reference | x fixed | waiting share per facility | of which at the last round |",
-        "|" + "---|" * 13,
+        "|" + "---|" * 14,
     ]
     for name, r in report["results"].items():
         end = r["eval_curve"][-1]["loss"] if r["eval_curve"] else None

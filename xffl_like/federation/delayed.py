@@ -42,7 +42,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .round import Federation
-from .streaming import Exchange
+from .streaming import Exchange, compressed_exchange, sum_exchange
 
 __all__ = ["DelayedFederation"]
 
@@ -160,47 +160,13 @@ class DelayedFederation(Federation):
         scales = self.scales.tolist()
         if self.compressor is not None:
             message = self.compressor.prepare(self.own.clone())  # every replica: the same bytes and residual
-            fn = self._compressed(message, scales)
+            fn = compressed_exchange(self.compressor, message, self.numel, scales, state, self.peers, self.replicas)
         else:
             message = None
-            fn = self._plain(self.own.mul(scales[state.facility]))
+            fn = sum_exchange(self.own.mul(scales[state.facility]), state, self.peers, self.replicas)
         self.pending = False
         work = Exchange(fn, background, state.device)
         self.inflight = {"step": self.pending_step, "message": message, "work": work}
-
-    def _compressed(self, message: Tensor, scales: list[float]):
-        state, comp, numel = self.state, self.compressor, self.numel
-        peers, replicas, me = self.peers, self.replicas, state.facility
-        source = state.layout.facility_offsets[state.facility] + state.shard
-
-        def exchange() -> tuple[Tensor, int]:
-            if peers is None:
-                return comp.reduce(message, None, 0, scales)
-            if state.replica == 0:  # one copy per facility crosses the boundary
-                mean, sent = comp.reduce(message, peers, me, scales)
-            else:
-                mean, sent = torch.empty(numel, dtype=torch.float32, device=message.device), 0
-            if replicas is not None:
-                dist.broadcast(mean, src=source, group=replicas)
-            return mean, sent
-
-        return exchange
-
-    def _plain(self, scaled: Tensor):
-        state, n = self.state, self.state.num_facilities
-        peers, replicas = self.peers, self.replicas
-        source = state.layout.facility_offsets[state.facility] + state.shard
-
-        def exchange() -> tuple[Tensor, int]:
-            sent = 0
-            if peers is not None and state.replica == 0:
-                dist.all_reduce(scaled, group=peers)
-                sent = 2 * (n - 1) * scaled.nbytes // n  # a ring all-reduce's sends
-            if replicas is not None:
-                dist.broadcast(scaled, src=source, group=replicas)
-            return scaled, sent
-
-        return exchange
 
     def _recorded(self) -> dict:
         """The tests' record of an exchange that starts: this rank's message and residual after encoding."""

@@ -46,7 +46,15 @@ from .compress import CompressedMean
 from .options import round_weights
 from .round import Federation
 
-__all__ = ["Exchange", "StreamingFederation", "fragment_of", "sync_offsets", "synced_at"]
+__all__ = [
+    "Exchange",
+    "StreamingFederation",
+    "compressed_exchange",
+    "fragment_of",
+    "sum_exchange",
+    "sync_offsets",
+    "synced_at",
+]
 
 _BLOCK = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
@@ -122,6 +130,44 @@ class Exchange:
         if self.stream is not None:  # the training stream reads the result after the side stream wrote it
             torch.cuda.current_stream(self.device).wait_stream(self.stream)
         return self.value
+
+
+def compressed_exchange(comp, message: Tensor, numel: int, scales: list[float], state, peers, replicas):
+    """An exchange (for :class:`Exchange`) of a compressed ``message`` of ``numel`` values: the first replica of
+    each facility reduces it among ``peers`` (one per facility, weighted by ``scales``) and broadcasts the mean to
+    its ``replicas``; returns ``(mean, bytes this rank sent)``."""
+    source = state.layout.facility_offsets[state.facility] + state.shard
+
+    def exchange() -> tuple[Tensor, int]:
+        if state.num_facilities == 1:
+            return comp.reduce(message, None, 0, scales)
+        if state.replica == 0:  # one copy per facility crosses the boundary
+            mean, sent = comp.reduce(message, peers, state.facility, scales)
+        else:
+            mean, sent = torch.empty(numel, dtype=torch.float32, device=message.device), 0
+        if replicas is not None:
+            dist.broadcast(mean, src=source, group=replicas)
+        return mean, sent
+
+    return exchange
+
+
+def sum_exchange(scaled: Tensor, state, peers, replicas):
+    """An exchange (for :class:`Exchange`) that sums ``scaled`` (already weighted) over ``peers`` in place, from
+    the first replica of each facility, and broadcasts it to its ``replicas``; returns ``(sum, bytes sent)``."""
+    source = state.layout.facility_offsets[state.facility] + state.shard
+    n = state.num_facilities
+
+    def exchange() -> tuple[Tensor, int]:
+        sent = 0
+        if n > 1 and state.replica == 0:
+            dist.all_reduce(scaled, group=peers)
+            sent = 2 * (n - 1) * scaled.nbytes // n  # a ring all-reduce's sends
+        if replicas is not None:
+            dist.broadcast(scaled, src=source, group=replicas)
+        return scaled, sent
+
+    return exchange
 
 
 class StreamingFederation(Federation):
@@ -284,45 +330,16 @@ class StreamingFederation(Federation):
     def _compressed_exchange(self, k: int, scales: list[float]) -> Callable[[], tuple[Tensor, int]]:
         """Fragment ``k``'s exchange: the compressed mean update ``theta_global - theta_f`` (the message
         prepared now)."""
-        state, n = self.state, self.state.num_facilities
         a, b = self.bounds[k]
         comp = self.compressors[k]
-        message = comp.prepare(self._read_range(a, b).neg_().add_(self.theta[a:b].to(state.device)))
-        source = state.layout.facility_offsets[state.facility] + state.shard
-        peers, replicas, me, first = self.peers, self.replicas, state.facility, state.replica == 0
-
-        def exchange():
-            if n == 1:
-                return comp.reduce(message, None, 0, scales)
-            delta, sent = (
-                comp.reduce(message, peers, me, scales)
-                if first
-                else (torch.empty(b - a, dtype=torch.float32, device=message.device), 0)
-            )
-            if replicas is not None:
-                dist.broadcast(delta, src=source, group=replicas)
-            return delta, sent
-
-        return exchange
+        message = comp.prepare(self._read_range(a, b).neg_().add_(self.theta[a:b].to(self.state.device)))
+        return compressed_exchange(comp, message, b - a, scales, self.state, self.peers, self.replicas)
 
     def _mean_exchange(self, k: int, scales: list[float]) -> Callable[[], tuple[Tensor, int]]:
         """Fragment ``k``'s exchange: the weighted mean of the facilities' snapshots (taken now)."""
-        state, n = self.state, self.state.num_facilities
         a, b = self.bounds[k]
-        snapshot = self._read_range(a, b).mul_(scales[state.facility])
-        source = state.layout.facility_offsets[state.facility] + state.shard
-        peers, replicas, first = self.peers, self.replicas, state.replica == 0
-
-        def exchange():
-            sent = 0
-            if n > 1 and first:
-                dist.all_reduce(snapshot, group=peers)
-                sent = 2 * (n - 1) * snapshot.nbytes // n  # a ring all-reduce's sends
-            if replicas is not None:
-                dist.broadcast(snapshot, src=source, group=replicas)
-            return snapshot, sent
-
-        return exchange
+        snapshot = self._read_range(a, b).mul_(scales[self.state.facility])
+        return sum_exchange(snapshot, self.state, self.peers, self.replicas)
 
     @torch.no_grad()
     def _apply(self, done: int, blend: bool) -> dict:

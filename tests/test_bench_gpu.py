@@ -21,21 +21,26 @@ def test_streams2_must_equal_one_stream_bitwise():
 
 
 def test_bf16_check_fails_when_bf16_is_ignored():
-    assert G.bf16_took_effect(3.01, 3.0)[0]
-    ok, figure = G.bf16_took_effect(3.0, 3.0)
+    low = {"final_loss": 3.01, "forward_param_dtype": "bfloat16"}
+    full = {"final_loss": 3.0, "forward_param_dtype": "float32"}
+    assert G.bf16_took_effect(low, full)[0]
+    ok, figure = G.bf16_took_effect({**low, "forward_param_dtype": "float32"}, full)
     assert not ok and "bf16 was not used" in figure
-    assert not G.bf16_took_effect(3.2, 3.0)[0]  # too far
+    assert not G.bf16_took_effect({**low, "final_loss": 3.2}, full)[0]  # too far
+    assert not G.bf16_took_effect({"final_loss": 3.01}, {"final_loss": 3.0})[0]  # an older summary: no dtype
 
 
-def test_streams2_runs_a_one_stream_job_and_compares(monkeypatch, tmp_path):
-    seen = []
+def test_checkpoint_peak_must_stay_under_the_state_plus_ten_percent():
+    state = 12 * 58_000_000
+    ok, figure = G.checkpoint_peak_within([[state, int(1.05 * state)], [state, int(1.02 * state)]], state)
+    assert ok and "1.050 x weights + optimizer state" in figure
+    assert not G.checkpoint_peak_within([[state, int(1.05 * state)], [state, 2 * state]], state)[0]  # a device copy
+    assert not G.checkpoint_peak_within([], state)[0]
 
-    def fake_job(args, run_dir, timeout=900):
-        seen.append(args)
-        return {"final_loss": 2.0 if "strategy.streams=1" in args else 2.5, "facility_losses": [[2.0]]}
 
-    monkeypatch.setattr(G, "job", fake_job)
-    ok, figure = G._same_as_one_stream({"final_loss": 2.0, "facility_losses": [[2.0]]}, tmp_path)
-    assert ok and figure == "vs one stream: bitwise equal losses"
-    assert "strategy.streams=1" in seen[0] and "strategy.streams=2" not in seen[0]
-    assert not G._same_as_one_stream({"final_loss": 2.5, "facility_losses": [[2.0]]}, tmp_path)[0]
+def test_one_gpu_runs_at_least_eight_checks():
+    """On one GPU at least 8 checks run (issue 30 item 5); the others say how many GPUs they need."""
+    one = [name for name in G.CHECKS if G.gpus_needed(name) <= 1]
+    assert len(one) >= 8, one
+    assert {"bf16", "checkpoint", "hub", "hub_topk"} <= set(one)
+    assert G.gpus_needed("hsdp") == 4 and G.gpus_needed("facilities") == 2

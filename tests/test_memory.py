@@ -190,3 +190,12 @@ def test_cpu_offload_on_a_gpu(tmp_path):
             torch.testing.assert_close(a, b)
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_forward_param_dtype_is_the_compute_dtype(gloo_world, dtype):
+    """What bench.gpu's bf16 check reads (summary.json's ``forward_param_dtype``): the first block's parameters
+    as the forward computes with them, while the stored shards stay float32."""
+    model = build_sharded_model(ModelConfig(**SMALL, init="full"), gloo_world, dtype=dtype, seed=0)
+    assert parallelize.forward_param_dtype(model) == dtype
+    assert all(p.dtype == torch.float32 for p in model.parameters())

@@ -25,13 +25,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from .hub_jobs import insecure_hub, start_job, wait_job
 
 __all__ = ["main"]
 
@@ -49,12 +49,6 @@ _RUN = [
 ]  # fmt: skip (the same rounds and checkpoints with and without the hub)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _status(pid: int, key: str) -> float:
     """``VmRSS``/``VmHWM`` of ``pid`` in MiB."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -64,41 +58,23 @@ def _status(pid: int, key: str) -> float:
 
 
 def _job(args: list[str], run_dir: Path, env: dict) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "xffl_like.run", *_RUN, *args, f"hydra.run.dir={run_dir}"]
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-
-
-def _summary(proc: subprocess.Popen, run_dir: Path, timeout: float) -> dict:
-    _, err = proc.communicate(timeout=timeout)
-    if proc.returncode != 0:
-        raise RuntimeError(f"a facility failed ({proc.returncode}): {err[-800:]}")
-    return json.loads((run_dir / "summary.json").read_text())
+    return start_job([*_RUN, *args], run_dir, env)
 
 
 def measure(model: str, compression: str, work: Path, timeout: float = 900.0) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
     common = [*model.split(), "distributed.federated=null"]  # "NAME key=value ..."
     common[0] = f"model={common[0]}"
-    alone = _summary(_job(common, work / "alone", env), work / "alone", timeout)
-    port = _free_port()
-    hub = subprocess.Popen(
-        [sys.executable, "-m", "xffl_like.hub", "serve", "--insecure", "--port", str(port), "--state",
-         str(work / "state")], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
-    try:
-        line = hub.stdout.readline()
-        while line and "serving on" not in line:
-            line = hub.stdout.readline()
+    alone = wait_job(_job(common, work / "alone", env), work / "alone", timeout)
+    with insecure_hub(work / "state", env) as (hub, port):
         idle = _status(hub.pid, "VmRSS")
         fed = [*common, f"federation.elastic.hub=127.0.0.1:{port}",
                "federation.outer.name=nesterov", "federation.outer.lr=0.7", "federation.outer.momentum=0.9",
                f"federation.compression={compression}",
                *(["federation.error_feedback=true"] if compression != "none" else [])]  # fmt: skip
         procs = {n: _job([*fed, f"federation.elastic.facility={n}"], work / n, env) for n in ("a", "b")}
-        summaries = {n: _summary(p, work / n, timeout) for n, p in procs.items()}
+        summaries = {n: wait_job(p, work / n, timeout) for n, p in procs.items()}
         hub_peak = _status(hub.pid, "VmHWM")
-    finally:
-        hub.send_signal(signal.SIGTERM)
-        hub.wait(timeout=30)
     from ..hub.store import load_latest
 
     numel = load_latest(work / "state").theta.numel()  # the federation's parameters, as the hub saved them

@@ -43,6 +43,21 @@ def shard_model(model: nn.Module, state: DistributedState, dtype: str = "float32
     return model
 
 
+@torch.no_grad()
+def forward_param_dtype(model: nn.Module) -> str:
+    """The dtype the first decoder block's parameters have inside a forward: FSDP2 all-gathers them into its
+    ``param_dtype`` there (``train.dtype`` taking effect, or not), what a check of bf16 reads. Collective over
+    the facility for a sharded model (one all-gather of that block); a plain model's own dtype."""
+    block = model.layers[0] if hasattr(model, "layers") and len(model.layers) else model
+    if not isinstance(block, FSDPModule):
+        return str(next(block.parameters()).dtype).removeprefix("torch.")
+    block.unshard()  # the parameters the forward computes with
+    try:
+        return str(next(block.parameters()).dtype).removeprefix("torch.")
+    finally:
+        block.reshard()
+
+
 def build_sharded_model(
     cfg_model: ModelConfig, state: DistributedState, dtype: str = "float32", seed: int = 0, offload: bool = False
 ) -> nn.Module:

@@ -180,13 +180,15 @@ def job_summary(
     checkpoints=None,
     extra: dict | None = None,
     facility_steps: list[int] | None = None,
+    forward_param_dtype: str | None = None,
 ) -> dict:
     """The summary (rank 0) of job ``experiment``: ``losses`` from :func:`gather_facility_losses` (NaN: a step not
     taken), ``steps`` the last step the job reached (``train.steps`` unless it ended early: a federation that
     ended, ``federation.every_s``), ``trained_steps`` the steps this process ran (fewer than ``steps`` after a
     resume), ``rounds`` the round records (none without federated rounds), ``extra`` keys of one loop only (e.g.
     ``parallel``). Facilities of different paces: ``facility_steps`` each facility's steps so far (``steps``: the
-    most), ``trained_steps`` a list of each one's steps in this job."""
+    most), ``trained_steps`` a list of each one's steps in this job. ``forward_param_dtype``: the dtype the
+    first block's parameters have inside a forward (:func:`~.parallelize.forward_param_dtype`)."""
     rounds = rounds or []
     first_loss, final_loss, tokens = _losses_and_tokens(
         state, losses, steps, trained_steps, tokens_per_step, facility_steps
@@ -197,6 +199,7 @@ def job_summary(
         "layout": _layout(state.layout),
         "device": str(state.device),  # this rank's (rank 0's): cpu, or cuda:<n> (distributed.backend's choice)
         "group_backends": state.group_backends(),  # each process group's backend, by name (GROUP_NAMES)
+        "forward_param_dtype": forward_param_dtype,  # the first block's parameters inside a forward (train.dtype)
         "strategy": strategy,
         "federation": federation,
         **(extra or {}),

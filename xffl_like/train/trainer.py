@@ -35,7 +35,7 @@ from ..observe.timing import PhaseTimer, gather_phase_table
 from ..schema import JobConfig, as_plain
 from .evaluate import eval_points, evaluate, facility_eval
 from .fault import FaultInjector
-from .parallelize import peak_rss_mb
+from .parallelize import forward_param_dtype, peak_rss_mb
 from .step import accumulate_gradients
 from .summary import gather_facility_losses, job_summary, max_param_divergence
 from .sync import FederatedSync, ShardedParts, StepEnd, Sync, sharded_steps
@@ -340,6 +340,7 @@ class Trainer:
         state, tcfg = self.state, self.tcfg
         eval_loss = evaluate(self.model, self.eval_batches, state.device, tcfg.loss_chunk)
         divergence = max_param_divergence(self.model, state)
+        forward_dtype = forward_param_dtype(self.model)  # collective over the facility (one block's all-gather)
         gather_facility_losses(self.losses, state)
         phases = gather_phase_table(self.timer, state, done - self.first_step)
         if self.cfg.export.hf:
@@ -356,7 +357,7 @@ class Trainer:
             tokens_per_step=self.tokens_per_step, train_seconds=train_seconds,
             train_started_at=self.train_started_at, started_at=self.started_at, eval_loss=eval_loss,
             evals=self.evals, divergence=divergence, phases=phases, setup_rss=self.setup_rss, rounds=self.rounds,
-            facility_steps=facility_steps, **reported,
+            facility_steps=facility_steps, forward_param_dtype=forward_dtype, **reported,
         )  # fmt: skip
         self.observer.finish(summary)
         return summary

@@ -299,8 +299,13 @@ def _sweep(sweep_dir: Path) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "xffl_like.run", "-m", "+experiment=llama_fed", "hydra/launcher=local_submitit",
            *tiny, "train.seq_len=32", "distributed.federated=null", "distributed.nproc_per_node=1",
            "train.steps=4,5000,5000", f"hydra.sweep.dir={sweep_dir}"]  # fmt: skip
+    # A terminal's Ctrl-C reaches a process that has SIGINT at its default, whatever this process inherited.
     return subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)  # fmt: skip
+                            start_new_session=True, preexec_fn=_default_sigint)  # fmt: skip
+
+
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 @needs_extra

@@ -678,7 +678,7 @@ def format_speeds(report: dict) -> str:
         "",
         "| config | steps per facility | rounds | steps per round | every_s | wall s | train s | eval loss at end | "
         "time to target s | x reference | x fixed | waiting share per facility | of which at the last round |",
-        "|" + "---|" * 14,
+        "|" + "---|" * 13,
     ]
     for name, r in report["results"].items():
         end = r["eval_curve"][-1]["loss"] if r["eval_curve"] else None

@@ -41,8 +41,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .round import Federation
-from .streaming import Exchange, compressed_exchange, sum_exchange
+from .round import Federation, compressed_exchange, sum_exchange
+from .streaming import Exchange
 
 __all__ = ["DelayedFederation"]
 

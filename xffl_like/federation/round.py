@@ -47,7 +47,7 @@ from .outer import OuterOptimizer
 from .protocol import NoHooks, RoundClock, RoundHooks
 from .topk import TopkMean
 
-__all__ = ["CompressedMix", "Federation", "GossipMix", "PlainMean"]
+__all__ = ["CompressedMix", "Federation", "GossipMix", "PlainMean", "compressed_exchange", "sum_exchange"]
 
 
 def _local(p: Tensor) -> Tensor:
@@ -58,6 +58,45 @@ def _sum_over_world(value: int, state) -> int:
     total = torch.tensor([float(value)], dtype=torch.float64, device=state.device)
     dist.all_reduce(total)
     return int(total.item())
+
+
+def compressed_exchange(comp, message: Tensor, numel: int, scales: list[float], state, peers, replicas):
+    """An exchange (run inline, or as a :class:`~.streaming.Exchange`) of a compressed ``message`` of ``numel``
+    values: the first replica of each facility reduces it among ``peers`` (one per facility, weighted by
+    ``scales``) and broadcasts the mean to its ``replicas``; returns ``(mean, bytes this rank sent)``."""
+    source = state.layout.facility_offsets[state.facility] + state.shard
+
+    def exchange() -> tuple[Tensor, int]:
+        if state.num_facilities == 1:
+            return comp.reduce(message, None, 0, scales)
+        if state.replica == 0:  # one copy per facility crosses the boundary
+            mean, sent = comp.reduce(message, peers, state.facility, scales)
+        else:
+            mean, sent = torch.empty(numel, dtype=torch.float32, device=message.device), 0
+        if replicas is not None:
+            dist.broadcast(mean, src=source, group=replicas)
+        return mean, sent
+
+    return exchange
+
+
+def sum_exchange(scaled: Tensor, state, peers, replicas):
+    """An exchange (run inline, or as a :class:`~.streaming.Exchange`) that sums ``scaled`` (already weighted)
+    over ``peers`` in place, from the first replica of each facility, and broadcasts it to its ``replicas``;
+    returns ``(sum, bytes sent)``."""
+    source = state.layout.facility_offsets[state.facility] + state.shard
+    n = state.num_facilities
+
+    def exchange() -> tuple[Tensor, int]:
+        sent = 0
+        if n > 1 and state.replica == 0:
+            dist.all_reduce(scaled, group=peers)
+            sent = 2 * (n - 1) * scaled.nbytes // n  # a ring all-reduce's sends
+        if replicas is not None:
+            dist.broadcast(scaled, src=source, group=replicas)
+        return scaled, sent
+
+    return exchange
 
 
 class PlainMean:
@@ -115,16 +154,9 @@ class CompressedMix:
         message = self.compressor.prepare(update)  # every replica: the same bytes and residual
         self.message = message
         scales = [1.0 / n] * n if weights is None else [w / sum(weights) for w in weights]
-        if n == 1:
-            delta, sent = self.compressor.reduce(message, None, 0, scales)
-            return delta, sent, _sum_over_world(sent, state)
-        if state.replica == 0:  # one copy per facility crosses the boundary (peers in facility order)
-            delta, sent = self.compressor.reduce(message, state.group("senders"), state.facility, scales)
-        else:
-            delta, sent = torch.empty(fed.numel, dtype=torch.float32, device=state.device), 0
-        if state.num_replicas > 1:  # the first replica hands the mean update to the others
-            src = state.layout.facility_offsets[state.facility] + state.shard
-            dist.broadcast(delta, src=src, group=state.group("replica"))
+        peers = state.group("senders") if n > 1 else None  # one copy per facility crosses, in facility order
+        replicas = state.group("replica") if state.num_replicas > 1 else None
+        delta, sent = compressed_exchange(self.compressor, message, fed.numel, scales, state, peers, replicas)()
         return delta, sent, _sum_over_world(sent, state)
 
 

@@ -44,14 +44,12 @@ from ..schema import FederationConfig
 from .clock import sync_offsets, synced_at
 from .compress import CompressedMean
 from .options import round_weights
-from .round import Federation
+from .round import Federation, compressed_exchange, sum_exchange
 
 __all__ = [
     "Exchange",
     "StreamingFederation",
-    "compressed_exchange",
     "fragment_of",
-    "sum_exchange",
     "sync_offsets",
     "synced_at",
 ]
@@ -130,44 +128,6 @@ class Exchange:
         if self.stream is not None:  # the training stream reads the result after the side stream wrote it
             torch.cuda.current_stream(self.device).wait_stream(self.stream)
         return self.value
-
-
-def compressed_exchange(comp, message: Tensor, numel: int, scales: list[float], state, peers, replicas):
-    """An exchange (for :class:`Exchange`) of a compressed ``message`` of ``numel`` values: the first replica of
-    each facility reduces it among ``peers`` (one per facility, weighted by ``scales``) and broadcasts the mean to
-    its ``replicas``; returns ``(mean, bytes this rank sent)``."""
-    source = state.layout.facility_offsets[state.facility] + state.shard
-
-    def exchange() -> tuple[Tensor, int]:
-        if state.num_facilities == 1:
-            return comp.reduce(message, None, 0, scales)
-        if state.replica == 0:  # one copy per facility crosses the boundary
-            mean, sent = comp.reduce(message, peers, state.facility, scales)
-        else:
-            mean, sent = torch.empty(numel, dtype=torch.float32, device=message.device), 0
-        if replicas is not None:
-            dist.broadcast(mean, src=source, group=replicas)
-        return mean, sent
-
-    return exchange
-
-
-def sum_exchange(scaled: Tensor, state, peers, replicas):
-    """An exchange (for :class:`Exchange`) that sums ``scaled`` (already weighted) over ``peers`` in place, from
-    the first replica of each facility, and broadcasts it to its ``replicas``; returns ``(sum, bytes sent)``."""
-    source = state.layout.facility_offsets[state.facility] + state.shard
-    n = state.num_facilities
-
-    def exchange() -> tuple[Tensor, int]:
-        sent = 0
-        if n > 1 and state.replica == 0:
-            dist.all_reduce(scaled, group=peers)
-            sent = 2 * (n - 1) * scaled.nbytes // n  # a ring all-reduce's sends
-        if replicas is not None:
-            dist.broadcast(scaled, src=source, group=replicas)
-        return scaled, sent
-
-    return exchange
 
 
 class StreamingFederation(Federation):

@@ -16,9 +16,9 @@ from helpers import REPO
 from workers import comm as cw
 
 from xffl_like import comm
+from xffl_like.config.schema import StrategyConfig
 from xffl_like.distributed.env import read_env
 from xffl_like.distributed.launch import launch_local
-from xffl_like.schema import StrategyConfig
 
 
 @pytest.mark.multiprocess

@@ -11,6 +11,7 @@ import torch
 from helpers import REPO
 from omegaconf import OmegaConf
 
+from xffl_like.config.schema import DataConfig
 from xffl_like.data import (
     DataSource,
     SyntheticMarkovSource,
@@ -21,7 +22,6 @@ from xffl_like.data import (
     resolve_paths,
     validate_data,
 )
-from xffl_like.schema import DataConfig
 
 CONF = REPO / "conf" / "data"
 SHAKESPEARE = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"

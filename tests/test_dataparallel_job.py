@@ -15,9 +15,9 @@ import torch
 import yaml
 from helpers import TINY, run_cli
 
-from xffl_like.config import ConfigError, validate_config
+from xffl_like.config.schema import job_config
+from xffl_like.config.validate import ConfigError, validate_config
 from xffl_like.job import _compose, choices, resolve
-from xffl_like.schema import job_config
 
 SGD = ["optim=sgd", "optim.lr=0.1", "optim.momentum=0.0", "optim.warmup_steps=0", "optim.grad_clip=0.0", "logger=none"]
 RING = [[(0, 1), (2, 3)], [(0, 3), (1, 2)]]  # Decent-DP's ring on 4 ranks: right neighbours, then left
@@ -45,9 +45,9 @@ class Copies:
     """Each rank's data and a model to take gradients with, built from the run's resolved config."""
 
     def __init__(self, cfg: dict, facilities: list[int]):
+        from xffl_like.config.schema import DataConfig
         from xffl_like.data import build_data
         from xffl_like.models import LlamaConfig, build_model
-        from xffl_like.schema import DataConfig
 
         self.model = build_model(LlamaConfig.from_mapping(cfg["model"]), seed=cfg["seed"])
         self.x0 = [p.detach().clone() for p in self.model.parameters()]

@@ -21,9 +21,9 @@ from helpers.same_run import assert_same_run, run_job, summary
 from helpers.topk_reference import ref_decode, ref_encode, topk_overrides
 
 from xffl_like.checkpoint.store import checkpoint_name
+from xffl_like.config.schema import FederationConfig, build_section
 from xffl_like.distributed.layout import plan_layout
 from xffl_like.federation import validate_federation
-from xffl_like.schema import FederationConfig, build_section
 
 JOB = [
     "+experiment=llama_fed",

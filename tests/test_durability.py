@@ -299,7 +299,7 @@ def test_resume_latest_picks_the_newest_run_of_the_experiment(fsdp_runs, tmp_pat
     cfg_path = outputs / "2000-01-02_00-00-00" / "config.yaml"
     cfg_path.write_text(cfg_path.read_text().replace("experiment: llama_fed", "experiment: other"))
     from xffl_like.checkpoint.resume import resumed
-    from xffl_like.schema import job_config
+    from xffl_like.config.schema import job_config
 
     job = job_config(resolve(_compose([*JOB[1:], "resume=latest"])))
     target = resolve_resume(job, plan_layout(4, 2, None), outputs, outputs / "fresh")

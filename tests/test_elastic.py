@@ -341,7 +341,7 @@ def test_elastic_config_refused_before_workers(extra, words):
     """What the launcher checks before any worker starts (the same path as the CLI's, in-process)."""
     from hydra import compose, initialize_config_dir
 
-    from xffl_like.config import ConfigError, validate_config
+    from xffl_like.config.validate import ConfigError, validate_config
     from xffl_like.job import CONF_DIR, choices, resolve
 
     base = [

@@ -8,10 +8,10 @@ import torch
 from helpers import CONF
 from workers import federation as workers
 
+from xffl_like.config.schema import FederationConfig, OuterConfig, as_plain, build_section
 from xffl_like.distributed.launch import launch_local
 from xffl_like.distributed.layout import plan_layout
 from xffl_like.federation import CompressedMean, check_fragments, validate_federation
-from xffl_like.schema import FederationConfig, OuterConfig, as_plain, build_section
 
 
 # ----------------------------------------------------------------------------- pure

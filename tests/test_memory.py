@@ -14,10 +14,10 @@ import pytest
 import torch
 from helpers import PYTHONPATH, REPO
 
-from xffl_like.config import ConfigError, validate_config
+from xffl_like.config.schema import ModelConfig
+from xffl_like.config.validate import ConfigError, validate_config
 from xffl_like.job import _compose, choices, resolve, typed_config
 from xffl_like.models import build_model
-from xffl_like.schema import ModelConfig
 from xffl_like.train import parallelize
 from xffl_like.train.parallelize import build_sharded_model, contiguous_shards, shard_model
 
@@ -59,7 +59,7 @@ PEAK_SCRIPT = textwrap.dedent(
     from xffl_like.distributed.env import ProcessEnv
     from xffl_like.distributed.layout import plan_layout
     from xffl_like.distributed.state import build_state
-    from xffl_like.schema import ModelConfig
+    from xffl_like.config.schema import ModelConfig
     from xffl_like.train.parallelize import build_sharded_model, contiguous_shards
 
     def rss(key):

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from helpers import PYTHONPATH, REPO
 
 from xffl_like.bench.mfu import FORMULA, flops_per_token, measure, peak_flops
-from xffl_like.config import ConfigError, validate_config
+from xffl_like.config.validate import ConfigError, validate_config
 from xffl_like.data.synthetic import BRANCH, SyntheticMarkovSource, _walk, _walk_loop, vectorised_is_cheaper
 from xffl_like.distributed.device import choose_backend, gpus_bound_per_task
 from xffl_like.job import _compose, choices, configured_backend, device_notice, resolve, typed_config
@@ -206,7 +206,7 @@ def test_speed_knob_defaults_and_decentralized_auto():
 def test_fused_adamw_only_off_the_cpu():
     from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
-    from xffl_like.schema import OptimConfig
+    from xffl_like.config.schema import OptimConfig
     from xffl_like.train.optim import build_optimizer
 
     assert "cuda" in _get_fused_kernels_supported_devices()

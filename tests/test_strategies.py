@@ -13,9 +13,9 @@ from workers import strategy as workers
 
 from xffl_like.aggregation import STRATEGIES, Strategy, build_strategy, strategy_config, validate_strategy_options
 from xffl_like.aggregation.planners import cut_chunks
+from xffl_like.config.schema import StrategyConfig
 from xffl_like.distributed.launch import launch_local
 from xffl_like.distributed.layout import plan_layout
-from xffl_like.schema import StrategyConfig
 
 
 # ----------------------------------------------------------------------------- pure

@@ -24,7 +24,8 @@ from helpers import REPO, TINY
 
 from xffl_like.checkpoint import Checkpointer
 from xffl_like.checkpoint.store import checkpoint_name
-from xffl_like.config import validate_config
+from xffl_like.config.schema import as_plain, job_config
+from xffl_like.config.validate import validate_config
 from xffl_like.distributed import signals
 from xffl_like.federation import FederationSchedule
 from xffl_like.federation.clock import end_clock, round_clock
@@ -32,7 +33,6 @@ from xffl_like.federation.elastic.exchange import ElasticFederation
 from xffl_like.job import _compose, choices, resolve
 from xffl_like.observe import observer
 from xffl_like.observe.timing import PhaseTimer
-from xffl_like.schema import as_plain, job_config
 from xffl_like.train import trainer as trainer_module
 from xffl_like.train.dataparallel import DataParallelSync, build_full_model
 from xffl_like.train.elastic import ElasticSync

@@ -18,11 +18,11 @@ tokenizers = pytest.importorskip("tokenizers")
 
 from helpers import REPO, run_cli  # noqa: E402
 
-from xffl_like.config import ConfigError, validate_config  # noqa: E402
+from xffl_like.config.schema import DataConfig  # noqa: E402
+from xffl_like.config.validate import ConfigError, validate_config  # noqa: E402
 from xffl_like.data import build_data  # noqa: E402
 from xffl_like.data.prepare import main as prepare_main  # noqa: E402
 from xffl_like.job import _compose, resolve  # noqa: E402
-from xffl_like.schema import DataConfig  # noqa: E402
 
 VOCAB = 512
 

@@ -18,10 +18,10 @@ from helpers import TINY, run_recorded
 from helpers.round_values import MIN_FACILITY_SPREAD, load_rounds
 from helpers.topk_reference import TINIEST, keep, pack, ref_decode, ref_encode, ref_layout, topk_overrides, unpack
 
+from xffl_like.config.schema import FederationConfig, build_section
 from xffl_like.distributed.layout import plan_layout
 from xffl_like.federation import validate_federation
 from xffl_like.federation.topk import TopkCodec, TopkMean
-from xffl_like.schema import FederationConfig, build_section
 
 
 def _bytes(message: torch.Tensor) -> bytes:

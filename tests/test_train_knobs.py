@@ -14,12 +14,12 @@ from workers import train as train_workers
 from workers.train import MODEL, rank_sequences
 
 from xffl_like.aggregation import check_collective
-from xffl_like.config import ConfigError, compose_error, validate_config
+from xffl_like.config.schema import DataConfig, JobConfig, check_keys, job_config
+from xffl_like.config.validate import ConfigError, compose_error, validate_config
 from xffl_like.distributed.state import group_backend, resolve_backend
 from xffl_like.job import CONF_DIR, choices, resolve
 from xffl_like.models import LlamaConfig, build_model
 from xffl_like.observe.timing import PhaseTimer
-from xffl_like.schema import DataConfig, JobConfig, check_keys, job_config
 from xffl_like.train.evaluate import eval_points
 from xffl_like.train.optim import OptimConfig, build_optimizer, build_scheduler, decay_groups
 from xffl_like.train.step import TrainConfig
@@ -347,7 +347,7 @@ def test_a_preset_file_with_a_bad_key_or_type_is_named(tmp_path):
         lines.append(compose_error(info.value))
     assert lines[0] == (
         "conf/experiment/typo.yaml sets train.stepz, which is not a config key: check the spelling "
-        "(xffl_like/schema.py)"
+        "(xffl_like/config/schema.py)"
     )
     assert lines[1].startswith("conf/experiment/warmup.yaml sets optim.warmup_steps: ") and "\n" not in lines[1]
 

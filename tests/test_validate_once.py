@@ -8,13 +8,13 @@ import inspect
 from pathlib import Path
 
 import xffl_like.checkpoint.resume as resume
-import xffl_like.config as config
+import xffl_like.config.validate as config
 import xffl_like.federation.elastic as elastic
 import xffl_like.federation.options as fed_options
 import xffl_like.federation.pace as pace
 import xffl_like.parallel.options as parallel_options
+from xffl_like.config.schema import JobConfig, job_config
 from xffl_like.job import CONF_DIR, choices, resolve
-from xffl_like.schema import JobConfig, job_config
 
 # (module, function name) of the owners' validators that the table's checks reach, each once.
 OWNERS = [

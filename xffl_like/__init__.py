@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from .schema import register as _register
+from .config.schema import register as _register
 
 #: Hydra's config directory: package data of xffl_like (pyproject's package-data), found the same from an
 #: installed wheel as from a checkout (whose ./conf links here).

@@ -3,7 +3,7 @@
 ``run_local`` is the plain ``python -m xffl_like.run`` path (the job launches its own
 workers); ``run_under_launcher`` is the torchrun/srun path (this process is a worker).
 Either way the config is composed and validated once, by one process, and workers
-receive the typed :class:`~xffl_like.schema.JobConfig` and the one run directory.
+receive the typed :class:`~xffl_like.config.schema.JobConfig` and the one run directory.
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from . import CONF_DIR
-from .config import validate_config
+from .config.errors import ConfigError
+from .config.hydra_errors import compose_error
+from .config.plan import worker_plan
+from .config.schema import JobConfig, as_plain, job_config
+from .config.validate import validate_config
 from .distributed.launch import WorkerFailure, launch_local, start_fork_server
-from .errors import ConfigError
-from .hydra_errors import compose_error
-from .plan import worker_plan
-from .schema import JobConfig, as_plain, job_config
 
 __all__ = ["CONF_DIR", "JobFailed", "JobInterrupted", "run_local", "run_under_launcher", "resolve"]
 
@@ -226,7 +226,7 @@ def _refuse_if_in_use(resume: str | None) -> None:
 
 def typed_config(plain: dict, choices: dict | None = None) -> JobConfig:
     """The one typed :class:`JobConfig` of the resolved ``plain`` dict (keys checked, values not yet:
-    :func:`~xffl_like.config.validate_config` does that)."""
+    :func:`~xffl_like.config.validate.validate_config` does that)."""
     return job_config(plain, choices)  # a key the schema lacks: ConfigError
 
 

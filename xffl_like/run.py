@@ -17,8 +17,8 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from . import CONF_DIR
+from .config.hydra_errors import compose_error
 from .distributed.env import read_env, reports_launcher_errors
-from .hydra_errors import compose_error
 from .job import JobFailed, JobInterrupted, run_local
 
 

@@ -5,7 +5,7 @@ does not import it by itself, so that without the ``slurm`` extra nothing warns)
 
 try:
     import hydra_plugins.hydra_submitit_launcher  # noqa: F401 - the slurm extra
-except ImportError:  # the presets then fail to compose and xffl_like.config names the extra
+except ImportError:  # the presets then fail to compose and xffl_like.config.validate names the extra
     pass
 else:
     from ._submitit_sweep import LocalSweepLauncher, SlurmSweepLauncher  # noqa: F401

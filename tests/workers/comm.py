@@ -224,9 +224,9 @@ def aggregation_over_mpi(env) -> dict:
     from workers import strategy as sw
     from xffl_like.aggregation import aggregate, build_strategy
     from xffl_like.aggregation.strategy import AGGREGATION_MODES
+    from xffl_like.config.schema import StrategyConfig
     from xffl_like.distributed.layout import plan_layout
     from xffl_like.distributed.state import build_state
-    from xffl_like.schema import StrategyConfig
 
     cases = 0
     for federated, hsdp in TRANSPORT_LAYOUTS:

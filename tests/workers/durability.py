@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from xffl_like.schema import StrategyConfig
+from xffl_like.config.schema import StrategyConfig
 
 FUSED = StrategyConfig(name="fused", streams=1, bucket_mb=64, mode="split", only=None)
 

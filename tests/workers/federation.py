@@ -17,10 +17,10 @@ from torch.distributed.fsdp import fully_shard
 
 from workers.strategy import BUCKET_MB, Net, digest, identical_across_peers
 from xffl_like.aggregation import aggregate, build_strategy
+from xffl_like.config.schema import FederationConfig, StrategyConfig, build_section
 from xffl_like.distributed.layout import plan_layout
 from xffl_like.distributed.state import build_state, read_env
 from xffl_like.federation import Federation, NoHooks, build_federation
-from xffl_like.schema import FederationConfig, StrategyConfig, build_section
 from xffl_like.train.parallelize import contiguous_shards
 
 STRATEGY = StrategyConfig(name="fused", streams=1, bucket_mb=BUCKET_MB, mode="split")

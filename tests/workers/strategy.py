@@ -18,9 +18,9 @@ from torch.distributed.tensor import DTensor
 
 from xffl_like.aggregation import STRATEGIES, aggregate, build_strategy
 from xffl_like.aggregation.strategy import AGGREGATION_MODES
+from xffl_like.config.schema import StrategyConfig
 from xffl_like.distributed.layout import plan_layout
 from xffl_like.distributed.state import build_state, read_env
-from xffl_like.schema import StrategyConfig
 from xffl_like.train.parallelize import contiguous_shards
 
 BUCKET_MB = 100 / 2**20  # ~100-byte buckets: several buckets, and parameters split across them

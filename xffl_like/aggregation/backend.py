@@ -12,7 +12,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ..errors import ConfigError
+from ..config.errors import ConfigError
 
 __all__ = ["check_collective", "check_mpi_transport", "gloo_has_avg", "mpi_communicator", "reduce_op"]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..schema import StrategyConfig
+from ..config.schema import StrategyConfig
 from .backend import check_collective, mpi_communicator, reduce_op
 from .options import normalise_strategy, select_parameters
 from .planners import BUILDERS, Segment, adjacent, cut_chunks, local_shard, span_view

@@ -17,9 +17,9 @@ from typing import Any
 
 from torch import nn
 
-from ..checks import is_int, is_number
-from ..errors import ConfigError
-from ..schema import StrategyConfig
+from ..config.checks import is_int, is_number
+from ..config.errors import ConfigError
+from ..config.schema import StrategyConfig
 from .backend import check_mpi_transport
 from .planners import BUILDERS, STRATEGIES
 from .strategy import AGGREGATION_MODES, TRANSPORTS

@@ -29,7 +29,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from .. import CONF_DIR
-from ..checks import is_int, is_number
+from ..config.checks import is_int, is_number
 
 __all__ = ["BenchFailed", "run_bench", "bench_worker", "format_table"]
 

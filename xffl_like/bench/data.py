@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 from .. import CONF_DIR
+from ..config.schema import DataConfig
 from ..data import build_data, validate_data
-from ..schema import DataConfig
 
 MODEL_DIR = CONF_DIR / "model"
 

@@ -110,7 +110,7 @@ def _job(model: str, seq: int, batch: int, dtype: str, compile_: bool, extra: li
     """The typed job of one rank training ``model`` (composed and validated as the CLI does)."""
     from pathlib import Path
 
-    from ..config import validate_config
+    from ..config.validate import validate_config
     from ..job import _compose, choices, resolve, typed_config
 
     overrides = [

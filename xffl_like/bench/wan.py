@@ -55,7 +55,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from .. import CONF_DIR
-from ..checks import is_int, is_number
+from ..config.checks import is_int, is_number
 from .netns import (
     CounterSampler,
     NetnsError,
@@ -349,7 +349,7 @@ def _validate_runs(runs: dict[str, list[str]], bench: dict) -> None:
 
 
 def _validate_run(name: str, overrides: list[str], world: int, bench: dict) -> None:
-    from ..config import ConfigError, validate_config
+    from ..config.validate import ConfigError, validate_config
     from ..job import _compose, choices, resolve
 
     try:

@@ -41,8 +41,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from ..config.schema import CheckpointConfig
 from ..distributed.signals import cleanup_on_exit
-from ..schema import CheckpointConfig
 from .staging import HostStager, host_copy
 from .store import (
     SafeFileSystemReader,

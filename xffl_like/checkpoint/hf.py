@@ -28,10 +28,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..checks import not_regular
-from ..errors import ConfigError
+from ..config.checks import not_regular
+from ..config.errors import ConfigError
+from ..config.schema import DataConfig, ExportConfig
 from ..models.llama import LlamaConfig, fill_local_
-from ..schema import DataConfig, ExportConfig
 
 __all__ = [
     "HF_SUFFIXES",
@@ -105,7 +105,7 @@ def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
 
     Reads both spellings of RoPE: transformers 4's ``rope_theta`` + ``rope_scaling`` and
     transformers 5's ``rope_parameters``. Anything our Llama cannot represent is refused
-    (:class:`~xffl_like.errors.ConfigError`, one line).
+    (:class:`~xffl_like.config.errors.ConfigError`, one line).
     """
     try:
         return _read_hf_config(Path(path))

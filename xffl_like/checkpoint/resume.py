@@ -9,9 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ..checks import is_int
-from ..errors import ConfigError
-from ..schema import CheckpointConfig, JobConfig, as_plain, build_section
+from ..config.checks import is_int
+from ..config.errors import ConfigError
+from ..config.schema import CheckpointConfig, JobConfig, as_plain, build_section
 from .dcp import checkpoint_dir
 from .store import LATEST, Damaged, check_intact, newest_intact, read_metadata, read_state
 

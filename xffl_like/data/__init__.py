@@ -2,7 +2,7 @@
 
 ``build_data`` returns a :class:`DataSource` for one worker; ``validate_data`` checks a
 config in the launching process before any worker starts (one-sentence ``ConfigError``).
-Both take the typed :class:`~xffl_like.schema.DataConfig`; sources read the values
+Both take the typed :class:`~xffl_like.config.schema.DataConfig`; sources read the values
 ``validate_data`` accepted and do not check them again.
 Sources: ``synthetic`` (non-IID sparse Markov chain, no files), ``text`` (UTF-8 corpus,
 e.g. ``../shared/data/tinyshakespeare.txt``, byte-level or tokenized by ``data.tokenizer``) and
@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import os
 
-from ..checks import is_int
-from ..errors import ConfigError
-from ..schema import DataConfig
+from ..config.checks import is_int
+from ..config.errors import ConfigError
+from ..config.schema import DataConfig
 from .source import DataSource, check_positive_int, mix_seed, resolve_paths
 from .synthetic import SyntheticMarkovSource, _check_non_iid, build_synthetic, validate_synthetic
 from .text import (
@@ -51,7 +51,7 @@ DATA_SOURCES = ("synthetic", "text", "tokens")
 
 def _name(cfg_data: DataConfig) -> str:
     if not isinstance(cfg_data, DataConfig):
-        raise TypeError(f"the data layer takes a xffl_like.schema.DataConfig, got {type(cfg_data).__name__}")
+        raise TypeError(f"the data layer takes a xffl_like.config.schema.DataConfig, got {type(cfg_data).__name__}")
     name = cfg_data.name
     if name not in DATA_SOURCES:
         raise ConfigError(

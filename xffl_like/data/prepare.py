@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..checks import not_regular
+from ..config.checks import not_regular
 from .corpus_format import FORMAT, META, TOKENS, output_for
 from .tokenizer import load_tokenizer
 

@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
-from ..checks import is_number
-from ..errors import ConfigError
+from ..config.checks import is_number
+from ..config.errors import ConfigError
 
 if TYPE_CHECKING:
-    from ..schema import DataConfig
+    from ..config.schema import DataConfig
 
 __all__ = [
     "DataSource",

@@ -25,9 +25,9 @@ import math
 
 import torch
 
-from ..checks import is_number
-from ..errors import ConfigError
-from ..schema import DataConfig
+from ..config.checks import is_number
+from ..config.errors import ConfigError
+from ..config.schema import DataConfig
 from .source import check_num_eval_batches, check_positive_int, make_generator
 
 __all__ = ["SyntheticMarkovSource", "validate_synthetic", "BRANCH", "ZIPF_EXPONENT"]

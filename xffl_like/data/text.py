@@ -33,9 +33,9 @@ from typing import Any
 
 import torch
 
-from ..checks import is_int, is_number, not_regular
-from ..errors import ConfigError
-from ..schema import DataConfig
+from ..config.checks import is_int, is_number, not_regular
+from ..config.errors import ConfigError
+from ..config.schema import DataConfig
 from .source import (
     check_num_eval_batches,
     check_positive_int,

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..checks import not_regular
-from ..errors import ConfigError
+from ..config.checks import not_regular
+from ..config.errors import ConfigError
 
 __all__ = ["ByteTokenizer", "HFTokenizer", "load_tokenizer", "tokenizer_files", "tokenizer_path"]
 

@@ -16,9 +16,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..checks import is_int, not_regular
-from ..errors import ConfigError
-from ..schema import DataConfig
+from ..config.checks import is_int, not_regular
+from ..config.errors import ConfigError
+from ..config.schema import DataConfig
 from .corpus_format import FORMAT, META, TOKENS, output_for
 from .source import check_num_eval_batches, resolve_paths
 from .text import (

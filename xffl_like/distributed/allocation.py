@@ -23,7 +23,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from ..checks import is_int
+from ..config.checks import is_int
 
 __all__ = ["world_size", "num_nodes", "partition_node_limit", "register_resolvers"]
 

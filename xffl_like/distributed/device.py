@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import ConfigError
+from ..config.errors import ConfigError
 
 __all__ = ["DeviceChoice", "choose_backend", "cuda_defaults", "cuda_device", "gpus_bound_per_task", "visible_gpus"]
 
@@ -55,7 +55,7 @@ def choose_backend(
 ) -> DeviceChoice:
     """What ``distributed.backend=requested`` runs on with ``local_world_size`` processes on this node, ``gpus``
     visible to each (default: :func:`visible_gpus`), ``bound``: Slurm bound GPUs to each task (default:
-    :func:`gpus_bound_per_task`). Raises :class:`~xffl_like.errors.ConfigError` (one line) for a job that
+    :func:`gpus_bound_per_task`). Raises :class:`~xffl_like.config.errors.ConfigError` (one line) for a job that
     cannot run.
 
     - ``gloo``: the CPU (a gloo job's tensors stay on the CPU).

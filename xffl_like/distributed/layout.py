@@ -17,8 +17,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..checks import is_int
-from ..errors import ConfigError
+from ..config.checks import is_int
+from ..config.errors import ConfigError
 
 __all__ = ["Coords", "Layout", "Exchange", "plan_layout"]
 

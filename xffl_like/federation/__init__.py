@@ -18,7 +18,8 @@
 - :mod:`.protocol`: the interfaces, declared: :class:`Rounds` (what the training side calls),
   :class:`RoundClock`, :class:`RoundHooks` (what it does at a round).
 
-The config types are :class:`xffl_like.schema.FederationConfig` and :class:`~xffl_like.schema.OuterConfig`.
+The config types are :class:`xffl_like.config.schema.FederationConfig` and
+:class:`~xffl_like.config.schema.OuterConfig`.
 """
 
 from .clock import round_clock, sync_offsets, synced_at

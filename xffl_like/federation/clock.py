@@ -23,7 +23,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from ..schema import FederationConfig
+from ..config.schema import FederationConfig
 from .pace import RoundPace
 from .protocol import RoundClock
 

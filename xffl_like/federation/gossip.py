@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..errors import ConfigError
+from ..config.errors import ConfigError
 from ..parallel.topology import TOPOLOGIES, Edge, edge_group, topology_edges
 
 __all__ = ["GOSSIP_TOPOLOGIES", "gossip_members", "check_gossip_layout", "Gossip"]

@@ -1,11 +1,11 @@
 """The ``federation`` section's semantics: its checks, its phases and the weights of a mean.
 
-The config type is :class:`~xffl_like.schema.FederationConfig` (``outer``:
-:class:`~xffl_like.schema.OuterConfig`); this module owns what its values mean:
+The config type is :class:`~xffl_like.config.schema.FederationConfig` (``outer``:
+:class:`~xffl_like.config.schema.OuterConfig`); this module owns what its values mean:
 
 - :func:`validate_federation`: every key of the section and of each phase of
   ``federation.schedule``, against the planned layout (the launcher calls it once, from
-  :func:`xffl_like.config.validate_config`; workers trust the result);
+  :func:`xffl_like.config.validate.validate_config`; workers trust the result);
 - :func:`plan_phases`: the phases a schedule runs (pure; one phase without ``schedule``);
 - :func:`round_weights`: the per-facility weights of a round's mean.
 
@@ -22,9 +22,9 @@ from typing import Any
 import torch.distributed as dist
 from torch import Tensor
 
-from ..checks import is_int, is_number
-from ..errors import ConfigError
-from ..schema import FederationConfig, OuterConfig, TopkConfig, as_plain, build_section
+from ..config.checks import is_int, is_number
+from ..config.errors import ConfigError
+from ..config.schema import FederationConfig, OuterConfig, TopkConfig, as_plain, build_section
 from .compress import COMPRESSIONS
 from .gossip import check_gossip_layout
 from .outer import validate_outer

@@ -22,9 +22,9 @@ import math
 import torch
 from torch import Tensor
 
-from ..checks import is_number
-from ..errors import ConfigError
-from ..schema import OuterConfig
+from ..config.checks import is_number
+from ..config.errors import ConfigError
+from ..config.schema import OuterConfig
 
 __all__ = ["OUTER_NAMES", "OuterOptimizer", "validate_outer"]
 

@@ -40,9 +40,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..checks import is_int, is_number
-from ..errors import ConfigError
-from ..schema import FederationConfig
+from ..config.checks import is_int, is_number
+from ..config.errors import ConfigError
+from ..config.schema import FederationConfig
 
 __all__ = ["MAX_EVERY_S", "RoundPace", "check_pace_job", "facility_steps", "validate_pace"]
 
@@ -65,7 +65,7 @@ def _test_step_s(facility: int) -> float | None:
 def validate_pace(fed: FederationConfig, num_facilities: int, steps: int) -> None:
     """``federation.every`` / ``every_s`` (launching process, once; from ``validate_federation``): one
     ``ConfigError`` line naming the key and the fix. The relations with other sections
-    (:func:`check_pace_job`) are checked beside the others in :func:`xffl_like.config.validate_config`."""
+    (:func:`check_pace_job`) are checked beside the others in :func:`xffl_like.config.validate.validate_config`."""
     every, every_s = fed.every, fed.every_s
     if every_s is not None:
         if not is_number(every_s) or not 0 < every_s <= MAX_EVERY_S or not math.isfinite(every_s):

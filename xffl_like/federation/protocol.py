@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from ..schema import FederationConfig
+from ..config.schema import FederationConfig
 
 __all__ = ["FederationPhase", "NoHooks", "RoundClock", "RoundHooks", "Rounds"]
 

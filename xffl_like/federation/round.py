@@ -37,8 +37,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..aggregation import aggregate
+from ..config.schema import FederationConfig
 from ..distributed.state import to_local
-from ..schema import FederationConfig
 from .clock import round_clock
 from .compress import CompressedMean
 from .gossip import Gossip

@@ -27,7 +27,7 @@ import time
 import torch
 
 from ..aggregation import aggregate
-from ..schema import FederationConfig
+from ..config.schema import FederationConfig
 from .clock import round_clock
 from .delayed import DelayedFederation
 from .options import plan_phases

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..schema import FederationConfig
+from ..config.schema import FederationConfig
 from .clock import sync_offsets, synced_at
 from .compress import CompressedMean
 from .options import round_weights

@@ -35,10 +35,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..config.schema import OuterConfig
 from ..federation.elastic.options import first_difference
 from ..federation.outer import OuterOptimizer, validate_outer
 from ..federation.update_codec import CODECS, UpdateCodec
-from ..schema import OuterConfig
 from . import store
 from .wire import Frames, WireError, frames_of
 

@@ -18,10 +18,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from ..checks import is_int, is_number
+from ..config.checks import is_int, is_number
+from ..config.errors import ConfigError
+from ..config.schema import ModelConfig
 from ..distributed.state import to_local
-from ..errors import ConfigError
-from ..schema import ModelConfig
 from .loss import chunked_cross_entropy
 
 try:  # FSDP2 turns parameters into DTensors; init_weights fills only the local shard.

@@ -19,7 +19,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from ..schema import LoggerConfig, StrategyConfig, TrainConfig
+from ..config.schema import LoggerConfig, StrategyConfig, TrainConfig
 from .plots import plot_aggregation, plot_losses
 from .progress import Progress
 from .timing import format_phase_table

@@ -12,7 +12,7 @@ import hashlib
 import os
 from pathlib import Path
 
-from ..schema import LoggerConfig
+from ..config.schema import LoggerConfig
 
 __all__ = ["WandbLogger", "load_summary", "wandb_group", "wandb_mode", "wandb_run_ids", "wandb_run_name"]
 

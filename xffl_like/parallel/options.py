@@ -1,9 +1,9 @@
 """The main job's ``parallel`` section: the names its keys take, its field checks and its relations.
 
-The config type is :class:`xffl_like.schema.ParallelConfig`; :func:`validate_parallel` checks
+The config type is :class:`xffl_like.config.schema.ParallelConfig`; :func:`validate_parallel` checks
 its keys and :func:`check_parallel_job` its relations to the other sections (the launcher runs
-each once, from :func:`xffl_like.config.validate_config`). :func:`job_hsdp` is the shard size the
-mode implies, which :func:`xffl_like.config.normalise` writes into the job. The worker side is
+each once, from :func:`xffl_like.config.validate.validate_config`). :func:`job_hsdp` is the shard size the
+mode implies, which :func:`xffl_like.config.validate.normalise` writes into the job. The worker side is
 :class:`xffl_like.train.dataparallel.DataParallelSync`.
 """
 
@@ -14,15 +14,15 @@ from collections.abc import Mapping
 from dataclasses import fields
 from typing import TYPE_CHECKING, Any
 
-from ..checks import is_int, is_number
+from ..config.checks import is_int, is_number
+from ..config.errors import ConfigError
+from ..config.schema import FederationConfig, JobConfig, ParallelConfig
 from ..distributed.layout import plan_layout
-from ..errors import ConfigError
-from ..schema import FederationConfig, JobConfig, ParallelConfig
 from . import Algorithm, AsyncModelAverage, ByteGrad, Decentralized, GradientAllReduce, LowPrecisionDecentralized
 from .topology import TOPOLOGIES, topology_edges
 
 if TYPE_CHECKING:
-    from ..validation import ValidationContext
+    from ..config.context import ValidationContext
 
 __all__ = [
     "DP_ALGORITHMS",
@@ -130,7 +130,7 @@ def validate_parallel(cfg: ParallelConfig) -> None:
 def job_hsdp(job: JobConfig) -> int | None:
     """``distributed.hsdp`` as ``parallel`` has it: decentralized and bagua keep a full copy of the model on
     every rank, a shard group of one (``1``); fsdp the section's own value. The layout is planned with it,
-    and :func:`xffl_like.config.normalise` writes it into the job that workers receive."""
+    and :func:`xffl_like.config.validate.normalise` writes it into the job that workers receive."""
     return job.distributed.hsdp if job.parallel.name == "fsdp" else 1
 
 

@@ -11,9 +11,9 @@ After the last step every copy becomes the exact mean of all copies; the final e
 and the export see that one model. Facilities still partition the data (non-IID per facility)
 and, for Bagua's hierarchical modes and ``alternating-exp-ring``, are the "nodes".
 
-The section's type is :class:`xffl_like.schema.ParallelConfig`; the launcher checks it
+The section's type is :class:`xffl_like.config.schema.ParallelConfig`; the launcher checks it
 (:func:`xffl_like.parallel.options.validate_parallel`) and its relations to the other
-sections (:func:`xffl_like.config.validate_config`) before any worker starts;
+sections (:func:`xffl_like.config.validate.validate_config`) before any worker starts;
 :class:`DataParallelSync` builds the wrapped model in a worker from the validated section.
 """
 
@@ -28,10 +28,10 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import parallel as P
+from ..config.schema import JobConfig
 from ..models import build_model
 from ..observe.timing import PhaseTimer
 from ..parallel.options import DP_ALGORITHMS
-from ..schema import JobConfig
 from .optim import Schedule, build_optimizer, build_scheduler
 from .round_dump import round_observers
 from .sync import RoundHooks, SyncBase

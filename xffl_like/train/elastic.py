@@ -22,12 +22,12 @@ import zlib
 from pathlib import Path
 
 from ..checkpoint.dcp import checkpoint_dir
+from ..config.schema import JobConfig
 from ..distributed.state import DistributedState
 from ..federation.elastic import facility_name
 from ..federation.elastic.exchange import ElasticFederation
 from ..federation.elastic.hub_link import hub_link
 from ..observe.timing import PhaseTimer
-from ..schema import JobConfig
 from .nonfinite import NonFiniteGuard
 from .optim import schedule_at
 from .sync import Capabilities, ShardedParts, StepEnd, SyncBase

@@ -19,9 +19,9 @@ import time
 import torch
 
 from ..checkpoint.dcp import restart_count
+from ..config.schema import FaultConfig
 from ..distributed import signals
 from ..distributed.state import to_local
-from ..schema import FaultConfig
 
 __all__ = ["FaultInjector"]
 

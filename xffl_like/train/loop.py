@@ -1,6 +1,6 @@
 """The worker's entry point: ``train_worker(cfg, run_dir, started_at, plan)`` runs in every process.
 
-``cfg`` is the typed :class:`~xffl_like.schema.JobConfig` the launcher validated (workers never start
+``cfg`` is the typed :class:`~xffl_like.config.schema.JobConfig` the launcher validated (workers never start
 Hydra); ``run_dir`` is the job's one run directory. The worker builds its
 :class:`~xffl_like.distributed.state.DistributedState`, then the :class:`~.trainer.Trainer` (one
 skeleton for every job: local steps, evaluations, logging, rounds through a :class:`~.sync.Sync`,
@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..config.plan import WorkerPlan
+from ..config.schema import JobConfig
 from ..distributed.state import build_state, read_env
 from ..parallel.comm import finish_communication, release_process_groups
-from ..plan import WorkerPlan
-from ..schema import JobConfig
 from .trainer import STOP_GRACE_S, build_trainer
 
 __all__ = ["STOP_GRACE_S", "train_worker"]

@@ -1,6 +1,7 @@
 """The local optimizer: its typed config, parameter groups and learning-rate schedule.
 
-``OptimConfig.from_mapping`` (:func:`xffl_like.schema.job_config`, on the plain ``optim`` dict) checks every ``optim.*``
+``OptimConfig.from_mapping`` (:func:`xffl_like.config.schema.job_config`, on the plain ``optim`` dict)
+checks every ``optim.*``
 value once, in the launching process; workers receive the checked object and call
 :func:`build_optimizer` and :func:`build_scheduler`. The schedule is a
 ``LambdaLR`` whose factor is a small callable object, so ``scheduler.state_dict()`` holds
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from ..schema import OPTIMIZERS, SCHEDULES, OptimConfig
+from ..config.schema import OPTIMIZERS, SCHEDULES, OptimConfig
 
 __all__ = [
     "OPTIMIZERS",

@@ -6,9 +6,9 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+from ..config.schema import ModelConfig
 from ..distributed.state import DistributedState
 from ..models import build_model
-from ..schema import ModelConfig
 
 __all__ = [
     "DTYPES",

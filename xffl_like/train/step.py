@@ -1,6 +1,7 @@
 """One local optimizer step's forward and backward: the typed ``train`` config, micro-batches.
 
-``TrainConfig.from_mapping`` (:func:`xffl_like.schema.job_config`, on the plain ``train`` dict) checks every ``train.*``
+``TrainConfig.from_mapping`` (:func:`xffl_like.config.schema.job_config`, on the plain ``train`` dict)
+checks every ``train.*``
 value once, in the launching process; workers receive the checked object. :func:`accumulate_gradients`
 runs the ``train.grad_accum`` micro-batches of one step; the optimizer step itself stays in
 the loop.
@@ -12,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..schema import ACTIVATION_CHECKPOINTING, TrainConfig
+from ..config.schema import ACTIVATION_CHECKPOINTING, TrainConfig
 
 __all__ = ["ACTIVATION_CHECKPOINTING", "TrainConfig", "accumulate_gradients"]
 

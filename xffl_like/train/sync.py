@@ -45,12 +45,12 @@ from torch import nn
 
 from ..aggregation import build_strategy
 from ..checkpoint.dcp import checkpoint_dir
+from ..config.schema import JobConfig
 from ..distributed.state import DistributedState
 from ..federation import FederationSchedule
 from ..federation.pace import facility_steps
 from ..federation.protocol import Rounds
 from ..observe.timing import PhaseTimer
-from ..schema import JobConfig
 from .nonfinite import NonFiniteGuard
 from .optim import build_optimizer, build_scheduler, schedule_at
 from .parallelize import build_sharded_model, contiguous_shards
@@ -221,7 +221,7 @@ class FederatedSync(SyncBase):
         cls, cfg: JobConfig, state: DistributedState, parts: ShardedParts, run_dir: Path, timer: PhaseTimer, phases
     ) -> FederatedSync:
         """The job's: the non-finite guard and round observers, the strategy and the federation of ``phases``
-        (the launcher's plan, :class:`~xffl_like.plan.WorkerPlan`). Collective."""
+        (the launcher's plan, :class:`~xffl_like.config.plan.WorkerPlan`). Collective."""
         where = checkpoint_dir(cfg.checkpoint, run_dir)
         guard = NonFiniteGuard(cfg.federation.on_nonfinite, state, parts.model, parts.optimizer, where)
         hooks = RoundHooks(guard, round_observers(parts.model, state))

@@ -26,13 +26,13 @@ import torch.distributed as dist
 from torch import nn
 
 from ..checkpoint import Checkpointer
+from ..config.schema import JobConfig, as_plain
 from ..data import build_data
 from ..distributed.signals import agree_stop, signal_name
 from ..distributed.state import DistributedState
 from ..federation.clock import RoundClock, end_clock
 from ..observe import Observer
 from ..observe.timing import PhaseTimer, gather_phase_table
-from ..schema import JobConfig, as_plain
 from .evaluate import eval_points, evaluate, facility_eval
 from .fault import FaultInjector
 from .parallelize import forward_param_dtype, peak_rss_mb

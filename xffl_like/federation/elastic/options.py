@@ -7,8 +7,8 @@ import os
 import socket
 from typing import Any
 
-from ...checks import is_int, is_number
-from ...errors import ConfigError
+from ...config.checks import is_int, is_number
+from ...config.errors import ConfigError
 
 __all__ = [
     "ElasticError",
@@ -99,8 +99,8 @@ def federation_spec(job) -> dict[str, Any]:
     """What every facility of one federation must share: the model's parameters (names, shapes,
     dtypes), the algorithm, the outer optimizer, compression, the number of rounds (each facility its own
     ``federation.every``) or, with ``federation.every_s``, the round time and the last step."""
+    from ...config.schema import as_plain
     from ...models import build_model
-    from ...schema import as_plain
 
     model = build_model(job.model, device="meta")
     fed = job.federation

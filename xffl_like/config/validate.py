@@ -3,7 +3,7 @@
 :func:`validate_config` is the one place that checks a job. It walks :data:`VALIDATORS`, one
 ordered table of checks that all take ``(job, ctx)`` and return None: each section once (here
 or in the module that owns the section's meaning), then the relations between sections. Every
-check raises :class:`~xffl_like.errors.ConfigError` with one sentence that names the key, the bad
+check raises :class:`~xffl_like.config.errors.ConfigError` with one sentence that names the key, the bad
 value and how to fix it. The checks never rewrite the job: :func:`normalise`, run once after the
 last of them, is the one step that does (the job that workers receive). A check that has to
 resolve something to check it (the layout, the federation's phases, the Hugging Face model's
@@ -11,7 +11,7 @@ shape, the data files) leaves it in the :class:`ValidationContext` for the check
 for :func:`normalise`.
 
 Hydra rejects unknown keys and wrong primitive types at compose time against the schema
-(:mod:`.schema`); :func:`~xffl_like.hydra_errors.compose_error` turns its multi-line report
+(:mod:`.schema`); :func:`~xffl_like.config.hydra_errors.compose_error` turns its multi-line report
 into one such sentence.
 """
 
@@ -22,12 +22,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from ..distributed.layout import Layout, plan_layout
 from .checks import is_int, is_number
-from .distributed.layout import Layout, plan_layout
+from .context import ValidationContext, Validator
 from .errors import ConfigError
 from .hydra_errors import as_override, compose_error
 from .schema import JobConfig, ModelConfig, job_config
-from .validation import ValidationContext, Validator
 
 __all__ = [
     "MAX_ROPE_BYTES",
@@ -80,21 +80,21 @@ def validate_distributed(job: JobConfig, ctx: ValidationContext) -> None:
         )
     if cfg.backend not in ("auto", "gloo", "nccl"):
         raise ConfigError(f"distributed.backend={cfg.backend!r}: use auto, gloo or nccl")
-    from .distributed.device import choose_backend
+    from ..distributed.device import choose_backend
 
     # nccl needs one GPU per process (or per srun task that Slurm bound its GPU to); auto chooses (device.py)
     choose_backend(cfg.backend, ctx.local_world_size if ctx.local_world_size is not None else cfg.nproc_per_node)
 
 
 def validate_train(job: JobConfig, ctx: ValidationContext) -> None:
-    """``train.*`` (:meth:`TrainConfig.check <xffl_like.schema.TrainConfig.check>`)."""
+    """``train.*`` (:meth:`TrainConfig.check <xffl_like.config.schema.TrainConfig.check>`)."""
     for key in ("batch_size", "seq_len", "log_every"):
         _positive_int(getattr(job.train, key), f"train.{key}")
     job.train.check()
 
 
 def validate_optim(job: JobConfig, ctx: ValidationContext) -> None:
-    """``optim.*`` (:meth:`OptimConfig.check <xffl_like.schema.OptimConfig.check>`; :func:`normalise` makes
+    """``optim.*`` (:meth:`OptimConfig.check <xffl_like.config.schema.OptimConfig.check>`; :func:`normalise` makes
     the numbers floats and the betas a pair)."""
     job.optim.check()
 
@@ -112,7 +112,7 @@ _WANDB_MODES = (None, "offline", "online", "disabled")
 
 def validate_logger(job: JobConfig, ctx: ValidationContext) -> None:
     """``logger.*``: the W&B keys are checked whatever the logger (the schema gives every job all of them)."""
-    from .observe.observer import LOGGERS
+    from ..observe.observer import LOGGERS
 
     cfg = job.logger
     if cfg.name not in LOGGERS:
@@ -146,8 +146,8 @@ def resolve_model(cfg: ModelConfig, base_dir: Path) -> ModelConfig:
         raise ConfigError("model.path is not set: model=hf needs model.path=<local Hugging Face model directory>")
     if not cfg.path:
         return cfg
-    from .checkpoint.hf import check_hf_weights, read_hf_config
-    from .models import LlamaConfig
+    from ..checkpoint.hf import check_hf_weights, read_hf_config
+    from ..models import LlamaConfig
 
     path = Path(cfg.path).expanduser()
     path = (path if path.is_absolute() else base_dir / path).absolute()
@@ -168,7 +168,7 @@ def resolve_model(cfg: ModelConfig, base_dir: Path) -> ModelConfig:
 
 def validate_model(job: JobConfig, ctx: ValidationContext) -> None:
     """``model.*``: :func:`resolve_model` (into ``ctx.model``), then the shape it gives (``ctx.shape``)."""
-    from .models import LlamaConfig
+    from ..models import LlamaConfig
 
     ctx.model = resolve_model(job.model, ctx.base_dir)
     try:
@@ -179,13 +179,13 @@ def validate_model(job: JobConfig, ctx: ValidationContext) -> None:
 
 # ----------------------------------------------------------------------------- the owners' checks, by (job, ctx)
 def _parallel(job: JobConfig, ctx: ValidationContext) -> None:
-    from .parallel.options import validate_parallel
+    from ..parallel.options import validate_parallel
 
     validate_parallel(job.parallel)
 
 
 def _parallel_job(job: JobConfig, ctx: ValidationContext) -> None:
-    from .parallel.options import check_parallel_job
+    from ..parallel.options import check_parallel_job
 
     check_parallel_job(job, ctx)
 
@@ -193,20 +193,20 @@ def _parallel_job(job: JobConfig, ctx: ValidationContext) -> None:
 def plan_job_layout(job: JobConfig, ctx: ValidationContext) -> None:
     """The layout (``ctx.layout``) of ``distributed.*`` over ``ctx.world_size`` processes, with the shard
     size the parallel mode implies (:func:`~xffl_like.parallel.options.job_hsdp`)."""
-    from .parallel.options import job_hsdp
+    from ..parallel.options import job_hsdp
 
     ctx.layout = plan_layout(ctx.world_size, job.distributed.federated, job_hsdp(job), ctx.local_world_size)
 
 
 def _federation(job: JobConfig, ctx: ValidationContext) -> None:
-    from .federation import validate_federation
+    from ..federation import validate_federation
 
     ctx.phases = validate_federation(job.federation, ctx.layout, steps=job.train.steps)
 
 
 def check_warmup(job: JobConfig, ctx: ValidationContext) -> None:
     """``optim.warmup_steps`` within the steps of the facility with the fewest (``federation.every`` as a list)."""
-    from .federation.pace import facility_steps
+    from ..federation.pace import facility_steps
 
     steps = min(facility_steps(job.federation, f, job.train.steps) for f in range(ctx.layout.num_facilities))
     warmup, which = job.optim.warmup_steps, "train.steps" if steps == job.train.steps else "its fewest steps"
@@ -218,26 +218,26 @@ def check_warmup(job: JobConfig, ctx: ValidationContext) -> None:
 
 
 def _elastic(job: JobConfig, ctx: ValidationContext) -> None:
-    from .federation.elastic import validate_elastic
+    from ..federation.elastic import validate_elastic
 
     validate_elastic(job, ctx.layout)
 
 
 def _durability(job: JobConfig, ctx: ValidationContext) -> None:
-    from .checkpoint.resume import validate_durability
+    from ..checkpoint.resume import validate_durability
 
     validate_durability(job, ctx.world_size)
 
 
 def _fragments(job: JobConfig, ctx: ValidationContext) -> None:
     """Every phase's ``federation.fragments``: groups of the model's blocks."""
-    from .federation import check_fragments
+    from ..federation import check_fragments
 
     check_fragments(ctx.phases, ctx.shape.n_layers)
 
 
 def _pace_job(job: JobConfig, ctx: ValidationContext) -> None:
-    from .federation.pace import check_pace_job
+    from ..federation.pace import check_pace_job
 
     check_pace_job(job.federation, parallel=job.parallel.name, eval_every=job.train.eval_every)
 
@@ -291,8 +291,8 @@ def check_data(job: JobConfig, ctx: ValidationContext) -> None:
     """``data.*`` against the model's vocabulary and the layout (:func:`~xffl_like.data.validate_data`);
     ``ctx.data``: the section with the tokenizer file (workers and the export read it wherever they run)
     and the corpus paths resolved against ``ctx.base_dir``."""
-    from .data import check_layout_fits, resolve_paths, validate_data
-    from .data.tokenizer import tokenizer_path
+    from ..data import check_layout_fits, resolve_paths, validate_data
+    from ..data.tokenizer import tokenizer_path
 
     data, train, base_dir = job.data, job.train, ctx.base_dir
     if data.tokenizer not in (None, "byte"):
@@ -308,8 +308,8 @@ def check_data(job: JobConfig, ctx: ValidationContext) -> None:
 
 def _strategy(job: JobConfig, ctx: ValidationContext) -> None:
     """``strategy.*`` against the model's parameter names and module types (built on meta: no memory)."""
-    from .aggregation import validate_strategy_options
-    from .models import build_model
+    from ..aggregation import validate_strategy_options
+    from ..models import build_model
 
     meta_model = build_model(ctx.model, device="meta")
     names = [name for name, _ in meta_model.named_parameters()]
@@ -347,13 +347,13 @@ def normalise(job: JobConfig, ctx: ValidationContext) -> JobConfig:
     """The job as workers receive it: the one step that rewrites a job, run once after every check of
     :data:`VALIDATORS` passed (it needs their values valid and what they resolved in ``ctx``).
 
-    - ``optim``: the numbers floats, adamw's betas a pair (:meth:`~xffl_like.schema.OptimConfig.normalised`);
+    - ``optim``: the numbers floats, adamw's betas a pair (:meth:`~xffl_like.config.schema.OptimConfig.normalised`);
     - ``distributed.hsdp=1`` for parallel=decentralized|bagua, a full copy on every rank
       (:func:`~xffl_like.parallel.options.job_hsdp`);
     - ``model``: a Hugging Face directory's path absolute and its shape (``ctx.model``);
     - ``data``: the tokenizer file and the corpus paths absolute (``ctx.data``).
     """
-    from .parallel.options import job_hsdp
+    from ..parallel.options import job_hsdp
 
     return replace(
         job,

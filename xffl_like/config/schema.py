@@ -155,14 +155,14 @@ class OptimConfig(Section):
     @classmethod
     def from_mapping(cls, m: Mapping[str, Any]) -> OptimConfig:
         """Build from the plain ``optim`` mapping (``as_plain(job.optim)``): :meth:`check` it and return it
-        :meth:`normalised`; one-line :class:`~xffl_like.errors.ConfigError` naming the key and the fix."""
+        :meth:`normalised`; one-line :class:`~xffl_like.config.errors.ConfigError` naming the key and the fix."""
         section = cls(**{key: m.get(key, default) for key, default in _OPTIM_GIVEN.items()})
         section.check()
         return section.normalised()
 
     def check(self) -> None:
         """Every ``optim.*`` value (the launcher's ``optim`` check; :meth:`from_mapping` for a mapping):
-        one-line :class:`~xffl_like.errors.ConfigError` naming the key and the fix."""
+        one-line :class:`~xffl_like.config.errors.ConfigError` naming the key and the fix."""
         name = self.name
         if name not in OPTIMIZERS:
             raise ConfigError(
@@ -363,14 +363,14 @@ class TrainConfig(Section):
     @classmethod
     def from_mapping(cls, m: Mapping[str, Any]) -> TrainConfig:
         """Build from the plain ``train`` mapping (keys other components own are ignored) and :meth:`check`
-        it; one-line :class:`~xffl_like.errors.ConfigError` on a bad value."""
+        it; one-line :class:`~xffl_like.config.errors.ConfigError` on a bad value."""
         section = cls(**{key: m.get(key, default) for key, (_, default) in _TRAIN_RULES.items()})
         section.check()
         return section
 
     def check(self) -> None:
         """Every ``train.*`` value, in the order of :data:`_TRAIN_RULES` (the launcher's ``train`` check;
-        :meth:`from_mapping` for a mapping): one-line :class:`~xffl_like.errors.ConfigError`."""
+        :meth:`from_mapping` for a mapping): one-line :class:`~xffl_like.config.errors.ConfigError`."""
         for key, (rule, _) in _TRAIN_RULES.items():
             value = getattr(self, key)
             if isinstance(rule, tuple):
@@ -570,7 +570,7 @@ def unknown_key_message(dotted: str, choices: Mapping[str, Any] | None = None) -
     elif choices and top in choices:
         where = f"{top}={choices[top]} (conf/{top}/{choices[top]}.yaml)"
     else:
-        where = f"{top} ({type(getattr(JobConfig(), top, None)).__name__} in xffl_like/schema.py)"
+        where = f"{top} ({type(getattr(JobConfig(), top, None)).__name__} in xffl_like/config/schema.py)"
     return (
         f"{dotted} is not a config key of {where}: check the spelling, or drop the override "
         f"(`+` adds keys; `--cfg job` prints the composed config)"
@@ -598,7 +598,7 @@ def build_section(cls: type, values: Mapping[str, Any]) -> Any:
 def job_config(plain: Mapping[str, Any], choices: Mapping[str, Any] | None = None) -> JobConfig:
     """The typed, frozen config, from the resolved plain dict (the launcher builds it once).
 
-    Only the keys are checked here; :func:`xffl_like.config.validate_config` checks the values
+    Only the keys are checked here; :func:`xffl_like.config.validate.validate_config` checks the values
     (each section once) and returns the validated job that workers receive.
     """
     check_keys(plain, choices)

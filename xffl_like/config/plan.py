@@ -1,6 +1,6 @@
 """What the launcher planned, handed to every worker: workers never plan (nor check) it again.
 
-:func:`worker_plan` runs in the launching process after :func:`xffl_like.config.validate_config`; the
+:func:`worker_plan` runs in the launching process after :func:`xffl_like.config.validate.validate_config`; the
 :class:`WorkerPlan` travels with the validated job to each worker (``train_worker(job, run_dir, started,
 plan)``), which builds its :class:`~xffl_like.distributed.state.DistributedState` on ``plan.layout`` and
 its federation on ``plan.phases``.
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .distributed.layout import Layout
-from .federation.options import Phase, plan_phases
+from ..distributed.layout import Layout
+from ..federation.options import Phase, plan_phases
 from .schema import JobConfig
 
 __all__ = ["WorkerPlan", "worker_plan"]

@@ -1,8 +1,8 @@
 """What a config check takes besides the job: the :class:`ValidationContext` of
-:func:`xffl_like.config.validate_config`, and the one signature of its checks (:data:`Validator`).
+:func:`xffl_like.config.validate.validate_config`, and the one signature of its checks (:data:`Validator`).
 
 Its own module, so that the modules owning a section's meaning (``parallel.options``, ...) can take
-the context without importing :mod:`xffl_like.config`, which imports them.
+the context without importing :mod:`xffl_like.config.validate`, which imports them.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .distributed.layout import Layout
-    from .federation.options import Phase
-    from .models import LlamaConfig
+    from ..distributed.layout import Layout
+    from ..federation.options import Phase
+    from ..models import LlamaConfig
     from .schema import DataConfig, JobConfig, ModelConfig
 
 __all__ = ["ValidationContext", "Validator"]
@@ -42,6 +42,6 @@ class ValidationContext:
     data: DataConfig | None = None
 
 
-#: A check of :data:`xffl_like.config.VALIDATORS`: raises :class:`~xffl_like.errors.ConfigError` on the
-#: first problem, never rewrites the job (:func:`xffl_like.config.normalise` does, once).
+#: A check of :data:`xffl_like.config.validate.VALIDATORS`: raises :class:`~xffl_like.config.errors.ConfigError` on the
+#: first problem, never rewrites the job (:func:`xffl_like.config.validate.normalise` does, once).
 Validator = Callable[["JobConfig", ValidationContext], None]

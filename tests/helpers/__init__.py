@@ -17,6 +17,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 #: The folder with ``helpers/`` and ``workers/``: on ``PYTHONPATH`` for subprocesses that import them.
 TESTS = REPO / "tests"
+#: The test-only plugins (``tests/plugins/sitecustomize.py``): on ``PYTHONPATH`` of every job a test starts.
+PLUGINS = TESTS / "plugins"
 #: ``PYTHONPATH`` for a subprocess that runs ``python -m workers.<module>`` (or imports ``xffl_like``).
 PYTHONPATH = os.pathsep.join([str(REPO), str(TESTS)])
 #: The Hydra config folder.
@@ -44,6 +46,7 @@ def run_cli(args, run_dir, timeout=240, launcher=(), env=None):
     """Run the entry point (plainly, or under ``launcher`` such as torchrun) with ``args``;
     returns (CompletedProcess, seconds)."""
     env = {**os.environ, "WANDB_MODE": "offline", "XFFL_RUN_DIR": str(run_dir), **(env or {})}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PLUGINS), env.get("PYTHONPATH")]))
     cmd = [*launcher, "-m", "xffl_like.run", *args] if launcher else [sys.executable, "-m", "xffl_like.run", *args]
     if not launcher:
         cmd.append(f"hydra.run.dir={run_dir}")

@@ -19,11 +19,11 @@ from pathlib import Path
 
 import torch
 
-from . import REPO, TINY
+from . import PLUGINS, REPO, TINY
 
 __all__ = ["Facility", "Hub", "free_port", "init_certs", "rounds", "wait_for"]
 
-ENV = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
+ENV = {"PYTHONPATH": os.pathsep.join([str(PLUGINS), str(REPO)]), "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
 
 
 def free_port() -> int:

@@ -478,27 +478,11 @@ def _finalize_mpi_last() -> None:
         mpi.Finalize()
 
 
-def run_under_launcher(overrides: list[str]) -> int:
-    """torchrun/srun/mpirun path: rank 0 composes and validates, every rank trains.
-
-    The first process of every node validates the config before joining the rendezvous:
-    in a job spanning sites, the site with a typo fails at once instead of leaving the
-    others waiting for it.
-    """
-    import signal
-
-    import torch.distributed as dist
-
+def _rendezvous_env():
+    """This process's environment with a rendezvous address, or ``None`` once the reason is printed."""
     from .distributed.env import agree_rendezvous
-    from .distributed.signals import die_with_parent, install_stop_handlers, stopped_by
-    from .distributed.state import init_default_group, read_env
-    from .train.loop import train_worker
+    from .distributed.state import read_env
 
-    started = time.time()
-    die_with_parent()  # torchrun's, srun's or mpirun's process: when it dies, so does this one
-    # Until the rendezvous is done a signal ends the process at once (a wait in C++ would not see a handler).
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     env = read_env()
     if env.launcher == "mpi":  # registered after train.loop's import, so it runs before parallel.comm's hook
         import atexit
@@ -509,7 +493,7 @@ def run_under_launcher(overrides: list[str]) -> int:
     except (ValueError, ImportError) as exc:  # e.g. no mpi4py: the line names the extra to install
         if env.rank == 0:
             print(f"error: {exc} (or set MASTER_ADDR and MASTER_PORT)", file=sys.stderr)
-        return 2
+        return None
     if env.master_addr is None or env.master_port is None:
         print(
             "error: RANK/WORLD_SIZE (or SLURM_PROCID/SLURM_NTASKS) are set but MASTER_ADDR/MASTER_PORT are not: "
@@ -517,13 +501,21 @@ def run_under_launcher(overrides: list[str]) -> int:
             "rendezvous address",
             file=sys.stderr,
         )
-        return 2
+        return None
+    return env
+
+
+def _join_world(overrides: list[str], env) -> bool:
+    """Validate on the first process of every other node, then make the default group; false once the
+    reason is printed."""
+    from .distributed.state import init_default_group
+
     if env.local_rank == 0 and env.rank != 0:
         try:
             _validate_here(overrides, env)
         except Exception as exc:  # noqa: BLE001 - one line, before anyone waits on us
             print(f"error: {_one_line(exc)}", file=sys.stderr)
-            return 2
+            return False
     # The default group gets exactly the configured backend: made ``cpu:gloo,cuda:nccl`` on a GPU node
     # for a gloo job, its gloo-only subgroups would make NCCL splits on non-members (pytorch#145376).
     # build_state applies distributed.timeout_s to this group once rank 0 has shared the config.
@@ -539,8 +531,15 @@ def run_under_launcher(overrides: list[str]) -> int:
             file=sys.stderr,
             flush=True,
         )
-        return 2
-    install_stop_handlers()  # from now on SIGINT/SIGTERM stop the loop at the next step boundary
+        return False
+    return True
+
+
+def _shared_config(overrides: list[str], env):
+    """Rank 0 validates and admits the job and saves its config; every rank gets ``(job, run_dir, plan)``,
+    or ``None`` once rank 0 has printed why the job is off (the process group is then destroyed)."""
+    import torch.distributed as dist
+
     payload: list = [None]
     if env.rank == 0:
         try:
@@ -557,7 +556,35 @@ def run_under_launcher(overrides: list[str]) -> int:
         if env.rank == 0:
             print(f"error: {error}", file=sys.stderr)
         dist.destroy_process_group()
+        return None
+    return job, run_dir, plan
+
+
+def run_under_launcher(overrides: list[str]) -> int:
+    """torchrun/srun/mpirun path: rank 0 composes and validates, every rank trains.
+
+    The first process of every node validates the config before joining the rendezvous:
+    in a job spanning sites, the site with a typo fails at once instead of leaving the
+    others waiting for it.
+    """
+    import signal
+
+    from .distributed.signals import die_with_parent, install_stop_handlers, stopped_by
+    from .train.loop import train_worker
+
+    started = time.time()
+    die_with_parent()  # torchrun's, srun's or mpirun's process: when it dies, so does this one
+    # Until the rendezvous is done a signal ends the process at once (a wait in C++ would not see a handler).
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    env = _rendezvous_env()
+    if env is None or not _join_world(overrides, env):
         return 2
+    install_stop_handlers()  # from now on SIGINT/SIGTERM stop the loop at the next step boundary
+    shared = _shared_config(overrides, env)
+    if shared is None:
+        return 2
+    job, run_dir, plan = shared
     try:
         result = train_worker(job, run_dir, started, plan)
     except Exception as exc:  # noqa: BLE001 - one line per failing rank, not a traceback

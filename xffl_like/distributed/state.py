@@ -254,6 +254,76 @@ def _new_groups(ranks: tuple[int, ...], num_streams: int, backend: str, timeout:
     return tuple(dist.new_group(list(ranks), backend=backend, timeout=timeout) for _ in range(num_streams))
 
 
+def _join_default_group(env: ProcessEnv, backend: str, timeout_s: float) -> torch.device:
+    """This rank's device, once the default process group exists with the job's timeout."""
+    if not dist.is_initialized():
+        return init_default_group(env, backend, timeout_s)
+    # Under torchrun the group exists (made before the config was known): apply the timeout now.
+    device = cuda_device(env.local_rank) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        cuda_defaults(device)
+    dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout_s))
+    return device
+
+
+def _facility_groups(layout: Layout, num_streams: int, backend: str, timeout: timedelta):
+    """Every facility's groups, by facility: the whole facility, its shard groups (one FSDP sharding)
+    and its replica groups (same shard, all replicas); built by every rank in the same order."""
+    facility_groups, shard_groups, replica_groups = {}, {}, {}
+    for f in range(layout.num_facilities):
+        facility_groups[f] = _new_groups(layout.facility_ranks(f), num_streams, backend, timeout)
+        for r in range(layout.replicas[f]):
+            shard_groups[(f, r)] = _new_groups(layout.shard_group_ranks(f, r), 1, backend, timeout)
+        for s in range(layout.shard_size):
+            replica_groups[(f, s)] = _new_groups(layout.replica_group_ranks(f, s), num_streams, backend, timeout)
+    return facility_groups, shard_groups, replica_groups
+
+
+def _peer_exchanges(
+    plan: tuple[Exchange, ...], rank: int, num_streams: int, backend: str, timeout: timedelta
+) -> tuple[PeerExchange, ...]:
+    """The exchanges of ``plan`` that ``rank`` joins (every rank builds the groups of every exchange)."""
+    out = []
+    for ex in plan:
+        groups = _new_groups(ex.ranks, num_streams, backend, timeout)
+        if rank in ex.ranks:
+            out.append(PeerExchange(ex, groups))
+    return tuple(out)
+
+
+def _device_mesh(layout: Layout, coords: Coords, replica_pg, shard_pg, device: torch.device) -> DeviceMesh:
+    """The facility's mesh for FSDP: ``(replicate, shard)`` for HSDP with more than one replica, else ``(shard,)``."""
+    f = coords.facility
+    if layout.replicas[f] == 1:
+        return DeviceMesh.from_group(shard_pg, device.type, mesh_dim_names=("shard",))
+    mesh_ranks = torch.tensor(layout.facility_ranks(f), dtype=torch.int).view(layout.replicas[f], layout.shard_size)
+    return DeviceMesh.from_group(
+        [replica_pg, shard_pg],
+        device.type,
+        mesh=mesh_ranks,
+        mesh_dim_names=("replicate", "shard"),
+    )
+
+
+def _overlap_groups(layout: Layout, coords: Coords, backend: str, timeout: timedelta) -> dict[str, tuple]:
+    """Groups no one else uses: the overlapped exchange runs beside the training thread's collectives."""
+    first = {
+        s_: _new_groups(
+            tuple(layout.facility_offsets[g] + s_ for g in range(layout.num_facilities)), 1, backend, timeout
+        )
+        for s_ in range(layout.shard_size)
+    }
+    replicas = {
+        (g, s_): _new_groups(layout.replica_group_ranks(g, s_), 1, backend, timeout)
+        for g in range(layout.num_facilities)
+        for s_ in range(layout.shard_size)
+    }
+    return {
+        "overlap_peers": first[coords.shard] if coords.replica == 0 else (None,),
+        "overlap_replicas": replicas[(coords.facility, coords.shard)],
+    }
+
+
 def build_state(
     layout: Layout,
     env: ProcessEnv,
@@ -271,52 +341,20 @@ def build_state(
         raise ValueError(f"strategy.streams={num_streams}: need at least one stream")
     backend = resolve_backend(backend, local_world_size=env.local_world_size)
     timeout = timedelta(seconds=timeout_s)
-    if not dist.is_initialized():
-        device = init_default_group(env, backend, timeout_s)
-    else:  # under torchrun the group exists (made before the config was known): apply the timeout now
-        device = cuda_device(env.local_rank) if backend == "nccl" else torch.device("cpu")
-        if device.type == "cuda":
-            cuda_defaults(device)
-        dist.distributed_c10d._set_pg_timeout(timeout)
+    device = _join_default_group(env, backend, timeout_s)
     pg_backend = group_backend(backend)
     coords = layout.coords(env.rank)
-    me = env.rank
 
-    # Shard groups (one FSDP sharding) and replica groups (same shard, all replicas).
-    shard_groups, replica_groups, facility_groups = {}, {}, {}
-    for f in range(layout.num_facilities):
-        facility_groups[f] = _new_groups(layout.facility_ranks(f), num_streams, pg_backend, timeout)
-        for r in range(layout.replicas[f]):
-            shard_groups[(f, r)] = _new_groups(layout.shard_group_ranks(f, r), 1, pg_backend, timeout)
-        for s in range(layout.shard_size):
-            replica_groups[(f, s)] = _new_groups(layout.replica_group_ranks(f, s), num_streams, pg_backend, timeout)
-
-    def exchanges(plan: tuple[Exchange, ...]) -> tuple[PeerExchange, ...]:
-        out = []
-        for ex in plan:
-            groups = _new_groups(ex.ranks, num_streams, pg_backend, timeout)
-            if me in ex.ranks:
-                out.append(PeerExchange(ex, groups))
-        return tuple(out)
-
-    split = exchanges(layout.split_exchanges()) if layout.num_facilities > 1 else ()
-    sender = exchanges(layout.sender_exchanges()) if layout.num_facilities > 1 else ()
-
+    # Every rank creates every group, in this order.
+    facility_groups, shard_groups, replica_groups = _facility_groups(layout, num_streams, pg_backend, timeout)
+    split, sender = (), ()
+    if layout.num_facilities > 1:
+        split = _peer_exchanges(layout.split_exchanges(), env.rank, num_streams, pg_backend, timeout)
+        sender = _peer_exchanges(layout.sender_exchanges(), env.rank, num_streams, pg_backend, timeout)
     f, r, s = coords.facility, coords.replica, coords.shard
     shard_pg = shard_groups[(f, r)][0]
-    if layout.replicas[f] > 1:
-        facility = layout.facility_ranks(f)
-        mesh_ranks = torch.tensor(facility, dtype=torch.int).view(layout.replicas[f], layout.shard_size)
-        mesh = DeviceMesh.from_group(
-            [replica_groups[(f, s)][0], shard_pg],
-            device.type,
-            mesh=mesh_ranks,
-            mesh_dim_names=("replicate", "shard"),
-        )
-    else:
-        mesh = DeviceMesh.from_group(shard_pg, device.type, mesh_dim_names=("shard",))
-
-    # Built after the mesh, in this order on every rank: every rank creates every group.
+    mesh = _device_mesh(layout, coords, replica_groups[(f, s)][0], shard_pg, device)
+    # Built after the mesh.
     peers = {s_: _new_groups(layout.peer_ranks(s_), 1, pg_backend, timeout) for s_ in range(layout.shard_size)}
     background = _new_groups(tuple(range(layout.world_size)), 1, "gloo", timeout)
     groups = {
@@ -328,29 +366,9 @@ def build_state(
         "senders": sender[0].groups if sender and r == 0 else (None,),
         "background": background,
     }
-    if overlap:  # groups no one else uses: the overlapped exchange runs beside the training thread's collectives
-        first = {
-            s_: _new_groups(
-                tuple(layout.facility_offsets[g] + s_ for g in range(layout.num_facilities)), 1, pg_backend, timeout
-            )
-            for s_ in range(layout.shard_size)
-        }
-        replicas = {
-            (g, s_): _new_groups(layout.replica_group_ranks(g, s_), 1, pg_backend, timeout)
-            for g in range(layout.num_facilities)
-            for s_ in range(layout.shard_size)
-        }
-        groups["overlap_peers"] = first[s] if r == 0 else (None,)
-        groups["overlap_replicas"] = replicas[(f, s)]
+    if overlap:
+        groups.update(_overlap_groups(layout, coords, pg_backend, timeout))
 
-    # One communicator per stream (the groups above, one per stream index), every one issued to from the
-    # training thread only, in the same order on every rank. On NCCL concurrent kernels of different
-    # communicators are not guaranteed to progress together: NCCL's kernels block until their peers' data
-    # arrives, and anything that synchronizes the device (a cudaMalloc inside a collective, more CTAs per
-    # operation) can then deadlock them ("Using multiple NCCL communicators concurrently" in NCCL's user
-    # guide: keep operations of different communicators ordered the same way on every rank). The default
-    # strategy.streams=1 stays until GPU measurements (python -m xffl_like.bench.gpu) show streams=2 gains
-    # and holds; see docs/running.md, "On GPUs".
     streams = tuple(torch.cuda.Stream(device=device) for _ in range(num_streams)) if device.type == "cuda" else ()
     return DistributedState(
         layout=layout,

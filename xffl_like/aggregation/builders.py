@@ -33,6 +33,34 @@ def build_strategy(model: nn.Module, state, options: StrategyConfig, *, collecti
     if not isinstance(options, StrategyConfig):
         raise TypeError(f"build_strategy takes the strategy section as a StrategyConfig, got {type(options).__name__}")
     opts = normalise_strategy(options)
+    collective = _collective(opts, state, collective)
+    named = list(model.named_parameters())
+    selected = select_parameters(model, opts.only)
+    locals_ = _local_shards(named, selected)
+    model_bytes = sum(named[i][1].numel() * named[i][1].element_size() for i in selected)
+    num_chunks = state.layout.num_chunks if opts.mode == "split" else 1
+    return Strategy(
+        name=opts.name,
+        mode=opts.mode,
+        num_streams=opts.streams,
+        bucket_mb=opts.bucket_mb,
+        packing=BUILDERS[opts.name].packing,
+        collective=collective,
+        reduce_op=reduce_op(state.backend),
+        num_facilities=state.num_facilities,
+        num_chunks=num_chunks,
+        param_names=tuple(n for n, _ in named),
+        selected=selected,
+        model_bytes=model_bytes,
+        communications=_communications(opts, state, locals_, num_chunks, collective),
+        transport=opts.transport,
+        mpi_comm=mpi_communicator(state) if opts.transport == "mpi" and state.num_facilities > 1 else None,
+    )
+
+
+def _collective(opts: StrategyConfig, state, collective: str | None) -> str:
+    """The collective this rank's aggregation runs (``collective`` checked against the transport, the
+    backend and the state's streams; ``None``: the exchange on gloo or over MPI, else the all-reduce)."""
     if opts.transport == "mpi":  # MPI carries the exchange's messages; there is no MPI all-reduce path
         if collective not in (None, "exchange"):
             raise ValueError(
@@ -50,60 +78,49 @@ def build_strategy(model: nn.Module, state, options: StrategyConfig, *, collecti
             f"strategy.streams={opts.streams} but the DistributedState has {state.num_streams} stream(s): "
             f"build the state with num_streams={opts.streams}"
         )
-    named = list(model.named_parameters())
-    selected = select_parameters(model, opts.only)
+    return collective
+
+
+def _local_shards(named: list, selected) -> list[tuple[int, torch.Tensor]]:
+    """``(index, this rank's local shard)`` of every selected parameter, each contiguous (aggregated in place)."""
     locals_ = [(i, local_shard(named[i][1])) for i in selected]
     for i, local in locals_:
         if not local.is_contiguous():
             raise ValueError(
                 f"parameter {named[i][0]!r} has a non-contiguous local shard: cannot aggregate it in place"
             )
-    model_bytes = sum(named[i][1].numel() * named[i][1].element_size() for i in selected)
+    return locals_
 
-    layout = state.layout
-    facility, replica = state.facility, state.replica
+
+def _communications(opts: StrategyConfig, state, locals_, num_chunks: int, collective: str) -> tuple:
+    """Every communication of this rank's round, chunk by chunk (none with a single facility)."""
+    if state.num_facilities == 1:
+        return ()
+    layout, facility, replica = state.layout, state.facility, state.replica
     split = opts.mode == "split"
-    num_chunks = layout.num_chunks if split else 1
+    builder = BUILDERS[opts.name]
+    cap = max(1, int(opts.bucket_mb * 2**20))
     communications: list[Communication] = []
-    if state.num_facilities > 1:
-        builder = BUILDERS[opts.name]
-        cap = max(1, int(opts.bucket_mb * 2**20))
-        for c, segments in enumerate(cut_chunks(locals_, num_chunks)):
-            owner = layout.chunk_owner(facility, c) if split else 0
-            for group, stream in builder.plan(segments, opts.streams, cap):
-                communications.append(
-                    _communication(
-                        group,
-                        stream,
-                        c,
-                        owner,
-                        layout.rank_of(facility, owner, state.shard),
-                        owner == replica,
-                        state.num_replicas > 1,
-                        builder.packing,
-                        collective,
-                        facility,
-                        state.num_facilities,
-                        opts.transport,
-                    )
+    for c, segments in enumerate(cut_chunks(locals_, num_chunks)):
+        owner = layout.chunk_owner(facility, c) if split else 0
+        for group, stream in builder.plan(segments, opts.streams, cap):
+            communications.append(
+                _communication(
+                    group,
+                    stream,
+                    c,
+                    owner,
+                    layout.rank_of(facility, owner, state.shard),
+                    owner == replica,
+                    state.num_replicas > 1,
+                    builder.packing,
+                    collective,
+                    facility,
+                    state.num_facilities,
+                    opts.transport,
                 )
-    return Strategy(
-        name=opts.name,
-        mode=opts.mode,
-        num_streams=opts.streams,
-        bucket_mb=opts.bucket_mb,
-        packing=BUILDERS[opts.name].packing,
-        collective=collective,
-        reduce_op=reduce_op(state.backend),
-        num_facilities=state.num_facilities,
-        num_chunks=num_chunks,
-        param_names=tuple(n for n, _ in named),
-        selected=selected,
-        model_bytes=model_bytes,
-        communications=tuple(communications),
-        transport=opts.transport,
-        mpi_comm=mpi_communicator(state) if opts.transport == "mpi" and state.num_facilities > 1 else None,
-    )
+            )
+    return tuple(communications)
 
 
 def _communication(

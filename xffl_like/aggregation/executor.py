@@ -281,6 +281,54 @@ def _peer_exchanges(strategy: Strategy, state) -> dict:
 
 # ----------------------------------------------------------------------------- aggregate
 @torch.no_grad()
+def _on(streams, comm):
+    """The context in which ``comm``'s work runs: its CUDA stream, or nothing on CPU."""
+    return torch.cuda.stream(streams[comm.stream]) if streams else contextlib.nullcontext()
+
+
+def _start_reductions(strategy: Strategy, state, peers: dict, scales, op, prescale) -> dict:
+    """Owners post every exchange's receives, then pack and start the cross-facility reductions; each
+    exchange then reduces what arrived and sends it back. Returns ``{plan index: (wire, work)}``."""
+    comms, streams = strategy.communications, state.streams
+    exchanges = _exchanges(strategy, comms, peers, scales, state.facility)
+    reductions = {}
+    for k, comm in enumerate(comms):
+        if comm.reduce:
+            with _on(streams, comm):
+                exchange = exchanges.get(k)
+                # an exchange applies the weights itself
+                wire = _pack(comm, None if exchange else prescale, False, _wire_packing(strategy, comm))
+                work = (
+                    exchange.start(wire.view(-1))
+                    if exchange
+                    else _AllReduce(wire, peers[comm.chunk].groups[comm.stream], op)
+                )
+                reductions[k] = (wire, work)
+    for k, (_, work) in reductions.items():  # exchanges: reduce what arrived, send it back
+        with _on(streams, comms[k]):
+            work.step()
+    return reductions
+
+
+def _finish_and_forward(strategy: Strategy, state, reductions: dict) -> tuple[list, list]:
+    """In plan order: owners finish and forward, the other replicas start receiving.
+    Returns the receives ``(comm, wire, work)`` and the owners' broadcasts."""
+    receiving, broadcasts = [], []
+    for k, comm in enumerate(strategy.communications):
+        with _on(state.streams, comm):
+            group = state.group("replica", comm.stream)
+            if comm.reduce:
+                wire, work = reductions.pop(k)
+                work.wait()
+                if comm.broadcast:
+                    broadcasts.append(_broadcast(wire, comm.source, group))
+                _unpack(comm, wire, _wire_packing(strategy, comm))
+            else:
+                wire = _pack(comm, None, True, _wire_packing(strategy, comm))
+                receiving.append((comm, wire, _broadcast(wire, comm.source, group)))
+    return receiving, broadcasts
+
+
 def aggregate(strategy: Strategy, state, weights: Sequence[float] | None = None) -> AggregationResult:
     """Replace the strategy's parameters, on every rank, by their weighted mean over facilities.
 
@@ -289,8 +337,7 @@ def aggregate(strategy: Strategy, state, weights: Sequence[float] | None = None)
     """
     start = time.perf_counter()
     scale = facility_scale(state, weights)  # validates weights
-    comms = strategy.communications
-    if not comms:
+    if not strategy.communications:
         return AggregationResult(time.perf_counter() - start, 0, strategy.cross_facility_bytes)
     uniform = weights is None or len(set(float(w) for w in weights)) == 1
     op, prescale = _reduce_op(strategy, scale, uniform)
@@ -302,48 +349,12 @@ def aggregate(strategy: Strategy, state, weights: Sequence[float] | None = None)
         current = torch.cuda.current_stream()
         for s in streams[: strategy.num_streams]:
             s.wait_stream(current)
-
-    def on(comm):
-        return torch.cuda.stream(streams[comm.stream]) if streams else contextlib.nullcontext()
-
-    # 1. owners: post every exchange's receives, then pack and start the cross-facility reductions.
-    exchanges = _exchanges(strategy, comms, peers, scales, state.facility)
-    reductions = {}
-    for k, comm in enumerate(comms):
-        if comm.reduce:
-            with on(comm):
-                exchange = exchanges.get(k)
-                # an exchange applies the weights itself
-                wire = _pack(comm, None if exchange else prescale, False, _wire_packing(strategy, comm))
-                work = (
-                    exchange.start(wire.view(-1))
-                    if exchange
-                    else _AllReduce(wire, peers[comm.chunk].groups[comm.stream], op)
-                )
-                reductions[k] = (wire, work)
-    for k, (_, work) in reductions.items():  # exchanges: reduce what arrived, send it back
-        with on(comms[k]):
-            work.step()
-
-    # 2. in plan order: owners finish and forward, the other replicas start receiving.
-    receiving = []
-    broadcasts = []
-    for k, comm in enumerate(comms):
-        with on(comm):
-            group = state.group("replica", comm.stream)
-            if comm.reduce:
-                wire, work = reductions.pop(k)
-                work.wait()
-                if comm.broadcast:
-                    broadcasts.append(_broadcast(wire, comm.source, group))
-                _unpack(comm, wire, _wire_packing(strategy, comm))
-            else:
-                wire = _pack(comm, None, True, _wire_packing(strategy, comm))
-                receiving.append((comm, wire, _broadcast(wire, comm.source, group)))
-
+    # 1. owners start the cross-facility reductions; 2. they finish and forward, the others start receiving.
+    reductions = _start_reductions(strategy, state, peers, scales, op, prescale)
+    receiving, broadcasts = _finish_and_forward(strategy, state, reductions)
     # 3. receivers unpack; senders make sure their broadcasts are done before buffers are reused.
     for comm, wire, work in receiving:
-        with on(comm):
+        with _on(streams, comm):
             work.wait()
             _unpack(comm, wire, _wire_packing(strategy, comm))
     for work in broadcasts:

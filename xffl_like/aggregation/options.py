@@ -93,16 +93,7 @@ def validate_strategy_options(
         raise ConfigError(f"strategy.bucket_mb={cfg.bucket_mb!r}: need a positive number of megabytes")
     if cfg.mode not in AGGREGATION_MODES:
         raise ConfigError(f"strategy.mode={cfg.mode!r}: valid modes are {list(AGGREGATION_MODES)}")
-    only = cfg.only
-    if only is not None:
-        if isinstance(only, str):
-            only = [only]
-        only = tuple(only)
-        if not only or not all(isinstance(p, str) and p for p in only):
-            raise ConfigError(
-                f"strategy.only={list(only)}: need a non-empty list of parameter-name globs or module class names, "
-                "or null"
-            )
+    only = _checked_only(cfg.only)
     if cfg.transport not in TRANSPORTS:
         raise ConfigError(f"strategy.transport={cfg.transport!r}: valid transports are {list(TRANSPORTS)}")
     if cfg.transport == "mpi":
@@ -110,23 +101,41 @@ def validate_strategy_options(
     cfg = normalise_strategy(dataclasses.replace(cfg, only=only))
 
     if only is not None and (param_names is not None or model is not None):
-        named = list(model.named_parameters()) if model is not None else None
-        names = [n for n, _ in named] if named is not None else list(param_names)
-        classes = _owner_classes(model) if model is not None else None
-        for pattern in only:
-            if any(fnmatch.fnmatchcase(n, pattern) for n in names):
-                continue
-            if classes is None and _looks_like_class_name(pattern):
-                continue
-            if classes is not None and any(pattern in c for c in classes.values()):
-                continue
-            shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
-            raise ConfigError(
-                f"strategy.only pattern {pattern!r} matches no parameter name"
-                + ("" if classes is None else " nor module class")
-                + f": parameters look like {shown}"
-            )
+        _check_only_matches(only, param_names, model)
     return cfg
+
+
+def _checked_only(only) -> tuple[str, ...] | None:
+    """``strategy.only`` as a tuple (a single glob wrapped) or None, checked to be non-empty strings."""
+    if only is None:
+        return None
+    only = tuple([only] if isinstance(only, str) else only)
+    if not only or not all(isinstance(p, str) and p for p in only):
+        raise ConfigError(
+            f"strategy.only={list(only)}: need a non-empty list of parameter-name globs or module class names, or null"
+        )
+    return only
+
+
+def _check_only_matches(only: tuple[str, ...], param_names: Sequence[str] | None, model: nn.Module | None) -> None:
+    """Every ``only`` pattern matches a parameter name, or (with ``model``) a module class name; without
+    ``model`` a bare capitalised identifier is taken for a class name."""
+    named = list(model.named_parameters()) if model is not None else None
+    names = [n for n, _ in named] if named is not None else list(param_names)
+    classes = _owner_classes(model) if model is not None else None
+    for pattern in only:
+        if any(fnmatch.fnmatchcase(n, pattern) for n in names):
+            continue
+        if classes is None and _looks_like_class_name(pattern):
+            continue
+        if classes is not None and any(pattern in c for c in classes.values()):
+            continue
+        shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
+        raise ConfigError(
+            f"strategy.only pattern {pattern!r} matches no parameter name"
+            + ("" if classes is None else " nor module class")
+            + f": parameters look like {shown}"
+        )
 
 
 def _owner_classes(model: nn.Module) -> dict[str, set[str]]:

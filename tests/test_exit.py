@@ -5,7 +5,7 @@ The issue: a torchrun script wrapping its model in ``DecentralizedDataParallel``
 ``destroy_process_group``) printed correct values, then aborted 1 run in 6 with "terminate called
 without an active exception": a gloo thread still releasing ``global_avg``'s tensors needs the
 GIL, and taking it once the interpreter's teardown has begun ends the thread through torch's
-noexcept destructors (see ``xffl_like.parallel.comm``, "at exit").
+noexcept destructors (see ``xffl_like.parallel.runtime``, "at exit").
 
 ``tests/workers/exit_ddp.py`` is that script. It runs ``REPS`` times, ``AT_ONCE`` at a time, through
 ``workers.exit_launch``: ranks started as torchrun starts them, forked from one process that

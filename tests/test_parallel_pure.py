@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from xffl_like.parallel import codec
-from xffl_like.parallel.optim import AccumAdam, AccumAdamW, optim_fn_accum_adamw, optim_fn_adam
+from xffl_like.parallel.accum_adam import AccumAdam, AccumAdamW, optim_fn_accum_adamw, optim_fn_adam
 from xffl_like.parallel.topology import topology_edges
 
 VALID = (
@@ -247,7 +247,7 @@ def test_comm_thread_runs_jobs_in_order_and_stops_after_a_failure():
     import gc
     import threading
 
-    from xffl_like.parallel.comm import CommThread
+    from xffl_like.parallel.runtime import CommThread
 
     seen, gate = [], threading.Event()
     comm = CommThread("test-comm")

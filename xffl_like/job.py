@@ -466,11 +466,11 @@ def _port_in_use(exc: BaseException) -> bool:
 
 def _finalize_mpi_last() -> None:
     """atexit under an MPI launcher, while the interpreter is whole: torch's process groups first
-    (destroyed, dropped, their gloo threads joined: :func:`~xffl_like.parallel.comm.release_process_groups`),
+    (destroyed, dropped, their gloo threads joined: :func:`~xffl_like.parallel.runtime.release_process_groups`),
     then MPI. mpi4py would finalize MPI itself only at the very end of interpreter teardown (``Py_AtExit``),
     after whatever groups teardown frees, in whatever order, and a gloo thread aborting there (see
-    ``parallel.comm``) makes mpiexec fail a job that had finished."""
-    from .parallel.comm import release_process_groups
+    ``parallel.runtime``) makes mpiexec fail a job that had finished."""
+    from .parallel.runtime import release_process_groups
 
     release_process_groups()
     mpi = sys.modules.get("mpi4py.MPI")  # never imported here: only where the rendezvous or the transport used it
@@ -484,7 +484,7 @@ def _rendezvous_env():
     from .distributed.state import read_env
 
     env = read_env()
-    if env.launcher == "mpi":  # registered after train.loop's import, so it runs before parallel.comm's hook
+    if env.launcher == "mpi":  # registered after train.loop's import, so it runs before parallel.runtime's hook
         import atexit
 
         atexit.register(_finalize_mpi_last)

@@ -6,7 +6,7 @@ Every rank wraps a tiny linear model in :class:`DecentralizedDataParallel` (``ri
 ``STEPS`` iterations on its own fixed batch, calls ``global_avg()``, prints the averaged
 parameters as one JSON line, and returns: no ``close()``, no ``destroy_process_group``. It must
 exit 0 (it aborted 1 run in 6 with "terminate called without an active exception": a gloo thread
-releasing global_avg's tensors during interpreter teardown; see ``xffl_like.parallel.comm``).
+releasing global_avg's tensors during interpreter teardown; see ``xffl_like.parallel.runtime``).
 
 The optimizer is a plain SGD step (:class:`SGD`): ``torch.optim``'s first optimizer imports
 ``torch._dynamo``, which costs seconds per process and whose exit handlers happen to hand the

@@ -12,7 +12,7 @@ agent as much again per repetition, too much for 80 processes on a 2-core machin
 costs ~0.35 s (``gc.freeze``: no copy-on-write of the inherited heap by the rank's collections).
 
 ``--stress`` widens the race behind "terminate called without an active exception" (see
-``xffl_like.parallel.comm``): gloo's threads get ``SCHED_IDLE`` (set on each one once its group
+``xffl_like.parallel.runtime``): gloo's threads get ``SCHED_IDLE`` (set on each one once its group
 is created) and the GIL switch interval is 1 s, so that a gloo thread that still has to release a
 finished collective's tensors waits for the GIL until the main thread gives it up, which at the
 end of a script is in the interpreter's teardown. Without the fix the issue's script aborted in 11

@@ -133,7 +133,7 @@ def ddp_cases(cases, iterations=3, lr=0.1):
             ddp(coefs(rank, it)).backward()
         ddp.wait_pending()  # waits only: "trained" (checked against the simulation) is still before the mix
         trained = _params(model)
-        import xffl_like.parallel.comm as pcomm
+        import xffl_like.parallel.runtime as pcomm
 
         pcomm.CONSENSUS_CHUNK, chunk = 3, pcomm.CONSENSUS_CHUNK  # parameters cut across several all-reduces
         distance = P.consensus_distance(model)

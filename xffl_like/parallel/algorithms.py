@@ -3,7 +3,7 @@
 Each algorithm reacts to the events :class:`~xffl_like.parallel.bagua.BaguaModule`
 reports: ``before_forward``, ``grad_ready(bucket)`` (in a fixed bucket order, during
 backward), ``after_backward``, ``after_step`` (after ``optimizer.step()``). "Node"
-and hierarchical modes are described in :mod:`xffl_like.parallel.comm`.
+and hierarchical modes are described in :mod:`xffl_like.parallel.runtime`.
 
 Differences from Bagua, on purpose: low-precision decentralized compresses the
 difference against the copy its neighbours hold (Bagua takes it against the
@@ -25,7 +25,7 @@ from torch import Tensor
 
 from . import codec
 from .buckets import AlgorithmHost, Bucket
-from .comm import CommThread, NodeComm, node_channel, p2p_exchange
+from .runtime import CommThread, NodeComm, node_channel, p2p_exchange
 from .topology import background_group
 
 __all__ = [
@@ -143,7 +143,7 @@ class ByteGrad(GradientAllReduce):
       collectives only enqueue work; the side stream first waits for the gradients, and the
       training stream waits for the side stream in ``after_backward``): nothing blocks the host;
     - elsewhere (host tensors) it runs on a communication thread
-      (:class:`~xffl_like.parallel.comm.CommThread`) over gloo groups of its own
+      (:class:`~xffl_like.parallel.runtime.CommThread`) over gloo groups of its own
       (:func:`~xffl_like.parallel.topology.background_group`: the members' exchange and the node
       broadcast), never the groups the training thread uses.
     """

@@ -22,7 +22,7 @@ from torch.optim import Optimizer
 
 from .algorithms import Algorithm
 from .buckets import Bucket
-from .comm import NodeComm, close_at_exit, node_comm
+from .runtime import NodeComm, close_at_exit, node_comm
 
 __all__ = ["BaguaModule", "Bucket", "with_algorithm", "broadcast_parameters", "allreduce_parameters"]
 

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .comm import NodeComm, flat_copy, unflatten_into
+from .runtime import NodeComm, flat_copy, unflatten_into
 
 __all__ = ["AlgorithmHost", "Bucket"]
 

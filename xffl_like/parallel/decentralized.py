@@ -37,7 +37,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from .comm import CommThread, close_at_exit, node_sizes, wait_work
+from .runtime import CommThread, close_at_exit, node_sizes, wait_work
 from .topology import Edge, Topology
 
 __all__ = ["DecentralizedDataParallel", "OPTIM_FN_TYPE", "LR_SCHEDULER_FN_TYPE"]
@@ -137,7 +137,7 @@ class DecentralizedDataParallel(nn.Module):
     """Wrap ``model`` for decentralized data parallelism over ``topology`` (see the module docstring).
 
     ``optim_fn(list of (name, parameter))`` builds one optimizer per bucket (e.g.
-    :func:`~xffl_like.parallel.optim.optim_fn_accum_adamw`), ``lr_scheduler_fn(optimizer)``
+    :func:`~xffl_like.parallel.accum_adam.optim_fn_accum_adamw`), ``lr_scheduler_fn(optimizer)``
     one scheduler per bucket. The training loop only calls ``forward`` and
     ``backward``: updates happen inside backward, so there is no ``optimizer.step()``.
     ``set_accumulate_grad(True)`` makes the following forward/backward passes only
@@ -145,7 +145,7 @@ class DecentralizedDataParallel(nn.Module):
     every copy by the exact mean over all ranks (call it before evaluating).
     ``close()`` finishes the mixing in flight and stops communicating; a script that
     never calls it (nor ``destroy_process_group``) is closed at exit, while the
-    interpreter is still whole (see :func:`~xffl_like.parallel.comm.close_at_exit`).
+    interpreter is still whole (see :func:`~xffl_like.parallel.runtime.close_at_exit`).
     ``local_world_size`` (default ``LOCAL_WORLD_SIZE``) is the processes per node
     used by ``alternating-exp-ring``. Assumes every parameter is used once per
     backward, like Decent-DP.

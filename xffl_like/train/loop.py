@@ -15,7 +15,7 @@ from pathlib import Path
 from ..config.plan import WorkerPlan
 from ..config.schema import JobConfig
 from ..distributed.state import build_state, read_env
-from ..parallel.comm import finish_communication, release_process_groups
+from ..parallel.runtime import finish_communication, release_process_groups
 from .trainer import STOP_GRACE_S, build_trainer
 
 __all__ = ["STOP_GRACE_S", "train_worker"]
@@ -35,7 +35,7 @@ def train_worker(cfg: JobConfig, run_dir: str, started_at: float, plan: WorkerPl
     finally:
         # Destroyed is not gone: gloo joins a group's worker threads only when the group's last reference
         # goes, and a worker still releasing a recent collective's tensors in interpreter teardown aborts
-        # the process after its last line (parallel.comm, "at exit"). So drop this frame's state, destroy
+        # the process after its last line (parallel.runtime, "at exit"). So drop this frame's state, destroy
         # every group, drop the package's cached groups and collect the cycles holding the rest, now.
         state = None  # noqa: F841
         release_process_groups()  # dist.destroy_process_group() included

@@ -1,4 +1,6 @@
-"""Who talks to whom for the Bagua-style algorithms: the world, the node, the node leaders.
+"""What the data-parallel algorithms run on: who talks to whom (the world, the node, the node leaders),
+one communication thread (:class:`CommThread`), finishing communication at exit (:func:`close_at_exit`,
+:func:`release_process_groups`) and small collectives (:func:`p2p_exchange`, :func:`consensus_distance`).
 
 "Node" is a block of consecutive ranks (the processes sharing a host under torchrun,
 or a facility in the main job); nodes may differ in size. Hierarchical algorithms

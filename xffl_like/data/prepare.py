@@ -63,17 +63,42 @@ def _check_inputs(paths: list[Path], out: Path) -> None:
         raise ValueError(f"--output {out}: exists and is not a directory; pass a directory (it is created if missing)")
 
 
-def prepare(tokenizer: str, output: str | Path, files: list[str | Path], progress: bool = True) -> dict:
-    """Write ``tokens.bin`` + ``meta.json`` under ``output``; return the metadata."""
-    paths = [Path(f).absolute() for f in files]
-    out = Path(output).absolute()
-    _check_inputs(paths, out)
+def _tokenizer_with_eos(tokenizer: str):
+    """The tokenizer ``tokenizer`` (a path or ``byte``), which must have an end-of-document token."""
     tok = load_tokenizer(tokenizer, Path.cwd())
     if tok.eos_id is None:
         raise ValueError(
             f"tokenizer {tok.name}: no end-of-document token found (add one of "
             "<|end_of_text|>, <|endoftext|>, </s> or set eos_token in tokenizer_config.json)"
         )
+    return tok
+
+
+def _write_documents(f, paths: list[Path], tok, dtype, bar) -> tuple[list[int], int]:
+    """Write every document of ``paths`` to ``f`` as tokens, each followed by the end-of-document token;
+    return each document's first token index and the number of tokens."""
+    starts: list[int] = []
+    count = 0
+    for p in paths:
+        empty = True
+        for text in _documents(p):
+            empty = empty and not text.strip()
+            ids = np.asarray(tok.encode(text) + [tok.eos_id], dtype=dtype)
+            starts.append(count)
+            count += len(ids)
+            f.write(ids.tobytes())
+            bar.update(len(text.encode("utf-8")))
+        if empty:  # whitespace only, or a .jsonl without a document: a corpus of end-of-document tokens
+            raise ValueError(f"{p}: no text to tokenize (only whitespace or no documents); pass files with text")
+    return starts, count
+
+
+def prepare(tokenizer: str, output: str | Path, files: list[str | Path], progress: bool = True) -> dict:
+    """Write ``tokens.bin`` + ``meta.json`` under ``output``; return the metadata."""
+    paths = [Path(f).absolute() for f in files]
+    out = Path(output).absolute()
+    _check_inputs(paths, out)
+    tok = _tokenizer_with_eos(tokenizer)
     dtype = np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -81,8 +106,6 @@ def prepare(tokenizer: str, output: str | Path, files: list[str | Path], progres
         raise ValueError(f"--output {out}: cannot create the directory ({exc.strerror or exc})") from None
     from tqdm import tqdm
 
-    starts: list[int] = []
-    count = 0
     bar = tqdm(
         total=sum(p.stat().st_size for p in paths),
         unit="B",
@@ -94,19 +117,7 @@ def prepare(tokenizer: str, output: str | Path, files: list[str | Path], progres
     partial = out / (TOKENS + ".partial")  # renamed at the end: an interrupted run leaves no valid-looking corpus
     try:
         with partial.open("wb") as f:
-            for p in paths:
-                empty = True
-                for text in _documents(p):
-                    empty = empty and not text.strip()
-                    ids = np.asarray(tok.encode(text) + [tok.eos_id], dtype=dtype)
-                    starts.append(count)
-                    count += len(ids)
-                    f.write(ids.tobytes())
-                    bar.update(len(text.encode("utf-8")))
-                if empty:  # whitespace only, or a .jsonl without a document: a corpus of end-of-document tokens
-                    raise ValueError(
-                        f"{p}: no text to tokenize (only whitespace or no documents); pass files with text"
-                    )
+            starts, count = _write_documents(f, paths, tok, dtype, bar)
     except OSError as exc:
         partial.unlink(missing_ok=True)
         raise ValueError(f"{partial}: cannot write ({exc.strerror or exc})") from None

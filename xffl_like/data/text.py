@@ -257,6 +257,13 @@ def eval_range(n_train: int, n_eval: int, seq_len: int, facility_size: int, faci
     return (n_train, n_train + n_eval), False
 
 
+def _corpus_tensor(corpus: bytes | torch.Tensor) -> torch.Tensor:
+    """``corpus`` as a tensor: token ids as they are (a tokenizer's output, a memory-mapped corpus), bytes as uint8."""
+    if isinstance(corpus, torch.Tensor):
+        return corpus
+    return torch.frombuffer(bytearray(corpus), dtype=torch.uint8) if corpus else torch.zeros(0, dtype=torch.uint8)
+
+
 # --------------------------------------------------------------------------- the source
 class TextByteSource:
     """Rank ``facility_rank`` of facility ``facility``'s view of a byte-tokenized corpus.
@@ -295,39 +302,35 @@ class TextByteSource:
         self.paths = list(paths)
         self.vocab_size = BYTE_VOCAB_SIZE
 
-        if isinstance(corpus, torch.Tensor):  # token ids (a tokenizer's output, or a memory-mapped corpus)
-            self.corpus = corpus
-        else:
-            self.corpus = (
-                torch.frombuffer(bytearray(corpus), dtype=torch.uint8) if corpus else torch.zeros(0, dtype=torch.uint8)
-            )
+        self.corpus = _corpus_tensor(corpus)
         n = len(self.corpus)
         self.n_train, self.n_eval = _check_length(n, eval_fraction, self.seq_len, self.paths or [Path("<bytes>")])
-
-        window = self.seq_len + 1
         fac = facility_segments(self.n_train, self.num_facilities, self.facility, partition, self.block_size)
         self.train_segments = rank_segments(fac, self.facility_size, self.facility_rank)
-        # segments that hold at least one window, and their number of valid starts
+        self._index_windows()
+        self.eval_segment, self.eval_disjoint = eval_range(
+            self.n_train, self.n_eval, self.seq_len, self.facility_size, self.facility_rank
+        )
+        self._eval_cache: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def _index_windows(self) -> None:
+        """Index the training windows: the segments that hold at least one, and their number of valid starts."""
+        window = self.seq_len + 1
         usable = [(a, b) for a, b in self.train_segments if b - a >= window]
         if not usable:
             share = sum(b - a for a, b in self.train_segments)
             raise ConfigError(
                 f"data.path: the {self.n_train}-byte training part split over {self.num_facilities} facilities "
-                f"({partition}) and {self.facility_size} ranks leaves facility {self.facility} rank "
+                f"({self.partition}) and {self.facility_size} ranks leaves facility {self.facility} rank "
                 f"{self.facility_rank} with {share} bytes and no run of seq_len+1={window} contiguous bytes; "
                 "pass a longer text file, a smaller seq_len, fewer facilities/ranks"
-                + (" or data.partition=contiguous" if partition == "interleaved" else "")
+                + (" or data.partition=contiguous" if self.partition == "interleaved" else "")
             )
         self._seg_start = torch.tensor([a for a, _ in usable], dtype=torch.long)
         counts = torch.tensor([b - a - window + 1 for a, b in usable], dtype=torch.long)
         self._cum_counts = counts.cumsum(0)
         self._num_windows = int(self._cum_counts[-1])
         self._arange = torch.arange(window, dtype=torch.long)
-
-        self.eval_segment, self.eval_disjoint = eval_range(
-            self.n_train, self.n_eval, self.seq_len, self.facility_size, self.facility_rank
-        )
-        self._eval_cache: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     # ------------------------------------------------------------------ offsets
     def window_offsets(self, step: int) -> torch.Tensor:

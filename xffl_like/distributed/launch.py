@@ -304,6 +304,50 @@ def _first_error(error_dir: Path) -> tuple[str, str | None]:
     return f"rank {rank} failed: {line}{more}", str(first) if first.parent == error_dir else None
 
 
+def _launch_config(nproc: int, rdzv_port: int, max_restarts: int):
+    """The elastic agent's configuration: ``nproc`` workers on this node, rendezvous on loopback at ``rdzv_port``."""
+    from torch.distributed.launcher.api import LaunchConfig
+
+    return LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=f"xffl-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint=f"127.0.0.1:{rdzv_port}",
+        rdzv_configs={"timeout": 120},
+        max_restarts=max_restarts,
+        monitor_interval=0.1,
+        start_method="forkserver",
+        local_addr="127.0.0.1",
+        # SIGINT/SIGTERM are ours (_Forwarder): the agent's handler would SIGTERM the workers and wait 30 s.
+        signals_to_handle="SIGHUP,SIGQUIT",
+    )
+
+
+def _silence_agent() -> list[tuple[logging.Logger, int]]:
+    """Raise the agent's loggers to CRITICAL (it logs every worker's failure at ERROR level; we report the
+    cause once); return each logger with the level to restore."""
+    quiet = [
+        logging.getLogger(n)
+        for n in ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing.spawn")
+    ]
+    levels = [(lg, lg.level) for lg in quiet]
+    for lg in quiet:
+        lg.setLevel(logging.CRITICAL)
+    return levels
+
+
+def _worker_failure(exc, error_dir: Path) -> WorkerFailure:
+    """The failure to report for the agent's ``exc``: a rank killed by a signal is the cause (the others only
+    saw broken connections), else the first error a worker wrote."""
+    killed = _killed(exc)
+    if killed:
+        names = ", ".join(f"rank {r} ({sig})" for r, sig in killed)
+        return WorkerFailure(f"{names} died", None, tuple(r for r, _ in killed))
+    return WorkerFailure(*_first_error(error_dir))
+
+
 def launch_local(
     fn: Callable,
     args: tuple,
@@ -326,7 +370,7 @@ def launch_local(
     this process (:func:`.signals.die_with_parent`).
     """
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.launcher.api import elastic_launch
 
     err_dir = Path(error_dir) if error_dir is not None else Path(tempfile.mkdtemp(prefix="xffl-errors-"))
     shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
@@ -338,29 +382,8 @@ def launch_local(
     # worker rank 0 hosts the process group's store instead, on loopback too (distributed.state).
     rdzv_store, rdzv_port = loopback_store()
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=nproc,
-        run_id=f"xffl-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d",
-        rdzv_endpoint=f"127.0.0.1:{rdzv_port}",
-        rdzv_configs={"timeout": 120},
-        max_restarts=max_restarts,
-        monitor_interval=0.1,
-        start_method="forkserver",
-        local_addr="127.0.0.1",
-        # SIGINT/SIGTERM are ours (_Forwarder): the agent's handler would SIGTERM the workers and wait 30 s.
-        signals_to_handle="SIGHUP,SIGQUIT",
-    )
-    # The agent logs every worker's failure at ERROR level; we report the cause once.
-    quiet = [
-        logging.getLogger(n)
-        for n in ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing.spawn")
-    ]
-    levels = [lg.level for lg in quiet]
-    for lg in quiet:
-        lg.setLevel(logging.CRITICAL)
+    config = _launch_config(nproc, rdzv_port, max_restarts)
+    levels = _silence_agent()
     start_fork_server()
     forwarder = _Forwarder(on_abort)
     try:
@@ -368,16 +391,11 @@ def launch_local(
             env = {k: v for k, v in os.environ.items() if k != "TORCHELASTIC_SIGNALS_TO_HANDLE"}
             results = elastic_launch(config, _entry)(fn, args, str(err_dir), env)
     except ChildFailedError as exc:
-        killed = _killed(exc)
-        if killed:  # a dead rank is the cause; the others only saw broken connections
-            names = ", ".join(f"rank {r} ({sig})" for r, sig in killed)
-            failure = WorkerFailure(f"{names} died", None, tuple(r for r, _ in killed))
-        else:
-            failure = WorkerFailure(*_first_error(err_dir))
+        failure = _worker_failure(exc, err_dir)
         failure.interrupted = forwarder.signum
         raise failure from None
     finally:
-        for lg, level in zip(quiet, levels):
+        for lg, level in levels:
             lg.setLevel(level)
         del rdzv_store
         import shutil

@@ -88,7 +88,7 @@ def test_cycle_finder_finds_a_planted_cycle(tmp_path):
 
 def test_no_import_cycle_in_the_package():
     graph = module_graph(REPO / "xffl_like")
-    assert "xffl_like.federation.round" in graph and len(graph) > 50
+    assert "xffl_like.federation.federation" in graph and len(graph) > 50
     assert cycles(graph) == []
 
 
@@ -105,14 +105,35 @@ def test_console_scripts_name_callables():
         assert callable(getattr(importlib.import_module(module), attr)), (name, target)
 
 
-def test_functions_in_train_and_federation_are_short():
-    """Issue 27: no function in ``train/`` or ``federation/`` over 60 lines (the seam stays readable)."""
+def test_functions_in_the_package_are_short():
+    """Issues 27 and 36: no function in the package over 60 lines, 80 in ``bench/`` (the code stays readable)."""
     package = REPO / "xffl_like"
     long = []
-    for path in sorted([*(package / "train").rglob("*.py"), *(package / "federation").rglob("*.py")]):
+    for path in sorted(package.rglob("*.py")):
+        limit = 80 if "bench" in path.relative_to(package).parts else 60
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 lines = node.end_lineno - node.lineno + 1
-                if lines > 60:
+                if lines > limit:
                     long.append(f"{path.relative_to(package)}:{node.name}:{lines}")
     assert not long, long
+
+
+def test_the_hub_server_and_client_share_only_the_protocol():
+    """hub.protocol imports neither end; hub.server and hub.client do not import each other; federation/ imports
+    nothing of the hub's server."""
+    graph = module_graph(REPO / "xffl_like")
+    server = {m for m in graph if m == "xffl_like.hub.server" or m.startswith("xffl_like.hub.server.")}
+    client = {m for m in graph if m == "xffl_like.hub.client"}
+    assert server and client and "xffl_like.hub.protocol.messages" in graph
+    bad = []
+    for module, edges in graph.items():
+        if module.startswith("xffl_like.hub.protocol"):
+            bad += [f"{module} -> {e}" for e in edges & (server | client)]
+        if module in server:
+            bad += [f"{module} -> {e}" for e in edges & client]
+        if module in client:
+            bad += [f"{module} -> {e}" for e in edges & server]
+        if module == "xffl_like.federation" or module.startswith("xffl_like.federation."):
+            bad += [f"{module} -> {e}" for e in edges & server]
+    assert not bad, bad

@@ -378,7 +378,9 @@ class _Limits:
         return out
 
 
-def _time_strategy(model, state, spec: dict, bench: dict) -> dict:
+def _time_rank(model, state, spec: dict, bench: dict) -> tuple[dict, int, str]:
+    """This rank's timings of ``spec``'s aggregation and of its limits after the warm-up, its bytes and peak
+    memory; with the strategy's cross-facility bytes and collective."""
     import torch.distributed as dist
 
     from ..aggregation import aggregate, build_strategy, strategy_config
@@ -404,21 +406,31 @@ def _time_strategy(model, state, spec: dict, bench: dict) -> dict:
         "limit_bytes": limit_bytes,
         "peak": max(0, peak),
     }
-    cross_facility_bytes, collective = strategy.cross_facility_bytes, strategy.collective
+    return mine, strategy.cross_facility_bytes, strategy.collective
+
+
+def _p90(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, round(0.9 * (len(xs) - 1)))]
+
+
+def _time_strategy(model, state, spec: dict, bench: dict) -> dict:
+    import torch.distributed as dist
+
+    mine, cross_facility_bytes, collective = _time_rank(model, state, spec, bench)
     everyone: list = [None] * state.world_size
     dist.all_gather_object(everyone, mine)
-    del strategy, limits
-    gc.collect()
+    gc.collect()  # the strategy and its limits' buffers
+    return _row(spec, state, everyone, collective, cross_facility_bytes)
 
-    # A repeat takes as long as its slowest rank.
-    t = [max(r["times"][i] for r in everyone) for i in range(len(times))]
+
+def _row(spec: dict, state, everyone: list[dict], collective: str, cross_facility_bytes: int) -> dict:
+    """The table's row for ``spec`` from every rank's timings: a repeat takes as long as its slowest rank."""
+    repeats = len(everyone[0]["times"])
+    t = [max(r["times"][i] for r in everyone) for i in range(repeats)]
 
     def ref(key):
-        return [max(r["refs"][i][key] for r in everyone) for i in range(len(times))]
-
-    def p90(xs):
-        xs = sorted(xs)
-        return xs[min(len(xs) - 1, round(0.9 * (len(xs) - 1)))]
+        return [max(r["refs"][i][key] for r in everyone) for i in range(repeats)]
 
     n = state.num_facilities  # peer group size: one rank per facility
     connections = range(1, state.num_streams + 1)
@@ -441,9 +453,9 @@ def _time_strategy(model, state, spec: dict, bench: dict) -> dict:
         "bucket_mb": spec["bucket_mb"],
         "mode": spec["mode"],
         "median_s": median,
-        "p90_s": p90(t),
+        "p90_s": _p90(t),
         "limit_median_s": limit_median,
-        "limit_p90_s": p90(lim),
+        "limit_p90_s": _p90(lim),
         "ratio_to_limit": median / limit_median,
         "limit_kind": limit_kind,
         "allreduce_median_s": statistics.median(allreduce),

@@ -131,6 +131,48 @@ def _job(model: str, seq: int, batch: int, dtype: str, compile_: bool, extra: li
     return validate_config(job, 1, 1, Path.cwd())
 
 
+def _training(job, state, compile_: bool, seq: int, batch: int):
+    """The sharded model (compiled by block with ``compile_``), its optimizer and its data (prefetched on CUDA)."""
+    from ..data import build_data
+    from ..train.optim import build_optimizer
+    from ..train.parallelize import build_sharded_model
+    from ..train.speed import compile_blocks, compute_dtype
+
+    resolved = compute_dtype(job.train.dtype, state.device)
+    net = build_sharded_model(job.model, state, resolved, seed=job.seed)
+    if compile_:
+        compile_blocks(net)
+    optimizer = build_optimizer(net, job.optim)
+    data = build_data(
+        job.data, vocab_size=job.model.vocab_size, seq_len=seq, batch_size=batch, seed=job.seed,
+        facility=0, num_facilities=1, facility_rank=0, facility_size=1,
+    )  # fmt: skip
+    if state.device.type == "cuda":
+        from ..data.prefetch import Prefetcher
+
+        data = Prefetcher(data)
+    return net, optimizer, data, resolved
+
+
+def _timed_steps(step, warmup: int, steps: int, device) -> float:
+    """Seconds of ``steps`` calls of ``step(n)`` after ``warmup`` untimed ones (each waited for to its end)."""
+    import torch
+
+    cuda = device.type == "cuda"
+    for n in range(warmup):
+        loss = step(n)
+    float(loss)  # the warm-up's work is done
+    if cuda:
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for n in range(warmup, warmup + steps):
+        loss = step(n)
+    float(loss)
+    if cuda:
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
+
+
 def measure(
     model: str = "llama3_2_1b",
     seq: int = 2048,
@@ -151,9 +193,7 @@ def measure(
     from ..distributed.env import ProcessEnv
     from ..distributed.state import build_state
     from ..models import LlamaConfig
-    from ..train.optim import build_optimizer
-    from ..train.parallelize import build_sharded_model, peak_rss_mb
-    from ..train.speed import compile_blocks, compute_dtype
+    from ..train.parallelize import peak_rss_mb
     from ..train.step import accumulate_gradients
 
     if warmup < 1 or steps < 1:
@@ -166,21 +206,7 @@ def measure(
     try:
         state = build_state(layout, ProcessEnv(0, 1, 0, 1), backend=backend)
         device = state.device
-        resolved = compute_dtype(job.train.dtype, device)
-        net = build_sharded_model(job.model, state, resolved, seed=job.seed)
-        if compile_:
-            compile_blocks(net)
-        optimizer = build_optimizer(net, job.optim)
-        from ..data import build_data
-
-        data = build_data(
-            job.data, vocab_size=job.model.vocab_size, seq_len=seq, batch_size=batch, seed=job.seed,
-            facility=0, num_facilities=1, facility_rank=0, facility_size=1,
-        )  # fmt: skip
-        if device.type == "cuda":
-            from ..data.prefetch import Prefetcher
-
-            data = Prefetcher(data)
+        net, optimizer, data, resolved = _training(job, state, compile_, seq, batch)
         cuda = device.type == "cuda"
 
         def step(n: int) -> torch.Tensor:
@@ -189,18 +215,7 @@ def measure(
             optimizer.zero_grad(set_to_none=True)
             return loss
 
-        for n in range(warmup):
-            loss = step(n)
-        float(loss)  # the warm-up's work is done
-        if cuda:
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        for n in range(warmup, warmup + steps):
-            loss = step(n)
-        float(loss)
-        if cuda:
-            torch.cuda.synchronize(device)
-        seconds = time.perf_counter() - start
+        seconds = _timed_steps(step, warmup, steps, device)
         peak_mem = torch.cuda.max_memory_allocated(device) if cuda else int(peak_rss_mb() * 2**20)
         if hasattr(data, "close"):
             data.close()

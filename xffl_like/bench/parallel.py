@@ -99,97 +99,121 @@ def _eval_loss(model, batches) -> float:
     return statistics.fmean(losses)
 
 
-def _worker(args: dict) -> dict:
+def _method_run(method: str, cfg, args: dict) -> dict:
+    """A fresh copy of the model (same seed for every method) wrapped as ``method`` trains it, with its optimizer
+    (``None`` where the wrapper steps its own)."""
     import torch
-    import torch.distributed as dist
-    import torch.nn.functional as F
-    import yaml
 
     from xffl_like import parallel as P
-    from xffl_like.models.llama import Llama, LlamaConfig
+    from xffl_like.models.llama import Llama
+
+    torch.manual_seed(0)
+    model = Llama(cfg)
+    kind, _, name = method.partition(":")
+    if kind == "ddp":
+        net = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args["bucket_mb"])
+        opt = torch.optim.AdamW(model.parameters(), lr=args["lr"], weight_decay=0.0)
+    elif kind == "local":  # the floor: every rank trains its own copy, nothing is communicated
+        net = model
+        opt = torch.optim.AdamW(model.parameters(), lr=args["lr"], weight_decay=0.0)
+    elif kind == "decent":
+        net = P.DecentralizedDataParallel(
+            model,
+            lambda named: P.optim_fn_adamw(named, lr=args["lr"], weight_decay=0.0),
+            topology=name,
+            local_world_size=args["local_world_size"],
+            bucket_size_in_mb=args["bucket_mb"],
+        )
+        opt = None
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=args["lr"], weight_decay=0.0)
+        net = P.with_algorithm(
+            model,
+            opt,
+            _bagua_algorithm(name),
+            bucket_mb=args["bucket_mb"],
+            local_world_size=args["local_world_size"],
+        )
+    return {"net": net, "opt": opt, "model": model, "times": [], "losses": []}
+
+
+def _train_block(run: dict, data, first: int, block: int, warmup: int) -> None:
+    """Train ``run``'s steps ``first`` to ``first + block`` (at most), timing each but the block's first and
+    the warm-up; then finish the method's communication (untimed)."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from xffl_like import parallel as P
+
+    net, opt = run["net"], run["opt"]
+    asynchronous = isinstance(getattr(net, "algorithm", None), P.AsyncModelAverage)
+    if asynchronous and first > 0:
+        net.algorithm.resume()
+    for step in range(first, min(first + block, len(data))):
+        tokens = data[step]
+        dist.barrier()
+        start = time.perf_counter()
+        logits = net(tokens[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+        loss.backward()
+        if opt is not None:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        dist.barrier()
+        if step >= warmup and step > first:
+            run["times"].append(time.perf_counter() - start)
+        run["losses"].append(loss.item())
+    if asynchronous:
+        net.algorithm.abort()  # collective: every rank stops after the same exchange, its result applied
+    elif isinstance(net, P.DecentralizedDataParallel):
+        net.wait_pending()  # the next hook applies the mix, as in training
+
+
+def _method_result(method: str, run: dict, held_out, world: int) -> dict:
+    """``method``'s median step time, and the final and held-out losses and consensus distance of the model it
+    produces (the exact mean of the copies; DDP's copies are that already), averaged over ranks."""
+    import torch
+    import torch.distributed as dist
+
+    from xffl_like import parallel as P
+
+    net, model = run["net"], run["model"]
+    consensus = P.consensus_distance(model)
+    if isinstance(net, P.DecentralizedDataParallel):
+        net.global_avg()
+    elif kind_of(method) in ("bagua", "local"):
+        P.allreduce_parameters(model)
+    final = torch.tensor([statistics.fmean(run["losses"][-5:]), _eval_loss(model, held_out)])
+    dist.all_reduce(final)
+    return {
+        "step_s": statistics.median(run["times"]),
+        "final_loss": final[0].item() / world,
+        "eval_loss": final[1].item() / world,
+        "consensus_distance": consensus,
+    }
+
+
+def _worker(args: dict) -> dict:
+    import torch.distributed as dist
+    import yaml
+
+    from xffl_like.models.llama import LlamaConfig
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = LlamaConfig.from_mapping(yaml.safe_load((CONF_DIR / "model" / f"{args['model']}.yaml").read_text()))
     data = _batches(rank, args["steps"], args["batch"], args["seq"], cfg.vocab_size)
     held_out = _batches(HELD_OUT_SEED + rank, args["eval_batches"], args["batch"], args["seq"], cfg.vocab_size)
-    runs = {}
-    for method in args["methods"]:  # every method's copy lives side by side
-        torch.manual_seed(0)
-        model = Llama(cfg)
-        kind, _, name = method.partition(":")
-        if kind == "ddp":
-            net = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args["bucket_mb"])
-            opt = torch.optim.AdamW(model.parameters(), lr=args["lr"], weight_decay=0.0)
-        elif kind == "local":  # the floor: every rank trains its own copy, nothing is communicated
-            net = model
-            opt = torch.optim.AdamW(model.parameters(), lr=args["lr"], weight_decay=0.0)
-        elif kind == "decent":
-            net = P.DecentralizedDataParallel(
-                model,
-                lambda named: P.optim_fn_adamw(named, lr=args["lr"], weight_decay=0.0),
-                topology=name,
-                local_world_size=args["local_world_size"],
-                bucket_size_in_mb=args["bucket_mb"],
-            )
-            opt = None
-        else:
-            opt = torch.optim.AdamW(model.parameters(), lr=args["lr"], weight_decay=0.0)
-            net = P.with_algorithm(
-                model,
-                opt,
-                _bagua_algorithm(name),
-                bucket_mb=args["bucket_mb"],
-                local_world_size=args["local_world_size"],
-            )
-        runs[method] = {"net": net, "opt": opt, "model": model, "times": [], "losses": []}
+    runs = {method: _method_run(method, cfg, args) for method in args["methods"]}  # every copy side by side
     # Interleaved in blocks of --block steps: every method's block t, then every method's block t + 1,
     # so load changes hit all methods alike. Within a block a method's communication overlaps its own
     # next step, as in training; between blocks it is finished (untimed: DecentralizedDataParallel's
     # pending mixing, AsyncModelAverage's thread paused), so no method's traffic runs during another's
     # steps, and the first step of a block (nothing pending from before) is not timed.
-    block = args["block"]
-    for first in range(0, len(data), block):
+    for first in range(0, len(data), args["block"]):
         for run in runs.values():
-            net, opt = run["net"], run["opt"]
-            asynchronous = isinstance(getattr(net, "algorithm", None), P.AsyncModelAverage)
-            if asynchronous and first > 0:
-                net.algorithm.resume()
-            for step in range(first, min(first + block, len(data))):
-                tokens = data[step]
-                dist.barrier()
-                start = time.perf_counter()
-                logits = net(tokens[:, :-1])
-                loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
-                loss.backward()
-                if opt is not None:
-                    opt.step()
-                    opt.zero_grad(set_to_none=True)
-                dist.barrier()
-                if step >= args["warmup"] and step > first:
-                    run["times"].append(time.perf_counter() - start)
-                run["losses"].append(loss.item())
-            if asynchronous:
-                net.algorithm.abort()  # collective: every rank stops after the same exchange, its result applied
-            elif isinstance(net, P.DecentralizedDataParallel):
-                net.wait_pending()  # the next hook applies the mix, as in training
-    results = {}
-    for method, run in runs.items():
-        net, model = run["net"], run["model"]
-        consensus = P.consensus_distance(model)
-        # The model the method produces: the exact mean of the copies (DDP's copies are that already).
-        if isinstance(net, P.DecentralizedDataParallel):
-            net.global_avg()
-        elif kind_of(method) in ("bagua", "local"):
-            P.allreduce_parameters(model)
-        final = torch.tensor([statistics.fmean(run["losses"][-5:]), _eval_loss(model, held_out)])
-        dist.all_reduce(final)
-        results[method] = {
-            "step_s": statistics.median(run["times"]),
-            "final_loss": final[0].item() / world,
-            "eval_loss": final[1].item() / world,
-            "consensus_distance": consensus,
-        }
+            _train_block(run, data, first, args["block"], args["warmup"])
+    results = {method: _method_result(method, run, held_out, world) for method, run in runs.items()}
     dist.destroy_process_group()
     return results
 
@@ -253,10 +277,7 @@ def _shaped_or_interrupted(*args) -> tuple[dict | None, str]:
         raise SystemExit(130) from None
 
 
-def main(argv: list[str] | None = None) -> dict:
-    """Run the benchmark in ``--nproc`` local processes; print the table, optionally write JSON."""
-    from xffl_like.distributed.launch import WorkerFailure, launch_local
-
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m xffl_like.bench.parallel", description=__doc__.split("\n\n")[0])
     p.add_argument("--nproc", type=int, default=4)
     p.add_argument("--local-world-size", type=int, default=2, help="processes per emulated node")
@@ -292,14 +313,11 @@ def main(argv: list[str] | None = None) -> dict:
     )
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds before a shaped-link run is stopped")
     p.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)  # internal: one torchrun worker
-    a = p.parse_args(argv)
-    if a.worker is not None:  # started by torchrun inside a namespace (--link-mbit): train, rank 0 reports
-        args = json.loads(a.worker.read_text())
-        results = _worker(args)
-        if int(os.environ.get("RANK", "0")) == 0:
-            Path(args["result_path"]).write_text(json.dumps(results))
-        return results
-    methods = [m for m in a.methods.split(",") if m]
+    return p
+
+
+def _problems(a: argparse.Namespace, methods: list[str]) -> list[str]:
+    """What is wrong with the command line, one phrase each."""
     unknown = [m for m in methods if m not in METHODS]
     problems = [f"unknown method(s) {unknown}: choose from {', '.join(METHODS)}"] if unknown else []
     if a.nproc < 2 or a.nproc % a.local_world_size or a.local_world_size < 1:
@@ -323,26 +341,26 @@ def main(argv: list[str] | None = None) -> dict:
         )
     if not (CONF_DIR / "model" / f"{a.model}.yaml").exists():
         problems.append(f"--model {a.model}: no conf/model/{a.model}.yaml")
-    if problems:
-        print("error: " + "; ".join(problems), file=sys.stderr)
-        raise SystemExit(2)
-    args = {k: v for k, v in vars(a).items() if k not in ("out", "worker")}
-    args["methods"] = methods
-    if a.link_mbit is not None:
-        results, where = _shaped_or_interrupted(
-            args, a.nproc // a.local_world_size, a.local_world_size, a.link_mbit, a.timeout
-        )
-        if results is None:
-            return {}
-    else:
-        from xffl_like.bench.parallel import _worker as worker  # by module name: spawned workers import it
+    return problems
 
-        try:
-            results = launch_local(worker, (args,), a.nproc)[0]
-        except WorkerFailure as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            raise SystemExit(1) from None
-        where = "loopback"
+
+def _run(a: argparse.Namespace, args: dict) -> tuple[dict | None, str]:
+    """The workers' results and where they ran (loopback, or shaped links; ``None`` when interrupted)."""
+    from xffl_like.distributed.launch import WorkerFailure, launch_local
+
+    if a.link_mbit is not None:
+        return _shaped_or_interrupted(args, a.nproc // a.local_world_size, a.local_world_size, a.link_mbit, a.timeout)
+    from xffl_like.bench.parallel import _worker as worker  # by module name: spawned workers import it
+
+    try:
+        return launch_local(worker, (args,), a.nproc)[0], "loopback"
+    except WorkerFailure as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(1) from None
+
+
+def _print_table(a: argparse.Namespace, results: dict, where: str) -> None:
+    """Every method's step time, losses and consensus, each beside its ratio to DDP's."""
     base = results.get("ddp")
     print(
         f"{a.nproc} processes ({a.nproc // a.local_world_size} nodes of {a.local_world_size}), {where}, "
@@ -365,6 +383,28 @@ def main(argv: list[str] | None = None) -> dict:
         "train loss: each rank's training loss on its own copy (last 5 steps); consensus: before averaging; "
         "eval loss: the mean of the copies on held-out batches"
     )
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Run the benchmark in ``--nproc`` local processes; print the table, optionally write JSON."""
+    a = _parser().parse_args(argv)
+    if a.worker is not None:  # started by torchrun inside a namespace (--link-mbit): train, rank 0 reports
+        args = json.loads(a.worker.read_text())
+        results = _worker(args)
+        if int(os.environ.get("RANK", "0")) == 0:
+            Path(args["result_path"]).write_text(json.dumps(results))
+        return results
+    methods = [m for m in a.methods.split(",") if m]
+    problems = _problems(a, methods)
+    if problems:
+        print("error: " + "; ".join(problems), file=sys.stderr)
+        raise SystemExit(2)
+    args = {k: v for k, v in vars(a).items() if k not in ("out", "worker")}
+    args["methods"] = methods
+    results, where = _run(a, args)
+    if results is None:
+        return {}
+    _print_table(a, results, where)
     report = {
         "config": {k: v for k, v in vars(a).items() if k not in ("out", "worker")},
         "network": where,

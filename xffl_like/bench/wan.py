@@ -449,6 +449,79 @@ def link_round(round_seconds: float, samples: list[tuple[float, list[int]]], t0:
 
 
 # ----------------------------------------------------------------------------- the benchmark
+def _paced_overrides(
+    name: str, overrides: list[str], bench: dict, results: dict
+) -> tuple[list[str] | None, str | None]:
+    """``name``'s overrides, or ``None`` and why it cannot run. In speeds mode without ``bench.speeds.every_s``,
+    a timed config gets the ``federation.every_s`` that matches the fixed config's rounds (run before it)."""
+    speeds = bench["speeds"] if bench["mode"] == "speeds" else None
+    if speeds is None or speeds["every_s"] is not None or not _timed(speeds["configs"][name]):
+        return overrides, None
+    every_s = (results.get(speeds["fixed"]) or {}).get("matching_every_s")
+    if every_s is None:
+        return None, (
+            f"no federation.every_s: bench.speeds.fixed={speeds['fixed']} did "
+            f"not finish with rounds; set bench.speeds.every_s"
+        )
+    return _set_every_s(overrides, every_s), None
+
+
+def _run_config(
+    index: int, name: str, overrides: list[str], network: Network, sampler: CounterSampler, bench: dict, job_dir: Path
+) -> tuple[dict | None, str | None]:
+    """Run one config under torchrun in every facility's namespace; its measurements, or ``None`` and why it failed."""
+    print(f"[{name}] {' '.join(overrides)}", flush=True)
+    started = time.time()
+    env = {
+        "XFFL_RUN_DIR": str(job_dir.resolve()),
+        "WANDB_MODE": "offline",
+        "OMP_NUM_THREADS": str(bench["threads_per_process"]),
+    }
+    pin = bench["mode"] == "speeds" and bool(bench["speeds"].get("pin"))
+    procs = launch_torchrun(
+        network,
+        bench["nproc_per_facility"],
+        ["-m", "xffl_like.run", *overrides],
+        env,
+        job_dir,
+        29500 + index,
+        pin=pin,
+    )
+    failed = wait_launchers(procs, network, bench["timeout_s"])
+    ended = time.time()
+    if failed:
+        return None, f"{failed}: {_last_error(job_dir)}"
+    try:
+        result = _measure(name, job_dir, started, ended, sampler, bench)
+    except NetnsError as exc:
+        return None, str(exc)
+    print(f"[{name}] {ended - started:.1f} s", flush=True)
+    return result, None
+
+
+def _write_report(run_dir: Path, bench: dict, results: dict, failures: dict, network: Network, sampler) -> dict:
+    """Write ``wan.json``, ``counters.json``, ``wan.md`` and (train and speeds modes) ``wan.png``; return the report."""
+    report = _report(bench, results, failures)
+    report["tcp"] = network.tcp
+    (run_dir / "wan.json").write_text(json.dumps(report, indent=2) + "\n")
+    (run_dir / "counters.json").write_text(
+        json.dumps({"interfaces": [f.interface for f in network.facilities], "samples": sampler.samples}) + "\n"
+    )
+    (run_dir / "wan.md").write_text(format_table(report) + "\n")
+    if bench["mode"] in ("train", "speeds"):
+        from ..observe.plots import plot_eval_curves
+
+        note = plot_eval_curves(
+            {n: r["eval_curve"] for n, r in results.items()},
+            report.get("target_eval_loss"),
+            bench["link_mbit"],
+            run_dir / "wan.png",
+        )
+        if note:
+            print(f"note: {note}")
+    return report
+
+
 def run_wan(cfg: DictConfig, run_dir: Path) -> dict | None:
     """Validate, build the network, run every config, write ``wan.json``; ``None`` when
     namespaces cannot be made here (the reason is printed)."""
@@ -475,70 +548,15 @@ def run_wan(cfg: DictConfig, run_dir: Path) -> dict | None:
             return None
         with network, CounterSampler(network) as sampler:
             for i, (name, overrides) in enumerate(runs.items()):
-                job_dir = run_dir / "runs" / name
-                if (
-                    bench["mode"] == "speeds"
-                    and bench["speeds"]["every_s"] is None
-                    and _timed(bench["speeds"]["configs"][name])
-                ):
-                    every_s = (results.get(bench["speeds"]["fixed"]) or {}).get("matching_every_s")
-                    if every_s is None:
-                        failures[name] = (
-                            f"no federation.every_s: bench.speeds.fixed={bench['speeds']['fixed']} did "
-                            f"not finish with rounds; set bench.speeds.every_s"
-                        )
-                        print(f"[{name}] failed: {failures[name]}", flush=True)
-                        continue
-                    overrides = _set_every_s(overrides, every_s)
-                print(f"[{name}] {' '.join(overrides)}", flush=True)
-                started = time.time()
-                env = {
-                    "XFFL_RUN_DIR": str(job_dir.resolve()),
-                    "WANDB_MODE": "offline",
-                    "OMP_NUM_THREADS": str(bench["threads_per_process"]),
-                }
-                pin = bench["mode"] == "speeds" and bool(bench["speeds"].get("pin"))
-                procs = launch_torchrun(
-                    network,
-                    bench["nproc_per_facility"],
-                    ["-m", "xffl_like.run", *overrides],
-                    env,
-                    job_dir,
-                    29500 + i,
-                    pin=pin,
-                )
-                failed = wait_launchers(procs, network, bench["timeout_s"])
-                ended = time.time()
-                if failed:
-                    failures[name] = f"{failed}: {_last_error(job_dir)}"
-                    print(f"[{name}] failed: {failures[name]}", flush=True)
+                overrides, why = _paced_overrides(name, overrides, bench, results)
+                if overrides is not None:
+                    result, why = _run_config(i, name, overrides, network, sampler, bench, run_dir / "runs" / name)
+                if why is not None:
+                    failures[name] = why
+                    print(f"[{name}] failed: {why}", flush=True)
                     continue
-                try:
-                    results[name] = _measure(name, job_dir, started, ended, sampler, bench)
-                except NetnsError as exc:
-                    failures[name] = str(exc)
-                    print(f"[{name}] failed: {exc}", flush=True)
-                    continue
-                print(f"[{name}] {ended - started:.1f} s", flush=True)
-    report = _report(bench, results, failures)
-    report["tcp"] = network.tcp
-    (run_dir / "wan.json").write_text(json.dumps(report, indent=2) + "\n")
-    (run_dir / "counters.json").write_text(
-        json.dumps({"interfaces": [f.interface for f in network.facilities], "samples": sampler.samples}) + "\n"
-    )
-    (run_dir / "wan.md").write_text(format_table(report) + "\n")
-    if bench["mode"] in ("train", "speeds"):
-        from ..observe.plots import plot_eval_curves
-
-        note = plot_eval_curves(
-            {n: r["eval_curve"] for n, r in results.items()},
-            report.get("target_eval_loss"),
-            bench["link_mbit"],
-            run_dir / "wan.png",
-        )
-        if note:
-            print(f"note: {note}")
-    return report
+                results[name] = result
+    return _write_report(run_dir, bench, results, failures, network, sampler)
 
 
 def _report(bench: dict, results: dict, failures: dict) -> dict:

@@ -102,42 +102,52 @@ class Observer:
         if self.facility_lead:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         self.rounds: list[dict] = [self._complete(r) for r in restored["rounds"]] if restored else []
-        # A resumed job, or an elastic restart (even one before any checkpoint), redoes the steps
-        # after its starting point: their lines from the failed attempt go.
         if restored or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
-            if self.lead:
-                truncate_metrics(self.run_dir / "metrics.jsonl", self.first_step)
-            import torch.distributed as dist
-
-            dist.barrier()  # nobody appends before the file is cut back to the checkpoint's step
+            self._drop_redone_steps()
         self.progress = None
         if self.lead:
-            # Rounds as the federation schedules them; parallel=decentralized|bagua have none.
-            self.progress = Progress(
-                self.steps, 0, train.log_every, facilities=state.num_facilities, rounds_at=rounds_at
-            )
-            self.progress.print(state.layout.describe())
-            self._agg_file = open(self.run_dir / "aggregation.csv", "w", newline="")
-            self._agg = csv.DictWriter(self._agg_file, fieldnames=AGG_FIELDS)
-            self._agg.writeheader()
-            self._agg.writerows(self.rounds)
+            self._open_lead_outputs(train.log_every, rounds_at)
         # Line-buffered appends: each line is one write, so facility leads sharing a file
         # system do not cut each other's lines.
         self._metrics = open(self.run_dir / "metrics.jsonl", "a", buffering=1) if self.facility_lead else None
         self.wandb = None
         if self.facility_lead and logger.name == "wandb":
-            from .wandb_logger import WandbLogger
+            self.wandb = self._wandb(logger, restored, experiment, config)
 
-            ids = (restored or {}).get("wandb_ids") or []
-            self.wandb = WandbLogger(
-                logger,
-                state,
-                self.run_dir,
-                ids[state.facility] if state.facility < len(ids) else None,
-                experiment=experiment,
-                strategy=self.strategy,
-                config=config or {},
-            )
+    def _drop_redone_steps(self) -> None:
+        """A resumed job, or an elastic restart (even one before any checkpoint), redoes the steps
+        after its starting point: their lines from the failed attempt go."""
+        if self.lead:
+            truncate_metrics(self.run_dir / "metrics.jsonl", self.first_step)
+        import torch.distributed as dist
+
+        dist.barrier()  # nobody appends before the file is cut back to the checkpoint's step
+
+    def _open_lead_outputs(self, log_every: int, rounds_at) -> None:
+        """Rank 0's progress line (rounds as the federation schedules them; parallel=decentralized|bagua
+        have none) and ``aggregation.csv``, rewritten with the rounds so far."""
+        self.progress = Progress(self.steps, 0, log_every, facilities=self.state.num_facilities, rounds_at=rounds_at)
+        self.progress.print(self.state.layout.describe())
+        self._agg_file = open(self.run_dir / "aggregation.csv", "w", newline="")
+        self._agg = csv.DictWriter(self._agg_file, fieldnames=AGG_FIELDS)
+        self._agg.writeheader()
+        self._agg.writerows(self.rounds)
+
+    def _wandb(self, logger: LoggerConfig, restored: dict | None, experiment: str, config: dict | None):
+        """This facility's W&B run, continuing the one of ``restored`` (its ``wandb_ids``) if any."""
+        from .wandb_logger import WandbLogger
+
+        ids = (restored or {}).get("wandb_ids") or []
+        state = self.state
+        return WandbLogger(
+            logger,
+            state,
+            self.run_dir,
+            ids[state.facility] if state.facility < len(ids) else None,
+            experiment=experiment,
+            strategy=self.strategy,
+            config=config or {},
+        )
 
     def step(
         self,

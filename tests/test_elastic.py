@@ -274,7 +274,7 @@ def test_guards_each_one_line(hub, tmp_path):
     from hydra import compose, initialize_config_dir
 
     from xffl_like.federation.elastic import ElasticError
-    from xffl_like.federation.elastic.hub_link import hub_link
+    from xffl_like.hub.client import hub_link
     from xffl_like.job import CONF_DIR, choices, resolve, typed_config
 
     def link(name, *extra):

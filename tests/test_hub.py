@@ -458,7 +458,7 @@ def _probe(hub: Hub, ca: Path, cert: Path | None, key: Path | None) -> None:
     """The launcher's check (the hub's Join with ``probe``), from here over TLS with this identity."""
     import grpc
 
-    from xffl_like.hub.wire import SERVICE, pack, unpack
+    from xffl_like.hub.protocol.wire import SERVICE, pack, unpack
 
     creds = grpc.ssl_channel_credentials(ca.read_bytes(), key and key.read_bytes(), cert and cert.read_bytes())
     with grpc.secure_channel(hub.address, creds) as channel:

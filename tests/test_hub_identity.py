@@ -28,7 +28,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from helpers import REPO
 
-from xffl_like.hub import cli, store
+from xffl_like.hub import cli
 from xffl_like.hub.identity import (
     IdentityError,
     RevocationList,
@@ -39,7 +39,9 @@ from xffl_like.hub.identity import (
     peer_identity,
     revoke_facility,
 )
-from xffl_like.hub.wire import CHUNK_BYTES, Frames, WireError, frames_of, pack, unpack
+from xffl_like.hub.protocol.messages import ArriveRequest, JoinRequest, MessageError, ResultRequest, UploadHeader
+from xffl_like.hub.protocol.wire import CHUNK_BYTES, Frames, WireError, frames_of, pack, unpack
+from xffl_like.hub.server import store
 
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}
 
@@ -235,28 +237,56 @@ def test_the_identities_make_a_mutual_tls_13_grpc_handshake(pki, tmp_path):
 
 
 def test_wire_checks_every_size_and_value():
-    assert unpack(pack({"a": 1, "b": [1.5]}), {"a": int}) == {"a": 1, "b": [1.5]}
+    assert unpack(pack({"a": 1, "b": [1.5]})) == {"a": 1, "b": [1.5]}
+    assert ResultRequest.decode(pack({"session": "s", "round": 1})) == ResultRequest("s", 1)
     for data, words in (
         (b"\xff", "not JSON"),
         (b"[1]", "not a JSON object"),
-        (b'{"a": NaN}', "non-finite"),
-        (b'{"a": true}', "a=True is not a int"),
+        (b'{"session": "s", "round": NaN}', "non-finite"),
+        (b'{"session": "s", "round": true}', "round=True is not a int"),
         (b"x" * (2 << 20), "too large"),
     ):
         with pytest.raises(WireError, match=words):
-            unpack(data, {"a": int})
+            ResultRequest.decode(data)
     with pytest.raises(ValueError):
         pack({"x": float("inf")})
     flat = torch.arange(10, dtype=torch.float32)
-    frames = list(frames_of({"kind": "round"}, flat))
-    assert Frames(iter(frames), 40).into(torch.empty(10)).equal(flat)
+    frames = list(frames_of(UploadHeader("s", "round", 0).to_json(), flat))
+    assert Frames(iter(frames), 40, UploadHeader).into(torch.empty(10)).equal(flat)
     with pytest.raises(WireError, match="announced, expected 44"):
-        Frames(iter(frames), 44)
-    header = pack({"nbytes": 40})
+        Frames(iter(frames), 44, UploadHeader)
+    header = UploadHeader("s", "round", 0, nbytes=40).encode()
     for chunks, words in (([b"\0" * 36], "36 bytes received"), ([b"\0" * 40, b"\0"], "more than the 40"),
                           ([b"\0" * (CHUNK_BYTES + 1)], "a frame of")):  # fmt: skip
         with pytest.raises(WireError, match=words):
-            Frames(iter([header, *chunks]), 40).into(torch.empty(10))
+            Frames(iter([header, *chunks]), 40, UploadHeader).into(torch.empty(10))
+
+
+def test_messages_are_checked_in_one_place():
+    """Every message is checked when decoded: its keys (none missing, none unknown), each value's type (an int
+    is not a bool, a float is finite) and bounds; each refusal is one line naming the message and the key."""
+    arrive = {"session": "s", "version": 2, "step": 4, "taken": 2, "tokens": 64}
+    assert ArriveRequest.from_json(arrive) == ArriveRequest("s", 2, 4, 2, 64.0)
+    geometry = {"batch_size": 2, "seq_len": 8, "dp": 1}
+    join = JoinRequest.from_json({"session": "s", "spec": {}, "geometry": geometry, "steps": 20})
+    assert join.geometry.seq_len == 8 and join.every is None and join.to_json()["geometry"] == geometry
+    for changed, words in (
+        ({"tokens": "64"}, "ArriveRequest.tokens='64' is not a float"),
+        ({"tokens": 1e400}, "ArriveRequest.tokens=inf is not a float"),
+        ({"version": -1}, r"ArriveRequest.version=-1 is out of range"),
+        ({"step": 4.0}, "ArriveRequest.step=4.0 is not a int"),
+        ({"taken": False}, "ArriveRequest.taken=False is not a int"),
+        ({"extra": 1}, "ArriveRequest: unknown key 'extra'"),
+    ):
+        with pytest.raises(MessageError, match=words) as info:
+            ArriveRequest.from_json({**arrive, **changed})
+        assert "\n" not in str(info.value)
+    with pytest.raises(MessageError, match="ArriveRequest: key 'taken' missing"):
+        ArriveRequest.from_json({k: v for k, v in arrive.items() if k != "taken"})
+    with pytest.raises(MessageError, match=r"Geometry.dp=0 is out of range"):
+        JoinRequest.from_json({"session": "s", "spec": {}, "geometry": {**geometry, "dp": 0}, "steps": 20})
+    with pytest.raises(MessageError, match="UploadHeader.kind='delete' is not a"):
+        UploadHeader.from_json({"session": "s", "kind": "delete"})
 
 
 def test_state_is_atomic_keeps_two_and_refuses_damage(tmp_path):

@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from xffl_like.federation.elastic import ElasticError
-from xffl_like.federation.elastic.hub_link import HubLink
-from xffl_like.hub.federation import HubFederation
-from xffl_like.hub.wire import Frames, frames_of
+from xffl_like.hub.client import HubLink
+from xffl_like.hub.protocol.messages import CALLS, ArriveRequest, JoinRequest, ResultHeader, ResultRequest, UploadHeader
+from xffl_like.hub.protocol.wire import Frames, frames_of
+from xffl_like.hub.server.federation import HubFederation
 
 SPEC = {
     "parameters": [["w", [6], "float32"]],
@@ -35,8 +36,18 @@ GEOMETRY = {"batch_size": 2, "seq_len": 8, "dp": 1}
 
 def _join(fed: HubFederation, name: str) -> str:
     session = f"session-{name}"
-    fed.join(name, {"spec": SPEC, "session": session, "geometry": GEOMETRY, "every": 2, "steps": 20})
+    fed.join(name, JoinRequest.from_json({"spec": SPEC, "session": session, "geometry": GEOMETRY, "every": 2,
+                                          "steps": 20}))  # fmt: skip
     return session
+
+
+def _arrive(fed: HubFederation, name: str, **msg):
+    return fed.arrive(name, ArriveRequest.from_json(msg)).to_json()
+
+
+def _created(session: str, theta: torch.Tensor) -> Frames:
+    """The frames of a ``create`` upload of ``theta``, as the hub receives them."""
+    return Frames(frames_of(UploadHeader(session, "create").to_json(), theta), 4 * theta.numel(), UploadHeader)
 
 
 def test_a_stale_member_with_no_round_open_heals_at_once(tmp_path):
@@ -46,20 +57,20 @@ def test_a_stale_member_with_no_round_open_heals_at_once(tmp_path):
     try:
         a = _join(fed, "a")
         theta = torch.arange(6, dtype=torch.float32)
-        fed.create("a", Frames(frames_of({"kind": "create"}, theta), 24))
+        fed.create("a", _created(a, theta))
         b = _join(fed, "b")
         start = time.monotonic()
-        out = fed.arrive("b", {"session": b, "version": 3, "step": 2, "taken": 2, "tokens": 32.0})
+        out = _arrive(fed, "b", session=b, version=3, step=2, taken=2, tokens=32.0)
         assert out == {"action": "heal", "round": None, "reason": "version 3 (the hub's is 0)"}
         assert fed.round is None, "a heal opened a round the live members would have to fill"
-        frames = Frames(fed.result("b", b, out["round"], lambda: True), 24, {"status": str})
+        frames = Frames(fed.result("b", ResultRequest(b, out["round"]), lambda: True), 24, ResultHeader)
         received = frames.into(torch.empty(6, dtype=torch.float32))
         assert time.monotonic() - start < 30  # not grace_s (60 s): a wait load cannot fake
-        assert frames.header["status"] == "healed" and torch.equal(received, theta)
+        assert frames.header.status == "healed" and torch.equal(received, theta)
         # A member at the hub's version still opens the round, and a stale one then joins it to heal.
-        opened = fed.arrive("a", {"session": a, "version": 0, "step": 2, "taken": 2, "tokens": 32.0})
+        opened = _arrive(fed, "a", session=a, version=0, step=2, taken=2, tokens=32.0)
         assert opened["action"] == "upload" and opened["round"] == 0
-        joined = fed.arrive("b", {"session": b, "version": 3, "step": 4, "taken": 2, "tokens": 32.0})
+        joined = _arrive(fed, "b", session=b, version=3, step=4, taken=2, tokens=32.0)
         assert joined == {"action": "heal", "round": 0, "reason": "version 3 (the hub's is 0)"}
     finally:
         fed.close()
@@ -70,7 +81,9 @@ def _link(fed: HubFederation, name: str) -> HubLink:
     cfg = SimpleNamespace(hub="hub.example:29510", cert=None, ca=None, key=None, timeout_s=5.0)
     link = HubLink(cfg, name, SPEC, GEOMETRY, steps=20, every=2)
     link.channel.close()
-    link.unary = lambda method, timeout=None, **kw: getattr(fed, method.lower())(name, link._msg(**kw))
+    link.unary = lambda method, timeout=None, **kw: getattr(fed, method.lower())(
+        name, CALLS[method][0].from_json(link._msg(**kw))
+    )
     return link
 
 
@@ -79,8 +92,8 @@ def test_joining_a_federation_that_ended_is_refused_in_one_line(tmp_path):
     try:
         a = _link(fed, "a")
         a.probe()  # a live federation admits
-        fed.join("a", a._msg(spec=SPEC, geometry=GEOMETRY, steps=20, every=2))
-        fed.create("a", Frames(frames_of({"kind": "create"}, torch.zeros(6)), 24))
+        fed.join("a", JoinRequest.from_json(a._msg(spec=SPEC, geometry=GEOMETRY, steps=20, every=2)))
+        fed.create("a", _created(a.session, torch.zeros(6)))
         _link(fed, "b").probe()
         fed.snap.ended = True  # a's round at its step 20 ended it
         with pytest.raises(ElasticError) as refused:

@@ -289,7 +289,7 @@ def test_the_hubs_codec_encodes_window_by_window_the_bytes_of_the_whole(kind, to
     the windows' bytes are the whole message's, they decode to its values, and so does the hub's stream."""
     import io
 
-    from xffl_like.federation.update_codec import UpdateCodec
+    from xffl_like.hub.protocol.update_codec import UpdateCodec
 
     numel = 10_007
     codec = UpdateCodec(kind, numel, 100, topk)

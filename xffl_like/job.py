@@ -309,7 +309,7 @@ def _admit(job: JobConfig) -> None:
     if not e.enabled:
         return
     from .federation.elastic import ElasticError, facility_name
-    from .federation.elastic.hub_link import hub_link
+    from .hub.client import hub_link
 
     link = hub_link(job, facility_name(e), job.distributed.nproc_per_node)
     try:

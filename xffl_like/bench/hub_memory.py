@@ -75,7 +75,7 @@ def measure(model: str, compression: str, work: Path, timeout: float = 900.0) ->
         procs = {n: _job([*fed, f"federation.elastic.facility={n}"], work / n, env) for n in ("a", "b")}
         summaries = {n: wait_job(p, work / n, timeout) for n, p in procs.items()}
         hub_peak = _status(hub.pid, "VmHWM")
-    from ..hub.store import load_latest
+    from ..hub.server.store import load_latest
 
     numel = load_latest(work / "state").theta.numel()  # the federation's parameters, as the hub saved them
     return {"alone": alone, "federated": summaries, "hub_idle_mb": idle, "hub_peak_mb": hub_peak, "numel": numel}

@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             if not 0 < args.port < 65536:
                 raise IdentityError(f"--port {args.port}: must be in 1..65535")
-            from .server import serve_main
+            from .server.serve import serve_main
 
             return serve_main(args)
     except IdentityError as exc:

@@ -1,29 +1,34 @@
-"""A facility leader's link to the hub (``federation.elastic.hub``): gRPC over mutual TLS, outbound only.
+"""The facility's side of the hub's protocol: a leader's link to the hub (``federation.elastic.hub``), gRPC
+over mutual TLS, outbound only.
 
 The leader joins (creating the federation when it is the first, or downloading θ_global), beats
 every :data:`BEAT_S` from a daemon thread, and at each boundary arrives, uploads its parameters
 when the hub wants them and downloads θ_global once the round is decided. A hub that does not
-answer costs the round, not the job: the facility trains on and tries again at its next boundary
-(backing off), and the hub's version tells it on return whether it missed a commit.
+answer costs the round, not the job: the facility trains on and tries again at a later boundary
+(backing off: :data:`~.protocol.retry.ROUND_RETRY`), and the hub's version tells it on return whether it
+missed a commit. It imports :mod:`.protocol` (messages, wire, the federation's description, the retry
+policy), never the hub's server.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any
 
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # gRPC core's own info lines (a refused handshake) stay quiet
 import grpc  # noqa: E402 - after its verbosity is set
-import numpy as np
 
-from ...hub.wire import GRPC_OPTIONS, SERVICE, Frames, frames_of_file, pack, unpack
-from .options import ElasticError, address, federation_spec
+from .protocol.dial import ElasticError, address  # noqa: E402
+from .protocol.messages import CALLS, HubView, JoinReply, ResultHeader, UploadHeader, UploadReply  # noqa: E402
+from .protocol.retry import POLL_RETRY, ROUND_RETRY  # noqa: E402
+from .protocol.spec import hub_spec  # noqa: E402
+from .protocol.wire import GRPC_OPTIONS, SERVICE, Frames, frames_of_file  # noqa: E402
 
-__all__ = ["BEAT_S", "HubLink", "explain", "hub_link", "hub_spec"]
+__all__ = ["BEAT_S", "HubLink", "explain", "hub_link"]
 
 BEAT_S = 1.0
 _WAIT_LINE_S = 10.0
@@ -54,25 +59,6 @@ def explain(exc: grpc.RpcError, hub: str) -> str:
     return f"the hub at {hub} refused this facility: {details}"
 
 
-def _test_pause(round_index: int) -> None:
-    """Tests ($XFFL_TEST_ELASTIC_PAUSE=ROUND:FILE): this leader stops after uploading its contribution to
-    version ROUND's round, writes FILE and waits there 120 s (for the test to kill its facility mid-round)."""
-    spec = os.environ.get("XFFL_TEST_ELASTIC_PAUSE")
-    if spec and int(spec.split(":", 1)[0]) == round_index:
-        Path(spec.split(":", 1)[1]).write_text(str(os.getpid()))
-        time.sleep(120)
-
-
-def _test_poison(path: Path | None, tokens: float) -> float:
-    """Tests: ``$XFFL_TEST_HUB_SCALE=S`` uploads the parameters (the spooled file ``path``) times S;
-    ``$XFFL_TEST_HUB_TOKENS=T`` claims T tokens (a facility that lies, for the hub's checks)."""
-    scale = os.environ.get("XFFL_TEST_HUB_SCALE")
-    if scale and path is not None:
-        values = np.fromfile(path, dtype=np.float32)
-        (values * np.float32(scale)).tofile(path)
-    return float(os.environ.get("XFFL_TEST_HUB_TOKENS") or tokens)
-
-
 class _Cancelled(Exception):
     """A stop request ended a wait of the join."""
 
@@ -82,7 +68,7 @@ def _read(path: str | None) -> bytes | None:
 
 
 class HubLink:
-    """The leader's side of the hub's protocol (:mod:`xffl_like.hub.wire`)."""
+    """The leader's side of the hub's protocol (:mod:`.protocol`); its calls answer :mod:`.protocol.messages`."""
 
     def __init__(self, cfg, name: str, spec: dict, geometry: dict, steps: int, every: int | None):
         self.cfg, self.name, self.spec, self.geometry = cfg, name, spec, geometry
@@ -111,27 +97,41 @@ class HubLink:
             kw["facility"] = self.name
         return kw
 
-    def unary(self, method: str, timeout: float | None = None, **kw) -> dict:
+    def unary(self, method: str, timeout: float | None = None, **kw):
+        """The unary call ``method`` with the keys ``kw`` (checked as its request); its answer's message."""
+        request, reply = CALLS[method]
         call = self.channel.unary_unary(f"/{SERVICE}/{method}")
-        return unpack(call(pack(self._msg(**kw)), timeout=timeout or float(self.cfg.timeout_s)))
+        return reply.decode(
+            call(request.from_json(self._msg(**kw)).encode(), timeout=timeout or float(self.cfg.timeout_s))
+        )
 
     def _stream(self, method: str, **kw):
-        call = self.channel.unary_stream(f"/{SERVICE}/{method}")(pack(self._msg(**kw)))
+        request = CALLS[method][0].from_json(self._msg(**kw))
+        call = self.channel.unary_stream(f"/{SERVICE}/{method}")(request.encode())
         self._call = call
         return call
 
-    def _upload(self, path: Path, kind: str, rid: int | None = None) -> dict:
+    def _upload(self, path: Path, kind: str, rid: int | None = None) -> HubView | UploadReply:
         """Upload the spooled file ``path`` (parameters, or an encoded update), a frame at a time."""
-        header = self._msg(kind=kind, round=rid)
+        header = UploadHeader.from_json(self._msg(kind=kind, round=rid))
         call = self.channel.stream_unary(f"/{SERVICE}/Upload")
-        future = self._call = call.future(frames_of_file(header, path))
-        out = unpack(future.result())
+        future = self._call = call.future(frames_of_file(header.to_json(), path))
+        out = (HubView if kind == "create" else UploadReply).decode(future.result())
         self._call = None
         return out
 
-    def _download(self, call, path: Path) -> dict:
+    def upload_round(self, path: Path, rid: int, parameters: bool) -> None:
+        """This facility's contribution to round ``rid``: the file ``path`` of its parameters (``parameters``), or
+        of its encoded update."""
+        self._upload(path, "round", rid)
+
+    def claim(self, tokens: float) -> float:
+        """The tokens this facility claims for the round (those it trained on since its last one)."""
+        return tokens
+
+    def _download(self, call, path: Path) -> ResultHeader:
         """θ_global into the file ``path``, a frame at a time; the result's header."""
-        frames = Frames(call, 4 * self.geometry_numel, {"version": int, "status": str})
+        frames = Frames(call, 4 * self.geometry_numel, ResultHeader)
         frames.to_file(path)
         self._call = None
         return frames.header
@@ -154,13 +154,13 @@ class HubLink:
             raise ElasticError(f"facility {self.name}: {explain(exc, self.hub)}") from None
         self._refuse_if_ended(out)
 
-    def _refuse_if_ended(self, out: dict) -> None:
+    def _refuse_if_ended(self, out: HubView | JoinReply) -> None:
         """A federation that ended (a facility reached its train.steps) trains no more: joining it would
         train nothing, or alone from its last θ_global. One line; the job exits non-zero."""
-        if out.get("ended"):
+        if out.ended:
             raise ElasticError(
                 f"facility {self.name}: the federation at the hub {self.hub} has ended (a facility reached its "
-                f"train.steps, after {out.get('version')} rounds): nothing is left to train; to train again, serve a "
+                f"train.steps, after {out.version} rounds): nothing is left to train; to train again, serve a "
                 f"new federation (python -m xffl_like.hub serve with another --state)"
             )
 
@@ -177,22 +177,21 @@ class HubLink:
             raise ElasticError(f"facility {self.name}: {explain(exc, self.hub)}") from None
 
     def _join(self, mine: Path, theta: Path, done: int, min_facilities: int) -> dict:
-        while True:
-            out = self.unary("Join", spec=self.spec, geometry=self.geometry, steps=self.steps, every=self.every)
-            if out["status"] != "retry":
-                break
-            self._pause(0.5)
+        def join() -> JoinReply:
+            return self.unary("Join", spec=self.spec, geometry=self.geometry, steps=self.steps, every=self.every)
+
+        out = POLL_RETRY.poll(join, lambda out: out.status != "retry", self._pause)  # another one creates it
         self._refuse_if_ended(out)  # it ended since the launcher's probe
         self._start_beats()
-        if out["status"] == "create":
-            out = self._upload(mine, "create")
-            self.version = out["version"]
+        if out.status == "create":
+            view = self._upload(mine, "create")
+            self.version = view.version
             self._wait_for(min_facilities)
-            return self._result(out, done, changed=False, healed=[], status="created")
+            return self._result(view, done, changed=False, healed=[], status="created")
         self._wait_for(min_facilities)
         header = self._download(self._stream("Fetch"), theta)
-        self.version = header["version"]
-        step = done if self.cfg_every_s else min(int(header["progress"]) * int(self.every), self.steps)
+        self.version = header.version
+        step = done if self.cfg_every_s else min(header.progress * int(self.every), self.steps)
         return self._result(header, step, changed=True, healed=[self.name], status="joined")
 
     @property
@@ -200,16 +199,18 @@ class HubLink:
         return self.spec.get("every_s") is not None
 
     def _wait_for(self, n: int) -> None:
-        said = 0.0
-        while True:
-            live = self.unary("Beat")["live"]
-            if len(live) >= n:
-                return
-            if time.monotonic() - said > _WAIT_LINE_S:
-                print(f"facility {self.name}: waiting for {n - len(live)} more facilities at the hub {self.hub}",
+        said = [0.0]
+
+        def enough(view: HubView) -> bool:
+            if len(view.live) >= n:
+                return True
+            if time.monotonic() - said[0] > _WAIT_LINE_S:
+                print(f"facility {self.name}: waiting for {n - len(view.live)} more facilities at the hub {self.hub}",
                       flush=True)  # fmt: skip
-                said = time.monotonic()
-            self._pause(0.5)
+                said[0] = time.monotonic()
+            return False
+
+        POLL_RETRY.poll(lambda: self.unary("Beat"), enough, self._pause)
 
     def _pause(self, seconds: float) -> None:
         if self._cancelled.wait(seconds):
@@ -243,30 +244,29 @@ class HubLink:
         file ``message`` of its encoded update) goes up; θ_global comes back into the file ``theta``."""
         if time.monotonic() < self.backoff_until:
             return self._missed(done, "the hub did not answer at an earlier boundary")
-        tokens = _test_poison(mine if message is None else None, tokens)
+        tokens = self.claim(tokens)
         try:
             arrived = self.unary("Arrive", version=self.version, step=done, taken=taken, tokens=tokens)
-            if arrived["action"] == "upload":
-                self._upload(mine if message is None else message, "round", arrived["round"])
-                _test_pause(self.version)
-            elif arrived.get("reason"):
-                print(f"facility {self.name}: heals this round ({arrived['reason']})", flush=True)
-            header = self._download(self._stream("Result", round=arrived["round"]), theta)
+            if arrived.action == "upload":
+                self.upload_round(mine if message is None else message, arrived.round, parameters=message is None)
+            elif arrived.reason:
+                print(f"facility {self.name}: heals this round ({arrived.reason})", flush=True)
+            header = self._download(self._stream("Result", round=arrived.round), theta)
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.CANCELLED:  # a stop request while waiting: the trainer leaves next
                 return self._left(done, "waiting in the round")
             if exc.code() in (grpc.StatusCode.NOT_FOUND,):
                 self._rejoin()
             self.missed += 1
-            self.backoff_until = time.monotonic() + min(30.0, 2.0**self.missed)
+            self.backoff_until = time.monotonic() + ROUND_RETRY.delay(self.missed)
             return self._missed(done, explain(exc, self.hub))
         self.missed = 0
-        self.version = header["version"]
-        if header["status"] == "rejected":
-            print(f"facility {self.name}: the hub rejected this facility's contribution ({header['reason']}); "
+        self.version = header.version
+        if header.status == "rejected":
+            print(f"facility {self.name}: the hub rejected this facility's contribution ({header.reason}); "
                   f"it heals to θ_global", flush=True)  # fmt: skip
-        healed = [] if header["status"] == "accepted" else [self.name]
-        return self._result(header, done, changed=True, healed=healed, status=header["status"])
+        healed = [] if header.status == "accepted" else [self.name]
+        return self._result(header, done, changed=True, healed=healed, status=header.status)
 
     def _rejoin(self) -> None:
         self.session = uuid.uuid4().hex
@@ -283,45 +283,31 @@ class HubLink:
         return {"round": self.version, "step": done, "changed": False, "bytes": 0, "ended": False, "healed": [],
                 "facilities": [], "attempts": 1, "status": "missed", "reason": why}  # fmt: skip
 
-    def _result(self, header: dict, step: int, changed: bool, healed: list, status: str) -> dict:
+    def _result(self, header: ResultHeader | HubView, step: int, changed: bool, healed: list, status: str) -> dict:
         nbytes = 8 * self.geometry_numel if changed else 4 * self.geometry_numel
+        accepted = getattr(header, "accepted", None) or {}
         return {
-            "round": int(header["version"]),
+            "round": header.version,
             "step": step,
             "changed": changed,
             "bytes": nbytes,
-            "ended": bool(header.get("ended")),
+            "ended": header.ended,
             "healed": healed,
-            "facilities": sorted(header.get("accepted", {}) or header.get("live", [])),
+            "facilities": sorted(accepted or header.live),
             "attempts": 1,
             "status": status,
-            "reason": header.get("reason"),
-            "rejected": header.get("rejected", {}),
-            "weights": header.get("accepted", {}),
+            "reason": getattr(header, "reason", None),
+            "rejected": getattr(header, "rejected", None) or {},
+            "weights": accepted,
         }
 
     @property
     def geometry_numel(self) -> int:
-        import math
-
         return sum(math.prod(p[1]) for p in self.spec["parameters"])
 
 
-def hub_spec(job) -> dict[str, Any]:
-    """What every facility of a hub's federation shares: :func:`federation_spec` plus the hub's rules."""
-    e, fed = job.federation.elastic, job.federation
-    return {
-        **federation_spec(job),
-        "grace_s": float(e.grace_s),
-        "max_norm_ratio": float(e.max_norm_ratio),
-        "weights_rule": fed.weights,
-        "paced": fed.paced,
-        "min_facilities": e.min_facilities,
-    }
-
-
 def hub_link(job, name: str, world_size: int):
-    """This facility leader's :class:`~.hub_link.HubLink` (``federation.elastic.hub``)."""
+    """This facility leader's :class:`HubLink` (``federation.elastic.hub``)."""
     t = job.train
     geometry = {"batch_size": t.batch_size * t.grad_accum, "seq_len": t.seq_len, "dp": world_size}
     every = job.federation.every if job.federation.every_s is None else None

@@ -26,7 +26,7 @@ from ..config.schema import JobConfig
 from ..distributed.state import DistributedState
 from ..federation.elastic import facility_name
 from ..federation.elastic.exchange import ElasticFederation
-from ..federation.elastic.hub_link import hub_link
+from ..hub.client import hub_link
 from ..observe.timing import PhaseTimer
 from .nonfinite import NonFiniteGuard
 from .optim import schedule_at

@@ -4,10 +4,10 @@ With ``federation.elastic.hub=HOST:PORT`` each facility is its own job (its own 
 and default process group; ``distributed.*`` describes this facility only). Its leader dials out to
 ``python -m xffl_like.hub serve`` (:mod:`xffl_like.hub`), which holds the federation:
 
-- :mod:`.options`: the checks of ``federation.elastic`` (before workers start), the facility's name,
-  the federation's description a joining facility must match;
-- :mod:`.hub_link`: the leader's gRPC link to the hub (mutual TLS, outbound only): join, heartbeats,
-  arrive, upload, the round's result;
+- :mod:`.options`: the checks of ``federation.elastic`` (before workers start), the facility's name;
+  the federation's description a joining facility must match is :mod:`xffl_like.hub.protocol.spec`'s;
+- the leader's gRPC link to the hub (mutual TLS, outbound only: join, heartbeats, arrive, upload, the
+  round's result) is :mod:`xffl_like.hub.client`;
 - :mod:`.exchange`: :class:`ElasticFederation`, this facility's side of each round (gather its shards,
   upload, take θ_global back to every rank).
 """

@@ -6,7 +6,7 @@ the leader streams through files (its spool, under the run directory) and never 
 
 1. every rank of the facility takes part in gathering the full parameters, one at a time, into the
    leader's spool file;
-2. the leader arrives at the hub (:class:`.hub_link.HubLink`) and uploads that file a frame at a time, or
+2. the leader arrives at the hub (:class:`xffl_like.hub.client.HubLink`) and uploads that file a frame at a time, or
    with ``federation.compression`` the encoding of its update ``θ_global - θ_f`` plus its error-feedback
    residual (encoded window by window; its one full buffer is ``ef``, θ_global and the residual folded
    together), while the other ranks wait on a small broadcast every second;
@@ -35,10 +35,10 @@ from torch import Tensor
 
 from ...distributed.signals import requested
 from ...distributed.state import to_local
+from ...hub.protocol.update_codec import UpdateCodec
 from ..clock import round_clock
 from ..options import rounds_description
 from ..protocol import RoundClock
-from ..update_codec import UpdateCodec
 
 __all__ = ["ElasticFederation"]
 
@@ -97,7 +97,7 @@ class ElasticFederation:
     training side's :class:`~..protocol.Rounds`, plus :meth:`join` and :meth:`leave`."""
 
     def __init__(self, cfg, model: torch.nn.Module, state, name: str, steps: int, link=None, spool=None):
-        """``steps``: this facility's steps in the job; ``link``: the leader's :class:`~.hub_link.HubLink`
+        """``steps``: this facility's steps in the job; ``link``: the leader's :class:`~xffl_like.hub.client.HubLink`
         (None on the other ranks); ``spool``: the leader's directory for what crosses (the run directory's
         ``.hub-spool`` by default)."""
         self.options, self.state, self.name, self.steps = cfg, state, name, steps

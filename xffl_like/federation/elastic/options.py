@@ -1,14 +1,17 @@
-"""``federation.elastic``: its checks, the facility's name, what a joining facility must match."""
+"""``federation.elastic``: its checks and the facility's name. The hub's address (:func:`address`), the error
+that keeps a facility out (:class:`ElasticError`) and what a joining facility must match (the federation's
+description, :func:`federation_spec`) are the hub's protocol's: :mod:`xffl_like.hub.protocol`."""
 
 from __future__ import annotations
 
 import math
 import os
 import socket
-from typing import Any
 
 from ...config.checks import is_int, is_number
 from ...config.errors import ConfigError
+from ...hub.protocol.dial import ElasticError, address
+from ...hub.protocol.spec import federation_spec, first_difference
 
 __all__ = [
     "ElasticError",
@@ -18,27 +21,6 @@ __all__ = [
     "first_difference",
     "validate_elastic",
 ]
-
-
-class ElasticError(RuntimeError):
-    """One line naming what keeps this facility out of the federation, and the fix."""
-
-
-def address(value: str, key: str = "federation.elastic.hub") -> tuple[str, int]:
-    """``HOST:PORT`` (``[v6]:PORT`` too) -> (host, port); ``ConfigError`` with one line otherwise."""
-    text = str(value)
-    if text.startswith("["):
-        host, sep, port = text[1:].partition("]:")
-    else:
-        host, sep, port = text.rpartition(":")
-        if ":" in host:  # a bare IPv6 address: its port cannot be told from its last group
-            sep = ""
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(
-            f"{key}={value!r}: must be HOST:PORT or [IPv6]:PORT (the address `python -m xffl_like.hub serve` "
-            f"prints, e.g. login1:29510)"
-        )
-    return host, int(port)
 
 
 def facility_name(cfg) -> str:
@@ -93,58 +75,6 @@ def validate_elastic(job, layout) -> None:
                 f"{what} does not work with federation.elastic.hub (rounds among the facilities present): "
                 f"use rounds of averaging or an outer optimizer, with weights uniform or tokens"
             )
-
-
-def federation_spec(job) -> dict[str, Any]:
-    """What every facility of one federation must share: the model's parameters (names, shapes,
-    dtypes), the algorithm, the outer optimizer, compression, the number of rounds (each facility its own
-    ``federation.every``) or, with ``federation.every_s``, the round time and the last step."""
-    from ...config.schema import as_plain
-    from ...models import build_model
-
-    model = build_model(job.model, device="meta")
-    fed = job.federation
-    return {
-        "parameters": [[n, list(p.shape), str(p.dtype).replace("torch.", "")] for n, p in model.named_parameters()],
-        "algorithm": fed.algorithm,
-        "outer": as_plain(fed.outer),
-        "compression": {
-            "kind": fed.compression,
-            "chunk_size": fed.chunk_size,
-            "error_feedback": fed.error_feedback,
-            **(
-                {"density": float(fed.topk.density), "bits": int(fed.topk.bits), "decay": float(fed.topk.decay)}
-                if fed.compression == "topk"
-                else {}
-            ),
-        },  # fmt: skip
-        # Facilities may take different steps per round (their own federation.every) if their rounds are as many;
-        # with federation.every_s the round time and the last step are shared.
-        "every_s": fed.every_s,
-        "rounds": -(-job.train.steps // fed.every) if fed.every_s is None else None,
-        "train.steps": job.train.steps if fed.every_s is not None else None,
-        "weights": fed.mean_weights,
-    }
-
-
-def first_difference(mine: dict, theirs: dict) -> str | None:
-    """The first way ``mine`` differs from the federation's ``theirs``, in words; None if they match."""
-    a, b = mine["parameters"], theirs["parameters"]
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return f"parameter {i}: {x[0]} {x[1]} {x[2]} here, {y[0]} {y[1]} {y[2]} in the federation"
-    if len(a) != len(b):
-        return f"{len(a)} parameters here, {len(b)} in the federation"
-    for key in mine:
-        if key != "parameters" and mine[key] != theirs.get(key):
-            if key == "rounds":
-                return (
-                    f"{mine[key]} rounds here (train.steps / federation.every), {theirs.get(key)} in the "
-                    f"federation: set train.steps to {theirs.get(key)} x federation.every"
-                )
-            name = key if key == "train.steps" else f"federation.{key}"
-            return f"{name}: {mine[key]!r} here, {theirs.get(key)!r} in the federation"
-    return None
 
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")

@@ -2,8 +2,8 @@
 
 One flat message per facility: ``bf16`` (two bytes a value), ``uint8`` (min-max chunks of about
 ``federation.chunk_size`` values, :mod:`xffl_like.parallel.codec`) or ``topk`` (the top-k of each chunk of
-``chunk_size`` values at a few bits, :mod:`.topk`). The facility encodes it window by window; the hub
-decodes it chunk by chunk as it reads it back (:meth:`UpdateCodec.decode_stream`), so it
+``chunk_size`` values at a few bits, :mod:`xffl_like.federation.topk`). The facility encodes it window by
+window; the hub decodes it chunk by chunk as it reads it back (:meth:`UpdateCodec.decode_stream`), so it
 never holds a decoded copy beside its accumulator. Both ends size the message from the federation's
 description alone, so the hub checks every byte count before it reads one.
 """
@@ -16,8 +16,8 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import Tensor
 
-from ..parallel import codec
-from .topk import TopkCodec
+from ...federation.topk import TopkCodec
+from ...parallel import codec
 
 __all__ = ["CODECS", "UpdateCodec"]
 

@@ -3,9 +3,9 @@ and nothing pickled.
 
 Every method of the service ``xffl.hub.Hub`` carries bytes. A control message is one UTF-8 JSON
 object of at most :data:`MAX_JSON` bytes (:func:`pack` / :func:`unpack`, which refuses anything
-else). Tensors travel as a stream of frames: a JSON header frame, then raw little-endian chunks of
-at most :data:`CHUNK_BYTES` each; the receiver checks every chunk's size against what the header
-announced before it touches any state (:class:`Frames`).
+else), whose keys and values :mod:`.messages` checks. Tensors travel as a stream of frames: a JSON header
+frame, then raw little-endian chunks of at most :data:`CHUNK_BYTES` each; the receiver checks every chunk's
+size against what the header announced before it touches any state (:class:`Frames`).
 
 Methods (the facility is the client; its name is its certificate's common name):
 
@@ -21,7 +21,6 @@ Methods (the facility is the client; its name is its certificate's common name):
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -83,9 +82,9 @@ def _no_constants(name: str):
     raise WireError(f"non-finite number {name} in a control message")
 
 
-def unpack(data: bytes, required: dict[str, type | tuple[type, ...]] | None = None) -> dict[str, Any]:
-    """A control message, checked: one JSON object within :data:`MAX_JSON` bytes, with each
-    ``required`` key of its type (``int`` excludes ``bool``; floats finite)."""
+def unpack(data: bytes) -> dict[str, Any]:
+    """A control message: one JSON object within :data:`MAX_JSON` bytes, numbers finite (its keys and
+    values: :meth:`.messages.Message.decode`)."""
     if not isinstance(data, bytes) or len(data) > MAX_JSON:
         raise WireError("control message too large or not bytes")
     try:
@@ -94,19 +93,11 @@ def unpack(data: bytes, required: dict[str, type | tuple[type, ...]] | None = No
         raise WireError(f"control message is not JSON ({exc})") from None
     if not isinstance(obj, dict):
         raise WireError("control message is not a JSON object")
-    for key, kind in (required or {}).items():
-        value = obj.get(key)
-        kinds = kind if isinstance(kind, tuple) else (kind,)
-        ok = isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds)
-        if ok and isinstance(value, float) and not math.isfinite(value):
-            ok = False
-        if not ok:
-            raise WireError(f"control message: {key}={value!r} is not a {'/'.join(k.__name__ for k in kinds)}")
     return obj
 
 
 def frames_of(header: dict[str, Any], flat: Tensor | None) -> Iterator[bytes]:
-    """``header`` (JSON, with ``nbytes``) then ``flat``'s bytes in frames of :data:`CHUNK_BYTES`."""
+    """``header`` (a JSON object; ``nbytes`` is set here) then ``flat``'s bytes in frames of :data:`CHUNK_BYTES`."""
     raw = _as_bytes(flat)
     yield pack({**header, "nbytes": 0 if raw is None else raw.numel()})
     if raw is None:
@@ -116,7 +107,7 @@ def frames_of(header: dict[str, Any], flat: Tensor | None) -> Iterator[bytes]:
 
 
 def frames_of_file(header: dict[str, Any], path) -> Iterator[bytes]:
-    """``header`` (JSON, with ``nbytes``) then the bytes of the file ``path``, read a frame at a time (a
+    """``header`` (a JSON object; ``nbytes`` is set here) then the bytes of the file ``path``, read a frame at a time (a
     contribution spooled to disk is never loaded whole)."""
     with open(path, "rb") as fh:
         fh.seek(0, 2)
@@ -135,19 +126,20 @@ def _as_bytes(flat: Tensor | None) -> Tensor | None:
 class Frames:
     """Receives the frames of one tensor: the header, then exactly ``nbytes`` of chunks.
 
-    ``expect``: the bytes the receiver allows (a number, or a function of the header's ``kind``); a header that
+    ``message``: the header's message class (:mod:`.messages`: its ``decode`` checks it; it has ``nbytes``);
+    ``expect``: the bytes the receiver allows (a number, or a function of the header); a header that
     announces another size, a chunk over :data:`CHUNK_BYTES`, or more or fewer bytes than announced
     is a :class:`WireError`. Chunks are handed on as they arrive (:meth:`chunks`), never joined."""
 
-    def __init__(self, frames: Iterator[bytes], expect, required: dict | None = None):
+    def __init__(self, frames: Iterator[bytes], expect, message):
         self.frames = iter(frames)
         try:
             first = next(self.frames)
         except StopIteration:
             raise WireError("empty stream (no header)") from None
-        self.header = unpack(first, {"nbytes": int, **(required or {})})
-        self.nbytes = self.header["nbytes"]
-        allowed = expect(self.header.get("kind")) if callable(expect) else expect
+        self.header = message.decode(first)
+        self.nbytes = self.header.nbytes
+        allowed = expect(self.header) if callable(expect) else expect
         if self.nbytes != allowed:
             raise WireError(f"{self.nbytes} bytes announced, expected {allowed}")
 

@@ -1,15 +1,20 @@
-"""The hub's durable state: after every committed round, one safetensors file holding θ_global,
-the outer optimizer's buffers and, in its metadata, the version, the federation's description
+"""The hub's durable state, behind one interface (:class:`StateStore`: open, save).
+
+Its implementation, :class:`SafetensorsStore`: after every committed round, one safetensors file holding
+θ_global, the outer optimizer's buffers and, in its metadata, the version, the federation's description
 and its members; written atomically (temporary file, fsync, rename, fsync of the directory), the
 last two kept. Tensors carry a CRC-32 each, so a damaged file is found, never trained on.
 """
 
 from __future__ import annotations
 
+import abc
 import json
 import os
 import re
+import time
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,7 +23,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
-__all__ = ["KEEP", "Snapshot", "StateError", "load_latest", "save"]
+__all__ = ["KEEP", "SafetensorsStore", "Snapshot", "StateError", "StateStore", "load_latest", "save"]
 
 KEEP = 2
 _NAME = re.compile(r"^state-(\d{10})\.safetensors$")
@@ -144,3 +149,49 @@ def load_latest(directory: Path) -> Snapshot | None:
     if not files:
         return None
     return _read(files[0])
+
+
+class StateStore(abc.ABC):
+    """Where the hub keeps its federation across restarts."""
+
+    @abc.abstractmethod
+    def open(self, fresh: bool) -> Snapshot | None:
+        """The saved federation (None: a new one; ``fresh``: set the old one aside); :class:`StateError`."""
+
+    @abc.abstractmethod
+    def save(self, snap: Snapshot) -> None:
+        """Keep ``snap`` durably before any member hears of it."""
+
+
+class SafetensorsStore(StateStore):
+    """The state as safetensors files in ``directory`` (:func:`save`, :func:`load_latest`)."""
+
+    def __init__(self, directory: Path, log: Callable[[str], None] = print):
+        self.dir, self.log = Path(directory), log
+
+    def save(self, snap: Snapshot) -> None:
+        save(self.dir, snap)
+
+    def open(self, fresh: bool) -> Snapshot | None:
+        path = self.dir
+        if not path.exists():
+            path.mkdir(parents=True)
+            self.log(f"hub: {path} did not exist: a new federation begins there")
+            return None
+        if not path.is_dir():
+            raise StateError(f"--state {path} is not a directory: give a directory (it is created if missing)")
+        if fresh:
+            old = [p for p in path.iterdir() if p.name.startswith("state-")]
+            if old:
+                aside = path / f"discarded-{time.strftime('%Y%m%d-%H%M%S')}"
+                aside.mkdir()
+                for p in old:
+                    p.rename(aside / p.name)
+                self.log(f"hub: --fresh: the previous state moved to {aside}; a new federation begins")
+            return None
+        snap = load_latest(path)
+        if snap is None:
+            self.log(f"hub: no saved state in {path}: a new federation begins there")
+        else:
+            self.log(f"hub: resuming the federation of {path} at version {snap.version}")
+        return snap

@@ -1,0 +1,76 @@
+"""Test-only faults of a facility's link to the hub (:class:`xffl_like.hub.client.HubLink`), each acting only when
+its variable is set:
+
+- ``$XFFL_TEST_HUB_SCALE=S``: the parameters this facility uploads to a round are its own times S (a facility
+  whose update is far off, for the hub's norm check);
+- ``$XFFL_TEST_HUB_TOKENS=T``: it claims T tokens at every round (a facility that lies, for the hub's claims
+  check);
+- ``$XFFL_TEST_ELASTIC_PAUSE=ROUND:FILE``: after uploading its contribution to version ROUND's round, the leader
+  writes its pid to FILE and waits there 120 s (for the test to kill its facility mid-round).
+
+They wrap the link's seams (:meth:`~xffl_like.hub.client.HubLink.claim`,
+:meth:`~xffl_like.hub.client.HubLink.upload_round`) when :mod:`xffl_like.hub.client` is first imported, so
+nothing is imported into a process that never loads it.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import os
+import sys
+import time
+from pathlib import Path
+
+_TARGET = "xffl_like.hub.client"
+_VARIABLES = ("XFFL_TEST_HUB_SCALE", "XFFL_TEST_HUB_TOKENS", "XFFL_TEST_ELASTIC_PAUSE")
+
+
+def _patch(module) -> None:
+    link = module.HubLink
+    claim, upload_round = link.claim, link.upload_round
+    scale, tokens = os.environ.get("XFFL_TEST_HUB_SCALE"), os.environ.get("XFFL_TEST_HUB_TOKENS")
+    pause = os.environ.get("XFFL_TEST_ELASTIC_PAUSE")
+
+    def lying_claim(self, claimed: float) -> float:
+        return float(tokens) if tokens else claim(self, claimed)
+
+    def faulty_upload(self, path: Path, rid: int, parameters: bool) -> None:
+        if scale and parameters:
+            import numpy as np
+
+            values = np.fromfile(path, dtype=np.float32)
+            (values * np.float32(scale)).tofile(path)
+        version = self.version
+        upload_round(self, path, rid, parameters)
+        if pause and int(pause.split(":", 1)[0]) == version:
+            Path(pause.split(":", 1)[1]).write_text(str(os.getpid()))
+            time.sleep(120)
+
+    link.claim, link.upload_round = lying_claim, faulty_upload
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Finds :data:`_TARGET` as Python would, and patches it once its module has run."""
+
+    def find_spec(self, name, path, target=None):
+        if name != _TARGET:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None:
+            return spec
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            _patch(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+if any(os.environ.get(v) for v in _VARIABLES):
+    if _TARGET in sys.modules:
+        _patch(sys.modules[_TARGET])
+    else:
+        sys.meta_path.insert(0, _AfterImport())

@@ -1,0 +1,127 @@
+"""Who is calling, checked once for every method: a gRPC server interceptor.
+
+With mutual TLS, the facility is the common name of the client certificate it presented, refused while its
+certificate is revoked (``revoked.json`` beside the CA, re-read when it changes: from the next call, without
+a restart). With ``--insecure`` (plaintext on loopback, for tests and one-machine demos), the request names
+its facility (its ``facility`` key) and is taken on trust. The handler behind receives a context whose
+``facility`` is that checked name (:class:`Caller`).
+
+The interceptor also turns every refusal into the call's status, in one place: a :class:`.errors.HubError`
+into its own code, a description the hub cannot hold (:class:`..protocol.spec.SpecError`) and a malformed
+message (:class:`..protocol.wire.WireError`) into ``INVALID_ARGUMENT``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from pathlib import Path
+
+import grpc
+
+from ..protocol.spec import SpecError
+from ..protocol.wire import WireError, unpack
+from .errors import HubError
+
+__all__ = ["Caller", "IdentityInterceptor"]
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+
+
+class Caller:
+    """A handler's gRPC context with ``facility``, the caller's name as checked."""
+
+    def __init__(self, context, facility: str):
+        self._context, self.facility = context, facility
+
+    def __getattr__(self, name: str):
+        return getattr(self._context, name)
+
+
+def _refuse(context, exc: Exception):
+    if isinstance(exc, HubError):
+        context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
+    if isinstance(exc, SpecError):
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+    context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request: {exc}")
+
+
+class IdentityInterceptor(grpc.ServerInterceptor):
+    """Checks each call's facility (``certs``: the directory of the CA and its revocation list; None: the hub
+    serves ``--insecure``) before the method runs."""
+
+    def __init__(self, certs: Path | None):
+        self.revoked = None
+        if certs is not None:
+            from ..identity import RevocationList
+
+            self.revoked = RevocationList(certs)
+
+    def facility(self, context, first: bytes | None) -> str:
+        """The calling facility's name (``first``: the request, or a stream's first frame, for ``--insecure``)."""
+        if self.revoked is None:  # --insecure: the request names its facility
+            name = unpack(first).get("facility") if first is not None else None
+            if not isinstance(name, str) or not _NAME.match(name):
+                raise HubError("--insecure hub: the request must name its facility", "INVALID_ARGUMENT")
+            return name
+        auth = context.auth_context()
+        names, pems = auth.get("x509_common_name", []), auth.get("x509_pem_cert", [])
+        if len(names) != 1 or len(pems) != 1:
+            raise HubError("no client certificate", "UNAUTHENTICATED")
+        name = names[0].decode(errors="replace")
+        from ..identity import IdentityError
+
+        try:
+            revoked = self.revoked.is_revoked(pems[0])
+        except IdentityError as exc:  # revoked.json damaged by hand: refuse everyone, saying why
+            raise HubError(f"the hub cannot read its revocation list ({exc})", "UNAVAILABLE") from None
+        if revoked:
+            raise HubError(
+                f"facility {name}'s certificate is revoked: ask the hub's operator for a new one "
+                f"(python -m xffl_like.hub add DIR {name})",
+                "PERMISSION_DENIED",
+            )
+        return name
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None
+        if handler.request_streaming and not handler.response_streaming:
+            return handler._replace(stream_unary=self._stream_in(handler.stream_unary))
+        if handler.response_streaming and not handler.request_streaming:
+            return handler._replace(unary_stream=self._stream_out(handler.unary_stream))
+        if not handler.request_streaming:
+            return handler._replace(unary_unary=self._unary(handler.unary_unary))
+        return handler  # no method streams both ways
+
+    def _unary(self, behavior):
+        def run(request, context):
+            try:
+                return behavior(request, Caller(context, self.facility(context, request)))
+            except (HubError, SpecError, WireError) as exc:
+                _refuse(context, exc)
+
+        return run
+
+    def _stream_in(self, behavior):
+        def run(request_iterator, context):
+            try:
+                first = None
+                if self.revoked is None:
+                    first = next(request_iterator, None)
+                    request_iterator = itertools.chain([] if first is None else [first], request_iterator)
+                return behavior(request_iterator, Caller(context, self.facility(context, first)))
+            except (HubError, SpecError, WireError) as exc:
+                _refuse(context, exc)
+
+        return run
+
+    def _stream_out(self, behavior):
+        def run(request, context):
+            try:
+                yield from behavior(request, Caller(context, self.facility(context, request)))
+            except (HubError, SpecError, WireError) as exc:
+                _refuse(context, exc)
+
+        return run

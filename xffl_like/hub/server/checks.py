@@ -1,0 +1,85 @@
+"""The checks of a member's contribution: its claims on arrival, then each upload when the round closes.
+
+Claims (steps taken, tokens) are checked on arrival against the facility's geometry (:func:`claims`). When
+the round closes, each uploaded contribution must be finite and its update norm ``|θ_global - θ_f|`` at most
+``max_norm_ratio`` times the median of the round's (three or more) or of the facility's own recent accepted
+rounds (:func:`judge`). The accepted ones are weighed uniformly or by their tokens (:func:`weights`).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .membership import Member
+from .rounds import Arrival, Part, Round
+
+__all__ = ["SLICE", "claims", "judge", "squares", "weights"]
+
+SLICE = 1 << 20  # values checked or accumulated at a time: transient buffers of a few MB per upload
+
+
+def claims(m: Member, a: Arrival) -> str | None:
+    """Why the member's claims cannot hold (None: they can)."""
+    g = m.geometry
+    if a.taken < 1 or a.step < a.taken:
+        return f"claims {a.taken} steps taken at step {a.step}"
+    if m.last_step is not None and a.step - m.last_step < a.taken:  # more when it missed rounds
+        return f"claims {a.taken} steps since its last round at step {m.last_step}, now at step {a.step}"
+    if a.step > m.steps:
+        return f"claims step {a.step} of a job of {m.steps} steps"
+    bound = a.taken * g.batch_size * g.seq_len * g.dp
+    if not (math.isfinite(a.tokens) and 0 < a.tokens <= bound):
+        return f"claims {a.tokens:g} tokens; its geometry allows at most {bound}"
+    return None
+
+
+def squares(values: np.ndarray, theta: Tensor | None, first: int) -> float:
+    """The sum of squares of ``theta[first:] - values`` (of ``values`` when ``theta`` is None), in fp64, a
+    slice at a time; inf or nan when a value is not finite."""
+    total = 0.0
+    for start in range(0, values.size, SLICE):
+        x = torch.from_numpy(values[start : start + SLICE]) if values.flags.writeable else None
+        if x is None:  # a received frame is read-only: copy one slice
+            x = torch.from_numpy(values[start : start + SLICE].copy())
+        if theta is not None:
+            x = torch.sub(theta[first + start : first + start + x.numel()], x, out=x)
+        total += float(torch.linalg.vector_norm(x, dtype=torch.float64) ** 2)
+        if not math.isfinite(total):
+            return total
+    return total
+
+
+def judge(r: Round, members: dict[str, Member], ratio: float) -> dict[str, str]:
+    """Per contribution of the round, why it is rejected (absent: accepted; a heal is not judged)."""
+    out = {n: a.reason for n, a in r.arrivals.items() if a.reason is not None and not a.heal}
+    out.update({n: "no upload" for n, a in r.arrivals.items() if not a.heal and a.part is not Part.UPLOADED
+                and n not in out})  # fmt: skip
+    up = {n: a for n, a in r.arrivals.items() if a.part is Part.UPLOADED and n not in out}
+    for n, a in up.items():
+        if not math.isfinite(a.norm):
+            out[n] = "not finite"
+    norms = [a.norm for n, a in up.items() if n not in out]
+    for n, a in up.items():
+        if n in out or ratio <= 0:
+            continue
+        ref = statistics.median(norms) if len(norms) >= 3 else None
+        own = members[n].norms
+        if ref is None and len(own) >= 2:
+            ref = statistics.median(own)
+        if ref is not None and ref > 0 and a.norm > ratio * ref:
+            out[n] = f"update norm {a.norm:.3g} is over {ratio:g}x the median {ref:.3g}"
+    return out
+
+
+def weights(spec: dict, accepted: dict[str, Arrival]) -> dict[str, float]:
+    """Each accepted contribution's weight (not normalised): uniform or its tokens, as the description says."""
+    rule = spec.get("weights_rule")
+    if rule is None:
+        paced = bool(spec.get("paced"))
+        rule = "tokens" if paced or len({a.taken for a in accepted.values()}) > 1 else "uniform"
+    return {n: (a.tokens if rule == "tokens" else 1.0) for n, a in accepted.items()}

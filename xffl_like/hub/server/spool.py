@@ -1,0 +1,80 @@
+"""The spool: each upload written to its own file as it arrives, measured on the way, read back to average.
+
+A contribution is never held whole in memory: its frames go to ``<state>/spool/<round>-<facility>.bin``
+while the hub sums the squares of its update ``θ_global - θ_f`` (fp32 parameters) or decodes it (a
+compressed update, :mod:`..protocol.update_codec`); at the commit each accepted file is read back a slice at
+a time into the one accumulator, then removed.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from ..protocol.update_codec import UpdateCodec
+from ..protocol.wire import Frames, WireError
+from .checks import SLICE, squares
+
+__all__ = ["Spool"]
+
+
+class Spool:
+    """The spool directory ``directory`` (emptied at start)."""
+
+    def __init__(self, directory: Path):
+        self.dir = directory
+        shutil.rmtree(directory, ignore_errors=True)
+        directory.mkdir(parents=True, exist_ok=True)
+
+    def path(self, rid: int, name: str) -> Path:
+        return self.dir / f"{rid}-{name}.bin"
+
+    def write(self, frames: Frames, path: Path, theta: Tensor, codec: UpdateCodec | None) -> float:
+        """Write the chunks to ``path``; the norm of the update ``θ_global - θ_f`` (nan when not finite)."""
+        if codec is not None:
+            with open(path, "wb") as fh:
+                for _, chunk in frames.chunks():
+                    fh.write(chunk)
+            return self._update_norm(path, codec)
+        total = 0.0
+        with open(path, "wb") as fh:
+            for offset, chunk in frames.chunks():
+                if offset % 4 or len(chunk) % 4:
+                    raise WireError("a frame that splits a value")
+                fh.write(chunk)
+                if math.isfinite(total):  # read in place: the frame is never copied
+                    total += squares(np.frombuffer(chunk, dtype=np.float32), theta, offset // 4)
+        return math.sqrt(total) if math.isfinite(total) else math.nan
+
+    @staticmethod
+    def _update_norm(path: Path, codec: UpdateCodec) -> float:
+        total = 0.0
+        with open(path, "rb") as fh:
+            for _, values in codec.decode_stream(fh.read):
+                total += squares(values.numpy(), None, 0)
+                if not math.isfinite(total):
+                    return math.nan
+        return math.sqrt(total)
+
+    @staticmethod
+    def accumulate(acc: Tensor, path: Path, scale: float, codec: UpdateCodec | None) -> None:
+        """``acc += scale x`` the contribution in ``path`` (decoded by ``codec``), a slice at a time; the file
+        is removed."""
+        if codec is not None:
+            with open(path, "rb") as fh:
+                for start, values in codec.decode_stream(fh.read):
+                    acc[start : start + values.numel()].add_(values, alpha=scale)
+            path.unlink(missing_ok=True)
+            return
+        with open(path, "rb") as fh:
+            offset, x = 0, torch.empty(SLICE, dtype=torch.float32)
+            while got := fh.readinto(memoryview(x.numpy()).cast("B")):
+                n = got // 4
+                acc[offset : offset + n].add_(x[:n], alpha=scale)
+                offset += n
+        path.unlink(missing_ok=True)

@@ -4,6 +4,7 @@ or from the last θ_global without a word)."""
 
 from __future__ import annotations
 
+import random
 import time
 from types import SimpleNamespace
 
@@ -13,8 +14,10 @@ import torch
 from xffl_like.federation.elastic import ElasticError
 from xffl_like.hub.client import HubLink
 from xffl_like.hub.protocol.messages import CALLS, ArriveRequest, JoinRequest, ResultHeader, ResultRequest, UploadHeader
+from xffl_like.hub.protocol.retry import RetryPolicy
 from xffl_like.hub.protocol.wire import Frames, frames_of
 from xffl_like.hub.server.federation import HubFederation
+from xffl_like.hub.server.rounds import Arrival, Part, Round, RoundState, StateError
 
 SPEC = {
     "parameters": [["w", [6], "float32"]],
@@ -105,3 +108,26 @@ def test_joining_a_federation_that_ended_is_refused_in_one_line(tmp_path):
             _link(fed, "c")._join(tmp_path / "mine", tmp_path / "theta", 0, 1)
     finally:
         fed.close()
+
+
+def test_one_retry_policy_backs_off_with_full_jitter():
+    """Every loop that asks the hub again waits a delay drawn in [0, min(cap, base x 2^attempt)]: growing,
+    capped, and different each time (facilities that lost the hub together do not dial it again in step)."""
+    policy = RetryPolicy(base=1.0, cap=30.0, rng=random.Random(0))
+    assert [policy.bound(a) for a in range(7)] == [1, 2, 4, 8, 16, 30, 30]
+    delays = [policy.delay(5) for _ in range(200)]
+    assert all(0 <= d <= 30 for d in delays) and len(set(delays)) == 200 and min(delays) < 10 < max(delays)
+    slept, answers = [], iter([1, 2, 3, 7, 8])
+    assert policy.poll(lambda: next(answers), lambda x: x > 5, slept.append) == 7
+    assert len(slept) == 3 and all(0 <= s <= policy.bound(i) for i, s in enumerate(slept))
+
+
+def test_a_round_moves_only_along_its_transitions():
+    r = Round(0, 0, 0.0)
+    with pytest.raises(StateError, match="open cannot become decided"):
+        r.move(RoundState.DECIDED)
+    for state in (RoundState.CLOSED, RoundState.COMMITTING, RoundState.DECIDED):
+        r.move(state)
+    a = Arrival(2, 2, 32.0, Part.HEAL)
+    with pytest.raises(StateError, match="heal cannot become uploading"):
+        a.move(Part.UPLOADING)

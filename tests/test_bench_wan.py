@@ -340,3 +340,40 @@ def test_target_figures_by_hand():
         "met": True,
     }
     assert link_ratio({"link": {"cross_bytes": 6_000}})["met"] is None
+
+
+def test_hub_results_are_the_rows_of_rounds_a_facility_holds(tmp_path):
+    """``bench.mode=hub`` sees each facility's round results in its ``aggregation.csv`` while the job runs (the
+    kill scenarios' moment to kill, the survivor's stall): a row with a round number is version round + 1, a
+    missed round (no number) is none, a line still being written waits for its end, and the job's final
+    rewrite of the file adds nothing."""
+    import csv
+    from types import SimpleNamespace
+
+    from xffl_like.bench import hub_wan
+    from xffl_like.observe.observer import AGG_FIELDS
+
+    jobs = [SimpleNamespace(name=name, run_dir=tmp_path / name) for name in ("f0", "f1")]
+    results = hub_wan._Results(jobs)
+    results.poll()  # no file yet
+    assert results("f0") == [] and results("f1") == []
+
+    def write(name: str, rounds: list, partial: str = "") -> None:
+        (tmp_path / name).mkdir(exist_ok=True)
+        with open(tmp_path / name / "aggregation.csv", "w", newline="") as fh:  # as the observer writes it
+            writer = csv.DictWriter(fh, fieldnames=AGG_FIELDS)
+            writer.writeheader()
+            writer.writerows({"round": r, "step": 2 * (i + 1), "seconds": 0.5} for i, r in enumerate(rounds))
+            fh.write(partial)
+
+    write("f0", [0, None], partial="2,6,0.")
+    results.poll()
+    assert [v for _, v in results("f0")] == [1] and results("f1") == []
+    write("f0", [0, None, 2])
+    write("f1", [1])
+    results.poll()
+    assert [v for _, v in results("f0")] == [1, 3] and [v for _, v in results("f1")] == [2]
+    first = results("f0")
+    write("f0", [0, None, 2])  # the job's final rewrite: the same rows
+    results.poll()
+    assert results("f0") == first

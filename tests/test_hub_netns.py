@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO, TINY
+from helpers import PLUGINS, REPO, TINY
 
 from xffl_like.bench import hub_wan, netns
 
@@ -129,7 +129,7 @@ def _start_facility(net, i: int, certs: Path, tmp_path: Path, dump: Path) -> sub
         i,
         [sys.executable, "-m", "xffl_like.run", *args],
         cwd=REPO,
-        env={**ENV, "XFFL_TEST_DUMP_ROUNDS": str(dump)},
+        env={**ENV, "PYTHONPATH": os.pathsep.join([str(PLUGINS), str(REPO)]), "XFFL_TEST_DUMP_ROUNDS": str(dump)},
         stdout=out,
         stderr=subprocess.STDOUT,
     )

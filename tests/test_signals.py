@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import REPO, TINY
+from helpers import PLUGINS, REPO, TINY
 from helpers.phases import phases_cover_the_loop
 
 pytestmark = [pytest.mark.cli]
@@ -309,10 +309,9 @@ def test_nothing_crosses_facilities_between_rounds(tmp_path):
     """Two facilities of one process each, rounds every 4 steps: between two steps that end no round, no
     collective spans more than one process (the stop agreement waits for the round; it ran on every step
     before); each round has its own.
-    Counted by wrapping torch.distributed's collectives in every process (tests/workers/collectives)."""
+    Counted by wrapping torch.distributed's collectives in every process (tests/plugins/hook_collectives.py)."""
     counts = tmp_path / "collectives"
     counts.mkdir()
-    hook = Path(__file__).parent / "workers" / "collectives"
     args = [
         "+experiment=llama_fed",
         "logger=none",
@@ -324,7 +323,7 @@ def test_nothing_crosses_facilities_between_rounds(tmp_path):
         "train.log_every=1",
         "checkpoint.async=false",
     ]  # fmt: skip (an asynchronous save's own collectives come a step later)
-    env = {"XFFL_TEST_COLLECTIVES": str(counts), "PYTHONPATH": f"{hook}{os.pathsep}{REPO}"}
+    env = {"XFFL_TEST_COLLECTIVES": str(counts), "PYTHONPATH": f"{PLUGINS}{os.pathsep}{REPO}"}
     proc = _start(args, tmp_path / "run", env=env)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err

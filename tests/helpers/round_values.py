@@ -1,7 +1,7 @@
 """The independent check of a job's aggregation values, from the shards its ranks recorded.
 
 A job run with ``XFFL_TEST_DUMP_ROUNDS=<dir>`` leaves every rank's local shard of every
-parameter right before and right after each aggregation (``xffl_like/train/round_dump.py``).
+parameter right before and right after each aggregation (``tests/plugins/hook_round_dump.py``).
 Here, with nothing but torch: reassemble each facility's full tensors from its shards
 (FSDP2's ``Shard(0)`` cuts dim 0 like ``torch.chunk``; the replicas of a facility hold
 the same values), compute the weighted mean over facilities in float64, and require every

@@ -26,8 +26,9 @@ after the other:
   goal <= :data:`GOAL_TLS`.
 - ``kill_facility``: ``bench.hub.fault_overrides``, TLS; once ``f1`` has taken part in
   ``bench.hub.kill_after_rounds`` rounds its process group is SIGKILLed. Figure: the survivor's stall (from the
-  kill to ``f0``'s next round result, from the rounds' dump times, ``XFFL_TEST_DUMP_ROUNDS``) against
-  ``grace_s`` + one round (the median interval between ``f0``'s results before the kill): goal <= 1.
+  kill to ``f0``'s next round result, seen when its row shows in ``f0``'s ``aggregation.csv``, which is read
+  every :data:`_POLL_S` s) against ``grace_s`` + one round (the median interval between ``f0``'s results before
+  the kill): goal <= 1. Both facilities' round results are seen that way (the kill's moment too).
 - ``kill_hub``: as ``kill_facility`` with rounds of ``bench.hub.kill_hub_every`` steps (a local phase longer
   than the hub's restart, mostly its imports), but the hub is SIGKILLed once both facilities hold the result
   of the same round, ``f1``'s ``bench.hub.kill_after_rounds``-th, and started again
@@ -44,6 +45,7 @@ Writes ``wan.json`` (the report) and ``wan.md`` into the run directory, as every
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import math
 import os
@@ -97,7 +99,7 @@ GOAL_LOST = 1
 _REPO = Path(__file__).resolve().parents[2]
 _PORT = 29720  # the hub's port in its namespace; scenario i uses _PORT + 10 * i (and the next two for relays)
 _NAMES = ("f0", "f1")
-_DUMP = re.compile(r"^round-(\d+)-(\d+)\.pt$")
+_POLL_S = 0.05  # how often the facilities' aggregation.csv are read for new round results
 
 
 # ---------------------------------------------------------------------------------------------- figures (pure)
@@ -415,15 +417,56 @@ class _Job:
         return self.summary()["federation"]["elastic"]["rounds"]
 
 
-def _dumps(where: Path, name: str) -> list[tuple[float, int]]:
-    """(time written, version) of every round result ``name``'s leader dumped (``XFFL_TEST_DUMP_ROUNDS``),
-    its join included, in time order."""
-    out = []
-    for p in (where / name).glob("round-*.pt"):
-        m = _DUMP.match(p.name)
-        if m:
-            out.append((int(m.group(2)) / 1e9, int(m.group(1))))
-    return sorted(out)
+class _Results:
+    """Each facility's round results, live, from its ``aggregation.csv``: its rank 0 appends a row there (and
+    flushes it) after every round (docs/outputs.md); a row with a round number is the result of a round the hub
+    committed, which the facility now holds (a round it missed has none; its join is no row). A thread reads the
+    files every :data:`_POLL_S` seconds and stamps each new row with the time it first saw it."""
+
+    def __init__(self, jobs: list[_Job]):
+        self.files = {j.name: j.run_dir / "aggregation.csv" for j in jobs}
+        self.rows = dict.fromkeys(self.files, 0)
+        self.held: dict[str, list[tuple[float, int]]] = {name: [] for name in self.files}
+        self.lock, self.done = threading.Lock(), threading.Event()
+        self.thread = threading.Thread(target=self._watch, daemon=True, name="hub-wan-results")
+
+    def __enter__(self) -> _Results:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.done.set()
+        self.thread.join()
+
+    def _watch(self) -> None:
+        while not self.done.wait(_POLL_S):
+            self.poll()
+
+    def poll(self) -> None:
+        """Read the files once: the rows that are new since the last read."""
+        for name, path in self.files.items():
+            rows, seen = _written_rows(path), time.time()
+            with self.lock:
+                for row in rows[self.rows[name] :]:
+                    if row.get("round"):
+                        self.held[name].append((seen, int(row["round"]) + 1))
+                self.rows[name] = max(self.rows[name], len(rows))  # the job's last rewrite adds none
+
+    def __call__(self, name: str) -> list[tuple[float, int]]:
+        """(time first seen, version) of every round result facility ``name`` holds, in order."""
+        with self.lock:
+            return list(self.held[name])
+
+
+def _written_rows(path: Path) -> list[dict]:
+    """The rows of a CSV file that is being appended to, a line still being written left out."""
+    try:
+        lines = path.read_text().splitlines(keepends=True)
+    except FileNotFoundError:
+        return []
+    if lines and not lines[-1].endswith("\n"):
+        lines.pop()
+    return list(csv.DictReader(lines))
 
 
 def _wait(procs: list[subprocess.Popen], deadline: float) -> None:
@@ -444,120 +487,115 @@ def _wait_for(predicate, deadline: float, jobs: list[_Job], what: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- scenarios
-def _scenario(name: str, net: HubNetwork, bench: dict, where: Path, certs: Path, port: int) -> dict:
-    h = bench["hub"]
-    tls = name != "insecure"
-    relayed = name in ("tls", "insecure")
-    fault = name in ("kill_facility", "kill_hub")
-    dumps = where / "dumps"
-    env = {
+def _environment(bench: dict) -> dict:
+    """The hub's, the relays' and the facilities' environment."""
+    return {
         **os.environ,
         "PYTHONPATH": str(_REPO),
         "WANDB_MODE": "offline",
         "GRPC_VERBOSITY": "ERROR",
         "OMP_NUM_THREADS": str(bench["threads_per_process"]),
     }
-    if fault:
-        env["XFFL_TEST_DUMP_ROUNDS"] = str(dumps)
-    hub = _Hub(net, where, port, certs if tls else None, "127.0.0.1" if relayed else "0.0.0.0", env)
-    relays: list[subprocess.Popen] = []
-    jobs: list[_Job] = []
-    out: dict = {"events": {}, "tls": tls, "relayed": relayed, "load": [os.getloadavg()[0]]}
-    deadline = time.time() + float(h["timeout_s"])
-    counters0 = net.counters()
-    try:
-        hub.start()
-        dial = [f"{net.hub_address(i)}:{port}" for i in range(2)]
-        if relayed:  # hub side: its link addresses -> its loopback; facility side: its loopback -> the hub's link
-            max_s = str(float(h["timeout_s"]) + 60)
-            specs = [("hub", f"0.0.0.0:{port + 1}", f"127.0.0.1:{port}")]
-            specs += [(i, f"127.0.0.1:{port + 2}", f"{net.hub_address(i)}:{port + 1}") for i in range(2)]
-            for k, (ns, listen, target) in enumerate(specs):
-                log = where / f"relay{k}.log"
-                with open(log, "w") as fh:
-                    proc = net.popen(
-                        ns,
-                        [sys.executable, "-m", "xffl_like.bench.hub_wan", "relay", listen, target, "--max-s", max_s],
-                        cwd=_REPO,
-                        env=env,
-                        stdout=fh,
-                        stderr=subprocess.STDOUT,
-                    )
-                relays.append(proc)
-                _wait_line(log, "relay:", proc, 60, f"relay {listen}")
-            dial = [f"127.0.0.1:{port + 2}"] * 2
-        prefix = {"kill_facility": "fault", "kill_hub": "kill_hub"}.get(name, "bytes")
-        steps, every = h[f"{prefix}_steps"], h[f"{prefix}_every"]
-        common = [
-            *bench["common"],
-            *(h["fault_overrides"] if fault else h["bytes_overrides"]),
-            "distributed.federated=null",
-            "distributed.hsdp=null",
-            f"distributed.nproc_per_node={h['nproc']}",
-            f"train.steps={steps}",
-            f"federation.every={every}",
-            "federation.elastic.min_facilities=1",
-            f"federation.elastic.grace_s={h['grace_s']}",
-            f"federation.elastic.timeout_s={h['call_timeout_s']}",
-        ]
-        shares = facility_cpus(2) if h.get("pin") else None
-        out["cpus"] = shares
-        for i in range(2):
-            ident = (
-                [
-                    f"federation.elastic.ca={certs / 'ca.crt'}",
-                    f"federation.elastic.cert={certs / 'facilities' / f'{_NAMES[i]}.crt'}",
-                    f"federation.elastic.key={certs / 'facilities' / f'{_NAMES[i]}.key'}",
-                ]
-                if tls
-                else []
+
+
+def _start_relays(net: HubNetwork, where: Path, port: int, max_s: float, env: dict, relays: list) -> None:
+    """The relays of the ``tls`` and ``insecure`` legs, each appended to ``relays`` once started: in the hub's
+    namespace its link addresses -> its loopback, in each facility's its loopback -> the hub's link address."""
+    specs = [("hub", f"0.0.0.0:{port + 1}", f"127.0.0.1:{port}")]
+    specs += [(i, f"127.0.0.1:{port + 2}", f"{net.hub_address(i)}:{port + 1}") for i in range(2)]
+    for k, (ns, listen, target) in enumerate(specs):
+        log = where / f"relay{k}.log"
+        with open(log, "w") as fh:
+            proc = net.popen(
+                ns,
+                [sys.executable, "-m", "xffl_like.bench.hub_wan", "relay", listen, target, "--max-s", str(max_s)],
+                cwd=_REPO,
+                env=env,
+                stdout=fh,
+                stderr=subprocess.STDOUT,
             )
-            overrides = [*common, f"federation.elastic.hub={dial[i]}", *ident]
-            jobs.append(_Job(net, i, overrides, where, env, shares[i] if shares else None))
-        out["events"]["f0_started"] = jobs[0].start()
-        if name == "line":  # f1 joins late: θ_global is downloaded
-            _wait_for(lambda: hub.numel() is not None, deadline, jobs[:1], "f0 to create the federation")
-            out["events"]["created"] = time.time()
-        out["events"]["f1_started"] = jobs[1].start()
-        if name == "kill_facility":
-            k = int(h["kill_after_rounds"])
-            _wait_for(lambda: len(_dumps(dumps, "f1")) >= 1 + k, deadline, jobs, f"f1's round {k}")
-            _stop(jobs[1].proc)
-            out["events"]["f1_killed"] = killed = time.time()
-            out["version_at_kill"] = max(v for _, v in _dumps(dumps, "f1"))
-            _wait([jobs[0].proc], deadline)
-        elif name == "kill_hub":
-            k = int(h["kill_after_rounds"])
-            _wait_for(
-                lambda: len(_dumps(dumps, "f1")) >= 1 + k and _dumps(dumps, "f0")[-1][1] == _dumps(dumps, "f1")[-1][1],
-                deadline,
-                jobs,
-                f"f1's round {k}",
-            )
-            _stop(hub.proc)
-            out["events"]["hub_killed"] = killed = time.time()
-            out["version_at_kill"] = hub.version()
-            time.sleep(float(h["restart_after_s"]))
-            out["events"]["hub_serving_again"] = hub.start()
-            resumed = re.search(r"at version (\d+)", hub.log.read_text())
-            out["version_resumed"] = int(resumed.group(1)) if resumed else 0
-            _wait([j.proc for j in jobs], deadline)
-        else:
-            _wait([j.proc for j in jobs], deadline)
-        codes = {j.name: j.proc.returncode for j in jobs if j.proc is not None}
-        if name == "kill_facility":
-            codes.pop("f1")
-        if any(codes.values()):
-            raise RuntimeError(f"exit codes {codes}: see {where}/f*.log")
-    finally:
-        for j in jobs:
-            _stop(j.proc)
-        _stop(hub.proc, signal.SIGTERM)
-        for r in relays:
-            _stop(r)
-    out["load"].append(os.getloadavg()[0])
-    counters1 = net.counters()
-    out["link_bytes"] = {n: [b[0] - a[0], b[1] - a[1]] for n, a, b in zip(_NAMES, counters0, counters1)}
+        relays.append(proc)
+        _wait_line(log, "relay:", proc, 60, f"relay {listen}")
+
+
+def _facility_jobs(name: str, net: HubNetwork, bench: dict, where: Path, certs: Path, port: int, env: dict):
+    """Scenario ``name``'s two facility jobs (not started yet) and their CPU shares (None: not pinned)."""
+    h = bench["hub"]
+    tls, relayed, fault = name != "insecure", name in ("tls", "insecure"), name in ("kill_facility", "kill_hub")
+    dial = [f"127.0.0.1:{port + 2}"] * 2 if relayed else [f"{net.hub_address(i)}:{port}" for i in range(2)]
+    prefix = {"kill_facility": "fault", "kill_hub": "kill_hub"}.get(name, "bytes")
+    steps, every = h[f"{prefix}_steps"], h[f"{prefix}_every"]
+    common = [
+        *bench["common"],
+        *(h["fault_overrides"] if fault else h["bytes_overrides"]),
+        "distributed.federated=null",
+        "distributed.hsdp=null",
+        f"distributed.nproc_per_node={h['nproc']}",
+        f"train.steps={steps}",
+        f"federation.every={every}",
+        "federation.elastic.min_facilities=1",
+        f"federation.elastic.grace_s={h['grace_s']}",
+        f"federation.elastic.timeout_s={h['call_timeout_s']}",
+    ]
+    shares = facility_cpus(2) if h.get("pin") else None
+    jobs = []
+    for i in range(2):
+        ident = (
+            [
+                f"federation.elastic.ca={certs / 'ca.crt'}",
+                f"federation.elastic.cert={certs / 'facilities' / f'{_NAMES[i]}.crt'}",
+                f"federation.elastic.key={certs / 'facilities' / f'{_NAMES[i]}.key'}",
+            ]
+            if tls
+            else []
+        )
+        overrides = [*common, f"federation.elastic.hub={dial[i]}", *ident]
+        jobs.append(_Job(net, i, overrides, where, env, shares[i] if shares else None))
+    return jobs, shares
+
+
+def _play(name: str, h: dict, hub: _Hub, jobs: list[_Job], results: _Results, out: dict, deadline: float):
+    """Start the facilities, run scenario ``name``'s events (in ``out``) until the jobs end; the time of its
+    kill (None without one)."""
+    events, killed, k = out["events"], None, int(h["kill_after_rounds"])
+    events["f0_started"] = jobs[0].start()
+    if name == "line":  # f1 joins late: θ_global is downloaded
+        _wait_for(lambda: hub.numel() is not None, deadline, jobs[:1], "f0 to create the federation")
+        events["created"] = time.time()
+    events["f1_started"] = jobs[1].start()
+    if name == "kill_facility":
+        _wait_for(lambda: len(results("f1")) >= k, deadline, jobs, f"f1's round {k}")
+        _stop(jobs[1].proc)
+        events["f1_killed"] = killed = time.time()
+        out["version_at_kill"] = max(v for _, v in results("f1"))
+        _wait([jobs[0].proc], deadline)
+    elif name == "kill_hub":
+
+        def same_round() -> bool:  # f1 holds k results, the last of them the same round's as f0's last
+            f0, f1 = results("f0"), results("f1")
+            return len(f1) >= k and bool(f0) and f0[-1][1] == f1[-1][1]
+
+        _wait_for(same_round, deadline, jobs, f"f1's round {k}")
+        _stop(hub.proc)
+        events["hub_killed"] = killed = time.time()
+        out["version_at_kill"] = hub.version()
+        time.sleep(float(h["restart_after_s"]))
+        events["hub_serving_again"] = hub.start()
+        resumed = re.search(r"at version (\d+)", hub.log.read_text())
+        out["version_resumed"] = int(resumed.group(1)) if resumed else 0
+        _wait([j.proc for j in jobs], deadline)
+    else:
+        _wait([j.proc for j in jobs], deadline)
+    codes = {j.name: j.proc.returncode for j in jobs if j.proc is not None}
+    if name == "kill_facility":
+        codes.pop("f1")
+    if any(codes.values()):
+        raise RuntimeError(f"exit codes {codes}: see {jobs[0].where}/f*.log")
+    return killed
+
+
+def _collect(name: str, h: dict, hub: _Hub, jobs: list[_Job], results: _Results, out: dict, killed) -> dict:
+    """The figures of scenario ``name`` from its jobs' records and summaries, into ``out``."""
     numel = hub.numel()
     out["numel"] = numel
     records = {j.name: j.records() for j in jobs if (j.run_dir / "summary.json").exists()}
@@ -566,8 +604,7 @@ def _scenario(name: str, net: HubNetwork, bench: dict, where: Path, certs: Path,
     out["payload_bytes"] = {n: list(payload_bytes(r, numel)) for n, r in records.items()}
     out["train_seconds"] = {j.name: j.summary()["train_seconds"] for j in jobs if j.name in records}
     if name == "kill_facility":
-        results = [t for t, _ in _dumps(dumps, "f0")[1:]]  # after its join
-        out["stall"] = stall_figure(killed, results, float(h["grace_s"]))
+        out["stall"] = stall_figure(killed, [t for t, _ in results("f0")], float(h["grace_s"]))
     if name == "kill_hub":
         out["lost"] = rounds_lost(records, out["version_at_kill"])
         out["boundaries"] = {  # step -> when its round ended (each round is evaluated right after it)
@@ -577,6 +614,35 @@ def _scenario(name: str, net: HubNetwork, bench: dict, where: Path, certs: Path,
         intervals = [b - a for a, b in zip(times, times[1:])]
         out["round_interval_seconds"] = statistics.median(intervals) if intervals else None
     return out
+
+
+def _scenario(name: str, net: HubNetwork, bench: dict, where: Path, certs: Path, port: int) -> dict:
+    """One scenario over ``net``: a fresh hub on ``port``, the two facilities, the scenario's events; its
+    result (events, records, figures)."""
+    h, env = bench["hub"], _environment(bench)
+    tls, relayed = name != "insecure", name in ("tls", "insecure")
+    hub = _Hub(net, where, port, certs if tls else None, "127.0.0.1" if relayed else "0.0.0.0", env)
+    relays: list[subprocess.Popen] = []
+    jobs, shares = _facility_jobs(name, net, bench, where, certs, port, env)
+    out: dict = {"events": {}, "tls": tls, "relayed": relayed, "load": [os.getloadavg()[0]], "cpus": shares}
+    deadline = time.time() + float(h["timeout_s"])
+    counters0 = net.counters()
+    try:
+        hub.start()
+        if relayed:
+            _start_relays(net, where, port, float(h["timeout_s"]) + 60, env, relays)
+        with _Results(jobs) as results:
+            killed = _play(name, h, hub, jobs, results, out, deadline)
+    finally:
+        for j in jobs:
+            _stop(j.proc)
+        _stop(hub.proc, signal.SIGTERM)
+        for r in relays:
+            _stop(r)
+    out["load"].append(os.getloadavg()[0])
+    counters1 = net.counters()
+    out["link_bytes"] = {n: [b[0] - a[0], b[1] - a[1]] for n, a, b in zip(_NAMES, counters0, counters1)}
+    return _collect(name, h, hub, jobs, results, out, killed)
 
 
 def run_hub(bench: dict, run_dir: Path) -> dict:

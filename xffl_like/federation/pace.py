@@ -34,8 +34,8 @@ takes), and a stop request (SIGINT/SIGTERM) takes effect at the next round, wher
 from __future__ import annotations
 
 import math
-import os
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -48,18 +48,6 @@ __all__ = ["MAX_EVERY_S", "RoundPace", "check_pace_job", "facility_steps", "vali
 
 #: ``federation.every_s`` at most a day: longer rounds are a typo or a job with a single round.
 MAX_EVERY_S = 86400.0
-#: Tests: ``$XFFL_TEST_PACE_STEP_S=S`` (or ``S_0,S_1,...``, one per facility): the ``every_s`` pace reads a
-#: clock that advances exactly ``S`` seconds at each step the facility takes, not the wall clock, so that
-#: rounds by time are decided the same on a loaded machine (the rule under test, not a race).
-TEST_STEP_ENV = "XFFL_TEST_PACE_STEP_S"
-
-
-def _test_step_s(facility: int) -> float | None:
-    spec = os.environ.get(TEST_STEP_ENV)
-    if not spec:
-        return None
-    values = [float(v) for v in spec.split(",")]
-    return values[min(facility, len(values) - 1)]
 
 
 def validate_pace(fed: FederationConfig, num_facilities: int, steps: int) -> None:
@@ -171,17 +159,17 @@ class RoundPace:
     ranks); :meth:`round_done` after each round restarts the clock.
     """
 
-    def __init__(self, cfg: FederationConfig, state, steps: int):
+    def __init__(self, cfg: FederationConfig, state, steps: int, now: Callable[[], float] = time.perf_counter):
+        """``now``: the clock ``every_s`` reads, in seconds (a test gives one that advances by its steps)."""
         self.state, self.cap = state, steps
+        self.now = now
         self.every_s = cfg.every_s
         every = cfg.every
         self.every: int | None = int(every[state.facility]) if isinstance(every, (list, tuple)) else every
         self.steps = facility_steps(cfg, state.facility, steps)  # this facility's steps in the job
         self.paced = cfg.paced
         self._asked: tuple[int, bool] | None = None
-        self._test_step_s = _test_step_s(state.facility) if cfg.every_s is not None else None
-        self._test_now = 0.0  # the test clock ($XFFL_TEST_PACE_STEP_S): its steps times their seconds
-        self.started_at = self._now()
+        self.started_at = self.now()
         self.first = 0  # this facility's steps when the round in progress began
         self.taken = 0  # this facility's steps so far
         self._first_done_at = self.started_at  # when the round's first step ended
@@ -193,14 +181,14 @@ class RoundPace:
 
     def start(self, done: int) -> None:
         """Training begins now, after ``done`` steps."""
-        self.started_at, self.first, self.taken = self._now(), done, done
+        self.started_at, self.first, self.taken = self.now(), done, done
 
     def round_done(self, done: int, to_cap: list[float] | None = None) -> None:
         """The round after ``done`` steps is made: the next one begins now. ``to_cap``: every facility's
         :meth:`seconds_to_cap` (the same list on every rank); with ``every_s`` the round ends when another
         step would end past ``every_s`` or past the earliest time at which another facility reaches
         ``train.steps``, whichever is first (a facility that reaches it stops there and waits)."""
-        self.started_at, self.first = self._now(), done
+        self.started_at, self.first = self.now(), done
         self.limit = self.every_s
         if self.every_s is not None and to_cap:
             others = [t for f, t in enumerate(to_cap) if f != self.state.facility]
@@ -218,12 +206,6 @@ class RoundPace:
     def step_taken(self) -> None:
         """A local step was taken (its backward passes are done)."""
         self.taken += 1
-        if self._test_step_s is not None:
-            self._test_now += self._test_step_s
-
-    def _now(self) -> float:
-        """The pace's clock: ``time.perf_counter``, or in tests the steps' own (:data:`TEST_STEP_ENV`)."""
-        return time.perf_counter() if self._test_step_s is None else self._test_now
 
     def due(self, done: int) -> bool:
         """Whether this facility's round ends after its ``done`` steps (the same answer however often
@@ -242,7 +224,7 @@ class RoundPace:
         """Whether another step would end past ``every_s`` seconds after the round began. A step's time
         is the mean of this round's steps after its first (the first also carries the round's evaluation
         and checkpoint); the slowest rank of the facility decides for all of them."""
-        now = self._now()
+        now = self.now()
         taken = done - self.first
         if taken <= 1:
             self._first_done_at = now

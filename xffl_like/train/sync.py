@@ -148,7 +148,7 @@ class SyncBase:
 
 class RoundHooks:
     """What a federation calls around each round: the non-finite guard sets its weights, observers
-    (tests' :class:`~.round_dump.RoundDump`, registered by :func:`~.round_dump.round_observers`)
+    (:func:`~.round_dump.round_observers`: those registered in :data:`~.round_dump.OBSERVERS`, by tests)
     see the values around it."""
 
     def __init__(self, guard: NonFiniteGuard | None, observers: list):

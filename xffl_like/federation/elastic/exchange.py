@@ -42,7 +42,6 @@ from ..protocol import RoundClock
 
 __all__ = ["ElasticFederation"]
 
-_DUMP = "XFFL_TEST_DUMP_ROUNDS"  # tests: each round's values on the leader, beside the records
 _WINDOW = 1 << 22  # values read, encoded or folded at a time by the leader (16 MB of fp32)
 
 
@@ -74,22 +73,8 @@ def _read_into(fh, out: Tensor) -> Tensor:
 
 
 def _load(path: Path) -> Tensor:
-    """A whole spooled file as flat fp32 (the compressed path's ``ef``; tests' dumps)."""
+    """A whole spooled file as flat fp32 (the compressed path's ``ef``)."""
     return torch.from_numpy(np.fromfile(path, dtype=np.float32))
-
-
-def _test_hold(round_index: int) -> None:
-    """Tests: ``$XFFL_TEST_ELASTIC_ASKING=FILE``: write FILE when first asking for a quorum;
-    ``$XFFL_TEST_ELASTIC_HOLD=ROUND:FILE``: before asking for round ROUND's, wait (up to 300 s) for FILE
-    (another facility asking: a facility that is late for that round, deterministically)."""
-    asking = os.environ.get("XFFL_TEST_ELASTIC_ASKING")
-    if asking:
-        Path(asking).write_text(str(os.getpid()))
-    spec = os.environ.get("XFFL_TEST_ELASTIC_HOLD")
-    if spec and int(spec.split(":", 1)[0]) == round_index:
-        deadline = time.time() + 300
-        while not Path(spec.split(":", 1)[1]).exists() and time.time() < deadline:
-            time.sleep(0.1)
 
 
 class ElasticFederation:
@@ -274,8 +259,6 @@ class ElasticFederation:
         """Through the hub: the spooled parameters (``files.mine``) go up, θ_global comes back into
         ``files.theta`` (the hub's, bitwise)."""
         f = self.files
-        before = _load(f.mine) if os.environ.get(_DUMP) else None
-        _test_hold(self.round)
         if joining:
             out = self.link.join(f.mine, f.theta, done, self.options.elastic.min_facilities)
             if out["status"] == "created":  # this facility's parameters are θ_global
@@ -286,12 +269,6 @@ class ElasticFederation:
             out = self._round_compressed(done, tokens)
         else:
             out = self.link.round(f.mine, f.theta, done, tokens, taken=done - self.last_step)
-        if before is not None and out["status"] not in ("missed", "left"):
-            after = _load(f.mine if out["status"] == "created" else f.theta)
-            self._dump({**{k: out[k] for k in ("facilities", "healed", "round", "step", "status", "rejected")},
-                        "weights": out["weights"], "tokens": tokens, "before": before, "after": after,
-                        "applied": out["status"] == "accepted",
-                        "message": f.message.read_bytes() if self.codec and not joining else None})  # fmt: skip
         return out
 
     def _round_compressed(self, done: int, tokens: float) -> dict:
@@ -339,17 +316,6 @@ class ElasticFederation:
                 _read_into(theta, window)
                 if with_residual:
                     window.add_(_read_into(residual, torch.empty_like(window)))
-
-    def _dump(self, values: dict) -> None:
-        """Tests ($XFFL_TEST_DUMP_ROUNDS): the leader's parameters before and θ_global after each round (written
-        whole, then renamed: a reader never sees half a file)."""
-        where = os.environ.get(_DUMP)
-        if where:
-            path = Path(where) / self.name
-            path.mkdir(parents=True, exist_ok=True)
-            final = path / f"round-{values['round']:04d}-{time.time_ns()}.pt"
-            torch.save(values, path / f".{final.name}.tmp")
-            os.replace(path / f".{final.name}.tmp", final)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:

@@ -9,20 +9,18 @@ its variable is set:
   writes its pid to FILE and waits there 120 s (for the test to kill its facility mid-round).
 
 They wrap the link's seams (:meth:`~xffl_like.hub.client.HubLink.claim`,
-:meth:`~xffl_like.hub.client.HubLink.upload_round`) when :mod:`xffl_like.hub.client` is first imported, so
-nothing is imported into a process that never loads it.
+:meth:`~xffl_like.hub.client.HubLink.upload_round`) when :mod:`xffl_like.hub.client` is first imported
+(:func:`patch_on_import.after_import`), so nothing is imported into a process that never loads it.
 """
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
 import os
-import sys
 import time
 from pathlib import Path
 
-_TARGET = "xffl_like.hub.client"
+from patch_on_import import after_import
+
 _VARIABLES = ("XFFL_TEST_HUB_SCALE", "XFFL_TEST_HUB_TOKENS", "XFFL_TEST_ELASTIC_PAUSE")
 
 
@@ -50,27 +48,5 @@ def _patch(module) -> None:
     link.claim, link.upload_round = lying_claim, faulty_upload
 
 
-class _AfterImport(importlib.abc.MetaPathFinder):
-    """Finds :data:`_TARGET` as Python would, and patches it once its module has run."""
-
-    def find_spec(self, name, path, target=None):
-        if name != _TARGET:
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is None or spec.loader is None:
-            return spec
-        run = spec.loader.exec_module
-
-        def exec_module(module):
-            run(module)
-            _patch(module)
-
-        spec.loader.exec_module = exec_module
-        return spec
-
-
 if any(os.environ.get(v) for v in _VARIABLES):
-    if _TARGET in sys.modules:
-        _patch(sys.modules[_TARGET])
-    else:
-        sys.meta_path.insert(0, _AfterImport())
+    after_import("xffl_like.hub.client", _patch)

@@ -122,7 +122,7 @@ def test_background_threads_use_gloo_groups_of_their_own():
 
 
 def test_streaming_exchange_overlaps_in_a_thread_on_host_tensors():
-    from xffl_like.federation.streaming import Exchange
+    from xffl_like.federation.streaming import OverlappedExchange as Exchange
 
     seen = []
     work = Exchange(lambda: seen.append(threading.current_thread()) or 7, True, torch.device("cpu"))

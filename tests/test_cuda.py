@@ -61,7 +61,7 @@ def test_overlapped_streaming_exchange_is_enqueued_by_the_training_thread_on_a_s
     on a stream of its own, and the training stream waits for it only at result()."""
     import threading
 
-    from xffl_like.federation.streaming import Exchange
+    from xffl_like.federation.streaming import OverlappedExchange as Exchange
 
     device = torch.device("cuda", torch.cuda.current_device())
     seen = []

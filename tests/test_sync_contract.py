@@ -4,8 +4,9 @@
 :class:`~xffl_like.train.sync.FederatedSync` and :class:`~xffl_like.train.elastic.ElasticSync` run
 on the real sharded model and checkpointer with a recording fake of their federation (torchft's
 ``create_autospec(Manager)`` pattern: the federation's signatures, canned answers, every call kept
-in order) and a real round clock; :class:`~xffl_like.train.dataparallel.DataParallelSync` runs
-whole (Bagua's gradient all-reduce over one rank), its own methods wrapped to record their calls.
+in order) and a real round clock (each step's :class:`~xffl_like.federation.protocol.Boundary` is its
+answer); :class:`~xffl_like.train.dataparallel.DataParallelSync` runs whole (Bagua's gradient
+all-reduce over one rank), its own methods wrapped to record their calls.
 What the calls should be is computed here from the job's numbers, never from the code under test.
 """
 
@@ -15,6 +16,7 @@ import functools
 import json
 import signal
 import time
+from dataclasses import replace
 from pathlib import Path
 from unittest.mock import Mock, call, create_autospec
 
@@ -30,13 +32,15 @@ from xffl_like.distributed import signals
 from xffl_like.federation import FederationSchedule
 from xffl_like.federation.clock import end_clock, round_clock
 from xffl_like.federation.elastic.exchange import ElasticFederation
+from xffl_like.federation.protocol import Boundary
+from xffl_like.federation.record import RoundRecord
 from xffl_like.job import _compose, choices, resolve
 from xffl_like.observe import observer
 from xffl_like.observe.timing import PhaseTimer
 from xffl_like.train import trainer as trainer_module
 from xffl_like.train.dataparallel import DataParallelSync, build_full_model
 from xffl_like.train.elastic import ElasticSync
-from xffl_like.train.sync import Capabilities, FederatedSync, RoundHooks, ShardedParts
+from xffl_like.train.sync import Capabilities, FederatedSync, ShardedParts, TrainerHooks
 from xffl_like.train.trainer import Parts, Trainer
 
 STEPS, EVERY, ACCUM = 6, 2, 2
@@ -44,7 +48,7 @@ BATCH, SEQ = 4, 64  # TINY's train.batch_size, train.seq_len (and train.log_ever
 LOG_EVERY = 5
 TOKENS = BATCH * SEQ * ACCUM  # what one step trains on, on the one rank
 BOUNDARIES = range(EVERY, STEPS + 1, EVERY)  # 2, 4, 6: rounds, checkpoints
-STARTS = (0, 2, 4)  # where the fake federation starts exchanges that overlap the next steps
+STARTS = (0, 2, 4)  # where the clock starts exchanges that overlap the next steps
 SMALL = ["model.dim=64", "model.n_layers=2", "model.ffn_dim=128"]  # the contract is the same on any model
 JOB = ["distributed.nproc_per_node=1", f"train.steps={STEPS}", "logger=none", "checkpoint.async=false", *TINY, *SMALL]
 FEDERATED = [
@@ -80,13 +84,48 @@ def round_record(index: int, done: int) -> dict:
     }
 
 
-def fake_federation(kind, clock, starts=()):
-    """A recording fake of ``kind`` (its signatures) whose rounds fall on the real ``clock``."""
+def boundary(done: int, rounds=BOUNDARIES, starts=(), end=STEPS) -> Boundary:
+    """What the clock says step ``done`` is, from the job's numbers: rounds (and checkpoints) at ``rounds``,
+    exchanges that start after the steps in ``starts``, the end after ``end`` steps."""
+    due = done in rounds
+    return Boundary(
+        done, eval_due=due or done == end, finish=(0,) if due else (), start=(0,) if done in starts else (),
+        end=done == end, job_step=done, checkpoint=due or done == end,
+    )  # fmt: skip
+
+
+def start_boundary(done: int, starts=()) -> Boundary:
+    """What the clock says starts before the first step, after ``done`` steps."""
+    return Boundary(done, start=(0,) if done in starts else (), job_step=done)
+
+
+class StartsAt:
+    """The real ``clock``, whose boundaries say that exchanges start after the steps in ``starts``."""
+
+    def __init__(self, clock, starts):
+        self.clock, self.starts = clock, starts
+
+    def __getattr__(self, name):
+        return getattr(self.clock, name)
+
+    def _with(self, b: Boundary) -> Boundary:
+        return replace(b, start=(0,) if b.step in self.starts else ())
+
+    def start(self, done):
+        return self._with(self.clock.start(done))
+
+    def at(self, done):
+        return self._with(self.clock.at(done))
+
+    def plan(self, done):
+        return self._with(self.clock.plan(done))
+
+
+def fake_federation(kind, clock):
+    """A recording fake of ``kind`` (its signatures): a round's record wherever the real ``clock`` says."""
     fake = create_autospec(kind, instance=True)
     fake.clock = clock
-    fake.applies_at.side_effect = clock.due
-    fake.finish_due.side_effect = lambda done, index: [round_record(index, done)]
-    fake.starts_at.side_effect = lambda done: done in starts
+    fake.finish.side_effect = lambda b, index: [RoundRecord.from_dict(round_record(index, b.step))] if b.finish else []
     fake.state_dict.side_effect = lambda: {"rounds": torch.tensor(0), "tokens": torch.zeros(1, dtype=torch.float64)}
     fake.describe.side_effect = lambda: {"algorithm": "fake", "elastic": {"facility": "a"}}
     return fake
@@ -118,12 +157,13 @@ def federated(cfg, state, run_dir: Path):
     """A FederatedSync over a recording fake schedule; (trainer, fake, log): ``log`` holds the fake's
     calls and the checkpoints in one order."""
     parts = ShardedParts.build(cfg, state, cfg.train.steps)
-    clock = round_clock(cfg.federation, state, cfg.train.steps, end=cfg.train.steps)
-    rounds = fake_federation(FederationSchedule, clock, STARTS)
+    clock = StartsAt(round_clock(cfg.federation, state, cfg.train.steps, end=cfg.train.steps), STARTS)
+    rounds = fake_federation(FederationSchedule, clock)
     described = {"name": cfg.strategy.name, "streams": cfg.strategy.streams}
     sync = FederatedSync(
-        state, parts, rounds, RoundHooks(None, []), PhaseTimer(state.device), paced=False, strategy=described
-    )
+        state, parts, rounds, clock, TrainerHooks(None, []), PhaseTimer(state.device), paced=False,
+        strategy=described,
+    )  # fmt: skip
     log = Mock()
     log.attach_mock(rounds, "rounds")
     ckpt = checkpointer(cfg, state, run_dir, parts, sync, log)
@@ -132,28 +172,28 @@ def federated(cfg, state, run_dir: Path):
 
 def expected_federated_calls(stop_at: int | None = None) -> list:
     """The fake's calls and the checkpoints, in order, of a job of STEPS steps with rounds every EVERY
-    (stopped after ``stop_at`` steps): the start's exchanges; per step ``trained``, ``after_backward``,
-    whether rounds end there; at a boundary the round, then its checkpoint (which reads the federation's
-    state), then, unless the job stops there, the exchanges that start there."""
-    calls = [call.rounds.starts_at(0), call.rounds.start_due(0, 0)]
+    (stopped after ``stop_at`` steps): the start's exchanges; per step ``trained``, ``after_backward``;
+    at a boundary the round, then its checkpoint (which reads the federation's state), then, unless the
+    job stops there, the exchanges that start there."""
+    calls = [call.rounds.start(start_boundary(0, STARTS), 0)]
     index = 0
     for done in range(1, STEPS + 1):
-        calls += [call.rounds.trained(TOKENS), call.rounds.after_backward(), call.rounds.applies_at(done)]
+        calls += [call.rounds.trained(TOKENS), call.rounds.after_backward()]
         if done in BOUNDARIES:
-            calls += [call.rounds.finish_due(done, index), call.checkpoint(done), call.rounds.state_dict()]
+            b = boundary(done, starts=STARTS)
+            calls += [call.rounds.finish(b, index), call.checkpoint(done), call.rounds.state_dict()]
             index += 1
         if done == stop_at:
             return calls
-        calls.append(call.rounds.starts_at(done))
         if done in STARTS:
-            calls.append(call.rounds.start_due(done, index))
+            calls.append(call.rounds.start(boundary(done, starts=STARTS), index))
     return [*calls, call.rounds.describe()]  # close(): the summary's federation
 
 
 def elastic(cfg, state, run_dir: Path, join_at: int):
     """An ElasticSync over a recording fake federation that a join answers with ``join_at``; (trainer, fake)."""
     parts = ShardedParts.build(cfg, state, cfg.train.steps)
-    clock = round_clock(cfg.federation, state, cfg.train.steps, ended=lambda: False)
+    clock = round_clock(cfg.federation, state, cfg.train.steps, elastic=True)
     federation = fake_federation(ElasticFederation, clock)
     federation.name, federation.options = cfg.federation.elastic.facility, cfg.federation
     federation.join.return_value = join_at
@@ -224,14 +264,14 @@ def test_federated_sync_rounds_checkpoints_and_exchanges_in_order(gloo_world, tm
     assert log.mock_calls == expected_federated_calls()
     # Spelled out: every step trains TOKENS; rounds at the boundaries, numbered by the rounds before them.
     assert rounds.trained.call_args_list == [call(TOKENS)] * STEPS
-    assert rounds.finish_due.call_args_list == [call(done, i) for i, done in enumerate(BOUNDARIES)]
+    assert rounds.finish.call_args_list == [call(boundary(done, starts=STARTS), i) for i, done in enumerate(BOUNDARIES)]
     for done in (2, 4):  # a boundary's checkpoint holds its round, and nothing that starts after it
         at = log.mock_calls.index(call.checkpoint(done))
-        assert log.mock_calls[at - 1] == call.rounds.finish_due(done, done // EVERY - 1)
-        assert call.rounds.start_due(done, done // EVERY) in log.mock_calls[at:]
+        assert log.mock_calls[at - 1] == call.rounds.finish(boundary(done, starts=STARTS), done // EVERY - 1)
+        assert call.rounds.start(boundary(done, starts=STARTS), done // EVERY) in log.mock_calls[at:]
     # The summary's rounds are what the federation returned; training ended at train.steps.
     made = [round_record(i, done) for i, done in enumerate(BOUNDARIES)]
-    assert [{k: r[k] for k in made[0]} for r in t.rounds] == made
+    assert [{k: r.get(k) for k in made[0]} for r in t.rounds] == made
     assert summary["rounds"] == len(made) and summary["steps"] == STEPS
     assert summary["aggregation_bytes_per_rank"] == [r["bytes_per_rank"] for r in made]
     assert [r["step"] for r in summary["round_records"]] == list(BOUNDARIES)
@@ -278,7 +318,7 @@ def test_elastic_sync_late_joiner_adopts_the_federation_step_and_leaves_when_clo
     assert logged_steps(run_dir) == [5, 6]  # training starts at the federation's step
     assert drawn == list(range((STEPS - 4) * ACCUM))  # the data keep their own position: from batch 0
     assert federation.trained.call_args_list == [call(TOKENS)] * (STEPS - 4)
-    assert federation.finish_due.call_args_list == [call(6, 0)]
+    assert federation.finish.call_args_list == [call(boundary(6), 0)]
     assert [name for name, *_ in federation.mock_calls[-2:]] == ["leave", "describe"]  # close() leaves
     federation.leave.assert_called_once_with()
     assert summary["rounds"] == 1 and summary["steps"] == STEPS
@@ -294,7 +334,8 @@ def test_elastic_facility_that_ends_early_reports_the_steps_it_took(gloo_world, 
     the summary says 4 steps, the 4th step's loss as the final one, and no loss for steps 5 and 6."""
     cfg, run_dir = job(*ELASTIC), tmp_path / "run"
     t, federation = elastic(cfg, gloo_world, run_dir, join_at=0)
-    t.clock.ends_at = lambda done: done == 4  # as an ended federation's round says so
+    real = t.clock.at
+    t.clock.at = lambda done: replace(real(done), end=done == 4)  # as an ended federation's round says so
 
     summary = t.train()
 
@@ -317,7 +358,7 @@ def test_elastic_sync_stops_at_once_and_leaves(gloo_world, tmp_path, stop_reques
     assert stopped["left"] == "facility a left the federation at the hub localhost:29999"
     federation.leave.assert_called_once_with()
     assert federation.trained.call_count == 3
-    assert federation.finish_due.call_args_list == [call(2, 0)]
+    assert federation.finish.call_args_list == [call(boundary(2), 0)]
     assert checkpoints(run_dir) == [checkpoint_name(2), checkpoint_name(3)]
 
 
@@ -329,7 +370,7 @@ def test_data_parallel_sync_logs_consensus_and_averages_after_the_last_step(gloo
     sync = DataParallelSync(cfg, state, model, PhaseTimer(state.device))
     assert sync.capabilities == Capabilities()
     log = Mock()
-    for name in ("metrics", "start_due", "average", "close"):  # the instance's own, recorded in one order
+    for name in ("metrics", "start", "average", "close"):  # the instance's own, recorded in one order
         wrapped = Mock(wraps=getattr(sync, name))
         setattr(sync, name, wrapped)
         log.attach_mock(wrapped, name)
@@ -337,9 +378,9 @@ def test_data_parallel_sync_logs_consensus_and_averages_after_the_last_step(gloo
 
     summary = t.train()
 
-    expected = []
+    expected = [call.start(start_boundary(0), 0)]  # before the first step: nothing to switch yet
     for done in range(1, STEPS + 1):
-        expected += [call.metrics(done), call.start_due(done, 0)]
+        expected += [call.metrics(done), call.start(boundary(done, rounds=()), 0)]
     expected += [call.average(), call.close()]  # the final mean right after the last step, then the summary
     assert log.mock_calls == expected
     log_steps = [s for s in range(1, STEPS + 1) if s % LOG_EVERY == 0 or s == STEPS]

@@ -75,7 +75,7 @@ def staged_on_host():
     from torch.distributed.tensor import DTensor, Shard
 
     from xffl_like.checkpoint.staging import HostStager, dtensor_over, host_copy
-    from xffl_like.federation.round import Federation
+    from xffl_like.federation.federation import Federation
 
     dist.init_process_group("gloo")
     mesh = DeviceMesh("meta", torch.arange(1), _init_backend=False)

@@ -20,7 +20,7 @@ from xffl_like.aggregation import aggregate, build_strategy
 from xffl_like.config.schema import FederationConfig, StrategyConfig, build_section
 from xffl_like.distributed.layout import plan_layout
 from xffl_like.distributed.state import build_state, read_env
-from xffl_like.federation import Federation, NoHooks, build_federation
+from xffl_like.federation import Federation, NoHooks, build_federation, round_clock
 from xffl_like.train.parallelize import contiguous_shards
 
 STRATEGY = StrategyConfig(name="fused", streams=1, bucket_mb=BUCKET_MB, mode="split")
@@ -399,16 +399,9 @@ def check_streaming(state, digests, report) -> None:
         def weights_for_round(self, weights, round_index, done):
             return ([weights[0], 0.0] + weights[2:], [1]) if round_index == skip_at else (weights, [])
 
-    fed = build_federation(
-        spec(every=4, fragments=2, overlap_steps=1, merge_alpha=0.25, weights="tokens", outer=o),
-        model,
-        build_strategy(model, state, STRATEGY),
-        state,
-        begin=0,
-        end=12,
-        last=True,
-        hooks=Guard(),
-    )
+    cfg = spec(every=4, fragments=2, overlap_steps=1, merge_alpha=0.25, weights="tokens", outer=o)
+    fed = build_federation(cfg, model, build_strategy(model, state, STRATEGY), state, hooks=Guard())
+    clock = round_clock(cfg, state, 12, end=12)  # what each step is: the fragments synced and started there
 
     def per_rank_tokens(f, done):  # rates that change over time: weights over the right window only
         return 10 * (f + 1) + 7 * f * done
@@ -445,20 +438,21 @@ def check_streaming(state, digests, report) -> None:
             counted[k] = [
                 c + per_rank_tokens(f, done) * state.layout.facility_sizes[f] for f, c in enumerate(counted[k])
             ]
-        records = fed.finish_due(done, index)
+        boundary = clock.at(done)
+        records = fed.finish(boundary, index)
         synced = {2: [0], 4: [1], 6: [0], 8: [1], 10: [0], 12: [0, 1]}.get(done, [])  # offsets 2 and 4, by hand
-        if [r["fragment"] for r in records] != synced:
-            raise AssertionError(f"step {done}: fragments {[r['fragment'] for r in records]} synced, not {synced}")
+        if [r.fragment for r in records] != synced:
+            raise AssertionError(f"step {done}: fragments {[r.fragment for r in records]} synced, not {synced}")
         for k, r in zip(synced, records):
             if done == 12:
                 launch(k, done, index)
             apply(k, blend=done < 12)
             want = 2 * 4 * sum(p.numel() for p, f in zip(model.parameters(), owner) if f == k)
-            if r["cross_facility_bytes"] != want or r["started_step"] != (done if done == 12 else done - 1):
+            if r.cross_facility_bytes != want or r.started_step != (done if done == 12 else done - 1):
                 raise AssertionError(f"step {done}: record {r}")
             index += 1
         close(model, cur[state.facility], f"streaming step {done} after the rounds")
-        fed.start_due(done, index)
+        fed.start(boundary, index)
         starts = {1: [0], 3: [1], 5: [0], 7: [1], 9: [0]}.get(done, [])  # one step before, never at the end
         for k in starts:
             launch(k, done, index)

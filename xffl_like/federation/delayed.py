@@ -16,7 +16,7 @@ round ``r`` started from ``s_r`` and ended at ``x_r`` (its local model at the bo
    (different on each facility by its own last round);
 4. after the boundary's checkpoint, round ``r``'s exchange starts (``Δ_r`` encoded now, with the
    compression's error feedback), over process groups of its own (the state's ``overlap_*``): in a thread
-   with gloo, on a side stream on CUDA (:class:`~.streaming.Exchange`).
+   with gloo, on a side stream on CUDA (:class:`~.streaming.OverlappedExchange`).
 
 At the first boundary nothing lands (step 3 leaves the local model as it is). At the job's last boundary
 round ``r - 1``'s step lands and round ``r``'s is exchanged in the foreground and applied: every copy ends
@@ -41,17 +41,19 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .round import Federation, compressed_exchange, sum_exchange
-from .streaming import Exchange
+from .federation import Federation, compressed_exchange, sum_exchange
+from .protocol import Boundary
+from .record import RoundRecord
+from .streaming import OverlappedExchange
 
 __all__ = ["DelayedFederation"]
 
 
 class DelayedFederation(Federation):
-    """:class:`~.round.Federation` with ``federation.delay=1`` (see the module)."""
+    """:class:`~.federation.Federation` with ``federation.delay=1`` (see the module)."""
 
     def __init__(self, cfg, model: torch.nn.Module, strategy, state, **span):
-        """As :class:`~.round.Federation`'s (``span``: its keyword arguments: begin, end, last, clock, hooks)."""
+        """As :class:`~.federation.Federation`'s (``span``: its keyword arguments: hooks)."""
         super().__init__(cfg, model, strategy, state, **span)
         if self.theta is None:  # average at lr 1 without compression: theta_global is still what lands on
             self._allocate_theta()
@@ -73,20 +75,18 @@ class DelayedFederation(Federation):
         return {**super().describe(), "delay": 1}
 
     # ------------------------------------------------------------------ the loop's interface
-    def finish_due(self, done: int, index: int) -> list[dict]:
-        """Steps 1-3 of the module's rule at the boundary after ``done`` steps (at the job's end also the last
-        round's exchange, in the foreground): one record, numbered ``index``."""
-        if not self.applies_at(done):
+    def finish(self, boundary: Boundary, index: int) -> list[RoundRecord]:
+        """Steps 1-3 of the module's rule at ``boundary`` (at the job's end also the last round's exchange, in
+        the foreground): one record, numbered ``index``."""
+        if not boundary.finish:
             return []
-        started = time.perf_counter()
-        taken = self.clock.meet(done)
-        final = self.clock.ends_at(done)
+        started, done = time.perf_counter(), boundary.step
         self.hooks.save(index, "before")
         weights, skipped = self.hooks.weights_for_round(self.facility_weights(), index, done)
         delta = self._take_delta(skipped)
         landed, exchange_s, sent = self._land()
         self._set_pending(delta, weights, done)
-        if final:  # this round's exchange too, in the foreground: every copy ends as theta_global
+        if boundary.end:  # this round's exchange too, in the foreground: every copy ends as theta_global
             self._launch(background=False)
             more, more_s, more_sent = self._land()
             landed, exchange_s, sent = landed + more, exchange_s + more_s, sent + more_sent
@@ -94,29 +94,28 @@ class DelayedFederation(Federation):
             self._write_params(self.theta.to(self.state.device))
         self.rounds += 1
         self.hooks.save(index, "after", bytes_per_rank=sent)
-        self.clock.round_done(done)
-        record = {
-            "round": index,
-            "step": done,
-            "fragment": None,
-            "steps_taken": taken,
-            "landed": landed,
-            "seconds": time.perf_counter() - started,
-            "exchange_seconds": exchange_s,
-            "bytes_per_rank": int(sent),
-            "cross_facility_bytes": self._sum_over_world(sent),
-            "skipped_facilities": skipped,
-        }
-        return [record]
+        taken = None if boundary.taken is None else list(boundary.taken)
+        return [
+            RoundRecord(
+                index,
+                done,
+                None,
+                steps_taken=taken,
+                landed=landed,
+                seconds=time.perf_counter() - started,
+                exchange_seconds=exchange_s,
+                bytes_per_rank=int(sent),
+                cross_facility_bytes=self._sum_over_world(sent),
+                skipped_facilities=skipped,
+            )
+        ]
 
-    def starts_at(self, done: int) -> bool:
-        return self.pending
-
-    def start_due(self, done: int, index: int) -> None:
-        """Step 4: start the exchange of the round ended at the last boundary (after its checkpoint)."""
+    def start(self, boundary: Boundary, index: int) -> None:
+        """Step 4: start the exchange of the round ended at the last boundary (after its checkpoint; at the
+        start, a restored checkpoint's)."""
         if self.pending:
             self._launch(background=True)
-            self.hooks.save(index - 1, "start", step=done, **self._recorded())  # numbered by the round it ended
+            self.hooks.save(index - 1, "start", step=boundary.step, **self._recorded())  # numbered by its round
 
     def wait(self) -> None:
         if self.inflight is not None:
@@ -165,7 +164,7 @@ class DelayedFederation(Federation):
             message = None
             fn = sum_exchange(self.own.mul(scales[state.facility]), state, self.peers, self.replicas)
         self.pending = False
-        work = Exchange(fn, background, state.device)
+        work = OverlappedExchange(fn, background, state.device)
         self.inflight = {"step": self.pending_step, "message": message, "work": work}
 
     def _recorded(self) -> dict:

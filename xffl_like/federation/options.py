@@ -9,7 +9,7 @@ The config type is :class:`~xffl_like.config.schema.FederationConfig` (``outer``
 - :func:`plan_phases`: the phases a schedule runs (pure; one phase without ``schedule``);
 - :func:`round_weights`: the per-facility weights of a round's mean.
 
-:mod:`.round`, :mod:`.streaming` and :mod:`.schedule` import this module, never each other's
+:mod:`.federation`, :mod:`.streaming` and :mod:`.phases` import this module, never each other's
 options: the import graph of the package has no cycle.
 """
 
@@ -50,7 +50,7 @@ _EXAMPLE = "e.g. [{until_step: 50, algorithm: synchronous}, {until_step: null, e
 
 def rounds_description(o: FederationConfig) -> dict:
     """The summary's ``federation`` for rounds: the algorithm, ``every`` (and ``every_s``), topology, outer rule,
-    compression (one world's :class:`~.round.Federation` and an elastic facility's alike)."""
+    compression (one world's :class:`~.federation.Federation` and an elastic facility's alike)."""
     paced = {"every_s": o.every_s} if o.every_s is not None else {}
     return {
         "algorithm": o.algorithm,

@@ -1,62 +1,77 @@
 """What the training side and the federation say to each other, declared.
 
-- :class:`RoundClock`: where this facility's rounds end (:mod:`.clock`; one object per phase, chosen once);
+- :class:`Boundary`: what a step is (eval, rounds to finish, a phase switch, exchanges to start, the end,
+  the job's step): the one answer of the clock, asked once per step;
+- :class:`RoundClock`: the one object that gives it (:mod:`.clock`, chosen once);
 - :class:`RoundHooks`: what the training side does at a round (the non-finite guard's weights, the
   tests' record of the values around it), given to the federation at construction;
-- :class:`Rounds`: what the training side calls of the federation, every step:
-  :class:`~.schedule.FederationSchedule` (one world, phases) and
+- :class:`Rounds`: what the training side calls of the federation:
+  :class:`~.phases.FederationSchedule` (one world, phases) and
   :class:`~.elastic.exchange.ElasticFederation` (this job is one facility);
-- :class:`FederationPhase`: what :class:`~.schedule.FederationSchedule` calls of the federation of a
-  phase (:class:`~.round.Federation`, :class:`~.streaming.StreamingFederation`).
+- :class:`FederationPhase`: what :class:`~.phases.FederationSchedule` calls of the federation of a
+  phase (:class:`~.federation.Federation`, :class:`~.streaming.StreamingFederation`,
+  :class:`~.delayed.DelayedFederation`).
 
-Every step the loop calls :meth:`Rounds.trained` (per micro-batch) and :meth:`Rounds.after_backward`,
-then where :meth:`Rounds.applies_at` :meth:`Rounds.finish_due`, and where :meth:`Rounds.starts_at`
-:meth:`Rounds.start_due`; it asks :attr:`Rounds.clock` where to evaluate and checkpoint
-(:meth:`RoundClock.due`), where training ends and what a checkpoint is named by.
+Every step the sync calls :meth:`Rounds.trained` (per micro-batch) and :meth:`Rounds.after_backward`;
+then, with the step's :class:`Boundary`, :meth:`Rounds.finish` (the rounds that end there, before the
+trainer settles the step) and :meth:`Rounds.start` (the exchanges that start there, after it). One way:
+the federation never calls back into the trainer.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from ..config.schema import FederationConfig
+from .record import RoundRecord
 
-__all__ = ["FederationPhase", "NoHooks", "RoundClock", "RoundHooks", "Rounds"]
+__all__ = ["Boundary", "FederationPhase", "NoHooks", "RoundClock", "RoundHooks", "Rounds"]
+
+
+@dataclass(frozen=True)
+class Boundary:
+    """What the step after which ``step`` steps are done is: the clock's one answer, asked once per step."""
+
+    step: int  # this facility's steps done
+    eval_due: bool = False  # a boundary: the loop evaluates the local model here
+    finish: tuple[int, ...] = ()  # the fragments whose rounds end here ((0,): the whole model's round)
+    switch: bool = False  # the phase ends here: the average, then the next phase (federation.schedule)
+    start: tuple[int, ...] = ()  # the fragments whose exchanges start here, after the step is settled
+    end: bool = False  # training ends after this step (as known before its rounds)
+    job_step: int = 0  # the job's step: what a checkpoint of this step is named by
+    checkpoint: bool = False  # a checkpoint here is exact (a boundary, not a phase switch)
+    taken: tuple[int, ...] | None = None  # paced rounds: the steps each facility took since the last one
+    rounds: bool = field(init=False)  # whether rounds (or a phase switch) end here
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "rounds", bool(self.finish) or self.switch)
 
 
 class RoundClock(Protocol):
-    """Where this facility's rounds end, over the steps of one phase (or the whole job)."""
+    """What each step is (:class:`Boundary`), over the steps of the job."""
 
     steps: int  # this facility's steps in the job
 
-    def start(self, done: int) -> None:
-        """Training starts now, after ``done`` steps (a time-paced round counts from here)."""
+    def start(self, done: int) -> Boundary:
+        """Training starts now, after ``done`` steps (a time-paced round counts from here): what starts
+        before the first step (an exchange overlapping the first steps)."""
 
     def step_taken(self) -> None:
         """A local step was taken (its backward passes are done)."""
 
-    def due(self, done: int) -> bool:
-        """A boundary after ``done`` steps: a round (or a phase switch; for ``synchronous`` every ``every``
-        steps and at the end), where the loop evaluates the local model and may checkpoint."""
+    def at(self, done: int) -> Boundary:
+        """What the step just taken (``done`` steps) is; asked once per step (a paced clock's round meets
+        the other facilities here: collective over the world)."""
 
-    def rounds_at(self, done: int) -> bool:
-        """Whether rounds (or a phase switch) end after ``done`` steps: :meth:`Rounds.applies_at`, known
-        ahead where the clock is fixed (the progress line looks ahead)."""
-
-    def ends_at(self, done: int) -> bool:
-        """Whether this facility's training ends after its ``done`` steps."""
-
-    def job_step(self, done: int) -> int:
-        """The job's step (what a checkpoint is named by) after this facility's ``done`` steps."""
+    def plan(self, done: int) -> Boundary:
+        """The same, known ahead, without collectives (the progress line, a stop's next boundary); a paced
+        clock's end and job step as known now."""
 
     @property
     def facility_steps(self) -> list[int] | None:
         """Every facility's steps so far when facilities take different steps per round (known at a
         round), else None."""
-
-    def meet(self, done: int) -> list[int] | None:
-        """At a round after ``done`` steps, before it: the steps each facility took since the last one
-        (collective over the world), or None when they all take the same."""
 
     def round_done(self, done: int) -> None:
         """The round after ``done`` steps is made: the next one begins now."""
@@ -96,28 +111,19 @@ class NoHooks:
 class Rounds(Protocol):
     """What the training side calls of the federation (see the module)."""
 
-    @property
-    def clock(self) -> RoundClock:
-        """The clock of the steps running now (a phase's, with its switch step due)."""
-
     def trained(self, tokens: int) -> None:
         """Count ``tokens`` this rank trained on (``federation.weights=tokens``)."""
 
     def after_backward(self) -> int:
-        """After each step's backward passes (tells the clock a step was taken); ``synchronous``
-        averages the gradients. The bytes this rank sent across facilities."""
+        """After each step's backward passes: ``synchronous`` averages the gradients. The bytes this rank
+        sent across facilities."""
 
-    def applies_at(self, done: int) -> bool:
-        """Whether rounds (or a phase switch) end after ``done`` steps."""
+    def finish(self, boundary: Boundary, index: int) -> list[RoundRecord]:
+        """End the rounds of ``boundary`` (a phase switch too): their records, numbered from ``index``."""
 
-    def finish_due(self, done: int, index: int) -> list[dict]:
-        """End the rounds due after ``done`` steps: their records, numbered from ``index``."""
-
-    def starts_at(self, done: int) -> bool:
-        """Whether exchanges that overlap the next steps start after ``done`` steps."""
-
-    def start_due(self, done: int, index: int) -> None:
-        """Start them (numbered by the round that applies them, from ``index``)."""
+    def start(self, boundary: Boundary, index: int) -> None:
+        """Start the exchanges of ``boundary`` that overlap the next steps (numbered by the round that
+        applies them, from ``index``)."""
 
     def describe(self) -> dict:
         """The summary's ``federation``."""
@@ -128,7 +134,7 @@ class Rounds(Protocol):
 
 
 class FederationPhase(Rounds, Protocol):
-    """The federation of one phase, as :class:`~.schedule.FederationSchedule` drives it."""
+    """The federation of one phase, as :class:`~.phases.FederationSchedule` drives it."""
 
     options: FederationConfig  # the phase's settings
 

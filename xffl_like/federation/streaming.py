@@ -43,11 +43,13 @@ from torch import Tensor
 from ..config.schema import FederationConfig
 from .clock import sync_offsets, synced_at
 from .compress import CompressedMean
+from .federation import Federation, compressed_exchange, sum_exchange
 from .options import round_weights
-from .round import Federation, compressed_exchange, sum_exchange
+from .protocol import Boundary
+from .record import RoundRecord
 
 __all__ = [
-    "Exchange",
+    "OverlappedExchange",
     "StreamingFederation",
     "fragment_of",
     "sync_offsets",
@@ -76,7 +78,7 @@ def count_blocks(names: list[str]) -> int:
     return len({m.group(1) for m in map(_BLOCK.search, names) if m})
 
 
-class Exchange:
+class OverlappedExchange:
     """``fn()`` run inline, or overlapped (``background``): on CUDA issued now by the training thread
     on a side stream that first waits for the work already queued on the current stream (the
     snapshot), the current stream waiting for it at :meth:`result`; elsewhere in a daemon thread
@@ -131,12 +133,12 @@ class Exchange:
 
 
 class StreamingFederation(Federation):
-    """:class:`~.round.Federation` with ``fragments > 1`` or ``overlap_steps > 0`` (see the module)."""
+    """:class:`~.federation.Federation` with ``fragments > 1`` or ``overlap_steps > 0`` (see the module)."""
 
     _streaming = True
 
     def __init__(self, cfg: FederationConfig, model: torch.nn.Module, strategy, state, **span):
-        """As :class:`~.round.Federation`'s (``span``: its keyword arguments: begin, end, last, clock, hooks)."""
+        """As :class:`~.federation.Federation`'s (``span``: its keyword arguments: hooks)."""
         super().__init__(cfg, model, strategy, state, **span)
         o, n = self.options, state.num_facilities
         K = o.fragments
@@ -165,7 +167,7 @@ class StreamingFederation(Federation):
         # The overlapped exchange runs beside the training thread's collectives: it needs groups
         # no one else uses (the state's overlap_*, built by build_state(..., overlap=True)). On CUDA
         # the training thread itself enqueues it on a side stream; with host tensors (gloo groups) a
-        # background thread runs it (see Exchange).
+        # background thread runs it (see OverlappedExchange).
         multi_replica = state.num_replicas > 1
         if o.overlap_steps > 0:
             self.peers = state.group("overlap_peers") if n > 1 else None
@@ -192,49 +194,29 @@ class StreamingFederation(Federation):
     def trained(self, tokens: int) -> None:
         self.tokens[:, self.state.facility] += tokens
 
-    def _synced(self, done: int) -> list[int]:
-        o = self.options
-        if done <= self.begin:
-            return []
-        if self.end is not None and done >= self.end:
-            return list(range(o.fragments)) if done == self.end and self.last else []
-        return synced_at(done - self.begin, o.every, o.fragments)
-
-    def applies_at(self, done: int) -> bool:
-        return bool(self._synced(done))
-
-    def finish_due(self, done: int, index: int) -> list[dict]:
-        """Apply the fragments synced after ``done`` steps: the one in flight, or (no overlap, and
-        every fragment at the job's last step) exchanged now."""
-        records = []
-        final = self.end is not None and done == self.end
-        for k in self._synced(done):
+    def finish(self, boundary: Boundary, index: int) -> list[RoundRecord]:
+        """Apply the fragments synced at ``boundary``: the one in flight, or (no overlap, and every fragment
+        at the job's last step) exchanged now."""
+        records, done, final = [], boundary.step, boundary.end
+        for k in boundary.finish:
             self.hooks.save(index, "before")
             if self.inflight is None or final:
                 self.wait()  # by construction nothing is in flight at the end; never two at once
                 self._launch(k, done, index, background=False)
             elif self.inflight["fragment"] != k:
                 raise RuntimeError(f"fragment {self.inflight['fragment']} in flight at the sync of fragment {k}")
-            record = self._apply(done, blend=self.options.overlap_steps > 0 and not final)
-            self.hooks.save(index, "after", bytes_per_rank=record["bytes_per_rank"], fragment=k)
-            records.append({"round": index, **record})
+            record = self._apply(done, index, blend=self.options.overlap_steps > 0 and not final)
+            self.hooks.save(index, "after", bytes_per_rank=record.bytes_per_rank, fragment=k)
+            records.append(record)
             index += 1
         return records
 
-    def starts_at(self, done: int) -> bool:
-        tau = self.options.overlap_steps
-        if tau == 0 or (self.end is not None and done + tau >= self.end):
-            return False
-        return bool(self._synced(done + tau))
-
-    def start_due(self, done: int, index: int) -> None:
-        """Start the exchange of the fragment synced ``overlap_steps`` after ``done`` (before the
+    def start(self, boundary: Boundary, index: int) -> None:
+        """Start the exchange of the fragments synced ``overlap_steps`` after ``boundary`` (before the
         phase's end: the last step syncs without overlap)."""
-        if not self.starts_at(done):
-            return
-        for k in self._synced(done + self.options.overlap_steps):
-            self._launch(k, done, index, background=True)
-            self.hooks.save(index, "start", fragment=k, step=done)
+        for k in boundary.start:
+            self._launch(k, boundary.step, index, background=True)
+            self.hooks.save(index, "start", fragment=k, step=boundary.step)
 
     def wait(self) -> None:
         if self.inflight is not None:
@@ -283,7 +265,7 @@ class StreamingFederation(Federation):
             "step": done,
             "skipped": skipped,
             "compressed": compressed,
-            "work": Exchange(exchange, background, state.device),
+            "work": OverlappedExchange(exchange, background, state.device),
             "blocked": time.perf_counter() - started,
         }
 
@@ -302,7 +284,7 @@ class StreamingFederation(Federation):
         return sum_exchange(snapshot, self.state, self.peers, self.replicas)
 
     @torch.no_grad()
-    def _apply(self, done: int, blend: bool) -> dict:
+    def _apply(self, done: int, index: int, blend: bool) -> RoundRecord:
         started = time.perf_counter()
         flight, self.inflight = self.inflight, None
         k = flight["fragment"]
@@ -318,16 +300,17 @@ class StreamingFederation(Federation):
         self._write_range(a, new)
         self.rounds += 1
         cross = self._sum_over_world(sent)
-        return {
-            "step": done,
-            "fragment": k,
-            "started_step": flight["step"],
-            "seconds": flight["blocked"] + time.perf_counter() - started,
-            "exchange_seconds": flight["work"].seconds,
-            "bytes_per_rank": int(sent),
-            "cross_facility_bytes": int(cross),
-            "skipped_facilities": flight["skipped"],
-        }
+        return RoundRecord(
+            index,
+            done,
+            k,
+            started_step=flight["step"],
+            seconds=flight["blocked"] + time.perf_counter() - started,
+            exchange_seconds=flight["work"].seconds,
+            bytes_per_rank=int(sent),
+            cross_facility_bytes=int(cross),
+            skipped_facilities=flight["skipped"],
+        )
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:

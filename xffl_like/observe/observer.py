@@ -18,11 +18,15 @@ import os
 import statistics
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..config.schema import LoggerConfig, StrategyConfig, TrainConfig
 from .plots import plot_aggregation, plot_losses
 from .progress import Progress
 from .timing import format_phase_table
+
+if TYPE_CHECKING:
+    from ..federation.record import RoundRecord
 
 __all__ = ["AGG_FIELDS", "LOGGERS", "Observer", "bandwidth", "truncate_metrics"]
 
@@ -88,7 +92,7 @@ class Observer:
         (the resolved job config as plain dicts; only read with ``logger=wandb``).
         ``restored``: the ``state.json`` of the checkpoint a resumed job starts from (its
         ``step``, ``rounds`` and ``wandb_ids`` continue the files and W&B runs). ``rounds_at``:
-        the federation's ``applies_at`` (whether rounds end after a step), for the progress line."""
+        whether rounds end after a step, as the round clock plans it, for the progress line."""
         self.state, self.run_dir = state, Path(run_dir)
         self.first_step = restored["step"] if restored else 0
         self.steps = train.steps
@@ -185,11 +189,11 @@ class Observer:
         if self.progress is not None:
             self.progress.step(done, loss, tokens_per_s)
 
-    def round(self, record: dict) -> None:
-        """After an aggregation round: ``record`` has round, step, seconds, bytes_per_rank, cross_facility_bytes."""
+    def round(self, record: RoundRecord) -> None:
+        """After an aggregation round (its :class:`~xffl_like.federation.record.RoundRecord`)."""
         if not (self.lead or self.wandb is not None):
             return
-        row = self._complete(record)
+        row = self._complete({k: getattr(record, k) for k in AGG_FIELDS[:5]})
         if self.wandb is not None:
             taken = record.get("steps_taken")
             self.wandb.round(

@@ -29,12 +29,13 @@ from torch import nn
 
 from .. import parallel as P
 from ..config.schema import JobConfig
+from ..federation.protocol import Boundary
 from ..models import build_model
 from ..observe.timing import PhaseTimer
 from ..parallel.options import DP_ALGORITHMS
 from .optim import Schedule, build_optimizer, build_scheduler
 from .round_dump import round_observers
-from .sync import RoundHooks, SyncBase
+from .sync import SyncBase, TrainerHooks
 
 __all__ = ["DataParallelSync", "Switch", "build_full_model"]
 
@@ -75,7 +76,7 @@ class DataParallelSync(SyncBase):
         self.state, self.model, self.ocfg, self.steps, self.log_every = state, model, ocfg, steps, cfg.train.log_every
         self.timer = timer
         self.consensus: list[dict] = []
-        self.hooks = RoundHooks(None, round_observers(model, state))  # tests: the copies around switches, the end
+        self.hooks = TrainerHooks(None, round_observers(model, state))  # tests: the copies around switches, the end
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler = None
         self.switches: list[dict] = []
@@ -132,8 +133,9 @@ class DataParallelSync(SyncBase):
         self.consensus.append({"step": done, "distance": distance})
         return {"consensus": distance}
 
-    def start_due(self, done: int, index: int) -> None:
-        """An algorithm switch after step ``done``; after the last step every copy becomes the mean of all."""
+    def start(self, boundary: Boundary, index: int) -> None:
+        """An algorithm switch after the boundary's step; after the last step every copy becomes the mean of all."""
+        done = boundary.step
         switch = self.switch_due(done)
         if switch is not None and done < self.steps:
             with self.timer("aggregation"):

@@ -26,6 +26,7 @@ from ..config.schema import JobConfig
 from ..distributed.state import DistributedState
 from ..federation.elastic import facility_name
 from ..federation.elastic.exchange import ElasticFederation
+from ..federation.protocol import Boundary
 from ..hub.client import hub_link
 from ..observe.timing import PhaseTimer
 from .nonfinite import NonFiniteGuard
@@ -53,6 +54,8 @@ class ElasticSync(SyncBase):
         self.parts, self.module, self.federation, self.timer = parts, parts.model, federation, timer
         self.guard = guard
         self.name, self.clock, self.strategy = federation.name, federation.clock, strategy
+        # federation.every_s: a round's quorum may end the job (a facility reached train.steps)
+        self.rounds_end_job = federation.options.every_s is not None
         # This world is one facility: its ranks step together, stop at any step, and it leaves at a stop.
         self.capabilities = Capabilities(checkpoints=True, elastic=True)
         self.warmup_steps = rewarm
@@ -74,16 +77,15 @@ class ElasticSync(SyncBase):
         guard = NonFiniteGuard(cfg.federation.on_nonfinite, state, parts.model, parts.optimizer, where)
         return cls(parts, federation, timer, rewarm=rewarm, strategy=described, guard=guard)
 
-    def start(self, done: int, index: int) -> StepEnd:
+    def begin(self, done: int) -> int:
         with self.timer("aggregation"):  # the join: the federation's waits and θ_global's download
             step = self.federation.join(done)
-        self.clock.start(step)
         if step > 0:  # the schedule follows the federation's step (also drops a restored rewarm factor)
             schedule_at(self.parts.scheduler, step)
         if self.warmup_steps > 0 and self.fresh_optimizer and step > 0:
             self.rewarm_from = step
             self._rewarm(step)
-        return StepEnd(step)
+        return step
 
     def rewarm_factor(self, step: int) -> float:
         """The factor on the schedule's learning rate of step ``step`` (0-based): ``(step - join + 1) /
@@ -108,13 +110,16 @@ class ElasticSync(SyncBase):
         self._rewarm(self.parts.scheduler.last_epoch)  # the next step's
         return lr
 
-    def finish_due(self, done: int, index: int) -> list[dict]:
-        if not self.federation.applies_at(done):
-            return []
+    def finish(self, boundary: Boundary, index: int) -> StepEnd:
+        done = boundary.step
+        if not boundary.finish:
+            return StepEnd(done)
         if self.guard is not None:  # fail: stop with one line; skip: the hub rejects it, and it heals
             self.guard.check_own(index, done)
         with self.timer("aggregation"):  # the round's quorum is where facilities meet: its wait is in the round
-            return self.federation.finish_due(done, index)
+            records = self.federation.finish(boundary, index)
+            self.clock.round_done(done)
+        return StepEnd(done, records, ended=self.rounds_end_job and self.federation.ended)
 
     def state_dict(self, at_step: int | None = None) -> dict:
         return self.federation.state_dict()

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ..distributed.state import DistributedState, to_local
+from ..federation.record import RoundRecord
 from .parallelize import peak_rss_mb
 
 __all__ = ["gather_facility_losses", "job_summary", "max_param_divergence"]
@@ -119,28 +120,28 @@ def _layout(layout) -> dict:
     }
 
 
-def _round_record(r: dict) -> dict:
+def _round_record(r: RoundRecord) -> dict:
     """A round's entry in the summary's ``round_records``."""
     return {
-        "step": r["step"],
+        "step": r.step,
         "phase": r.get("phase", 0),
-        "fragment": r.get("fragment"),
+        "fragment": r.fragment,
         "switch": bool(r.get("switch", False)),
-        "started_step": r.get("started_step", r["step"]),
+        "started_step": r.get("started_step", r.step),
         "steps_taken": r.get("steps_taken"),
         "waited_s": r.get("waited_s"),
-        **({"landed": r["landed"]} if "landed" in r else {}),  # federation.delay=1: the rounds whose step landed
+        **({"landed": r.landed} if r.has("landed") else {}),  # federation.delay=1: the rounds whose step landed
     }
 
 
-def _round_tables(rounds: list[dict], losses: torch.Tensor, steps: int) -> dict:
+def _round_tables(rounds: list[RoundRecord], losses: torch.Tensor, steps: int) -> dict:
     """The summary's per-round lists and per-facility loss table, in the summary's key order."""
     return {
-        "aggregation_seconds": [r["seconds"] for r in rounds],
-        "aggregation_bytes_per_rank": [r["bytes_per_rank"] for r in rounds],
-        "cross_facility_bytes_per_round": [r["cross_facility_bytes"] for r in rounds],
+        "aggregation_seconds": [r.seconds for r in rounds],
+        "aggregation_bytes_per_rank": [r.bytes_per_rank for r in rounds],
+        "cross_facility_bytes_per_round": [r.cross_facility_bytes for r in rounds],
         "facility_losses": _facility_losses(losses, steps),
-        "skipped_facilities": [r["skipped_facilities"] for r in rounds],
+        "skipped_facilities": [r.skipped_facilities for r in rounds],
         "round_records": [_round_record(r) for r in rounds],
     }
 
@@ -174,7 +175,7 @@ def job_summary(
     divergence: float,
     phases: dict,
     setup_rss: torch.Tensor,
-    rounds: list[dict] | None = None,
+    rounds: list[RoundRecord] | None = None,
     strategy: dict | None = None,
     federation: dict | None = None,
     checkpoints=None,

@@ -1,29 +1,34 @@
 """What keeps the copies of the model in step: the one seam between the trainer and everything else.
 
-The :class:`~.trainer.Trainer` runs the same steps for every job and calls a :class:`Sync` at two
-points of each, the way torchft's ``LocalSGD``/``DiLoCo`` hook into a plain training loop:
+The :class:`~.trainer.Trainer` runs the same steps for every job and calls a :class:`Sync` at fixed points
+of each, one way (the sync never calls back into the trainer), the way torchft's ``LocalSGD``/``DiLoCo``
+hook into a plain training loop. Once per step the trainer asks the round clock what the step is (a
+:class:`~xffl_like.federation.protocol.Boundary`), then:
 
-=================================  ==============================================================
-``module``                         what the step runs forward and backward on; it takes the
-                                   micro-batch switch (``set_requires_gradient_sync``)
-``capabilities``                   what the trainer may rely on (:class:`Capabilities`)
-``optimizer_step(tokens)``         after the step's backward passes (``tokens`` trained in them):
-                                   inner optimizer(s), gradient sync; the step's learning rate
-``on_step_end(done, index, then)`` after ``done`` steps: whatever happens there (a join before
-                                   the first step, a round's wait and exchange, fragments, metrics),
-                                   ``then(end)`` (the trainer evaluates, logs, checkpoints, agrees
-                                   on a stop), then what starts there (overlapped exchanges,
-                                   algorithm switches) unless ``then`` said stop
+======================================  =========================================================
+``module``                              what the step runs forward and backward on; it takes the
+                                        micro-batch switch (``set_requires_gradient_sync``)
+``capabilities``                        what the trainer may rely on (:class:`Capabilities`)
+``begin(done)``                         before the first step, after ``done`` restored steps: a
+                                        join; returns the step training continues from
+``optimizer_step(tokens)``              after the step's backward passes (``tokens`` trained in them):
+                                        inner optimizer(s), gradient sync; the step's learning rate
+``finish(boundary, index)``             after the step: what ends there (a round's wait and exchange,
+                                        fragments, a phase switch, metrics), as a :class:`StepEnd`;
+                                        the trainer then evaluates, logs, checkpoints, agrees on a stop
+``start(boundary, index)``              then, unless it stops there: what starts there (overlapped
+                                        exchanges, algorithm switches; before the first step the
+                                        clock's start boundary)
 ``state_dict()``/``load_state_dict()``  the federation's state in the job's checkpoints
-``leave()``                        at a stop: leave the federation; the line saying how to rejoin
-``close()``                        after the loop when it ends or fails (a stop calls ``leave()``
-                                   instead); what the summary adds
-=================================  ==============================================================
+``leave()``                             at a stop: leave the federation; the line saying how to rejoin
+``close()``                             after the loop when it ends or fails (a stop calls ``leave()``
+                                        instead); what the summary adds
+======================================  =========================================================
 
-When rounds, the end and a checkpoint's step fall is the round clock's
-(:class:`xffl_like.federation.clock.RoundClock`), which the trainer holds beside the sync.
+What each step is (rounds, a phase switch, exchanges that start, the end, a checkpoint's step) is the round
+clock's (:class:`xffl_like.federation.protocol.RoundClock`), which the trainer holds beside the sync.
 
-Three implementations, built by :func:`~.trainer.build_trainer`: :class:`FederatedSync`
+Three implementations, built by :func:`~.trainer.build_parts`: :class:`FederatedSync`
 (``parallel=fsdp``: FSDP2/HSDP inside a facility, the federation's rounds across facilities),
 :class:`~.elastic.ElasticSync` (``federation.elastic.hub``: this job is one facility; rounds
 among the facilities present) and :class:`~.dataparallel.DataParallelSync`
@@ -34,7 +39,6 @@ The first two compose the same :class:`ShardedParts`.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -49,7 +53,8 @@ from ..config.schema import JobConfig
 from ..distributed.state import DistributedState
 from ..federation import FederationSchedule
 from ..federation.pace import facility_steps
-from ..federation.protocol import Rounds
+from ..federation.protocol import Boundary, RoundClock, Rounds
+from ..federation.record import RoundRecord
 from ..observe.timing import PhaseTimer
 from .nonfinite import NonFiniteGuard
 from .optim import build_optimizer, build_scheduler, schedule_at
@@ -57,7 +62,7 @@ from .parallelize import build_sharded_model, contiguous_shards
 from .round_dump import round_observers
 from .speed import compile_blocks, compiles, compute_dtype
 
-__all__ = ["Capabilities", "FederatedSync", "RoundHooks", "ShardedParts", "StepEnd", "Sync", "SyncBase"]
+__all__ = ["Capabilities", "FederatedSync", "ShardedParts", "StepEnd", "Sync", "SyncBase", "TrainerHooks"]
 
 
 @dataclass(frozen=True)
@@ -77,15 +82,14 @@ class Capabilities:
 
 @dataclass
 class StepEnd:
-    """What happened after a step: the round records to log and keep, extra values for the step's log row."""
+    """What ended after a step: the round records to log and keep, extra values for the step's log row."""
 
-    step: int  # the step training continues from (an elastic joiner: the federation's)
-    rounds: list[dict] = field(default_factory=list)
+    step: int  # the step training continues from
+    rounds: list[RoundRecord] = field(default_factory=list)
     metrics: dict = field(default_factory=dict)
-
-
-#: The trainer's part of the end of a step (evaluate, log, checkpoint, agree on a stop): False to stop there.
-Settle = Callable[[StepEnd], bool]
+    #: A round's outcome ended the job here (an elastic facility with ``every_s``: the round's quorum says a
+    #: facility reached ``train.steps``), beside the clock's own end.
+    ended: bool = False
 
 
 class Sync(Protocol):
@@ -94,8 +98,10 @@ class Sync(Protocol):
     module: nn.Module
     capabilities: Capabilities
 
+    def begin(self, done: int) -> int: ...
     def optimizer_step(self, tokens: int) -> float: ...
-    def on_step_end(self, done: int, index: int, then: Settle) -> StepEnd: ...
+    def finish(self, boundary: Boundary, index: int) -> StepEnd: ...
+    def start(self, boundary: Boundary, index: int) -> None: ...
     def state_dict(self, at_step: int | None = None) -> dict: ...
     def load_state_dict(self, sd: dict) -> None: ...
     def leave(self) -> str | None: ...
@@ -103,35 +109,24 @@ class Sync(Protocol):
 
 
 class SyncBase:
-    """Defaults for a :class:`Sync`: an implementation overrides what it changes. The first
-    :meth:`on_step_end` is the start (after the restored step, before the first step trained)."""
+    """Defaults for a :class:`Sync`: an implementation overrides what it changes."""
 
     capabilities = Capabilities()
-    started = False
 
-    def on_step_end(self, done: int, index: int, then: Settle) -> StepEnd:
-        if not self.started:
-            self.started = True
-            return self.start(done, index)
-        end = StepEnd(done, self.finish_due(done, index), self.metrics(done))
-        if then(end):
-            self.start_due(done, index + len(end.rounds))
-        return end
+    def begin(self, done: int) -> int:
+        """Before the first step of this job, after ``done`` (restored) steps: the step to train from."""
+        return done
 
-    def start(self, done: int, index: int) -> StepEnd:
-        """Before the first step of this job, after ``done`` (restored) steps."""
-        return StepEnd(done)
-
-    def finish_due(self, done: int, index: int) -> list[dict]:
-        """The rounds that end after ``done`` steps (records numbered from ``index``)."""
-        return []
+    def finish(self, boundary: Boundary, index: int) -> StepEnd:
+        """What ends at ``boundary`` (round records numbered from ``index``); here the step's metrics."""
+        return StepEnd(boundary.step, [], self.metrics(boundary.step))
 
     def metrics(self, done: int) -> dict:
         """Extra values for the log row of step ``done``."""
         return {}
 
-    def start_due(self, done: int, index: int) -> None:
-        """What starts after ``done`` steps, once the step is settled."""
+    def start(self, boundary: Boundary, index: int) -> None:
+        """What starts at ``boundary``, once the step is settled."""
 
     def state_dict(self, at_step: int | None = None) -> dict:
         return {}
@@ -146,10 +141,10 @@ class SyncBase:
         return {}
 
 
-class RoundHooks:
-    """What a federation calls around each round: the non-finite guard sets its weights, observers
-    (:func:`~.round_dump.round_observers`: those registered in :data:`~.round_dump.OBSERVERS`, by tests)
-    see the values around it."""
+class TrainerHooks:
+    """The training side's :class:`~xffl_like.federation.protocol.RoundHooks`: the non-finite guard sets a
+    round's weights, observers (:func:`~.round_dump.round_observers`: those registered in
+    :data:`~.round_dump.OBSERVERS`, by tests) see the values around it."""
 
     def __init__(self, guard: NonFiniteGuard | None, observers: list):
         self.guard, self.observers = guard, observers
@@ -203,14 +198,15 @@ class FederatedSync(SyncBase):
     before each. Collective: every rank builds it at the same point."""
 
     def __init__(
-        self, state: DistributedState, parts: ShardedParts, rounds: Rounds, hooks: RoundHooks, timer: PhaseTimer,
-        *, paced: bool, strategy: dict, rounds_only: bool = False,
+        self, state: DistributedState, parts: ShardedParts, rounds: Rounds, clock: RoundClock, hooks: TrainerHooks,
+        timer: PhaseTimer, *, paced: bool, strategy: dict, rounds_only: bool = False,
     ):  # fmt: skip
         """``rounds``: the federation (:class:`~xffl_like.federation.protocol.Rounds`) built with ``hooks``;
-        ``paced``: facilities take different steps per round; ``strategy``: the summary's ``strategy``;
-        ``rounds_only``: facilities meet at rounds only (no ``synchronous`` phase averaging every step)."""
+        ``clock``: what each of its steps is; ``paced``: facilities take different steps per round;
+        ``strategy``: the summary's ``strategy``; ``rounds_only``: facilities meet at rounds only (no
+        ``synchronous`` phase averaging every step)."""
         self.state, self.parts, self.rounds, self.hooks, self.timer = state, parts, rounds, hooks, timer
-        self.module, self.clock, self.strategy = parts.model, rounds.clock, strategy
+        self.module, self.clock, self.strategy = parts.model, clock, strategy
         quiet = paced or (state.num_facilities > 1 and rounds_only)
         self.capabilities = Capabilities(checkpoints=True, paced=paced, quiet_between_rounds=quiet)
         # This facility's own schedule (a checkpoint's state.json holds rank 0's: facility 0's, when paces differ).
@@ -221,10 +217,10 @@ class FederatedSync(SyncBase):
         cls, cfg: JobConfig, state: DistributedState, parts: ShardedParts, run_dir: Path, timer: PhaseTimer, phases
     ) -> FederatedSync:
         """The job's: the non-finite guard and round observers, the strategy and the federation of ``phases``
-        (the launcher's plan, :class:`~xffl_like.config.plan.WorkerPlan`). Collective."""
+        (the launcher's plan, :class:`~xffl_like.config.plan.WorkerPlan`) with its clock. Collective."""
         where = checkpoint_dir(cfg.checkpoint, run_dir)
         guard = NonFiniteGuard(cfg.federation.on_nonfinite, state, parts.model, parts.optimizer, where)
-        hooks = RoundHooks(guard, round_observers(parts.model, state))
+        hooks = TrainerHooks(guard, round_observers(parts.model, state))
         strategy = build_strategy(parts.model, state, cfg.strategy)
         rounds = FederationSchedule(
             cfg.federation, parts.model, strategy, state, cfg.train.steps, hooks, phases=phases
@@ -232,14 +228,15 @@ class FederatedSync(SyncBase):
         described = {"name": cfg.strategy.name, "streams": cfg.strategy.streams}
         fed = cfg.federation
         rounds_only = fed.algorithm != "synchronous" and not fed.schedule  # a schedule may switch to synchronous
-        return cls(state, parts, rounds, hooks, timer, paced=fed.paced, strategy=described, rounds_only=rounds_only)
+        return cls(
+            state, parts, rounds, rounds.clock, hooks, timer, paced=fed.paced, strategy=described,
+            rounds_only=rounds_only,
+        )  # fmt: skip
 
-    def start(self, done: int, index: int) -> StepEnd:
-        self.clock.start(done)
+    def begin(self, done: int) -> int:
         if done == 0:
             self.hooks.save(0, "init")  # tests: the common start, theta_global of every fragment
-        self.start_due(done, index)  # an exchange overlapping the first steps (after a resume: as the saved run did)
-        return StepEnd(done)
+        return done
 
     def optimizer_step(self, tokens: int) -> float:
         self.rounds.trained(tokens)  # federation.weights=tokens
@@ -247,9 +244,9 @@ class FederatedSync(SyncBase):
         self.parts.step()
         return self.parts.lr()
 
-    def finish_due(self, done: int, index: int) -> list[dict]:
-        if not self.rounds.applies_at(done):
-            return []
+    def finish(self, boundary: Boundary, index: int) -> StepEnd:
+        if not boundary.rounds:
+            return StepEnd(boundary.step)
         # Every facility at the round first: this rank's wait, its share of the round's waited_s (what a slower
         # facility costs the others), is one aggregation iteration with the exchange; the round's seconds time
         # the exchange alone.
@@ -258,23 +255,30 @@ class FederatedSync(SyncBase):
             dist.barrier()
             waited = time.perf_counter() - arrived
         with self.timer("aggregation", join=True):
-            records = self.rounds.finish_due(done, index)
-        return [{**record, "waited": waited} for record in records]
+            records = self.rounds.finish(boundary, index)
+            if boundary.finish:
+                self.clock.round_done(boundary.step)
+        for record in records:
+            record.waited = waited
+        return StepEnd(boundary.step, records)
 
-    def start_due(self, done: int, index: int) -> None:
-        if self.rounds.starts_at(done):  # exchanges overlapping the next steps start after the step's checkpoint
+    def start(self, boundary: Boundary, index: int) -> None:
+        # Exchanges overlapping the next steps start after the step's checkpoint (at the start: after a resume,
+        # as the saved run did).
+        if boundary.start:
             with self.timer("aggregation"):
-                self.rounds.start_due(done, index)
+                self.rounds.start(boundary, index)
 
     def state_dict(self, at_step: int | None = None) -> dict:
         """The federation's state; ``at_step``: of the phase that runs after that step (the template a
         checkpoint of that step loads into)."""
         if at_step is not None:
             self.rounds.resume_at(at_step)
-        return self.rounds.state_dict()
+        return {**self.rounds.state_dict(), **self.clock.state_dict()}  # facility_steps, when paces differ
 
     def load_state_dict(self, sd: dict) -> None:
         self.rounds.load_state_dict(sd)
+        self.clock.load_state_dict(sd)
         steps = self.clock.facility_steps
         if steps is None:
             return

@@ -4,15 +4,18 @@
 
 - ``model``: this rank's model (evaluated, measured, exported);
 - ``sync``: what keeps its copies in step (:class:`~.sync.Sync`);
-- ``clock``: when rounds, the end and a checkpoint's step fall (:class:`~xffl_like.federation.clock.RoundClock`);
+- ``clock``: what each step is (:class:`~xffl_like.federation.protocol.RoundClock`: rounds, a phase switch,
+  exchanges that start, the end, a checkpoint's step);
 - ``checkpointer``: the job's checkpoints (``None`` where the mode writes none);
 - ``data``: this rank's batches.
 
 :meth:`Trainer.train` restores, then loops over :meth:`~Trainer.train_step` and
-:meth:`~Trainer.maybe_round` (whose settling evaluates, logs, checkpoints and runs
-:meth:`~Trainer.maybe_stop`), and ends with :meth:`~Trainer.summarize` (rank 0: the summary, also
-written to ``summary.json``; other ranks ``None``). It never asks what kind of sync it has: the
-sync declares its :class:`~.sync.Capabilities`.
+:meth:`~Trainer.maybe_round`, and ends with :meth:`~Trainer.summarize` (rank 0: the summary, also
+written to ``summary.json``; other ranks ``None``). After each step, one way: the clock says what the
+step is (a :class:`~xffl_like.federation.protocol.Boundary`), the sync finishes what ends there,
+:meth:`~Trainer.settle` evaluates, logs, checkpoints and runs :meth:`~Trainer.maybe_stop`, and the sync
+starts what starts there unless training stops. It never asks what kind of sync it has: the sync
+declares its :class:`~.sync.Capabilities`.
 """
 
 from __future__ import annotations
@@ -30,7 +33,9 @@ from ..config.schema import JobConfig, as_plain
 from ..data import build_data
 from ..distributed.signals import agree_stop, signal_name
 from ..distributed.state import DistributedState
-from ..federation.clock import RoundClock, end_clock
+from ..federation.clock import end_clock
+from ..federation.protocol import Boundary, RoundClock
+from ..federation.record import UNSET, RoundRecord
 from ..observe import Observer
 from ..observe.timing import PhaseTimer, gather_phase_table
 from .evaluate import eval_points, evaluate, facility_eval
@@ -130,7 +135,7 @@ class Trainer:
     timer: PhaseTimer
     observer: Observer
     losses: torch.Tensor  # row f: facility f's mean loss per step (filled by this rank's facility share), NaN: none
-    rounds: list[dict]  # the round records
+    rounds: list[RoundRecord]  # the round records
     evals: list[dict]  # {"step", "loss_local", "loss_global", "time"}: losses per facility, None when not evaluated
 
     def __init__(
@@ -189,21 +194,28 @@ class Trainer:
             saved = {**saved, "step": steps[self.state.facility], "facility_steps": list(steps)}
         self.restored = saved
         self.start_step = saved["step"] if saved else 0
-        self.rounds = list(saved["rounds"]) if saved else []
+        self.rounds = [RoundRecord.from_dict(r) for r in saved["rounds"]] if saved else []
         self.evals = list(saved.get("records", {}).get("evals", [])) if saved else []
         cfg = self.cfg
         self.observer = Observer(
-            self.tcfg, cfg.strategy, cfg.logger, self.state, self.run_dir, saved, rounds_at=self.clock.rounds_at,
+            self.tcfg, cfg.strategy, cfg.logger, self.state, self.run_dir, saved, rounds_at=self._rounds_at,
             experiment=cfg.experiment, config=self.config,
         )  # fmt: skip
         self.log = StepLog(self.observer, self.losses, self.state.facility, self.tokens_per_step)
 
+    def _rounds_at(self, done: int) -> bool:
+        """Whether rounds end after ``done`` steps, as the clock plans it (the progress line looks ahead)."""
+        return self.clock.plan(done).rounds
+
     def begin(self) -> int:
-        """The sync's start: an elastic facility joins here and adopts the federation's step (its data keep
-        their own position). Returns the step to train from."""
-        end = self.sync.on_step_end(self.start_step, len(self.rounds), self.settle)
-        self.data_shift, self.first_step = self.start_step - end.step, end.step
-        return end.step
+        """The sync's begin: an elastic facility joins here and adopts the federation's step (its data keep
+        their own position); then the clock starts and what starts before the first step does. Returns the
+        step to train from."""
+        step = self.sync.begin(self.start_step)
+        self.data_shift, self.first_step = self.start_step - step, step
+        self.boundary: Boundary = self.clock.start(step)
+        self.sync.start(self.boundary, len(self.rounds))
+        return step
 
     # ------------------------------------------------------------------ one step
     def train_step(self, step: int) -> None:
@@ -221,22 +233,26 @@ class Trainer:
         loss = accumulate_gradients(self.sync.module, micro_batch, self.tcfg, self.state.device, self.timer)
         with self.timer("optimizer"):
             self.step_lr = self.sync.optimizer_step(tokens)
+            self.clock.step_taken()
             self.fault.after_step(done, self.model)  # fault.slow_*: the step's own time, X times over
         self.step_loss = loss / self.state.facility_size
         with self.timer("wait"):  # the facility's slowest rank
             dist.all_reduce(self.step_loss, group=self.state.group("facility"))
 
     def maybe_round(self, done: int) -> bool:
-        """After ``done`` steps: at a boundary evaluate the local model first; then whatever the sync does
-        there, settled by :meth:`settle`. Returns whether training stops here."""
-        self.local_eval = eval_points(done, self.clock.due(done), self.tcfg.eval_every)
+        """After ``done`` steps, one way: what the step is (the clock's :class:`Boundary`), the local evaluation
+        at a boundary, what the sync finishes there, :meth:`settle`, then what the sync starts there unless
+        training stops. Returns whether training stops here."""
+        self.boundary = boundary = self.clock.at(done)
+        self.local_eval = eval_points(done, boundary.eval_due, self.tcfg.eval_every)
         self.eval_record = {"step": done, "loss_local": None, "loss_global": None}
         if self.local_eval:
             self.eval_record["loss_local"] = self._facility_eval()
-        self.sync.on_step_end(done, len(self.rounds), self.settle)
+        if self.settle(boundary, self.sync.finish(boundary, len(self.rounds))):
+            self.sync.start(boundary, len(self.rounds))
         return self.stop_at is not None and done >= self.stop_at and not self.last
 
-    def settle(self, end: StepEnd) -> bool:
+    def settle(self, boundary: Boundary, end: StepEnd) -> bool:
         """The trainer's part of the end of a step, once the sync's rounds are made: the records, the global
         evaluation, the log row, a checkpoint, the stop agreement. False: training stops here."""
         done = end.step
@@ -251,23 +267,27 @@ class Trainer:
         elapsed = time.perf_counter() - self.start
         self.log.add(done - 1, self.step_loss, self.step_lr, elapsed, self.eval_record if self.local_eval else None,
                      end.metrics)  # fmt: skip
-        self.last = self.clock.ends_at(done)  # federation.every_s: the round just made may end the job
+        self.last = boundary.end or end.ended  # federation.every_s: the round just made may end the job
         if self.local_eval or done % self.tcfg.log_every == 0 or self.last:  # local_eval: every boundary too
             self.log.flush()
-        self.maybe_checkpoint(done)
+        self.maybe_checkpoint(boundary)
         return not self.maybe_stop(done, met=bool(end.rounds))
 
     def _facility_eval(self) -> list[float]:
         with self.timer("eval"):
             return facility_eval(self.model, self.eval_batches, self.state, self.tcfg.loss_chunk)
 
-    def maybe_checkpoint(self, done: int) -> None:
+    def maybe_checkpoint(self, boundary: Boundary) -> None:
         """After a boundary's rounds (nothing is in flight there: a step's exchanges start after it)."""
-        if self.checkpointer is not None and self.clock.due(done):
+        if self.checkpointer is not None and boundary.checkpoint:
             with self.timer("checkpoint"):
                 self.checkpointer.after_round(
-                    self.clock.job_step(done), self.rounds, self.losses, final=self.last, records={"evals": self.evals}
+                    boundary.job_step, self._saved_rounds(), self.losses, final=self.last, records={"evals": self.evals}
                 )
+
+    def _saved_rounds(self) -> list[dict]:
+        """The round records as a checkpoint's ``state.json`` keeps them (plain dicts)."""
+        return [record.to_dict() for record in self.rounds]
 
     def maybe_stop(self, done: int, met: bool) -> bool:
         """SIGINT/SIGTERM on any rank: every rank stops at the same step. Where nothing crosses facilities
@@ -294,7 +314,7 @@ class Trainer:
         seconds = torch.tensor([(time.perf_counter() - self.start) / (done - self.first_step)], dtype=torch.float64)
         dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
         for step in range(done, self.tcfg.steps + 1):
-            if self.clock.due(step):
+            if self.clock.plan(step).checkpoint:
                 return step if (step - done) * float(seconds) <= STOP_GRACE_S else done
         return done
 
@@ -305,11 +325,11 @@ class Trainer:
         ``{"interrupted": {...}}`` (what the launcher's one line says)."""
         self.log.flush()
         caps, ckpt = self.sync.capabilities, self.checkpointer
-        exact = (self.clock.due(done) or caps.elastic) and done > self.start_step  # a restored step is saved
+        exact = (self.boundary.checkpoint or caps.elastic) and done > self.start_step  # a restored step is saved
         saved = last = None
         if ckpt is not None:
             if exact:  # no-op if the cadence saved it
-                ckpt.save(self.clock.job_step(done), self.rounds, self.losses, records={"evals": self.evals})
+                ckpt.save(self.boundary.job_step, self._saved_rounds(), self.losses, records={"evals": self.evals})
             ckpt.wait()  # published, or raises
             if self.state.rank == 0:
                 last = self._last_checkpoint(ckpt)
@@ -366,16 +386,17 @@ class Trainer:
         """Each round's seconds: the slowest rank's; its ``waited_s``: each facility's wait at it for the others (its
         slowest rank's). Rounds a resume restored carry rank 0's wait from state.json, so each facility's column
         there holds facility 0's: approximate for those rounds."""
-        agg = torch.tensor([r["seconds"] for r in self.rounds], dtype=torch.float64)
+        agg = torch.tensor([r.seconds for r in self.rounds], dtype=torch.float64)
         dist.all_reduce(agg, op=dist.ReduceOp.MAX)
         waited = torch.zeros(len(self.rounds), self.state.num_facilities, dtype=torch.float64)
         for i, record in enumerate(self.rounds):
-            if "waited" in record:
-                waited[i, self.state.facility] = record.pop("waited")
+            if record.has("waited"):
+                waited[i, self.state.facility], record.waited = record.waited, UNSET
         dist.all_reduce(waited, op=dist.ReduceOp.MAX)
         for record, seconds, wait in zip(self.rounds, agg.tolist(), waited.tolist()):
-            record["seconds"] = seconds
-            record.setdefault("waited_s", wait)
+            record.seconds = seconds
+            if not record.has("waited_s"):
+                record.waited_s = wait
 
     def _trained(self, done: int) -> tuple[list[int] | None, int | list[int]]:
         """Every facility's steps so far (facilities of different paces; else None), and the steps trained in

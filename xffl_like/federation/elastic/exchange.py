@@ -38,7 +38,8 @@ from ...distributed.state import to_local
 from ...hub.protocol.update_codec import UpdateCodec
 from ..clock import round_clock
 from ..options import rounds_description
-from ..protocol import RoundClock
+from ..protocol import Boundary, RoundClock
+from ..record import RoundRecord
 
 __all__ = ["ElasticFederation"]
 
@@ -92,12 +93,12 @@ class ElasticFederation:
         self.leader = state.rank == 0
         self.round = 0  # the federation's version (rounds the hub committed) this facility holds
         self.tokens = 0.0  # tokens this rank trained since its facility's last round
-        self.records: list[dict] = []  # per round this facility took part in: members, healed, attempts
+        self.records: list[RoundRecord] = []  # per round this facility took part in: members, healed, attempts
         self.ended = False  # federation.every_s: the last round made ended the job
         self.last_step = 0  # this facility's steps at its last round (or join)
         self.link = link
         # Where this facility's rounds end: every `every` of its steps, or by its own step time (every_s).
-        self.clock: RoundClock = round_clock(cfg, state, steps, ended=lambda: self.ended)
+        self.clock: RoundClock = round_clock(cfg, state, steps, elastic=True)
         self.ef: Tensor | None = None  # hub with compression: θ_global + this facility's residual (leader)
         self.codec: UpdateCodec | None = None
         if self.leader:
@@ -185,31 +186,21 @@ class ElasticFederation:
 
     def after_backward(self) -> int:
         """A local step was taken (its backward passes are done); nothing crosses facilities here."""
-        self.clock.step_taken()
         return 0
 
-    def applies_at(self, done: int) -> bool:
-        """A round after ``done`` steps: at each of the clock's boundaries."""
-        return self.clock.due(done)
+    def finish(self, boundary: Boundary, index: int) -> list[RoundRecord]:
+        """The round at ``boundary`` (its record): at each of the clock's boundaries."""
+        return [self.round_at(boundary.step)] if boundary.finish else []
 
-    def finish_due(self, done: int, index: int) -> list[dict]:
-        """The round after ``done`` steps (its record); the clock's next round begins."""
-        record = self.round_at(done)
-        self.clock.round_done(done)
-        return [record]
-
-    def starts_at(self, done: int) -> bool:
-        return False  # no exchange overlaps local steps
-
-    def start_due(self, done: int, index: int) -> None:
-        pass
+    def start(self, boundary: Boundary, index: int) -> None:
+        pass  # no exchange overlaps local steps
 
     def join(self, step: int) -> int:
         """Before training: take part in the federation's next round as a member to heal (weight 0),
         or start it when none is live. Returns the step to train from (the federation's)."""
-        return self._round(step, joining=True)["step"]
+        return self._round(step, joining=True).step
 
-    def round_at(self, done: int) -> dict:
+    def round_at(self, done: int) -> RoundRecord:
         """The round after ``done`` local steps; its record."""
         return self._round(done, joining=False)
 
@@ -219,7 +210,7 @@ class ElasticFederation:
         if self.leader:
             self.files.remove()
 
-    def _round(self, done: int, joining: bool) -> dict:
+    def _round(self, done: int, joining: bool) -> RoundRecord:
         start = time.perf_counter()
         self._gather(self.files.mine if self.leader else None)
         tokens = torch.tensor([self.tokens], dtype=torch.float64, device=self.state.device)
@@ -239,18 +230,19 @@ class ElasticFederation:
         if changed:
             self._scatter(self.files.theta if self.leader else None)
         # The index of the round committed here; None for a join that only healed (no mean yet).
-        record = {
-            "round": self.round - 1 if self.round > before else None,
-            "step": step,
-            "fragment": None,
-            "seconds": time.perf_counter() - start,
-            "bytes_per_rank": sent if self.leader else 0,
-            "cross_facility_bytes": sent,
-            "skipped_facilities": [],
-        }
+        record = RoundRecord(
+            self.round - 1 if self.round > before else None,
+            step,
+            None,
+            seconds=time.perf_counter() - start,
+            bytes_per_rank=sent if self.leader else 0,
+            cross_facility_bytes=sent,
+            skipped_facilities=[],
+        )
         if self.leader:
-            record.update({k: out[k] for k in ("facilities", "healed", "attempts", "status", "reason", "rejected")
-                           if k in out})  # fmt: skip
+            for k in ("facilities", "healed", "attempts", "status", "reason", "rejected"):
+                if k in out:
+                    setattr(record, k, out[k])
             self.records.append(record)
         return record
 
@@ -334,7 +326,7 @@ class ElasticFederation:
                 "hub": o.elastic.hub,
                 "rounds": [
                     {
-                        k: r[k]
+                        k: r.get(k)
                         for k in (
                             "round",
                             "step",
@@ -346,7 +338,7 @@ class ElasticFederation:
                             "reason",
                             "rejected",
                         )
-                        if k in r
+                        if r.has(k)
                     }  # fmt: skip
                     for r in self.records
                 ],

@@ -1,4 +1,4 @@
-"""Switching algorithms mid-run: ``federation.schedule``, a list of phases.
+"""The federation's phases: ``federation.schedule``, a list of them, switching algorithms mid-run.
 
 Each phase has ``until_step`` (the step it ends after; ``null`` for the last one: the end of
 training) and any federation keys (``algorithm``, ``every``, ``weights``, ``topology``,
@@ -28,85 +28,26 @@ import torch
 
 from ..aggregation import aggregate
 from ..config.schema import FederationConfig
-from .clock import round_clock
+from .clock import phase_clock
 from .delayed import DelayedFederation
+from .federation import Federation
 from .options import plan_phases
-from .protocol import FederationPhase, NoHooks, RoundClock, RoundHooks
-from .round import Federation
+from .protocol import Boundary, FederationPhase, NoHooks, RoundClock, RoundHooks
+from .record import RoundRecord
 from .streaming import StreamingFederation
 
-__all__ = ["FederationSchedule", "PhaseClock", "build_federation"]
+__all__ = ["FederationSchedule", "build_federation"]
 
 
 def build_federation(
-    cfg: FederationConfig,
-    model: torch.nn.Module,
-    strategy,
-    state,
-    begin: int = 0,
-    end: int | None = None,
-    last: bool = True,
-    steps: int | None = None,
-    hooks: RoundHooks | None = None,
+    cfg: FederationConfig, model: torch.nn.Module, strategy, state, hooks: RoundHooks | None = None
 ) -> Federation:
-    """The federation of ``cfg`` (validated) over steps ``begin < step <= end`` of a job of ``steps``
-    (default ``end``): a :class:`~.streaming.StreamingFederation` for ``fragments > 1`` or
-    ``overlap_steps > 0``, a :class:`~.delayed.DelayedFederation` for ``delay=1``, else a
-    :class:`~.round.Federation`, with its :func:`~.clock.round_clock`.
+    """The federation of ``cfg`` (validated): a :class:`~.streaming.StreamingFederation` for ``fragments > 1``
+    or ``overlap_steps > 0``, a :class:`~.delayed.DelayedFederation` for ``delay=1``, else a
+    :class:`~.federation.Federation`. Where its rounds fall is the clock's (:func:`~.clock.round_clock`).
     Collective, like their constructors."""
-    clock = round_clock(cfg, state, end if steps is None else steps, begin=begin, end=end, last=last)
     kind = StreamingFederation if cfg.streaming else DelayedFederation if cfg.delay else Federation
-    return kind(cfg, model, strategy, state, begin=begin, end=end, last=last, clock=clock, hooks=hooks)
-
-
-class PhaseClock:
-    """The schedule's :class:`~.protocol.RoundClock`: the running phase's clock (it follows the
-    switches, and a resume's :meth:`FederationSchedule.resume_at`), whose end is due (a switch)."""
-
-    def __init__(self, schedule: FederationSchedule):
-        self.schedule = schedule
-
-    @property
-    def current(self) -> RoundClock:
-        return self.schedule.current.clock
-
-    @property
-    def steps(self) -> int:
-        return self.current.steps
-
-    @property
-    def facility_steps(self) -> list[int] | None:
-        return self.current.facility_steps
-
-    def start(self, done: int) -> None:
-        self.current.start(done)
-
-    def step_taken(self) -> None:
-        self.current.step_taken()
-
-    def due(self, done: int) -> bool:
-        return self.current.due(done)
-
-    def rounds_at(self, done: int) -> bool:
-        return self.current.rounds_at(done)
-
-    def ends_at(self, done: int) -> bool:
-        return self.current.ends_at(done)
-
-    def job_step(self, done: int) -> int:
-        return self.current.job_step(done)
-
-    def meet(self, done: int) -> list[int] | None:
-        return self.current.meet(done)
-
-    def round_done(self, done: int) -> None:
-        self.current.round_done(done)
-
-    def state_dict(self) -> dict:
-        return self.current.state_dict()
-
-    def load_state_dict(self, sd: dict) -> None:
-        self.current.load_state_dict(sd)
+    return kind(cfg, model, strategy, state, hooks=hooks)
 
 
 class FederationSchedule:
@@ -134,7 +75,14 @@ class FederationSchedule:
         self.index = -1
         self.current: FederationPhase = None  # type: ignore[assignment]
         self._enter(0)
-        self.clock: RoundClock = PhaseClock(self)  # the running phase's, whichever it is
+        # What each step is, over every phase (one object: the switches are its boundaries too).
+        spans = [(p.config, p.from_step, *self._end(i)) for i, p in enumerate(self.phases[: self._last + 1])]
+        self.clock: RoundClock = phase_clock(spans, state, steps)
+
+    @property
+    def _last(self) -> int:
+        """The index of the phase the job ends in."""
+        return next(i for i in range(len(self.phases)) if self._end(i)[1])
 
     def _end(self, i: int) -> tuple[int, bool]:
         """Phase ``i``'s last step and whether the job ends there."""
@@ -145,19 +93,8 @@ class FederationSchedule:
 
     def _enter(self, i: int) -> None:
         phase = self.phases[i]
-        end, last = self._end(i)
         self.index = i
-        self.current = build_federation(
-            phase.config,
-            self.model,
-            self.strategy,
-            self.state,
-            begin=phase.from_step,
-            end=end,
-            last=last,
-            steps=self.steps,
-            hooks=self.hooks,
-        )
+        self.current = build_federation(phase.config, self.model, self.strategy, self.state, hooks=self.hooks)
 
     def resume_at(self, step: int) -> None:
         """Enter the phase that runs the step after ``step`` (a restored checkpoint's), so that
@@ -190,32 +127,24 @@ class FederationSchedule:
     def after_backward(self) -> int:
         return self.current.after_backward()
 
-    def _switch_at(self, done: int) -> bool:
-        end, last = self._end(self.index)
-        return not last and done == end
-
-    def applies_at(self, done: int) -> bool:
-        return self._switch_at(done) or self.current.applies_at(done)
-
-    def finish_due(self, done: int, index: int) -> list[dict]:
-        """The records of the rounds after ``done`` steps (each with its ``phase``), numbered from
+    def finish(self, boundary: Boundary, index: int) -> list[RoundRecord]:
+        """The records of the rounds that end at ``boundary`` (each with its ``phase``), numbered from
         ``index``; at a switch the average, then the next phase."""
         phase = self.index
-        if self._switch_at(done):
-            records = [self._switch(done, index)]
+        if boundary.switch:
+            records = [self._switch(boundary.step, index)]
             self._enter(self.index + 1)
         else:
-            records = self.current.finish_due(done, index)
-        return [{**r, "phase": phase} for r in records]
+            records = self.current.finish(boundary, index)
+        for record in records:
+            record.phase = phase
+        return records
 
-    def starts_at(self, done: int) -> bool:
-        return self.current.starts_at(done)
-
-    def start_due(self, done: int, index: int) -> None:
-        self.current.start_due(done, index)
+    def start(self, boundary: Boundary, index: int) -> None:
+        self.current.start(boundary, index)
 
     @torch.no_grad()
-    def _switch(self, done: int, index: int) -> dict:
+    def _switch(self, done: int, index: int) -> RoundRecord:
         self.current.wait()  # nothing is in flight at a phase's end; made sure
         spec = self.current.options.weights
         weights = [float(w) for w in spec] if isinstance(spec, (list, tuple)) else None
@@ -224,16 +153,16 @@ class FederationSchedule:
         start = time.perf_counter()
         result = aggregate(self.strategy, self.state, weights)
         self.hooks.save(index, "after", bytes_per_rank=result.bytes_per_rank)
-        return {
-            "round": index,
-            "step": done,
-            "fragment": None,
-            "switch": True,
-            "seconds": time.perf_counter() - start,
-            "bytes_per_rank": int(result.bytes_per_rank),
-            "cross_facility_bytes": int(result.cross_facility_bytes),
-            "skipped_facilities": skipped,
-        }
+        return RoundRecord(
+            index,
+            done,
+            None,
+            switch=True,
+            seconds=time.perf_counter() - start,
+            bytes_per_rank=int(result.bytes_per_rank),
+            cross_facility_bytes=int(result.cross_facility_bytes),
+            skipped_facilities=skipped,
+        )
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:

@@ -1,6 +1,6 @@
 """What happens across facilities: one :class:`Federation` per worker, built after the strategy.
 
-``algorithm=federated`` (default): at each round of its clock (:mod:`.clock`: every ``every`` local
+``algorithm=federated`` (default): at each round of the clock (:mod:`.clock`: every ``every`` local
 steps, or per facility), :meth:`Federation.round`
 
 1. forms this round's target of the facilities' weights, by the mixing chosen at construction:
@@ -19,12 +19,14 @@ stays local to each facility, as in DiLoCo.
 ``algorithm=synchronous``: no rounds; after every backward :meth:`Federation.after_backward`
 averages the gradients across facilities (data parallel over every model copy).
 
-``fragments`` / ``overlap_steps``: :func:`~.schedule.build_federation` makes a
+``fragments`` / ``overlap_steps``: :func:`~.phases.build_federation` makes a
 :class:`~.streaming.StreamingFederation` (rounds of one fragment at a time, overlapped with
-local steps). The loop drives either through :meth:`Federation.finish_due` and
-:meth:`Federation.start_due` after every step, via :class:`~.schedule.FederationSchedule`
-(``federation.schedule``: phases); the training side's part of a round (the non-finite guard's
-weights, the tests' record of the values) comes as the :class:`~.protocol.RoundHooks` given at construction.
+local steps), ``delay=1`` a :class:`~.delayed.DelayedFederation`. The sync drives each through
+:meth:`Federation.finish` and :meth:`Federation.start` with the step's :class:`~.protocol.Boundary`
+(the clock's, :mod:`.clock`), via :class:`~.phases.FederationSchedule` (``federation.schedule``:
+phases); the training side's part of a round (the non-finite guard's weights, the tests' record of
+the values) comes as the :class:`~.protocol.RoundHooks` given at construction. Each round's record is a
+:class:`~.record.RoundRecord`.
 """
 
 from __future__ import annotations
@@ -39,12 +41,12 @@ from torch import Tensor
 from ..aggregation import aggregate
 from ..config.schema import FederationConfig
 from ..distributed.state import to_local
-from .clock import round_clock
 from .compress import CompressedMean
 from .gossip import Gossip
 from .options import round_weights, rounds_description
 from .outer import OuterOptimizer
-from .protocol import NoHooks, RoundClock, RoundHooks
+from .protocol import Boundary, NoHooks, RoundHooks
+from .record import RoundRecord
 from .topk import TopkMean
 
 __all__ = ["CompressedMix", "Federation", "GossipMix", "PlainMean", "compressed_exchange", "sum_exchange"]
@@ -61,8 +63,8 @@ def _sum_over_world(value: int, state) -> int:
 
 
 def compressed_exchange(comp, message: Tensor, numel: int, scales: list[float], state, peers, replicas):
-    """An exchange (run inline, or as a :class:`~.streaming.Exchange`) of a compressed ``message`` of ``numel``
-    values: the first replica of each facility reduces it among ``peers`` (one per facility, weighted by
+    """An exchange (run inline, or as a :class:`~.streaming.OverlappedExchange`) of a compressed ``message`` of
+    ``numel`` values: the first replica of each facility reduces it among ``peers`` (one per facility, weighted by
     ``scales``) and broadcasts the mean to its ``replicas``; returns ``(mean, bytes this rank sent)``."""
     source = state.layout.facility_offsets[state.facility] + state.shard
 
@@ -81,7 +83,7 @@ def compressed_exchange(comp, message: Tensor, numel: int, scales: list[float], 
 
 
 def sum_exchange(scaled: Tensor, state, peers, replicas):
-    """An exchange (run inline, or as a :class:`~.streaming.Exchange`) that sums ``scaled`` (already weighted)
+    """An exchange (run inline, or as a :class:`~.streaming.OverlappedExchange`) that sums ``scaled`` (already weighted)
     over ``peers`` in place, from the first replica of each facility, and broadcasts it to its ``replicas``;
     returns ``(sum, bytes sent)``."""
     source = state.layout.facility_offsets[state.facility] + state.shard
@@ -176,24 +178,17 @@ class Federation:
         strategy,
         state,
         *,
-        begin: int = 0,
-        end: int | None = None,
-        last: bool = True,
-        clock: RoundClock | None = None,
         hooks: RoundHooks | None = None,
     ):
-        """Over the steps ``begin < step <= end`` (a phase of ``federation.schedule``, or the whole job):
-        rounds count from ``begin``; ``last``: the job ends at ``end`` (a final round there). ``clock``:
-        where rounds end (by default :func:`~.clock.round_clock`'s); ``hooks``: what the training side
-        does at each round (by default nothing)."""
+        """A phase of ``federation.schedule``, or the whole job (where its rounds fall is the clock's: the
+        :class:`~.protocol.Boundary` given to :meth:`finish`); ``hooks``: what the training side does at
+        each round (by default nothing)."""
         self.options = o = cfg  # validated in the launcher (options.validate_federation)
         if o.streaming and not self._streaming:
             raise ValueError(
-                "federation.fragments / overlap_steps: build it with schedule.build_federation (a StreamingFederation)"
+                "federation.fragments / overlap_steps: build it with phases.build_federation (a StreamingFederation)"
             )
         self.model, self.strategy, self.state = model, strategy, state
-        self.begin, self.end, self.last = begin, end, last
-        self.clock = clock if clock is not None else round_clock(cfg, state, end, begin=begin, end=end, last=last)
         self.hooks = hooks if hooks is not None else NoHooks()
         named = list(model.named_parameters())
         self.names = [named[i][0] for i in strategy.selected]
@@ -249,29 +244,20 @@ class Federation:
         self.tokens[self.state.facility] += tokens
 
     # ------------------------------------------------------------------ the loop's interface
-    def applies_at(self, done: int) -> bool:
-        """Whether rounds end after ``done`` steps (then :meth:`finish_due` returns their records): at
-        the clock's boundaries, but at ``end`` only when the job ends there (a phase switch of
-        :mod:`.schedule` averages instead); never for ``synchronous``."""
-        return self.federated and self.clock.due(done) and (self.last or done != self.end)
-
-    def finish_due(self, done: int, index: int) -> list[dict]:
-        """The rounds that end after ``done`` steps, as records numbered from ``index``."""
-        if not self.applies_at(done):
+    def finish(self, boundary: Boundary, index: int) -> list[RoundRecord]:
+        """The round that ends at ``boundary`` (its record, numbered ``index``); none where it has no round
+        (``synchronous``, a phase switch: :mod:`.phases` averages instead)."""
+        if not boundary.finish:
             return []
-        taken = self.clock.meet(done)
+        done = boundary.step
         self.hooks.save(index, "before")
         out = self.round(index, done)
         self.hooks.save(index, "after", bytes_per_rank=out["bytes_per_rank"], **self.mixing.recorded())
-        self.clock.round_done(done)
-        return [{"round": index, "step": done, "fragment": None, "steps_taken": taken, **out}]
+        taken = None if boundary.taken is None else list(boundary.taken)
+        return [RoundRecord(index, done, None, steps_taken=taken, **out)]
 
-    def starts_at(self, done: int) -> bool:
-        """Whether an exchange that overlaps the next local steps starts after ``done`` steps."""
-        return False
-
-    def start_due(self, done: int, index: int) -> None:
-        """Start the exchanges that overlap the next local steps (``overlap_steps``); none here."""
+    def start(self, boundary: Boundary, index: int) -> None:
+        """Start the exchanges that overlap the next local steps (``overlap_steps``, ``delay``); none here."""
 
     def wait(self) -> None:
         """Block until no exchange is in flight (nothing to wait for without overlap)."""
@@ -286,7 +272,6 @@ class Federation:
     def after_backward(self) -> int:
         """``synchronous``: average the gradients over every facility (weighted like the mean).
         Returns the bytes this rank sent across facilities (0 when federated)."""
-        self.clock.step_taken()
         if self.federated:
             return 0
         state = self.state
@@ -351,7 +336,6 @@ class Federation:
         state and the error-feedback residual; plus counters. Empty tensors sections when unused."""
         # Counters as tensors: DCP stores other objects pickled, which safe loading refuses.
         out: dict[str, Any] = {"rounds": torch.tensor(self.rounds), "tokens": self.tokens.clone()}
-        out.update(self.clock.state_dict())  # facility_steps, with different steps per facility
         if self.theta is None:
             return out
         out["theta_global"] = self._as_dtensors(self.theta)
@@ -367,7 +351,6 @@ class Federation:
         """Restore what :meth:`state_dict` returned (tensors are copied into the live buffers)."""
         self.rounds = int(sd["rounds"])
         self.tokens.copy_(sd["tokens"])
-        self.clock.load_state_dict(sd)
         if self.theta is None:
             return
         self._load_flat(self.theta, sd["theta_global"])

@@ -107,7 +107,7 @@ def test_error_feedback_carries_the_residual(kind):
     assert comp_off.residual is None
 
 
-def test_every_s_round_ends_when_another_facility_reaches_train_steps(monkeypatch):
+def test_every_s_round_ends_when_another_facility_reaches_train_steps():
     """``federation.every_s``: a facility that will reach train.steps early in the next round makes that
     round end then for the others (they would otherwise train on for the rest of every_s while it waits).
     One rank per facility (no collective inside a facility); the clock is set by hand."""
@@ -115,8 +115,7 @@ def test_every_s_round_ends_when_another_facility_reaches_train_steps(monkeypatc
 
     from xffl_like.federation import pace
 
-    clock = [0.0]
-    monkeypatch.setattr(pace.time, "perf_counter", lambda: clock[0])
+    clock = [0.0]  # the paces' clock, given through their constructor
 
     def a_round(p, first, step):
         """Steps of ``first`` s (the first, with the evaluation) then ``step`` s until the facility is due:
@@ -132,7 +131,8 @@ def test_every_s_round_ends_when_another_facility_reaches_train_steps(monkeypatc
 
     cfg = FederationConfig(every=None, every_s=10.0)
     pace_of = {0: (1.5, 0.5), 1: (2.0, 1.0)}  # facility 1 twice as slow
-    paces = [pace.RoundPace(cfg, SimpleNamespace(facility=f, facility_size=1), 40) for f in (0, 1)]
+    state = [SimpleNamespace(facility=f, facility_size=1) for f in (0, 1)]
+    paces = [pace.RoundPace(cfg, state[f], 40, now=lambda: clock[0]) for f in (0, 1)]
     assert paces[0].seconds_to_cap(0) == float("inf")  # nothing timed yet
     for p in paces:
         p.start(0)

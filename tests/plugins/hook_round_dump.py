@@ -8,7 +8,7 @@ reassembles each facility's full tensors and computes the weighted mean itself
 (``tests/helpers/round_values.py``).
 
 Rounds of a job: :class:`RoundDump`, an observer of the job's rounds
-(:data:`xffl_like.train.round_dump.OBSERVERS`). One file per rank, round and phase:
+(:data:`xffl_like.train.observers.OBSERVERS`). One file per rank, round and phase:
 ``round<R>_<phase>_rank<K>.pt`` (``phase`` is ``before`` or ``after``; also ``init`` once before the
 first step, and ``start`` where an overlapped fragment exchange takes its snapshot, numbered by the
 round that applies it), a dict of plain values and tensors that ``torch.load(..., weights_only=True)``
@@ -120,10 +120,10 @@ def _dump_leader_rounds(exchange) -> None:
     exchange.ElasticFederation._lead = _lead
 
 
-def _observe_rounds(round_dump) -> None:
-    round_dump.OBSERVERS.append(RoundDump)
+def _observe_rounds(observers) -> None:
+    observers.OBSERVERS.append(RoundDump)
 
 
 if os.environ.get(ENV):
-    after_import("xffl_like.train.round_dump", _observe_rounds)
+    after_import("xffl_like.train.observers", _observe_rounds)
     after_import("xffl_like.federation.elastic.exchange", _dump_leader_rounds)

@@ -91,7 +91,8 @@ def compose_error(exc: BaseException) -> str | None:
     if isinstance(exc, HydraException) and found:
         file, kind, message, key = found.groups()
         if kind in ("ConfigKeyError", "ConfigAttributeError"):
-            return f"conf/{file}.yaml sets {key}, which is not a config key: check the spelling (xffl_like/config/schema.py)"
+            where = "xffl_like/config/schema.py"
+            return f"conf/{file}.yaml sets {key}, which is not a config key: check the spelling ({where})"
         return f"conf/{file}.yaml sets {key}: {message.strip()}"
     resolver = re.search(r"\w+ raised while resolving interpolation: (.*)", str(exc))
     if resolver:  # a resolver's ValueError (conf/hydra/launcher's ${xffl.nodes:...}): its own line

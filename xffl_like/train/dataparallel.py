@@ -33,8 +33,8 @@ from ..federation.protocol import Boundary
 from ..models import build_model
 from ..observe.timing import PhaseTimer
 from ..parallel.options import DP_ALGORITHMS
+from .observers import round_observers
 from .optim import Schedule, build_optimizer, build_scheduler
-from .round_dump import round_observers
 from .sync import SyncBase, TrainerHooks
 
 __all__ = ["DataParallelSync", "Switch", "build_full_model"]

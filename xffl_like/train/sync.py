@@ -57,9 +57,9 @@ from ..federation.protocol import Boundary, RoundClock, Rounds
 from ..federation.record import RoundRecord
 from ..observe.timing import PhaseTimer
 from .nonfinite import NonFiniteGuard
+from .observers import round_observers
 from .optim import build_optimizer, build_scheduler, schedule_at
 from .parallelize import build_sharded_model, contiguous_shards
-from .round_dump import round_observers
 from .speed import compile_blocks, compiles, compute_dtype
 
 __all__ = ["Capabilities", "FederatedSync", "ShardedParts", "StepEnd", "Sync", "SyncBase", "TrainerHooks"]
@@ -143,8 +143,8 @@ class SyncBase:
 
 class TrainerHooks:
     """The training side's :class:`~xffl_like.federation.protocol.RoundHooks`: the non-finite guard sets a
-    round's weights, observers (:func:`~.round_dump.round_observers`: those registered in
-    :data:`~.round_dump.OBSERVERS`, by tests) see the values around it."""
+    round's weights, observers (:func:`~.observers.round_observers`: those registered in
+    :data:`~.observers.OBSERVERS`, by tests) see the values around it."""
 
     def __init__(self, guard: NonFiniteGuard | None, observers: list):
         self.guard, self.observers = guard, observers

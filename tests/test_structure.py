@@ -137,3 +137,118 @@ def test_the_hub_server_and_client_share_only_the_protocol():
         if module == "xffl_like.federation" or module.startswith("xffl_like.federation."):
             bad += [f"{module} -> {e}" for e in edges & server]
     assert not bad, bad
+
+
+#: The package's layers (docs/architecture.md, "Layers"): each unit and the units it may import. A unit is a
+#: package, except where a package's parts sit in different layers (config's core and its launch-time checks;
+#: the hub's protocol, server, client and tools; the elastic federation).
+LAYERS: dict[str, set[str]] = {
+    "config": set(),
+    "comm": {"config"},
+    "data": {"config"},
+    "distributed": {"config", "comm"},
+    "models": {"config", "distributed"},
+    "aggregation": {"config", "comm", "distributed"},
+    "parallel": {"config", "config.context", "comm", "distributed", "models"},
+    "observe": {"config", "federation"},
+    "checkpoint": {"config", "data", "distributed", "models", "observe"},
+    "federation": {"config", "aggregation", "checkpoint", "distributed", "parallel"},
+    "hub.protocol": {"config", "federation", "models", "parallel"},
+    "hub.server": {"config", "federation", "hub", "hub.protocol"},
+    "hub.client": {"hub.protocol"},
+    "hub": {"config", "hub.protocol", "hub.server"},
+    "federation.elastic": {"config", "distributed", "federation", "hub", "hub.protocol"},
+    "train": {
+        "config",
+        "aggregation",
+        "checkpoint",
+        "data",
+        "distributed",
+        "federation",
+        "federation.elastic",
+        "hub.client",
+        "models",
+        "observe",
+        "parallel",
+        "config.plan",
+    },
+    "config.context": {"config", "distributed", "federation", "models"},  # its types, under TYPE_CHECKING
+    "config.plan": {"config", "distributed", "federation"},
+    "config.launch": {
+        "config.context",
+        "config.plan",
+        "aggregation",
+        "checkpoint",
+        "config",
+        "data",
+        "distributed",
+        "federation",
+        "federation.elastic",
+        "models",
+        "observe",
+        "parallel",
+    },
+    "job": {
+        "xffl_like",
+        "config",
+        "config.launch",
+        "config.plan",
+        "checkpoint",
+        "distributed",
+        "federation.elastic",
+        "hub.client",
+        "parallel",
+        "train",
+    },
+    "run": {"xffl_like", "config", "config.launch", "distributed", "job"},
+    "bench": {"*"},
+    "xffl_like": {"config"},
+}
+
+
+def layer_unit(module: str) -> str:
+    """The unit of :data:`LAYERS` that ``module`` (a dotted name under xffl_like) belongs to."""
+    parts = module.split(".")[1:]
+    if not parts:
+        return "xffl_like"
+    if parts[0] == "config" and parts[1:2] and parts[1] in ("validate", "hydra_errors"):
+        return "config.launch"
+    if parts[0] == "config" and parts[1:2] and parts[1] in ("plan", "context"):
+        return f"config.{parts[1]}"
+    if parts[0] == "hub" and parts[1:2] and parts[1] in ("protocol", "server", "client"):
+        return f"hub.{parts[1]}"
+    if parts[:2] == ["federation", "elastic"]:
+        return "federation.elastic"
+    return parts[0]
+
+
+def layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    bad = []
+    for module, edges in sorted(graph.items()):
+        unit = layer_unit(module)
+        allowed = LAYERS[unit]
+        for target in sorted(edges):
+            other = layer_unit(target)
+            if other != unit and "*" not in allowed and other not in allowed:
+                bad.append(f"{module} -> {target} ({unit} may not import {other})")
+    return bad
+
+
+def test_layer_checker_finds_a_planted_upward_import(tmp_path):
+    pkg = tmp_path / "xffl_like"
+    for sub in ("config", "train", "models"):
+        (pkg / sub).mkdir(parents=True)
+        (pkg / sub / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "models" / "llama.py").write_text("def f():\n    from ..train import loop\n")
+    (pkg / "train" / "loop.py").write_text("from ..models import llama\n")
+    assert layer_violations(module_graph(pkg)) == [
+        "xffl_like.models.llama -> xffl_like.train.loop (models may not import train)"
+    ]
+
+
+def test_every_module_imports_only_its_layers():
+    """Issue 36 item 6: the map of docs/architecture.md holds; every unit of the package is in it."""
+    graph = module_graph(REPO / "xffl_like")
+    assert {layer_unit(m) for m in graph} <= set(LAYERS), {layer_unit(m) for m in graph} - set(LAYERS)
+    assert layer_violations(graph) == []

@@ -7,7 +7,9 @@ import os
 import stat
 from typing import Any
 
-__all__ = ["is_int", "is_number", "not_regular"]
+from .errors import ConfigError
+
+__all__ = ["address", "is_int", "is_number", "not_regular"]
 
 
 def is_int(value: Any) -> bool:
@@ -50,3 +52,20 @@ def not_regular(path: str | os.PathLike) -> str | None:
     if top and top[0] in ("proc", "sys", "dev"):
         return f"a file of the kernel's /{top[0]} filesystem"
     return None
+
+
+def address(value: str, key: str = "federation.elastic.hub") -> tuple[str, int]:
+    """``HOST:PORT`` (``[v6]:PORT`` too) -> (host, port); ``ConfigError`` with one line otherwise."""
+    text = str(value)
+    if text.startswith("["):
+        host, sep, port = text[1:].partition("]:")
+    else:
+        host, sep, port = text.rpartition(":")
+        if ":" in host:  # a bare IPv6 address: its port cannot be told from its last group
+            sep = ""
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(
+            f"{key}={value!r}: must be HOST:PORT or [IPv6]:PORT (the address `python -m xffl_like.hub serve` "
+            f"prints, e.g. login1:29510)"
+        )
+    return host, int(port)

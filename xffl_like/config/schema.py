@@ -143,7 +143,7 @@ class OptimConfig(Section):
     schedule: str = "constant"
     #: Learning rate of the last step for ``cosine`` and ``linear`` (ignored by ``constant``).
     min_lr: float = 0.0
-    #: ``False``: norms, biases and embeddings get no weight decay (train.optim.decay_groups);
+    #: ``False``: norms, biases and embeddings get no weight decay (models.params.decay_groups);
     #: ``True``: every parameter does.
     decay_all: bool = False
     #: Max global gradient norm; 0 disables clipping.

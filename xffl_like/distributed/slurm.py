@@ -222,7 +222,7 @@ def render(nodes: Sequence[int], opts: SlurmOptions) -> list[FacilityScript]:
 
 def _render_elastic(nodes: Sequence[int], opts: SlurmOptions) -> list[FacilityScript]:
     """``--hub``: one independent script per facility (``federation.elastic.hub``), named ``<job>-f<f>``."""
-    from ..federation.elastic.options import address
+    from ..config.checks import address
 
     host, port = address(opts.hub, "--hub")
     if opts.rdzv_endpoint:

@@ -16,7 +16,7 @@ the L2 term is added out of place, so ``p.grad`` is left untouched.
 
 The factories take ``[(name, parameter), ...]`` (what DecentralizedDataParallel
 passes, one call per bucket) and split them with the project's one weight-decay rule,
-:func:`xffl_like.train.optim.decay_groups` (the main job's ``optim.decay_all``):
+:func:`xffl_like.models.params.decay_groups` (the main job's ``optim.decay_all``):
 biases, norm gains and embedding tables get none unless ``decay_all=True``.
 Decent-DP's factories did the reverse (decay on names containing "bn" or
 "bias" only, so every weight matrix went undecayed), a defect fixed here.
@@ -123,9 +123,9 @@ class AccumAdamW(_AccumAdamBase):
 
 
 def param_groups(params: list[tuple[str, Tensor]], weight_decay: float, decay_all: bool = False) -> list[dict]:
-    """Two groups by :func:`~xffl_like.train.optim.decay_groups`: decayed with ``weight_decay``, and
+    """Two groups by :func:`~xffl_like.models.params.decay_groups`: decayed with ``weight_decay``, and
     biases/norms/embeddings without (unless ``decay_all``); empty groups dropped."""
-    from ..train.optim import decay_groups
+    from ..models.params import decay_groups
 
     params = list(params)
     by_name = dict(params)

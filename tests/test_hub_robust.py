@@ -268,3 +268,14 @@ def test_the_config_key_is_checked_before_workers_and_travels_in_the_description
     assert words in str(info.value) and "\n" not in str(info.value)
     spec = hub_spec(job_config(resolve(good), choices(good)))
     assert (spec["aggregate"], spec["trim"]) == ("trimmed_mean", 0.2)
+
+
+def test_a_federation_saved_before_the_key_takes_facilities_with_the_default():
+    from xffl_like.hub.protocol.spec import first_difference
+
+    old = spec_of(N)
+    del old["aggregate"], old["trim"]
+    assert first_difference(spec_of(N), old) is None
+    assert first_difference(spec_of(N, "median"), old) == (
+        "federation.elastic.aggregate: 'median' here, 'mean' in the federation"
+    )

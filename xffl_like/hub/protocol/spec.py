@@ -27,6 +27,8 @@ __all__ = [
 
 #: The rules ``federation.elastic.aggregate`` names (the hub's :mod:`..server.aggregate`).
 AGGREGATES = ("mean", "median", "trimmed_mean")
+#: The value a key added since has in a federation saved before it (so its facilities still match).
+ADDED = {"aggregate": "mean", "trim": 0.2}
 #: The description's keys that are ``federation.elastic``'s.
 ELASTIC_KEYS = ("grace_s", "max_norm_ratio", "aggregate", "trim", "min_facilities")
 
@@ -91,14 +93,14 @@ def first_difference(mine: dict, theirs: dict) -> str | None:
     if len(a) != len(b):
         return f"{len(a)} parameters here, {len(b)} in the federation"
     for key in mine:
-        if key != "parameters" and mine[key] != theirs.get(key):
+        if key != "parameters" and mine[key] != theirs.get(key, ADDED.get(key)):
             if key == "rounds":
                 return (
                     f"{mine[key]} rounds here (train.steps / federation.every), {theirs.get(key)} in the "
                     f"federation: set train.steps to {theirs.get(key)} x federation.every"
                 )
             name = key if key == "train.steps" else f"federation.{'elastic.' * (key in ELASTIC_KEYS)}{key}"
-            return f"{name}: {mine[key]!r} here, {theirs.get(key)!r} in the federation"
+            return f"{name}: {mine[key]!r} here, {theirs.get(key, ADDED.get(key))!r} in the federation"
     return None
 
 

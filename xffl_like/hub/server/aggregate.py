@@ -55,7 +55,7 @@ class Reader:
     def __init__(self, path: Path, codec: UpdateCodec | None):
         self.fh = open(path, "rb")
         self.pieces: Iterator[tuple[int, Tensor]] | None = codec.decode_stream(self.fh.read) if codec else None
-        self.left = torch.empty(0)
+        self.left, self.at = torch.empty(0), 0  # values decoded and not taken yet; the next piece's first value
 
     def take(self, out: Tensor) -> None:
         """Fill ``out`` with the next ``out.numel()`` values."""
@@ -68,7 +68,10 @@ class Reader:
         filled = 0
         while filled < n:
             if not self.left.numel():
-                self.left = next(self.pieces)[1]
+                start, self.left = next(self.pieces)
+                if start != self.at:
+                    raise ValueError(f"a spooled update decodes value {start} where {self.at} was next")
+                self.at += self.left.numel()
             k = min(n - filled, self.left.numel())
             out[filled : filled + k].copy_(self.left[:k])
             self.left, filled = self.left[k:], filled + k

@@ -286,6 +286,8 @@ class ElasticConfig(Section):
     rewarm: bool = True  # a joiner with a fresh inner optimizer warms its lr up again over optim.warmup_steps
     grace_s: float = 60.0  # hub: a round closes this long after it opened, whoever has not arrived
     max_norm_ratio: float = 10.0  # hub: an update norm over this many times the median is rejected
+    aggregate: str = "mean"  # hub: mean (weighted) | median | trimmed_mean (coordinate-wise over members, unweighted)
+    trim: float = 0.2  # hub, aggregate=trimmed_mean: ceil(trim x members) cut from each end, per coordinate
 
     @property
     def enabled(self) -> bool:

@@ -11,7 +11,7 @@ import socket
 from ...config.checks import is_int, is_number
 from ...config.errors import ConfigError
 from ...hub.protocol.dial import ElasticError, address
-from ...hub.protocol.spec import federation_spec, first_difference
+from ...hub.protocol.spec import AGGREGATES, federation_spec, first_difference
 
 __all__ = [
     "ElasticError",
@@ -106,3 +106,7 @@ def _validate_hub(e, fed) -> None:
         v = getattr(e, key)
         if not is_number(v) or not math.isfinite(v) or v <= lo:
             raise ConfigError(f"federation.elastic.{key}={v!r}: must be a number > {lo:g}")
+    if e.aggregate not in AGGREGATES:
+        raise ConfigError(f"federation.elastic.aggregate={e.aggregate!r}: must be one of {', '.join(AGGREGATES)}")
+    if not is_number(e.trim) or not 0 <= e.trim < 0.5:
+        raise ConfigError(f"federation.elastic.trim={e.trim!r}: must be a fraction in [0, 0.5)")

@@ -13,7 +13,24 @@ from typing import Any
 
 from .update_codec import CODECS
 
-__all__ = ["SpecError", "check_spec", "codec_of", "federation_spec", "first_difference", "hub_spec", "numel_of"]
+__all__ = [
+    "AGGREGATES",
+    "SpecError",
+    "check_spec",
+    "codec_of",
+    "federation_spec",
+    "first_difference",
+    "hub_spec",
+    "numel_of",
+]
+
+
+#: The rules ``federation.elastic.aggregate`` names (the hub's :mod:`..server.aggregate`).
+AGGREGATES = ("mean", "median", "trimmed_mean")
+#: The value a key added since has in a federation saved before it (so its facilities still match).
+ADDED = {"aggregate": "mean", "trim": 0.2}
+#: The description's keys that are ``federation.elastic``'s.
+ELASTIC_KEYS = ("grace_s", "max_norm_ratio", "aggregate", "trim", "min_facilities")
 
 
 class SpecError(ValueError):
@@ -59,6 +76,8 @@ def hub_spec(job) -> dict[str, Any]:
         **federation_spec(job),
         "grace_s": float(e.grace_s),
         "max_norm_ratio": float(e.max_norm_ratio),
+        "aggregate": e.aggregate,
+        "trim": float(e.trim),
         "weights_rule": fed.weights,
         "paced": fed.paced,
         "min_facilities": e.min_facilities,
@@ -74,14 +93,14 @@ def first_difference(mine: dict, theirs: dict) -> str | None:
     if len(a) != len(b):
         return f"{len(a)} parameters here, {len(b)} in the federation"
     for key in mine:
-        if key != "parameters" and mine[key] != theirs.get(key):
+        if key != "parameters" and mine[key] != theirs.get(key, ADDED.get(key)):
             if key == "rounds":
                 return (
                     f"{mine[key]} rounds here (train.steps / federation.every), {theirs.get(key)} in the "
                     f"federation: set train.steps to {theirs.get(key)} x federation.every"
                 )
-            name = key if key == "train.steps" else f"federation.{key}"
-            return f"{name}: {mine[key]!r} here, {theirs.get(key)!r} in the federation"
+            name = key if key == "train.steps" else f"federation.{'elastic.' * (key in ELASTIC_KEYS)}{key}"
+            return f"{name}: {mine[key]!r} here, {theirs.get(key, ADDED.get(key))!r} in the federation"
     return None
 
 
@@ -121,6 +140,12 @@ def check_spec(spec: dict) -> None:
             raise SpecError(f"federation.topk.density={density!r} is invalid")
         if bits not in (2, 4, 8) or isinstance(bits, bool):
             raise SpecError(f"federation.topk.bits={bits!r} is invalid")
+    if spec.get("aggregate", "mean") not in AGGREGATES:
+        rule = spec.get("aggregate")
+        raise SpecError(f"federation.elastic.aggregate={rule!r}: the hub takes {', '.join(AGGREGATES)}")
+    trim = spec.get("trim", 0.0)
+    if not (isinstance(trim, (int, float)) and not isinstance(trim, bool) and 0 <= trim < 0.5):
+        raise SpecError(f"federation.elastic.trim={trim!r} is invalid: a fraction in [0, 0.5)")
     if spec.get("weights_rule") not in (None, "uniform", "tokens"):
         raise SpecError(f"weights {spec.get('weights_rule')!r}: the hub weighs uniform or tokens")
 

@@ -2,8 +2,9 @@
 
 Claims (steps taken, tokens) are checked on arrival against the facility's geometry (:func:`claims`). When
 the round closes, each uploaded contribution must be finite and its update norm ``|θ_global - θ_f|`` at most
-``max_norm_ratio`` times the median of the round's (three or more) or of the facility's own recent accepted
-rounds (:func:`judge`). The accepted ones are weighed uniformly or by their tokens (:func:`weights`).
+``max_norm_ratio`` times a reference no member sets alone (:func:`reference`: the other members' norms this
+round, the federation's recent accepted ones, a floor) and ``max_norm_ratio x max(|θ_global|, 1)`` (:func:`judge`).
+The accepted ones are weighed uniformly or by their tokens (:func:`weights`).
 """
 
 from __future__ import annotations
@@ -18,9 +19,12 @@ from torch import Tensor
 from .membership import Member
 from .rounds import Arrival, Part, Round
 
-__all__ = ["SLICE", "claims", "judge", "squares", "weights"]
+__all__ = ["FLOOR", "SLICE", "claims", "judge", "reference", "squares", "weights"]
 
 SLICE = 1 << 20  # values checked or accumulated at a time: transient buffers of a few MB per upload
+#: The least reference norm, as a fraction of ``max(|θ_global|, 1)``: a history of zero updates cannot switch
+#: the norm check off (an update is then at most ``max_norm_ratio x FLOOR`` of θ_global's norm).
+FLOOR = 1e-3
 
 
 def claims(m: Member, a: Arrival) -> str | None:
@@ -54,8 +58,22 @@ def squares(values: np.ndarray, theta: Tensor | None, first: int) -> float:
     return total
 
 
-def judge(r: Round, members: dict[str, Member], ratio: float) -> dict[str, str]:
-    """Per contribution of the round, why it is rejected (absent: accepted; a heal is not judged)."""
+def reference(name: str, up: dict[str, Arrival], members: dict[str, Member], theta_norm: float) -> float:
+    """The norm ``name``'s update is measured against: the greatest of the lower median of the other members'
+    norms this round, the lower median of the federation's recent accepted norms (every member's, kept by
+    :class:`.membership.Member`), and the floor ``FLOOR x max(|θ_global|, 1)``. The member's own upload is never
+    in it, a lower median is not moved by one member of two, and zeros cannot switch it off."""
+    others = [a.norm for n, a in up.items() if n != name and math.isfinite(a.norm)]
+    history = [x for m in members.values() for x in m.norms if math.isfinite(x)]
+    floor = FLOOR * max(theta_norm, 1.0)
+    return max([floor] + [statistics.median_low(xs) for xs in (others, history) if xs])
+
+
+def judge(r: Round, members: dict[str, Member], ratio: float, theta_norm: float) -> dict[str, str]:
+    """Per contribution of the round, why it is rejected (absent: accepted; a heal is not judged). With
+    ``ratio`` > 0 an update norm must be at most ``ratio`` times :func:`reference` (when the round has other
+    uploads or the federation a history) and at most ``ratio x max(|θ_global|, 1)`` (always: a lone first
+    upload too)."""
     out = {n: a.reason for n, a in r.arrivals.items() if a.reason is not None and not a.heal}
     out.update({n: "no upload" for n, a in r.arrivals.items() if not a.heal and a.part is not Part.UPLOADED
                 and n not in out})  # fmt: skip
@@ -63,16 +81,20 @@ def judge(r: Round, members: dict[str, Member], ratio: float) -> dict[str, str]:
     for n, a in up.items():
         if not math.isfinite(a.norm):
             out[n] = "not finite"
-    norms = [a.norm for n, a in up.items() if n not in out]
+    up = {n: a for n, a in up.items() if n not in out}
+    history = any(m.norms for m in members.values())
+    bound = ratio * max(theta_norm, 1.0)
     for n, a in up.items():
-        if n in out or ratio <= 0:
+        if ratio <= 0:
+            break
+        if a.norm > bound:
+            out[n] = f"update norm {a.norm:.3g} is over {ratio:g}x max(|θ_global|, 1) = {bound:.3g}"
             continue
-        ref = statistics.median(norms) if len(norms) >= 3 else None
-        own = members[n].norms
-        if ref is None and len(own) >= 2:
-            ref = statistics.median(own)
-        if ref is not None and ref > 0 and a.norm > ratio * ref:
-            out[n] = f"update norm {a.norm:.3g} is over {ratio:g}x the median {ref:.3g}"
+        if len(up) < 2 and not history:
+            continue  # nothing to compare with: the bound above only
+        ref = reference(n, up, members, theta_norm)
+        if a.norm > ratio * ref:
+            out[n] = f"update norm {a.norm:.3g} is over {ratio:g}x the reference {ref:.3g}"
     return out
 
 

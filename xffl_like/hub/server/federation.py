@@ -6,11 +6,13 @@ whichever comes first (:mod:`.rounds`: its states and their transitions). Then, 
 thread:
 
 1. each uploaded contribution is checked (:func:`.checks.judge`): finite, its update norm
-   ``|θ_global - θ_f|`` at most ``max_norm_ratio`` times the median of the round's (three or more)
-   or of the facility's own recent accepted rounds; claims (steps taken, tokens) were checked on
-   arrival against the facility's geometry (:func:`.checks.claims`);
-2. the weighted mean of the accepted ones (uniform or tokens weights, in name order), read back
-   chunk by chunk from the files the uploads were spooled to (:mod:`.spool`), into one accumulator;
+   ``|θ_global - θ_f|`` at most ``max_norm_ratio`` times a reference no member sets alone (the other
+   members' norms this round, the federation's recent accepted ones, a floor) and at most
+   ``max_norm_ratio x max(|θ_global|, 1)``; claims (steps taken, tokens) were checked on arrival against
+   the facility's geometry (:func:`.checks.claims`);
+2. the accepted ones combined by the federation's ``aggregate`` rule, read back chunk by chunk from the
+   files the uploads were spooled to (:mod:`.spool`), into one accumulator: the weighted mean (uniform or
+   tokens weights, in name order), or the coordinate-wise median or trimmed mean (:mod:`.aggregate`);
 3. θ_global becomes the mean, or moves by the outer optimizer's step on ``θ_global - mean``;
 4. the version (rounds committed) moves on, and the state is saved (:mod:`.store`) before any
    member hears of the result: a round is applied once, whatever dies when.
@@ -48,6 +50,7 @@ from ..protocol.spec import check_spec, codec_of, first_difference, numel_of
 from ..protocol.update_codec import UpdateCodec
 from ..protocol.wire import Frames, WireError, frames_of
 from . import checks, store
+from .aggregate import robust
 from .errors import HubError
 from .membership import LIVE_S, Membership
 from .rounds import Arrival, Outcome, Part, Round, RoundState
@@ -285,19 +288,24 @@ class HubFederation:
     @torch.no_grad()
     def _commit(self, r: Round) -> Outcome:
         start = time.perf_counter()
-        rejected = checks.judge(r, self.members.members, float(self.spec.get("max_norm_ratio") or 0))
+        theta_norm = float(torch.linalg.vector_norm(self.theta, dtype=torch.float64))
+        rejected = checks.judge(r, self.members.members, float(self.spec.get("max_norm_ratio") or 0), theta_norm)
         accepted = {n: a for n, a in sorted(r.arrivals.items()) if not a.heal and n not in rejected}
         healed = {n: a.reason for n, a in r.arrivals.items() if a.heal}
         for n, why in rejected.items():
             self.log(f"hub: round {r.rid}: facility {n}'s contribution rejected: {why}")
         if not accepted:
             return Outcome(False, {}, rejected, healed)
-        weights = checks.weights(self.spec, accepted)
+        rule = self.spec.get("aggregate", "mean")
+        weights = checks.weights(self.spec, accepted) if rule == "mean" else dict.fromkeys(accepted, 1.0)
         total = sum(weights.values())
         acc = self.acc = self.acc if self.acc is not None else torch.empty_like(self.theta)
-        acc.zero_()
-        for n, a in accepted.items():
-            self.spool.accumulate(acc, a.spool, weights[n] / total, self.codec)
+        if rule == "mean":
+            acc.zero_()
+            for n, a in accepted.items():
+                self.spool.accumulate(acc, a.spool, weights[n] / total, self.codec)
+        else:  # coordinate-wise over members, a window at a time (unweighted)
+            robust(acc, [a.spool for a in accepted.values()], rule, float(self.spec.get("trim", 0.0)), self.codec)
         if self.codec is not None:  # acc: the mean update, θ_global - mean
             self.outer.step(acc)
         elif self.outer.options.is_plain_mean:

@@ -19,7 +19,7 @@ __all__ = ["HISTORY", "LIVE_S", "Member", "Membership"]
 
 #: A member whose last heartbeat is older than this is not waited for.
 LIVE_S = 5.0
-#: Accepted update norms kept per facility (its own recent rounds).
+#: Accepted update norms kept per facility (together, the federation's recent accepted norms: :mod:`.checks`).
 HISTORY = 5
 
 

@@ -105,7 +105,9 @@ class Outcome:
 
     def header(self, name: str) -> ResultHeader:
         """Member ``name``'s status in the round (accepted, rejected, healed) and why, with θ_global's frames."""
-        if name in self.accepted:
+        if self.error is not None:  # nothing changed: the member trains on, as after a round it missed
+            status, reason = "missed", self.error
+        elif name in self.accepted:
             status, reason = "accepted", None
         elif name in self.rejected:
             status, reason = "rejected", self.rejected[name]

@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from concurrent import futures
 from pathlib import Path
 from types import SimpleNamespace
@@ -20,7 +21,7 @@ import grpc
 import pytest
 import torch
 from helpers import REPO
-from helpers.hub import ENV, Hub, free_port
+from helpers.hub import ENV, Facility, Hub, free_port, wait_for
 
 from xffl_like.federation.elastic import ElasticError
 from xffl_like.hub.client import HubLink
@@ -308,3 +309,27 @@ def test_a_facility_whose_hub_was_started_fresh_stops_in_one_line(tmp_path):
         server.stop(0)
         fed.close()
         fresh.close()
+
+
+@pytest.mark.slow
+def test_a_job_whose_hub_is_restarted_fresh_exits_non_zero_in_one_line(tmp_path):
+    """The whole job: its hub restarted --fresh between two of its rounds; it neither misses every round nor
+    exits 0 "done", but stops non-zero with the line naming --fresh."""
+    hub = Hub(tmp_path)
+    go = tmp_path / "go"
+    base = ["train.steps=40", "federation.every=2", "optim.warmup_steps=2", "data.num_eval_batches=1"]
+    f = Facility("a", hub, tmp_path, base=base, env={"XFFL_TEST_ELASTIC_HOLD": f"2:{go}"})
+    try:
+        wait_for(lambda: any((f.dump / "a").glob("round-0002-*.pt")) or f.proc.poll() is not None, 240, "version 2")
+        assert f.proc.poll() is None, f.wait()[1]
+        hub.kill()
+        hub.extra = ["--fresh"]
+        hub.start()
+        time.sleep(8)  # its link reconnects (gRPC backs off between attempts)
+        go.touch()
+        rc, out = f.wait(240)
+    finally:
+        f.kill()
+        hub.stop()
+    assert rc != 0 and "no longer holds the federation" in out and "--fresh" in out, out[-3000:]
+    assert "done:" not in out, out[-3000:]

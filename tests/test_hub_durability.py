@@ -237,6 +237,11 @@ def test_symbolic_links_in_the_state_are_refused_not_followed(tmp_path):
     with pytest.raises(store.StateError, match="symbolic link"):
         HubFederation(state, None, log=lambda _: None)
     assert (elsewhere / "precious").read_text() == "keep" and (state / "spool").is_symlink()
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    (linked / "state-0000000001.safetensors").symlink_to(_saved(elsewhere))  # a state file elsewhere
+    with pytest.raises(store.StateError, match="state-0000000001.safetensors is a symbolic link"):
+        store.SafetensorsStore(linked, log=lambda _: None).open(False)
 
 
 def _saved(tmp_path: Path, theta: torch.Tensor = THETA) -> Path:

@@ -119,7 +119,7 @@ def test_a_commit_that_cannot_be_saved_changes_nothing_anyone_sees(tmp_path, mon
 
 
 def test_a_creation_that_cannot_be_saved_creates_nothing(tmp_path, monkeypatch):
-    """Disk full at the creation: refused in one line (UNAVAILABLE), nothing created or said to be; the next
+    """Disk full at the creation: refused in one line (INTERNAL), nothing created or said to be; the next
     join creates it."""
     lines: list[str] = []
     fed = HubFederation(tmp_path / "state", None, log=lines.append)
@@ -128,7 +128,7 @@ def test_a_creation_that_cannot_be_saved_creates_nothing(tmp_path, monkeypatch):
         monkeypatch.setattr(fed.store, "save", _full)
         with pytest.raises(HubError) as refused:
             fed.create("a", _frames(session, THETA.clone()))
-        assert refused.value.code == "UNAVAILABLE" and "No space left on device" in str(refused.value)
+        assert refused.value.code == "INTERNAL" and "No space left on device" in str(refused.value)
         assert fed.snap is None and fed.spec is None and not any("created" in line for line in lines), lines
         monkeypatch.undo()
         assert fed.join("a", JoinRequest.from_json({"spec": SPEC, "session": session, "geometry": GEOMETRY,

@@ -209,7 +209,7 @@ class HubFederation:
         with self.cv:
             if why is not None:
                 self.creator = None  # not created: the next join creates it
-                raise HubError(f"the hub {why}: the federation is not created", "UNAVAILABLE")
+                raise HubError(f"the hub {why}: the federation is not created", "INTERNAL")
             self.spec, self.theta, self.creator, self.outer, self.snap = spec, theta, None, outer, snap
             self.codec = codec_of(spec)
             self.log(f"hub: facility {name} created the federation ({theta.numel()} parameters)")
@@ -222,7 +222,7 @@ class HubFederation:
         with self.cv:
             m = self.members.beat(name, msg.session)
             if self.halted is not None:
-                raise HubError(self.halted, "UNAVAILABLE")
+                raise HubError(self.halted, "INTERNAL")
             if self.spec is None:
                 raise HubError("the federation has not been created yet: join again", "FAILED_PRECONDITION")
             stale = None if msg.version == self.version else f"version {msg.version} (the hub's is {self.version})"
@@ -410,7 +410,7 @@ class HubFederation:
             except (OSError, store.StateError) as exc:
                 self.log(f"hub: cannot read version {self.version}'s saved state ({exc})")
                 raise HubError(f"the hub cannot read its saved state ({exc}): its operator must check --state",
-                               "UNAVAILABLE") from None  # fmt: skip
+                               "INTERNAL") from None  # fmt: skip
         return _file_frames(header, fh, nbytes)
 
 

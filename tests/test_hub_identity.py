@@ -292,7 +292,8 @@ def test_messages_are_checked_in_one_place():
 def test_state_is_atomic_keeps_two_and_refuses_damage(tmp_path):
     theta = torch.randn(1000)
     for v in range(1, 4):
-        store.save(tmp_path, store.Snapshot(v, {"s": 1}, theta + v, {"momentum_buffer": theta * v}, v, v, False, {}))
+        spec = {"parameters": [["w", [1000], "float32"]]}  # the sizes a loaded state must have
+        store.save(tmp_path, store.Snapshot(v, spec, theta + v, {"momentum_buffer": theta * v}, v, v, False, {}))
     assert sorted(p.name for p in tmp_path.iterdir()) == [f"state-{v:010d}.safetensors" for v in (2, 3)]
     snap = store.load_latest(tmp_path)
     assert (

@@ -56,13 +56,14 @@ class Hub:
         self.port = free_port()
         self.address = f"{'localhost' if certs else '127.0.0.1'}:{self.port}"
         self.proc: subprocess.Popen | None = None
+        self.extra: list[str] = []  # more arguments of `serve` at the next start (e.g. --fresh)
         self.start()
 
     def start(self) -> None:
         self.log = self.tmp / f"{self.name}-{time.time_ns()}.log"
         mode = ["--certs", str(self.certs)] if self.certs else ["--insecure"]
         cmd = [sys.executable, "-m", "xffl_like.hub", "serve", "--port", str(self.port), "--state", str(self.state),
-               *mode]  # fmt: skip
+               *mode, *self.extra]  # fmt: skip
         with open(self.log, "w") as out:
             self.proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, **ENV}, stdout=out, stderr=subprocess.STDOUT)
         wait_for(lambda: "serving on" in self.log.read_text() or self.proc.poll() is not None, 60, "the hub")

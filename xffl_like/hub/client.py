@@ -75,6 +75,7 @@ class HubLink:
         self.steps, self.every, self.hub = steps, every, cfg.hub
         self.session = uuid.uuid4().hex
         self.version = 0
+        self.federation: str | None = None  # the id of the federation joined (a hub started --fresh holds another)
         self.insecure = cfg.cert is None
         host, port = address(cfg.hub, "federation.elastic.hub")
         target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
@@ -183,14 +184,15 @@ class HubLink:
         out = POLL_RETRY.poll(join, lambda out: out.status != "retry", self._pause)  # another one creates it
         self._refuse_if_ended(out)  # it ended since the launcher's probe
         self._start_beats()
+        self.federation = out.federation
         if out.status == "create":
             view = self._upload(mine, "create")
-            self.version = view.version
+            self.version, self.federation = view.version, view.federation
             self._wait_for(min_facilities)
             return self._result(view, done, changed=False, healed=[], status="created")
         self._wait_for(min_facilities)
         header = self._download(self._stream("Fetch"), theta)
-        self.version = header.version
+        self.version, self.federation = header.version, header.federation or self.federation
         step = done if self.cfg_every_s else min(header.progress * int(self.every), self.steps)
         return self._result(header, step, changed=True, healed=[self.name], status="joined")
 
@@ -256,10 +258,13 @@ class HubLink:
             if exc.code() == grpc.StatusCode.CANCELLED:  # a stop request while waiting: the trainer leaves next
                 return self._left(done, "waiting in the round")
             if exc.code() in (grpc.StatusCode.NOT_FOUND,):
-                self._rejoin()
+                self._rejoin(done)
             self.missed += 1
             self.backoff_until = time.monotonic() + ROUND_RETRY.delay(self.missed)
             return self._missed(done, explain(exc, self.hub))
+        self._same_federation(header.federation, header.version, done)
+        if header.status == "missed":  # the hub could not commit the round: nothing changed
+            return self._missed(done, f"the hub could not commit it: {header.reason}")
         self.missed = 0
         self.version = header.version
         if header.status == "rejected":
@@ -268,9 +273,25 @@ class HubLink:
         healed = [] if header.status == "accepted" else [self.name]
         return self._result(header, done, changed=True, healed=healed, status=header.status)
 
-    def _rejoin(self) -> None:
+    def _rejoin(self, done: int) -> None:
         self.session = uuid.uuid4().hex
-        self.unary("Join", spec=self.spec, geometry=self.geometry, steps=self.steps, every=self.every)
+        try:
+            out = self.unary("Join", spec=self.spec, geometry=self.geometry, steps=self.steps, every=self.every)
+        except grpc.RpcError:
+            return  # the round is missed; the next boundary tries again
+        self._same_federation(out.federation, out.version, done)
+
+    def _same_federation(self, federation: str | None, version: int, done: int) -> None:
+        """The hub still holds the federation this facility joined; else one line, and the job stops: its
+        rounds would count for nothing (a hub started with --fresh, or on another --state, holds another)."""
+        if self.federation is None or federation == self.federation:
+            return
+        now = "no federation yet" if federation is None else f"another federation, at version {version}"
+        raise ElasticError(
+            f"facility {self.name}: the hub {self.hub} no longer holds the federation this facility joined (it "
+            f"holds {now}; was it restarted with --fresh or another --state?): stopped at step {done}; to train "
+            f"in the new federation, start this facility's job again (resume= keeps its progress)"
+        )
 
     def _left(self, done: int, where: str) -> dict:
         print(f"facility {self.name}: a stop request while {where} at the hub {self.hub}; it leaves", flush=True)

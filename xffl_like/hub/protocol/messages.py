@@ -219,6 +219,7 @@ class HubView(Message):
     progress: int = field(metadata=_bounds(0, COUNT))
     ended: bool
     live: tuple[str, ...]
+    federation: str | None = None  # its id: a hub started --fresh holds another
 
 
 @dataclass(frozen=True)
@@ -231,6 +232,7 @@ class JoinReply(Message):
     progress: int = field(metadata=_bounds(0, COUNT))
     ended: bool
     live: tuple[str, ...]
+    federation: str | None = None  # its id: a hub started --fresh holds another
 
 
 @dataclass(frozen=True)
@@ -260,15 +262,16 @@ class Ok(Message):
 @dataclass(frozen=True)
 class ResultHeader(Message):
     """The first frame of θ_global (``Result``, ``Fetch``): this member's status in the round (``accepted``,
-    ``rejected``, ``healed``) and why, the round's outcome when one was decided, the hub's view, then
-    ``nbytes`` of θ_global."""
+    ``rejected``, ``healed``, or ``missed``: the round could not be committed, nothing changed) and why, the
+    round's outcome when one was decided, the hub's view (``federation``: its id), then ``nbytes`` of θ_global."""
 
-    status: Literal["accepted", "rejected", "healed"]
+    status: Literal["accepted", "rejected", "healed", "missed"]
     reason: str | None
     version: int = field(metadata=_bounds(0, COUNT))
     progress: int = field(metadata=_bounds(0, COUNT))
     ended: bool
     live: tuple[str, ...]
+    federation: str | None = None  # its id: a hub started --fresh holds another
     committed: bool | None = None
     accepted: dict[str, float] | None = None
     rejected: dict[str, str] | None = None

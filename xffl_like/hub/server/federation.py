@@ -13,9 +13,16 @@ thread:
 2. the accepted ones combined by the federation's ``aggregate`` rule, read back chunk by chunk from the
    files the uploads were spooled to (:mod:`.spool`), into one accumulator: the weighted mean (uniform or
    tokens weights, in name order), or the coordinate-wise median or trimmed mean (:mod:`.aggregate`);
-3. θ_global becomes the mean, or moves by the outer optimizer's step on ``θ_global - mean``;
-4. the version (rounds committed) moves on, and the state is saved (:mod:`.store`) before any
-   member hears of the result: a round is applied once, whatever dies when.
+3. θ_global becomes the mean, or moves by the outer optimizer's step on ``θ_global - mean``, in memory
+   only: what members read is the saved version (its file), never the state being computed;
+4. the next version (θ_global, the outer state, the version, the members' history) is saved (:mod:`.store`)
+   and only then becomes the hub's: a round is applied once, whatever dies when. A save that fails (a full
+   disk) changes nothing anyone sees: θ_global and the outer state go back to the saved version, the log
+   says so in one line, and the round's members hear that it was ``missed``.
+
+Members read θ_global (Result, Fetch) from the saved file of the version they are told (:meth:`.store.
+StateStore.theta_reader`): a reader, however slow, never holds a commit, and a commit never changes what a
+reader is sending. Every spool file of a round is removed when it is decided.
 
 Members that arrive with another version, whose claims fail, or that come after the round
 closed, heal: they receive θ_global (after the open round, if any) and contribute nothing. A round
@@ -27,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -48,7 +56,7 @@ from ..protocol.messages import (
 )
 from ..protocol.spec import check_spec, codec_of, first_difference, numel_of
 from ..protocol.update_codec import UpdateCodec
-from ..protocol.wire import Frames, WireError, frames_of
+from ..protocol.wire import CHUNK_BYTES, Frames, WireError, pack
 from . import checks, store
 from .aggregate import robust
 from .errors import HubError
@@ -83,8 +91,7 @@ class HubFederation:
         self.round: Round | None = None
         self.decided: dict[int, Round] = {}
         self.next_rid = 0
-        self.readers = 0  # streams reading θ_global now (a round waits for none before it commits)
-        self.committing: Round | None = None  # the round changing θ_global now (no stream starts)
+        self.halted: str | None = None  # θ_global in memory could not go back to the saved version: no more rounds
         self.creator: str | None = None
         self.pending_spec: dict | None = None  # the creator's description until its parameters arrive
         self.spool = Spool(state_dir / "spool")
@@ -124,13 +131,21 @@ class HubFederation:
 
     def _view(self) -> HubView:
         s = self.snap
-        return self.members.view(self.version, s.progress if s else 0, bool(s and s.ended))
+        view = self.members.view(self.version, s.progress if s else 0, bool(s and s.ended))
+        return dataclasses.replace(view, federation=s.federation if s else None)
 
-    def _save(self) -> None:
-        s = self.snap
-        s.theta, s.buffers, s.outer_steps = self.theta, dict(self.outer.buffers), self.outer.steps
-        s.members = self.members.durable()
-        self.store.save(s)
+    def _saved(self, snap: store.Snapshot, what: str) -> str | None:
+        """Save ``snap``; None, or why it could not be saved (one line, logged; nothing kept changed)."""
+        try:
+            self.store.save(snap)
+            return None
+        except OSError as exc:
+            where = f" ({exc.filename})" if exc.filename else ""
+            why = f"cannot save {what}: {exc.strerror or exc}{where}; free space on --state's disk"
+        except Exception as exc:  # noqa: BLE001 - any failure to save keeps the previous version
+            why = f"cannot save {what}: {type(exc).__name__}: {exc}"
+        self.log(f"hub: {why}; the hub keeps version {self.version}")
+        return why
 
     def close(self) -> None:
         self._stop.set()
@@ -188,12 +203,18 @@ class HubFederation:
             with self.cv:
                 self.creator = None
             raise HubError("the parameters that would create the federation are not finite", "INVALID_ARGUMENT")
+        outer = OuterOptimizer(_outer_config(spec), theta)
         with self.cv:
-            self.spec, self.theta, self.creator = spec, theta, None
-            self.outer = OuterOptimizer(_outer_config(spec), theta)
+            members = self.members.durable()
+        snap = store.Snapshot(0, spec, theta, dict(outer.buffers), outer.steps, members=members,
+                              federation=uuid.uuid4().hex)  # fmt: skip
+        why = self._saved(snap, "the new federation")
+        with self.cv:
+            if why is not None:
+                self.creator = None  # not created: the next join creates it
+                raise HubError(f"the hub {why}: the federation is not created", "INTERNAL")
+            self.spec, self.theta, self.creator, self.outer, self.snap = spec, theta, None, outer, snap
             self.codec = codec_of(spec)
-            self.snap = store.Snapshot(0, spec, theta)
-            self._save()
             self.log(f"hub: facility {name} created the federation ({theta.numel()} parameters)")
             self.cv.notify_all()
             return self._view()
@@ -203,6 +224,8 @@ class HubFederation:
         """A member at its boundary: ``upload`` (its contribution is wanted) or ``heal``."""
         with self.cv:
             m = self.members.beat(name, msg.session)
+            if self.halted is not None:
+                raise HubError(self.halted, "INTERNAL")
             if self.spec is None:
                 raise HubError("the federation has not been created yet: join again", "FAILED_PRECONDITION")
             stale = None if msg.version == self.version else f"version {msg.version} (the hub's is {self.version})"
@@ -233,7 +256,7 @@ class HubFederation:
             m = self.members.member(name, frames.header.session)
             r = self.round
             a = r.arrivals.get(name) if r is not None and r.rid == frames.header.round else None
-            if a is None or a.part is not Part.WANTED:
+            if a is None or a.part is not Part.WANTED or r.state is not RoundState.OPEN:
                 raise HubError(f"facility {name} has no upload pending in this round", "FAILED_PRECONDITION")
             a.move(Part.UPLOADING)
             a.spool = self.spool.path(r.rid, name)
@@ -246,6 +269,8 @@ class HubFederation:
         except Exception as exc:  # noqa: BLE001 - the member's connection broke mid-upload
             reason = f"upload broken off ({str(exc).splitlines()[0][:80] if str(exc) else type(exc).__name__})"
         finally:
+            if part is Part.BROKEN:
+                a.spool.unlink(missing_ok=True)
             with self.cv:
                 a.move(part, reason)
                 m.beat = time.monotonic()
@@ -266,19 +291,18 @@ class HubFederation:
                     self.cv.wait(timeout=0.2)
                     continue
                 r.move(RoundState.CLOSED)
-                while self.readers:
-                    self.cv.wait(timeout=0.2)
-                r.move(RoundState.COMMITTING)
-                self.committing = r
+                r.move(RoundState.COMMITTING)  # readers read saved files: none is waited for
             try:
                 outcome = self._commit(r)
             except Exception as exc:  # noqa: BLE001 - a round that cannot commit commits nothing
                 outcome = Outcome(False, error=f"{type(exc).__name__}: {exc}")
                 self.log(f"hub: round {r.rid} failed to commit ({outcome.error}); version stays {self.version}")
+                self._restore_saved()
+            finally:
+                self.spool.clear(r.rid)
             with self.cv:
                 r.outcome = dataclasses.replace(outcome, view=self._view())
                 r.move(RoundState.DECIDED)
-                self.committing = None
                 self.decided[r.rid] = r
                 for old in [k for k in self.decided if k < r.rid - 8]:
                     del self.decided[old]
@@ -312,8 +336,16 @@ class HubFederation:
             self.theta.copy_(acc)
         else:
             self.outer.step(torch.sub(self.theta, acc, out=acc))
-        self._advance(r, accepted)
-        self._save()
+        nxt, members = self._next(r, accepted)
+        why = self._saved(nxt, f"version {nxt.version}")
+        if why is not None:
+            self._restore_saved()
+            return Outcome(False, {}, rejected, healed, error=f"the hub {why}")
+        with self.cv:
+            self.snap = nxt
+            for n, m in members.items():
+                if n in self.members.members:
+                    self.members[n].last_step, self.members[n].norms = m.last_step, m.norms
         self.log(
             f"hub: round {r.rid} committed version {self.version}: {', '.join(accepted)}"
             + (f"; rejected {', '.join(rejected)}" if rejected else "")
@@ -321,13 +353,34 @@ class HubFederation:
         )
         return Outcome(True, {n: weights[n] / total for n in accepted}, rejected, healed)
 
-    def _advance(self, r: Round, accepted: dict[str, Arrival]) -> None:
-        s, members = self.snap, self.members
-        s.version += 1
+    def _next(self, r: Round, accepted: dict[str, Arrival]) -> tuple[store.Snapshot, dict]:
+        """The next version, aside (the hub's stays as it is until it is saved), and its members' history."""
+        s = self.snap
+        with self.cv:
+            members = {n: dataclasses.replace(m, norms=list(m.norms)) for n, m in self.members.members.items()}
         for n, a in r.arrivals.items():
             members[n].accepted(a.step, a.norm if n in accepted else None)
-        s.progress = max([s.progress] + [a.step // members[n].every for n, a in accepted.items() if members[n].every])
-        s.ended = s.ended or any(a.step >= members[n].steps for n, a in accepted.items())
+        progress = max([s.progress] + [a.step // members[n].every for n, a in accepted.items() if members[n].every])
+        ended = s.ended or any(a.step >= members[n].steps for n, a in accepted.items())
+        nxt = dataclasses.replace(s, version=s.version + 1, theta=self.theta, buffers=dict(self.outer.buffers),
+                                  outer_steps=self.outer.steps, progress=progress, ended=ended,
+                                  members={n: m.durable() for n, m in members.items()})  # fmt: skip
+        return nxt, {n: members[n] for n in r.arrivals}
+
+    def _restore_saved(self) -> None:
+        """θ_global and the outer state in memory back to the saved version (after a commit that failed)."""
+        if self.snap is None or self.theta is None:
+            return
+        try:
+            saved = self.store.load(self.snap.version)
+            self.theta.copy_(saved.theta)
+            for k, v in saved.buffers.items():
+                self.outer.buffers[k].copy_(v)
+            self.outer.steps = saved.outer_steps
+        except Exception as exc:  # noqa: BLE001 - the hub cannot go on from a state it does not hold
+            self.halted = (f"the hub cannot restore version {self.snap.version} after a failed commit ({exc}): "
+                           f"its operator must restart it on the same --state")  # fmt: skip
+            self.log(f"hub: {self.halted}")
 
     # ------------------------------------------------------------------ θ_global out
     def result(self, name: str, msg: ResultRequest, active) -> Iterator[bytes]:
@@ -353,16 +406,29 @@ class HubFederation:
         return self._theta_frames(header)
 
     def _theta_frames(self, header: ResultHeader) -> Iterator[bytes]:
-        """θ_global's frames; a round waits until every stream reading it has finished before it commits."""
+        """θ_global's frames, read from the saved file of the version the header names (opened now: a commit
+        that follows neither waits for the stream nor changes what it sends)."""
         with self.cv:
-            while self.committing is not None:
-                self.cv.wait(timeout=0.2)
+            if self.snap is None:
+                raise HubError("the federation has not been created yet: join again", "FAILED_PRECONDITION")
             if header.version != self.version:  # a newer round committed meanwhile
                 header = dataclasses.replace(header, **vars(self._view()))
-            self.readers += 1
-        try:
-            yield from frames_of(header.to_json(), self.theta)
-        finally:
-            with self.cv:
-                self.readers -= 1
-                self.cv.notify_all()
+            try:
+                fh, nbytes = self.store.theta_reader(self.version)
+            except (OSError, store.StateError) as exc:
+                self.log(f"hub: cannot read version {self.version}'s saved state ({exc})")
+                raise HubError(f"the hub cannot read its saved state ({exc}): its operator must check --state",
+                               "INTERNAL") from None  # fmt: skip
+        return _file_frames(header, fh, nbytes)
+
+
+def _file_frames(header: ResultHeader, fh, nbytes: int) -> Iterator[bytes]:
+    with fh:
+        yield pack({**header.to_json(), "nbytes": nbytes})
+        left = nbytes
+        while left:
+            chunk = fh.read(min(CHUNK_BYTES, left))
+            if not chunk:
+                raise HubError("the hub's saved state was cut short: its operator must check --state", "DATA_LOSS")
+            left -= len(chunk)
+            yield chunk

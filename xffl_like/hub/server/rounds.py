@@ -1,8 +1,9 @@
 """A round's state, explicit: the round and each member's part in it move only along their transitions.
 
 A round is ``OPEN`` from the first arrival at the hub's version; ``CLOSED`` once every live member arrived
-and every upload ended (or ``grace_s`` passed): no one joins it any more, and the committer waits for the
-streams reading θ_global to end; ``COMMITTING`` while the committer changes θ_global (no stream starts);
+and every upload ended (or ``grace_s`` passed): no one joins it any more; ``COMMITTING`` while the committer
+computes and saves the next version (streams reading θ_global read the saved version's file meanwhile: none
+is waited for, none waits);
 ``DECIDED`` with its outcome, which members waiting for it then read.
 
 A member's part (:class:`Part`): ``HEAL`` (another version, or it came after the round closed: it receives
@@ -105,7 +106,9 @@ class Outcome:
 
     def header(self, name: str) -> ResultHeader:
         """Member ``name``'s status in the round (accepted, rejected, healed) and why, with θ_global's frames."""
-        if name in self.accepted:
+        if self.error is not None:  # nothing changed: the member trains on, as after a round it missed
+            status, reason = "missed", self.error
+        elif name in self.accepted:
             status, reason = "accepted", None
         elif name in self.rejected:
             status, reason = "rejected", self.rejected[name]

@@ -55,10 +55,10 @@ def serve_main(args) -> int:
         creds = None if args.insecure else _credentials(Path(args.certs))
         state = store.SafetensorsStore(Path(args.state), log=lambda line: print(line, flush=True))
         snap = state.open(args.fresh)
+        fed = HubFederation(Path(args.state), snap, log=lambda line: print(line, flush=True), state=state)
     except (store.StateError, ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2
-    fed = HubFederation(Path(args.state), snap, log=lambda line: print(line, flush=True), state=state)
     # so_reuseport off: a second hub on a port in use is refused instead of sharing it
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=64),
@@ -85,5 +85,8 @@ def serve_main(args) -> int:
     stopped.wait()
     server.stop(grace=2).wait()
     fed.close()
-    print(f"hub: stopped; the federation is saved in {args.state} at version {fed.version}", flush=True)
+    if fed.snap is None:
+        print(f"hub: stopped; no federation was created, nothing is saved in {args.state}", flush=True)
+    else:
+        print(f"hub: stopped; the federation is saved in {args.state} at version {fed.version}", flush=True)
     return 0

@@ -3,12 +3,15 @@
 A contribution is never held whole in memory: its frames go to ``<state>/spool/<round>-<facility>.bin``
 while the hub sums the squares of its update ``θ_global - θ_f`` (fp32 parameters) or decodes it (a
 compressed update, :mod:`..protocol.update_codec`); at the commit each accepted file is read back a slice at
-a time into the one accumulator, then removed.
+a time into the one accumulator. No file outlives its round: a broken upload's is removed at once, and every
+file of a decided round (accepted, rejected or late) is removed with it (:meth:`Spool.clear`). A spool that
+is a symbolic link is refused, and no file in it is followed.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import shutil
 from pathlib import Path
 
@@ -19,6 +22,7 @@ from torch import Tensor
 from ..protocol.update_codec import UpdateCodec
 from ..protocol.wire import Frames, WireError
 from .checks import SLICE, squares
+from .store import StateError
 
 __all__ = ["Spool"]
 
@@ -28,21 +32,36 @@ class Spool:
 
     def __init__(self, directory: Path):
         self.dir = directory
+        if directory.is_symlink():
+            raise StateError(
+                f"{directory} is a symbolic link: the hub follows none in its --state directory; remove it (the "
+                f"hub makes its spool there itself)"
+            )
         shutil.rmtree(directory, ignore_errors=True)
         directory.mkdir(parents=True, exist_ok=True)
 
     def path(self, rid: int, name: str) -> Path:
         return self.dir / f"{rid}-{name}.bin"
 
+    def clear(self, rid: int) -> None:
+        """Remove every file of round ``rid``."""
+        for p in self.dir.glob(f"{rid}-*.bin"):
+            p.unlink(missing_ok=True)
+
+    @staticmethod
+    def _create(path: Path):
+        path.unlink(missing_ok=True)
+        return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600), "wb")
+
     def write(self, frames: Frames, path: Path, theta: Tensor, codec: UpdateCodec | None) -> float:
         """Write the chunks to ``path``; the norm of the update ``θ_global - θ_f`` (nan when not finite)."""
         if codec is not None:
-            with open(path, "wb") as fh:
+            with self._create(path) as fh:
                 for _, chunk in frames.chunks():
                     fh.write(chunk)
             return self._update_norm(path, codec)
         total = 0.0
-        with open(path, "wb") as fh:
+        with self._create(path) as fh:
             for offset, chunk in frames.chunks():
                 if offset % 4 or len(chunk) % 4:
                     raise WireError("a frame that splits a value")

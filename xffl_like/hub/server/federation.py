@@ -1,9 +1,11 @@
 """The federation the hub holds: its members, its rounds, θ_global and the outer step, orchestrated.
 
 A round opens when the first member arrives at its boundary with the hub's version, and closes
-when every live member has arrived (and every upload has ended) or ``grace_s`` after it opened,
-whichever comes first (:mod:`.rounds`: its states and their transitions). Then, in the hub's committer
-thread:
+when every live member has arrived and every upload has ended, or ``grace_s`` after it opened, whichever
+comes first: ``grace_s`` bounds the whole round, uploads included (an upload not over by then is cut and
+counts as none; one slower than :data:`..protocol.wire.MIN_RATE` is cut before). :mod:`.rounds`: its states
+and their transitions. A facility creating the federation has ``grace_s`` to upload its parameters, or
+loses the role to the next facility that joins. Then, in the hub's committer thread:
 
 1. each uploaded contribution is checked (:func:`.checks.judge`): finite, its update norm
    ``|θ_global - θ_f|`` at most ``max_norm_ratio`` times the median of the round's (three or more)
@@ -46,7 +48,7 @@ from ..protocol.messages import (
 )
 from ..protocol.spec import check_spec, codec_of, first_difference, numel_of
 from ..protocol.update_codec import UpdateCodec
-from ..protocol.wire import Frames, WireError, frames_of
+from ..protocol.wire import Frames, WireError, frames_of, paced, transfer_s
 from . import checks, store
 from .errors import HubError
 from .membership import LIVE_S, Membership
@@ -83,6 +85,10 @@ class HubFederation:
         self.readers = 0  # streams reading θ_global now (a round waits for none before it commits)
         self.committing: Round | None = None  # the round changing θ_global now (no stream starts)
         self.creator: str | None = None
+        self.create_by = 0.0  # the creator's parameters are due by then (grace_s after it was told to create)
+        self.create_cut = None  # ends the creator's upload call
+        self.dropped: set[str] = set()  # facilities that lost the creator's role (they create last)
+        self.asked: dict[str, float] = {}  # when each facility last asked to join a federation not created yet
         self.pending_spec: dict | None = None  # the creator's description until its parameters arrive
         self.spool = Spool(state_dir / "spool")
         self.snap = snap
@@ -148,18 +154,41 @@ class HubFederation:
                         f"federation's settings (or serve a new federation with another --state)",
                         "FAILED_PRECONDITION",
                     )
-            elif self.creator not in (None, name):
-                if self.members[self.creator].live(time.monotonic()):
-                    return JoinReply("retry", **vars(self._view()))  # another facility is creating it
-                self.creator = None  # it died before its parameters arrived: this one creates it
+            elif self._another_creates(name):
+                return JoinReply("retry", **vars(self._view()))  # another facility is creating it
             if msg.probe:  # ended: the launcher refuses before its workers start
                 return JoinReply("ok", **vars(self._view()))
             if self.spec is None:
                 numel_of(msg.spec), _outer_config(msg.spec), check_spec(msg.spec)
+                if self.creator != name:  # its deadline is not moved by joining again
+                    self.create_by = time.monotonic() + float(msg.spec["grace_s"])
                 self.creator, self.pending_spec = name, msg.spec
             self.members.admit(name, msg.session, msg.geometry, msg.every, msg.steps)
             self.cv.notify_all()
             return JoinReply("create" if self.spec is None else "member", **vars(self._view()))
+
+    def _another_creates(self, name: str) -> bool:
+        """Whether ``name`` must wait while another facility creates the federation: the creator is live and
+        within its deadline, or ``name`` lost the role before and another facility asks too."""
+        now = time.monotonic()
+        self.asked[name] = now
+        if self.creator not in (None, name):
+            if self.members[self.creator].live(now) and now < self.create_by:
+                return True
+            self._drop_creator("stopped beating" if now < self.create_by else "did not upload in time")
+        others = any(n != name and now - t < LIVE_S for n, t in self.asked.items())
+        return self.creator is None and name in self.dropped and others
+
+    def _drop_creator(self, why: str) -> None:
+        """The creator loses its role (the caller holds the lock): the next facility that joins creates."""
+        name, cut = self.creator, self.create_cut
+        self.creator, self.pending_spec, self.create_cut = None, None, None
+        self.dropped.add(name)
+        self.log(f"hub: facility {name} {why} (its parameters were due within grace_s): it is not creating the "
+                 f"federation any more; the next facility that joins creates it")  # fmt: skip
+        if cut is not None:
+            cut()
+        self.cv.notify_all()
 
     def beat(self, name: str, msg: SessionRequest) -> HubView:
         with self.cv:
@@ -172,13 +201,14 @@ class HubFederation:
             if self.members.leave(name, msg.session):
                 self.cv.notify_all()
 
-    def create(self, name: str, frames: Frames) -> HubView:
-        """The first facility's parameters become θ_global (version 0)."""
+    def create(self, name: str, frames: Frames, cut=None) -> HubView:
+        """The first facility's parameters become θ_global (version 0), if they arrive by its deadline."""
         with self.cv:
             self.members.member(name, frames.header.session)
             if self.creator != name or self.spec is not None:
-                raise HubError(f"facility {name} is not creating this federation", "FAILED_PRECONDITION")
-            spec = self.pending_spec
+                raise HubError(f"facility {name} is not creating this federation: join again", "FAILED_PRECONDITION")
+            spec, self.create_cut = self.pending_spec, cut
+            frames.frames = paced(frames.frames, self.create_by, f"facility {name}'s parameters")
         theta = torch.empty(numel_of(spec), dtype=torch.float32)
         frames.into(theta)
         if not torch.isfinite(theta).all():
@@ -186,7 +216,10 @@ class HubFederation:
                 self.creator = None
             raise HubError("the parameters that would create the federation are not finite", "INVALID_ARGUMENT")
         with self.cv:
-            self.spec, self.theta, self.creator = spec, theta, None
+            if self.creator != name:
+                raise HubError(f"facility {name}'s parameters came after its deadline (federation.elastic.grace_s): "
+                               f"another facility creates the federation; join again", "DEADLINE_EXCEEDED")  # fmt: skip
+            self.spec, self.theta, self.creator, self.create_cut = spec, theta, None, None
             self.outer = OuterOptimizer(_outer_config(spec), theta)
             self.codec = codec_of(spec)
             self.snap = store.Snapshot(0, spec, theta)
@@ -221,11 +254,11 @@ class HubFederation:
             self.cv.notify_all()
             return ArriveReply("upload" if a.part is Part.WANTED else "heal", r.rid, a.reason)
 
-    def upload(self, name: str, frames: Frames) -> UploadReply | HubView:
+    def upload(self, name: str, frames: Frames, cut=None) -> UploadReply | HubView:
         """A ``create`` (:meth:`create`), or spool the member's contribution to disk, measuring finiteness and its
-        update's norm."""
+        update's norm. ``cut()``: ends the call (the round's deadline passed before the upload ended)."""
         if frames.header.kind == "create":
-            return self.create(name, frames)
+            return self.create(name, frames, cut)
         with self.cv:
             m = self.members.member(name, frames.header.session)
             r = self.round
@@ -233,7 +266,8 @@ class HubFederation:
             if a is None or a.part is not Part.WANTED:
                 raise HubError(f"facility {name} has no upload pending in this round", "FAILED_PRECONDITION")
             a.move(Part.UPLOADING)
-            a.spool = self.spool.path(r.rid, name)
+            a.spool, a.cut = self.spool.path(r.rid, name), cut
+            frames.frames = paced(frames.frames, r.opened + self._grace(), f"facility {name}'s upload")
         part, reason = Part.BROKEN, "upload broken off"
         try:
             a.norm = self.spool.write(frames, a.spool, self.theta, self.codec)
@@ -244,24 +278,45 @@ class HubFederation:
             reason = f"upload broken off ({str(exc).splitlines()[0][:80] if str(exc) else type(exc).__name__})"
         finally:
             with self.cv:
-                a.move(part, reason)
+                a.cut = None
+                if a.part is Part.UPLOADING:  # else the round's deadline cut it (BROKEN)
+                    a.move(part, reason)
                 m.beat = time.monotonic()
                 self.cv.notify_all()
-        return UploadReply(part is Part.UPLOADED, a.reason)
+        return UploadReply(a.part is Part.UPLOADED, a.reason)
+
+    def _grace(self) -> float:
+        return float(self.spec["grace_s"])
 
     def _closable(self, r: Round, now: float) -> bool:
+        """Every live member arrived and every upload ended, or the round's deadline (``grace_s``) passed."""
         live = self.members.live(now)
         uploads_done = all(a.settled or (a.part is Part.WANTED and n not in live) for n, a in r.arrivals.items())
-        everyone = live <= set(r.arrivals)
-        return uploads_done and (everyone or now - r.opened >= float(self.spec["grace_s"]))
+        return (uploads_done and live <= set(r.arrivals)) or now - r.opened >= self._grace()
+
+    @staticmethod
+    def _cut_late(r: Round) -> None:
+        """At the round's close (the caller holds the lock): an upload still pending counts as none, and one in
+        flight is ended."""
+        for a in r.arrivals.values():
+            if a.part is Part.WANTED:
+                a.move(Part.BROKEN, "no upload by the round's deadline (federation.elastic.grace_s)")
+            elif a.part is Part.UPLOADING:
+                a.move(Part.BROKEN, "upload not over by the round's deadline (federation.elastic.grace_s)")
+                cut, a.cut = a.cut, None
+                if cut is not None:
+                    cut()
 
     def _commit_loop(self) -> None:
         while not self._stop.is_set():
             with self.cv:
+                if self.creator is not None and time.monotonic() >= self.create_by:
+                    self._drop_creator("did not upload in time")
                 r = self.round
                 if r is None or r.state is not RoundState.OPEN or not self._closable(r, time.monotonic()):
                     self.cv.wait(timeout=0.2)
                     continue
+                self._cut_late(r)
                 r.move(RoundState.CLOSED)
                 while self.readers:
                     self.cv.wait(timeout=0.2)
@@ -322,12 +377,16 @@ class HubFederation:
         s.ended = s.ended or any(a.step >= members[n].steps for n, a in accepted.items())
 
     # ------------------------------------------------------------------ θ_global out
-    def result(self, name: str, msg: ResultRequest, active) -> Iterator[bytes]:
+    def result(self, name: str, msg: ResultRequest, active, cut=None) -> Iterator[bytes]:
         """After round ``msg.round`` is decided (or now, for a heal outside a round): the member's status and
-        θ_global. ``active()``: False once the member's call is gone."""
+        θ_global. ``active()``: False once the member's call is gone; ``cut()`` ends it (:meth:`_theta_frames`).
+        A round that is neither open nor decided (any more) is refused at once."""
         rid = msg.round
         with self.cv:
             self.members.member(name, msg.session)
+            if rid is not None and rid not in self.decided and (self.round is None or self.round.rid != rid):
+                raise HubError(f"round {rid} is neither open nor decided at the hub: arrive at a boundary again",
+                               "FAILED_PRECONDITION")  # fmt: skip
             while rid is not None and rid not in self.decided:
                 if self._stop.is_set() or not active():
                     raise HubError("the hub is stopping", "UNAVAILABLE")
@@ -336,25 +395,31 @@ class HubFederation:
                 header = ResultHeader("healed", "heal", **vars(self._view()))
             else:
                 header = self.decided[rid].outcome.header(name)
-        return self._theta_frames(header)
+        return self._theta_frames(header, cut)
 
-    def fetch(self, name: str, msg: SessionRequest) -> Iterator[bytes]:
+    def fetch(self, name: str, msg: SessionRequest, cut=None) -> Iterator[bytes]:
         with self.cv:
             self.members.member(name, msg.session)
             header = ResultHeader("healed", "join", **vars(self._view()))
-        return self._theta_frames(header)
+        return self._theta_frames(header, cut)
 
-    def _theta_frames(self, header: ResultHeader) -> Iterator[bytes]:
-        """θ_global's frames; a round waits until every stream reading it has finished before it commits."""
+    def _theta_frames(self, header: ResultHeader, cut=None) -> Iterator[bytes]:
+        """θ_global's frames; a round waits until every stream reading it has finished before it commits. A
+        stream not read within :func:`..protocol.wire.transfer_s` of θ_global's bytes (``grace_s`` of slack) is
+        ended (``cut()``: the hub's side of its deadline)."""
         with self.cv:
             while self.committing is not None:
                 self.cv.wait(timeout=0.2)
             if header.version != self.version:  # a newer round committed meanwhile
                 header = dataclasses.replace(header, **vars(self._view()))
             self.readers += 1
+            timer = threading.Timer(transfer_s(4 * self.theta.numel(), self._grace()), cut or (lambda: None))
+        timer.daemon = True
+        timer.start()
         try:
             yield from frames_of(header.to_json(), self.theta)
         finally:
+            timer.cancel()
             with self.cv:
                 self.readers -= 1
                 self.cv.notify_all()

@@ -7,6 +7,8 @@ No timing is asserted: every wait is bounded generously, and only fails on a han
 
 from __future__ import annotations
 
+import contextlib
+import json
 import threading
 import time
 from concurrent import futures
@@ -16,6 +18,7 @@ import grpc
 import pytest
 import torch
 
+from xffl_like.hub.cli import main as hub_main
 from xffl_like.hub.client import HubLink
 from xffl_like.hub.protocol import wire
 from xffl_like.hub.protocol.messages import ArriveReply, ResultHeader, UploadHeader
@@ -46,17 +49,25 @@ def _spec(numel: int = 6, grace_s: float = GRACE_S) -> dict:
     }
 
 
-@pytest.fixture
-def hub(tmp_path):
-    """A hub served --insecure on a free loopback port, in this process."""
+@contextlib.contextmanager
+def _serve(tmp_path, grants: dict | None = None):
+    """A hub served --insecure on a free loopback port, in this process (``grants``: the operator's, by name)."""
     logs: list[str] = []
-    fed = HubFederation(tmp_path / "state", None, log=logs.append)
+    fed = HubFederation(tmp_path / "state", None, log=logs.append, grants=grants.get if grants else None)
     server = build_server(fed, None)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
-    yield SimpleNamespace(fed=fed, address=f"127.0.0.1:{port}", logs=logs)
-    server.stop(0)
-    fed.close()
+    try:
+        yield SimpleNamespace(fed=fed, address=f"127.0.0.1:{port}", logs=logs)
+    finally:
+        server.stop(0)
+        fed.close()
+
+
+@pytest.fixture
+def hub(tmp_path):
+    with _serve(tmp_path) as served:
+        yield served
 
 
 class Raw:
@@ -73,8 +84,8 @@ class Raw:
     def call(self, method: str, timeout: float = BOUND_S, **kw) -> dict:
         return unpack(self.channel.unary_unary(f"/{SERVICE}/{method}")(pack(self.msg(**kw)), timeout=timeout))
 
-    def join(self, spec: dict, steps: int = 20, every: int = 2) -> dict:
-        return self.call("Join", spec=spec, geometry=GEOMETRY, steps=steps, every=every)
+    def join(self, spec: dict, steps: int = 20, every: int = 2, geometry: dict = GEOMETRY) -> dict:
+        return self.call("Join", spec=spec, geometry=geometry, steps=steps, every=every)
 
     def upload(self, frames, timeout: float = BOUND_S):
         return self.channel.stream_unary(f"/{SERVICE}/Upload").future(frames, timeout=timeout)
@@ -119,8 +130,8 @@ def _created(hub, spec: dict, names=("a", "b")) -> tuple[list[Raw], torch.Tensor
     return [m.beating() for m in members], theta
 
 
-def _arrive(m: Raw, step: int = 2) -> ArriveReply:
-    return ArriveReply.decode(pack(m.call("Arrive", version=0, step=step, taken=2, tokens=32.0)))
+def _arrive(m: Raw, step: int = 2, taken: int = 2, tokens: float = 32.0, version: int = 0) -> ArriveReply:
+    return ArriveReply.decode(pack(m.call("Arrive", version=version, step=step, taken=taken, tokens=tokens)))
 
 
 def _trickle(m: Raw, rid: int, numel: int, stop: threading.Event):
@@ -287,3 +298,83 @@ def test_a_result_that_never_comes_is_a_missed_round_for_the_client(tmp_path, mo
         release.set()
         link.channel.close()
         server.stop(0)
+
+
+# ---------------------------------------------------------------------------------------------- item 3: claims
+def test_a_claim_of_1e18_tokens_never_makes_a_members_upload_the_mean(hub):
+    """b declares the largest geometry the protocol allows and claims 1e18 tokens: before, its weight was 1.0 and
+    θ_global became its upload bit for bit; now its weight is capped at 8x a's (share 8/9)."""
+    spec = {**_spec(), "weights_rule": "tokens"}
+    a, b = Raw(hub, "a"), Raw(hub, "b")
+    try:
+        assert a.join(spec)["status"] == "create"
+        theta = torch.zeros(6)
+        a.upload(a.frames("create", theta)).result()
+        assert b.join(spec, geometry={"batch_size": 1 << 20, "seq_len": 1 << 24, "dp": 1 << 20})["status"] == "member"
+        a.beating(), b.beating()
+        rid = _arrive(a).round
+        assert _arrive(b, tokens=1e18).action == "upload"
+        a.upload(a.frames("round", theta + 1, rid)).result()
+        b.upload(b.frames("round", theta + 100, rid)).result()
+        header, got = a.result(rid, 6)
+        assert header.committed and header.accepted["b"] == pytest.approx(8 / 9), header.accepted
+        assert not torch.equal(got, theta + 100) and torch.allclose(got, theta + (1 + 8 * 100) / 9)
+    finally:
+        a.close(), b.close()
+
+
+def test_a_member_cannot_claim_over_its_operators_grant(tmp_path):
+    """The operator grants b a geometry and steps (grants.json): b joining with more is refused in one line (before:
+    anything a member declared bounded its own claims)."""
+    grant = {"batch_size": 2, "seq_len": 8, "dp": 1, "steps": 20}
+    with _serve(tmp_path, grants={"b": grant}) as hub:
+        a, b = Raw(hub, "a"), Raw(hub, "b")
+        try:
+            assert a.join(_spec())["status"] == "create"
+            a.upload(a.frames("create", torch.zeros(6))).result()
+            with pytest.raises(grpc.RpcError) as refused:
+                b.join(_spec(), geometry={**GEOMETRY, "dp": 1 << 20})
+            assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            assert "over its grant of 1" in refused.value.details() and "\n" not in refused.value.details()
+            assert b.join(_spec())["status"] == "member"  # within its grant
+        finally:
+            a.close(), b.close()
+
+
+def test_grants_are_written_by_init_and_add(tmp_path, capsys):
+    certs = tmp_path / "certs"
+    assert hub_main(["init", str(certs), "--facilities", "a,b", "--dp", "2", "--steps", "400"]) == 0
+    assert hub_main(["add", str(certs), "a", "--dp", "4"]) == 0  # a new grant for a facility issued already
+    assert hub_main(["add", str(certs), "c", "--batch-size", "8"]) == 0
+    grants = json.loads((certs / "grants.json").read_text())["facilities"]
+    assert grants == {"a": {"dp": 4}, "b": {"dp": 2, "steps": 400}, "c": {"batch_size": 8}}
+    (certs / "grants.json").write_text('{"facilities": {"a": {"dp": "x"}}}')
+    assert hub_main(["add", str(certs), "d", "--dp", "1"]) == 2
+    assert "a's dp='x' is not an integer" in capsys.readouterr().err
+
+
+def test_a_member_that_joins_with_steps_4_cannot_end_the_federation(hub):
+    """Before, a member that joined with steps=4 (or one round's worth of steps) and arrived at its last step ended
+    the federation for everyone. Now its steps must make the federation's rounds, and a round ends the federation
+    only when every member accepted in it reached its last step."""
+    spec = _spec()
+    (a,), _ = _created(hub, spec, names=("a",))
+    b = Raw(hub, "b")
+    try:
+        with pytest.raises(grpc.RpcError) as refused:
+            b.join(spec, steps=4)
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "rounds" in refused.value.details()
+        assert b.join(spec, steps=10, every=1)["status"] == "member"  # 10 rounds of 1 step: its last is step 10
+        b.beating()
+        rid = _arrive(a).round
+        assert _arrive(b, step=10, taken=10, tokens=160.0).action == "upload"
+        for m in (a, b):
+            m.upload(m.frames("round", torch.zeros(6), rid)).result()
+        header, _ = a.result(rid, 6)
+        assert header.committed and set(header.accepted) == {"a", "b"} and not header.ended
+        rid = _arrive(a, step=20, taken=18, version=1).round  # a at its last step: the round closes at grace_s
+        a.upload(a.frames("round", torch.zeros(6), rid)).result()
+        header, _ = a.result(rid, 6)
+        assert header.committed and header.ended  # every member accepted in it reached its end
+    finally:
+        a.close(), b.close()

@@ -169,7 +169,7 @@ class HubLink:
         train nothing, or alone from its last θ_global. One line; the job exits non-zero."""
         if out.ended:
             raise ElasticError(
-                f"facility {self.name}: the federation at the hub {self.hub} has ended (a facility reached its "
+                f"facility {self.name}: the federation at the hub {self.hub} has ended (its facilities reached their "
                 f"train.steps, after {out.version} rounds): nothing is left to train; to train again, serve a "
                 f"new federation (python -m xffl_like.hub serve with another --state)"
             )

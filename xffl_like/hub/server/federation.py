@@ -1,5 +1,7 @@
 """The federation the hub holds: its members, its rounds, θ_global and the outer step, orchestrated.
 
+``grants``: what the operator lets each facility claim (``grants.json``, :func:`.checks.granted`).
+
 A round opens when the first member arrives at its boundary with the hub's version, and closes
 when every live member has arrived and every upload has ended, or ``grace_s`` after it opened, whichever
 comes first: ``grace_s`` bounds the whole round, uploads included (an upload not over by then is cut and
@@ -75,8 +77,10 @@ class HubFederation:
     """One federation's state and rounds; thread-safe (gRPC handlers call in from a pool). ``state``: where it
     is kept (:class:`.store.StateStore`; default: safetensors files in ``state_dir``)."""
 
-    def __init__(self, state_dir: Path, snap: store.Snapshot | None, log=print, state: store.StateStore | None = None):
+    def __init__(self, state_dir: Path, snap: store.Snapshot | None, log=print, state: store.StateStore | None = None,
+                 grants=None):  # fmt: skip
         self.log, self.store = log, state or store.SafetensorsStore(state_dir, log)
+        self.grants = grants or (lambda name: None)  # the operator's grant of a facility (grants.json), or None
         self.cv = threading.Condition()
         self.members = Membership(snap.members if snap else None)
         self.round: Round | None = None
@@ -156,6 +160,7 @@ class HubFederation:
                     )
             elif self._another_creates(name):
                 return JoinReply("retry", **vars(self._view()))  # another facility is creating it
+            checks.granted(name, msg, self.spec or msg.spec, self.grants(name))
             if msg.probe:  # ended: the launcher refuses before its workers start
                 return JoinReply("ok", **vars(self._view()))
             if self.spec is None:
@@ -374,7 +379,15 @@ class HubFederation:
         for n, a in r.arrivals.items():
             members[n].accepted(a.step, a.norm if n in accepted else None)
         s.progress = max([s.progress] + [a.step // members[n].every for n, a in accepted.items() if members[n].every])
-        s.ended = s.ended or any(a.step >= members[n].steps for n, a in accepted.items())
+        s.ended = s.ended or self._ends(accepted)
+
+    def _ends(self, accepted: dict[str, Arrival]) -> bool:
+        """Whether the round ends the federation: with ``every_s``, an accepted member reached the federation's last
+        step; else every accepted member reached its last step (each made the federation's rounds on joining)."""
+        last = self.spec.get("train.steps")
+        if self.spec.get("every_s") is not None and type(last) is int:
+            return any(a.step >= last for a in accepted.values())
+        return bool(accepted) and all(a.step >= self.members[n].steps for n, a in accepted.items())
 
     # ------------------------------------------------------------------ θ_global out
     def result(self, name: str, msg: ResultRequest, active, cut=None) -> Iterator[bytes]:

@@ -21,6 +21,7 @@ import grpc  # noqa: E402 - after its verbosity is set
 from ..protocol.wire import GRPC_OPTIONS  # noqa: E402
 from . import store
 from .auth import IdentityInterceptor
+from .errors import HubError
 from .federation import HubFederation
 from .service import HubService
 
@@ -61,6 +62,25 @@ def build_server(fed: HubFederation, certs: Path | None) -> grpc.Server:
     return server
 
 
+def _grants(certs: Path | None):
+    """What each facility may claim (``certs/grants.json``, re-read when it changes; read once here so a damaged
+    file stops the hub in one line), as a function of its name; None for --insecure."""
+    if certs is None:
+        return None
+    from ..identity import Grants, IdentityError
+
+    grants = Grants(certs)
+    grants("")
+
+    def grant(name: str):
+        try:
+            return grants(name)
+        except IdentityError as exc:
+            raise HubError(f"the hub cannot read its grants ({exc})", "UNAVAILABLE") from None
+
+    return grant
+
+
 def serve_main(args) -> int:
     """Run the hub until SIGINT/SIGTERM; 0 after a clean stop, 2 (one line) on bad input."""
     _return_big_buffers()
@@ -70,10 +90,11 @@ def serve_main(args) -> int:
         creds = None if args.insecure else _credentials(Path(args.certs))
         state = store.SafetensorsStore(Path(args.state), log=lambda line: print(line, flush=True))
         snap = state.open(args.fresh)
+        grants = _grants(None if args.insecure else Path(args.certs))
     except (store.StateError, ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2
-    fed = HubFederation(Path(args.state), snap, log=lambda line: print(line, flush=True), state=state)
+    fed = HubFederation(Path(args.state), snap, log=lambda line: print(line, flush=True), state=state, grants=grants)
     server = build_server(fed, None if args.insecure else Path(args.certs))
     bind = "127.0.0.1" if args.insecure else args.bind
     try:

@@ -165,7 +165,7 @@ class HubLink:
         self._refuse_if_ended(out)
 
     def _refuse_if_ended(self, out: HubView | JoinReply) -> None:
-        """A federation that ended (a facility reached its train.steps) trains no more: joining it would
+        """A federation that ended (its facilities reached their train.steps) trains no more: joining it would
         train nothing, or alone from its last θ_global. One line; the job exits non-zero."""
         if out.ended:
             raise ElasticError(

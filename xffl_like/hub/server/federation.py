@@ -408,13 +408,24 @@ class HubFederation:
                 header = ResultHeader("healed", "heal", **vars(self._view()))
             else:
                 header = self.decided[rid].outcome.header(name)
-        return self._theta_frames(header, cut)
+        return self._theta_frames(header, self._cutting(name, "Result", cut))
 
     def fetch(self, name: str, msg: SessionRequest, cut=None) -> Iterator[bytes]:
         with self.cv:
             self.members.member(name, msg.session)
             header = ResultHeader("healed", "join", **vars(self._view()))
-        return self._theta_frames(header, cut)
+        return self._theta_frames(header, self._cutting(name, "Fetch", cut))
+
+    def _cutting(self, name: str, method: str, cut):
+        """``cut``, saying so in the hub's log (a stream not read in time)."""
+        if cut is None:
+            return None
+
+        def run():
+            self.log(f"hub: facility {name}'s {method} was not read within its deadline: the hub ended it")
+            cut()
+
+        return run
 
     def _theta_frames(self, header: ResultHeader, cut=None) -> Iterator[bytes]:
         """θ_global's frames; a round waits until every stream reading it has finished before it commits. A

@@ -60,7 +60,7 @@ class Federation:
         self.fed = HubFederation(state, None, log=lambda _: None)
         self.spec, self.names, self.rounds = spec, names, 0
         for n in names:
-            msg = {"spec": spec, "session": n, "geometry": GEOMETRY, "every": EVERY, "steps": 10**6}
+            msg = {"spec": spec, "session": n, "geometry": GEOMETRY, "every": EVERY, "steps": 1000 * EVERY}
             self.fed.join(n, JoinRequest.from_json(msg))
             if n == names[0]:
                 self.fed.create(n, _frames(UploadHeader(n, "create"), theta))

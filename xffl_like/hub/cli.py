@@ -1,8 +1,10 @@
 """``python -m xffl_like.hub`` (``xffl-hub``): a federation's identities and its hub.
 
-- ``init DIR --facilities a,b [--host h1,h2]``: a CA, the hub's certificate (its SANs: ``--host``) and one
-  certificate per facility (its common name: the facility's name);
-- ``add DIR NAME``: one more facility (or a new certificate for a revoked one);
+- ``init DIR --facilities a,b [--host h1,h2] [GRANT]``: a CA, the hub's certificate (its SANs: ``--host``) and
+  one certificate per facility (its common name: the facility's name);
+- ``add DIR NAME [GRANT]``: one more facility (or a new certificate for a revoked one);
+- ``GRANT`` (``--batch-size B --seq-len S --dp D --steps N``, any of them): what each facility named may claim,
+  at most (``DIR/grants.json``; the hub re-reads it when it changes);
 - ``revoke DIR NAME``: the hub refuses that facility from its next call, without a restart;
 - ``serve --port P --certs DIR --state STATE [--bind ADDR] [--fresh] [--insecure]``: the hub.
 
@@ -14,7 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .identity import IdentityError, add_facility, init_dir, revoke_facility
+from .identity import GRANT_KEYS, IdentityError, add_facility, init_dir, is_issued, revoke_facility, write_grant
 
 __all__ = ["main"]
 
@@ -41,6 +43,9 @@ def _parser() -> argparse.ArgumentParser:
     a = sub.add_parser("add", help="one more facility's identity")
     a.add_argument("dir")
     a.add_argument("name")
+    for cmd in (i, a):
+        for key in GRANT_KEYS:
+            cmd.add_argument(f"--{key.replace('_', '-')}", type=int, help=f"grant: the facility's {key}, at most")
     r = sub.add_parser("revoke", help="refuse a facility from its next call")
     r.add_argument("dir")
     r.add_argument("name")
@@ -60,16 +65,28 @@ def _split(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
 
 
+def _grant(args) -> dict[str, int]:
+    return {key: getattr(args, key) for key in GRANT_KEYS if getattr(args, key) is not None}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         if args.command == "init":
             hosts = [h for text in args.host or ["localhost,127.0.0.1"] for h in _split(text)]
             written = init_dir(args.dir, _split(args.facilities), hosts)
+            for name in _split(args.facilities) if _grant(args) else []:
+                write_grant(args.dir, name, _grant(args))
             print(f"wrote {len(written)} files to {args.dir}: ca.crt, ca.key, hub.crt, hub.key and facilities/ "
                   f"(keys mode 0600; keep ca.key on the hub's host)")  # fmt: skip
         elif args.command == "add":
+            if _grant(args) and is_issued(args.dir, args.name):  # a new grant for a facility already issued
+                write_grant(args.dir, args.name, _grant(args))
+                print(f"facility {args.name}: its grant is now {_grant(args)} (the hub reads it at its next join)")
+                return 0
             add_facility(args.dir, args.name)
+            if _grant(args):  # else its grant, if any, stays
+                write_grant(args.dir, args.name, _grant(args))
             print(f"facility {args.name}: {args.dir}/facilities/{args.name}.crt and .key (copy them to its site)")
         elif args.command == "revoke":
             serial = revoke_facility(args.dir, args.name)

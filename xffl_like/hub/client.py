@@ -6,7 +6,9 @@ every :data:`BEAT_S` from a daemon thread, and at each boundary arrives, uploads
 when the hub wants them and downloads θ_global once the round is decided. A hub that does not
 answer costs the round, not the job: the facility trains on and tries again at a later boundary
 (backing off: :data:`~.protocol.retry.ROUND_RETRY`), and the hub's version tells it on return whether it
-missed a commit. It imports :mod:`.protocol` (messages, wire, the federation's description, the retry
+missed a commit. Every call has a deadline (:meth:`HubLink.deadline`: a stream's includes the round's ``grace_s``
+and its bytes at the protocol's minimum rate); one that expires is a missed round too. It imports
+:mod:`.protocol` (messages, wire, the federation's description, the retry
 policy), never the hub's server.
 """
 
@@ -26,7 +28,7 @@ from .protocol.dial import ElasticError, address  # noqa: E402
 from .protocol.messages import CALLS, HubView, JoinReply, ResultHeader, UploadHeader, UploadReply  # noqa: E402
 from .protocol.retry import POLL_RETRY, ROUND_RETRY  # noqa: E402
 from .protocol.spec import hub_spec  # noqa: E402
-from .protocol.wire import GRPC_OPTIONS, SERVICE, Frames, frames_of_file  # noqa: E402
+from .protocol.wire import GRPC_OPTIONS, SERVICE, Frames, frames_of_file, transfer_s  # noqa: E402
 
 __all__ = ["BEAT_S", "HubLink", "explain", "hub_link"]
 
@@ -106,9 +108,16 @@ class HubLink:
             call(request.from_json(self._msg(**kw)).encode(), timeout=timeout or float(self.cfg.timeout_s))
         )
 
+    def deadline(self, nbytes: int, wait: bool) -> float:
+        """Seconds a stream of ``nbytes`` may take: ``timeout_s``, the round's ``grace_s`` when it waits for
+        the round to close, and the bytes at :data:`~.protocol.wire.MIN_RATE` (the hub cuts a slower one too)."""
+        grace = float(self.spec.get("grace_s") or 0.0) if wait else 0.0
+        return transfer_s(nbytes, float(self.cfg.timeout_s) + grace)
+
     def _stream(self, method: str, **kw):
         request = CALLS[method][0].from_json(self._msg(**kw))
-        call = self.channel.unary_stream(f"/{SERVICE}/{method}")(request.encode())
+        timeout = self.deadline(4 * self.geometry_numel, wait=method == "Result")
+        call = self.channel.unary_stream(f"/{SERVICE}/{method}")(request.encode(), timeout=timeout)
         self._call = call
         return call
 
@@ -116,7 +125,8 @@ class HubLink:
         """Upload the spooled file ``path`` (parameters, or an encoded update), a frame at a time."""
         header = UploadHeader.from_json(self._msg(kind=kind, round=rid))
         call = self.channel.stream_unary(f"/{SERVICE}/Upload")
-        future = self._call = call.future(frames_of_file(header.to_json(), path))
+        timeout = self.deadline(Path(path).stat().st_size, wait=True)
+        future = self._call = call.future(frames_of_file(header.to_json(), path), timeout=timeout)
         out = (HubView if kind == "create" else UploadReply).decode(future.result())
         self._call = None
         return out
@@ -156,11 +166,11 @@ class HubLink:
         self._refuse_if_ended(out)
 
     def _refuse_if_ended(self, out: HubView | JoinReply) -> None:
-        """A federation that ended (a facility reached its train.steps) trains no more: joining it would
+        """A federation that ended (its facilities reached their train.steps) trains no more: joining it would
         train nothing, or alone from its last θ_global. One line; the job exits non-zero."""
         if out.ended:
             raise ElasticError(
-                f"facility {self.name}: the federation at the hub {self.hub} has ended (a facility reached its "
+                f"facility {self.name}: the federation at the hub {self.hub} has ended (its facilities reached their "
                 f"train.steps, after {out.version} rounds): nothing is left to train; to train again, serve a "
                 f"new federation (python -m xffl_like.hub serve with another --state)"
             )
@@ -178,8 +188,16 @@ class HubLink:
             raise ElasticError(f"facility {self.name}: {explain(exc, self.hub)}") from None
 
     def _join(self, mine: Path, theta: Path, done: int, min_facilities: int) -> dict:
+        said = [time.monotonic()]
+
         def join() -> JoinReply:
-            return self.unary("Join", spec=self.spec, geometry=self.geometry, steps=self.steps, every=self.every)
+            out = self.unary("Join", spec=self.spec, geometry=self.geometry, steps=self.steps, every=self.every)
+            if out.status == "retry" and time.monotonic() - said[0] > _WAIT_LINE_S:
+                print(f"facility {self.name}: another facility is creating the federation at the hub {self.hub}; "
+                      f"waiting (it has federation.elastic.grace_s to upload its parameters, or loses the role)",
+                      flush=True)  # fmt: skip
+                said[0] = time.monotonic()
+            return out
 
         out = POLL_RETRY.poll(join, lambda out: out.status != "retry", self._pause)  # another one creates it
         self._refuse_if_ended(out)  # it ended since the launcher's probe

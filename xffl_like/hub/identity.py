@@ -9,7 +9,13 @@
 Keys are EC P-256, PKCS#8 PEM, created mode 0600 (never readable by others, not even briefly).
 Revocation is by certificate serial (``DIR/revoked.json``, written atomically): the hub re-reads it when
 it changes, so a revoked facility is refused from its next call, and ``add`` can issue the same name a
-new certificate. Everything is made with the ``cryptography`` package; nothing shells out to openssl.
+new certificate.
+
+What each facility may claim is the operator's too (``DIR/grants.json``, written by ``init``/``add`` with
+``--batch-size``, ``--seq-len``, ``--dp``, ``--steps``; re-read by the hub when it changes): a facility's batch
+geometry (what bounds the tokens it may claim per step) and its steps, each at most its grant. A facility
+without a grant is bounded by the federation alone. Everything is made with the ``cryptography`` package;
+nothing shells out to openssl.
 """
 
 from __future__ import annotations
@@ -28,20 +34,26 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 __all__ = [
+    "GRANT_KEYS",
+    "Grants",
     "IdentityError",
     "RevocationList",
     "add_facility",
     "check_facility_identity",
     "check_hub_identity",
     "init_dir",
+    "is_issued",
     "peer_identity",
     "revoke_facility",
+    "write_grant",
 ]
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 _LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
 HOST = re.compile(rf"^(?:\*\.)?{_LABEL}(?:\.{_LABEL})*$")  # a DNS name (a leading '*.' allowed) for the hub's SANs
 DAYS = 825
+#: What a grant may bound, and each one's largest value (the protocol's own bounds).
+GRANT_KEYS = {"batch_size": 1 << 20, "seq_len": 1 << 24, "dp": 1 << 20, "steps": 1 << 62}
 
 
 class IdentityError(ValueError):
@@ -183,6 +195,15 @@ def add_facility(path: str | Path, name: str, days: int = DAYS) -> list[Path]:
                 f"(python -m xffl_like.hub revoke {path} {name}) or choose another name"
             )
     return _issue(path, ca_key, ca_cert, name, days)
+
+
+def is_issued(path: str | Path, name: str) -> bool:
+    """Whether facility ``name`` has a certificate in ``path`` that is not revoked."""
+    path = Path(path)
+    cert_path = path / "facilities" / f"{_check_name(name)}.crt"
+    if not cert_path.exists():
+        return False
+    return not RevocationList(path).is_revoked(x509.load_pem_x509_certificate(cert_path.read_bytes()))
 
 
 def _serial(cert: x509.Certificate) -> str:
@@ -371,3 +392,63 @@ def check_hub_identity(directory: str | Path) -> tuple[bytes, bytes, bytes]:
         raise IdentityError(f"--certs {d}: hub.crt was not issued by ca.crt: run init again into a new directory")
     _valid_now(hub_cert, d / "hub.crt", "--certs")
     return ca, cert, key
+
+
+# ---------------------------------------------------------------------------- grants
+def _check_grant(name: str, grant, where) -> dict[str, int]:
+    if not isinstance(grant, dict) or set(grant) - set(GRANT_KEYS):
+        raise IdentityError(f"{where}: facility {name}'s grant must be an object of {', '.join(GRANT_KEYS)}")
+    for key, value in grant.items():
+        if type(value) is not int or not 1 <= value <= GRANT_KEYS[key]:
+            raise IdentityError(f"{where}: facility {name}'s {key}={value!r} is not an integer in 1..{GRANT_KEYS[key]}")
+    return dict(grant)
+
+
+def read_grants(path: str | Path) -> dict[str, dict[str, int]]:
+    """The grants of ``DIR/grants.json`` by facility, checked (none when there is no file)."""
+    file = Path(path) / "grants.json"
+    try:
+        data = json.loads(file.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        raise IdentityError(f"{file} is unreadable ({exc}): restore it, or write it again with add") from None
+    facilities = data.get("facilities") if isinstance(data, dict) else None
+    if not isinstance(facilities, dict):
+        raise IdentityError(f'{file}: expected {{"facilities": {{NAME: {{...}}}}}}: write it again with add')
+    return {_check_name(n): _check_grant(n, g, file) for n, g in facilities.items()}
+
+
+def write_grant(path: str | Path, name: str, grant: dict[str, int]) -> None:
+    """Facility ``name``'s grant in ``DIR/grants.json`` (replacing its old one), written atomically."""
+    path = Path(path)
+    grants = read_grants(path)
+    grants.pop(_check_name(name), None)
+    if grant:
+        grants[name] = _check_grant(name, grant, "the grant")
+    tmp = path / ".grants.json.tmp"
+    with open(tmp, "w") as fh:
+        json.dump({"facilities": grants}, fh, indent=1)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path / "grants.json")
+
+
+class Grants:
+    """The grants of ``DIR/grants.json``, re-read whenever the file changes; ``grants(name)``: one's (or None)."""
+
+    def __init__(self, path: str | Path):
+        self.dir = Path(path)
+        self._seen: tuple | None = None
+        self._grants: dict[str, dict[str, int]] = {}
+
+    def __call__(self, name: str) -> dict[str, int] | None:
+        try:
+            st = (self.dir / "grants.json").stat()
+            seen = (st.st_mtime_ns, st.st_size, st.st_ino)
+        except FileNotFoundError:
+            seen = None
+        if seen != self._seen:
+            self._grants = read_grants(self.dir) if seen else {}
+            self._seen = seen
+        return self._grants.get(name)

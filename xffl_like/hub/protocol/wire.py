@@ -21,6 +21,7 @@ Methods (the facility is the client; its name is its certificate's common name):
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -33,12 +34,16 @@ __all__ = [
     "GRPC_OPTIONS",
     "MAX_JSON",
     "METHODS",
+    "MIN_RATE",
+    "RATE_GRACE_S",
     "SERVICE",
     "Frames",
     "WireError",
     "frames_of",
     "frames_of_file",
     "pack",
+    "paced",
+    "transfer_s",
     "unpack",
 ]
 
@@ -49,6 +54,10 @@ CHUNK_BYTES = 16 << 20
 #: The largest control message.
 MAX_JSON = 1 << 20
 _MAX_MESSAGE = CHUNK_BYTES + (1 << 20)
+#: The slowest transfer of tensor frames either end waits for (bytes per second), once :data:`RATE_GRACE_S`
+#: have passed: a stream that trickles is cut (an upload by the hub, a download by either end's deadline).
+MIN_RATE = 1 << 20
+RATE_GRACE_S = 10.0
 
 #: Channel and server options shared by both ends: frames up to CHUNK_BYTES; keepalive pings so a
 #: NAT or proxy on the way never drops a connection idle in a long round.
@@ -94,6 +103,25 @@ def unpack(data: bytes) -> dict[str, Any]:
     if not isinstance(obj, dict):
         raise WireError("control message is not a JSON object")
     return obj
+
+
+def transfer_s(nbytes: int, slack: float) -> float:
+    """The longest a transfer of ``nbytes`` may take: ``slack`` seconds plus its bytes at :data:`MIN_RATE`."""
+    return max(float(slack), 0.0) + RATE_GRACE_S + nbytes / MIN_RATE
+
+
+def paced(frames: Iterator[bytes], deadline: float, what: str) -> Iterator[bytes]:
+    """``frames`` as they arrive, cut with a :class:`WireError` once ``time.monotonic()`` passes ``deadline``, or
+    when, after :data:`RATE_GRACE_S`, they come slower than :data:`MIN_RATE` (``what``: named in the error)."""
+    start, seen = time.monotonic(), 0
+    for frame in frames:
+        now = time.monotonic()
+        seen += len(frame) if isinstance(frame, bytes) else 0
+        if now > deadline:
+            raise WireError(f"{what} not over by its deadline (federation.elastic.grace_s)")
+        if seen < MIN_RATE * (now - start - RATE_GRACE_S):
+            raise WireError(f"{what} slower than {MIN_RATE} bytes/s ({seen} bytes in {now - start:.0f} s)")
+        yield frame
 
 
 def frames_of(header: dict[str, Any], flat: Tensor | None) -> Iterator[bytes]:

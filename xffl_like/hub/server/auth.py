@@ -6,6 +6,9 @@ a restart). With ``--insecure`` (plaintext on loopback, for tests and one-machin
 its facility (its ``facility`` key) and is taken on trust. The handler behind receives a context whose
 ``facility`` is that checked name (:class:`Caller`).
 
+It also bounds the calls each facility has open per method (:data:`MAX_CALLS`; more are refused with
+``RESOURCE_EXHAUSTED``): one member cannot take the server's threads, so the others' calls still get through.
+
 The interceptor also turns every refusal into the call's status, in one place: a :class:`.errors.HubError`
 into its own code, a description the hub cannot hold (:class:`..protocol.spec.SpecError`) and a malformed
 message (:class:`..protocol.wire.WireError`) into ``INVALID_ARGUMENT``.
@@ -15,6 +18,8 @@ from __future__ import annotations
 
 import itertools
 import re
+import threading
+from collections import Counter
 from pathlib import Path
 
 import grpc
@@ -24,6 +29,9 @@ from ..protocol.wire import WireError, unpack
 from .errors import HubError
 
 __all__ = ["Caller", "IdentityInterceptor"]
+
+#: The calls one facility may have open at once per method (an honest leader has one, and a few heartbeats).
+MAX_CALLS = 4
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 
@@ -56,6 +64,24 @@ class IdentityInterceptor(grpc.ServerInterceptor):
             from ..identity import RevocationList
 
             self.revoked = RevocationList(certs)
+        self.open: Counter[tuple[str, str]] = Counter()
+        self.lock = threading.Lock()
+
+    def _enter(self, name: str, method: str) -> tuple[str, str]:
+        """Count a call of ``method`` by ``name`` (refused beyond :data:`MAX_CALLS`); the key to :meth:`_exit`."""
+        key = (name, method.rsplit("/", 1)[-1])
+        with self.lock:
+            if self.open[key] >= MAX_CALLS:
+                raise HubError(f"facility {name} has {MAX_CALLS} {key[1]} calls open already: the hub takes no more "
+                               f"until one ends", "RESOURCE_EXHAUSTED")  # fmt: skip
+            self.open[key] += 1
+        return key
+
+    def _exit(self, key: tuple[str, str]) -> None:
+        with self.lock:
+            self.open[key] -= 1
+            if not self.open[key]:
+                del self.open[key]
 
     def facility(self, context, first: bytes | None) -> str:
         """The calling facility's name (``first``: the request, or a stream's first frame, for ``--insecure``)."""
@@ -87,41 +113,57 @@ class IdentityInterceptor(grpc.ServerInterceptor):
         handler = continuation(handler_call_details)
         if handler is None:
             return None
+        method = handler_call_details.method
         if handler.request_streaming and not handler.response_streaming:
-            return handler._replace(stream_unary=self._stream_in(handler.stream_unary))
+            return handler._replace(stream_unary=self._stream_in(handler.stream_unary, method))
         if handler.response_streaming and not handler.request_streaming:
-            return handler._replace(unary_stream=self._stream_out(handler.unary_stream))
+            return handler._replace(unary_stream=self._stream_out(handler.unary_stream, method))
         if not handler.request_streaming:
-            return handler._replace(unary_unary=self._unary(handler.unary_unary))
+            return handler._replace(unary_unary=self._unary(handler.unary_unary, method))
         return handler  # no method streams both ways
 
-    def _unary(self, behavior):
+    def _unary(self, behavior, method: str):
         def run(request, context):
+            key = None
             try:
-                return behavior(request, Caller(context, self.facility(context, request)))
+                key = self._enter(self.facility(context, request), method)
+                return behavior(request, Caller(context, key[0]))
             except (HubError, SpecError, WireError) as exc:
                 _refuse(context, exc)
+            finally:
+                if key is not None:
+                    self._exit(key)
 
         return run
 
-    def _stream_in(self, behavior):
+    def _stream_in(self, behavior, method: str):
         def run(request_iterator, context):
+            key = None
             try:
                 first = None
                 if self.revoked is None:
                     first = next(request_iterator, None)
                     request_iterator = itertools.chain([] if first is None else [first], request_iterator)
-                return behavior(request_iterator, Caller(context, self.facility(context, first)))
+                key = self._enter(self.facility(context, first), method)
+                return behavior(request_iterator, Caller(context, key[0]))
             except (HubError, SpecError, WireError) as exc:
                 _refuse(context, exc)
+            finally:
+                if key is not None:
+                    self._exit(key)
 
         return run
 
-    def _stream_out(self, behavior):
+    def _stream_out(self, behavior, method: str):
         def run(request, context):
+            key = None
             try:
-                yield from behavior(request, Caller(context, self.facility(context, request)))
+                key = self._enter(self.facility(context, request), method)
+                yield from behavior(request, Caller(context, key[0]))
             except (HubError, SpecError, WireError) as exc:
                 _refuse(context, exc)
+            finally:
+                if key is not None:
+                    self._exit(key)
 
         return run

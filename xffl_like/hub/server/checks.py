@@ -1,10 +1,15 @@
 """The checks of a member's contribution: its claims on arrival, then each upload when the round closes.
 
+What a member may claim is the federation's: on joining, its geometry and steps must be within its operator's
+grant (``grants.json`` beside the hub's certificates, when it has one) and its steps must make the
+federation's rounds (or, with ``every_s``, be the federation's last step) (:func:`granted`).
+
 Claims (steps taken, tokens) are checked on arrival against the facility's geometry (:func:`claims`). When
 the round closes, each uploaded contribution must be finite and its update norm ``|θ_global - θ_f|`` at most
 ``max_norm_ratio`` times a reference no member sets alone (:func:`reference`: the other members' norms this
 round, the federation's recent accepted ones, a floor) and ``max_norm_ratio x max(|θ_global|, 1)`` (:func:`judge`).
-The accepted ones are weighed uniformly or by their tokens (:func:`weights`).
+The accepted ones are weighed uniformly or by their tokens (:func:`weights`), a weight capped at
+:data:`MAX_WEIGHT_RATIO` times the smallest of the others': no claim makes one member's upload the mean.
 """
 
 from __future__ import annotations
@@ -16,15 +21,41 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..protocol.messages import JoinRequest
+from .errors import HubError
 from .membership import Member
 from .rounds import Arrival, Part, Round
 
-__all__ = ["FLOOR", "SLICE", "claims", "judge", "reference", "squares", "weights"]
+__all__ = ["FLOOR", "MAX_WEIGHT_RATIO", "SLICE", "claims", "granted", "judge", "reference", "squares", "weights"]
 
 SLICE = 1 << 20  # values checked or accumulated at a time: transient buffers of a few MB per upload
 #: The least reference norm, as a fraction of ``max(|θ_global|, 1)``: a history of zero updates cannot switch
 #: the norm check off (an update is then at most ``max_norm_ratio x FLOOR`` of θ_global's norm).
 FLOOR = 1e-3
+#: A tokens weight is at most this many times the smallest other accepted weight of its round.
+MAX_WEIGHT_RATIO = 8.0
+
+
+def granted(name: str, msg: JoinRequest, spec: dict, grant: dict[str, int] | None) -> None:
+    """A joining facility's geometry and steps: within its grant (``grant``: the operator's, or None) and the
+    federation's rounds; :class:`.errors.HubError` (one line, with the fix) otherwise."""
+    declared = {**msg.geometry.to_json(), "steps": msg.steps}
+    for key, most in (grant or {}).items():
+        if declared[key] > most:
+            raise HubError(
+                f"facility {name} declares {key}={declared[key]}, over its grant of {most} (grants.json beside the "
+                f"hub's certificates): run it within its grant, or ask the hub's operator for more (python -m "
+                f"xffl_like.hub add DIR {name} --{key.replace('_', '-')} N)",
+                "PERMISSION_DENIED",
+            )
+    rounds, last, every = spec.get("rounds"), spec.get("train.steps"), msg.every
+    if spec.get("every_s") is None and type(rounds) is int and every is not None and -(-msg.steps // every) != rounds:
+        raise HubError(f"facility {name}: train.steps={msg.steps} with federation.every={every} makes "
+                       f"{-(-msg.steps // every)} rounds, the federation {rounds}: set train.steps to {rounds} x "
+                       f"federation.every", "FAILED_PRECONDITION")  # fmt: skip
+    if spec.get("every_s") is not None and type(last) is int and msg.steps != last:
+        raise HubError(f"facility {name}: train.steps={msg.steps}, the federation's is {last}: set it to {last}",
+                       "FAILED_PRECONDITION")  # fmt: skip
 
 
 def claims(m: Member, a: Arrival) -> str | None:
@@ -104,4 +135,9 @@ def weights(spec: dict, accepted: dict[str, Arrival]) -> dict[str, float]:
     if rule is None:
         paced = bool(spec.get("paced"))
         rule = "tokens" if paced or len({a.taken for a in accepted.values()}) > 1 else "uniform"
-    return {n: (a.tokens if rule == "tokens" else 1.0) for n, a in accepted.items()}
+    if rule != "tokens":
+        return dict.fromkeys(accepted, 1.0)
+    claimed = {n: a.tokens for n, a in accepted.items()}
+    if len(claimed) < 2:
+        return claimed
+    return {n: min(w, MAX_WEIGHT_RATIO * min(v for o, v in claimed.items() if o != n)) for n, w in claimed.items()}

@@ -1,9 +1,13 @@
 """The federation the hub holds: its members, its rounds, θ_global and the outer step, orchestrated.
 
+``grants``: what the operator lets each facility claim (``grants.json``, :func:`.checks.granted`).
+
 A round opens when the first member arrives at its boundary with the hub's version, and closes
-when every live member has arrived (and every upload has ended) or ``grace_s`` after it opened,
-whichever comes first (:mod:`.rounds`: its states and their transitions). Then, in the hub's committer
-thread:
+when every live member has arrived and every upload has ended, or ``grace_s`` after it opened, whichever
+comes first: ``grace_s`` bounds the whole round, uploads included (an upload not over by then is cut and
+counts as none; one slower than :data:`..protocol.wire.MIN_RATE` is cut before). :mod:`.rounds`: its states
+and their transitions. A facility creating the federation has ``grace_s`` to upload its parameters, or
+loses the role to the next facility that joins. Then, in the hub's committer thread:
 
 1. each uploaded contribution is checked (:func:`.checks.judge`): finite, its update norm
    ``|θ_global - θ_f|`` at most ``max_norm_ratio`` times a reference no member sets alone (the other
@@ -56,7 +60,7 @@ from ..protocol.messages import (
 )
 from ..protocol.spec import check_spec, codec_of, first_difference, numel_of
 from ..protocol.update_codec import UpdateCodec
-from ..protocol.wire import CHUNK_BYTES, Frames, WireError, pack
+from ..protocol.wire import CHUNK_BYTES, Frames, WireError, paced, pack, transfer_s
 from . import checks, store
 from .aggregate import robust
 from .errors import HubError
@@ -84,8 +88,10 @@ class HubFederation:
     """One federation's state and rounds; thread-safe (gRPC handlers call in from a pool). ``state``: where it
     is kept (:class:`.store.StateStore`; default: safetensors files in ``state_dir``)."""
 
-    def __init__(self, state_dir: Path, snap: store.Snapshot | None, log=print, state: store.StateStore | None = None):
+    def __init__(self, state_dir: Path, snap: store.Snapshot | None, log=print, state: store.StateStore | None = None,
+                 grants=None):  # fmt: skip
         self.log, self.store = log, state or store.SafetensorsStore(state_dir, log)
+        self.grants = grants or (lambda name: None)  # the operator's grant of a facility (grants.json), or None
         self.cv = threading.Condition()
         self.members = Membership(snap.members if snap else None)
         self.round: Round | None = None
@@ -93,6 +99,10 @@ class HubFederation:
         self.next_rid = 0
         self.halted: str | None = None  # θ_global in memory could not go back to the saved version: no more rounds
         self.creator: str | None = None
+        self.create_by = 0.0  # the creator's parameters are due by then (grace_s after it was told to create)
+        self.create_cut = None  # ends the creator's upload call
+        self.dropped: set[str] = set()  # facilities that lost the creator's role (they create last)
+        self.asked: dict[str, float] = {}  # when each facility last asked to join a federation not created yet
         self.pending_spec: dict | None = None  # the creator's description until its parameters arrive
         self.spool = Spool(state_dir / "spool")
         self.snap = snap
@@ -166,18 +176,42 @@ class HubFederation:
                         f"federation's settings (or serve a new federation with another --state)",
                         "FAILED_PRECONDITION",
                     )
-            elif self.creator not in (None, name):
-                if self.members[self.creator].live(time.monotonic()):
-                    return JoinReply("retry", **vars(self._view()))  # another facility is creating it
-                self.creator = None  # it died before its parameters arrived: this one creates it
+            elif self._another_creates(name):
+                return JoinReply("retry", **vars(self._view()))  # another facility is creating it
+            checks.granted(name, msg, self.spec or msg.spec, self.grants(name))
             if msg.probe:  # ended: the launcher refuses before its workers start
                 return JoinReply("ok", **vars(self._view()))
             if self.spec is None:
                 numel_of(msg.spec), _outer_config(msg.spec), check_spec(msg.spec)
+                if self.creator != name:  # its deadline is not moved by joining again
+                    self.create_by = time.monotonic() + float(msg.spec["grace_s"])
                 self.creator, self.pending_spec = name, msg.spec
             self.members.admit(name, msg.session, msg.geometry, msg.every, msg.steps)
             self.cv.notify_all()
             return JoinReply("create" if self.spec is None else "member", **vars(self._view()))
+
+    def _another_creates(self, name: str) -> bool:
+        """Whether ``name`` must wait while another facility creates the federation: the creator is live and
+        within its deadline, or ``name`` lost the role before and another facility asks too."""
+        now = time.monotonic()
+        self.asked[name] = now
+        if self.creator not in (None, name):
+            if self.members[self.creator].live(now) and now < self.create_by:
+                return True
+            self._drop_creator("stopped beating" if now < self.create_by else "did not upload in time")
+        others = any(n != name and now - t < LIVE_S for n, t in self.asked.items())
+        return self.creator is None and name in self.dropped and others
+
+    def _drop_creator(self, why: str) -> None:
+        """The creator loses its role (the caller holds the lock): the next facility that joins creates."""
+        name, cut = self.creator, self.create_cut
+        self.creator, self.pending_spec, self.create_cut = None, None, None
+        self.dropped.add(name)
+        self.log(f"hub: facility {name} {why} (its parameters were due within grace_s): it is not creating the "
+                 f"federation any more; the next facility that joins creates it")  # fmt: skip
+        if cut is not None:
+            cut()
+        self.cv.notify_all()
 
     def beat(self, name: str, msg: SessionRequest) -> HubView:
         with self.cv:
@@ -190,13 +224,14 @@ class HubFederation:
             if self.members.leave(name, msg.session):
                 self.cv.notify_all()
 
-    def create(self, name: str, frames: Frames) -> HubView:
-        """The first facility's parameters become θ_global (version 0)."""
+    def create(self, name: str, frames: Frames, cut=None) -> HubView:
+        """The first facility's parameters become θ_global (version 0), if they arrive by its deadline."""
         with self.cv:
             self.members.member(name, frames.header.session)
             if self.creator != name or self.spec is not None:
-                raise HubError(f"facility {name} is not creating this federation", "FAILED_PRECONDITION")
-            spec = self.pending_spec
+                raise HubError(f"facility {name} is not creating this federation: join again", "FAILED_PRECONDITION")
+            spec, self.create_cut = self.pending_spec, cut
+            frames.frames = paced(frames.frames, self.create_by, f"facility {name}'s parameters")
         theta = torch.empty(numel_of(spec), dtype=torch.float32)
         frames.into(theta)
         if not torch.isfinite(theta).all():
@@ -205,15 +240,19 @@ class HubFederation:
             raise HubError("the parameters that would create the federation are not finite", "INVALID_ARGUMENT")
         outer = OuterOptimizer(_outer_config(spec), theta)
         with self.cv:
+            if self.creator != name:
+                raise HubError(f"facility {name}'s parameters came after its deadline (federation.elastic.grace_s): "
+                               f"another facility creates the federation; join again", "DEADLINE_EXCEEDED")  # fmt: skip
             members = self.members.durable()
         snap = store.Snapshot(0, spec, theta, dict(outer.buffers), outer.steps, members=members,
                               federation=uuid.uuid4().hex)  # fmt: skip
         why = self._saved(snap, "the new federation")
         with self.cv:
             if why is not None:
-                self.creator = None  # not created: the next join creates it
+                self.creator, self.create_cut = None, None  # not created: the next join creates it
                 raise HubError(f"the hub {why}: the federation is not created", "INTERNAL")
             self.spec, self.theta, self.creator, self.outer, self.snap = spec, theta, None, outer, snap
+            self.create_cut = None
             self.codec = codec_of(spec)
             self.log(f"hub: facility {name} created the federation ({theta.numel()} parameters)")
             self.cv.notify_all()
@@ -247,11 +286,11 @@ class HubFederation:
             self.cv.notify_all()
             return ArriveReply("upload" if a.part is Part.WANTED else "heal", r.rid, a.reason)
 
-    def upload(self, name: str, frames: Frames) -> UploadReply | HubView:
+    def upload(self, name: str, frames: Frames, cut=None) -> UploadReply | HubView:
         """A ``create`` (:meth:`create`), or spool the member's contribution to disk, measuring finiteness and its
-        update's norm."""
+        update's norm. ``cut()``: ends the call (the round's deadline passed before the upload ended)."""
         if frames.header.kind == "create":
-            return self.create(name, frames)
+            return self.create(name, frames, cut)
         with self.cv:
             m = self.members.member(name, frames.header.session)
             r = self.round
@@ -259,7 +298,8 @@ class HubFederation:
             if a is None or a.part is not Part.WANTED or r.state is not RoundState.OPEN:
                 raise HubError(f"facility {name} has no upload pending in this round", "FAILED_PRECONDITION")
             a.move(Part.UPLOADING)
-            a.spool = self.spool.path(r.rid, name)
+            a.spool, a.cut = self.spool.path(r.rid, name), cut
+            frames.frames = paced(frames.frames, r.opened + self._grace(), f"facility {name}'s upload")
         part, reason = Part.BROKEN, "upload broken off"
         try:
             a.norm = self.spool.write(frames, a.spool, self.theta, self.codec)
@@ -272,24 +312,45 @@ class HubFederation:
             if part is Part.BROKEN:
                 a.spool.unlink(missing_ok=True)
             with self.cv:
-                a.move(part, reason)
+                a.cut = None
+                if a.part is Part.UPLOADING:  # else the round's deadline cut it (BROKEN)
+                    a.move(part, reason)
                 m.beat = time.monotonic()
                 self.cv.notify_all()
-        return UploadReply(part is Part.UPLOADED, a.reason)
+        return UploadReply(a.part is Part.UPLOADED, a.reason)
+
+    def _grace(self) -> float:
+        return float(self.spec["grace_s"])
 
     def _closable(self, r: Round, now: float) -> bool:
+        """Every live member arrived and every upload ended, or the round's deadline (``grace_s``) passed."""
         live = self.members.live(now)
         uploads_done = all(a.settled or (a.part is Part.WANTED and n not in live) for n, a in r.arrivals.items())
-        everyone = live <= set(r.arrivals)
-        return uploads_done and (everyone or now - r.opened >= float(self.spec["grace_s"]))
+        return (uploads_done and live <= set(r.arrivals)) or now - r.opened >= self._grace()
+
+    @staticmethod
+    def _cut_late(r: Round) -> None:
+        """At the round's close (the caller holds the lock): an upload still pending counts as none, and one in
+        flight is ended."""
+        for a in r.arrivals.values():
+            if a.part is Part.WANTED:
+                a.move(Part.BROKEN, "no upload by the round's deadline (federation.elastic.grace_s)")
+            elif a.part is Part.UPLOADING:
+                a.move(Part.BROKEN, "upload not over by the round's deadline (federation.elastic.grace_s)")
+                cut, a.cut = a.cut, None
+                if cut is not None:
+                    cut()
 
     def _commit_loop(self) -> None:
         while not self._stop.is_set():
             with self.cv:
+                if self.creator is not None and time.monotonic() >= self.create_by:
+                    self._drop_creator("did not upload in time")
                 r = self.round
                 if r is None or r.state is not RoundState.OPEN or not self._closable(r, time.monotonic()):
                     self.cv.wait(timeout=0.2)
                     continue
+                self._cut_late(r)
                 r.move(RoundState.CLOSED)
                 r.move(RoundState.COMMITTING)  # readers read saved files: none is waited for
             try:
@@ -361,7 +422,7 @@ class HubFederation:
         for n, a in r.arrivals.items():
             members[n].accepted(a.step, a.norm if n in accepted else None)
         progress = max([s.progress] + [a.step // members[n].every for n, a in accepted.items() if members[n].every])
-        ended = s.ended or any(a.step >= members[n].steps for n, a in accepted.items())
+        ended = s.ended or self._ends(accepted, members)
         nxt = dataclasses.replace(s, version=s.version + 1, theta=self.theta, buffers=dict(self.outer.buffers),
                                   outer_steps=self.outer.steps, progress=progress, ended=ended,
                                   members={n: m.durable() for n, m in members.items()})  # fmt: skip
@@ -382,13 +443,25 @@ class HubFederation:
                            f"its operator must restart it on the same --state")  # fmt: skip
             self.log(f"hub: {self.halted}")
 
+    def _ends(self, accepted: dict[str, Arrival], members: dict) -> bool:
+        """Whether the round ends the federation: with ``every_s``, an accepted member reached the federation's last
+        step; else every accepted member reached its last step (each made the federation's rounds on joining)."""
+        last = self.spec.get("train.steps")
+        if self.spec.get("every_s") is not None and type(last) is int:
+            return any(a.step >= last for a in accepted.values())
+        return bool(accepted) and all(a.step >= members[n].steps for n, a in accepted.items())
+
     # ------------------------------------------------------------------ θ_global out
-    def result(self, name: str, msg: ResultRequest, active) -> Iterator[bytes]:
+    def result(self, name: str, msg: ResultRequest, active, cut=None) -> Iterator[bytes]:
         """After round ``msg.round`` is decided (or now, for a heal outside a round): the member's status and
-        θ_global. ``active()``: False once the member's call is gone."""
+        θ_global. ``active()``: False once the member's call is gone; ``cut()`` ends it (:meth:`_theta_frames`).
+        A round that is neither open nor decided (any more) is refused at once."""
         rid = msg.round
         with self.cv:
             self.members.member(name, msg.session)
+            if rid is not None and rid not in self.decided and (self.round is None or self.round.rid != rid):
+                raise HubError(f"round {rid} is neither open nor decided at the hub: arrive at a boundary again",
+                               "FAILED_PRECONDITION")  # fmt: skip
             while rid is not None and rid not in self.decided:
                 if self._stop.is_set() or not active():
                     raise HubError("the hub is stopping", "UNAVAILABLE")
@@ -397,17 +470,30 @@ class HubFederation:
                 header = ResultHeader("healed", "heal", **vars(self._view()))
             else:
                 header = self.decided[rid].outcome.header(name)
-        return self._theta_frames(header)
+        return self._theta_frames(header, self._cutting(name, "Result", cut))
 
-    def fetch(self, name: str, msg: SessionRequest) -> Iterator[bytes]:
+    def fetch(self, name: str, msg: SessionRequest, cut=None) -> Iterator[bytes]:
         with self.cv:
             self.members.member(name, msg.session)
             header = ResultHeader("healed", "join", **vars(self._view()))
-        return self._theta_frames(header)
+        return self._theta_frames(header, self._cutting(name, "Fetch", cut))
 
-    def _theta_frames(self, header: ResultHeader) -> Iterator[bytes]:
+    def _cutting(self, name: str, method: str, cut):
+        """``cut``, saying so in the hub's log (a stream not read in time)."""
+        if cut is None:
+            return None
+
+        def run():
+            self.log(f"hub: facility {name}'s {method} was not read within its deadline: the hub ended it")
+            cut()
+
+        return run
+
+    def _theta_frames(self, header: ResultHeader, cut=None) -> Iterator[bytes]:
         """θ_global's frames, read from the saved file of the version the header names (opened now: a commit
-        that follows neither waits for the stream nor changes what it sends)."""
+        that follows neither waits for the stream nor changes what it sends). A stream not read within
+        :func:`..protocol.wire.transfer_s` of θ_global's bytes (``grace_s`` of slack) is ended (``cut()``: the
+        hub's side of its deadline)."""
         with self.cv:
             if self.snap is None:
                 raise HubError("the federation has not been created yet: join again", "FAILED_PRECONDITION")
@@ -419,16 +505,24 @@ class HubFederation:
                 self.log(f"hub: cannot read version {self.version}'s saved state ({exc})")
                 raise HubError(f"the hub cannot read its saved state ({exc}): its operator must check --state",
                                "INTERNAL") from None  # fmt: skip
-        return _file_frames(header, fh, nbytes)
+        return _file_frames(header, fh, nbytes, transfer_s(nbytes, self._grace()), cut)
 
 
-def _file_frames(header: ResultHeader, fh, nbytes: int) -> Iterator[bytes]:
-    with fh:
-        yield pack({**header.to_json(), "nbytes": nbytes})
-        left = nbytes
-        while left:
-            chunk = fh.read(min(CHUNK_BYTES, left))
-            if not chunk:
-                raise HubError("the hub's saved state was cut short: its operator must check --state", "DATA_LOSS")
-            left -= len(chunk)
-            yield chunk
+def _file_frames(header: ResultHeader, fh, nbytes: int, deadline_s: float, cut) -> Iterator[bytes]:
+    """The header, then ``nbytes`` of θ_global from ``fh``; ``cut()`` ends the stream if it is not read within
+    ``deadline_s``."""
+    timer = threading.Timer(deadline_s, cut or (lambda: None))
+    timer.daemon = True
+    timer.start()
+    try:
+        with fh:
+            yield pack({**header.to_json(), "nbytes": nbytes})
+            left = nbytes
+            while left:
+                chunk = fh.read(min(CHUNK_BYTES, left))
+                if not chunk:
+                    raise HubError("the hub's saved state was cut short: its operator must check --state", "DATA_LOSS")
+                left -= len(chunk)
+                yield chunk
+    finally:
+        timer.cancel()

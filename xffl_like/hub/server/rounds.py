@@ -8,13 +8,15 @@ is waited for, none waits);
 
 A member's part (:class:`Part`): ``HEAL`` (another version, or it came after the round closed: it receives
 θ_global and contributes nothing), ``REFUSED`` (its claims cannot hold), ``WANTED`` (its upload is
-expected), ``UPLOADING``, then ``UPLOADED`` or ``BROKEN`` (the upload was malformed or broke off).
+expected), ``UPLOADING``, then ``UPLOADED`` or ``BROKEN`` (the upload was malformed, broke off, or had not
+ended by the round's deadline: ``grace_s`` after it opened bounds the whole round, uploads included).
 """
 
 from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -51,7 +53,7 @@ ROUND_MOVES = {
     RoundState.DECIDED: set(),
 }
 PART_MOVES = {
-    Part.WANTED: {Part.UPLOADING},
+    Part.WANTED: {Part.UPLOADING, Part.BROKEN},  # broken: no upload by the round's deadline
     Part.UPLOADING: {Part.UPLOADED, Part.BROKEN},
     Part.HEAL: set(),
     Part.REFUSED: set(),
@@ -75,6 +77,7 @@ class Arrival:
     reason: str | None = None  # why its contribution is out (claims, upload, checks)
     spool: Path | None = None
     norm: float = math.nan
+    cut: Callable[[], None] | None = None  # ends its upload's call (the round's deadline passed)
 
     def move(self, to: Part, reason: str | None = None) -> None:
         self.part = _move("an arrival", PART_MOVES, self.part, to)

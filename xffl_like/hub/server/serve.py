@@ -21,10 +21,14 @@ import grpc  # noqa: E402 - after its verbosity is set
 from ..protocol.wire import GRPC_OPTIONS  # noqa: E402
 from . import store
 from .auth import IdentityInterceptor
+from .errors import HubError
 from .federation import HubFederation
 from .service import HubService
 
-__all__ = ["serve_main"]
+__all__ = ["build_server", "serve_main"]
+
+#: The server's threads (each open call holds one; :data:`.auth.MAX_CALLS` bounds each facility's).
+WORKERS = 64
 
 
 def _credentials(certs: Path) -> grpc.ServerCredentials:
@@ -46,6 +50,37 @@ def _return_big_buffers() -> None:
         pass
 
 
+def build_server(fed: HubFederation, certs: Path | None) -> grpc.Server:
+    """The hub's gRPC server over ``fed``, not started and with no port (``certs``: None serves --insecure)."""
+    # so_reuseport off: a second hub on a port in use is refused instead of sharing it
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=WORKERS),
+        interceptors=[IdentityInterceptor(certs)],
+        options=[*GRPC_OPTIONS, ("grpc.so_reuseport", 0)],
+    )
+    server.add_generic_rpc_handlers((HubService(fed).handler(),))
+    return server
+
+
+def _grants(certs: Path | None):
+    """What each facility may claim (``certs/grants.json``, re-read when it changes; read once here so a damaged
+    file stops the hub in one line), as a function of its name; None for --insecure."""
+    if certs is None:
+        return None
+    from ..identity import Grants, IdentityError
+
+    grants = Grants(certs)
+    grants("")
+
+    def grant(name: str):
+        try:
+            return grants(name)
+        except IdentityError as exc:
+            raise HubError(f"the hub cannot read its grants ({exc})", "UNAVAILABLE") from None
+
+    return grant
+
+
 def serve_main(args) -> int:
     """Run the hub until SIGINT/SIGTERM; 0 after a clean stop, 2 (one line) on bad input."""
     _return_big_buffers()
@@ -55,17 +90,14 @@ def serve_main(args) -> int:
         creds = None if args.insecure else _credentials(Path(args.certs))
         state = store.SafetensorsStore(Path(args.state), log=lambda line: print(line, flush=True))
         snap = state.open(args.fresh)
-        fed = HubFederation(Path(args.state), snap, log=lambda line: print(line, flush=True), state=state)
+        grants = _grants(None if args.insecure else Path(args.certs))
+        fed = HubFederation(
+            Path(args.state), snap, log=lambda line: print(line, flush=True), state=state, grants=grants
+        )
     except (store.StateError, ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2
-    # so_reuseport off: a second hub on a port in use is refused instead of sharing it
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=64),
-        interceptors=[IdentityInterceptor(None if args.insecure else Path(args.certs))],
-        options=[*GRPC_OPTIONS, ("grpc.so_reuseport", 0)],
-    )
-    server.add_generic_rpc_handlers((HubService(fed).handler(),))
+    server = build_server(fed, None if args.insecure else Path(args.certs))
     bind = "127.0.0.1" if args.insecure else args.bind
     try:
         port = server.add_insecure_port(f"{bind}:{args.port}") if creds is None else (

@@ -30,13 +30,13 @@ class HubService:
 
     def upload(self, request_iterator, context) -> bytes:
         frames = Frames(request_iterator, self.fed.expected_bytes, UploadHeader)
-        return self.fed.upload(context.facility, frames).encode()
+        return self.fed.upload(context.facility, frames, context.cancel).encode()
 
     def result(self, request: bytes, context):
-        return self.fed.result(context.facility, ResultRequest.decode(request), context.is_active)
+        return self.fed.result(context.facility, ResultRequest.decode(request), context.is_active, context.cancel)
 
     def fetch(self, request: bytes, context):
-        return self.fed.fetch(context.facility, SessionRequest.decode(request))
+        return self.fed.fetch(context.facility, SessionRequest.decode(request), context.cancel)
 
     def leave(self, request: bytes, context) -> bytes:
         self.fed.leave(context.facility, SessionRequest.decode(request))

@@ -1,0 +1,379 @@
+"""Every round closes, and claims are the federation's (issue 38, items 2 and 3): dishonest members written as raw
+gRPC clients (the project's wire format, ``--insecure`` with the ``facility`` key: TLS is not the point here)
+against a hub served in this process with a short ``grace_s``; honest ones as raw clients too, or the project's
+:class:`~xffl_like.hub.client.HubLink`.
+
+No timing is asserted: every wait is bounded generously, and only fails on a hang."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import time
+from concurrent import futures
+from types import SimpleNamespace
+
+import grpc
+import pytest
+import torch
+
+from xffl_like.hub.cli import main as hub_main
+from xffl_like.hub.client import HubLink
+from xffl_like.hub.protocol import wire
+from xffl_like.hub.protocol.messages import ArriveReply, ResultHeader, UploadHeader
+from xffl_like.hub.protocol.wire import GRPC_OPTIONS, SERVICE, Frames, frames_of, pack, unpack
+from xffl_like.hub.server.federation import HubFederation
+from xffl_like.hub.server.serve import build_server
+
+GRACE_S = 1.0
+BOUND_S = 30.0  # a wait that only a hang exceeds
+GEOMETRY = {"batch_size": 2, "seq_len": 8, "dp": 1}
+
+
+def _spec(numel: int = 6, grace_s: float = GRACE_S) -> dict:
+    return {
+        "parameters": [["w", [numel], "float32"]],
+        "algorithm": "federated",
+        "outer": {"name": "average", "lr": 1.0, "momentum": 0.0, "betas": [0.9, 0.99], "eps": 1e-8, "offload": False},
+        "compression": {"kind": "none", "chunk_size": 4096, "error_feedback": False},
+        "every_s": None,
+        "rounds": 10,
+        "train.steps": None,
+        "weights": "uniform",
+        "grace_s": grace_s,
+        "max_norm_ratio": 0.0,
+        "weights_rule": None,
+        "paced": False,
+        "min_facilities": 1,
+    }
+
+
+@contextlib.contextmanager
+def _serve(tmp_path, grants: dict | None = None):
+    """A hub served --insecure on a free loopback port, in this process (``grants``: the operator's, by name)."""
+    logs: list[str] = []
+    fed = HubFederation(tmp_path / "state", None, log=logs.append, grants=grants.get if grants else None)
+    server = build_server(fed, None)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        yield SimpleNamespace(fed=fed, address=f"127.0.0.1:{port}", logs=logs)
+    finally:
+        server.stop(0)
+        fed.close()
+
+
+@pytest.fixture
+def hub(tmp_path):
+    with _serve(tmp_path) as served:
+        yield served
+
+
+class Raw:
+    """A facility speaking the wire format by hand (honest or not, as the test drives it)."""
+
+    def __init__(self, hub, name: str):
+        self.name, self.session = name, f"session-{name}"
+        self.channel = grpc.insecure_channel(hub.address, options=GRPC_OPTIONS)
+        self._stop = threading.Event()
+
+    def msg(self, **kw) -> dict:
+        return {"facility": self.name, "session": self.session, **kw}
+
+    def call(self, method: str, timeout: float = BOUND_S, **kw) -> dict:
+        return unpack(self.channel.unary_unary(f"/{SERVICE}/{method}")(pack(self.msg(**kw)), timeout=timeout))
+
+    def join(self, spec: dict, steps: int = 20, every: int = 2, geometry: dict = GEOMETRY) -> dict:
+        return self.call("Join", spec=spec, geometry=geometry, steps=steps, every=every)
+
+    def upload(self, frames, timeout: float = BOUND_S):
+        return self.channel.stream_unary(f"/{SERVICE}/Upload").future(frames, timeout=timeout)
+
+    def frames(self, kind: str, theta: torch.Tensor, rid: int | None = None):
+        return frames_of(UploadHeader(self.session, kind, rid, facility=self.name).to_json(), theta)
+
+    def stream(self, method: str, timeout: float = BOUND_S, **kw):
+        return self.channel.unary_stream(f"/{SERVICE}/{method}")(pack(self.msg(**kw)), timeout=timeout)
+
+    def result(self, rid: int | None, numel: int) -> tuple[ResultHeader, torch.Tensor]:
+        frames = Frames(self.stream("Result", round=rid), 4 * numel, ResultHeader)
+        return frames.header, frames.into(torch.empty(numel))
+
+    def beating(self) -> Raw:
+        """Heartbeats every 0.2 s from a thread, until :meth:`close` (a member that stays live)."""
+
+        def run():
+            while not self._stop.wait(0.2):
+                try:
+                    self.call("Beat", timeout=5)
+                except grpc.RpcError:
+                    pass
+
+        threading.Thread(target=run, daemon=True).start()
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        self.channel.close()
+
+
+def _created(hub, spec: dict, names=("a", "b")) -> tuple[list[Raw], torch.Tensor]:
+    """Members ``names`` (beating), the first having created the federation with θ = 0, 1, 2, ..."""
+    members = [Raw(hub, n) for n in names]
+    assert members[0].join(spec)["status"] == "create"
+    numel = spec["parameters"][0][1][0]
+    theta = torch.arange(numel, dtype=torch.float32)
+    assert unpack(members[0].upload(members[0].frames("create", theta)).result())["version"] == 0
+    for m in members[1:]:
+        assert m.join(spec)["status"] == "member"
+    return [m.beating() for m in members], theta
+
+
+def _arrive(m: Raw, step: int = 2, taken: int = 2, tokens: float = 32.0, version: int = 0) -> ArriveReply:
+    return ArriveReply.decode(pack(m.call("Arrive", version=version, step=step, taken=taken, tokens=tokens)))
+
+
+def _trickle(m: Raw, rid: int, numel: int, stop: threading.Event):
+    """An upload's header, then 4 bytes every 5 s (it never ends on its own)."""
+    yield pack(UploadHeader(m.session, "round", rid, 4 * numel, facility=m.name).to_json())
+    while not stop.wait(5.0):
+        yield b"\0\0\0\0"
+
+
+# ---------------------------------------------------------------------------------------------- item 2: rounds close
+def test_a_member_that_beats_but_never_uploads_is_cut_at_the_rounds_deadline(hub):
+    """b arrives, is told to upload, and keeps beating without uploading: before, the round waited for it forever
+    (grace_s did not apply to a live arrival); now the round closes at its deadline without b."""
+    (a, b), theta = _created(hub, _spec())
+    try:
+        assert _arrive(b).action == "upload"
+        rid = _arrive(a).round
+        a.upload(a.frames("round", theta + 1, rid)).result()
+        header, got = a.result(rid, theta.numel())  # DEADLINE_EXCEEDED (BOUND_S) when the round never closes
+        assert header.committed and header.status == "accepted" and torch.equal(got, theta + 1)
+        assert "deadline" in header.rejected["b"], header.rejected
+    finally:
+        a.close(), b.close()
+
+
+def test_a_trickled_upload_is_cut_and_the_round_closes_without_it(hub):
+    """b uploads 4 bytes every 5 s of 16 KB: its upload is cut at the round's deadline (before: the round waited
+    for the upload to end, forever) and its call ends; a's round commits."""
+    spec = _spec(numel=4096)
+    (a, b), theta = _created(hub, spec)
+    stop = threading.Event()
+    try:
+        rid = _arrive(b).round
+        trickled = b.upload(_trickle(b, rid, 4096, stop))
+        assert _arrive(a).round == rid
+        a.upload(a.frames("round", theta + 1, rid)).result()
+        header, _ = a.result(rid, theta.numel())
+        assert header.committed and header.accepted == {"a": 1.0} and "deadline" in header.rejected["b"]
+        try:  # ended by the hub (cut, or refused at its next frame), not by its own deadline (BOUND_S)
+            assert unpack(trickled.result(timeout=BOUND_S / 2))["ok"] is False
+        except grpc.RpcError as exc:
+            assert exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED, exc
+    finally:
+        stop.set()
+        a.close(), b.close()
+
+
+def test_a_fetch_read_only_to_its_first_frame_is_ended_by_the_hub(hub, monkeypatch):
+    """b opens a Fetch of a 48 MB θ_global and reads only its header: the hub ends the stream after its deadline
+    (grace_s + θ's bytes at the minimum rate; shortened here) instead of holding a thread and a reader forever."""
+    monkeypatch.setattr(wire, "RATE_GRACE_S", 0.5)
+    monkeypatch.setattr(wire, "MIN_RATE", 1 << 30)
+    spec = _spec(numel=12 << 20)
+    (a, b), _ = _created(hub, spec)
+    try:
+        call = b.stream("Fetch", timeout=BOUND_S * 2)
+        assert unpack(next(call))["nbytes"] == 48 << 20
+        deadline = time.monotonic() + BOUND_S
+        while not any("Fetch was not read" in line for line in hub.logs) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert any("b's Fetch was not read within its deadline" in line for line in hub.logs), hub.logs
+        assert _code(call) == grpc.StatusCode.CANCELLED  # before: the rest came, however late it was read
+    finally:
+        a.close(), b.close()
+
+
+def test_a_result_for_a_round_that_is_not_open_is_refused_at_once_and_beats_get_through(hub):
+    """70 Result(round=10**9) streams of one member: before, each waited for a round that never comes and 64 of
+    them took every server thread, so an honest Beat timed out; now each is refused at once."""
+    (a, b), _ = _created(hub, _spec())
+    try:
+        calls = [b.stream("Result", round=10**9) for _ in range(70)]
+        assert a.call("Beat", timeout=10)["version"] == 0
+        codes = {_code(c) for c in calls}
+        assert codes <= {grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.RESOURCE_EXHAUSTED}, codes
+    finally:
+        a.close(), b.close()
+
+
+def _code(call) -> grpc.StatusCode | None:
+    try:
+        for _ in call:
+            pass
+    except grpc.RpcError as exc:
+        return exc.code()
+    return None
+
+
+def test_one_member_cannot_hold_more_than_a_few_streams_of_a_method(hub):
+    """b opens 70 Result streams for the round that is open (grace_s long): a few wait for it, the rest are refused
+    with RESOURCE_EXHAUSTED (before: all 70 waited, taking every thread), and a's Beat still gets through."""
+    (a, b), _ = _created(hub, _spec(grace_s=60.0))
+    try:
+        rid = _arrive(b).round
+        calls = [b.stream("Result", round=rid, timeout=5) for _ in range(70)]
+        assert a.call("Beat", timeout=10)["version"] == 0
+        codes = [_code(c) for c in calls]
+        assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) >= 60, codes
+    finally:
+        a.close(), b.close()
+
+
+def test_a_creator_that_does_not_upload_in_time_loses_the_role(hub):
+    """a is told to create the federation and keeps beating without uploading its parameters: before, every other
+    facility was told to retry forever; now, after grace_s, the next one creates it, the hub says so, and a's
+    late parameters are refused."""
+    a, b = Raw(hub, "a"), Raw(hub, "b")
+    spec = _spec()
+    try:
+        assert a.join(spec)["status"] == "create"
+        a.beating()
+        deadline, status = time.monotonic() + BOUND_S, "retry"
+        while status == "retry" and time.monotonic() < deadline:
+            status = b.join(spec)["status"]
+            time.sleep(0.1)
+        assert status == "create"
+        assert any("a did not upload in time" in line for line in hub.logs), hub.logs
+        late = a.upload(a.frames("create", torch.zeros(6)))
+        with pytest.raises(grpc.RpcError) as refused:
+            late.result()
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION, refused.value.details()
+        assert a.join(spec)["status"] == "retry"  # b creates now, not a again
+    finally:
+        a.close(), b.close()
+
+
+def _stub_hub():
+    """A hub that answers Arrive with a heal and never answers Result (until released)."""
+    release = threading.Event()
+
+    def arrive(request, context):
+        return ArriveReply("heal", 0, "stub").encode()
+
+    def result(request, context):
+        release.wait(BOUND_S * 2)
+        yield b""
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=GRPC_OPTIONS)
+    handlers = {"Arrive": grpc.unary_unary_rpc_method_handler(arrive),
+                "Result": grpc.unary_stream_rpc_method_handler(result)}  # fmt: skip
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    return server, port, release
+
+
+def test_a_result_that_never_comes_is_a_missed_round_for_the_client(tmp_path, monkeypatch):
+    """The client's Result has a deadline (grace_s + its timeout + θ's bytes at the minimum rate): a hub that never
+    answers costs the round (missed, with the retry policy's backoff), not the job (before: it waited forever)."""
+    monkeypatch.setattr(wire, "RATE_GRACE_S", 0.5)
+    server, port, release = _stub_hub()
+    cfg = SimpleNamespace(hub=f"127.0.0.1:{port}", cert=None, ca=None, key=None, timeout_s=1.0)
+    link = HubLink(cfg, "a", _spec(grace_s=0.5), GEOMETRY, steps=20, every=2)
+    out = {}
+    worker = threading.Thread(target=lambda: out.update(link.round(tmp_path / "m", tmp_path / "t", 2, 32.0, 2)))
+    try:
+        worker.start()
+        worker.join(BOUND_S)
+        assert not worker.is_alive(), "the client waited for the hub's Result without a deadline"
+        assert out["status"] == "missed" and "in time" in out["reason"], out
+        assert link.backoff_until > time.monotonic() - BOUND_S
+    finally:
+        release.set()
+        link.channel.close()
+        server.stop(0)
+
+
+# ---------------------------------------------------------------------------------------------- item 3: claims
+def test_a_claim_of_1e18_tokens_never_makes_a_members_upload_the_mean(hub):
+    """b declares the largest geometry the protocol allows and claims 1e18 tokens: before, its weight was 1.0 and
+    θ_global became its upload bit for bit; now its weight is capped at 8x a's (share 8/9)."""
+    spec = {**_spec(), "weights_rule": "tokens"}
+    a, b = Raw(hub, "a"), Raw(hub, "b")
+    try:
+        assert a.join(spec)["status"] == "create"
+        theta = torch.zeros(6)
+        a.upload(a.frames("create", theta)).result()
+        assert b.join(spec, geometry={"batch_size": 1 << 20, "seq_len": 1 << 24, "dp": 1 << 20})["status"] == "member"
+        a.beating(), b.beating()
+        rid = _arrive(a).round
+        assert _arrive(b, tokens=1e18).action == "upload"
+        a.upload(a.frames("round", theta + 1, rid)).result()
+        b.upload(b.frames("round", theta + 100, rid)).result()
+        header, got = a.result(rid, 6)
+        assert header.committed and header.accepted["b"] == pytest.approx(8 / 9), header.accepted
+        assert not torch.equal(got, theta + 100) and torch.allclose(got, theta + (1 + 8 * 100) / 9)
+    finally:
+        a.close(), b.close()
+
+
+def test_a_member_cannot_claim_over_its_operators_grant(tmp_path):
+    """The operator grants b a geometry and steps (grants.json): b joining with more is refused in one line (before:
+    anything a member declared bounded its own claims)."""
+    grant = {"batch_size": 2, "seq_len": 8, "dp": 1, "steps": 20}
+    with _serve(tmp_path, grants={"b": grant}) as hub:
+        a, b = Raw(hub, "a"), Raw(hub, "b")
+        try:
+            assert a.join(_spec())["status"] == "create"
+            a.upload(a.frames("create", torch.zeros(6))).result()
+            with pytest.raises(grpc.RpcError) as refused:
+                b.join(_spec(), geometry={**GEOMETRY, "dp": 1 << 20})
+            assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            assert "over its grant of 1" in refused.value.details() and "\n" not in refused.value.details()
+            assert b.join(_spec())["status"] == "member"  # within its grant
+        finally:
+            a.close(), b.close()
+
+
+def test_grants_are_written_by_init_and_add(tmp_path, capsys):
+    certs = tmp_path / "certs"
+    assert hub_main(["init", str(certs), "--facilities", "a,b", "--dp", "2", "--steps", "400"]) == 0
+    assert hub_main(["add", str(certs), "a", "--dp", "4"]) == 0  # a new grant for a facility issued already
+    assert hub_main(["add", str(certs), "c", "--batch-size", "8"]) == 0
+    grants = json.loads((certs / "grants.json").read_text())["facilities"]
+    assert grants == {"a": {"dp": 4}, "b": {"dp": 2, "steps": 400}, "c": {"batch_size": 8}}
+    (certs / "grants.json").write_text('{"facilities": {"a": {"dp": "x"}}}')
+    assert hub_main(["add", str(certs), "d", "--dp", "1"]) == 2
+    assert "a's dp='x' is not an integer" in capsys.readouterr().err
+
+
+def test_a_member_that_joins_with_steps_4_cannot_end_the_federation(hub):
+    """Before, a member that joined with steps=4 (or one round's worth of steps) and arrived at its last step ended
+    the federation for everyone. Now its steps must make the federation's rounds, and a round ends the federation
+    only when every member accepted in it reached its last step."""
+    spec = _spec()
+    (a,), _ = _created(hub, spec, names=("a",))
+    b = Raw(hub, "b")
+    try:
+        with pytest.raises(grpc.RpcError) as refused:
+            b.join(spec, steps=4)
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "rounds" in refused.value.details()
+        assert b.join(spec, steps=10, every=1)["status"] == "member"  # 10 rounds of 1 step: its last is step 10
+        b.beating()
+        rid = _arrive(a).round
+        assert _arrive(b, step=10, taken=10, tokens=160.0).action == "upload"
+        for m in (a, b):
+            m.upload(m.frames("round", torch.zeros(6), rid)).result()
+        header, _ = a.result(rid, 6)
+        assert header.committed and set(header.accepted) == {"a", "b"} and not header.ended
+        rid = _arrive(a, step=20, taken=18, version=1).round  # a at its last step: the round closes at grace_s
+        a.upload(a.frames("round", torch.zeros(6), rid)).result()
+        header, _ = a.result(rid, 6)
+        assert header.committed and header.ended  # every member accepted in it reached its end
+    finally:
+        a.close(), b.close()

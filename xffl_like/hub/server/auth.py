@@ -6,13 +6,17 @@ a restart). With ``--insecure`` (plaintext on loopback, for tests and one-machin
 its facility (its ``facility`` key) and is taken on trust. The handler behind receives a context whose
 ``facility`` is that checked name (:class:`Caller`).
 
-The interceptor also turns every refusal into the call's status, in one place: a :class:`.errors.HubError`
-into its own code, a description the hub cannot hold (:class:`..protocol.spec.SpecError`) and a malformed
-message (:class:`..protocol.wire.WireError`) into ``INVALID_ARGUMENT``.
+The interceptor also turns every exception of a handler into the call's status, in one place (unary calls,
+uploads, and streams of θ_global while they are read): a :class:`.errors.HubError` into its own code, a
+description the hub cannot hold (:class:`..protocol.spec.SpecError`) and a malformed message
+(:class:`..protocol.wire.WireError`) into ``INVALID_ARGUMENT``, a full disk or memory into
+``RESOURCE_EXHAUSTED``, anything else into ``INTERNAL``; the detail is one line, never gRPC's ``UNKNOWN``
+("Exception calling application"), and the hub logs it: ``hub: refused FACILITY METHOD: CODE: reason``.
 """
 
 from __future__ import annotations
 
+import errno
 import itertools
 import re
 from pathlib import Path
@@ -23,7 +27,7 @@ from ..protocol.spec import SpecError
 from ..protocol.wire import WireError, unpack
 from .errors import HubError
 
-__all__ = ["Caller", "IdentityInterceptor"]
+__all__ = ["Caller", "IdentityInterceptor", "status_of"]
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 
@@ -38,20 +42,26 @@ class Caller:
         return getattr(self._context, name)
 
 
-def _refuse(context, exc: Exception):
+def status_of(exc: BaseException) -> tuple[str, str]:
+    """The gRPC status name and the one line a handler's exception is answered with."""
+    text = " ".join(str(exc).split())[:400]
     if isinstance(exc, HubError):
-        context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
+        return exc.code, text
     if isinstance(exc, SpecError):
-        context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-    context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request: {exc}")
+        return "INVALID_ARGUMENT", text
+    if isinstance(exc, WireError):
+        return "INVALID_ARGUMENT", f"malformed request: {text}"
+    if isinstance(exc, MemoryError) or (isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)):
+        return "RESOURCE_EXHAUSTED", f"the hub is out of memory or disk ({type(exc).__name__}: {text})"
+    return "INTERNAL", f"the hub failed: {type(exc).__name__}: {text}"
 
 
 class IdentityInterceptor(grpc.ServerInterceptor):
     """Checks each call's facility (``certs``: the directory of the CA and its revocation list; None: the hub
     serves ``--insecure``) before the method runs."""
 
-    def __init__(self, certs: Path | None):
-        self.revoked = None
+    def __init__(self, certs: Path | None, log=print):
+        self.revoked, self.log = None, log
         if certs is not None:
             from ..identity import RevocationList
 
@@ -87,41 +97,54 @@ class IdentityInterceptor(grpc.ServerInterceptor):
         handler = continuation(handler_call_details)
         if handler is None:
             return None
+        method = handler_call_details.method.rsplit("/", 1)[-1]
         if handler.request_streaming and not handler.response_streaming:
-            return handler._replace(stream_unary=self._stream_in(handler.stream_unary))
+            return handler._replace(stream_unary=self._stream_in(method, handler.stream_unary))
         if handler.response_streaming and not handler.request_streaming:
-            return handler._replace(unary_stream=self._stream_out(handler.unary_stream))
+            return handler._replace(unary_stream=self._stream_out(method, handler.unary_stream))
         if not handler.request_streaming:
-            return handler._replace(unary_unary=self._unary(handler.unary_unary))
+            return handler._replace(unary_unary=self._unary(method, handler.unary_unary))
         return handler  # no method streams both ways
 
-    def _unary(self, behavior):
+    def _refuse(self, context, method: str, caller: str | None, exc: Exception):
+        """Log the handler's exception in one line and end the call with its status (raises)."""
+        code, line = status_of(exc)
+        self.log(f"hub: refused {caller or '(unnamed)'} {method}: {code}: {line}")
+        context.abort(getattr(grpc.StatusCode, code), line)
+
+    def _unary(self, method: str, behavior):
         def run(request, context):
+            caller = None
             try:
-                return behavior(request, Caller(context, self.facility(context, request)))
-            except (HubError, SpecError, WireError) as exc:
-                _refuse(context, exc)
+                caller = self.facility(context, request)
+                return behavior(request, Caller(context, caller))
+            except Exception as exc:  # noqa: BLE001 - every exception becomes one line and a status
+                self._refuse(context, method, caller, exc)
 
         return run
 
-    def _stream_in(self, behavior):
+    def _stream_in(self, method: str, behavior):
         def run(request_iterator, context):
+            caller = None
             try:
                 first = None
                 if self.revoked is None:
                     first = next(request_iterator, None)
                     request_iterator = itertools.chain([] if first is None else [first], request_iterator)
-                return behavior(request_iterator, Caller(context, self.facility(context, first)))
-            except (HubError, SpecError, WireError) as exc:
-                _refuse(context, exc)
+                caller = self.facility(context, first)
+                return behavior(request_iterator, Caller(context, caller))
+            except Exception as exc:  # noqa: BLE001
+                self._refuse(context, method, caller, exc)
 
         return run
 
-    def _stream_out(self, behavior):
+    def _stream_out(self, method: str, behavior):
         def run(request, context):
+            caller = None
             try:
-                yield from behavior(request, Caller(context, self.facility(context, request)))
-            except (HubError, SpecError, WireError) as exc:
-                _refuse(context, exc)
+                caller = self.facility(context, request)
+                yield from behavior(request, Caller(context, caller))
+            except Exception as exc:  # noqa: BLE001 - also while the stream is read
+                self._refuse(context, method, caller, exc)
 
         return run

@@ -62,7 +62,9 @@ def serve_main(args) -> int:
     # so_reuseport off: a second hub on a port in use is refused instead of sharing it
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=64),
-        interceptors=[IdentityInterceptor(None if args.insecure else Path(args.certs))],
+        interceptors=[
+            IdentityInterceptor(None if args.insecure else Path(args.certs), log=lambda line: print(line, flush=True))
+        ],
         options=[*GRPC_OPTIONS, ("grpc.so_reuseport", 0)],
     )
     server.add_generic_rpc_handlers((HubService(fed).handler(),))

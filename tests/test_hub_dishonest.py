@@ -6,6 +6,8 @@ issue's class 7 (damaged identity files, key permissions, idle connections, plot
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import grpc
@@ -182,3 +184,75 @@ def test_an_unexpected_exception_is_logged_and_answered_in_one_line_with_a_statu
     err = _refused(lambda: list(stream))
     assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "No space left on device" in err.details()
     assert any(line.startswith("hub: refused a Fetch: RESOURCE_EXHAUSTED: ") for line in hub.logs)
+
+
+# ------------------------------------------------------------------------------------ 7: the smaller findings
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory) -> Path:
+    from xffl_like.hub.identity import init_dir
+
+    directory = tmp_path_factory.mktemp("certs") / "certs"
+    init_dir(directory, ["a", "b"])
+    return directory
+
+
+def _copy(certs: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(certs, tmp_path / "certs"))  # modes kept (keys 0600)
+
+
+def _cli(capsys, *argv: str) -> tuple[int, str]:
+    from xffl_like.hub.cli import main
+
+    rc = main([*argv])
+    return rc, capsys.readouterr().err
+
+
+def test_a_damaged_certificate_stops_add_and_revoke_in_one_line(certs, tmp_path, capsys):
+    d = _copy(certs, tmp_path)
+    (d / "facilities" / "a.crt").write_text("-----BEGIN CERTIFICATE-----\nnot one\n-----END CERTIFICATE-----\n")
+    for command in ("add", "revoke"):
+        rc, err = _cli(capsys, command, str(d), "a")
+        assert rc == 2 and err.count("\n") == 1 and "Traceback" not in err, (command, err)
+        assert f"{d / 'facilities' / 'a.crt'} is not a PEM certificate" in err and "restore it" in err
+
+
+@pytest.mark.parametrize("listed", [["0a1b"], {"serials": "abc"}, {"serials": [1]}, {"serials": [], "names": []}])
+def test_a_revocation_list_of_the_wrong_shape_is_refused_naming_the_file(certs, tmp_path, capsys, listed):
+    from xffl_like.hub.identity import IdentityError, RevocationList, check_hub_identity
+
+    d = _copy(certs, tmp_path)
+    (d / "revoked.json").write_text(json.dumps(listed))
+    line = f"{d / 'revoked.json'} is not a revocation list"
+    with pytest.raises(IdentityError, match="is not a revocation list"):  # the hub: UNAVAILABLE, saying why
+        RevocationList(d).is_revoked((d / "facilities" / "b.crt").read_bytes())
+    with pytest.raises(IdentityError, match="is not a revocation list"):  # serve: refused at its start
+        check_hub_identity(d)
+    rc, err = _cli(capsys, "revoke", str(d), "b")
+    assert rc == 2 and err.count("\n") == 1 and line in err and "restore it" in err, err
+
+
+def test_a_private_key_readable_by_others_is_refused(certs, tmp_path, capsys):
+    from xffl_like.hub.identity import IdentityError, check_facility_identity, check_hub_identity
+
+    d = _copy(certs, tmp_path)
+    ca, crt, key = d / "ca.crt", d / "facilities" / "a.crt", d / "facilities" / "a.key"
+    assert check_facility_identity(ca, crt, key) == "a"
+    key.chmod(0o644)
+    with pytest.raises(IdentityError, match=r"readable by others \(mode 0644\).*chmod 600"):
+        check_facility_identity(ca, crt, key)
+    (d / "hub.key").chmod(0o640)
+    with pytest.raises(IdentityError, match=r"hub.key is readable by others \(mode 0640\)"):
+        check_hub_identity(d)
+    (d / "ca.key").chmod(0o604)
+    rc, err = _cli(capsys, "add", str(d), "c")
+    assert rc == 2 and "ca.key is readable by others" in err and "chmod 600" in err, err
+
+
+def test_plots_skip_the_rounds_an_elastic_facility_missed(tmp_path):
+    from xffl_like.observe.plots import plot_aggregation
+
+    rounds = [{"round": 0, "step": 2, "seconds": 0.01}, {"round": None, "step": 4, "seconds": 0.0,
+              "status": "missed"}, {"round": 2, "step": 6, "seconds": 0.02}]  # fmt: skip
+    assert plot_aggregation(rounds, tmp_path / "aggregation.png") is None
+    assert (tmp_path / "aggregation.png").stat().st_size > 0
+    assert "no aggregation round" in plot_aggregation(rounds[1:2], tmp_path / "none.png")

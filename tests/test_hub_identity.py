@@ -166,6 +166,7 @@ def _expired(pki: Path, out: Path) -> tuple[Path, Path]:
     (out / "old.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
     (out / "old.key").write_bytes(pem)
+    (out / "old.key").chmod(0o600)  # a private key open to others is refused first
     return out / "old.crt", out / "old.key"
 
 

@@ -7,6 +7,7 @@ issue's class 7 (damaged identity files, key permissions, idle connections, plot
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -256,3 +257,46 @@ def test_plots_skip_the_rounds_an_elastic_facility_missed(tmp_path):
     assert plot_aggregation(rounds, tmp_path / "aggregation.png") is None
     assert (tmp_path / "aggregation.png").stat().st_size > 0
     assert "no aggregation round" in plot_aggregation(rounds[1:2], tmp_path / "none.png")
+
+
+def _serve_limited(tmp_path: Path, soft: int, hard: int):
+    """``hub serve --insecure`` started with at most ``soft`` (raisable to ``hard``) open files."""
+    import resource
+    import subprocess
+    import sys
+
+    from helpers.hub import ENV, REPO, free_port, wait_for
+
+    port, log = free_port(), tmp_path / f"hub-{soft}-{hard}.log"
+    cmd = [sys.executable, "-m", "xffl_like.hub", "serve", "--insecure", "--port", str(port), "--state",
+           str(tmp_path / f"state-{soft}-{hard}")]  # fmt: skip
+    limit = lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))  # noqa: E731
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, **ENV}, stdout=out, stderr=subprocess.STDOUT,
+                                preexec_fn=limit)  # fmt: skip
+    wait_for(lambda: "serving on" in log.read_text() or proc.poll() is not None, 60, "the hub")
+    assert proc.poll() is None, log.read_text()
+    return proc, port, log
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("soft, hard", [(64, 64), (64, 1024)])
+def test_idle_connections_past_the_descriptor_limit_do_not_stop_a_join(tmp_path, soft, hard):
+    """More idle TCP connections than the hub may open files: the hub raises its soft limit to the hard one at
+    its start, and closes connections that never finish their handshake (HANDSHAKE_S), so a join still gets in."""
+    import socket
+
+    proc, port, log = _serve_limited(tmp_path, soft, hard)
+    idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(100)]
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            msg = {"spec": SPEC, "session": "s", "steps": 2, "probe": True, "facility": "x", "geometry": GEOMETRY}
+            # 3 x HANDSHAKE_S; before, idle sockets held their descriptors 40 s and more (gRPC: up to 120 s)
+            out = channel.unary_unary(f"/{SERVICE}/Join")(pack(msg), timeout=30, wait_for_ready=True)
+        assert unpack(out)["status"] == "ok"
+    finally:
+        for s in idle:
+            s.close()
+        proc.terminate()
+        proc.wait(timeout=30)
+    assert f"{hard} open files" in log.read_text()  # the soft limit raised to the hard one

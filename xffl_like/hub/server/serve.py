@@ -34,6 +34,30 @@ def _credentials(certs: Path) -> grpc.ServerCredentials:
     return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=True)
 
 
+#: A connection that has not finished its (TLS and HTTP/2) handshake this long after it was accepted is closed, and
+#: one with no call for IDLE_S is closed (its facility dials again at its next call): idle sockets cannot hold
+#: the hub's descriptors.
+HANDSHAKE_S, IDLE_S = 10, 300
+SERVER_OPTIONS = [
+    ("grpc.so_reuseport", 0),  # off: a second hub on a port in use is refused instead of sharing it
+    ("grpc.server_handshake_timeout_ms", HANDSHAKE_S * 1000),
+    ("grpc.max_connection_idle_ms", IDLE_S * 1000),
+]
+
+
+def _raise_descriptor_limit() -> int:
+    """The soft limit of open files raised to the hard one (each connection holds one); the limit now."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if hard == resource.RLIM_INFINITY or soft < hard:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else 1 << 20, hard))
+        return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, ValueError, OSError):
+        return -1
+
+
 def _return_big_buffers() -> None:
     """glibc: buffers of 1 MiB and more (the 16 MiB frames) are mapped and unmapped each time, never kept in
     a thread's heap: the hub's peak stays θ_global, the outer state and the accumulator (measured: 26.5 bytes
@@ -49,6 +73,7 @@ def _return_big_buffers() -> None:
 def serve_main(args) -> int:
     """Run the hub until SIGINT/SIGTERM; 0 after a clean stop, 2 (one line) on bad input."""
     _return_big_buffers()
+    files = _raise_descriptor_limit()
     try:
         if not args.insecure and args.certs is None:
             raise store.StateError("serve needs --certs DIR (from `python -m xffl_like.hub init DIR`), or --insecure")
@@ -59,13 +84,12 @@ def serve_main(args) -> int:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2
     fed = HubFederation(Path(args.state), snap, log=lambda line: print(line, flush=True), state=state)
-    # so_reuseport off: a second hub on a port in use is refused instead of sharing it
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=64),
         interceptors=[
             IdentityInterceptor(None if args.insecure else Path(args.certs), log=lambda line: print(line, flush=True))
         ],
-        options=[*GRPC_OPTIONS, ("grpc.so_reuseport", 0)],
+        options=[*GRPC_OPTIONS, *SERVER_OPTIONS],
     )
     server.add_generic_rpc_handlers((HubService(fed).handler(),))
     bind = "127.0.0.1" if args.insecure else args.bind
@@ -83,7 +107,7 @@ def serve_main(args) -> int:
         signal.signal(sig, lambda s, _f: stopped.set())
     server.start()
     mode = "INSECURE plaintext on loopback only (tests and one-machine demos)" if creds is None else "mutual TLS"
-    print(f"hub: serving on {bind}:{port} ({mode}); state in {args.state}", flush=True)
+    print(f"hub: serving on {bind}:{port} ({mode}); state in {args.state}; {files} open files", flush=True)
     stopped.wait()
     server.stop(grace=2).wait()
     fed.close()

@@ -180,6 +180,15 @@ def test_an_unexpected_exception_is_logged_and_answered_in_one_line_with_a_statu
         yield pack(header.to_json())
         raise OSError(28, "No space left on device")
 
+    upload = hub.channel.stream_unary(f"/{SERVICE}/Upload")
+    err = _refused(lambda: upload(iter([_nested(100_000)]), timeout=30))  # a malformed first frame of a stream
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "nested deeper than" in err.details()
+    monkeypatch.setattr(hub.fed, "upload", lambda name, frames: [][1])
+    header = pack({"session": "session-a", "kind": "round", "round": 0, "nbytes": 24, "facility": "a"})
+    err = _refused(lambda: upload(iter([header]), timeout=30))
+    assert err.code() == grpc.StatusCode.INTERNAL and "IndexError" in err.details()
+    assert any(line.startswith("hub: refused a Upload: INTERNAL: the hub failed: IndexError") for line in hub.logs)
+
     monkeypatch.setattr(hub.fed, "_theta_frames", broken_stream)
     stream = hub.channel.unary_stream(f"/{SERVICE}/Fetch")(pack({"session": "session-a", "facility": "a"}), timeout=30)
     err = _refused(lambda: list(stream))

@@ -462,7 +462,14 @@ def _probe(hub: Hub, ca: Path, cert: Path | None, key: Path | None) -> None:
 
     creds = grpc.ssl_channel_credentials(ca.read_bytes(), key and key.read_bytes(), cert and cert.read_bytes())
     with grpc.secure_channel(hub.address, creds) as channel:
-        msg = {"spec": {}, "session": "probe", "steps": 2, "probe": True,
+        spec = {
+            "parameters": [["w", [6], "float32"]],
+            "outer": {},
+            "compression": {"kind": "none"},
+            "grace_s": 60.0,
+            "max_norm_ratio": 10.0,
+        }  # a probe's description is checked too (its keys, their types and bounds)
+        msg = {"spec": spec, "session": "probe", "steps": 2, "probe": True,
                "geometry": {"batch_size": 4, "seq_len": 64, "dp": 1}}  # fmt: skip
         out = unpack(channel.unary_unary(f"/{SERVICE}/Join")(pack(msg), timeout=20))
     assert out["status"] == "ok", out

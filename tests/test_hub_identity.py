@@ -166,6 +166,7 @@ def _expired(pki: Path, out: Path) -> tuple[Path, Path]:
     (out / "old.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
     (out / "old.key").write_bytes(pem)
+    (out / "old.key").chmod(0o600)  # a private key open to others is refused first
     return out / "old.crt", out / "old.key"
 
 
@@ -268,7 +269,9 @@ def test_messages_are_checked_in_one_place():
     arrive = {"session": "s", "version": 2, "step": 4, "taken": 2, "tokens": 64}
     assert ArriveRequest.from_json(arrive) == ArriveRequest("s", 2, 4, 2, 64.0)
     geometry = {"batch_size": 2, "seq_len": 8, "dp": 1}
-    join = JoinRequest.from_json({"session": "s", "spec": {}, "geometry": geometry, "steps": 20})
+    spec = {"parameters": [["w", [6], "float32"]], "outer": {}, "compression": {"kind": "none"}, "grace_s": 60.0,
+            "max_norm_ratio": 10.0}  # fmt: skip
+    join = JoinRequest.from_json({"session": "s", "spec": spec, "geometry": geometry, "steps": 20})
     assert join.geometry.seq_len == 8 and join.every is None and join.to_json()["geometry"] == geometry
     for changed, words in (
         ({"tokens": "64"}, "ArriveRequest.tokens='64' is not a float"),
@@ -284,7 +287,9 @@ def test_messages_are_checked_in_one_place():
     with pytest.raises(MessageError, match="ArriveRequest: key 'taken' missing"):
         ArriveRequest.from_json({k: v for k, v in arrive.items() if k != "taken"})
     with pytest.raises(MessageError, match=r"Geometry.dp=0 is out of range"):
-        JoinRequest.from_json({"session": "s", "spec": {}, "geometry": {**geometry, "dp": 0}, "steps": 20})
+        JoinRequest.from_json({"session": "s", "spec": spec, "geometry": {**geometry, "dp": 0}, "steps": 20})
+    with pytest.raises(ValueError, match="lists no parameters"):  # the description too (spec.check_spec)
+        JoinRequest.from_json({"session": "s", "spec": {}, "geometry": geometry, "steps": 20})
     with pytest.raises(MessageError, match="UploadHeader.kind='delete' is not a"):
         UploadHeader.from_json({"session": "s", "kind": "delete"})
 

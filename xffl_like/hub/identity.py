@@ -49,6 +49,7 @@ __all__ = [
 ]
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+_HEX = re.compile(r"^[0-9a-f]{1,64}$")
 _LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
 HOST = re.compile(rf"^(?:\*\.)?{_LABEL}(?:\.{_LABEL})*$")  # a DNS name (a leading '*.' allowed) for the hub's SANs
 DAYS = 825
@@ -164,6 +165,9 @@ def init_dir(path: str | Path, facilities: list[str], hosts: list[str] | None = 
 
 
 def _ca(path: Path):
+    if (path / "ca.key").exists() and (path / "ca.key").stat().st_mode & 0o077:
+        raise IdentityError(f"{path / 'ca.key'} is readable by others: the CA's key must be the owner's alone: "
+                            f"chmod 600 {path / 'ca.key'}")  # fmt: skip
     try:
         ca_cert = x509.load_pem_x509_certificate((path / "ca.crt").read_bytes())
         ca_key = serialization.load_pem_private_key((path / "ca.key").read_bytes(), password=None)
@@ -188,7 +192,7 @@ def add_facility(path: str | Path, name: str, days: int = DAYS) -> list[Path]:
     ca_key, ca_cert = _ca(path)
     cert_path = path / "facilities" / f"{name}.crt"
     if cert_path.exists():
-        old = x509.load_pem_x509_certificate(cert_path.read_bytes())
+        old = _existing_cert(cert_path, name)
         if not RevocationList(path).is_revoked(old):
             raise IdentityError(
                 f"facility {name} already has a certificate ({cert_path}): revoke it first "
@@ -203,7 +207,18 @@ def is_issued(path: str | Path, name: str) -> bool:
     cert_path = path / "facilities" / f"{_check_name(name)}.crt"
     if not cert_path.exists():
         return False
-    return not RevocationList(path).is_revoked(x509.load_pem_x509_certificate(cert_path.read_bytes()))
+    return not RevocationList(path).is_revoked(_existing_cert(cert_path, name))
+
+
+def _existing_cert(cert_path: Path, name: str) -> x509.Certificate:
+    """A facility's certificate as add and revoke read it (:class:`IdentityError`: damaged)."""
+    try:
+        return x509.load_pem_x509_certificate(cert_path.read_bytes())
+    except ValueError:
+        raise IdentityError(
+            f"{cert_path} is not a PEM certificate (damaged?): restore it from a copy (its serial is what revoke "
+            f"lists; facility {name} still holds it), then run the command again"
+        ) from None
 
 
 def _serial(cert: x509.Certificate) -> str:
@@ -216,7 +231,7 @@ def revoke_facility(path: str | Path, name: str) -> str:
     cert_path = path / "facilities" / f"{_check_name(name)}.crt"
     if not cert_path.exists():
         raise IdentityError(f"no facility {name} in {path} (no {cert_path}): nothing to revoke")
-    serial = _serial(x509.load_pem_x509_certificate(cert_path.read_bytes()))
+    serial = _serial(_existing_cert(cert_path, name))
     listed = RevocationList(path).load()
     listed["serials"] = sorted(set(listed["serials"]) | {serial})
     listed["names"].setdefault(name, [])
@@ -255,7 +270,18 @@ class RevocationList:
             return {"serials": [], "names": {}}
         except (OSError, ValueError) as exc:
             raise IdentityError(f"{self.file} is unreadable ({exc}): restore it or revoke again") from None
-        return {"serials": list(data.get("serials", [])), "names": dict(data.get("names", {}))}
+        serials, names = (data.get("serials", []), data.get("names", {})) if isinstance(data, dict) else (None, None)
+        if not (
+            isinstance(serials, list)
+            and all(isinstance(s, str) and _HEX.match(s) for s in serials)
+            and isinstance(names, dict)
+            and all(isinstance(v, list) and all(isinstance(s, str) for s in v) for v in names.values())
+        ):
+            raise IdentityError(
+                f'{self.file} is not a revocation list ({{"serials": [hex serials], "names": {{name: [serials]}}}}, as '
+                f"revoke writes it): restore it from a copy, or rewrite it in that form"
+            )
+        return {"serials": list(serials), "names": dict(names)}
 
     def _refresh(self) -> None:
         try:
@@ -298,6 +324,18 @@ def _load_cert(data: bytes, path, key: str) -> x509.Certificate:
         return x509.load_pem_x509_certificate(data)
     except ValueError:
         raise IdentityError(f"{key}={path} is not a PEM certificate: give the .crt that hub init/add wrote") from None
+
+
+def _private(path, what: str, key: str) -> bytes:
+    """A private key's bytes, refused when its file is open to the group or others (as ssh refuses)."""
+    data = _read(path, what, key)
+    mode = Path(path).stat().st_mode & 0o777
+    if mode & 0o077:
+        raise IdentityError(
+            f"{key}={path} is readable by others (mode {mode:04o}): a private key must be the owner's alone: "
+            f"chmod 600 {path}"
+        )
+    return data
 
 
 def _load_key(data: bytes, path, key: str):
@@ -356,7 +394,7 @@ def check_facility_identity(ca, cert, key, facility: str | None = None) -> str:
     k = "federation.elastic"
     ca_cert = _load_cert(_read(ca, "hub's CA certificate (DIR/ca.crt)", f"{k}.ca"), ca, f"{k}.ca")
     mine = _load_cert(_read(cert, "facility's certificate", f"{k}.cert"), cert, f"{k}.cert")
-    private = _load_key(_read(key, "facility's private key", f"{k}.key"), key, f"{k}.key")
+    private = _load_key(_private(key, "facility's private key", f"{k}.key"), key, f"{k}.key")
     if not _same_key(mine, private):
         raise IdentityError(f"{k}.key={key} does not match {k}.cert={cert}: give the .key written beside that .crt")
     if not _signed_by(mine, ca_cert):
@@ -384,13 +422,14 @@ def check_hub_identity(directory: str | Path) -> tuple[bytes, bytes, bytes]:
     d = Path(directory)
     ca = _read(d / "ca.crt", "CA certificate (from hub init)", "--certs")
     cert = _read(d / "hub.crt", "hub's certificate (from hub init)", "--certs")
-    key = _read(d / "hub.key", "hub's key (from hub init)", "--certs")
+    key = _private(d / "hub.key", "hub's key (from hub init)", "--certs")
     ca_cert, hub_cert = _load_cert(ca, d / "ca.crt", "--certs"), _load_cert(cert, d / "hub.crt", "--certs")
     if not _same_key(hub_cert, _load_key(key, d / "hub.key", "--certs")):
         raise IdentityError(f"--certs {d}: hub.key does not match hub.crt: run init again into a new directory")
     if not _signed_by(hub_cert, ca_cert):
         raise IdentityError(f"--certs {d}: hub.crt was not issued by ca.crt: run init again into a new directory")
     _valid_now(hub_cert, d / "hub.crt", "--certs")
+    RevocationList(d).load()  # a damaged revocation list stops the hub at its start, not at every call
     return ca, cert, key
 
 

@@ -59,7 +59,9 @@ def plot_losses(facility_losses: Sequence[Sequence[float]], round_steps: Sequenc
 
 
 def plot_aggregation(rounds: Sequence[dict], path: Path) -> str | None:
-    """Seconds of each aggregation round (slowest rank)."""
+    """Seconds of each aggregation round (slowest rank); rounds with no number (an elastic facility's missed
+    rounds, a join that only healed) are not plotted."""
+    rounds = [r for r in rounds if r.get("round") is not None and r.get("seconds") is not None]
     if not rounds:
         return f"{Path(path).name} skipped: no aggregation round"
     fig = _figure()

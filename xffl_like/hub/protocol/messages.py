@@ -3,7 +3,10 @@
 Each message is decoded by :meth:`Message.decode` (bytes) or :meth:`Message.from_json` (a dict): every key of
 the dataclass present unless it has a default, no other key, each value of its field's type (``int`` excludes
 ``bool``, a ``float`` field takes an integer too and must be finite) and within its field's bounds
-(``field(metadata={"range": (lo, hi)})``). Anything else is one :class:`MessageError` naming the message,
+(``field(metadata={"range": (lo, hi)})``), a string at most :data:`TEXT` characters (``"length"``). The bytes
+were bounded before parsing (:func:`.wire.unpack`: size, depth, digits of an integer), and a ``Join``'s
+federation description is checked whole (:func:`.spec.check_spec`) when the message is made, so nothing a
+handler reads has skipped a check. Anything else is one :class:`MessageError` naming the message,
 the key and what it takes. :meth:`Message.to_json` leaves out optional fields that are None (the bytes the
 earlier dict messages had). Requests carry ``facility`` only to a hub served ``--insecure`` (the name is
 taken on trust there; with mutual TLS it is the client certificate's common name).
@@ -18,6 +21,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
+from .spec import check_spec
 from .wire import WireError, pack, unpack
 
 __all__ = [
@@ -40,10 +44,16 @@ __all__ = [
 
 #: Counts (steps, versions, rounds, bytes) are at most this.
 COUNT = 1 << 62
+#: The longest string field (a session, a facility's name: ``_bounds``'s ``length`` for others).
+TEXT = 256
 
 
 def _bounds(lo, hi) -> dict:
     return {"range": (lo, hi)}
+
+
+def _text(n: int) -> dict:
+    return {"length": n}
 
 
 class MessageError(WireError):
@@ -75,7 +85,7 @@ def _check(where: str, kind: Any, value: Any) -> Any:
     if isinstance(kind, type) and issubclass(kind, Message):
         return kind.from_json(value) if isinstance(value, dict) else _fail(where, kind, value)
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
+        value = float(value) if abs(value) <= 1 << 64 else _fail(where, kind, value)
     if kind is bool and isinstance(value, bool):
         return value
     if not isinstance(value, kind) or isinstance(value, bool):
@@ -121,6 +131,9 @@ class Message:
             lo, hi = f.metadata.get("range", (None, None))
             if value is not None and lo is not None and not lo <= value <= hi:
                 raise MessageError(f"{cls.__name__}.{name}={value!r} is out of range [{lo}, {hi}]")
+            if isinstance(value, str) and len(value) > f.metadata.get("length", TEXT):
+                raise MessageError(f"{cls.__name__}.{name} is a string of {len(value)} characters (at most "
+                                   f"{f.metadata.get('length', TEXT)})")  # fmt: skip
         return cls(**values)
 
     @classmethod
@@ -175,6 +188,9 @@ class JoinRequest(Message):
     every: int | None = field(default=None, metadata=_bounds(1, COUNT))
     probe: bool | None = None
     facility: str | None = None
+
+    def __post_init__(self):
+        check_spec(self.spec)  # the whole description, before any handler reads it
 
 
 @dataclass(frozen=True)
@@ -241,7 +257,7 @@ class ArriveReply(Message):
 
     action: Literal["upload", "heal"]
     round: int | None = field(metadata=_bounds(0, COUNT))
-    reason: str | None
+    reason: str | None = field(metadata=_text(4096))
 
 
 @dataclass(frozen=True)
@@ -249,7 +265,7 @@ class UploadReply(Message):
     """``Upload``'s answer to a ``round`` upload: spooled, or why not."""
 
     ok: bool
-    reason: str | None
+    reason: str | None = field(metadata=_text(4096))
 
 
 @dataclass(frozen=True)
@@ -266,7 +282,7 @@ class ResultHeader(Message):
     round's outcome when one was decided, the hub's view (``federation``: its id), then ``nbytes`` of θ_global."""
 
     status: Literal["accepted", "rejected", "healed", "missed"]
-    reason: str | None
+    reason: str | None = field(metadata=_text(4096))
     version: int = field(metadata=_bounds(0, COUNT))
     progress: int = field(metadata=_bounds(0, COUNT))
     ended: bool

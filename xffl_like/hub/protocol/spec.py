@@ -15,6 +15,8 @@ from .update_codec import CODECS
 
 __all__ = [
     "AGGREGATES",
+    "MAX_PARAMETERS",
+    "MAX_TENSORS",
     "SpecError",
     "check_spec",
     "codec_of",
@@ -31,6 +33,14 @@ AGGREGATES = ("mean", "median", "trimmed_mean")
 ADDED = {"aggregate": "mean", "trim": 0.2}
 #: The description's keys that are ``federation.elastic``'s.
 ELASTIC_KEYS = ("grace_s", "max_norm_ratio", "aggregate", "trim", "min_facilities")
+#: The most parameters a federation may have (the hub holds θ_global, an accumulator and the outer optimizer's
+#: state in fp32: 2^34 parameters are 64 GiB each).
+MAX_PARAMETERS = 1 << 34
+#: The most tensors (entries of ``parameters``) a description may list.
+MAX_TENSORS = 1 << 16
+#: The longest round time (``federation.every_s``) or grace (``federation.elastic.grace_s``), in seconds.
+MAX_SECONDS = 1e7
+_MAX_KEYS = 64
 
 
 class SpecError(ValueError):
@@ -104,29 +114,68 @@ def first_difference(mine: dict, theirs: dict) -> str | None:
     return None
 
 
+def _is_int(v, lo: int, hi: int) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
+
+
+def _is_real(v, lo: float, hi: float) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and lo <= v <= hi
+
+
+def _tensor(i: int, p: Any) -> int:
+    """The number of values of entry ``i`` of ``parameters`` ([name, shape, "float32"]), checked."""
+    if not (isinstance(p, list) and len(p) == 3 and isinstance(p[0], str) and 0 < len(p[0]) <= 512):
+        raise SpecError(f"parameters[{i}] is not [name, shape, dtype]")
+    if not (isinstance(p[1], list) and len(p[1]) <= 8 and all(_is_int(d, 0, MAX_PARAMETERS) for d in p[1])):
+        raise SpecError(f"parameter {p[0]!r}: its shape {str(p[1])[:60]} is not a list of at most 8 sizes")
+    if p[2] != "float32":
+        raise SpecError(f"parameter {p[0]!r}: the hub averages fp32 parameters only")
+    return math.prod(p[1])
+
+
 def numel_of(spec: dict) -> int:
-    """The number of parameters the description lists (fp32 only), checked."""
-    params = spec.get("parameters")
+    """The number of parameters the description lists (fp32 only, at most :data:`MAX_PARAMETERS`), checked."""
+    params = spec.get("parameters") if isinstance(spec, dict) else None
     if not isinstance(params, list) or not params:
         raise SpecError("the federation's description lists no parameters")
+    if len(params) > MAX_TENSORS:
+        raise SpecError(f"the federation's description lists {len(params)} tensors (at most {MAX_TENSORS})")
     total = 0
-    for p in params:
-        if not (isinstance(p, list) and len(p) == 3 and isinstance(p[1], list) and p[2] == "float32"):
-            raise SpecError(f"parameter {p!r}: the hub averages fp32 parameters only")
-        if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in p[1]):
-            raise SpecError(f"parameter {p[0]!r} has an invalid shape")
-        total += math.prod(p[1])
-    if not 0 < total < 1 << 40:
-        raise SpecError(f"{total} parameters is out of range")
+    for i, p in enumerate(params):
+        total += _tensor(i, p)
+        if total > MAX_PARAMETERS:
+            break
+    if not 0 < total <= MAX_PARAMETERS:
+        raise SpecError(f"{total} parameters is out of range (the hub holds 1 to {MAX_PARAMETERS})")
     return total
 
 
-def check_spec(spec: dict) -> None:
-    """The hub's own keys of the description (round rules, compression, weights), checked before use."""
+def _check_rules(spec: dict) -> None:
+    """The round rules: times, counts and switches, each of its type and within bounds."""
     for key in ("grace_s", "max_norm_ratio"):
-        v = spec.get(key)
-        if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0):
-            raise SpecError(f"federation.elastic.{key}={v!r} is invalid")
+        if not _is_real(spec.get(key), 0.0, MAX_SECONDS):
+            raise SpecError(f"federation.elastic.{key}={spec.get(key)!r} is invalid (a number in [0, {MAX_SECONDS:g}])")
+    every_s = spec.get("every_s")
+    if every_s is not None and not _is_real(every_s, 1e-3, MAX_SECONDS):
+        raise SpecError(f"federation.every_s={every_s!r} is invalid (null or seconds in [0.001, {MAX_SECONDS:g}])")
+    for key in ("rounds", "train.steps"):
+        if spec.get(key) is not None and not _is_int(spec.get(key), 1, 1 << 62):
+            raise SpecError(f"{key}={spec.get(key)!r} is invalid (null or a positive integer)")
+    if spec.get("min_facilities") is not None and not _is_int(spec.get("min_facilities"), 0, 1 << 16):
+        raise SpecError(f"federation.elastic.min_facilities={spec.get('min_facilities')!r} is invalid")
+    if spec.get("paced") not in (None, True, False):
+        raise SpecError(f"federation.paced={spec.get('paced')!r} is invalid (true or false)")
+    if not isinstance(spec.get("outer"), dict):
+        raise SpecError("the federation's description has no outer optimizer (outer: an object)")
+
+
+def check_spec(spec: dict) -> None:
+    """The whole description, checked before use: the parameters (:func:`numel_of`), the round rules, the
+    compression and the weights (other keys are only compared between facilities: at most 64 keys)."""
+    if not isinstance(spec, dict) or len(spec) > _MAX_KEYS:
+        raise SpecError(f"the federation's description is not an object of at most {_MAX_KEYS} keys")
+    numel_of(spec)
+    _check_rules(spec)
     comp = spec.get("compression")
     if not isinstance(comp, dict) or comp.get("kind") not in ("none", *CODECS):
         raise SpecError(f"compression {comp!r}: the hub takes none, {', '.join(CODECS)}")

@@ -21,6 +21,7 @@ Methods (the facility is the client; its name is its certificate's common name):
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -32,6 +33,8 @@ from torch import Tensor
 __all__ = [
     "CHUNK_BYTES",
     "GRPC_OPTIONS",
+    "MAX_DEPTH",
+    "MAX_INT_DIGITS",
     "MAX_JSON",
     "METHODS",
     "MIN_RATE",
@@ -53,6 +56,11 @@ METHODS = ("Join", "Beat", "Arrive", "Upload", "Result", "Fetch", "Leave")
 CHUNK_BYTES = 16 << 20
 #: The largest control message.
 MAX_JSON = 1 << 20
+#: The deepest nesting of arrays and objects in a control message (checked before it is parsed).
+MAX_DEPTH = 16
+#: The most digits of an integer in a control message (2^63 has 19).
+MAX_INT_DIGITS = 19
+_STRING = re.compile(rb'"(?:[^"\\]++|\\.)*+"')
 _MAX_MESSAGE = CHUNK_BYTES + (1 << 20)
 #: The slowest transfer of tensor frames either end waits for (bytes per second), once :data:`RATE_GRACE_S`
 #: have passed: a stream that trickles is cut (an upload by the hub, a download by either end's deadline).
@@ -91,15 +99,42 @@ def _no_constants(name: str):
     raise WireError(f"non-finite number {name} in a control message")
 
 
+def _int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_INT_DIGITS:
+        raise WireError(f"an integer of {len(text.lstrip('-'))} digits in a control message (at most {MAX_INT_DIGITS})")
+    return int(text)
+
+
+def _float(text: str) -> float:
+    value = float(text)
+    if not np.isfinite(value):
+        raise WireError(f"number {text[:40]} is out of range of a float")
+    return value
+
+
+def depth(data: bytes) -> int:
+    """How deep ``data``'s arrays and objects nest (outside strings), counted without parsing it."""
+    rest = np.frombuffer(_STRING.sub(b"", data), dtype=np.uint8)
+    if not rest.size:
+        return 0
+    step = (rest == 91).astype(np.int32) + (rest == 123) - (rest == 93) - (rest == 125)  # [ { ] }
+    return int(np.cumsum(step).max(initial=0))
+
+
 def unpack(data: bytes) -> dict[str, Any]:
-    """A control message: one JSON object within :data:`MAX_JSON` bytes, numbers finite (its keys and
-    values: :meth:`.messages.Message.decode`)."""
+    """A control message: one JSON object within :data:`MAX_JSON` bytes, nested at most :data:`MAX_DEPTH` deep
+    (both checked before it is parsed), integers of at most :data:`MAX_INT_DIGITS` digits, numbers finite
+    (its keys and values: :meth:`.messages.Message.decode`)."""
     if not isinstance(data, bytes) or len(data) > MAX_JSON:
-        raise WireError("control message too large or not bytes")
+        raise WireError(f"control message too large or not bytes (at most {MAX_JSON} bytes)")
+    if depth(data) > MAX_DEPTH:
+        raise WireError(f"control message nested deeper than {MAX_DEPTH}")
     try:
-        obj = json.loads(data.decode("utf-8"), parse_constant=_no_constants)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise WireError(f"control message is not JSON ({exc})") from None
+        obj = json.loads(data.decode("utf-8"), parse_constant=_no_constants, parse_int=_int, parse_float=_float)
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError
+        if isinstance(exc, WireError):
+            raise
+        raise WireError(f"control message is not JSON ({str(exc)[:120]})") from None
     if not isinstance(obj, dict):
         raise WireError("control message is not a JSON object")
     return obj

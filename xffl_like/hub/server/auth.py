@@ -9,13 +9,17 @@ its facility (its ``facility`` key) and is taken on trust. The handler behind re
 It also bounds the calls each facility has open per method (:data:`MAX_CALLS`; more are refused with
 ``RESOURCE_EXHAUSTED``): one member cannot take the server's threads, so the others' calls still get through.
 
-The interceptor also turns every refusal into the call's status, in one place: a :class:`.errors.HubError`
-into its own code, a description the hub cannot hold (:class:`..protocol.spec.SpecError`) and a malformed
-message (:class:`..protocol.wire.WireError`) into ``INVALID_ARGUMENT``.
+The interceptor also turns every exception of a handler into the call's status, in one place (unary calls,
+uploads, and streams of θ_global while they are read): a :class:`.errors.HubError` into its own code, a
+description the hub cannot hold (:class:`..protocol.spec.SpecError`) and a malformed message
+(:class:`..protocol.wire.WireError`) into ``INVALID_ARGUMENT``, a full disk or memory into
+``RESOURCE_EXHAUSTED``, anything else into ``INTERNAL``; the detail is one line, never gRPC's ``UNKNOWN``
+("Exception calling application"), and the hub logs it: ``hub: refused FACILITY METHOD: CODE: reason``.
 """
 
 from __future__ import annotations
 
+import errno
 import itertools
 import re
 import threading
@@ -28,7 +32,7 @@ from ..protocol.spec import SpecError
 from ..protocol.wire import WireError, unpack
 from .errors import HubError
 
-__all__ = ["Caller", "IdentityInterceptor"]
+__all__ = ["Caller", "IdentityInterceptor", "status_of"]
 
 #: The calls one facility may have open at once per method (an honest leader has one, and a few heartbeats).
 MAX_CALLS = 4
@@ -46,20 +50,26 @@ class Caller:
         return getattr(self._context, name)
 
 
-def _refuse(context, exc: Exception):
+def status_of(exc: BaseException) -> tuple[str, str]:
+    """The gRPC status name and the one line a handler's exception is answered with."""
+    text = " ".join(str(exc).split())[:400]
     if isinstance(exc, HubError):
-        context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
+        return exc.code, text
     if isinstance(exc, SpecError):
-        context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-    context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request: {exc}")
+        return "INVALID_ARGUMENT", text
+    if isinstance(exc, WireError):
+        return "INVALID_ARGUMENT", f"malformed request: {text}"
+    if isinstance(exc, MemoryError) or (isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)):
+        return "RESOURCE_EXHAUSTED", f"the hub is out of memory or disk ({type(exc).__name__}: {text})"
+    return "INTERNAL", f"the hub failed: {type(exc).__name__}: {text}"
 
 
 class IdentityInterceptor(grpc.ServerInterceptor):
     """Checks each call's facility (``certs``: the directory of the CA and its revocation list; None: the hub
     serves ``--insecure``) before the method runs."""
 
-    def __init__(self, certs: Path | None):
-        self.revoked = None
+    def __init__(self, certs: Path | None, log=print):
+        self.revoked, self.log = None, log
         if certs is not None:
             from ..identity import RevocationList
 
@@ -113,55 +123,64 @@ class IdentityInterceptor(grpc.ServerInterceptor):
         handler = continuation(handler_call_details)
         if handler is None:
             return None
-        method = handler_call_details.method
+        method = handler_call_details.method.rsplit("/", 1)[-1]
         if handler.request_streaming and not handler.response_streaming:
-            return handler._replace(stream_unary=self._stream_in(handler.stream_unary, method))
+            return handler._replace(stream_unary=self._stream_in(method, handler.stream_unary))
         if handler.response_streaming and not handler.request_streaming:
-            return handler._replace(unary_stream=self._stream_out(handler.unary_stream, method))
+            return handler._replace(unary_stream=self._stream_out(method, handler.unary_stream))
         if not handler.request_streaming:
-            return handler._replace(unary_unary=self._unary(handler.unary_unary, method))
+            return handler._replace(unary_unary=self._unary(method, handler.unary_unary))
         return handler  # no method streams both ways
 
-    def _unary(self, behavior, method: str):
+    def _refuse(self, context, method: str, caller: str | None, exc: Exception):
+        """Log the handler's exception in one line and end the call with its status (raises)."""
+        code, line = status_of(exc)
+        self.log(f"hub: refused {caller or '(unnamed)'} {method}: {code}: {line}")
+        context.abort(getattr(grpc.StatusCode, code), line)
+
+    def _unary(self, method: str, behavior):
         def run(request, context):
-            key = None
+            caller = key = None
             try:
-                key = self._enter(self.facility(context, request), method)
-                return behavior(request, Caller(context, key[0]))
-            except (HubError, SpecError, WireError) as exc:
-                _refuse(context, exc)
+                caller = self.facility(context, request)
+                key = self._enter(caller, method)
+                return behavior(request, Caller(context, caller))
+            except Exception as exc:  # noqa: BLE001 - every exception becomes one line and a status
+                self._refuse(context, method, caller, exc)
             finally:
                 if key is not None:
                     self._exit(key)
 
         return run
 
-    def _stream_in(self, behavior, method: str):
+    def _stream_in(self, method: str, behavior):
         def run(request_iterator, context):
-            key = None
+            caller = key = None
             try:
                 first = None
                 if self.revoked is None:
                     first = next(request_iterator, None)
                     request_iterator = itertools.chain([] if first is None else [first], request_iterator)
-                key = self._enter(self.facility(context, first), method)
-                return behavior(request_iterator, Caller(context, key[0]))
-            except (HubError, SpecError, WireError) as exc:
-                _refuse(context, exc)
+                caller = self.facility(context, first)
+                key = self._enter(caller, method)
+                return behavior(request_iterator, Caller(context, caller))
+            except Exception as exc:  # noqa: BLE001
+                self._refuse(context, method, caller, exc)
             finally:
                 if key is not None:
                     self._exit(key)
 
         return run
 
-    def _stream_out(self, behavior, method: str):
+    def _stream_out(self, method: str, behavior):
         def run(request, context):
-            key = None
+            caller = key = None
             try:
-                key = self._enter(self.facility(context, request), method)
-                yield from behavior(request, Caller(context, key[0]))
-            except (HubError, SpecError, WireError) as exc:
-                _refuse(context, exc)
+                caller = self.facility(context, request)
+                key = self._enter(caller, method)
+                yield from behavior(request, Caller(context, caller))
+            except Exception as exc:  # noqa: BLE001 - also while the stream is read
+                self._refuse(context, method, caller, exc)
             finally:
                 if key is not None:
                     self._exit(key)

@@ -8,6 +8,7 @@ loopback only, taking the name from the request, for tests and one-machine demos
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import sys
@@ -38,6 +39,30 @@ def _credentials(certs: Path) -> grpc.ServerCredentials:
     return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=True)
 
 
+#: A connection that has not finished its (TLS and HTTP/2) handshake this long after it was accepted is closed, and
+#: one with no call for IDLE_S is closed (its facility dials again at its next call): idle sockets cannot hold
+#: the hub's descriptors.
+HANDSHAKE_S, IDLE_S = 10, 300
+SERVER_OPTIONS = [
+    ("grpc.so_reuseport", 0),  # off: a second hub on a port in use is refused instead of sharing it
+    ("grpc.server_handshake_timeout_ms", HANDSHAKE_S * 1000),
+    ("grpc.max_connection_idle_ms", IDLE_S * 1000),
+]
+
+
+def _raise_descriptor_limit() -> int:
+    """The soft limit of open files raised to the hard one (each connection holds one); the limit now."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if hard == resource.RLIM_INFINITY or soft < hard:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else 1 << 20, hard))
+        return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, ValueError, OSError):
+        return -1
+
+
 def _return_big_buffers() -> None:
     """glibc: buffers of 1 MiB and more (the 16 MiB frames) are mapped and unmapped each time, never kept in
     a thread's heap: the hub's peak stays θ_global, the outer state and the accumulator (measured: 26.5 bytes
@@ -50,13 +75,13 @@ def _return_big_buffers() -> None:
         pass
 
 
-def build_server(fed: HubFederation, certs: Path | None) -> grpc.Server:
-    """The hub's gRPC server over ``fed``, not started and with no port (``certs``: None serves --insecure)."""
-    # so_reuseport off: a second hub on a port in use is refused instead of sharing it
+def build_server(fed: HubFederation, certs: Path | None, log=print) -> grpc.Server:
+    """The hub's gRPC server over ``fed``, not started and with no port (``certs``: None serves --insecure;
+    ``log``: where the interceptor's refusals go)."""
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=WORKERS),
-        interceptors=[IdentityInterceptor(certs)],
-        options=[*GRPC_OPTIONS, ("grpc.so_reuseport", 0)],
+        interceptors=[IdentityInterceptor(certs, log=log)],
+        options=[*GRPC_OPTIONS, *SERVER_OPTIONS],
     )
     server.add_generic_rpc_handlers((HubService(fed).handler(),))
     return server
@@ -84,20 +109,20 @@ def _grants(certs: Path | None):
 def serve_main(args) -> int:
     """Run the hub until SIGINT/SIGTERM; 0 after a clean stop, 2 (one line) on bad input."""
     _return_big_buffers()
+    files = _raise_descriptor_limit()
+    log = functools.partial(print, flush=True)
     try:
         if not args.insecure and args.certs is None:
             raise store.StateError("serve needs --certs DIR (from `python -m xffl_like.hub init DIR`), or --insecure")
         creds = None if args.insecure else _credentials(Path(args.certs))
-        state = store.SafetensorsStore(Path(args.state), log=lambda line: print(line, flush=True))
+        state = store.SafetensorsStore(Path(args.state), log=log)
         snap = state.open(args.fresh)
         grants = _grants(None if args.insecure else Path(args.certs))
-        fed = HubFederation(
-            Path(args.state), snap, log=lambda line: print(line, flush=True), state=state, grants=grants
-        )
+        fed = HubFederation(Path(args.state), snap, log=log, state=state, grants=grants)
     except (store.StateError, ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2
-    server = build_server(fed, None if args.insecure else Path(args.certs))
+    server = build_server(fed, None if args.insecure else Path(args.certs), log=log)
     bind = "127.0.0.1" if args.insecure else args.bind
     try:
         port = server.add_insecure_port(f"{bind}:{args.port}") if creds is None else (
@@ -113,7 +138,7 @@ def serve_main(args) -> int:
         signal.signal(sig, lambda s, _f: stopped.set())
     server.start()
     mode = "INSECURE plaintext on loopback only (tests and one-machine demos)" if creds is None else "mutual TLS"
-    print(f"hub: serving on {bind}:{port} ({mode}); state in {args.state}", flush=True)
+    print(f"hub: serving on {bind}:{port} ({mode}); state in {args.state}; {files} open files", flush=True)
     stopped.wait()
     server.stop(grace=2).wait()
     fed.close()

@@ -27,6 +27,8 @@ Fixtures shared by several modules:
 
 - ``gloo_world``: a one-process gloo world in the pytest process and its ``DistributedState`` (one
   facility of one rank); the process group is destroyed afterwards, whatever the test did.
+- ``killed_at_7``: the durability job (``helpers.same_run.KILLED_AT_7``) run once per session, rank 1
+  killed at step 7; test_durability and test_run_dir_safety read it (copy it before changing anything).
 """
 
 import sys
@@ -64,3 +66,13 @@ def gloo_world(tmp_path_factory):
         yield build_state(plan_layout(1, 1, 1, 1), ProcessEnv(0, 1, 0, 1), backend="gloo")
     finally:
         dist.destroy_process_group()
+
+
+@pytest.fixture(scope="session")
+def killed_at_7(tmp_path_factory):
+    """``(run directory, CompletedProcess)`` of ``helpers.same_run.KILLED_AT_7``, run once per session (one job
+    fewer in the suite): rank 1 SIGKILLed at step 7, checkpoints of steps 4 and 6. Read-only for the tests."""
+    from helpers.same_run import KILLED_AT_7, run_job
+
+    run = tmp_path_factory.mktemp("killed_at_7") / "run"
+    return run, run_job(KILLED_AT_7, run)

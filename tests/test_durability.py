@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import REPO
-from helpers.same_run import assert_same_run, run_job, summary
+from helpers.same_run import JOB, assert_same_run, run_job, summary
 from workers import durability as workers
 
 from xffl_like.checkpoint.store import (
@@ -36,47 +36,37 @@ from xffl_like.checkpoint.store import (
 )
 from xffl_like.distributed.launch import free_port, launch_local
 
-JOB = [
-    "+experiment=llama_fed",
-    "train.steps=8",
-    "federation.every=2",
-    "train.seq_len=32",
-    "train.batch_size=2",
-    "train.log_every=4",
-    "logger=none",
-]
-
 
 @pytest.fixture(scope="module")
-def fsdp_runs(tmp_path_factory):
-    """FSDP [2,2]: the uninterrupted job, and the same job with rank 1 killed at step 7."""
-    base = tmp_path_factory.mktemp("fsdp")
-    ref = run_job(JOB, base / "ref")
-    assert ref.returncode == 0, ref.stderr
-    killed = run_job([*JOB, "fault.kill_rank=1", "fault.at_step=7", "checkpoint.async=false"], base / "killed")
-    return base, killed
+def fsdp_runs(tmp_path_factory, killed_at_7):
+    """FSDP [2,2]: the uninterrupted job (its run directory), and the same job with rank 1 killed at step 7
+    (the session's ``killed_at_7``: its run directory and process)."""
+    ref = tmp_path_factory.mktemp("fsdp") / "ref"
+    proc = run_job(JOB, ref)
+    assert proc.returncode == 0, proc.stderr
+    return ref, *killed_at_7
 
 
 @pytest.mark.cli
 @pytest.mark.slow
 def test_fail_fast_names_dead_rank_and_resume_is_bitwise_exact(fsdp_runs, tmp_path):
-    base, killed = fsdp_runs
+    ref, run, killed = fsdp_runs
     # 5: the job ends (not the 300 s collective timeout), naming the dead rank and the checkpoint.
     assert killed.returncode != 0
     errors = [line for line in killed.stderr.splitlines() if line.startswith("error:")]
-    last = base / "killed" / "checkpoints" / checkpoint_name(6)
+    last = run / "checkpoints" / checkpoint_name(6)
     assert len(errors) == 1 and "rank 1 (SIGKILL) died" in errors[0] and str(last) in errors[0], killed.stderr
-    assert "Traceback" not in killed.stderr and not (base / "killed" / "summary.json").exists()
-    assert latest_checkpoint(base / "killed" / "checkpoints") == last
+    assert "Traceback" not in killed.stderr and not (run / "summary.json").exists()
+    assert latest_checkpoint(run / "checkpoints") == last
     # 2 + 3: resume=<run dir> continues in that directory and ends where the uninterrupted job ends.
     copy = tmp_path / "killed"
-    shutil.copytree(base / "killed", copy)
+    shutil.copytree(run, copy)
     fresh = tmp_path / "fresh"
     proc = run_job([*JOB, f"resume={copy}"], fresh)
     assert proc.returncode == 0, proc.stderr
     assert not fresh.exists()  # the directory Hydra made for the resume is dropped
     assert summary(copy)["checkpoints"]["resumed_from"] == str(copy / "checkpoints" / checkpoint_name(6))
-    assert_same_run(copy, base / "ref")
+    assert_same_run(copy, ref)
     # keep=2: older checkpoints were deleted once newer ones were complete.
     assert [p.name for p in list_checkpoints(copy / "checkpoints")] == [checkpoint_name(6), checkpoint_name(8)]
 
@@ -269,9 +259,9 @@ BAD_RESUME = [
 def test_bad_resume_is_refused_before_launch(fsdp_runs, tmp_path, overrides, prepare, needle):
     from xffl_like.job import JobFailed, run_local
 
-    base, _ = fsdp_runs
+    _, killed, _ = fsdp_runs
     run = tmp_path / "run"
-    shutil.copytree(base / "killed", run)
+    shutil.copytree(killed, run)
     if prepare:
         prepare(run)
     before = sorted((p.relative_to(run), p.stat().st_mtime_ns, p.stat().st_size) for p in run.rglob("*"))
@@ -289,13 +279,13 @@ def test_resume_latest_picks_the_newest_run_of_the_experiment(fsdp_runs, tmp_pat
     from xffl_like.distributed.layout import plan_layout
     from xffl_like.job import JobFailed, resolve, run_local
 
-    base, _ = fsdp_runs
+    _, killed, _ = fsdp_runs
     outputs = tmp_path / "outputs" / "llama_fed"
     outputs.mkdir(parents=True)
     with pytest.raises(JobFailed, match="resume=latest: no run of this experiment with a complete checkpoint"):
         run_local(_compose([*JOB[1:], "resume=latest"]), outputs / "fresh", worker=lambda *a: pytest.fail("started"))
-    shutil.copytree(base / "killed", outputs / "2000-01-01_00-00-00")  # older, complete
-    shutil.copytree(base / "killed", outputs / "2000-01-02_00-00-00")  # newer, but another experiment
+    shutil.copytree(killed, outputs / "2000-01-01_00-00-00")  # older, complete
+    shutil.copytree(killed, outputs / "2000-01-02_00-00-00")  # newer, but another experiment
     cfg_path = outputs / "2000-01-02_00-00-00" / "config.yaml"
     cfg_path.write_text(cfg_path.read_text().replace("experiment: llama_fed", "experiment: other"))
     from xffl_like.checkpoint.resume import resumed

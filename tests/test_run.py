@@ -76,50 +76,55 @@ def test_unequal_hsdp_facilities(tmp_path):
     assert summary["final_loss"] < summary["first_loss"]
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(not CORPUS.exists(), reason="shared corpus not present")
-def test_text_data(tmp_path):
-    # Two facilities of one rank each, each on its own contiguous part of the corpus.
+TORCHRUN = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2")
+
+
+@pytest.fixture(scope="module")
+def torchrun_job(tmp_path_factory):
+    """One job for two tests (one launch instead of two): under torchrun, 2 processes = two facilities of one
+    rank, weighted 3:1, each on its own contiguous part of the corpus (the synthetic data where the shared
+    corpus is absent, so that the torchrun test still runs); ``(folder, summary, on text)``."""
+    tmp = tmp_path_factory.mktemp("torchrun")
+    text = ["data=text", f"data.path={CORPUS}"] if CORPUS.exists() else []
     args = [
         "+experiment=llama_fed",
-        "data=text",
-        f"data.path={CORPUS}",
-        "distributed.nproc_per_node=2",
+        *text,
         "distributed.federated=1",
+        "federation.weights=[3,1]",
         "train.steps=6",
+        "optim.warmup_steps=2",
         "federation.every=3",
         *TINY,
     ]
-    _, summary = run_recorded(args, tmp_path)
-    assert summary["world_size"] == 2 and summary["layout"]["facility_sizes"] == [1, 1]
-    assert summary["final_loss"] < summary["first_loss"]
-    check_values(tmp_path, summary, [1.0, 1.0])
+    _, summary = run_recorded(args, tmp, launcher=TORCHRUN)
+    return tmp, summary, bool(text)
 
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-def test_torchrun_entry(tmp_path):
-    torchrun = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2")
-    args = [
-        "+experiment=llama_fed",
-        "distributed.federated=1",
-        "federation.weights=[3,1]",
-        "train.steps=4",
-        "optim.warmup_steps=2",
-        "federation.every=2",
-        *TINY,
-    ]
-    _, summary = run_recorded(args, tmp_path, launcher=torchrun)
+@pytest.mark.skipif(not CORPUS.exists(), reason="shared corpus not present")
+def test_text_data(torchrun_job):
+    # Two facilities of one rank each, each on its own contiguous part of the corpus.
+    tmp, summary, text = torchrun_job
+    assert text
+    assert summary["world_size"] == 2 and summary["layout"]["facility_sizes"] == [1, 1]
+    assert summary["final_loss"] < summary["first_loss"]
+    check_values(tmp, summary, [3.0, 1.0])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_torchrun_entry(torchrun_job):
+    tmp, summary, _ = torchrun_job
     # Under torchrun the launcher decides the world: 2 processes, here two facilities of 1.
     assert summary["world_size"] == 2 and summary["layout"]["facility_sizes"] == [1, 1]
-    check_values(tmp_path, summary, [3.0, 1.0])
+    check_values(tmp, summary, [3.0, 1.0])
 
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_torchrun_bad_input_one_line(tmp_path):
-    torchrun = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2")
-    proc, _ = run_cli(["+experiment=llama_fed", "federation.every=0"], tmp_path, timeout=90, launcher=torchrun)
+    proc, _ = run_cli(["+experiment=llama_fed", "federation.every=0"], tmp_path, timeout=90, launcher=TORCHRUN)
     assert proc.returncode != 0 and proc.stderr.count("error: federation.every=0") == 1, proc.stderr
     # torchrun prints its own summary of failed workers; none of our frames appear.
     assert "xffl_like/" not in proc.stderr

@@ -16,19 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import REPO
+from helpers.same_run import JOB
 
 from xffl_like.checkpoint.resume import RESUME_MAY_CHANGE, config_differences
 from xffl_like.checkpoint.store import Damaged, check_intact, checkpoint_name, newest_intact, publish
 
-JOB = [
-    "+experiment=llama_fed",
-    "train.steps=8",
-    "federation.every=2",
-    "train.seq_len=32",
-    "train.batch_size=2",
-    "train.log_every=4",
-    "logger=none",
-]
 ENV = {
     **os.environ,
     "WANDB_MODE": "offline",
@@ -167,12 +159,12 @@ def test_full_disk_save_names_the_cause(tiny_tmpfs):
 
 # ----------------------------------------------------------------------------- classes 4 and 5 through the CLI
 @pytest.fixture(scope="module")
-def killed_run(tmp_path_factory):
-    """The durability job killed at step 7: checkpoints at steps 4 and 6."""
-    base = tmp_path_factory.mktemp("killed")
-    proc = run_cli([*JOB, "fault.kill_rank=1", "fault.at_step=7", "checkpoint.async=false"], base / "run")
-    assert proc.returncode != 0 and (base / "run" / "checkpoints" / checkpoint_name(6)).is_dir(), proc.stderr
-    return base / "run"
+def killed_run(killed_at_7):
+    """The durability job killed at step 7 (the session's, shared with test_durability): checkpoints at steps
+    4 and 6."""
+    run, proc = killed_at_7
+    assert proc.returncode != 0 and (run / "checkpoints" / checkpoint_name(6)).is_dir(), proc.stderr
+    return run
 
 
 def _ckpt(run: Path, step: int = 6) -> Path:

@@ -246,11 +246,13 @@ STALE = [
 ]
 
 
-@pytest.mark.slow  # waits 5 s at a rendezvous on purpose
+@pytest.mark.slow  # waits at a rendezvous on purpose
 @pytest.mark.parametrize("case, variables, says, exits", STALE, ids=[c[0] for c in STALE])
 def test_a_stale_launcher_environment_says_what_it_waits_for(tmp_path, case, variables, says, exits):
     sock, port = _taken_port() if exits else (None, _free_port())
-    env = {**os.environ, "PYTHONPATH": str(REPO), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), **variables}
+    env = {**os.environ, "PYTHONPATH": f"{PLUGINS}{os.pathsep}{REPO}", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port), **variables}  # fmt: skip
+    env["XFFL_TEST_WAIT_NOTICE_S"] = "1"  # the notice after 1 s, not the shipped 5 (tests/plugins/hook_wait_notice.py)
     proc = subprocess.Popen(
         [sys.executable, "-m", "xffl_like.run", "+experiment=llama_fed", "logger=none"],
         cwd=REPO,

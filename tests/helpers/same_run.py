@@ -18,6 +18,19 @@ from . import REPO
 
 EXACT = ("final_loss", "eval_loss", "facility_losses", "rounds", "skipped_facilities")
 
+#: The durability job: FSDP [2,2], 8 steps, a round every 2, a checkpoint every round.
+JOB = [
+    "+experiment=llama_fed",
+    "train.steps=8",
+    "federation.every=2",
+    "train.seq_len=32",
+    "train.batch_size=2",
+    "train.log_every=4",
+    "logger=none",
+]
+#: ``JOB`` with rank 1 SIGKILLed at step 7 (synchronous saves: checkpoints of steps 4 and 6 are complete).
+KILLED_AT_7 = [*JOB, "fault.kill_rank=1", "fault.at_step=7", "checkpoint.async=false"]
+
 
 def run_job(args, run_dir, timeout=400, env=None):
     env = {**os.environ, "WANDB_MODE": "offline", **(env or {})}

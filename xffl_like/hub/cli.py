@@ -16,7 +16,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .errors import GRANT_KEYS, IdentityError, identity
+from .certs import identity
+from .errors import GRANT_KEYS, IdentityError
 
 __all__ = ["main"]
 

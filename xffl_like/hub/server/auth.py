@@ -71,7 +71,7 @@ class IdentityInterceptor(grpc.ServerInterceptor):
     def __init__(self, certs: Path | None, log=print):
         self.revoked, self.log = None, log
         if certs is not None:
-            from ..errors import identity
+            from ..certs import identity
 
             self.revoked = identity().RevocationList(certs)
         self.open: Counter[tuple[str, str]] = Counter()

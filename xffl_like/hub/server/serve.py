@@ -33,7 +33,7 @@ WORKERS = 64
 
 
 def _credentials(certs: Path) -> grpc.ServerCredentials:
-    from ..errors import identity
+    from ..certs import identity
 
     ca, cert, key = identity().check_hub_identity(certs)
     return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=True)
@@ -92,7 +92,8 @@ def _grants(certs: Path | None):
     file stops the hub in one line), as a function of its name; None for --insecure."""
     if certs is None:
         return None
-    from ..errors import IdentityError, identity
+    from ..certs import identity
+    from ..errors import IdentityError
 
     grants = identity().Grants(certs)
     grants("")

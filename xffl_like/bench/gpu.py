@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import CONF_DIR
+from .children import kill_all, spawn
 
 __all__ = ["CHECKS", "Result", "gpus_needed", "main", "run_check"]
 
@@ -62,16 +63,13 @@ class JobError(RuntimeError):
 def job(args: list[str], run_dir: Path, timeout: int = 900) -> dict:
     """Run the CLI with ``args`` in ``run_dir``; its summary, or :class:`JobError` with its error line."""
     env = {**os.environ, "WANDB_MODE": "offline"}
-    proc = subprocess.run(
+    proc = spawn(
         [sys.executable, "-m", "xffl_like.run", *args, f"hydra.run.dir={run_dir}"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    _, stderr = proc.communicate(timeout=timeout)  # on a timeout, run_check kills its process group
     if proc.returncode != 0:
-        lines = [x for x in proc.stderr.splitlines() if x.strip()]
+        lines = [x for x in stderr.splitlines() if x.strip()]
         errors = [x for x in lines if x.startswith("error:")]
         raise JobError(f"exit {proc.returncode}: {(errors or lines or ['no output'])[-1][:300]}")
     return json.loads((run_dir / "summary.json").read_text())
@@ -304,14 +302,15 @@ def _model_conf(model: str) -> dict:
 def check_mfu(tmp: Path) -> Result:
     """``python -m xffl_like.bench.mfu``: llama3_2_1b, bf16, sequence 2048, steady-state steps, with and
     without ``torch.compile``."""
-    proc = subprocess.run(
+    proc = spawn(
         [sys.executable, "-m", "xffl_like.bench.mfu", "--model", "llama3_2_1b", "--seq", "2048", "--batch", "4",
          "--compile", "both"],
-        cwd=REPO, capture_output=True, text=True, timeout=1500,
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
-    lines = [x for x in proc.stdout.splitlines() if x.strip()]
+    stdout, stderr = proc.communicate(timeout=1500)
+    lines = [x for x in stdout.splitlines() if x.strip()]
     if proc.returncode != 0:
-        errors = [x for x in proc.stderr.splitlines() if x.strip()]
+        errors = [x for x in stderr.splitlines() if x.strip()]
         return Result("mfu_llama3_2_1b", "FAIL", f"exit {proc.returncode}: {(errors or ['no output'])[-1][:300]}")
     return Result("mfu_llama3_2_1b", "PASS", " | ".join(lines))
 
@@ -394,13 +393,18 @@ CHECKS: dict[str, Callable[[Path], Result]] = {
 
 
 def run_check(name: str, tmp: Path | None = None) -> Result:
-    """Run check ``name`` (a key of :data:`CHECKS`); a job that fails is a ``FAIL`` naming its error line."""
+    """Run check ``name`` (a key of :data:`CHECKS`). Any exception is a ``FAIL`` naming it in one line (a job
+    that fails: its error line), so the next check still runs; every process the check started (each in its own
+    process group: launchers' workers, a hub, its facilities) is killed when it ends, passed or not."""
     with tempfile.TemporaryDirectory(prefix=f"xffl-gpu-{name}-") as scratch:
         where = Path(tmp or scratch)
         try:
             return CHECKS[name](where)
-        except (JobError, subprocess.TimeoutExpired, FileNotFoundError, KeyError) as exc:
-            return Result(name, "FAIL", f"{type(exc).__name__}: {exc}")
+        except Exception as exc:  # noqa: BLE001 - every failure of a check is that check's FAIL line
+            text = " ".join(str(exc).split()) or "no message"
+            return Result(name, "FAIL", f"{type(exc).__name__}: {text}"[:400])
+        finally:
+            kill_all()
 
 
 def main(argv: list[str] | None = None) -> int:

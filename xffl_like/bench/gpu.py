@@ -60,9 +60,15 @@ class JobError(RuntimeError):
     """The job exited with an error; ``str()`` is its last error line."""
 
 
-def job(args: list[str], run_dir: Path, timeout: int = 900) -> dict:
-    """Run the CLI with ``args`` in ``run_dir``; its summary, or :class:`JobError` with its error line."""
-    env = {**os.environ, "WANDB_MODE": "offline"}
+#: The environment of the jobs whose results a check compares bitwise (checkpoint, hub, hub_topk, streams2):
+#: deterministic algorithms and cuBLAS's fixed workspace (:data:`xffl_like.train.speed.DETERMINISTIC_ENV`).
+BITWISE = {"XFFL_DETERMINISTIC": "1", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+
+
+def job(args: list[str], run_dir: Path, timeout: int = 900, env: dict | None = None) -> dict:
+    """Run the CLI with ``args`` in ``run_dir`` (``env``: more environment); its summary, or :class:`JobError`
+    with its error line."""
+    env = {**os.environ, "WANDB_MODE": "offline", **(env or {})}
     proc = spawn(
         [sys.executable, "-m", "xffl_like.run", *args, f"hydra.run.dir={run_dir}"],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -147,13 +153,16 @@ def check_bf16(tmp: Path) -> Result:
     return Result("bf16", "PASS" if ok else "FAIL", figure)
 
 
-def _multi(name: str, need: int, extra: list[str], check: Callable[[dict, Path], tuple[bool, str]] | None = None):
-    """A check of a job over ``need`` GPUs (one per rank, nccl) with ``extra`` overrides."""
+def _multi(
+    name: str, need: int, extra: list[str], check: Callable[[dict, Path], tuple[bool, str]] | None = None, env=None
+):
+    """A check of a job over ``need`` GPUs (one per rank, nccl) with ``extra`` overrides (``env``: more
+    environment)."""
 
     def run(tmp: Path) -> Result:
         if gpus() < need:
             return Result(name, "SKIP", f"needs {need} CUDA devices (nccl, one GPU per rank), {gpus()} here")
-        s = job([*BASE, *extra], tmp / name)
+        s = job([*BASE, *extra], tmp / name, env=env)
         ok, figure = check(s, tmp) if check else (True, "")
         cuda, why = ran_on_cuda(s)
         ok, figure = ok and cuda, f"{figure}{', ' if figure and why else ''}{why}"
@@ -188,10 +197,12 @@ def check_checkpoint(tmp: Path) -> Result:
     bitwise equal to the uninterrupted one: two facilities on two GPUs, else one facility on one GPU."""
     layout = ranks(2) if gpus() >= 2 else ONE_GPU
     args = [*BASE, *layout, *CHECKPOINT_MODEL, "checkpoint.async=true", "seed=1"]
-    ref = job(args, tmp / "ref")
+    ref = job(args, tmp / "ref", env=BITWISE)
     kill_rank = 1 if gpus() >= 2 else 0
     killed = job(
-        [*args, f"fault.kill_rank={kill_rank}", "fault.at_step=7", "distributed.max_restarts=1"], tmp / "killed"
+        [*args, f"fault.kill_rank={kill_rank}", "fault.at_step=7", "distributed.max_restarts=1"],
+        tmp / "killed",
+        env=BITWISE,
     )
     # Every facility here is one rank: it holds the whole model, fp32 weights and AdamW's two moments.
     within, peak = checkpoint_peak_within(ref["checkpoints"]["device_peak_bytes"], 12 * parameters("llama_bench"))
@@ -226,6 +237,7 @@ def _hub(name: str, extra: list[str]):
             **os.environ,
             "WANDB_MODE": "offline",
             "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0"),
+            **BITWISE,
         }
         with insecure_hub(tmp / "hub-state", env) as (_, port):
             args = [*BASE, *ONE_GPU, *HUB_OUTER, *extra, f"federation.elastic.hub=127.0.0.1:{port}"]
@@ -364,7 +376,7 @@ STREAMS2 = [*ranks(2), "strategy=layer_by_layer", "strategy.streams=2"]
 
 def _same_as_one_stream(s: dict, tmp: Path) -> tuple[bool, str]:
     """streams2's job against the same job on one stream: the streams change when bytes move, never the values."""
-    one = job([*BASE, *STREAMS2[:-1], "strategy.streams=1"], tmp / "streams1")
+    one = job([*BASE, *STREAMS2[:-1], "strategy.streams=1"], tmp / "streams1", env=BITWISE)
     ok, figure = same_run(s, one)
     return ok, f"vs one stream: {figure}"
 
@@ -373,7 +385,7 @@ CHECKS: dict[str, Callable[[Path], Result]] = {
     "bf16": check_bf16,
     "facilities": _multi("facilities", 2, [*ranks(2), "federation.weights=[0.7,0.3]"]),
     "hsdp": _multi("hsdp", 4, ranks(4, federated=2, hsdp=1)),
-    "streams2": _multi("streams2", 2, STREAMS2, _same_as_one_stream),
+    "streams2": _multi("streams2", 2, STREAMS2, _same_as_one_stream, env=BITWISE),
     "uint8": _multi("uint8", 2, [*ranks(2), "federation.compression=uint8"]),
     "streaming": _multi(
         "streaming",

@@ -6,12 +6,13 @@ eager on the CPU; AdamW is fused where its parameters live on a non-CPU device t
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 
 import torch
 from torch import nn
 
-__all__ = ["compile_blocks", "compiles", "compute_dtype", "fused_adamw"]
+__all__ = ["DETERMINISTIC_ENV", "compile_blocks", "compiles", "compute_dtype", "fused_adamw", "pin_determinism"]
 
 
 def compute_dtype(dtype: str, device: torch.device) -> str:
@@ -48,3 +49,20 @@ def fused_adamw(params: Iterable[torch.Tensor]) -> bool:
         supported = {"cuda"}
     kinds = {p.device.type for p in params}
     return len(kinds) == 1 and kinds <= supported - {"cpu"}
+
+
+#: The environment of a job whose results are compared bitwise (``bench.gpu``'s checkpoint, hub and streams2
+#: checks): :func:`pin_determinism` reads the first; cuBLAS reads the second when CUDA starts (its fixed
+#: workspace is what makes its matrix products reproducible, and what deterministic algorithms require).
+DETERMINISTIC_ENV = {"XFFL_DETERMINISTIC": "1", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+
+
+def pin_determinism() -> bool:
+    """With ``XFFL_DETERMINISTIC=1`` in the environment: ``torch.use_deterministic_algorithms(True)`` (an op
+    without a deterministic implementation warns rather than stops the job: the bitwise comparison then says
+    whether it mattered) and cuDNN's autotuner off. Whether it pinned."""
+    if os.environ.get("XFFL_DETERMINISTIC") != "1":
+        return False
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.benchmark = False
+    return True

@@ -38,9 +38,10 @@ def compile_blocks(model: nn.Module, backend: str = "inductor") -> int:
     return len(model.layers)
 
 
-def fused_adamw(params: Iterable[torch.Tensor]) -> bool:
-    """Whether AdamW over ``params`` runs fused: all on one device type other than the CPU (the CPU keeps the
-    foreach implementation and its figures) that has fused kernels (CUDA, XPU, ...)."""
+def fused_adamw(params: Iterable[torch.Tensor], offload: bool = False) -> bool:
+    """Whether AdamW over ``params`` runs fused: all on one device type that has fused kernels (CUDA, XPU, ...),
+    not the CPU (a CPU job keeps the foreach implementation and its figures), except under ``offload``
+    (``parallel.cpu_offload``: the optimizer steps the host's shards, where fused is the faster kernel)."""
     try:
         from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
@@ -48,7 +49,7 @@ def fused_adamw(params: Iterable[torch.Tensor]) -> bool:
     except ImportError:  # pragma: no cover - an older torch
         supported = {"cuda"}
     kinds = {p.device.type for p in params}
-    return len(kinds) == 1 and kinds <= supported - {"cpu"}
+    return len(kinds) == 1 and kinds <= (supported if offload else supported - {"cpu"})
 
 
 #: The environment of a job whose results are compared bitwise (``bench.gpu``'s checkpoint, hub and streams2

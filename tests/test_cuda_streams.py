@@ -37,3 +37,15 @@ def test_bytegrad_records_its_buffers_on_the_streams_that_read_them(monkeypatch)
     main = torch.cuda.current_stream()
     assert any(stream == main for _, stream in recorded)
     assert len(got) == 1 and torch.allclose(got[0], flat, atol=0.05 * float(flat.abs().max()))
+
+
+def test_each_kind_of_exchange_keeps_one_side_stream():
+    """Streaming's fragment exchanges share one persistent side stream, delayed rounds another: the allocator's
+    per-stream blocks are reused from one exchange to the next."""
+    from xffl_like.federation.streaming import OverlappedExchange
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    x = torch.ones(8, device=device)
+    works = [OverlappedExchange(lambda: x * 2, True, device, kind=k) for k in ("fragment", "fragment", "delayed")]
+    assert works[0].stream is works[1].stream and works[0].stream is not works[2].stream
+    assert all(torch.equal(w.result(), x * 2) for w in works)

@@ -106,7 +106,7 @@ def test_cpu_offload_reaches_every_fully_shard(monkeypatch, offload):
     calls = []
     monkeypatch.setattr(parallelize, "fully_shard", lambda module, **kw: calls.append((module, kw)))
     model = build_model(ModelConfig(**SMALL), device="meta")
-    shard_model(model, SimpleNamespace(mesh="facility-mesh"), offload=offload)
+    shard_model(model, SimpleNamespace(mesh="facility-mesh", shard_size=2), offload=offload)
     assert [m for m, _ in calls] == [*model.layers, model]
     for _, kw in calls:
         policy = kw["offload_policy"]

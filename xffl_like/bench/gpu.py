@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import CONF_DIR
+from .children import kill_all, spawn
 
 __all__ = ["CHECKS", "Result", "gpus_needed", "main", "run_check"]
 
@@ -59,19 +60,22 @@ class JobError(RuntimeError):
     """The job exited with an error; ``str()`` is its last error line."""
 
 
-def job(args: list[str], run_dir: Path, timeout: int = 900) -> dict:
-    """Run the CLI with ``args`` in ``run_dir``; its summary, or :class:`JobError` with its error line."""
-    env = {**os.environ, "WANDB_MODE": "offline"}
-    proc = subprocess.run(
+#: The environment of the jobs whose results a check compares bitwise (checkpoint, hub, hub_topk, streams2):
+#: deterministic algorithms and cuBLAS's fixed workspace (:data:`xffl_like.train.speed.DETERMINISTIC_ENV`).
+BITWISE = {"XFFL_DETERMINISTIC": "1", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+
+
+def job(args: list[str], run_dir: Path, timeout: int = 900, env: dict | None = None) -> dict:
+    """Run the CLI with ``args`` in ``run_dir`` (``env``: more environment); its summary, or :class:`JobError`
+    with its error line."""
+    env = {**os.environ, "WANDB_MODE": "offline", **(env or {})}
+    proc = spawn(
         [sys.executable, "-m", "xffl_like.run", *args, f"hydra.run.dir={run_dir}"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    _, stderr = proc.communicate(timeout=timeout)  # on a timeout, run_check kills its process group
     if proc.returncode != 0:
-        lines = [x for x in proc.stderr.splitlines() if x.strip()]
+        lines = [x for x in stderr.splitlines() if x.strip()]
         errors = [x for x in lines if x.startswith("error:")]
         raise JobError(f"exit {proc.returncode}: {(errors or lines or ['no output'])[-1][:300]}")
     return json.loads((run_dir / "summary.json").read_text())
@@ -149,13 +153,16 @@ def check_bf16(tmp: Path) -> Result:
     return Result("bf16", "PASS" if ok else "FAIL", figure)
 
 
-def _multi(name: str, need: int, extra: list[str], check: Callable[[dict, Path], tuple[bool, str]] | None = None):
-    """A check of a job over ``need`` GPUs (one per rank, nccl) with ``extra`` overrides."""
+def _multi(
+    name: str, need: int, extra: list[str], check: Callable[[dict, Path], tuple[bool, str]] | None = None, env=None
+):
+    """A check of a job over ``need`` GPUs (one per rank, nccl) with ``extra`` overrides (``env``: more
+    environment)."""
 
     def run(tmp: Path) -> Result:
         if gpus() < need:
             return Result(name, "SKIP", f"needs {need} CUDA devices (nccl, one GPU per rank), {gpus()} here")
-        s = job([*BASE, *extra], tmp / name)
+        s = job([*BASE, *extra], tmp / name, env=env)
         ok, figure = check(s, tmp) if check else (True, "")
         cuda, why = ran_on_cuda(s)
         ok, figure = ok and cuda, f"{figure}{', ' if figure and why else ''}{why}"
@@ -190,10 +197,12 @@ def check_checkpoint(tmp: Path) -> Result:
     bitwise equal to the uninterrupted one: two facilities on two GPUs, else one facility on one GPU."""
     layout = ranks(2) if gpus() >= 2 else ONE_GPU
     args = [*BASE, *layout, *CHECKPOINT_MODEL, "checkpoint.async=true", "seed=1"]
-    ref = job(args, tmp / "ref")
+    ref = job(args, tmp / "ref", env=BITWISE)
     kill_rank = 1 if gpus() >= 2 else 0
     killed = job(
-        [*args, f"fault.kill_rank={kill_rank}", "fault.at_step=7", "distributed.max_restarts=1"], tmp / "killed"
+        [*args, f"fault.kill_rank={kill_rank}", "fault.at_step=7", "distributed.max_restarts=1"],
+        tmp / "killed",
+        env=BITWISE,
     )
     # Every facility here is one rank: it holds the whole model, fp32 weights and AdamW's two moments.
     within, peak = checkpoint_peak_within(ref["checkpoints"]["device_peak_bytes"], 12 * parameters("llama_bench"))
@@ -228,6 +237,7 @@ def _hub(name: str, extra: list[str]):
             **os.environ,
             "WANDB_MODE": "offline",
             "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0"),
+            **BITWISE,
         }
         with insecure_hub(tmp / "hub-state", env) as (_, port):
             args = [*BASE, *ONE_GPU, *HUB_OUTER, *extra, f"federation.elastic.hub=127.0.0.1:{port}"]
@@ -304,14 +314,15 @@ def _model_conf(model: str) -> dict:
 def check_mfu(tmp: Path) -> Result:
     """``python -m xffl_like.bench.mfu``: llama3_2_1b, bf16, sequence 2048, steady-state steps, with and
     without ``torch.compile``."""
-    proc = subprocess.run(
+    proc = spawn(
         [sys.executable, "-m", "xffl_like.bench.mfu", "--model", "llama3_2_1b", "--seq", "2048", "--batch", "4",
          "--compile", "both"],
-        cwd=REPO, capture_output=True, text=True, timeout=1500,
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
-    lines = [x for x in proc.stdout.splitlines() if x.strip()]
+    stdout, stderr = proc.communicate(timeout=1500)
+    lines = [x for x in stdout.splitlines() if x.strip()]
     if proc.returncode != 0:
-        errors = [x for x in proc.stderr.splitlines() if x.strip()]
+        errors = [x for x in stderr.splitlines() if x.strip()]
         return Result("mfu_llama3_2_1b", "FAIL", f"exit {proc.returncode}: {(errors or ['no output'])[-1][:300]}")
     return Result("mfu_llama3_2_1b", "PASS", " | ".join(lines))
 
@@ -365,7 +376,7 @@ STREAMS2 = [*ranks(2), "strategy=layer_by_layer", "strategy.streams=2"]
 
 def _same_as_one_stream(s: dict, tmp: Path) -> tuple[bool, str]:
     """streams2's job against the same job on one stream: the streams change when bytes move, never the values."""
-    one = job([*BASE, *STREAMS2[:-1], "strategy.streams=1"], tmp / "streams1")
+    one = job([*BASE, *STREAMS2[:-1], "strategy.streams=1"], tmp / "streams1", env=BITWISE)
     ok, figure = same_run(s, one)
     return ok, f"vs one stream: {figure}"
 
@@ -374,7 +385,7 @@ CHECKS: dict[str, Callable[[Path], Result]] = {
     "bf16": check_bf16,
     "facilities": _multi("facilities", 2, [*ranks(2), "federation.weights=[0.7,0.3]"]),
     "hsdp": _multi("hsdp", 4, ranks(4, federated=2, hsdp=1)),
-    "streams2": _multi("streams2", 2, STREAMS2, _same_as_one_stream),
+    "streams2": _multi("streams2", 2, STREAMS2, _same_as_one_stream, env=BITWISE),
     "uint8": _multi("uint8", 2, [*ranks(2), "federation.compression=uint8"]),
     "streaming": _multi(
         "streaming",
@@ -394,13 +405,18 @@ CHECKS: dict[str, Callable[[Path], Result]] = {
 
 
 def run_check(name: str, tmp: Path | None = None) -> Result:
-    """Run check ``name`` (a key of :data:`CHECKS`); a job that fails is a ``FAIL`` naming its error line."""
+    """Run check ``name`` (a key of :data:`CHECKS`). Any exception is a ``FAIL`` naming it in one line (a job
+    that fails: its error line), so the next check still runs; every process the check started (each in its own
+    process group: launchers' workers, a hub, its facilities) is killed when it ends, passed or not."""
     with tempfile.TemporaryDirectory(prefix=f"xffl-gpu-{name}-") as scratch:
         where = Path(tmp or scratch)
         try:
             return CHECKS[name](where)
-        except (JobError, subprocess.TimeoutExpired, FileNotFoundError, KeyError) as exc:
-            return Result(name, "FAIL", f"{type(exc).__name__}: {exc}")
+        except Exception as exc:  # noqa: BLE001 - every failure of a check is that check's FAIL line
+            text = " ".join(str(exc).split()) or "no message"
+            return Result(name, "FAIL", f"{type(exc).__name__}: {text}"[:400])
+        finally:
+            kill_all()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,6 +13,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from .children import spawn
+
 __all__ = ["free_port", "insecure_hub", "start_job", "wait_job"]
 
 
@@ -25,7 +27,7 @@ def free_port() -> int:
 def start_job(args: list[str], run_dir: Path, env: dict) -> subprocess.Popen:
     """``python -m xffl_like.run args`` writing into ``run_dir``, started now."""
     cmd = [sys.executable, "-m", "xffl_like.run", *args, f"hydra.run.dir={run_dir}"]
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    return spawn(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
 def wait_job(proc: subprocess.Popen, run_dir: Path, timeout: float) -> dict:
@@ -43,7 +45,7 @@ def insecure_hub(state: Path, env: dict) -> Iterator[tuple[subprocess.Popen, int
     """``python -m xffl_like.hub serve --insecure`` on a free loopback port with ``--state state``, serving once
     it yields ``(process, port)``; stopped (SIGTERM) on exit."""
     port = free_port()
-    hub = subprocess.Popen(
+    hub = spawn(
         [sys.executable, "-m", "xffl_like.hub", "serve", "--insecure", "--port", str(port), "--state", str(state)],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip

@@ -31,6 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from .children import kill_all
 from .hub_jobs import insecure_hub, start_job, wait_job
 
 __all__ = ["main"]
@@ -62,6 +63,13 @@ def _job(args: list[str], run_dir: Path, env: dict) -> subprocess.Popen:
 
 
 def measure(model: str, compression: str, work: Path, timeout: float = 900.0) -> dict:
+    try:
+        return _measure(model, compression, work, timeout)
+    finally:  # the jobs run in their own process groups: none outlives a failure (or Ctrl-C) here
+        kill_all()
+
+
+def _measure(model: str, compression: str, work: Path, timeout: float) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
     common = [*model.split(), "distributed.federated=null"]  # "NAME key=value ..."
     common[0] = f"model={common[0]}"

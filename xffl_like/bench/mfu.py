@@ -173,6 +173,49 @@ def _timed_steps(step, warmup: int, steps: int, device) -> float:
     return time.perf_counter() - start
 
 
+def _fresh_device() -> None:
+    """Collect what the last measurement left (FSDP's hooks hold reference cycles), return the cached blocks
+    and start the device's peak memory from what is allocated now (CUDA; elsewhere only the collection)."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _train_and_time(job, state, compile_: bool, seq: int, batch: int, warmup: int, steps: int):
+    """(seconds of the timed steps, peak memory, the compute dtype): the job's model trained as the job updates it
+    (gradient clipping by ``optim.grad_clip``, AdamW, zeroing, the schedule: :meth:`ShardedParts.step`). Its
+    model, optimizer and data are this function's alone: freed when it returns."""
+    import torch
+
+    from ..train.optim import build_scheduler
+    from ..train.parallelize import peak_rss_mb
+    from ..train.step import accumulate_gradients
+    from ..train.sync import ShardedParts
+
+    device = state.device
+    net, optimizer, data, resolved = _training(job, state, compile_, seq, batch)
+    parts = ShardedParts(net, optimizer, build_scheduler(optimizer, job.optim, warmup + steps), job.optim.grad_clip)
+
+    def step(n: int) -> torch.Tensor:
+        loss = accumulate_gradients(parts.model, lambda i: data.train_batch(n), job.train, device)
+        parts.step()
+        return loss
+
+    try:
+        seconds = _timed_steps(step, warmup, steps, device)
+        peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else int(peak_rss_mb() * 2**20)
+    finally:
+        if hasattr(data, "close"):
+            data.close()
+    return seconds, peak, resolved
+
+
 def measure(
     model: str = "llama3_2_1b",
     seq: int = 2048,
@@ -186,15 +229,14 @@ def measure(
     extra: list[str] | None = None,
 ) -> Measurement:
     """Train ``model`` in this process (a world of one rank; CUDA where there is one) and time ``steps``
-    steady-state steps after ``warmup`` steps. Collective-free after setup: FSDP2 over one rank."""
+    steady-state steps after ``warmup`` steps. Collective-free after setup: FSDP2 over one rank. An earlier
+    measurement's model is freed first and its peak memory does not count here (eager, then compiled)."""
     import torch
     import torch.distributed as dist
 
     from ..distributed.env import ProcessEnv
     from ..distributed.state import build_state
     from ..models import LlamaConfig
-    from ..train.parallelize import peak_rss_mb
-    from ..train.step import accumulate_gradients
 
     if warmup < 1 or steps < 1:
         raise ValueError(f"--warmup {warmup} --steps {steps}: need at least one of each")
@@ -205,25 +247,14 @@ def measure(
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     try:
         state = build_state(layout, ProcessEnv(0, 1, 0, 1), backend=backend)
-        device = state.device
-        net, optimizer, data, resolved = _training(job, state, compile_, seq, batch)
-        cuda = device.type == "cuda"
-
-        def step(n: int) -> torch.Tensor:
-            loss = accumulate_gradients(net, lambda i: data.train_batch(n), job.train, device)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            return loss
-
-        seconds = _timed_steps(step, warmup, steps, device)
-        peak_mem = torch.cuda.max_memory_allocated(device) if cuda else int(peak_rss_mb() * 2**20)
-        if hasattr(data, "close"):
-            data.close()
+        device, cuda = state.device, state.device.type == "cuda"
+        _fresh_device()
+        seconds, peak_mem, resolved = _train_and_time(job, state, compile_, seq, batch, warmup, steps)
     finally:
+        _fresh_device()  # the model, its optimizer state and its cached blocks are gone before the next one
         if made_group:
             dist.destroy_process_group()
-    shape = LlamaConfig.from_model(job.model)
-    per_token, _ = flops_per_token(shape, seq)
+    per_token, _ = flops_per_token(LlamaConfig.from_model(job.model), seq)
     tps = steps * batch * seq / seconds
     peak = peak_flops(override_tflops=peak_tflops) if cuda or peak_tflops is not None else None
     return Measurement(

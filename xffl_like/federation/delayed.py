@@ -164,7 +164,7 @@ class DelayedFederation(Federation):
             message = None
             fn = sum_exchange(self.own.mul(scales[state.facility]), state, self.peers, self.replicas)
         self.pending = False
-        work = OverlappedExchange(fn, background, state.device)
+        work = OverlappedExchange(fn, background, state.device, kind="delayed")
         self.inflight = {"step": self.pending_step, "message": message, "work": work}
 
     def _recorded(self) -> dict:

@@ -52,6 +52,7 @@ __all__ = [
     "OverlappedExchange",
     "StreamingFederation",
     "fragment_of",
+    "side_stream",
     "sync_offsets",
     "synced_at",
 ]
@@ -78,17 +79,33 @@ def count_blocks(names: list[str]) -> int:
     return len({m.group(1) for m in map(_BLOCK.search, names) if m})
 
 
+#: One side stream per (kind of exchange, device), made at its first exchange and kept: the caching allocator keeps
+#: blocks per stream, so an exchange's buffers are reused by the next exchange of its kind (a new stream each time
+#: could reuse none of them).
+_SIDE_STREAMS: dict[tuple[str, torch.device], torch.cuda.Stream] = {}
+
+
+def side_stream(kind: str, device: torch.device) -> torch.cuda.Stream:
+    """The persistent side stream of exchanges of ``kind`` (``"fragment"``, ``"delayed"``) on CUDA ``device``."""
+    device = torch.device(device)
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if (kind, device) not in _SIDE_STREAMS:
+        _SIDE_STREAMS[kind, device] = torch.cuda.Stream(device=device)
+    return _SIDE_STREAMS[kind, device]
+
+
 class OverlappedExchange:
     """``fn()`` run inline, or overlapped (``background``): on CUDA issued now by the training thread
-    on a side stream that first waits for the work already queued on the current stream (the
-    snapshot), the current stream waiting for it at :meth:`result`; elsewhere in a daemon thread
-    (host tensors, gloo groups: no NCCL from a second thread either way)."""
+    on the side stream of its ``kind`` (:func:`side_stream`), which first waits for the work already queued on
+    the current stream (the snapshot), the current stream waiting for it at :meth:`result`; elsewhere in a daemon
+    thread (host tensors, gloo groups: no NCCL from a second thread either way)."""
 
-    def __init__(self, fn: Callable[[], Any], background: bool, device: torch.device):
+    def __init__(self, fn: Callable[[], Any], background: bool, device: torch.device, kind: str = "fragment"):
         self.fn, self.device, self.value, self.error, self._seconds = fn, device, None, None, 0.0
         self.stream, self.thread, self._events = None, None, None
         if background and device.type == "cuda":
-            self.stream = torch.cuda.Stream(device=device)
+            self.stream = side_stream(kind, device)
             self.stream.wait_stream(torch.cuda.current_stream(device))  # the snapshot is written
             self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             with torch.cuda.device(device), torch.cuda.stream(self.stream):
@@ -265,7 +282,7 @@ class StreamingFederation(Federation):
             "step": done,
             "skipped": skipped,
             "compressed": compressed,
-            "work": OverlappedExchange(exchange, background, state.device),
+            "work": OverlappedExchange(exchange, background, state.device, kind="fragment"),
             "blocked": time.perf_counter() - started,
         }
 

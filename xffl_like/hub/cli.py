@@ -16,7 +16,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .identity import GRANT_KEYS, IdentityError, add_facility, init_dir, is_issued, revoke_facility, write_grant
+from .certs import identity
+from .errors import GRANT_KEYS, IdentityError
 
 __all__ = ["main"]
 
@@ -74,22 +75,22 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "init":
             hosts = [h for text in args.host or ["localhost,127.0.0.1"] for h in _split(text)]
-            written = init_dir(args.dir, _split(args.facilities), hosts)
+            written = identity().init_dir(args.dir, _split(args.facilities), hosts)
             for name in _split(args.facilities) if _grant(args) else []:
-                write_grant(args.dir, name, _grant(args))
+                identity().write_grant(args.dir, name, _grant(args))
             print(f"wrote {len(written)} files to {args.dir}: ca.crt, ca.key, hub.crt, hub.key and facilities/ "
                   f"(keys mode 0600; keep ca.key on the hub's host)")  # fmt: skip
         elif args.command == "add":
-            if _grant(args) and is_issued(args.dir, args.name):  # a new grant for a facility already issued
-                write_grant(args.dir, args.name, _grant(args))
+            if _grant(args) and identity().is_issued(args.dir, args.name):  # a new grant for a facility already issued
+                identity().write_grant(args.dir, args.name, _grant(args))
                 print(f"facility {args.name}: its grant is now {_grant(args)} (the hub reads it at its next join)")
                 return 0
-            add_facility(args.dir, args.name)
+            identity().add_facility(args.dir, args.name)
             if _grant(args):  # else its grant, if any, stays
-                write_grant(args.dir, args.name, _grant(args))
+                identity().write_grant(args.dir, args.name, _grant(args))
             print(f"facility {args.name}: {args.dir}/facilities/{args.name}.crt and .key (copy them to its site)")
         elif args.command == "revoke":
-            serial = revoke_facility(args.dir, args.name)
+            serial = identity().revoke_facility(args.dir, args.name)
             print(f"facility {args.name} revoked (serial {serial}): the hub refuses it from its next connection")
         else:
             if not 0 < args.port < 65536:

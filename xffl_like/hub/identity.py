@@ -33,6 +33,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from .errors import GRANT_KEYS, IdentityError
+
 __all__ = [
     "GRANT_KEYS",
     "Grants",
@@ -53,12 +55,6 @@ _HEX = re.compile(r"^[0-9a-f]{1,64}$")
 _LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
 HOST = re.compile(rf"^(?:\*\.)?{_LABEL}(?:\.{_LABEL})*$")  # a DNS name (a leading '*.' allowed) for the hub's SANs
 DAYS = 825
-#: What a grant may bound, and each one's largest value (the protocol's own bounds).
-GRANT_KEYS = {"batch_size": 1 << 20, "seq_len": 1 << 24, "dp": 1 << 20, "steps": 1 << 62}
-
-
-class IdentityError(ValueError):
-    """One line: which file or name, what is wrong, and the fix."""
 
 
 # ---------------------------------------------------------------------------- writing

@@ -183,6 +183,9 @@ class ByteGrad(GradientAllReduce):
             return
         # CUDA: enqueue the chain on the side stream, after the gradients (and the node reduce) are written
         self._stream.wait_stream(torch.cuda.current_stream(flat.device))
+        # ``flat`` was allocated on the training stream and is dropped when this returns, while the side stream
+        # still reads it: its block is not reused until the side stream's work queued so far is done
+        flat.record_stream(self._stream)
         done: Future = Future()
         with torch.cuda.stream(self._stream):
             done.set_result(self._exchange(flat, reduced))
@@ -196,6 +199,8 @@ class ByteGrad(GradientAllReduce):
             work, rows, numel = future.result()
             if work is not None:
                 work.wait()
+            if self._stream is not None:  # made on the side stream, read on this one: not reused before
+                rows.record_stream(torch.cuda.current_stream(rows.device))
             bucket.set_grads(codec.decompress(rows, numel))
 
     def _exchange(self, flat: Tensor, reduced) -> tuple:

@@ -12,6 +12,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
+from .parallelize import reshard_all
+
 __all__ = ["eval_points", "evaluate", "facility_eval"]
 
 
@@ -29,9 +31,10 @@ def _mean_loss(model, batches, device, loss_chunk: int | None) -> torch.Tensor:
         total += model(inputs.to(device), targets.to(device), loss_chunk=loss_chunk).double()
     if isinstance(model, FSDPModule):
         # FSDP2 keeps the root's parameters gathered after a forward (a backward would follow in
-        # training); without one they would stay gathered, and stale once an aggregation
-        # changes the shards: the next forward and ``model.parameters()`` would see old values.
-        model.reshard()
+        # training), and the blocks' on a one-rank shard group; without a backward they would stay
+        # gathered, and stale once an aggregation changes the shards: the next forward and
+        # ``model.parameters()`` would see old values.
+        reshard_all(model)
     return total / max(1, len(batches))
 
 

@@ -32,10 +32,13 @@ __all__ = [
 ]
 
 
-def build_optimizer(model: nn.Module | Iterable[tuple[str, Tensor]], cfg: OptimConfig) -> torch.optim.Optimizer:
+def build_optimizer(
+    model: nn.Module | Iterable[tuple[str, Tensor]], cfg: OptimConfig, offload: bool = False
+) -> torch.optim.Optimizer:
     """The optimizer of ``cfg.name`` over two groups: decayed and not decayed (empty groups are dropped).
 
-    ``model``: a module, or ``(name, parameter)`` pairs (one bucket of DecentralizedDataParallel)."""
+    ``model``: a module, or ``(name, parameter)`` pairs (one bucket of DecentralizedDataParallel). ``offload``
+    (``parallel.cpu_offload``): the parameters live on the host, and AdamW runs torch's fused CPU kernel."""
     if not isinstance(model, nn.Module):
         model = list(model)
     params = dict(model.named_parameters()) if isinstance(model, nn.Module) else dict(model)
@@ -48,7 +51,7 @@ def build_optimizer(model: nn.Module | Iterable[tuple[str, Tensor]], cfg: OptimC
     if cfg.name == "adamw":
         from .speed import fused_adamw
 
-        fused = fused_adamw(params.values()) or None  # None: torch's default (foreach), as before
+        fused = fused_adamw(params.values(), offload) or None  # None: torch's default (foreach), as before
         return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, fused=fused)
     return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
 

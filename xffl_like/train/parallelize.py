@@ -15,6 +15,7 @@ __all__ = [
     "build_sharded_model",
     "contiguous_shards",
     "materialize_contiguous",
+    "reshard_all",
     "peak_rss_mb",
     "shard_model",
 ]
@@ -30,17 +31,33 @@ def shard_model(model: nn.Module, state: DistributedState, dtype: str = "float32
     is in it), and the RoPE tables, also a block input, must stay fp32 (bf16 angles are off by
     up to ~0.4% at the longest positions). ``offload`` (``parallel.cpu_offload``, CUDA only):
     FSDP2's ``CPUOffloadPolicy``, the sharded parameters, their gradients and so the optimizer
-    state in pinned host memory; each group's all-gather copies its shards to the GPU.
+    state in pinned host memory; each group's all-gather copies its shards to the GPU. On a shard group of one
+    rank the blocks keep their gathered parameters from the forward to the backward (``reshard_after_forward``
+    off); a forward without a backward (an evaluation) must :func:`reshard_all` after it.
     """
     policy = MixedPrecisionPolicy(param_dtype=DTYPES[dtype], reduce_dtype=torch.float32)
     block_policy = MixedPrecisionPolicy(
         param_dtype=DTYPES[dtype], reduce_dtype=torch.float32, cast_forward_inputs=False
     )
     offload_policy = CPUOffloadPolicy(pin_memory=True) if offload else OffloadPolicy()
+    # A shard group of one rank holds every parameter whole: freeing each block's gathered copy after its forward
+    # would only make the backward gather (copy) it again, so the copy stays until the backward frees it.
+    reshard = state.shard_size > 1
     for block in model.layers:
-        fully_shard(block, mesh=state.mesh, mp_policy=block_policy, offload_policy=offload_policy)
+        fully_shard(
+            block, mesh=state.mesh, mp_policy=block_policy, offload_policy=offload_policy, reshard_after_forward=reshard
+        )
     fully_shard(model, mesh=state.mesh, mp_policy=policy, offload_policy=offload_policy)
     return model
+
+
+def reshard_all(model: nn.Module) -> None:
+    """Free every FSDP module's gathered parameters (the root's, and the blocks' on a one-rank shard group, kept
+    after a forward for the backward): after a forward with no backward they would stay, and be stale once an
+    aggregation changes the shards."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 @torch.no_grad()

@@ -6,12 +6,13 @@ eager on the CPU; AdamW is fused where its parameters live on a non-CPU device t
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 
 import torch
 from torch import nn
 
-__all__ = ["compile_blocks", "compiles", "compute_dtype", "fused_adamw"]
+__all__ = ["DETERMINISTIC_ENV", "compile_blocks", "compiles", "compute_dtype", "fused_adamw", "pin_determinism"]
 
 
 def compute_dtype(dtype: str, device: torch.device) -> str:
@@ -37,9 +38,10 @@ def compile_blocks(model: nn.Module, backend: str = "inductor") -> int:
     return len(model.layers)
 
 
-def fused_adamw(params: Iterable[torch.Tensor]) -> bool:
-    """Whether AdamW over ``params`` runs fused: all on one device type other than the CPU (the CPU keeps the
-    foreach implementation and its figures) that has fused kernels (CUDA, XPU, ...)."""
+def fused_adamw(params: Iterable[torch.Tensor], offload: bool = False) -> bool:
+    """Whether AdamW over ``params`` runs fused: all on one device type that has fused kernels (CUDA, XPU, ...),
+    not the CPU (a CPU job keeps the foreach implementation and its figures), except under ``offload``
+    (``parallel.cpu_offload``: the optimizer steps the host's shards, where fused is the faster kernel)."""
     try:
         from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
@@ -47,4 +49,21 @@ def fused_adamw(params: Iterable[torch.Tensor]) -> bool:
     except ImportError:  # pragma: no cover - an older torch
         supported = {"cuda"}
     kinds = {p.device.type for p in params}
-    return len(kinds) == 1 and kinds <= supported - {"cpu"}
+    return len(kinds) == 1 and kinds <= (supported if offload else supported - {"cpu"})
+
+
+#: The environment of a job whose results are compared bitwise (``bench.gpu``'s checkpoint, hub and streams2
+#: checks): :func:`pin_determinism` reads the first; cuBLAS reads the second when CUDA starts (its fixed
+#: workspace is what makes its matrix products reproducible, and what deterministic algorithms require).
+DETERMINISTIC_ENV = {"XFFL_DETERMINISTIC": "1", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+
+
+def pin_determinism() -> bool:
+    """With ``XFFL_DETERMINISTIC=1`` in the environment: ``torch.use_deterministic_algorithms(True)`` (an op
+    without a deterministic implementation warns rather than stops the job: the bitwise comparison then says
+    whether it mattered) and cuDNN's autotuner off. Whether it pinned."""
+    if os.environ.get("XFFL_DETERMINISTIC") != "1":
+        return False
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.benchmark = False
+    return True

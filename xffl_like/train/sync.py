@@ -177,7 +177,7 @@ class ShardedParts:
         contiguous_shards(model, state.shard_size)  # buckets become views (model.init=meta: already laid out so)
         if compiles(cfg.train.compile, state.device):  # auto: on CUDA
             compile_blocks(model)
-        optimizer = build_optimizer(model, cfg.optim)
+        optimizer = build_optimizer(model, cfg.optim, offload=cfg.parallel.cpu_offload)
         return cls(model, optimizer, build_scheduler(optimizer, cfg.optim, steps), cfg.optim.grad_clip)
 
     def step(self) -> None:

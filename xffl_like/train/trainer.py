@@ -41,6 +41,7 @@ from ..observe.timing import PhaseTimer, gather_phase_table
 from .evaluate import eval_points, evaluate, facility_eval
 from .fault import FaultInjector
 from .parallelize import forward_param_dtype, peak_rss_mb
+from .speed import pin_determinism
 from .step import accumulate_gradients
 from .summary import gather_facility_losses, job_summary, max_param_divergence
 from .sync import FederatedSync, ShardedParts, StepEnd, Sync, sharded_steps
@@ -93,6 +94,7 @@ def build_parts(
 
 def build_trainer(cfg: JobConfig, state: DistributedState, run_dir: Path, started_at: float, phases) -> Trainer:
     """The job's trainer on this rank (collective)."""
+    pin_determinism()  # XFFL_DETERMINISTIC=1: bench.gpu's bitwise checks
     torch.manual_seed(cfg.seed)
     timer = PhaseTimer(state.device)
     config = as_plain(cfg)  # recorded whole in each checkpoint's state.json and as W&B's run config

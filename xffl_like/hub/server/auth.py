@@ -71,9 +71,9 @@ class IdentityInterceptor(grpc.ServerInterceptor):
     def __init__(self, certs: Path | None, log=print):
         self.revoked, self.log = None, log
         if certs is not None:
-            from ..identity import RevocationList
+            from ..certs import identity
 
-            self.revoked = RevocationList(certs)
+            self.revoked = identity().RevocationList(certs)
         self.open: Counter[tuple[str, str]] = Counter()
         self.lock = threading.Lock()
 
@@ -105,7 +105,7 @@ class IdentityInterceptor(grpc.ServerInterceptor):
         if len(names) != 1 or len(pems) != 1:
             raise HubError("no client certificate", "UNAUTHENTICATED")
         name = names[0].decode(errors="replace")
-        from ..identity import IdentityError
+        from ..errors import IdentityError
 
         try:
             revoked = self.revoked.is_revoked(pems[0])

@@ -33,9 +33,9 @@ WORKERS = 64
 
 
 def _credentials(certs: Path) -> grpc.ServerCredentials:
-    from ..identity import check_hub_identity
+    from ..certs import identity
 
-    ca, cert, key = check_hub_identity(certs)
+    ca, cert, key = identity().check_hub_identity(certs)
     return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=True)
 
 
@@ -92,9 +92,10 @@ def _grants(certs: Path | None):
     file stops the hub in one line), as a function of its name; None for --insecure."""
     if certs is None:
         return None
-    from ..identity import Grants, IdentityError
+    from ..certs import identity
+    from ..errors import IdentityError
 
-    grants = Grants(certs)
+    grants = identity().Grants(certs)
     grants("")
 
     def grant(name: str):

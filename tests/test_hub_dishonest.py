@@ -14,6 +14,7 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
+from helpers.hub import GEOMETRY, SPEC
 
 from xffl_like.hub.protocol.messages import UploadHeader
 from xffl_like.hub.protocol.wire import SERVICE, Frames, frames_of, pack, unpack
@@ -21,22 +22,6 @@ from xffl_like.hub.server.auth import IdentityInterceptor
 from xffl_like.hub.server.federation import HubFederation
 from xffl_like.hub.server.service import HubService
 
-SPEC = {
-    "parameters": [["w", [6], "float32"]],
-    "algorithm": "federated",
-    "outer": {"name": "average", "lr": 1.0, "momentum": 0.0, "betas": [0.9, 0.99], "eps": 1e-8, "offload": False},
-    "compression": {"kind": "none", "chunk_size": 4096, "error_feedback": False},
-    "every_s": None,
-    "rounds": 10,
-    "train.steps": None,
-    "weights": "uniform",
-    "grace_s": 60.0,
-    "max_norm_ratio": 10.0,
-    "weights_rule": None,
-    "paced": False,
-    "min_facilities": 1,
-}
-GEOMETRY = {"batch_size": 2, "seq_len": 8, "dp": 1}
 HUGE = [["w", [1 << 20, 1 << 19], "float32"]]  # 2^39 parameters
 
 

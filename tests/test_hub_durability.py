@@ -21,7 +21,7 @@ import grpc
 import pytest
 import torch
 from helpers import REPO
-from helpers.hub import ENV, Facility, Hub, free_port, wait_for
+from helpers.hub import ENV, GEOMETRY, SPEC, Facility, Hub, free_port, wait_for
 
 from xffl_like.federation.elastic import ElasticError
 from xffl_like.hub.client import HubLink
@@ -33,22 +33,6 @@ from xffl_like.hub.server.errors import HubError
 from xffl_like.hub.server.federation import HubFederation
 from xffl_like.hub.server.service import HubService
 
-SPEC = {
-    "parameters": [["w", [6], "float32"]],
-    "algorithm": "federated",
-    "outer": {"name": "average", "lr": 1.0, "momentum": 0.0, "betas": [0.9, 0.99], "eps": 1e-8, "offload": False},
-    "compression": {"kind": "none", "chunk_size": 4096, "error_feedback": False},
-    "every_s": None,
-    "rounds": 10,
-    "train.steps": None,
-    "weights": "uniform",
-    "grace_s": 60.0,
-    "max_norm_ratio": 10.0,
-    "weights_rule": None,
-    "paced": False,
-    "min_facilities": 1,
-}
-GEOMETRY = {"batch_size": 2, "seq_len": 8, "dp": 1}
 THETA = torch.arange(6, dtype=torch.float32)
 
 

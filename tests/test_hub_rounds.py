@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers.hub import GEOMETRY, SPEC
 
 from xffl_like.federation.elastic import ElasticError
 from xffl_like.hub.client import HubLink
@@ -18,23 +19,6 @@ from xffl_like.hub.protocol.retry import RetryPolicy
 from xffl_like.hub.protocol.wire import Frames, frames_of
 from xffl_like.hub.server.federation import HubFederation
 from xffl_like.hub.server.rounds import Arrival, Part, Round, RoundState, StateError
-
-SPEC = {
-    "parameters": [["w", [6], "float32"]],
-    "algorithm": "federated",
-    "outer": {"name": "average", "lr": 1.0, "momentum": 0.0, "betas": [0.9, 0.99], "eps": 1e-8, "offload": False},
-    "compression": {"kind": "none", "chunk_size": 4096, "error_feedback": False},
-    "every_s": None,
-    "rounds": 10,
-    "train.steps": None,
-    "weights": "uniform",
-    "grace_s": 60.0,
-    "max_norm_ratio": 10.0,
-    "weights_rule": None,
-    "paced": False,
-    "min_facilities": 1,
-}
-GEOMETRY = {"batch_size": 2, "seq_len": 8, "dp": 1}
 
 
 def _join(fed: HubFederation, name: str) -> str:

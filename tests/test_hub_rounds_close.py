@@ -17,6 +17,7 @@ from types import SimpleNamespace
 import grpc
 import pytest
 import torch
+from helpers.hub import GEOMETRY, small_spec
 
 from xffl_like.hub.cli import main as hub_main
 from xffl_like.hub.client import HubLink
@@ -28,25 +29,10 @@ from xffl_like.hub.server.serve import build_server
 
 GRACE_S = 1.0
 BOUND_S = 30.0  # a wait that only a hang exceeds
-GEOMETRY = {"batch_size": 2, "seq_len": 8, "dp": 1}
 
 
 def _spec(numel: int = 6, grace_s: float = GRACE_S) -> dict:
-    return {
-        "parameters": [["w", [numel], "float32"]],
-        "algorithm": "federated",
-        "outer": {"name": "average", "lr": 1.0, "momentum": 0.0, "betas": [0.9, 0.99], "eps": 1e-8, "offload": False},
-        "compression": {"kind": "none", "chunk_size": 4096, "error_feedback": False},
-        "every_s": None,
-        "rounds": 10,
-        "train.steps": None,
-        "weights": "uniform",
-        "grace_s": grace_s,
-        "max_norm_ratio": 0.0,
-        "weights_rule": None,
-        "paced": False,
-        "min_facilities": 1,
-    }
+    return small_spec(numel, grace_s, max_norm_ratio=0.0)
 
 
 @contextlib.contextmanager

@@ -21,9 +21,34 @@ import torch
 
 from . import PLUGINS, REPO, TINY
 
-__all__ = ["Facility", "Hub", "free_port", "init_certs", "rounds", "wait_for"]
+__all__ = ["GEOMETRY", "SPEC", "Facility", "Hub", "free_port", "init_certs", "rounds", "small_spec", "wait_for"]
 
 ENV = {"PYTHONPATH": os.pathsep.join([str(PLUGINS), str(REPO)]), "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
+
+
+def small_spec(numel: int = 6, grace_s: float = 60.0, max_norm_ratio: float = 10.0) -> dict:
+    """A federation's description for hub tests in one process: one fp32 tensor ``w`` of ``numel`` values, 10
+    rounds of a plain average, uniform weights."""
+    return {
+        "parameters": [["w", [numel], "float32"]],
+        "algorithm": "federated",
+        "outer": {"name": "average", "lr": 1.0, "momentum": 0.0, "betas": [0.9, 0.99], "eps": 1e-8, "offload": False},
+        "compression": {"kind": "none", "chunk_size": 4096, "error_feedback": False},
+        "every_s": None,
+        "rounds": 10,
+        "train.steps": None,
+        "weights": "uniform",
+        "grace_s": grace_s,
+        "max_norm_ratio": max_norm_ratio,
+        "weights_rule": None,
+        "paced": False,
+        "min_facilities": 1,
+    }
+
+
+#: :func:`small_spec`'s defaults, and the geometry its members declare.
+SPEC = small_spec()
+GEOMETRY = {"batch_size": 2, "seq_len": 8, "dp": 1}
 
 
 def free_port() -> int:

@@ -19,6 +19,7 @@ description the hub cannot hold (:class:`..protocol.spec.SpecError`) and a malfo
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import itertools
 import re
@@ -138,51 +139,47 @@ class IdentityInterceptor(grpc.ServerInterceptor):
         self.log(f"hub: refused {caller or '(unnamed)'} {method}: {code}: {line}")
         context.abort(getattr(grpc.StatusCode, code), line)
 
+    @contextlib.contextmanager
+    def _call(self, context, method: str, named_by):
+        """The call's checked facility (``named_by()``: the bytes naming it under ``--insecure``), holding one of
+        its :data:`MAX_CALLS` for ``method``; every exception in the block (the handler's, also while its stream
+        is read) is logged and ends the call as one line with a status."""
+        caller = key = None
+        try:
+            caller = self.facility(context, named_by())
+            key = self._enter(caller, method)
+            yield Caller(context, caller)
+        except Exception as exc:  # noqa: BLE001 - every exception becomes one line and a status
+            self._refuse(context, method, caller, exc)
+        finally:
+            if key is not None:
+                self._exit(key)
+
     def _unary(self, method: str, behavior):
         def run(request, context):
-            caller = key = None
-            try:
-                caller = self.facility(context, request)
-                key = self._enter(caller, method)
-                return behavior(request, Caller(context, caller))
-            except Exception as exc:  # noqa: BLE001 - every exception becomes one line and a status
-                self._refuse(context, method, caller, exc)
-            finally:
-                if key is not None:
-                    self._exit(key)
+            with self._call(context, method, lambda: request) as caller:
+                return behavior(request, caller)
 
         return run
 
     def _stream_in(self, method: str, behavior):
         def run(request_iterator, context):
-            caller = key = None
-            try:
-                first = None
-                if self.revoked is None:
-                    first = next(request_iterator, None)
-                    request_iterator = itertools.chain([] if first is None else [first], request_iterator)
-                caller = self.facility(context, first)
-                key = self._enter(caller, method)
-                return behavior(request_iterator, Caller(context, caller))
-            except Exception as exc:  # noqa: BLE001
-                self._refuse(context, method, caller, exc)
-            finally:
-                if key is not None:
-                    self._exit(key)
+            head: list[bytes] = []  # the first frame, read to name the facility under --insecure
+
+            def first() -> bytes | None:
+                if self.revoked is not None:
+                    return None
+                head.extend(itertools.islice(request_iterator, 1))
+                return head[0] if head else None
+
+            with self._call(context, method, first) as caller:
+                return behavior(itertools.chain(head, request_iterator), caller)
 
         return run
 
     def _stream_out(self, method: str, behavior):
         def run(request, context):
-            caller = key = None
-            try:
-                caller = self.facility(context, request)
-                key = self._enter(caller, method)
-                yield from behavior(request, Caller(context, caller))
-            except Exception as exc:  # noqa: BLE001 - also while the stream is read
-                self._refuse(context, method, caller, exc)
-            finally:
-                if key is not None:
-                    self._exit(key)
+            with self._call(context, method, lambda: request) as caller:
+                yield from behavior(request, caller)
 
         return run

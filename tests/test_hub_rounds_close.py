@@ -27,7 +27,7 @@ from xffl_like.hub.protocol.wire import GRPC_OPTIONS, SERVICE, Frames, frames_of
 from xffl_like.hub.server.federation import HubFederation
 from xffl_like.hub.server.serve import build_server
 
-GRACE_S = 1.0
+GRACE_S = 3.0  # the honest member arrives and uploads within it: milliseconds here, seconds of slack under load
 BOUND_S = 30.0  # a wait that only a hang exceeds
 
 

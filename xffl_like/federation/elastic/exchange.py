@@ -303,11 +303,7 @@ class ElasticFederation:
                                 options=self.options.outer, steps=self.outer_steps, rule=e.aggregate,
                                 trim=float(e.trim))  # fmt: skip
         except (ValueError, OSError) as exc:  # RelayError, a message that does not decode, a damaged spool
-            sent = (out["bytes_up"], out["bytes_down"])
-            healed = self.link.heal(f.theta, f.outer, done, f"the hub's relay does not match: {exc}")
-            healed["bytes_up"], healed["bytes_down"] = sent[0], sent[1] + healed["bytes_down"]
-            healed["bytes"] = healed["bytes_up"] + healed["bytes_down"]
-            return healed
+            return self.link.heal(f.theta, f.outer, done, f"the hub's relay does not match: {exc}")  # its bytes count
         finally:
             f.relay.unlink(missing_ok=True)
         self.link.applied(out["round"])

@@ -212,8 +212,8 @@ def check(relay, *, me: str, version: int, new_version: int, steps: int, accepte
         raise RelayError(f"relay lists {len(order)} facilities, {len(weights)} weights and {len(sizes)} sizes")
     if len(set(order)) != len(order) or order != sorted(order) or me not in order:
         raise RelayError(f"relay order {order[:8]} is not the hub's fold order (sorted, unique names, {me} among them)")
-    if accepted is not None and set(accepted) != set(order):
-        raise RelayError(f"relay order {order[:8]} names other facilities than the round accepted")
+    if accepted is not None and (set(accepted) != set(order) or weights != [accepted[n] for n in order]):
+        raise RelayError(f"relay order {order[:8]} or its weights differ from the round's accepted facilities")
     if not all(math.isfinite(w) and w > 0 for w in weights) or abs(math.fsum(weights) - 1) > WEIGHT_SUM_TOLERANCE:
         raise RelayError(f"relay weights {weights[:8]} are not finite, positive and summing to 1")
     for name, size in zip(order, sizes, strict=True):

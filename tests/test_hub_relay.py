@@ -37,7 +37,7 @@ GEOMETRY = {"batch_size": 2, "seq_len": 8, "dp": 1}
 HEADER_BYTES = 2048  # a relay's JSON header, generously
 
 
-def _spec() -> dict:
+def _spec(aggregate: str = "mean") -> dict:
     return {
         "parameters": [["w", [N], "float32"]],
         "algorithm": "federated",
@@ -63,7 +63,7 @@ def _spec() -> dict:
         "weights": "tokens",
         "grace_s": 60.0,
         "max_norm_ratio": 10.0,
-        "aggregate": "mean",
+        "aggregate": aggregate,
         "trim": 0.2,
         "weights_rule": "tokens",
         "paced": False,
@@ -71,7 +71,7 @@ def _spec() -> dict:
     }
 
 
-def _config(address: str, name: str) -> FederationConfig:
+def _config(address: str, name: str, aggregate: str = "mean") -> FederationConfig:
     return FederationConfig(
         every=2,
         weights="tokens",
@@ -80,7 +80,7 @@ def _config(address: str, name: str) -> FederationConfig:
         chunk_size=CHUNK,
         error_feedback=True,
         topk=TopkConfig(density=DENSITY, bits=BITS, decay=0.95),
-        elastic=ElasticConfig(hub=address, facility=name, timeout_s=30.0),
+        elastic=ElasticConfig(hub=address, facility=name, timeout_s=30.0, aggregate=aggregate),
     )
 
 
@@ -104,10 +104,10 @@ class Hub:
         self.fed.close()
 
 
-def _facility(hub: Hub, tmp: Path, name: str) -> exchange.ElasticFederation:
+def _facility(hub: Hub, tmp: Path, name: str, aggregate: str = "mean") -> exchange.ElasticFederation:
     """A facility's leader: its round's leader side, with its own spool, over a one-parameter model."""
-    cfg = _config(hub.address, name)
-    link = HubLink(cfg.elastic, name, _spec(), GEOMETRY, steps=20, every=2)
+    cfg = _config(hub.address, name, aggregate)
+    link = HubLink(cfg.elastic, name, _spec(aggregate), GEOMETRY, steps=20, every=2)
     model = torch.nn.Module()
     model.w = torch.nn.Parameter(torch.zeros(N))
     state = SimpleNamespace(rank=0, device=torch.device("cpu"))
@@ -150,10 +150,10 @@ def _round(facilities: dict, done: int, seed: int) -> dict:
     return _parallel({n: (lambda n=n: lead(n)) for n in facilities})
 
 
-def _federation(tmp: Path) -> tuple[Hub, dict]:
+def _federation(tmp: Path, aggregate: str = "mean") -> tuple[Hub, dict]:
     """A hub and three facilities joined to it: ``a`` creates the federation with random parameters."""
     hub = Hub(tmp / "state")
-    facilities = {n: _facility(hub, tmp, n) for n in NAMES}
+    facilities = {n: _facility(hub, tmp, n, aggregate) for n in NAMES}
     np.random.default_rng(0).standard_normal(N).astype(np.float32).tofile(facilities["a"].files.mine)
     for name, f in facilities.items():
         out = f._lead(0.0, 0, joining=True)
@@ -204,11 +204,14 @@ def _muladd(x: np.ndarray, alpha: float, y: np.ndarray, fused: bool) -> np.ndarr
     return y + x * a
 
 
-def _by_hand(theta: np.ndarray, buf: np.ndarray, messages: dict, weights: dict, fused: bool):
+def _by_hand(theta: np.ndarray, buf: np.ndarray, messages: dict, weights: dict | None, fused: bool):
     """One round: the weighted mean of the decoded messages in name order (each weight x values rounded, then
-    added), then Nesterov (torch.optim.SGD(nesterov=True)'s rule) on it, in float32."""
+    added; ``weights`` None: their coordinate-wise median), then Nesterov (torch.optim.SGD(nesterov=True)'s
+    rule) on it, in float32."""
     mean = np.zeros(N, dtype=np.float32)
-    for name in sorted(messages):
+    if weights is None:
+        mean = np.median(np.stack([_decode(messages[n]) for n in sorted(messages)]), axis=0).astype(np.float32)
+    for name in sorted(messages) if weights is not None else ():
         mean = mean + np.float32(weights[name]) * _decode(messages[name])
     buf = buf * np.float32(MOMENTUM) + mean
     step = _muladd(buf, MOMENTUM, mean, fused)
@@ -343,6 +346,11 @@ def test_a_relay_that_does_not_match_is_refused_in_one_line_and_the_facility_hea
     try:
         outs = _round(facilities, 2, seed=3)
         saved = hub.saved()
+        held = {n: (np.fromfile(f.files.theta, dtype=np.float32), np.fromfile(f.files.outer, dtype=np.float32))
+                for n, f in facilities.items()}  # fmt: skip
+        monkeypatch.undo()  # the next round's relay is honest: b applies it from the state it healed to
+        again = _round(facilities, 4, seed=4)
+        later = hub.saved()
     finally:
         _close(hub, facilities)
     said = [x for x in capsys.readouterr().out.splitlines() if "relay does not match" in x]
@@ -352,10 +360,33 @@ def test_a_relay_that_does_not_match_is_refused_in_one_line_and_the_facility_hea
     message = facilities["a"].codec.nbytes  # b's download: the relay it refused, then θ_global and the momentum
     assert outs["b"]["bytes_down"] > 2 * message + 4 * N * 2 and outs["b"]["bytes_up"] == message
     assert [outs[n]["status"] for n in ("a", "c")] == ["accepted", "accepted"]
+    for name, (theta, outer) in held.items():
+        np.testing.assert_array_equal(theta, saved.theta.numpy(), err_msg=name)
+        np.testing.assert_array_equal(outer, saved.buffers["momentum_buffer"].numpy(), err_msg=name)
+    assert all(o["status"] == "accepted" and o["relay"] is not None for o in again.values()), again
     for name, f in facilities.items():
-        np.testing.assert_array_equal(np.fromfile(f.files.theta, dtype=np.float32), saved.theta.numpy(), err_msg=name)
-        outer = saved.buffers["momentum_buffer"].numpy()
+        np.testing.assert_array_equal(np.fromfile(f.files.theta, dtype=np.float32), later.theta.numpy(), err_msg=name)
+        outer = later.buffers["momentum_buffer"].numpy()
         np.testing.assert_array_equal(np.fromfile(f.files.outer, dtype=np.float32), outer, err_msg=name)
-        assert f.outer_steps == 1 and f.link.version == 1
-    assert not any(p.name.endswith(".next") for p in (tmp_path / "spool-b").iterdir())
+        assert f.outer_steps == 2 and f.link.version == 2
+    assert not any(p.name.endswith((".next", ".part")) for p in (tmp_path / "spool-b").iterdir())
     shutil.rmtree(tmp_path / "state", ignore_errors=True)
+
+
+def test_a_relayed_median_round_by_hand(tmp_path):
+    """``federation.elastic.aggregate=median``: the relayed round is the coordinate-wise median of the decoded
+    messages (unweighted: each weight 1/3), then Nesterov, by hand, bitwise at the hub and at every facility."""
+    hub, facilities = _federation(tmp_path, "median")
+    try:
+        theta = hub.saved().theta.numpy()
+        outs = _round(facilities, 2, seed=5)
+        saved = hub.saved()
+    finally:
+        _close(hub, facilities)
+    assert all(o["status"] == "accepted" and o["relay"].weights == (1 / 3,) * 3 for o in outs.values()), outs
+    messages = {n: o["message"] for n, o in outs.items()}
+    expected, buf = _by_hand(theta, np.zeros(N, dtype=np.float32), messages, None, _fused())
+    np.testing.assert_array_equal(saved.theta.numpy(), expected)
+    np.testing.assert_array_equal(saved.buffers["momentum_buffer"].numpy(), buf)
+    for name, f in facilities.items():
+        np.testing.assert_array_equal(np.fromfile(f.files.theta, dtype=np.float32), expected, err_msg=name)

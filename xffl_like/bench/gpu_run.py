@@ -145,7 +145,10 @@ def require_gpu(py: str) -> str:
     probe = "import torch; print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else '')"
     done = subprocess.run([py, "-c", probe], capture_output=True, text=True)
     name = done.stdout.strip()
-    if done.returncode != 0 or not name:
+    if done.returncode != 0:
+        last = [x for x in done.stderr.splitlines() if x.strip()] or ["no output"]
+        raise Stop(f"torch does not import with {py} ({last[-1][:200]}): run on the machine's own Python")
+    if not name:
         raise Stop(
             "no CUDA device on this machine (torch.cuda.is_available() is False): run tools/gpu_run.sh on the "
             "GPU machine, or tools/gpu_run.sh --cpu for the dry run on this CPU"

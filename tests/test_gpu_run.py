@@ -47,6 +47,14 @@ def test_a_step_past_its_timeout_is_killed_and_one_past_the_budget_skipped(tmp_p
     assert gpu_run.run_step(slow, dict(os.environ), tmp_path, 2, left=5).startswith("SKIP slow: no time left")
 
 
+def test_a_step_that_ignores_sigint_is_killed_after_its_grace():
+    code = "import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); print(flush=True); time.sleep(120)"
+    proc = subprocess.Popen([sys.executable, "-c", code], start_new_session=True, stdout=subprocess.PIPE)
+    proc.stdout.readline()  # its handler is in place
+    gpu_run.stop(proc, grace=0.5)
+    assert proc.returncode == -9
+
+
 def _wheel(folder: Path, name: str) -> Path:
     """A minimal pure-Python wheel of one module ``name`` (what pip's offline install takes)."""
     path = folder / f"{name}-1.0-py3-none-any.whl"

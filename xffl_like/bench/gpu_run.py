@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -201,6 +202,21 @@ def run_env(site: Path, cache: Path) -> dict:
     }
 
 
+def stop(proc: subprocess.Popen, grace: float = 20) -> None:
+    """End a step past its timeout: SIGINT to its process group first (a job stops at its next step; bench.gpu's
+    ``run_check`` kills the jobs it started in process groups of their own), SIGKILL after ``grace`` seconds."""
+    for sig, wait in ((signal.SIGINT, grace), (signal.SIGKILL, None)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            pass
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
 def run_step(step: Step, env: dict, out: Path, index: int, left: float) -> str:
     """Run ``step`` within its timeout and the time ``left``, its output to ``out/<index>_<name>.log``; one line."""
     if left < 20:
@@ -215,8 +231,7 @@ def run_step(step: Step, env: dict, out: Path, index: int, left: float) -> str:
         try:
             code = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)  # the step's launcher, its workers, any hub: one process group
-            proc.wait()
+            stop(proc)
             code = None
     took = time.monotonic() - start
     tail = [x for x in log.read_text(errors="replace").splitlines() if x.strip()]

@@ -120,6 +120,7 @@ def test_the_cpu_dry_run_runs_every_step_end_to_end(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == sorted(
         ["gpu_run.txt", "1_main.log", "2_mfu.log", "3_bf16.log", "4_checkpoint.log", "5_hub.log", "6_rest.log"]
     )
-    summary = json.loads((scratch / "main" / "summary.json").read_text())
+    (summary_path,) = scratch.glob("runs-*/main/summary.json")  # this run's own folder of run dirs
+    summary = json.loads(summary_path.read_text())
     assert summary["world_size"] == 1 and summary["steps"] == 4
     assert "llama_tiny float32 seq 32" in (out / "2_mfu.log").read_text()

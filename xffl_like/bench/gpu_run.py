@@ -259,7 +259,7 @@ def run(args: argparse.Namespace) -> int:
     report = out / "gpu_run.txt"
     for line in lines:
         print(line, flush=True)
-    for index, step in enumerate(steps(args.cpu, py, scratch), 1):
+    for index, step in enumerate(steps(args.cpu, py, scratch / f"runs-{os.getpid()}"), 1):
         line = run_step(step, env, out, index, args.budget - (time.monotonic() - started))
         failed += line.startswith("FAIL")
         lines.append(line)

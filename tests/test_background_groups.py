@@ -21,7 +21,10 @@ import torch
 
 from xffl_like.distributed.launch import launch_local
 
-COLLECTIVES = ["all_reduce", "all_to_all_single", "all_gather_single", "broadcast", "reduce", "all_gather"]
+#: The one-tensor all-gather under its name on this torch (xffl_like.distributed.compat: 2.11 has only
+#: all_gather_into_tensor).
+ALL_GATHER = "all_gather_single" if hasattr(torch.distributed, "all_gather_single") else "all_gather_into_tensor"
+COLLECTIVES = ["all_reduce", "all_to_all_single", ALL_GATHER, "broadcast", "reduce", "all_gather"]
 
 
 def _record_collectives(log):
@@ -116,7 +119,7 @@ def test_background_threads_use_gloo_groups_of_their_own():
                 assert call["backend"] == "gloo" and call["background_group"], (rank, name, call)
                 assert not call["training"] and not call["world"], (rank, name, call)
         # ByteGrad's chain: the members' exchange (flat) on the thread; the training thread issues no exchange
-        assert {c["op"] for c in res["bytegrad_flat"] if not c["main"]} == {"all_to_all_single", "all_gather_single"}
+        assert {c["op"] for c in res["bytegrad_flat"] if not c["main"]} == {"all_to_all_single", ALL_GATHER}
         assert all(c["op"] != "all_to_all_single" for c in res["bytegrad_flat"] if c["main"])
         assert res["async_rounds"] >= 2
 

@@ -18,7 +18,7 @@ from helpers import PYTHONPATH, REPO
 
 from xffl_like.bench.mfu import FORMULA, flops_per_token, measure, peak_flops
 from xffl_like.config.validate import ConfigError, validate_config
-from xffl_like.data.synthetic import BRANCH, SyntheticMarkovSource, _walk, _walk_loop, vectorised_is_cheaper
+from xffl_like.data.synthetic import BRANCH, SyntheticMarkovSource
 from xffl_like.distributed.device import choose_backend, gpus_bound_per_task
 from xffl_like.job import _compose, choices, configured_backend, device_notice, resolve, typed_config
 from xffl_like.models import LlamaConfig, build_model, count_parameters
@@ -283,8 +283,30 @@ def _old_sample(source, gen, batch_size, length):
     return out
 
 
+def test_compiled_loss_equals_plain_cross_entropy_with_gradients():
+    """train.compile compiles one chunk's loss (norm, head, fp32 cross-entropy) as well as the blocks: the
+    chunked, checkpointed, compiled loss (aot_eager here: the same AOT graphs inductor would fuse) equals plain
+    F.cross_entropy over the whole logits, gradients included."""
+    cfg = LlamaConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=40, ffn_dim=48, max_seq_len=16)
+    model = build_model(cfg, seed=0)
+    tokens, targets = torch.randint(0, 40, (2, 16)), torch.randint(0, 40, (2, 16))
+    ref = F.cross_entropy(model(tokens).flatten(0, 1).float(), targets.flatten())
+    ref_grads = torch.autograd.grad(ref, list(model.parameters()))
+    torch.compiler.reset()
+    compile_blocks(model, backend="aot_eager")
+    assert hasattr(model.chunk_loss, "_torchdynamo_orig_callable")
+    loss = model(tokens, targets, loss_chunk=8)  # two chunks of 8 positions, each checkpointed
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+    torch.testing.assert_close(loss, ref, rtol=1e-6, atol=1e-6)
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    with torch.no_grad():  # evaluation: no checkpoint, the same compiled function
+        torch.testing.assert_close(model(tokens, targets, loss_chunk=8), ref, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize(
-    "vocab, seq, batch, non_iid", [(256, 128, 8, 0.5), (16, 200, 2, 0.3), (300, 33, 3, 0.0), (20, 2, 1, 1.0)]
+    "vocab, seq, batch, non_iid",
+    [(256, 128, 8, 0.5), (16, 200, 2, 0.3), (300, 33, 3, 0.0), (20, 2, 1, 1.0), (128256, 64, 2, 0.5)],
 )
 def test_synthetic_batches_are_the_former_tokens(vocab, seq, batch, non_iid):
     from xffl_like.data.source import make_generator
@@ -298,19 +320,6 @@ def test_synthetic_batches_are_the_former_tokens(vocab, seq, batch, non_iid):
         gen = make_generator(7, 0x5452, 1, 1, step)  # the train stream's tags
         old = _old_sample(source, gen, batch, seq + 1)
         assert torch.equal(x, old[:, :-1]) and torch.equal(y, old[:, 1:])
-    # both walks, whichever the cost model picks, give the same tokens
-    gen = torch.Generator().manual_seed(3)
-    cur = torch.randint(0, vocab, (batch,), generator=gen)
-    row_off = (torch.rand(batch, seq, generator=gen) < non_iid).long() * vocab
-    u = torch.rand(batch, seq, 1, generator=gen)
-    walked = _walk(cur, row_off, u, source._cum, source._succ_flat, vocab)
-    assert torch.equal(walked, _walk_loop(cur, row_off, u, source._cum, source._succ_flat))
-
-
-def test_the_vectorised_walk_is_chosen_where_it_is_cheaper():
-    assert vectorised_is_cheaper(1, 2047, 64)  # a long sequence over a small vocabulary
-    assert not vectorised_is_cheaper(8, 128, 256)  # the main job: the loop is 3x cheaper on a CPU core
-    assert not vectorised_is_cheaper(1, 2047, 128256)  # llama3's vocabulary
 
 
 def test_the_prefetcher_gives_the_sources_batches_one_ahead():

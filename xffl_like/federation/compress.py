@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..distributed.compat import all_gather_single
 from ..parallel import codec
 
 __all__ = ["COMPRESSIONS", "CompressedMean"]
@@ -119,6 +120,6 @@ class CompressedMean:
             mine.add_(decoded[j], alpha=scales[j])
         reduced = self.encode(mine.view(1, -1))
         gathered = torch.empty((n, reduced.shape[1]), dtype=reduced.dtype, device=reduced.device)
-        dist.all_gather_single(gathered, reduced, group=group)
+        all_gather_single(gathered, reduced, group=group)
         sent = message.nbytes - message[me].nbytes + (n - 1) * reduced.nbytes  # my row stays here
         return self.decode(gathered).view(-1)[: self.numel], sent

@@ -41,8 +41,9 @@ from collections.abc import Callable, Iterator
 from fractions import Fraction
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
+
+from ..distributed.compat import all_gather_single
 
 __all__ = ["BITS", "TopkCodec", "TopkMean"]
 
@@ -283,7 +284,7 @@ class TopkMean:
             gathered = message.view(1, -1)
         else:
             gathered = torch.empty(self.n * message.numel(), dtype=torch.uint8, device=message.device)
-            dist.all_gather_single(gathered, message.contiguous(), group=group)
+            all_gather_single(gathered, message.contiguous(), group=group)
             gathered = gathered.view(self.n, -1)
         out = torch.zeros(self.numel, dtype=torch.float32, device=message.device)
         for j in range(self.n):

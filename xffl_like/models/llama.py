@@ -22,7 +22,7 @@ from ..config.checks import is_int, is_number
 from ..config.errors import ConfigError
 from ..config.schema import ModelConfig
 from ..distributed.state import to_local
-from .loss import chunked_cross_entropy
+from .loss import chunk_loss_sum, chunked_cross_entropy
 
 try:  # FSDP2 turns parameters into DTensors; init_weights fills only the local shard.
     from torch.distributed.tensor import DTensor
@@ -246,6 +246,8 @@ class Llama(nn.Module):
         cos, sin = rope_cos_sin(cfg, device=device)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        #: One chunk's loss (:func:`.loss.chunk_loss_sum`); ``train.compile`` puts its compiled form here.
+        self.chunk_loss = chunk_loss_sum
 
     def forward(
         self,
@@ -273,7 +275,7 @@ class Llama(nn.Module):
             else:
                 h = layer(h, cos, sin)
         if targets is not None:
-            return chunked_cross_entropy(self._head, h, targets, loss_chunk or T)
+            return chunked_cross_entropy(self._head, h, targets, loss_chunk or T, self.chunk_loss)
         return self._head(h)
 
     def _head(self, h: torch.Tensor) -> torch.Tensor:

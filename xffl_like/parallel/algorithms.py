@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..distributed.compat import all_gather_single
 from . import codec
 from .buckets import AlgorithmHost, Bucket
 from .runtime import CommThread, NodeComm, node_channel, p2p_exchange
@@ -221,7 +222,7 @@ class ByteGrad(GradientAllReduce):
             mine = codec.decompress(recv, n * length).view(n, length).sum(0)
             packed = codec.compress(mine, 1)
             rows = torch.empty((n,) + tuple(packed.shape[1:]), dtype=torch.uint8, device=packed.device)
-            dist.all_gather_single(rows, packed, group=group)
+            all_gather_single(rows, packed, group=group)
         elif member:  # a single member: its own sum, compressed once like the others would see it
             rows = codec.compress(flat, 1)
         work = None

@@ -12,6 +12,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from ..models.loss import chunk_loss_sum
+
 __all__ = ["DETERMINISTIC_ENV", "compile_blocks", "compiles", "compute_dtype", "fused_adamw", "pin_determinism"]
 
 
@@ -32,9 +34,12 @@ def compile_blocks(model: nn.Module, backend: str = "inductor") -> int:
     """``torch.compile`` each decoder block's ``forward`` in place (as torchtitan compiles per block: the blocks
     are alike, so one graph serves them all). The modules, their parameter names and FSDP2's hooks stay as they
     are: the hooks run around the compiled forward (all-gather before it, reshard after), activation
-    checkpointing wraps it. Returns the blocks compiled."""
+    checkpointing wraps it. The loss is compiled too, one chunk's function (``model.chunk_loss``: final norm, head,
+    fp32 cross-entropy), so that its upcast and log-softmax fuse instead of copying each chunk's logits to fp32.
+    Returns the blocks compiled."""
     for block in model.layers:
         block.forward = torch.compile(block.forward, backend=backend)
+    model.chunk_loss = torch.compile(chunk_loss_sum, backend=backend)
     return len(model.layers)
 
 

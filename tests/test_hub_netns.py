@@ -200,6 +200,12 @@ def test_facilities_that_reach_only_the_hub_complete_their_rounds(tmp_path):
         err = (a["after"].double() - mean).abs().max().item()
         assert err <= ATOL, f"version {v}: θ_global is {err:.3g} from the mean of the facilities' parameters"
     assert sorted(by["a"]) == sorted(by["b"]) == versions
+    # the hub printed, per committed round, its time from the last upload to the result's first byte
+    from xffl_like.bench.hub_rounds import hub_latencies
+
+    latencies = hub_latencies((tmp_path / "hub.log").read_text())
+    assert sorted(latencies) == versions, (tmp_path / "hub.log").read_text()[-2000:]
+    assert all(0 <= lat <= round_s for lat, round_s in latencies.values()), latencies
 
 
 # ---------------------------------------------------------------------------------------------- figures (pure)

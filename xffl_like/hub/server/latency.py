@@ -4,7 +4,9 @@ committed round::
 
     hub: round 3 (version 4): 0.412 s from the last upload's end to the first byte of its result (round 9.87 s)
 
-The round's time there runs from its opening (the first arrival) to that first byte. ``bench.mode=hub``
+The round's time there runs from its opening (the first arrival) to that first byte. The latency includes any
+wait for the round to close after its last upload (a live member that has not arrived keeps it open, up to
+``grace_s``). ``bench.mode=hub``
 reads these lines into its table (:mod:`xffl_like.bench.hub_rounds`)."""
 
 from __future__ import annotations

@@ -200,6 +200,12 @@ def test_facilities_that_reach_only_the_hub_complete_their_rounds(tmp_path):
         err = (a["after"].double() - mean).abs().max().item()
         assert err <= ATOL, f"version {v}: θ_global is {err:.3g} from the mean of the facilities' parameters"
     assert sorted(by["a"]) == sorted(by["b"]) == versions
+    # the hub printed, per committed round, its time from the last upload to the result's first byte
+    from xffl_like.bench.hub_rounds import hub_latencies
+
+    latencies = hub_latencies((tmp_path / "hub.log").read_text())
+    assert sorted(latencies) == versions, (tmp_path / "hub.log").read_text()[-2000:]
+    assert all(0 <= lat <= round_s for lat, round_s in latencies.values()), latencies
 
 
 # ---------------------------------------------------------------------------------------------- figures (pure)
@@ -243,3 +249,59 @@ def test_hub_bench_figures():
     assert fig["rounds"] == 1 and fig["after_hub_back"] == {"f0": 1, "f1": 0} and fig["outage_seconds"] == 10.0
     assert hub_wan.lost_figure(lost, boundaries, (20.0, 30.0), forgotten=1)["rounds"] == 2
     assert hub_wan.check_hub({"hub": {"scenarios": ["nope"]}}) is not None
+
+
+def test_hub_bench_rounds_by_hand():
+    """Issue 37: ``bench.mode=hub`` per round, each facility's bytes up and down, the hub's egress, the round's
+    time over its slowest facility's bytes at line rate, the hub's latency from its log line; by hand."""
+    from xffl_like.bench import hub_rounds
+    from xffl_like.hub.server.latency import LINE
+
+    # two facilities, counters (sent, received) at t = 0, 10, 20, 30 (linear between samples)
+    samples = [
+        (0.0, [(0, 0), (0, 0)]),
+        (10.0, [(1_000_000, 2_000_000), (0, 0)]),
+        (20.0, [(1_250_000, 4_500_000), (250_000, 2_500_000)]),
+        (30.0, [(1_500_000, 7_000_000), (500_000, 5_000_000)]),
+    ]
+    assert hub_rounds.at(samples, 15.0) == [(1_125_000, 3_250_000), (125_000, 1_250_000)]
+    held = {"f0": [(10.0, 1), (20.0, 2), (29.0, 3)], "f1": [(19.0, 2), (30.0, 3)]}
+    windows = hub_rounds.round_windows(held, start=0.0)
+    assert windows == {1: (0.0, 10.0), 2: (10.0, 20.0), 3: (20.0, 30.0)}  # the last facility to hold each
+    log = "\n".join([LINE.format(0, 1, 0.5, 4.0), "hub: other", LINE.format(2, 3, 0.25, 8.0)])
+    latencies = hub_rounds.hub_latencies(log)
+    assert latencies == {1: (0.5, 4.0), 3: (0.25, 8.0)}
+    records = {
+        "f0": [_rec(None, 0, 1.0, "created"), _rec(1, 2, 9.0), _rec(2, 4, 5.0), _rec(3, 6, 4.0)],
+        "f1": [_rec(2, 4, 6.0), _rec(3, 6, 8.0)],
+    }
+    accepted = hub_rounds.accepted_by_version(records)
+    assert accepted == {1: ["f0"], 2: ["f0", "f1"], 3: ["f0", "f1"]}
+    rows = hub_rounds.round_rows(samples, windows, hub_wan.round_times(records), latencies, 1.0, 2.0, accepted)
+    r2 = rows[1]
+    assert r2["up"] == [250_000, 250_000] and r2["down"] == [2_500_000, 2_500_000]
+    assert r2["hub_egress"] == 5_000_000  # every byte the hub sent: the facilities' downloads
+    # the slowest facility: 250 kB up at 1 Mbit/s (2 s) then 2.5 MB down at 2 Mbit/s (10 s); round 5 s (least)
+    assert r2["line_seconds"] == pytest.approx(12.0) and r2["ratio"] == pytest.approx(5.0 / 12.0)
+    assert r2["hub_latency_s"] is None and rows[2]["hub_latency_s"] == 0.25 and rows[2]["hub_round_s"] == 8.0
+    assert rows[2]["seconds"] == 4.0 and rows[2]["ratio"] == pytest.approx(4.0 / 12.0)
+    fig = hub_rounds.rounds_figure(rows, facilities=2)  # the first round (joins, one facility) left out
+    assert fig["versions"] == [2, 3] and fig["ratio"] == pytest.approx((5.0 + 4.0) / 2 / 12.0)
+    assert fig["hub_egress"] == 5_000_000 and fig["facility_bytes"] == 2_750_000 and fig["hub_latency_s"] == 0.25
+    assert fig["hub_latency_share"] == pytest.approx(0.25 / 4.0)
+    assert hub_rounds.rounds_figure(rows, facilities=3) is None  # no round accepted three
+    b = hub_rounds.bytes_figure(fig, numel=1_000_000)
+    assert b["fp32_bytes"] == 8_000_000 and b["ratio"] == pytest.approx(2_750_000 / 8_000_000)
+    table = hub_rounds.format_rounds(rows, ["f0", "f1"])
+    assert len(table) == 2 + 3 and "| 3 | 2 | 4.00 | 12.00 | 0.33 | 0.250 (8.00) | 5.00 | f0 0.25/2.50" in table[4]
+    assert hub_rounds.rounds_goal(2) == 1.2 and hub_rounds.rounds_goal(8) == 1.5
+    h = {"scenarios": ["line"], "bytes_overrides": [], "fault_overrides": []}
+    bad_values = [
+        ({"facilities": 1}, "bench.hub.facilities=1: must be an integer from 2 to 8"),
+        ({"facilities": 9}, "bench.hub.facilities=9"),
+        ({"facilities": True}, "facilities=True"),
+        ({"compression": "zstd"}, "bench.hub.compression='zstd': choose from none, bf16, uint8, topk"),
+    ]
+    for bad, words in bad_values:
+        line = hub_wan.check_hub({"hub": {**h, **bad}})
+        assert line is not None and words in line and "\n" not in line, line

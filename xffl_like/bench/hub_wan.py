@@ -59,6 +59,7 @@ import threading
 import time
 from pathlib import Path
 
+from . import hub_rounds
 from .netns import HUB_SUBNET, HubNetwork, facility_cpus
 
 __all__ = [
@@ -98,7 +99,17 @@ GOAL_LOST = 1
 
 _REPO = Path(__file__).resolve().parents[2]
 _PORT = 29720  # the hub's port in its namespace; scenario i uses _PORT + 10 * i (and the next two for relays)
-_NAMES = ("f0", "f1")
+#: ``bench.hub.facilities``: how many facilities (one namespace each, its own shaped link to the hub's) ...
+FACILITIES = (2, 8)
+#: ... and ``bench.hub.compression``: what their rounds send (``federation.compression``; topk with error feedback).
+COMPRESSIONS = ("none", "bf16", "uint8", "topk")
+
+
+def _names(n: int) -> list[str]:
+    """The facilities' names: ``f0`` creates the federation, ``f1`` is the one killed."""
+    return [f"f{i}" for i in range(n)]
+
+
 _POLL_S = 0.05  # how often the facilities' aggregation.csv are read for new round results
 
 
@@ -383,7 +394,7 @@ class _Job:
     """One facility's job (``python -m xffl_like.run``) in its namespace, its own process group."""
 
     def __init__(self, net: HubNetwork, index: int, overrides: list[str], where: Path, env: dict, cpus):
-        self.net, self.index, self.name = net, index, _NAMES[index]
+        self.net, self.index, self.name = net, index, f"f{index}"
         self.overrides, self.where, self.env, self.cpus = overrides, where, env, cpus
         self.run_dir = where / self.name
         self.proc: subprocess.Popen | None = None
@@ -502,7 +513,7 @@ def _start_relays(net: HubNetwork, where: Path, port: int, max_s: float, env: di
     """The relays of the ``tls`` and ``insecure`` legs, each appended to ``relays`` once started: in the hub's
     namespace its link addresses -> its loopback, in each facility's its loopback -> the hub's link address."""
     specs = [("hub", f"0.0.0.0:{port + 1}", f"127.0.0.1:{port}")]
-    specs += [(i, f"127.0.0.1:{port + 2}", f"{net.hub_address(i)}:{port + 1}") for i in range(2)]
+    specs += [(i, f"127.0.0.1:{port + 2}", f"{net.hub_address(i)}:{port + 1}") for i in range(len(net.facilities))]
     for k, (ns, listen, target) in enumerate(specs):
         log = where / f"relay{k}.log"
         with open(log, "w") as fh:
@@ -522,7 +533,8 @@ def _facility_jobs(name: str, net: HubNetwork, bench: dict, where: Path, certs: 
     """Scenario ``name``'s two facility jobs (not started yet) and their CPU shares (None: not pinned)."""
     h = bench["hub"]
     tls, relayed, fault = name != "insecure", name in ("tls", "insecure"), name in ("kill_facility", "kill_hub")
-    dial = [f"127.0.0.1:{port + 2}"] * 2 if relayed else [f"{net.hub_address(i)}:{port}" for i in range(2)]
+    n, names = len(net.facilities), _names(len(net.facilities))
+    dial = [f"127.0.0.1:{port + 2}"] * n if relayed else [f"{net.hub_address(i)}:{port}" for i in range(n)]
     prefix = {"kill_facility": "fault", "kill_hub": "kill_hub"}.get(name, "bytes")
     steps, every = h[f"{prefix}_steps"], h[f"{prefix}_every"]
     common = [
@@ -537,14 +549,17 @@ def _facility_jobs(name: str, net: HubNetwork, bench: dict, where: Path, certs: 
         f"federation.elastic.grace_s={h['grace_s']}",
         f"federation.elastic.timeout_s={h['call_timeout_s']}",
     ]
-    shares = facility_cpus(2) if h.get("pin") else None
+    if h.get("compression", "none") != "none":
+        common += [f"federation.compression={h['compression']}"]
+        common += ["federation.error_feedback=true"] if h["compression"] == "topk" else []
+    shares = facility_cpus(n) if h.get("pin") else None
     jobs = []
-    for i in range(2):
+    for i in range(n):
         ident = (
             [
                 f"federation.elastic.ca={certs / 'ca.crt'}",
-                f"federation.elastic.cert={certs / 'facilities' / f'{_NAMES[i]}.crt'}",
-                f"federation.elastic.key={certs / 'facilities' / f'{_NAMES[i]}.key'}",
+                f"federation.elastic.cert={certs / 'facilities' / f'{names[i]}.crt'}",
+                f"federation.elastic.key={certs / 'facilities' / f'{names[i]}.key'}",
             ]
             if tls
             else []
@@ -562,13 +577,14 @@ def _play(name: str, h: dict, hub: _Hub, jobs: list[_Job], results: _Results, ou
     if name == "line":  # f1 joins late: θ_global is downloaded
         _wait_for(lambda: hub.numel() is not None, deadline, jobs[:1], "f0 to create the federation")
         events["created"] = time.time()
-    events["f1_started"] = jobs[1].start()
+    for j in jobs[1:]:  # with line, late joiners: they download θ_global
+        events[f"{j.name}_started"] = j.start()
     if name == "kill_facility":
         _wait_for(lambda: len(results("f1")) >= k, deadline, jobs, f"f1's round {k}")
         _stop(jobs[1].proc)
         events["f1_killed"] = killed = time.time()
         out["version_at_kill"] = max(v for _, v in results("f1"))
-        _wait([jobs[0].proc], deadline)
+        _wait([j.proc for j in jobs if j.name != "f1"], deadline)
     elif name == "kill_hub":
 
         def same_round() -> bool:  # f1 holds k results, the last of them the same round's as f0's last
@@ -631,7 +647,8 @@ def _scenario(name: str, net: HubNetwork, bench: dict, where: Path, certs: Path,
         hub.start()
         if relayed:
             _start_relays(net, where, port, float(h["timeout_s"]) + 60, env, relays)
-        with _Results(jobs) as results:
+        with _Results(jobs) as results, hub_rounds.LinkSampler(net.counters) as links:
+            out["events"]["started"] = time.time()
             killed = _play(name, h, hub, jobs, results, out, deadline)
     finally:
         for j in jobs:
@@ -641,8 +658,15 @@ def _scenario(name: str, net: HubNetwork, bench: dict, where: Path, certs: Path,
             _stop(r)
     out["load"].append(os.getloadavg()[0])
     counters1 = net.counters()
-    out["link_bytes"] = {n: [b[0] - a[0], b[1] - a[1]] for n, a, b in zip(_NAMES, counters0, counters1)}
-    return _collect(name, h, hub, jobs, results, out, killed)
+    names = _names(len(net.facilities))
+    out["link_bytes"] = {n: [b[0] - a[0], b[1] - a[1]] for n, a, b in zip(names, counters0, counters1)}
+    out = _collect(name, h, hub, jobs, results, out, killed)
+    windows = hub_rounds.round_windows({n: results(n) for n in names}, out["events"]["started"])
+    latencies = hub_rounds.hub_latencies(hub.logs())
+    accepted = hub_rounds.accepted_by_version(out["records"])
+    out["rounds"] = hub_rounds.round_rows(links.samples, windows, out["round_times"], latencies, net.link_mbit,
+                                          net.down_mbit, accepted)  # fmt: skip
+    return out
 
 
 def run_hub(bench: dict, run_dir: Path) -> dict:
@@ -650,7 +674,8 @@ def run_hub(bench: dict, run_dir: Path) -> dict:
     h = bench["hub"]
     link = float(h.get("link_mbit") or bench["link_mbit"])
     certs = run_dir / "certs"
-    net_hosts = [f"{HUB_SUBNET}.{i}.1" for i in range(2)]  # HubNetwork's hub addresses (checked below)
+    n = int(h.get("facilities", 2))
+    net_hosts = [f"{HUB_SUBNET}.{i}.1" for i in range(n)]  # HubNetwork's hub addresses (checked below)
     proc = subprocess.run(
         [
             sys.executable,
@@ -659,7 +684,7 @@ def run_hub(bench: dict, run_dir: Path) -> dict:
             "init",
             str(certs),
             "--facilities",
-            ",".join(_NAMES),
+            ",".join(_names(n)),
             "--host",
             ",".join([*net_hosts, "127.0.0.1", "localhost"]),
         ],
@@ -672,7 +697,7 @@ def run_hub(bench: dict, run_dir: Path) -> dict:
     if proc.returncode != 0:
         raise RuntimeError(f"python -m xffl_like.hub init failed: {(proc.stderr or proc.stdout).strip()[-300:]}")
     results, failures = {}, {}
-    with HubNetwork(2, link, h.get("hub_multiple")) as net:
+    with HubNetwork(n, link, h.get("hub_multiple")) as net:
         if net.hub_addresses != net_hosts:
             raise RuntimeError(f"the hub's addresses {net.hub_addresses} are not the certificate's {net_hosts}")
         for i, name in enumerate(s for s in SCENARIOS if s in h["scenarios"]):
@@ -706,10 +731,16 @@ def _report(bench: dict, results: dict, failures: dict, up: float, down: float, 
     }
     goals = report["goals"]
     line = results.get("line")
-    if line and line["numel"]:
+    if line and line["numel"] and h.get("compression", "none") == "none":  # fp32 payload both ways
         fig = round_figure(line["round_times"], line["numel"], up, down)
         if fig:
             goals["line"] = fig
+    fig = hub_rounds.rounds_figure(line["rounds"], int(h.get("facilities", 2))) if line else None
+    if fig:
+        goals["rounds"] = {**fig, "goal": hub_rounds.rounds_goal(int(h.get("facilities", 2)))}
+        if line["numel"]:
+            goals["bytes"] = hub_rounds.bytes_figure(fig, line["numel"])
+    if line and line["numel"]:
         join = join_figure(line["records"].get("f1", []), line["numel"], down)
         if join:
             goals["join"] = join
@@ -749,6 +780,11 @@ def check_hub(bench: dict) -> str | None:
     h = bench.get("hub")
     if not isinstance(h, dict):
         return "bench.hub is missing (conf/bench_wan.yaml)"
+    n, lo, hi = h.get("facilities", 2), *FACILITIES
+    if not (isinstance(n, int) and not isinstance(n, bool) and lo <= n <= hi):
+        return f"bench.hub.facilities={n!r}: must be an integer from {lo} to {hi} (one network namespace each)"
+    if h.get("compression", "none") not in COMPRESSIONS:
+        return f"bench.hub.compression={h.get('compression')!r}: choose from {', '.join(COMPRESSIONS)}"
     for key in _LISTS:
         v = h.get(key)
         if not isinstance(v, list) or not all(isinstance(o, str) for o in v):
@@ -802,22 +838,13 @@ def _met(ok: bool) -> str:
     return "met" if ok else "NOT met"
 
 
-def format_hub(report: dict) -> str:
-    """Each figure beside its goal, then what each scenario did."""
+def _fmt(v, spec=".2f") -> str:
+    return "-" if v is None else format(v, spec)
 
-    def fmt(v, spec=".2f"):
-        return "-" if v is None else format(v, spec)
 
-    h, g = report["hub"], report["goals"]
-    down = report["down_mbit"]
-    lines = [
-        f"facilities behind firewalls: 2 facilities x {h['nproc']} process(es), each reaching only the hub over its "
-        f"own link, {report['link_mbit']:g} Mbit/s up and {down:g} Mbit/s down (tc tbf on both ends; no latency "
-        f"added); TCP {report['tcp'].get('net.ipv4.tcp_congestion_control', '?')}",
-        "",
-        "| figure | value | goal | |",
-        "|---|---|---|---|",
-    ]
+def _round_goal_lines(g: dict, h: dict) -> list[str]:
+    """The figures of the line scenario's rounds beside their goals."""
+    lines = []
     if "line" in g:
         x = g["line"]
         lines.append(
@@ -825,6 +852,34 @@ def format_hub(report: dict) -> str:
             f"{x['line_seconds']:.2f} s) | {x['ratio']:.2f} x ({x['median_seconds']:.2f} s; worst "
             f"{x['max_ratio']:.2f} x) | <= {GOAL_LINE:g} x | {_met(x['ratio'] <= GOAL_LINE)} |"
         )
+    if "rounds" in g:
+        x = g["rounds"]
+        lines.append(
+            f"| round time / the bytes its links carried at line rate (the slowest facility's up then down; median "
+            f"of the {x['rounds']} rounds after the first that accepted every facility; {x['line_seconds']:.2f} s) "
+            f"| {x['ratio']:.2f} x ({x['seconds']:.2f} s; worst {x['max_ratio']:.2f} x) | <= {x['goal']:g} x | "
+            f"{_met(x['ratio'] <= x['goal'])} |"
+        )
+        lines.append(
+            f"| the hub's time from a round's last upload to its result's first byte (median) / the round | "
+            f"{_fmt(x['hub_latency_share'], '.1%')} ({_fmt(x['hub_latency_s'], '.3f')} s) | small | |"
+        )
+        lines.append(f"| the hub's egress per round (median; all facilities' downloads) | "
+                     f"{x['hub_egress'] / 1e6:.2f} MB | | |")  # fmt: skip
+    if "bytes" in g:
+        x = g["bytes"]
+        ok = _met(x["ratio"] <= x["goal"]) if h.get("compression") == "topk" else "(goal for topk)"
+        lines.append(
+            f"| a facility's bytes per round, up + down (the most of any, median round; link bytes) / an fp32 "
+            f"round's payload (8 x numel = {x['fp32_bytes'] / 1e6:.2f} MB) | 1/{1 / x['ratio']:.1f} "
+            f"({x['bytes'] / 1e6:.3f} MB) | <= 1/{1 / x['goal']:g} | {ok} |"
+        )
+    return lines
+
+
+def _fault_goal_lines(g: dict, h: dict) -> list[str]:
+    """The join's, TLS's and the faults' figures beside their goals."""
+    lines = []
     if "join" in g:
         x = g["join"]
         lines.append(
@@ -849,24 +904,46 @@ def format_hub(report: dict) -> str:
         x = g["lost"]
         lines.append(
             f"| rounds lost to a hub SIGKILL + restart on its --state (outage {x['outage_seconds']:.1f} s from the "
-            f"kill to serving again, f0's boundaries every {fmt(x['round_interval_seconds'], '.1f')} s; per facility "
-            f"{x['per_facility']}, of them after the hub served again {x['after_hub_back']}; versions forgotten "
-            f"{x['versions_forgotten']}) | {x['rounds']} | <= {GOAL_LOST} | {_met(x['rounds'] <= GOAL_LOST)} |"
+            f"kill to serving again, f0's boundaries every {_fmt(x['round_interval_seconds'], '.1f')} s; per "
+            f"facility {x['per_facility']}, of them after the hub served again {x['after_hub_back']}; versions "
+            f"forgotten {x['versions_forgotten']}) | {x['rounds']} | <= {GOAL_LOST} | "
+            f"{_met(x['rounds'] <= GOAL_LOST)} |"
         )
-    lines += [
+    return lines
+
+
+def format_hub(report: dict) -> str:
+    """Each figure beside its goal, what each scenario did, then the line scenario's rounds one by one."""
+    h, g = report["hub"], report["goals"]
+    down, n, comp = report["down_mbit"], int(h.get("facilities", 2)), h.get("compression", "none")
+    lines = [
+        f"facilities behind firewalls: {n} facilities x {h['nproc']} process(es), each reaching only the hub over "
+        f"its own link, {report['link_mbit']:g} Mbit/s up and {down:g} Mbit/s down (tc tbf on both ends; no "
+        f"latency added); federation.compression={comp}; TCP "
+        f"{report['tcp'].get('net.ipv4.tcp_congestion_control', '?')}",
         "",
-        "| scenario | path | rounds (versions) | median round s | link MB f0 up/down | payload MB f0 up/down | load |",
-        "|---|---|---|---|---|---|---|",
+        "| figure | value | goal | |",
+        "|---|---|---|---|",
+        *_round_goal_lines(g, h),
+        *_fault_goal_lines(g, h),
+        "",
+        "| scenario | path | rounds (versions) | median round s | hub: last upload -> first result byte, median s "
+        "| hub egress MB per round, median | link MB f0 up/down | payload MB f0 up/down | load |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in report["results"].items():
         path = ("TLS" if r["tls"] else "insecure") + (" via relays" if r["relayed"] else ", direct")
-        times = r["round_times"]
+        times, rows = r["round_times"], r.get("rounds") or []
+        lat = [x["hub_latency_s"] for x in rows if x["hub_latency_s"] is not None]
+        egress = [x["hub_egress"] for x in rows[1:]]
         link = r["link_bytes"].get("f0", [0, 0])
         pay = r["payload_bytes"].get("f0", [0, 0])
+        pay_mb = f"{pay[0] / 1e6:.1f}/{pay[1] / 1e6:.1f}" if comp == "none" else "-"
         lines.append(
-            f"| {name} | {path} | {len(times)} | {fmt(statistics.median(times.values()) if times else None)} | "
-            f"{link[0] / 1e6:.1f}/{link[1] / 1e6:.1f} | {pay[0] / 1e6:.1f}/{pay[1] / 1e6:.1f} | "
-            f"{r['load'][0]:.1f}-{r['load'][-1]:.1f} |"
+            f"| {name} | {path} | {len(times)} | {_fmt(statistics.median(times.values()) if times else None)} | "
+            f"{_fmt(statistics.median(lat) if lat else None, '.3f')} | "
+            f"{_fmt(statistics.median(egress) / 1e6 if egress else None)} | "
+            f"{link[0] / 1e6:.1f}/{link[1] / 1e6:.1f} | {pay_mb} | {r['load'][0]:.1f}-{r['load'][-1]:.1f} |"
         )
     lines += [
         "",
@@ -876,6 +953,10 @@ def format_hub(report: dict) -> str:
         "namespace and one in the hub's (this module's `relay`); line, kill_facility and kill_hub dial the hub "
         "directly over mutual TLS. load: the machine's 1-minute load average at the scenario's start and end.",
     ]
+    if report["results"].get("line", {}).get("rounds"):
+        lines += ["", "line, round by round (link counters; a round's window runs from the last facility holding "
+                  "the previous result to the last holding this one):", ""]  # fmt: skip
+        lines += hub_rounds.format_rounds(report["results"]["line"]["rounds"], _names(n))
     for name, why in report["failures"].items():
         lines.append(f"failed: {name}: {why}")
     return "\n".join(lines)

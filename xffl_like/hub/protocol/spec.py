@@ -30,7 +30,7 @@ __all__ = [
 #: The rules ``federation.elastic.aggregate`` names (the hub's :mod:`..server.aggregate`).
 AGGREGATES = ("mean", "median", "trimmed_mean")
 #: The value a key added since has in a federation saved before it (so its facilities still match).
-ADDED = {"aggregate": "mean", "trim": 0.2}
+ADDED = {"aggregate": "mean", "trim": 0.2, "delay": 0}
 #: The description's keys that are ``federation.elastic``'s.
 ELASTIC_KEYS = ("grace_s", "max_norm_ratio", "aggregate", "trim", "min_facilities")
 #: The most parameters a federation may have (the hub holds θ_global, an accumulator and the outer optimizer's
@@ -91,6 +91,7 @@ def hub_spec(job) -> dict[str, Any]:
         "weights_rule": fed.weights,
         "paced": fed.paced,
         "min_facilities": e.min_facilities,
+        "delay": int(fed.delay),
     }
 
 
@@ -104,6 +105,8 @@ def first_difference(mine: dict, theirs: dict) -> str | None:
         return f"{len(a)} parameters here, {len(b)} in the federation"
     for key in mine:
         if key != "parameters" and mine[key] != theirs.get(key, ADDED.get(key)):
+            if key in ("compression", "delay"):
+                return _setting_difference(key, mine[key], theirs.get(key, ADDED.get(key)))
             if key == "rounds":
                 return (
                     f"{mine[key]} rounds here (train.steps / federation.every), {theirs.get(key)} in the "
@@ -112,6 +115,31 @@ def first_difference(mine: dict, theirs: dict) -> str | None:
             name = key if key == "train.steps" else f"federation.{'elastic.' * (key in ELASTIC_KEYS)}{key}"
             return f"{name}: {mine[key]!r} here, {theirs.get(key, ADDED.get(key))!r} in the federation"
     return None
+
+
+#: The config key of each entry of the description's ``compression``.
+_COMPRESSION_KEYS = {"kind": "federation.compression", "chunk_size": "federation.chunk_size",
+                     "error_feedback": "federation.error_feedback", "density": "federation.topk.density",
+                     "bits": "federation.topk.bits", "decay": "federation.topk.decay"}  # fmt: skip
+
+
+def _override(value) -> str:
+    """``value`` as a Hydra override writes it."""
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _setting_difference(key: str, mine, theirs) -> str:
+    """A facility dialling with another compression or delay than the federation's: the first setting that
+    differs, both values and the override that makes this facility match."""
+    name, a, b = f"federation.{key}", mine, theirs
+    if key == "compression" and isinstance(mine, dict) and isinstance(theirs, dict):
+        subs = [s for s in ("kind", *sorted(set(mine) | set(theirs) - {"kind"})) if mine.get(s) != theirs.get(s)]
+        if subs:
+            name, a, b = _COMPRESSION_KEYS.get(subs[0], f"{name}.{subs[0]}"), mine.get(subs[0]), theirs.get(subs[0])
+    return (
+        f"{name}: {a!r} here, {b!r} in the federation: every facility of a federation must use the same; run this "
+        f"facility with {name}={_override(b)}"
+    )
 
 
 def _is_int(v, lo: int, hi: int) -> bool:

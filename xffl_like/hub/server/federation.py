@@ -75,6 +75,7 @@ from ..protocol.wire import CHUNK_BYTES, Frames, WireError, paced, pack, transfe
 from . import checks, relayed, store
 from .aggregate import robust
 from .errors import HubError
+from .latency import ResultLatency
 from .membership import LIVE_S, Membership
 from .rounds import Arrival, Outcome, Part, Round, RoundState
 from .spool import Spool
@@ -116,6 +117,7 @@ class HubFederation:
         self.asked: dict[str, float] = {}  # when each facility last asked to join a federation not created yet
         self.pending_spec: dict | None = None  # the creator's description until its parameters arrive
         self.spool = Spool(state_dir / "spool")
+        self.latency = ResultLatency(log)  # each round's last upload to its result's first byte, logged
         self.snap = snap
         self.spec: dict | None = snap.spec if snap else None
         self.theta: Tensor | None = snap.theta if snap else None
@@ -327,6 +329,8 @@ class HubFederation:
                 a.cut = None
                 if a.part is Part.UPLOADING:  # else the round's deadline cut it (BROKEN)
                     a.move(part, reason)
+                    if part is Part.UPLOADED:
+                        self.latency.upload_ended(r.rid)
                 m.beat = time.monotonic()
                 self.cv.notify_all()
         return UploadReply(a.part is Part.UPLOADED, a.reason)
@@ -509,11 +513,15 @@ class HubFederation:
                 if self._stop.is_set() or not active():
                     raise HubError("the hub is stopping", "UNAVAILABLE")
                 self.cv.wait(timeout=0.5)
-            if rid is None:
+            r = self.decided[rid] if rid is not None else None
+            if r is None:
                 header = ResultHeader("healed", "heal", **vars(self._view()))
             else:
-                header = self.decided[rid].outcome.header(name)
-        return self._theta_frames(header, self._cutting(name, "Result", cut), relay_to=(name, rid))
+                header = r.outcome.header(name)
+        frames = self._theta_frames(header, self._cutting(name, "Result", cut), relay_to=(name, rid))
+        if r is None or not r.outcome.committed:
+            return frames
+        return self.latency.first_byte(rid, r.outcome.view.version, r.opened, frames)
 
     def fetch(self, name: str, msg: SessionRequest, cut=None) -> Iterator[bytes]:
         with self.cv:

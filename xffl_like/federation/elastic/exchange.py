@@ -257,11 +257,20 @@ class ElasticFederation:
                 shutil.copyfile(f.mine, f.theta)
             if self.codec is not None and out["status"] in ("created", "joined"):  # θ_global, no residual yet
                 self.ef = _load(f.theta)
-        elif self.codec is not None:
-            out = self._round_compressed(done, tokens)
-        else:
-            out = self.link.round(f.mine, f.theta, done, tokens, taken=done - self.last_step)
+            return out
+        out = self._exchange(done, tokens)
+        if done >= self.steps and self.options.every_s is None:  # the federation's final round: ends with its result
+            bound = float(self.options.elastic.final_wait_s)
+            out = self.link.until_final(lambda: self._exchange(done, tokens), out, done, bound)
         return out
+
+    def _exchange(self, done: int, tokens: float) -> dict:
+        """This facility's round at the hub after ``done`` steps: its parameters (or encoded update) up, θ_global
+        back."""
+        if self.codec is not None:
+            return self._round_compressed(done, tokens)
+        f = self.files
+        return self.link.round(f.mine, f.theta, done, tokens, taken=done - self.last_step)
 
     def _round_compressed(self, done: int, tokens: float) -> dict:
         """Upload the encoded update ``θ_global + residual - θ_f``; keep the new residual only when the hub

@@ -14,10 +14,12 @@ the leader streams through files (its spool, under the run directory) and never 
    applies the weighted mean and the outer step, saves, and sends θ_global back into a second file,
    which the leader broadcasts to its facility one parameter at a time; each rank copies its own shard.
 
-A facility whose version differs from the hub's (a joiner, a restart, a missed commit) or whose
-contribution is rejected heals: it receives θ_global and contributes nothing to that round. A hub that
-does not answer costs the round, not the job. The facility's checkpoint keeps its model, inner
-optimizer, data position and version; θ_global and the outer state live at the hub.
+A facility whose version differs from the hub's (a joiner, a restart, a missed commit), whose step is not
+the federation's (with a fixed ``every``) or whose contribution is rejected heals: it receives θ_global,
+contributes nothing to that round and takes the federation's step (the round's record carries it). A hub that
+does not answer costs the round, not the job, except the last: at its last step a facility asks again until
+the federation's final version comes (``federation.elastic.final_wait_s``). The facility's checkpoint keeps
+its model, inner optimizer, data position and version; θ_global and the outer state live at the hub.
 """
 
 from __future__ import annotations

@@ -418,7 +418,8 @@ def test_the_hub_killed_mid_run_every_facility_realigns_and_exports_the_final_th
     try:
         _wait_for(lambda: _version(hub) >= 1, what="version 1", alive=facilities)
         go["c"].touch()  # c joins now
-        _wait_for(lambda: all(_dumped(f, 2) for f in (a, b)), what="version 2 at a and b", alive=facilities)
+        _wait_for(lambda: all(_dumped(f, 2) for f in (a, b)) and _dumps(c, joins=True), what="version 2 at a and b, c "
+                  "joined", alive=facilities)  # fmt: skip
         hub.kill()
         meta, tensors = _newest_state(hub)
         go["a"].touch(), go["b"].touch()

@@ -78,8 +78,9 @@ class Federation:
             self.fed.upload(n, _frames(UploadHeader(n, "round", round=rid), uploads[n]))
         first = self.names[0]
         reply = self.fed.result(first, ResultRequest(first, rid), lambda: True)
-        frames = Frames(reply, 4 * self.fed.theta.numel(), ResultHeader)
-        frames.into(torch.empty_like(self.fed.theta))
+        frames = Frames(reply, lambda header: header.nbytes, ResultHeader)  # θ_global, or a compressed round's relay
+        for _ in frames.chunks():
+            pass
         return frames.header
 
     @property

@@ -52,6 +52,8 @@ class RoundRecord:
     status: str | None = UNSET  # elastic: what the hub made of this facility's update
     reason: str | None = UNSET  # elastic: why it was rejected, healed or missed
     rejected: list = UNSET  # elastic: the members whose contributions the hub rejected
+    bytes_up: int = UNSET  # elastic (the leader): the bytes it sent the hub in the round (headers included)
+    bytes_down: int = UNSET  # elastic (the leader): the bytes it received from the hub in the round
     phase: int = UNSET  # federation.schedule: the phase it ended
     waited: float = UNSET  # this rank's wait for the other facilities before it (until the job's end)
     waited_s: list[float] = UNSET  # each facility's wait at it (the slowest rank's), after the job

@@ -26,9 +26,10 @@ import grpc  # noqa: E402 - after its verbosity is set
 
 from .protocol.dial import ElasticError, address  # noqa: E402
 from .protocol.messages import CALLS, HubView, JoinReply, ResultHeader, UploadHeader, UploadReply  # noqa: E402
+from .protocol.relay import buffer_names, outer_of  # noqa: E402
 from .protocol.retry import POLL_RETRY, ROUND_RETRY  # noqa: E402
-from .protocol.spec import hub_spec  # noqa: E402
-from .protocol.wire import GRPC_OPTIONS, SERVICE, Frames, frames_of_file, transfer_s  # noqa: E402
+from .protocol.spec import codec_of, hub_spec  # noqa: E402
+from .protocol.wire import GRPC_OPTIONS, SERVICE, Frames, WireError, frames_of_file, transfer_s  # noqa: E402
 
 __all__ = ["BEAT_S", "HubLink", "explain", "hub_link"]
 
@@ -92,6 +93,11 @@ class HubLink:
         self._cancelled = threading.Event()  # a stop request: the waits of a join end too
         self.backoff_until = 0.0
         self.missed = 0
+        # With compression a round's result is relayed (the other members' messages, :mod:`.protocol.relay`), and
+        # θ_global in full comes with the outer optimizer's buffers.
+        self.codec = codec_of(spec)
+        self.buffers = buffer_names(outer_of(spec)) if self.codec is not None else ()
+        self.up = self.down = 0  # bytes sent and received in the round (payload and headers)
 
     # ------------------------------------------------------------------ calls
     def _msg(self, **kw) -> dict:
@@ -116,7 +122,7 @@ class HubLink:
 
     def _stream(self, method: str, **kw):
         request = CALLS[method][0].from_json(self._msg(**kw))
-        timeout = self.deadline(4 * self.geometry_numel, wait=method == "Result")
+        timeout = self.deadline(self.full_bytes, wait=method == "Result")
         call = self.channel.unary_stream(f"/{SERVICE}/{method}")(request.encode(), timeout=timeout)
         self._call = call
         return call
@@ -129,6 +135,7 @@ class HubLink:
         future = self._call = call.future(frames_of_file(header.to_json(), path), timeout=timeout)
         out = (HubView if kind == "create" else UploadReply).decode(future.result())
         self._call = None
+        self.up += Path(path).stat().st_size
         return out
 
     def upload_round(self, path: Path, rid: int, parameters: bool) -> None:
@@ -140,12 +147,32 @@ class HubLink:
         """The tokens this facility claims for the round (those it trained on since its last one)."""
         return tokens
 
-    def _download(self, call, path: Path) -> ResultHeader:
-        """θ_global into the file ``path``, a frame at a time; the result's header."""
-        frames = Frames(call, 4 * self.geometry_numel, ResultHeader)
-        frames.to_file(path)
+    @property
+    def full_bytes(self) -> int:
+        """The bytes of θ_global in full (with compression, and the outer optimizer's buffers after it)."""
+        return 4 * self.geometry_numel * (1 + len(self.buffers))
+
+    def _download(self, call, path: Path, outer: Path | None = None, relay: Path | None = None) -> ResultHeader:
+        """θ_global into the file ``path`` (with compression, the outer buffers into ``outer``), or a relay's
+        messages into ``relay``, a frame at a time, each file replaced only once whole; the result's header."""
+
+        def expect(header: ResultHeader) -> int:
+            if header.relay is None or relay is None or self.codec is None:
+                return self.full_bytes
+            return min(header.nbytes, len(header.relay.order) * self.codec.nbytes)  # more: refused, not written
+
+        frames = Frames(call, expect, ResultHeader)
+        header = frames.header
+        if header.relay is None and self.codec is not None and header.outer_steps is None:
+            raise WireError("θ_global came without the outer optimizer's state")
+        targets = [(relay, header.nbytes)] if header.relay is not None else [(path, 4 * self.geometry_numel)]
+        if header.relay is None and self.buffers:
+            outer = outer or Path(path).with_name(f"{Path(path).name}.outer")
+            targets.append((outer, self.full_bytes - 4 * self.geometry_numel))
+        _to_files(frames, targets)
         self._call = None
-        return frames.header
+        self.down += len(header.encode()) + header.nbytes
+        return header
 
     def cancel(self) -> None:
         """Cut the call in flight and end a join's waits (a stop request while waiting at the hub)."""
@@ -175,11 +202,13 @@ class HubLink:
                 f"new federation (python -m xffl_like.hub serve with another --state)"
             )
 
-    def join(self, mine: Path, theta: Path, done: int, min_facilities: int) -> dict:
+    def join(self, mine: Path, theta: Path, done: int, min_facilities: int, outer: Path | None = None) -> dict:
         """Join: this facility's parameters (the file ``mine``) create the federation, or θ_global is
-        downloaded into the file ``theta``. Returns the leader's round result."""
+        downloaded into the file ``theta`` (with compression, the outer buffers into ``outer``). Returns the
+        leader's round result."""
+        self.up = self.down = 0
         try:
-            return self._join(mine, theta, done, min_facilities)
+            return self._join(mine, theta, done, min_facilities, outer)
         except _Cancelled:
             return self._left(done, "joining")
         except grpc.RpcError as exc:
@@ -187,7 +216,7 @@ class HubLink:
                 return self._left(done, "joining")
             raise ElasticError(f"facility {self.name}: {explain(exc, self.hub)}") from None
 
-    def _join(self, mine: Path, theta: Path, done: int, min_facilities: int) -> dict:
+    def _join(self, mine: Path, theta: Path, done: int, min_facilities: int, outer: Path | None = None) -> dict:
         said = [time.monotonic()]
 
         def join() -> JoinReply:
@@ -209,7 +238,7 @@ class HubLink:
             self._wait_for(min_facilities)
             return self._result(view, done, changed=False, healed=[], status="created")
         self._wait_for(min_facilities)
-        header = self._download(self._stream("Fetch"), theta)
+        header = self._download(self._stream("Fetch"), theta, outer)
         self.version, self.federation = header.version, header.federation or self.federation
         return self._result(header, self._federation_step(header, done), changed=True, healed=[self.name],
                             status="joined")  # fmt: skip
@@ -265,9 +294,14 @@ class HubLink:
         self.channel.close()
 
     # ------------------------------------------------------------------ rounds
-    def round(self, mine: Path, theta: Path, done: int, tokens: float, taken: int, message: Path | None = None) -> dict:
+    def round(self, mine: Path, theta: Path, done: int, tokens: float, taken: int, message: Path | None = None,
+              outer: Path | None = None, relay: Path | None = None) -> dict:  # fmt: skip
         """The round at this boundary: the file ``mine`` (this facility's parameters, or with compression the
-        file ``message`` of its encoded update) goes up; θ_global comes back into the file ``theta``."""
+        file ``message`` of its encoded update) goes up; θ_global comes back into the file ``theta`` (with
+        compression, the outer buffers into ``outer``), or, to a member accepted in a compressed round, the other
+        members' messages into the file ``relay`` (``out["relay"]``: the facility applies the round itself, then
+        calls :meth:`applied`, or :meth:`heal`)."""
+        self.up = self.down = 0
         if time.monotonic() < self.backoff_until:
             return self._missed(done, "the hub did not answer at an earlier boundary")
         tokens = self.claim(tokens)
@@ -277,7 +311,9 @@ class HubLink:
                 self.upload_round(mine if message is None else message, arrived.round, parameters=message is None)
             elif arrived.reason:
                 print(f"facility {self.name}: heals this round ({arrived.reason})", flush=True)
-            header = self._download(self._stream("Result", round=arrived.round), theta)
+            header = self._download(self._stream("Result", round=arrived.round), theta, outer, relay)
+        except WireError as exc:  # nothing was written: θ_global in full instead
+            return self.heal(theta, outer, done, f"the hub's result does not match ({exc})")
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.CANCELLED:  # a stop request while waiting: the trainer leaves next
                 return self._left(done, "waiting in the round")
@@ -290,7 +326,8 @@ class HubLink:
         if header.status == "missed":  # the hub could not commit the round: nothing changed
             return self._missed(done, f"the hub could not commit it: {header.reason}")
         self.missed = 0
-        self.version = header.version
+        if header.relay is None:  # a relay's version is this facility's once it applied it (:meth:`applied`)
+            self.version = header.version
         if header.status == "rejected":
             print(f"facility {self.name}: the hub rejected this facility's contribution ({header.reason}); "
                   f"it heals to θ_global", flush=True)  # fmt: skip
@@ -319,6 +356,25 @@ class HubLink:
                 return self._left(done, "waiting for the federation's final version")
             out, tries = attempt(), tries + 1
         return out
+
+    def applied(self, version: int) -> None:
+        """The relayed round to ``version`` was applied: this facility holds that version."""
+        self.version = version
+
+    def heal(self, theta: Path, outer: Path | None, done: int, why: str) -> dict:
+        """θ_global in full now (``Fetch``; with compression the outer buffers too), after ``why`` (one line): a
+        relay or result that did not match. If that fails too, the round counts as missed and the next one
+        heals (this facility's version is left as it was)."""
+        print(f"facility {self.name}: {why}; it heals (downloads θ_global in full)", flush=True)
+        try:
+            header = self._download(self._stream("Fetch"), theta, outer)
+        except (grpc.RpcError, WireError) as exc:
+            detail = explain(exc, self.hub) if isinstance(exc, grpc.RpcError) else str(exc)
+            return self._missed(done, f"{why}; healing failed too ({detail})")
+        self._same_federation(header.federation, header.version, done)
+        self.version = header.version
+        return self._result(header, self._federation_step(header, done), changed=True, healed=[self.name],
+                            status="healed")  # fmt: skip
 
     def _rejoin(self, done: int) -> None:
         self.session = uuid.uuid4().hex
@@ -352,13 +408,17 @@ class HubLink:
                 "facilities": [], "attempts": 1, "status": "missed", "reason": why}  # fmt: skip
 
     def _result(self, header: ResultHeader | HubView, step: int, changed: bool, healed: list, status: str) -> dict:
-        nbytes = 8 * self.geometry_numel if changed else 4 * self.geometry_numel
         accepted = getattr(header, "accepted", None) or {}
         return {
             "round": header.version,
             "step": step,
             "changed": changed,
-            "bytes": nbytes,
+            "bytes": self.up + self.down,
+            "bytes_up": self.up,
+            "bytes_down": self.down,
+            "relay": getattr(header, "relay", None),
+            "relay_bytes": header.nbytes if getattr(header, "relay", None) is not None else 0,
+            "outer_steps": getattr(header, "outer_steps", None),
             "ended": header.ended,
             "healed": healed,
             "facilities": sorted(accepted or header.live),
@@ -372,6 +432,29 @@ class HubLink:
     @property
     def geometry_numel(self) -> int:
         return sum(math.prod(p[1]) for p in self.spec["parameters"])
+
+
+def _to_files(frames: Frames, targets: list[tuple[Path, int]]) -> None:
+    """``frames``' bytes into the files of ``targets`` in turn (each its path and bytes), each written beside it and
+    moved over it only once every byte arrived (a broken download leaves the files as they were)."""
+    parts = [(Path(path), Path(path).with_name(f"{Path(path).name}.part"), n) for path, n in targets]
+    chunks = frames.chunks()
+    try:
+        pending = b""
+        for _, part, n in parts:
+            with open(part, "wb") as fh:
+                left = n
+                while left:
+                    data = pending or next(chunks)[1]
+                    fh.write(data[:left])
+                    pending, left = data[left:], left - min(left, len(data))
+        for _ in chunks:  # the end of the stream: Frames checks the count
+            pass
+        for path, part, _ in parts:
+            os.replace(part, path)
+    finally:
+        for _, part, _ in parts:
+            part.unlink(missing_ok=True)
 
 
 def hub_link(job, name: str, world_size: int):

@@ -9,7 +9,9 @@ and default process group; ``distributed.*`` describes this facility only). Its 
 - the leader's gRPC link to the hub (mutual TLS, outbound only: join, heartbeats, arrive, upload, the
   round's result) is :mod:`xffl_like.hub.client`;
 - :mod:`.exchange`: :class:`ElasticFederation`, this facility's side of each round (gather its shards,
-  upload, take θ_global back to every rank).
+  upload, take θ_global back to every rank);
+- :mod:`.downlink`: with compression, a relayed round (the other facilities' messages) applied on the leader's
+  files by the function the hub applies it with.
 """
 
 from .options import ElasticError, facility_name, federation_spec, validate_elastic

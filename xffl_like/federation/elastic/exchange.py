@@ -13,6 +13,9 @@ the leader streams through files (its spool, under the run directory) and never 
 3. the hub decides the round (who arrived within ``grace_s``, whose contribution passes its checks),
    applies the weighted mean and the outer step, saves, and sends θ_global back into a second file,
    which the leader broadcasts to its facility one parameter at a time; each rank copies its own shard.
+   With compression, an accepted facility receives instead the other accepted facilities' messages and
+   applies the round itself, as the hub did (:mod:`.downlink`): its leader keeps θ_global and the outer
+   optimizer's buffers in its spool, and heals (θ_global in full) when a relay does not match.
 
 A facility whose version differs from the hub's (a joiner, a restart, a missed commit), whose step is not
 the federation's (with a fixed ``every``) or whose contribution is rejected heals: it receives θ_global,
@@ -37,11 +40,13 @@ from torch import Tensor
 
 from ...distributed.signals import requested
 from ...distributed.state import to_local
+from ...hub.protocol import relay
 from ...hub.protocol.update_codec import UpdateCodec
 from ..clock import round_clock
 from ..options import rounds_description
 from ..protocol import Boundary, RoundClock
 from ..record import RoundRecord
+from .downlink import apply_relay, zero_outer
 
 __all__ = ["ElasticFederation"]
 
@@ -56,9 +61,10 @@ class _Spool:
         self.directory = directory
         self.mine, self.theta = directory / "parameters.f32", directory / "theta_global.f32"
         self.message, self.residual = directory / "update.bin", directory / "residual.f32"
+        self.outer, self.relay = directory / "outer.f32", directory / "relay.bin"  # compressed: the relay downlink
 
     def remove(self) -> None:
-        for path in (self.mine, self.theta, self.message, self.residual):
+        for path in (self.mine, self.theta, self.message, self.residual, self.outer, self.relay):
             path.unlink(missing_ok=True)
         try:
             self.directory.rmdir()
@@ -103,6 +109,7 @@ class ElasticFederation:
         self.clock: RoundClock = round_clock(cfg, state, steps, elastic=True)
         self.ef: Tensor | None = None  # hub with compression: θ_global + this facility's residual (leader)
         self.codec: UpdateCodec | None = None
+        self.outer_steps = 0  # with compression: the outer optimizer's steps in files.outer (the leader's)
         if self.leader:
             self.files = _Spool(Path(spool) if spool is not None else Path.cwd() / ".hub-spool")
             if cfg.compression != "none":
@@ -242,7 +249,7 @@ class ElasticFederation:
             skipped_facilities=[],
         )
         if self.leader:
-            for k in ("facilities", "healed", "attempts", "status", "reason", "rejected"):
+            for k in ("facilities", "healed", "attempts", "status", "reason", "rejected", "bytes_up", "bytes_down"):
                 if k in out:
                     setattr(record, k, out[k])
             self.records.append(record)
@@ -254,11 +261,14 @@ class ElasticFederation:
         ``files.theta`` (the hub's, bitwise)."""
         f = self.files
         if joining:
-            out = self.link.join(f.mine, f.theta, done, self.options.elastic.min_facilities)
+            out = self.link.join(f.mine, f.theta, done, self.options.elastic.min_facilities, outer=f.outer)
             if out["status"] == "created":  # this facility's parameters are θ_global
                 shutil.copyfile(f.mine, f.theta)
+                if self.codec is not None:
+                    zero_outer(f.outer, relay.buffer_names(self.options.outer), self.numel)
             if self.codec is not None and out["status"] in ("created", "joined"):  # θ_global, no residual yet
                 self.ef = _load(f.theta)
+                self.outer_steps = out.get("outer_steps") or 0
             return out
         out = self._exchange(done, tokens)
         if done >= self.steps and self.options.every_s is None:  # the federation's final round: ends with its result
@@ -279,13 +289,36 @@ class ElasticFederation:
         accepted it (a rejected or healed facility starts again from θ_global, without residual)."""
         f, feedback = self.files, self.options.error_feedback
         self._encode(feedback)
-        out = self.link.round(f.mine, f.theta, done, tokens, taken=done - self.last_step, message=f.message)
+        out = self.link.round(f.mine, f.theta, done, tokens, taken=done - self.last_step, message=f.message,
+                              outer=f.outer, relay=f.relay)  # fmt: skip
         if out["status"] in ("missed", "left"):
             return out  # nothing decided: θ_global and the residual stay as they were
-        self._refold(with_residual=feedback and out["status"] == "accepted")
-        if out["status"] == "accepted":
-            out["bytes"] = f.message.stat().st_size + 4 * self.numel
+        accepted = out["status"] == "accepted"
+        out = self._apply_relay(out, done) if out.get("relay") is not None else out
+        if out["status"] == "missed":
+            return out  # the relay did not match and healing failed: the next round heals
+        if out.get("outer_steps") is not None:
+            self.outer_steps = out["outer_steps"]
+        self._refold(with_residual=feedback and accepted)
         return out
+
+    def _apply_relay(self, out: dict, done: int) -> dict:
+        """The relayed round applied here (:mod:`.downlink`), every claim checked first; on a mismatch one line,
+        and θ_global is downloaded in full instead (the result of :meth:`HubLink.heal`)."""
+        f, header, e = self.files, out["relay"], self.options.elastic
+        try:
+            relay.check(header, me=self.name, version=self.round, new_version=out["round"], steps=self.outer_steps,
+                        accepted=out.get("weights"), message_bytes=self.codec.nbytes,
+                        nbytes=f.relay.stat().st_size)  # fmt: skip
+            steps = apply_relay(f.theta, f.outer, f.message, f.relay, me=self.name, header=header, codec=self.codec,
+                                options=self.options.outer, steps=self.outer_steps, rule=e.aggregate,
+                                trim=float(e.trim))  # fmt: skip
+        except (ValueError, OSError) as exc:  # RelayError, a message that does not decode, a damaged spool
+            return self.link.heal(f.theta, f.outer, done, f"the hub's relay does not match: {exc}")  # its bytes count
+        finally:
+            f.relay.unlink(missing_ok=True)
+        self.link.applied(out["round"])
+        return {**out, "outer_steps": steps}
 
     def _encode(self, feedback: bool) -> None:
         """``files.message``: the encoding of ``ef - θ_f``, window by window; ``files.residual``: what it
@@ -348,6 +381,8 @@ class ElasticFederation:
                             "status",
                             "reason",
                             "rejected",
+                            "bytes_up",
+                            "bytes_down",
                         )
                         if r.has(k)
                     }  # fmt: skip

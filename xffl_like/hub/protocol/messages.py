@@ -35,6 +35,7 @@ __all__ = [
     "Message",
     "MessageError",
     "Ok",
+    "Relay",
     "ResultHeader",
     "ResultRequest",
     "SessionRequest",
@@ -276,10 +277,25 @@ class Ok(Message):
 
 
 @dataclass(frozen=True)
+class Relay(Message):
+    """A compressed round's result as its messages (:mod:`.relay`): the version they apply to (``base``), the
+    accepted facilities in the hub's fold order, each one's weight as the hub used it, the bytes of its message
+    that follow (0 for the receiver's own), and the outer optimizer's steps after the round."""
+
+    base: int = field(metadata=_bounds(0, COUNT))
+    order: tuple[str, ...]
+    weights: tuple[float, ...]
+    sizes: tuple[int, ...]
+    outer_steps: int = field(metadata=_bounds(0, COUNT))
+
+
+@dataclass(frozen=True)
 class ResultHeader(Message):
     """The first frame of θ_global (``Result``, ``Fetch``): this member's status in the round (``accepted``,
     ``rejected``, ``healed``, or ``missed``: the round could not be committed, nothing changed) and why, the
-    round's outcome when one was decided, the hub's view (``federation``: its id), then ``nbytes`` of θ_global."""
+    round's outcome when one was decided, the hub's view (``federation``: its id), then ``nbytes`` of θ_global
+    (with compression: θ_global and the outer optimizer's buffers, after ``outer_steps`` steps), or of the
+    ``relay``'s messages."""
 
     status: Literal["accepted", "rejected", "healed", "missed"]
     reason: str | None = field(metadata=_text(4096))
@@ -292,6 +308,8 @@ class ResultHeader(Message):
     accepted: dict[str, float] | None = None
     rejected: dict[str, str] | None = None
     nbytes: int = field(default=0, metadata=_bounds(0, COUNT))
+    relay: Relay | None = None  # with compression, to an accepted member: the other members' messages follow
+    outer_steps: int | None = field(default=None, metadata=_bounds(0, COUNT))  # compressed, in full: θ, buffers
 
 
 #: Each method of :data:`.wire.METHODS`: its request's message, its answer's (``Upload``: the header of its

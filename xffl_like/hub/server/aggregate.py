@@ -12,72 +12,23 @@ one window per member (the window shrinks as members grow: about :data:`.checks.
 
 Both are unweighted, as Flower's ``FedMedian`` and ``FedTrimmedAvg``: a member's token weight would let it
 outvote the others, which is what a robust rule is for. ``mean`` (the default) stays the weighted mean of
-:meth:`.spool.Spool.accumulate`.
+:meth:`.spool.Spool.accumulate`. The reader and the rules live in :mod:`..protocol.relay`, which
+facilities applying a relayed round share.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
+from ..protocol.relay import Reader, combine, cut
 from ..protocol.spec import AGGREGATES as RULES
 from ..protocol.update_codec import UpdateCodec
 from .checks import SLICE
 
 __all__ = ["RULES", "Reader", "combine", "cut", "robust"]
-
-
-def cut(trim: float, members: int) -> int:
-    """Members cut from each end by ``trimmed_mean``: ``ceil(trim x members)``, keeping at least one."""
-    return min(math.ceil(trim * members - 1e-9), (members - 1) // 2)
-
-
-def combine(stack: Tensor, rule: str, trim: float) -> Tensor:
-    """The coordinate-wise ``rule`` over ``stack``'s rows (members x values), fp32."""
-    m = stack.shape[0]
-    ordered = stack.sort(dim=0).values
-    if rule == "median":
-        mid = ordered[(m - 1) // 2]
-        return mid if m % 2 else (mid + ordered[m // 2]) / 2
-    if rule == "trimmed_mean":
-        k = cut(trim, m)
-        return ordered[k : m - k].mean(dim=0)
-    raise ValueError(f"aggregate {rule!r}: the hub takes {', '.join(RULES)}")
-
-
-class Reader:
-    """One spooled upload, read in order ``n`` values at a time (fp32 parameters, or decoded by ``codec``)."""
-
-    def __init__(self, path: Path, codec: UpdateCodec | None):
-        self.fh = open(path, "rb")
-        self.pieces: Iterator[tuple[int, Tensor]] | None = codec.decode_stream(self.fh.read) if codec else None
-        self.left, self.at = torch.empty(0), 0  # values decoded and not taken yet; the next piece's first value
-
-    def take(self, out: Tensor) -> None:
-        """Fill ``out`` with the next ``out.numel()`` values."""
-        n = out.numel()
-        if self.pieces is None:
-            got = self.fh.readinto(memoryview(out.numpy()).cast("B"))
-            if got != 4 * n:
-                raise ValueError(f"a spooled upload ended after {got} of {4 * n} bytes")
-            return
-        filled = 0
-        while filled < n:
-            if not self.left.numel():
-                start, self.left = next(self.pieces)
-                if start != self.at:
-                    raise ValueError(f"a spooled update decodes value {start} where {self.at} was next")
-                self.at += self.left.numel()
-            k = min(n - filled, self.left.numel())
-            out[filled : filled + k].copy_(self.left[:k])
-            self.left, filled = self.left[k:], filled + k
-
-    def close(self) -> None:
-        self.fh.close()
 
 
 def robust(acc: Tensor, paths: list[Path], rule: str, trim: float, codec: UpdateCodec | None) -> None:

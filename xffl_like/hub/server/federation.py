@@ -28,6 +28,16 @@ Members read θ_global (Result, Fetch) from the saved file of the version they a
 StateStore.theta_reader`): a reader, however slow, never holds a commit, and a commit never changes what a
 reader is sending. Every spool file of a round is removed when it is decided.
 
+With compression the round is applied by :func:`..protocol.relay.apply_round`, the function every facility
+calls too, and the downlink is relayed (:mod:`.relayed`): a member accepted in the round reads, once the
+version is saved, a header (the new version, the accepted members in fold order, their weights, the outer
+step count, the message sizes) and the other accepted members' messages, and applies the round itself, so it
+downloads (F-1) messages instead of θ_global. This is SparseLoCo's (Templar's) exchange, and it keeps one
+algorithm here and in one world: no second compression error, no residual at the hub. It reveals to each
+accepted member every other accepted member's sparse update (indices and quantized values) and weight, which
+the mean alone would hide. Everyone else (rejected, healed, joining, behind a newer commit) reads θ_global
+with the outer optimizer's buffers and step count.
+
 Members that arrive with another version, whose claims fail, or that come after the round
 closed, heal: they receive θ_global (after the open round, if any) and contribute nothing. So do members
 at another step than the federation's (a fixed ``every``: round ``k`` takes each member's step ``k x every``
@@ -51,6 +61,7 @@ from torch import Tensor
 
 from ...config.schema import OuterConfig
 from ...federation.outer import OuterOptimizer, validate_outer
+from ..protocol import relay
 from ..protocol.messages import (
     ArriveReply,
     ArriveRequest,
@@ -65,7 +76,7 @@ from ..protocol.messages import (
 from ..protocol.spec import check_spec, codec_of, first_difference, numel_of
 from ..protocol.update_codec import UpdateCodec
 from ..protocol.wire import CHUNK_BYTES, Frames, WireError, paced, pack, transfer_s
-from . import checks, store
+from . import checks, relayed, store
 from .aggregate import robust
 from .errors import HubError
 from .membership import LIVE_S, Membership
@@ -115,6 +126,7 @@ class HubFederation:
         self.acc: Tensor | None = None
         self.outer: OuterOptimizer | None = None
         self.codec: UpdateCodec | None = None
+        self.relayed: relayed.Relayed | None = None  # the last compressed round's messages, for its members
         if snap is not None:
             self._restore(snap)
         self._stop = threading.Event()
@@ -388,22 +400,7 @@ class HubFederation:
             self.log(f"hub: round {r.rid}: facility {n}'s contribution rejected: {why}")
         if not accepted:
             return Outcome(False, {}, rejected, healed)
-        rule = self.spec.get("aggregate", "mean")
-        weights = checks.weights(self.spec, accepted) if rule == "mean" else dict.fromkeys(accepted, 1.0)
-        total = sum(weights.values())
-        acc = self.acc = self.acc if self.acc is not None else torch.empty_like(self.theta)
-        if rule == "mean":
-            acc.zero_()
-            for n, a in accepted.items():
-                self.spool.accumulate(acc, a.spool, weights[n] / total, self.codec)
-        else:  # coordinate-wise over members, a window at a time (unweighted)
-            robust(acc, [a.spool for a in accepted.values()], rule, float(self.spec.get("trim", 0.0)), self.codec)
-        if self.codec is not None:  # acc: the mean update, θ_global - mean
-            self.outer.step(acc)
-        elif self.outer.options.is_plain_mean:
-            self.theta.copy_(acc)
-        else:
-            self.outer.step(torch.sub(self.theta, acc, out=acc))
+        scales = self._apply(accepted)
         nxt, members = self._next(r, accepted)
         why = self._saved(nxt, f"version {nxt.version}")
         if why is not None:
@@ -411,6 +408,7 @@ class HubFederation:
             return Outcome(False, {}, rejected, healed, error=f"the hub {why}")
         with self.cv:
             self.snap = nxt
+            self._keep_relay(r, scales, accepted)
             for n, m in members.items():
                 if n in self.members.members:
                     self.members[n].last_step, self.members[n].norms = m.last_step, m.norms
@@ -419,7 +417,52 @@ class HubFederation:
             + (f"; rejected {', '.join(rejected)}" if rejected else "")
             + f" ({time.perf_counter() - start:.2f} s)"
         )
-        return Outcome(True, {n: weights[n] / total for n in accepted}, rejected, healed)
+        return Outcome(True, scales, rejected, healed)
+
+    def _apply(self, accepted: dict[str, Arrival]) -> dict[str, float]:
+        """θ_global and the outer state in memory become the round's (the accepted contributions, in name order,
+        combined by the federation's ``aggregate`` rule); each one's weight. With compression, the function each
+        facility applies a relayed round with (:func:`..protocol.relay.apply_round`), so their copies are the hub's."""
+        rule, trim = self.spec.get("aggregate", "mean"), float(self.spec.get("trim", 0.0))
+        weights = checks.weights(self.spec, accepted) if rule == "mean" else dict.fromkeys(accepted, 1.0)
+        total = sum(weights.values())
+        scales = {n: weights[n] / total for n in accepted}
+        if self.codec is not None:
+            readers = [relay.Reader(a.spool, self.codec) for a in accepted.values()]
+            try:
+                state = relay.MemoryState(self.theta, self.outer.buffers)
+                args = (self.outer.options, self.outer.steps, readers, list(scales.values()), rule, trim)
+                self.outer.steps = relay.apply_round(state, *args)
+            finally:
+                for reader in readers:
+                    reader.close()
+            return scales
+        acc = self.acc = self.acc if self.acc is not None else torch.empty_like(self.theta)
+        if rule == "mean":
+            acc.zero_()
+            for n, a in accepted.items():
+                self.spool.accumulate(acc, a.spool, scales[n], None)
+        else:  # coordinate-wise over members, a window at a time (unweighted)
+            robust(acc, [a.spool for a in accepted.values()], rule, trim, None)
+        if self.outer.options.is_plain_mean:
+            self.theta.copy_(acc)
+        else:
+            self.outer.step(torch.sub(self.theta, acc, out=acc))
+        return scales
+
+    def _keep_relay(self, r: Round, scales: dict[str, float], accepted: dict[str, Arrival]) -> None:
+        """With compression, the committed round's accepted messages are set aside for its members (the caller
+        holds the lock); the previous round's are removed."""
+        if self.codec is None:
+            return
+        old, self.relayed = self.relayed, None
+        if old is not None:
+            old.remove()
+        try:
+            spooled = {n: a.spool for n, a in accepted.items()}
+            self.relayed = relayed.keep(r.rid, r.version, self.version, scales, spooled, self.outer.steps)
+        except OSError as exc:  # its members read θ_global in full instead
+            self.log(f"hub: round {r.rid}: cannot keep its messages to relay ({exc}); its members download θ_global")
 
     def _next(self, r: Round, accepted: dict[str, Arrival]) -> tuple[store.Snapshot, dict]:
         """The next version, aside (the hub's stays as it is until it is saved), and its members' history."""
@@ -480,7 +523,7 @@ class HubFederation:
                 header = ResultHeader("healed", "heal", **vars(self._view()))
             else:
                 header = self.decided[rid].outcome.header(name)
-        return self._theta_frames(header, self._cutting(name, "Result", cut))
+        return self._theta_frames(header, self._cutting(name, "Result", cut), relay_to=(name, rid))
 
     def fetch(self, name: str, msg: SessionRequest, cut=None) -> Iterator[bytes]:
         with self.cv:
@@ -499,40 +542,64 @@ class HubFederation:
 
         return run
 
-    def _theta_frames(self, header: ResultHeader, cut=None) -> Iterator[bytes]:
+    def _theta_frames(self, header: ResultHeader, cut=None, relay_to: tuple[str, int] | None = None) -> Iterator[bytes]:
         """θ_global's frames, read from the saved file of the version the header names (opened now: a commit
-        that follows neither waits for the stream nor changes what it sends). A stream not read within
-        :func:`..protocol.wire.transfer_s` of θ_global's bytes (``grace_s`` of slack) is ended (``cut()``: the
-        hub's side of its deadline)."""
+        that follows neither waits for the stream nor changes what it sends); with compression, the outer
+        optimizer's buffers follow, or to a member accepted in the round ``relay_to`` names (its version still the
+        hub's) the other accepted members' messages (:mod:`.relayed`). A stream not read within
+        :func:`..protocol.wire.transfer_s` of its bytes (``grace_s`` of slack) is ended (``cut()``: the hub's side of
+        its deadline)."""
         with self.cv:
             if self.snap is None:
                 raise HubError("the federation has not been created yet: join again", "FAILED_PRECONDITION")
             if header.version != self.version:  # a newer round committed meanwhile
                 header = dataclasses.replace(header, **vars(self._view()))
             try:
-                fh, nbytes = self.store.theta_reader(self.version)
+                header, sources = self._sources(header, relay_to)
             except (OSError, store.StateError) as exc:
                 self.log(f"hub: cannot read version {self.version}'s saved state ({exc})")
                 raise HubError(f"the hub cannot read its saved state ({exc}): its operator must check --state",
                                "INTERNAL") from None  # fmt: skip
-        return _file_frames(header, fh, nbytes, transfer_s(nbytes, self._grace()), cut)
+        nbytes = sum(n for _, n in sources)
+        return _file_frames(header, sources, transfer_s(nbytes, self._grace()), cut)
+
+    def _sources(self, header: ResultHeader, relay_to: tuple[str, int] | None) -> tuple[ResultHeader, list]:
+        """What follows ``header`` (the caller holds the lock): open files and their bytes."""
+        r = self.relayed
+        if relay_to is not None and header.status == "accepted" and r is not None and r.rid == relay_to[1]:
+            if r.version == self.version == header.version:
+                return dataclasses.replace(header, relay=r.header(relay_to[0])), r.open(relay_to[0])
+        sources = [self.store.theta_reader(self.version)]
+        if self.codec is None:
+            return header, sources
+        try:
+            sources += [self.store.tensor_reader(self.version, f"outer.{k}") for k in self.outer.buffers]
+        except BaseException:
+            for fh, _ in sources:
+                fh.close()
+            raise
+        return dataclasses.replace(header, outer_steps=self.snap.outer_steps), sources
 
 
-def _file_frames(header: ResultHeader, fh, nbytes: int, deadline_s: float, cut) -> Iterator[bytes]:
-    """The header, then ``nbytes`` of θ_global from ``fh``; ``cut()`` ends the stream if it is not read within
-    ``deadline_s``."""
+def _file_frames(header: ResultHeader, sources: list, deadline_s: float, cut) -> Iterator[bytes]:
+    """The header, then the bytes of each ``(fh, nbytes)`` of ``sources`` in order (the files are closed); ``cut()``
+    ends the stream if it is not read within ``deadline_s``."""
     timer = threading.Timer(deadline_s, cut or (lambda: None))
     timer.daemon = True
     timer.start()
     try:
-        with fh:
-            yield pack({**header.to_json(), "nbytes": nbytes})
-            left = nbytes
-            while left:
-                chunk = fh.read(min(CHUNK_BYTES, left))
-                if not chunk:
-                    raise HubError("the hub's saved state was cut short: its operator must check --state", "DATA_LOSS")
-                left -= len(chunk)
-                yield chunk
+        yield pack({**header.to_json(), "nbytes": sum(n for _, n in sources)})
+        for fh, nbytes in sources:
+            with fh:
+                left = nbytes
+                while left:
+                    chunk = fh.read(min(CHUNK_BYTES, left))
+                    if not chunk:
+                        raise HubError("the hub's saved state was cut short: its operator must check --state",
+                                       "DATA_LOSS")  # fmt: skip
+                    left -= len(chunk)
+                    yield chunk
     finally:
         timer.cancel()
+        for fh, _ in sources:
+            fh.close()

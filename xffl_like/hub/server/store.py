@@ -226,6 +226,10 @@ class StateStore(abc.ABC):
         """θ_global of the saved ``version``: an open file at its first byte and its bytes. The version stays
         readable through it whatever is saved meanwhile (readers never hold a commit)."""
 
+    def tensor_reader(self, version: int, name: str) -> tuple[BinaryIO, int]:
+        """As :meth:`theta_reader`, for the saved tensor ``name`` (``theta``, or ``outer.<buffer>``)."""
+        raise NotImplementedError(f"{type(self).__name__} reads θ_global only")
+
 
 class SafetensorsStore(StateStore):
     """The state as safetensors files in ``directory`` (:func:`save`, :func:`load_latest`)."""
@@ -244,11 +248,14 @@ class SafetensorsStore(StateStore):
         return _read(self._path(version))
 
     def theta_reader(self, version: int) -> tuple[BinaryIO, int]:
+        return self.tensor_reader(version, "theta")
+
+    def tensor_reader(self, version: int, name: str) -> tuple[BinaryIO, int]:
         path = self._path(version)
         fh = os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "rb")
         try:
             size = int.from_bytes(fh.read(8), "little")
-            start, end = json.loads(fh.read(size))["theta"]["data_offsets"]
+            start, end = json.loads(fh.read(size))[name]["data_offsets"]
             fh.seek(8 + size + start)
         except (ValueError, KeyError, TypeError) as exc:
             fh.close()

@@ -1,0 +1,392 @@
+"""Issue 37 item 2: with compression, a round's result is relayed (the other accepted facilities' messages), and
+every facility applies the mean and the outer step itself. In one process: a real gRPC hub on a free loopback
+port (``--insecure``) and three facilities' leaders (:class:`ElasticFederation` with a :class:`HubLink`, its
+round's leader side, no process group), two top-k rounds with Nesterov. The test decodes the messages with
+numpy (not the codec), computes both rounds by hand, and checks the hub's saved θ_global and outer state and
+every facility's copy bitwise against it; a relay that lies about a size, the order or the version is refused in
+one line and the facility heals; and a facility's download per round is (F-1) messages plus a small header."""
+
+from __future__ import annotations
+
+import math
+import shutil
+import threading
+from concurrent import futures
+from pathlib import Path
+from types import SimpleNamespace
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from xffl_like.config.schema import ElasticConfig, FederationConfig, OuterConfig, TopkConfig
+from xffl_like.federation.elastic import exchange
+from xffl_like.hub.client import HubLink
+from xffl_like.hub.protocol.wire import GRPC_OPTIONS
+from xffl_like.hub.server import relayed
+from xffl_like.hub.server.auth import IdentityInterceptor
+from xffl_like.hub.server.federation import HubFederation
+from xffl_like.hub.server.service import HubService
+
+NAMES = ("a", "b", "c")
+N, CHUNK, DENSITY, BITS = 64 * 40 + 20, 64, 0.125, 2  # a shorter last chunk too
+LR, MOMENTUM = 0.7, 0.9
+TOKENS = {"a": 12.0, "b": 20.0, "c": 28.0}  # token weights: 12/60, 20/60, 28/60
+GEOMETRY = {"batch_size": 2, "seq_len": 8, "dp": 1}
+HEADER_BYTES = 2048  # a relay's JSON header, generously
+
+
+def _spec(aggregate: str = "mean") -> dict:
+    return {
+        "parameters": [["w", [N], "float32"]],
+        "algorithm": "federated",
+        "outer": {
+            "name": "nesterov",
+            "lr": LR,
+            "momentum": MOMENTUM,
+            "betas": [0.9, 0.99],
+            "eps": 1e-8,
+            "offload": False,
+        },  # fmt: skip
+        "compression": {
+            "kind": "topk",
+            "chunk_size": CHUNK,
+            "error_feedback": True,
+            "density": DENSITY,
+            "bits": BITS,
+            "decay": 0.95,
+        },  # fmt: skip
+        "every_s": None,
+        "rounds": 10,
+        "train.steps": None,
+        "weights": "tokens",
+        "grace_s": 60.0,
+        "max_norm_ratio": 10.0,
+        "aggregate": aggregate,
+        "trim": 0.2,
+        "weights_rule": "tokens",
+        "paced": False,
+        "min_facilities": 1,
+    }
+
+
+def _config(address: str, name: str, aggregate: str = "mean") -> FederationConfig:
+    return FederationConfig(
+        every=2,
+        weights="tokens",
+        outer=OuterConfig(name="nesterov", lr=LR, momentum=MOMENTUM),
+        compression="topk",
+        chunk_size=CHUNK,
+        error_feedback=True,
+        topk=TopkConfig(density=DENSITY, bits=BITS, decay=0.95),
+        elastic=ElasticConfig(hub=address, facility=name, timeout_s=30.0, aggregate=aggregate),
+    )
+
+
+class Hub:
+    """A hub on a free loopback port over a fresh federation."""
+
+    def __init__(self, state: Path):
+        self.fed = HubFederation(state, None, log=lambda _: None)
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=16), interceptors=[IdentityInterceptor(None)],
+                                  options=GRPC_OPTIONS)  # fmt: skip
+        self.server.add_generic_rpc_handlers((HubService(self.fed).handler(),))
+        self.address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
+        self.server.start()
+
+    def saved(self):
+        """The hub's saved version (θ_global, the outer buffers), read back from its file."""
+        return self.fed.store.load(self.fed.version)
+
+    def close(self) -> None:
+        self.server.stop(grace=None)
+        self.fed.close()
+
+
+def _facility(hub: Hub, tmp: Path, name: str, aggregate: str = "mean") -> exchange.ElasticFederation:
+    """A facility's leader: its round's leader side, with its own spool, over a one-parameter model."""
+    cfg = _config(hub.address, name, aggregate)
+    link = HubLink(cfg.elastic, name, _spec(aggregate), GEOMETRY, steps=20, every=2)
+    model = torch.nn.Module()
+    model.w = torch.nn.Parameter(torch.zeros(N))
+    state = SimpleNamespace(rank=0, device=torch.device("cpu"))
+    return exchange.ElasticFederation(cfg, model, state, name, 20, link=link, spool=tmp / f"spool-{name}")
+
+
+def _parallel(work: dict) -> dict:
+    """``work[name]()`` for every name at once (the members of one round); their results."""
+    out, errors = {}, []
+
+    def run(name):
+        try:
+            out[name] = work[name]()
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(n,)) for n in work]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    assert set(out) == set(work), "a member did not finish its round"
+    return out
+
+
+def _round(facilities: dict, done: int, seed: int) -> dict:
+    """Every facility trains (θ_global minus a random step) and takes the round at step ``done``."""
+    gen = np.random.default_rng(seed)
+    for f in facilities.values():
+        theta = np.fromfile(f.files.theta, dtype=np.float32)
+        (theta - gen.standard_normal(N).astype(np.float32) * 0.01).astype(np.float32).tofile(f.files.mine)
+
+    def lead(name):
+        f = facilities[name]
+        out = f._lead(TOKENS[name], done, joining=False)
+        f.round, f.last_step = out["round"], done
+        return {**out, "message": f.files.message.read_bytes()}
+
+    return _parallel({n: (lambda n=n: lead(n)) for n in facilities})
+
+
+def _federation(tmp: Path, aggregate: str = "mean") -> tuple[Hub, dict]:
+    """A hub and three facilities joined to it: ``a`` creates the federation with random parameters."""
+    hub = Hub(tmp / "state")
+    facilities = {n: _facility(hub, tmp, n, aggregate) for n in NAMES}
+    np.random.default_rng(0).standard_normal(N).astype(np.float32).tofile(facilities["a"].files.mine)
+    for name, f in facilities.items():
+        out = f._lead(0.0, 0, joining=True)
+        assert out["status"] == ("created" if name == "a" else "joined"), out
+        f.round = out["round"]
+    return hub, facilities
+
+
+def _close(hub: Hub, facilities: dict) -> None:
+    for f in facilities.values():
+        f.link.leave()
+    hub.close()
+
+
+def _decode(message: bytes) -> np.ndarray:
+    """A top-k message decoded by hand from its format (``xffl_like.federation.topk``'s docstring), not the codec:
+    per chunk a float32 scale, then the kept indices and value codes as little-endian bit streams."""
+    raw, out, offset = np.frombuffer(message, dtype=np.uint8), np.zeros(N, dtype=np.float32), 0
+    index_bits, levels = (CHUNK - 1).bit_length(), (1 << (BITS - 1)) - 1
+    for start in range(0, N, CHUNK):
+        length = min(CHUNK, N - start)
+        k = math.ceil(DENSITY * length)  # 0.125 x length: exact
+        ib, vb = -(-k * index_bits // 8), -(-k * BITS // 8)
+        scale = raw[offset : offset + 4].copy().view(np.float32)[0]
+        bits = np.unpackbits(raw[offset + 4 : offset + 4 + ib], bitorder="little")[: k * index_bits]
+        index = bits.reshape(k, index_bits).astype(np.int64) @ (1 << np.arange(index_bits))
+        bits = np.unpackbits(raw[offset + 4 + ib : offset + 4 + ib + vb], bitorder="little")[: k * BITS]
+        codes = bits.reshape(k, BITS).astype(np.int64) @ (1 << np.arange(BITS))
+        assert np.all(np.diff(index) > 0) and index.max() < length
+        out[start + index] = (codes - levels).astype(np.float32) * scale
+        offset += 4 + ib + vb
+    assert offset == raw.size
+    return out
+
+
+def _fused() -> bool:
+    """Whether this torch's CPU kernels fuse ``a + alpha x b`` into one rounding (the outer step's ``alpha=``)."""
+    g = torch.Generator().manual_seed(1)
+    a, b = torch.randn(1 << 12, generator=g), torch.randn(1 << 12, generator=g)
+    return not torch.equal(a.clone().add_(b, alpha=0.7), a + b * 0.7)
+
+
+def _muladd(x: np.ndarray, alpha: float, y: np.ndarray, fused: bool) -> np.ndarray:
+    """``y + alpha x`` in float32: one rounding (an exact product in float64, then one sum) or two."""
+    a = np.float32(alpha)
+    if fused:
+        return (x.astype(np.float64) * np.float64(a) + y.astype(np.float64)).astype(np.float32)
+    return y + x * a
+
+
+def _by_hand(theta: np.ndarray, buf: np.ndarray, messages: dict, weights: dict | None, fused: bool):
+    """One round: the weighted mean of the decoded messages in name order (each weight x values rounded, then
+    added; ``weights`` None: their coordinate-wise median), then Nesterov (torch.optim.SGD(nesterov=True)'s
+    rule) on it, in float32."""
+    mean = np.zeros(N, dtype=np.float32)
+    if weights is None:
+        mean = np.median(np.stack([_decode(messages[n]) for n in sorted(messages)]), axis=0).astype(np.float32)
+    for name in sorted(messages) if weights is not None else ():
+        mean = mean + np.float32(weights[name]) * _decode(messages[name])
+    buf = buf * np.float32(MOMENTUM) + mean
+    step = _muladd(buf, MOMENTUM, mean, fused)
+    return _muladd(step, -LR, theta, fused), buf
+
+
+@pytest.fixture(scope="module")
+def two_rounds(tmp_path_factory):
+    """Two compressed rounds of three facilities: after each, the hub's saved state, every facility's files, the
+    results and the relays each facility received (captured before it applied them)."""
+    tmp = tmp_path_factory.mktemp("relay")
+    relays: dict = {}
+    apply = exchange.apply_relay
+
+    def capture(theta, outer, own, received, *, me, header, **kw):
+        relays[me] = (header, Path(received).read_bytes())
+        return apply(theta, outer, own, received, me=me, header=header, **kw)
+
+    exchange.apply_relay = capture
+    hub, facilities = _federation(tmp)
+    start = hub.saved()
+    rounds = []
+    try:
+        for r in range(2):
+            relays.clear()
+            outs = _round(facilities, 2 * (r + 1), seed=10 + r)
+            saved = hub.saved()
+            files = {n: (np.fromfile(f.files.theta, dtype=np.float32), np.fromfile(f.files.outer, dtype=np.float32))
+                     for n, f in facilities.items()}  # fmt: skip
+            rounds.append(SimpleNamespace(outs=outs, saved=saved, files=files, relays=dict(relays)))
+    finally:
+        exchange.apply_relay = apply
+        nbytes = facilities["a"].codec.nbytes
+        _close(hub, facilities)
+    return SimpleNamespace(start=start, rounds=rounds, message_bytes=nbytes)
+
+
+def test_two_relayed_rounds_by_hand_and_every_copy_bitwise(two_rounds):
+    """Both rounds recomputed by hand (numpy decode of the messages the facilities sent, the token-weighted mean,
+    Nesterov) equal the hub's saved θ_global and momentum buffer, and every facility's copy, bit for bit."""
+    fused = _fused()
+    theta, buf = two_rounds.start.theta.numpy(), np.zeros(N, dtype=np.float32)
+    assert two_rounds.start.outer_steps == 0
+    for r, rnd in enumerate(two_rounds.rounds):
+        total = sum(TOKENS.values())
+        weights = {n: TOKENS[n] / total for n in NAMES}
+        for out in rnd.outs.values():
+            assert out["status"] == "accepted" and out["relay"] is not None, out
+            assert out["weights"] == weights and out["round"] == r + 1
+        theta, buf = _by_hand(theta, buf, {n: o["message"] for n, o in rnd.outs.items()}, weights, fused)
+        assert not np.array_equal(theta, two_rounds.start.theta.numpy())
+        assert rnd.saved.version == r + 1 and rnd.saved.outer_steps == r + 1
+        np.testing.assert_array_equal(rnd.saved.theta.numpy(), theta)
+        np.testing.assert_array_equal(rnd.saved.buffers["momentum_buffer"].numpy(), buf)
+        for name, (f_theta, f_outer) in rnd.files.items():
+            np.testing.assert_array_equal(f_theta, theta, err_msg=f"facility {name}'s θ_global, round {r + 1}")
+            np.testing.assert_array_equal(f_outer, buf, err_msg=f"facility {name}'s momentum buffer, round {r + 1}")
+
+
+def test_the_relay_is_the_other_members_messages_in_fold_order(two_rounds):
+    """What a facility receives is the other accepted members' messages, byte for byte, in name order, with the
+    header's claims: the version it holds, every member and its weight, the sizes, the outer step."""
+    for r, rnd in enumerate(two_rounds.rounds):
+        for me in NAMES:
+            header, received = rnd.relays[me]
+            assert header.base == r and header.outer_steps == r + 1 and header.order == NAMES
+            assert received == b"".join(rnd.outs[n]["message"] for n in NAMES if n != me)
+            assert header.sizes == tuple(0 if n == me else two_rounds.message_bytes for n in NAMES)
+            assert math.isclose(math.fsum(header.weights), 1.0, abs_tol=1e-12)
+
+
+def test_a_facility_downloads_the_other_messages_and_a_small_header(two_rounds):
+    """Per round and facility: up one message, down (F-1) messages plus a small header (counted bytes), against
+    θ_global in full (4 bytes a parameter, and its momentum buffer) before."""
+    message = two_rounds.message_bytes
+    for rnd in two_rounds.rounds:
+        for name, out in rnd.outs.items():
+            assert out["bytes_up"] == message, (name, out["bytes_up"])
+            assert (len(NAMES) - 1) * message <= out["bytes_down"] <= (len(NAMES) - 1) * message + HEADER_BYTES
+            assert out["bytes_down"] < 4 * N / 5  # θ_global in full would be 4 N bytes
+            assert out["bytes"] == out["bytes_up"] + out["bytes_down"]
+
+
+def _tamper(kind: str, victim: str):
+    """A wrong claim in the relay the hub sends ``victim`` (or its bytes): ``kind`` names it."""
+    header, opened = relayed.Relayed.header, relayed.Relayed.open
+
+    def lying_header(self, name):
+        h = header(self, name)
+        if name != victim:
+            return h
+        if kind == "size":
+            return type(h)(h.base, h.order, h.weights, tuple(s + 4 if s else 0 for s in h.sizes), h.outer_steps)
+        if kind == "order":
+            return type(h)(h.base, h.order[::-1], h.weights[::-1], h.sizes[::-1], h.outer_steps)
+        if kind == "version":
+            return type(h)(h.base + 1, h.order, h.weights, h.sizes, h.outer_steps)
+        return h
+
+    def lying_bytes(self, name):
+        files = opened(self, name)
+        if name != victim or kind != "values":
+            return files
+        import io
+
+        data = bytearray(files[0][0].read())
+        data[0:4] = np.array([np.nan], dtype=np.float32).tobytes()  # the first chunk's scale
+        files[0][0].close()
+        return [(io.BytesIO(bytes(data)), len(data)), *files[1:]]
+
+    return lying_header, lying_bytes
+
+
+@pytest.mark.parametrize(
+    ("kind", "line"),
+    [
+        ("size", "relay message of a is"),
+        ("order", "is not the hub's fold order"),
+        ("version", "but this facility holds version 0"),
+        ("values", "has scale nan"),
+    ],
+)
+def test_a_relay_that_does_not_match_is_refused_in_one_line_and_the_facility_heals(tmp_path, capsys, monkeypatch,
+                                                                                     kind, line):  # fmt: skip
+    """A relay whose message size, order or version does not match what the facility holds, or whose message
+    decodes to a value that is not finite, changes nothing there: one line, then θ_global and the outer state in
+    full (bitwise the hub's); the other facilities apply theirs."""
+    lying_header, lying_bytes = _tamper(kind, "b")
+    monkeypatch.setattr(relayed.Relayed, "header", lying_header)
+    monkeypatch.setattr(relayed.Relayed, "open", lying_bytes)
+    hub, facilities = _federation(tmp_path)
+    try:
+        outs = _round(facilities, 2, seed=3)
+        saved = hub.saved()
+        held = {n: (np.fromfile(f.files.theta, dtype=np.float32), np.fromfile(f.files.outer, dtype=np.float32))
+                for n, f in facilities.items()}  # fmt: skip
+        monkeypatch.undo()  # the next round's relay is honest: b applies it from the state it healed to
+        again = _round(facilities, 4, seed=4)
+        later = hub.saved()
+    finally:
+        _close(hub, facilities)
+    said = [x for x in capsys.readouterr().out.splitlines() if "relay does not match" in x]
+    assert len(said) == 1 and said[0].startswith("facility b: the hub's relay does not match") and line in said[0], said
+    assert said[0].endswith("it heals (downloads θ_global in full)")
+    assert outs["b"]["status"] == "healed" and outs["b"]["round"] == 1
+    message = facilities["a"].codec.nbytes  # b's download: the relay it refused, then θ_global and the momentum
+    assert outs["b"]["bytes_down"] > 2 * message + 4 * N * 2 and outs["b"]["bytes_up"] == message
+    assert [outs[n]["status"] for n in ("a", "c")] == ["accepted", "accepted"]
+    for name, (theta, outer) in held.items():
+        np.testing.assert_array_equal(theta, saved.theta.numpy(), err_msg=name)
+        np.testing.assert_array_equal(outer, saved.buffers["momentum_buffer"].numpy(), err_msg=name)
+    assert all(o["status"] == "accepted" and o["relay"] is not None for o in again.values()), again
+    for name, f in facilities.items():
+        np.testing.assert_array_equal(np.fromfile(f.files.theta, dtype=np.float32), later.theta.numpy(), err_msg=name)
+        outer = later.buffers["momentum_buffer"].numpy()
+        np.testing.assert_array_equal(np.fromfile(f.files.outer, dtype=np.float32), outer, err_msg=name)
+        assert f.outer_steps == 2 and f.link.version == 2
+    assert not any(p.name.endswith((".next", ".part")) for p in (tmp_path / "spool-b").iterdir())
+    shutil.rmtree(tmp_path / "state", ignore_errors=True)
+
+
+def test_a_relayed_median_round_by_hand(tmp_path):
+    """``federation.elastic.aggregate=median``: the relayed round is the coordinate-wise median of the decoded
+    messages (unweighted: each weight 1/3), then Nesterov, by hand, bitwise at the hub and at every facility."""
+    hub, facilities = _federation(tmp_path, "median")
+    try:
+        theta = hub.saved().theta.numpy()
+        outs = _round(facilities, 2, seed=5)
+        saved = hub.saved()
+    finally:
+        _close(hub, facilities)
+    assert all(o["status"] == "accepted" and o["relay"].weights == (1 / 3,) * 3 for o in outs.values()), outs
+    messages = {n: o["message"] for n, o in outs.items()}
+    expected, buf = _by_hand(theta, np.zeros(N, dtype=np.float32), messages, None, _fused())
+    np.testing.assert_array_equal(saved.theta.numpy(), expected)
+    np.testing.assert_array_equal(saved.buffers["momentum_buffer"].numpy(), buf)
+    for name, f in facilities.items():
+        np.testing.assert_array_equal(np.fromfile(f.files.theta, dtype=np.float32), expected, err_msg=name)

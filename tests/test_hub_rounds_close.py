@@ -15,14 +15,18 @@ from concurrent import futures
 from types import SimpleNamespace
 
 import grpc
+import numpy as np
 import pytest
 import torch
-from helpers.hub import GEOMETRY, small_spec
+from helpers.hub import GEOMETRY, free_port, small_spec
 
+from xffl_like.federation.elastic import ElasticError
+from xffl_like.hub import client
 from xffl_like.hub.cli import main as hub_main
 from xffl_like.hub.client import HubLink
 from xffl_like.hub.protocol import wire
 from xffl_like.hub.protocol.messages import ArriveReply, ResultHeader, UploadHeader
+from xffl_like.hub.protocol.retry import RetryPolicy
 from xffl_like.hub.protocol.wire import GRPC_OPTIONS, SERVICE, Frames, frames_of, pack, unpack
 from xffl_like.hub.server.federation import HubFederation
 from xffl_like.hub.server.serve import build_server
@@ -340,8 +344,8 @@ def test_grants_are_written_by_init_and_add(tmp_path, capsys):
 
 def test_a_member_that_joins_with_steps_4_cannot_end_the_federation(hub):
     """Before, a member that joined with steps=4 (or one round's worth of steps) and arrived at its last step ended
-    the federation for everyone. Now its steps must make the federation's rounds, and a round ends the federation
-    only when every member accepted in it reached its last step."""
+    the federation for everyone. Now its steps must make the federation's rounds, a round takes a member only at its
+    federation step (round k: k x its every), and the federation ends with its last round only."""
     spec = _spec()
     (a,), _ = _created(hub, spec, names=("a",))
     b = Raw(hub, "b")
@@ -352,14 +356,118 @@ def test_a_member_that_joins_with_steps_4_cannot_end_the_federation(hub):
         assert b.join(spec, steps=10, every=1)["status"] == "member"  # 10 rounds of 1 step: its last is step 10
         b.beating()
         rid = _arrive(a).round
-        assert _arrive(b, step=10, taken=10, tokens=160.0).action == "upload"
+        assert _arrive(b, step=1, taken=1, tokens=16.0).action == "upload"  # round 1: a's step 2, b's step 1
         for m in (a, b):
             m.upload(m.frames("round", torch.zeros(6), rid)).result()
         header, _ = a.result(rid, 6)
         assert header.committed and set(header.accepted) == {"a", "b"} and not header.ended
-        rid = _arrive(a, step=20, taken=18, version=1).round  # a at its last step: the round closes at grace_s
-        a.upload(a.frames("round", torch.zeros(6), rid)).result()
-        header, _ = a.result(rid, 6)
-        assert header.committed and header.ended  # every member accepted in it reached its end
+        late = _arrive(b, step=10, taken=9, tokens=144.0, version=1)  # b at its last step claims round 2
+        assert late.action == "heal" and late.reason == "step 10 is not the federation's step 2 (round 2): realigned"
+        header, _ = b.result(late.round, 6)
+        assert header.status == "healed" and not header.ended and header.version == 1 and header.progress == 1
     finally:
         a.close(), b.close()
+
+
+# ---------------------------------------------------------------------------------------------- issue 37, item 1
+class Member37:
+    """A facility as the project's client (:class:`HubLink`: every=2, steps=20) with its spool files and its step."""
+
+    def __init__(self, hub, name: str, tmp_path):
+        cfg = SimpleNamespace(hub=hub.address, cert=None, ca=None, key=None, timeout_s=BOUND_S)
+        self.link = HubLink(cfg, name, _spec(grace_s=BOUND_S), GEOMETRY, steps=20, every=2)
+        self.dir = tmp_path / name
+        self.dir.mkdir()
+        self.mine, self.theta = self.dir / "mine", self.dir / "theta"
+        torch.arange(6, dtype=torch.float32).numpy().tofile(self.mine)  # the creator's parameters become θ_0
+        self.step = self.link.join(self.mine, self.theta, 0, 1)["step"]
+
+    def round(self, step: int, mine: torch.Tensor) -> dict:
+        """At ``step`` (after training from its last one) with parameters ``mine``: the round's result, and θ_global
+        read back from its file (``theta``)."""
+        mine.numpy().tofile(self.mine)
+        out = self.link.round(self.mine, self.theta, step, 32.0, taken=step - self.step)
+        self.step = out["step"]
+        return {**out, "theta": torch.from_numpy(np.fromfile(self.theta, dtype=np.float32))}
+
+    def close(self) -> None:
+        self.link.leave()
+
+
+def _round_of(hub, members: dict[str, Member37], arrivals: dict[str, tuple[int, torch.Tensor]]) -> dict[str, dict]:
+    """One round: the first member of ``arrivals`` opens it, then the others arrive, each at its step with its
+    parameters, from threads (each waits for the round's result); every member's result."""
+    out: dict[str, dict] = {}
+    threads = {n: threading.Thread(target=lambda n=n: out.update({n: members[n].round(*arrivals[n])}))
+               for n in arrivals}  # fmt: skip
+    first = next(iter(arrivals))
+    threads[first].start()
+    deadline = time.monotonic() + BOUND_S
+    while (hub.fed.round is None or first not in hub.fed.round.arrivals) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    for n, t in threads.items():
+        if n != first:
+            t.start()
+    for t in threads.values():
+        t.join(BOUND_S * 2)
+    assert set(out) == set(arrivals), out
+    return out
+
+
+def test_a_round_takes_only_the_members_at_the_federations_step_and_the_others_realign(hub, tmp_path, capsys):
+    """Issue 37: with every=2, round k belongs to the federation's step 2k. c arrives ahead (step 4 at round 1: it
+    trained through a boundary it missed), d behind (at its join step 2 at round 2, with the hub's version); neither
+    is merged:
+    each round is the mean of the members at its step alone, computed here, and c and d heal and realign their
+    step counters to the federation's (c back to 2, d on to 4), saying why."""
+    members: dict[str, Member37] = {}
+    try:
+        for n in ("a", "b", "c"):
+            members[n] = Member37(hub, n, tmp_path)
+        theta0 = torch.arange(6, dtype=torch.float32)
+        assert [m.step for m in members.values()] == [0, 0, 0]
+        one = _round_of(hub, members, {"a": (2, theta0 + 1), "b": (2, theta0 + 3), "c": (4, theta0 + 100)})
+        assert [one[n]["status"] for n in "abc"] == ["accepted", "accepted", "healed"], one
+        assert sorted(one["a"]["weights"]) == ["a", "b"]
+        theta1 = ((theta0.double() + 1 + theta0.double() + 3) / 2).float()  # a's and b's alone: c's is not in it
+        assert all(torch.equal(one[n]["theta"], theta1) for n in "abc"), one
+        assert one["c"]["reason"] == "step 4 is not the federation's step 2 (round 1): realigned"
+        assert [one[n]["step"] for n in "abc"] == [2, 2, 2]  # c: back from 4 to the federation's step
+        members["d"] = Member37(hub, "d", tmp_path)
+        assert members["d"].step == 2  # a joiner takes the federation's step too
+        ups = {"a": theta1 + 2, "b": theta1 + 6, "c": theta1 + 10}
+        two = _round_of(hub, members, {**{n: (4, u) for n, u in ups.items()}, "d": (2, theta1 - 50)})
+        assert [two[n]["status"] for n in "abcd"] == ["accepted"] * 3 + ["healed"], two
+        assert two["d"]["reason"] == "step 2 is not the federation's step 4 (round 2): realigned"
+        theta2 = sum(u.double() for u in ups.values()) / 3  # the hub's fp32 sum of thirds: within rounding
+        torch.testing.assert_close(two["a"]["theta"].double(), theta2, rtol=0, atol=1e-6)
+        assert all(torch.equal(two[n]["theta"], two["a"]["theta"]) for n in "bcd"), two
+        assert [two[n]["step"] for n in "abcd"] == [4, 4, 4, 4]  # d: on from 2 to the federation's step
+        said = capsys.readouterr().out
+        for line in ("facility c: realigned from step 4 to the federation's step 2 (version 1)",
+                     "facility d: realigned from step 2 to the federation's step 4 (version 2)"):  # fmt: skip
+            assert line in said, said
+        assert hub.fed.snap.progress == 2 and hub.fed.members["d"].last_step == 4
+    finally:
+        for m in members.values():
+            m.close()
+
+
+def test_the_final_round_is_asked_again_until_it_comes_and_no_longer_than_its_bound(monkeypatch):
+    """A facility at its last step whose final round is missed (the hub down, its backoff) asks again with the retry
+    policy until the round comes, or stops in one line at federation.elastic.final_wait_s: its model would not be
+    the federation's."""
+    monkeypatch.setattr(client, "ROUND_RETRY", RetryPolicy(base=0.01, cap=0.01))
+    cfg = SimpleNamespace(hub=f"127.0.0.1:{free_port()}", cert=None, ca=None, key=None, timeout_s=1.0)
+    link = HubLink(cfg, "a", _spec(), GEOMETRY, steps=20, every=2)
+    try:
+        missed = {"status": "missed", "reason": "the hub at 127.0.0.1 does not answer"}
+        answers = iter([missed, missed, {"status": "accepted", "ended": True}])
+        assert link.until_final(lambda: next(answers), missed, 20, BOUND_S) == {"status": "accepted", "ended": True}
+        with pytest.raises(ElasticError) as stopped:
+            link.until_final(lambda: missed, missed, 20, 0.2)
+        line = str(stopped.value)
+        assert "\n" not in line and line.startswith("facility a: the federation's final version did not come")
+        assert "final_wait_s=0.2" in line and "exports nothing" in line and "does not answer" in line
+    finally:
+        link.channel.close()

@@ -345,6 +345,35 @@ def test_elastic_facility_that_ends_early_reports_the_steps_it_took(gloo_world, 
     assert summary["final_loss"] > 1.0 and summary["rounds"] == 2
 
 
+def test_elastic_facility_realigned_mid_run_keeps_its_data_position_and_resumes_exactly(gloo_world, tmp_path):
+    """Issue 37: a round realigns the facility's step to the federation's, on (2 -> 4: it was behind) and back
+    (6 -> 2: it had trained through rounds): training goes on from there, the data keep their position, the clock,
+    the log rows, the checkpoints' steps and the end follow the step; a resume from a checkpoint taken after a
+    realign draws the same batches as the run did from there."""
+    cfg, run_dir = job(*ELASTIC), tmp_path / "run"
+    t, federation = elastic(cfg, gloo_world, run_dir, join_at=0)
+    steps = iter([4, 2, 4, 6])  # what each round's record says the federation's step is
+    federation.finish.side_effect = lambda b, index: [RoundRecord.from_dict(round_record(index, next(steps)))]
+    drawn = record_batches(t)
+
+    summary = t.train()
+
+    assert drawn == list(range(8 * ACCUM))  # 8 steps trained, the data from their own position throughout
+    assert logged_steps(run_dir) == [1, 2, 5, 6, 3, 4, 5, 6]
+    assert federation.finish.call_args_list == [call(boundary(2), 0), call(boundary(6), 1), call(boundary(4), 2),
+                                                call(boundary(6), 3)]  # fmt: skip
+    assert summary["rounds"] == 4 and t.sync.parts.scheduler.last_epoch == STEPS  # the schedule followed the step
+    assert checkpoints(run_dir) == [checkpoint_name(4), checkpoint_name(6)]  # step 4 saved again after the realign
+    state = json.loads((run_dir / "checkpoints" / checkpoint_name(4) / "state.json").read_text())
+    assert state["step"] == 4 and state["records"]["data_shift"] == 2  # step 4 trains on batch 6 (of 0, 1, ...)
+
+    again, federation = elastic(cfg, gloo_world, tmp_path / "again", join_at=4)
+    again.checkpointer.resume = str(run_dir / "checkpoints" / checkpoint_name(4))
+    resumed = record_batches(again)
+    again.train()
+    assert resumed == list(range(6 * ACCUM, 8 * ACCUM))  # steps 4 and 5 on the batches the run drew for them
+
+
 def test_elastic_sync_stops_at_once_and_leaves(gloo_world, tmp_path, stop_request):
     cfg, run_dir = job(*ELASTIC), tmp_path / "run"
     t, federation = elastic(cfg, gloo_world, run_dir, join_at=0)

@@ -284,6 +284,7 @@ class ElasticConfig(Section):
     min_facilities: int = 1  # training starts once this many facilities are present
     timeout_s: float = 60.0  # seconds a call to the hub may take (the launcher's check, a round's control calls)
     rewarm: bool = True  # a joiner with a fresh inner optimizer warms its lr up again over optim.warmup_steps
+    final_wait_s: float = 600.0  # at its last step without the federation's final version: ask this long, then fail
     grace_s: float = 60.0  # hub: a round closes this long after it opened, whoever has not arrived
     max_norm_ratio: float = 10.0  # hub: an update norm over this many times the median is rejected
     aggregate: str = "mean"  # hub: mean (weighted) | median | trimmed_mean (coordinate-wise over members, unweighted)

@@ -240,8 +240,14 @@ class HubLink:
         self._wait_for(min_facilities)
         header = self._download(self._stream("Fetch"), theta, outer)
         self.version, self.federation = header.version, header.federation or self.federation
-        step = done if self.cfg_every_s else min(header.progress * int(self.every), self.steps)
-        return self._result(header, step, changed=True, healed=[self.name], status="joined")
+        return self._result(header, self._federation_step(header, done), changed=True, healed=[self.name],
+                            status="joined")  # fmt: skip
+
+    def _federation_step(self, header: ResultHeader, done: int) -> int:
+        """The step this facility trains on from after receiving the version of ``header``: with a fixed ``every``
+        the federation's, its rounds times this facility's ``every`` (a joiner's, and a facility's whose step
+        was not the federation's: it missed rounds, or trained through them); with ``every_s`` its own."""
+        return done if self.cfg_every_s else min(header.progress * int(self.every), self.steps)
 
     @property
     def cfg_every_s(self) -> bool:
@@ -326,7 +332,30 @@ class HubLink:
             print(f"facility {self.name}: the hub rejected this facility's contribution ({header.reason}); "
                   f"it heals to θ_global", flush=True)  # fmt: skip
         healed = [] if header.status == "accepted" else [self.name]
-        return self._result(header, done, changed=True, healed=healed, status=header.status)
+        step = self._federation_step(header, done)
+        if step != done:
+            print(f"facility {self.name}: realigned from step {done} to the federation's step {step} (version "
+                  f"{header.version}); its data keep their position", flush=True)  # fmt: skip
+        return self._result(header, step, changed=True, healed=healed, status=header.status)
+
+    def until_final(self, attempt, out: dict, done: int, bound_s: float) -> dict:
+        """The federation's final round, from this facility's last step ``done``: while it is missed (the hub down,
+        this facility's backoff, a commit that failed), ``attempt()`` it again after the retry policy's delay, for at
+        most ``bound_s`` seconds (``federation.elastic.final_wait_s``); then one line (:class:`ElasticError`): an
+        export without the final version would not be the federation's. A stop request cuts the wait."""
+        deadline, tries = time.monotonic() + bound_s, 0
+        while out["status"] == "missed":
+            pause = max(self.backoff_until - time.monotonic(), ROUND_RETRY.delay(tries))
+            if time.monotonic() + pause > deadline:
+                raise ElasticError(
+                    f"facility {self.name}: the federation's final version did not come from the hub {self.hub} "
+                    f"within federation.elastic.final_wait_s={bound_s:g} s (last: {out['reason']}): this facility's "
+                    f"model is not the federation's, so it exports nothing; the hub's final θ_global is in its --state"
+                )
+            if self._cancelled.wait(pause):
+                return self._left(done, "waiting for the federation's final version")
+            out, tries = attempt(), tries + 1
+        return out
 
     def applied(self, version: int) -> None:
         """The relayed round to ``version`` was applied: this facility holds that version."""
@@ -344,7 +373,8 @@ class HubLink:
             return self._missed(done, f"{why}; healing failed too ({detail})")
         self._same_federation(header.federation, header.version, done)
         self.version = header.version
-        return self._result(header, done, changed=True, healed=[self.name], status="healed")
+        return self._result(header, self._federation_step(header, done), changed=True, healed=[self.name],
+                            status="healed")  # fmt: skip
 
     def _rejoin(self, done: int) -> None:
         self.session = uuid.uuid4().hex

@@ -153,6 +153,11 @@ class Observer:
             config=config or {},
         )
 
+    def moved(self, by: int) -> None:
+        """The step counter moved by ``by`` without training (an elastic facility took the federation's step):
+        tokens per second count the steps trained."""
+        self.first_step += by
+
     def step(
         self,
         step: int,

@@ -5,7 +5,9 @@ facility, the inner optimizer and its schedule) with
 :class:`~xffl_like.federation.elastic.exchange.ElasticFederation`'s rounds: among the facilities
 arriving at each boundary, held by the hub. Before the first step the facility joins: it
 downloads θ_global from the hub and adopts the federation's step (its data position and inner optimizer
-stay its own: from its checkpoint, or fresh). A joiner whose inner optimizer is fresh (no checkpoint
+stay its own: from its checkpoint, or fresh). A facility whose step is not the federation's at a round (it
+missed rounds, or trained through them) realigns the same way there: the round's record carries the new step.
+A joiner whose inner optimizer is fresh (no checkpoint
 of its own) warms its learning rate up again from its join step (``federation.elastic.rewarm``), as
 any fresh optimizer does at step 0.
 
@@ -119,7 +121,18 @@ class ElasticSync(SyncBase):
         with self.timer("aggregation"):  # the round's quorum is where facilities meet: its wait is in the round
             records = self.federation.finish(boundary, index)
             self.clock.round_done(done)
-        return StepEnd(done, records, ended=self.rounds_end_job and self.federation.ended)
+        step = records[-1].step if records else done
+        if step != done:  # realigned to the federation's step (it missed rounds, or trained through them)
+            self._realign(done, step)
+        return StepEnd(step, records, ended=self.rounds_end_job and self.federation.ended)
+
+    def _realign(self, done: int, step: int) -> None:
+        """The schedule follows the federation's step ``step`` (not this facility's ``done``), and a re-warm-up
+        counts the steps trained since the join, as before."""
+        schedule_at(self.parts.scheduler, step)
+        if self.rewarm_from is not None:
+            self.rewarm_from += step - done
+            self._rewarm(step)
 
     def state_dict(self, at_step: int | None = None) -> dict:
         return self.federation.state_dict()

@@ -21,7 +21,7 @@ declares its :class:`~.sync.Capabilities`.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -175,10 +175,11 @@ class Trainer:
             done = self.begin()
             if self.sync.capabilities.elastic and self.maybe_stop(done, met=True):
                 return self.interrupted(done)  # a stop while joining: no step trained outside the federation
-            for step in range(done, self.clock.steps):  # this facility's steps (federation.every as a list: its own)
-                done = step + 1
-                self.train_step(step)
-                if self.maybe_round(done):
+            while done < self.clock.steps:  # this facility's steps (federation.every as a list: its own)
+                self.train_step(done)
+                stop = self.maybe_round(done + 1)
+                done = self.boundary.step  # an elastic facility's round may realign it to the federation's step
+                if stop:
                     return self.interrupted(done)
                 if self.last:
                     break
@@ -196,6 +197,8 @@ class Trainer:
             saved = {**saved, "step": steps[self.state.facility], "facility_steps": list(steps)}
         self.restored = saved
         self.start_step = saved["step"] if saved else 0
+        # The data's position is the step plus this shift (an elastic facility's step is the federation's).
+        self.saved_shift = int(saved.get("records", {}).get("data_shift", 0)) if saved else 0
         self.rounds = [RoundRecord.from_dict(r) for r in saved["rounds"]] if saved else []
         self.evals = list(saved.get("records", {}).get("evals", [])) if saved else []
         cfg = self.cfg
@@ -214,7 +217,8 @@ class Trainer:
         their own position); then the clock starts and what starts before the first step does. Returns the
         step to train from."""
         step = self.sync.begin(self.start_step)
-        self.data_shift, self.first_step = self.start_step - step, step
+        self.data_shift, self.first_step = self.saved_shift + self.start_step - step, step
+        self.observer.moved(step - self.start_step)
         self.boundary: Boundary = self.clock.start(step)
         self.sync.start(self.boundary, len(self.rounds))
         return step
@@ -251,8 +255,8 @@ class Trainer:
         if self.local_eval:
             self.eval_record["loss_local"] = self._facility_eval()
         if self.settle(boundary, self.sync.finish(boundary, len(self.rounds))):
-            self.sync.start(boundary, len(self.rounds))
-        return self.stop_at is not None and done >= self.stop_at and not self.last
+            self.sync.start(self.boundary, len(self.rounds))
+        return self.stop_at is not None and self.boundary.step >= self.stop_at and not self.last
 
     def settle(self, boundary: Boundary, end: StepEnd) -> bool:
         """The trainer's part of the end of a step, once the sync's rounds are made: the records, the global
@@ -267,13 +271,31 @@ class Trainer:
             self.eval_record["time"] = time.time()  # when it was known: wall-clock time-to-loss (bench.wan)
             self.evals.append(self.eval_record)
         elapsed = time.perf_counter() - self.start
-        self.log.add(done - 1, self.step_loss, self.step_lr, elapsed, self.eval_record if self.local_eval else None,
-                     end.metrics)  # fmt: skip
+        self.log.add(boundary.step - 1, self.step_loss, self.step_lr, elapsed,
+                     self.eval_record if self.local_eval else None, end.metrics)  # fmt: skip
+        if done != boundary.step:
+            self.boundary = boundary = self._realign(boundary, done)
         self.last = boundary.end or end.ended  # federation.every_s: the round just made may end the job
         if self.local_eval or done % self.tcfg.log_every == 0 or self.last:  # local_eval: every boundary too
             self.log.flush()
         self.maybe_checkpoint(boundary)
         return not self.maybe_stop(done, met=bool(end.rounds))
+
+    def _realign(self, boundary: Boundary, step: int) -> Boundary:
+        """An elastic facility's round moved its step counter from ``boundary.step`` to the federation's ``step``
+        (it missed rounds, or trained through them): the clock, the end, the checkpoint's step and the steps
+        counted as trained follow it; the data keep their position. The boundary as it now stands."""
+        moved = step - boundary.step
+        self.data_shift -= moved
+        self.first_step += moved
+        self.observer.moved(moved)
+        if self.checkpointer is not None:
+            self.checkpointer.saved_step = -1  # a checkpoint of this step, if any, was of another state
+        return replace(boundary, step=step, job_step=step, end=step >= self.clock.steps)
+
+    def _records(self) -> dict:
+        """What a checkpoint's ``state.json`` keeps beside the rounds: the evaluations and the data's shift."""
+        return {"evals": self.evals, "data_shift": self.data_shift}
 
     def _facility_eval(self) -> list[float]:
         with self.timer("eval"):
@@ -284,7 +306,7 @@ class Trainer:
         if self.checkpointer is not None and boundary.checkpoint:
             with self.timer("checkpoint"):
                 self.checkpointer.after_round(
-                    boundary.job_step, self._saved_rounds(), self.losses, final=self.last, records={"evals": self.evals}
+                    boundary.job_step, self._saved_rounds(), self.losses, final=self.last, records=self._records()
                 )
 
     def _saved_rounds(self) -> list[dict]:
@@ -331,7 +353,7 @@ class Trainer:
         saved = last = None
         if ckpt is not None:
             if exact:  # no-op if the cadence saved it
-                ckpt.save(self.boundary.job_step, self._saved_rounds(), self.losses, records={"evals": self.evals})
+                ckpt.save(self.boundary.job_step, self._saved_rounds(), self.losses, records=self._records())
             ckpt.wait()  # published, or raises
             if self.state.rank == 0:
                 last = self._last_checkpoint(ckpt)

@@ -17,10 +17,12 @@ the leader streams through files (its spool, under the run directory) and never 
    applies the round itself, as the hub did (:mod:`.downlink`): its leader keeps θ_global and the outer
    optimizer's buffers in its spool, and heals (θ_global in full) when a relay does not match.
 
-A facility whose version differs from the hub's (a joiner, a restart, a missed commit) or whose
-contribution is rejected heals: it receives θ_global and contributes nothing to that round. A hub that
-does not answer costs the round, not the job. The facility's checkpoint keeps its model, inner
-optimizer, data position and version; θ_global and the outer state live at the hub.
+A facility whose version differs from the hub's (a joiner, a restart, a missed commit), whose step is not
+the federation's (with a fixed ``every``) or whose contribution is rejected heals: it receives θ_global,
+contributes nothing to that round and takes the federation's step (the round's record carries it). A hub that
+does not answer costs the round, not the job, except the last: at its last step a facility asks again until
+the federation's final version comes (``federation.elastic.final_wait_s``). The facility's checkpoint keeps
+its model, inner optimizer, data position and version; θ_global and the outer state live at the hub.
 """
 
 from __future__ import annotations
@@ -267,11 +269,20 @@ class ElasticFederation:
             if self.codec is not None and out["status"] in ("created", "joined"):  # θ_global, no residual yet
                 self.ef = _load(f.theta)
                 self.outer_steps = out.get("outer_steps") or 0
-        elif self.codec is not None:
-            out = self._round_compressed(done, tokens)
-        else:
-            out = self.link.round(f.mine, f.theta, done, tokens, taken=done - self.last_step)
+            return out
+        out = self._exchange(done, tokens)
+        if done >= self.steps and self.options.every_s is None:  # the federation's final round: ends with its result
+            bound = float(self.options.elastic.final_wait_s)
+            out = self.link.until_final(lambda: self._exchange(done, tokens), out, done, bound)
         return out
+
+    def _exchange(self, done: int, tokens: float) -> dict:
+        """This facility's round at the hub after ``done`` steps: its parameters (or encoded update) up, θ_global
+        back."""
+        if self.codec is not None:
+            return self._round_compressed(done, tokens)
+        f = self.files
+        return self.link.round(f.mine, f.theta, done, tokens, taken=done - self.last_step)
 
     def _round_compressed(self, done: int, tokens: float) -> dict:
         """Upload the encoded update ``θ_global + residual - θ_f``; keep the new residual only when the hub

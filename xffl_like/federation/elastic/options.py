@@ -51,8 +51,10 @@ def validate_elastic(job, layout) -> None:
         )
     if not is_int(e.min_facilities) or e.min_facilities < 1:
         raise ConfigError(f"federation.elastic.min_facilities={e.min_facilities!r}: must be an integer >= 1")
-    if not is_number(e.timeout_s) or not math.isfinite(e.timeout_s) or e.timeout_s <= 0:
-        raise ConfigError(f"federation.elastic.timeout_s={e.timeout_s!r}: must be a number of seconds > 0")
+    for key in ("timeout_s", "final_wait_s"):
+        v = getattr(e, key)
+        if not is_number(v) or not math.isfinite(v) or v <= 0:
+            raise ConfigError(f"federation.elastic.{key}={v!r}: must be a number of seconds > 0")
     if not isinstance(e.rewarm, bool):
         raise ConfigError(f"federation.elastic.rewarm={e.rewarm!r}: must be true or false")
     if layout.num_facilities != 1:

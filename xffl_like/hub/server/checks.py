@@ -4,6 +4,9 @@ What a member may claim is the federation's: on joining, its geometry and steps 
 grant (``grants.json`` beside the hub's certificates, when it has one) and its steps must make the
 federation's rounds (or, with ``every_s``, be the federation's last step) (:func:`granted`).
 
+With a fixed ``every`` a round belongs to one federation step: round ``k = progress + 1`` (``progress``: the
+federation's rounds behind θ_global) takes a member's contribution only at its step ``min(k x every, steps)``
+(:func:`misaligned`); a member at another step heals and realigns its step counter to the federation's.
 Claims (steps taken, tokens) are checked on arrival against the facility's geometry (:func:`claims`). When
 the round closes, each uploaded contribution must be finite and its update norm ``|θ_global - θ_f|`` at most
 ``max_norm_ratio`` times a reference no member sets alone (:func:`reference`: the other members' norms this
@@ -26,7 +29,19 @@ from .errors import HubError
 from .membership import Member
 from .rounds import Arrival, Part, Round
 
-__all__ = ["FLOOR", "MAX_WEIGHT_RATIO", "SLICE", "claims", "granted", "judge", "reference", "squares", "weights"]
+__all__ = [
+    "FLOOR",
+    "MAX_WEIGHT_RATIO",
+    "SLICE",
+    "claims",
+    "federation_step",
+    "granted",
+    "judge",
+    "misaligned",
+    "reference",
+    "squares",
+    "weights",
+]
 
 SLICE = 1 << 20  # values checked or accumulated at a time: transient buffers of a few MB per upload
 #: The least reference norm, as a fraction of ``max(|θ_global|, 1)``: a history of zero updates cannot switch
@@ -56,6 +71,23 @@ def granted(name: str, msg: JoinRequest, spec: dict, grant: dict[str, int] | Non
     if spec.get("every_s") is not None and type(last) is int and msg.steps != last:
         raise HubError(f"facility {name}: train.steps={msg.steps}, the federation's is {last}: set it to {last}",
                        "FAILED_PRECONDITION")  # fmt: skip
+
+
+def federation_step(m: Member, progress: int) -> int:
+    """Member ``m``'s step after the federation's ``progress`` rounds: ``min(progress x every, steps)`` (a joiner's,
+    and a realigned member's)."""
+    return min(progress * m.every, m.steps)
+
+
+def misaligned(m: Member, step: int, progress: int, spec: dict) -> str | None:
+    """Why member ``m`` at ``step`` with the hub's version is not at the federation's next round (None: it is).
+    With ``every_s`` steps differ legitimately (tokens weigh them): never."""
+    if spec.get("every_s") is not None or not m.every:
+        return None
+    expected = federation_step(m, progress + 1)
+    if step == expected:
+        return None
+    return f"step {step} is not the federation's step {expected} (round {progress + 1}): realigned"
 
 
 def claims(m: Member, a: Arrival) -> str | None:

@@ -39,8 +39,12 @@ the mean alone would hide. Everyone else (rejected, healed, joining, behind a ne
 with the outer optimizer's buffers and step count.
 
 Members that arrive with another version, whose claims fail, or that come after the round
-closed, heal: they receive θ_global (after the open round, if any) and contribute nothing. A round
-with no accepted contribution commits nothing. Members and their liveness: :mod:`.membership`.
+closed, heal: they receive θ_global (after the open round, if any) and contribute nothing. So do members
+at another step than the federation's (a fixed ``every``: round ``k`` takes each member's step ``k x every``
+only, :func:`.checks.misaligned`), which then realign their step counter to the version they receive, as a
+joiner does. A round with no accepted contribution commits nothing. The federation ends once: with its round
+``rounds`` (or, with ``every_s``, the first in which a member reached ``train.steps``); after it every arrival
+heals at once to the final version. Members and their liveness: :mod:`.membership`.
 """
 
 from __future__ import annotations
@@ -282,6 +286,9 @@ class HubFederation:
             if self.spec is None:
                 raise HubError("the federation has not been created yet: join again", "FAILED_PRECONDITION")
             stale = None if msg.version == self.version else f"version {msg.version} (the hub's is {self.version})"
+            if stale is None and self.snap.ended:
+                stale = "the federation has ended"
+            stale = stale or checks.misaligned(m, msg.step, self.snap.progress, self.spec)
             r = self.round
             if r is None or r.version != self.version:
                 if stale is not None:  # nothing to wait for: θ_global now
@@ -466,10 +473,12 @@ class HubFederation:
         s = self.snap
         with self.cv:
             members = {n: dataclasses.replace(m, norms=list(m.norms)) for n, m in self.members.members.items()}
-        for n, a in r.arrivals.items():
-            members[n].accepted(a.step, a.norm if n in accepted else None)
-        progress = max([s.progress] + [a.step // members[n].every for n, a in accepted.items() if members[n].every])
-        ended = s.ended or self._ends(accepted, members)
+        every = {n: members[n].every for n in accepted if members[n].every}
+        progress = max([s.progress] + [-(-accepted[n].step // e) for n, e in every.items()])
+        for n, a in r.arrivals.items():  # a member that healed realigns to the federation's step (every_s: its own)
+            step = a.step if n in accepted or not members[n].every else checks.federation_step(members[n], progress)
+            members[n].accepted(step, a.norm if n in accepted else None)
+        ended = s.ended or self._ends(accepted, progress)
         nxt = dataclasses.replace(s, version=s.version + 1, theta=self.theta, buffers=dict(self.outer.buffers),
                                   outer_steps=self.outer.steps, progress=progress, ended=ended,
                                   members={n: m.durable() for n, m in members.items()})  # fmt: skip
@@ -490,13 +499,14 @@ class HubFederation:
                            f"its operator must restart it on the same --state")  # fmt: skip
             self.log(f"hub: {self.halted}")
 
-    def _ends(self, accepted: dict[str, Arrival], members: dict) -> bool:
+    def _ends(self, accepted: dict[str, Arrival], progress: int) -> bool:
         """Whether the round ends the federation: with ``every_s``, an accepted member reached the federation's last
-        step; else every accepted member reached its last step (each made the federation's rounds on joining)."""
-        last = self.spec.get("train.steps")
+        step; else it is the federation's last round (``progress`` reached its ``rounds``: every member made them on
+        joining, and each round takes only the members at its step)."""
+        last, rounds = self.spec.get("train.steps"), self.spec.get("rounds")
         if self.spec.get("every_s") is not None and type(last) is int:
             return any(a.step >= last for a in accepted.values())
-        return bool(accepted) and all(a.step >= members[n].steps for n, a in accepted.items())
+        return bool(accepted) and type(rounds) is int and progress >= rounds
 
     # ------------------------------------------------------------------ θ_global out
     def result(self, name: str, msg: ResultRequest, active, cut=None) -> Iterator[bytes]:

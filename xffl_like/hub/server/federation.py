@@ -385,7 +385,12 @@ class HubFederation:
         weights = checks.weights(self.spec, accepted) if rule == "mean" else dict.fromkeys(accepted, 1.0)
         total = sum(weights.values())
         acc = self.acc = self.acc if self.acc is not None else torch.empty_like(self.theta)
-        if rule == "mean":
+        if rule == "mean" and self.codec is not None and self.codec.topk is not None:
+            fold, folded = self.codec.fold(acc.zero_(), [weights[n] for n in accepted])  # federation.topk.mean
+            for w, a in zip(folded, accepted.values()):
+                self.spool.fold(fold, a.spool, w, self.codec)
+            fold.finish()
+        elif rule == "mean":
             acc.zero_()
             for n, a in accepted.items():
                 self.spool.accumulate(acc, a.spool, weights[n] / total, self.codec)

@@ -260,7 +260,8 @@ def test_job_rounds_are_the_mean_of_the_decoded_messages(tmp_path):
         ],
         tmp_path,
     )
-    assert summary["federation"]["topk"] == {"density": DENSITY, "bits": BITS, "decay": DECAY}
+    choices = {"mean": "weighted", "quantizer": "levels", "chunks": "flat", "tile": 64, "preset": None}
+    assert summary["federation"]["topk"] == {"density": DENSITY, "bits": BITS, "decay": DECAY, **choices}
     assert [r["steps_taken"] for r in summary["round_records"]] == [[2, 1], [2, 1]]
     assert summary["max_param_divergence_after_last_round"] == 0.0
     recorded = load_rounds(tmp_path / "rounds")

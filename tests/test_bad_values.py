@@ -140,7 +140,19 @@ BAD = [
         ["federation.compression=topk", "federation.error_feedback=true", "federation.topk.bits=3"],
         "federation.topk.bits=3: use 2, 4 or 8",
     ),
-    (["federation.compression=topk"], "federation.compression=topk needs federation.error_feedback=true"),
+    (
+        ["federation.compression=topk", "federation.error_feedback=false"],
+        "federation.error_feedback=false with federation.compression=topk: top-k without its accumulator",
+    ),
+    # issue 39: SparseLoCo's choices (a preset and a contradicting key; tiles that do not divide)
+    (
+        ["federation/topk=sparseloco", "federation.topk.mean=weighted"],
+        "federation.topk.mean='weighted' contradicts federation/topk=sparseloco, which sets it to 'senders'",
+    ),
+    (
+        ["federation.compression=topk", "federation.topk.chunks=tiles", "federation.topk.tile=16"],
+        "federation.topk.density=0.02 x tile^2 (16x16) is not a whole number of values",
+    ),
     (
         ["federation.compression=topk", "federation.error_feedback=true", "federation.topology=ring"],
         "federation.topology=ring with federation.compression=topk: compressed gossip is not supported",

@@ -27,8 +27,9 @@ def _keys(path: Path) -> dict:
     text = path.read_text()
     data = yaml.safe_load(text) or {}
     global_package = path.parent == CONF or "# @package _global_" in text
+    package = re.search(r"^# @package ([\w.]+)$", text, re.M)  # e.g. federation/topk's "# @package federation"
     prefix = (
-        "" if global_package else ".".join(path.parent.relative_to(CONF).parts) + "."
+        "" if global_package else f"{package[1]}." if package else ".".join(path.parent.relative_to(CONF).parts) + "."
     )  # hydra/launcher -> hydra.launcher.
     return {f"{prefix}{k}" if k != "defaults" else k: v for k, v in _flatten(data)}
 
@@ -64,7 +65,7 @@ def _documented_defaults():
         for entry in defaults
         if isinstance(entry, dict)
         for group, option in entry.items()
-        if (CONF / group).is_dir()
+        if (CONF / group).is_dir() and option is not None
     ]  # not Hydra's own groups
     return files
 

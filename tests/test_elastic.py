@@ -204,6 +204,54 @@ def test_topk_through_the_hub(hub, tmp_path):
 
 
 @pytest.mark.slow
+def test_sparseloco_preset_through_the_hub(hub, tmp_path):
+    """``federation/topk=sparseloco`` through the hub (issue 39): two facilities (2 processes FSDP and 1) send
+    tiled, 4-bin messages; each round's θ_global is SparseLoCo's step computed here in numpy from the recorded
+    parameters (tests/helpers/sparseloco_reference.py: per-tensor tiles of the full tensors, the per-index mean
+    over the senders, SGD at lr 1, each facility's accumulator decayed by 0.95); both copies equal."""
+    import numpy as np
+    from helpers.sparseloco_reference import outer_round
+    from omegaconf import OmegaConf
+
+    from xffl_like.job import _compose
+    from xffl_like.models import build_model
+    from xffl_like.models.llama import LlamaConfig
+
+    extra = ["federation/topk=sparseloco", "federation.elastic.min_facilities=2", "train.steps=12"]
+    a = _facility("a", hub, tmp_path, nproc=2, extra=extra)
+    b = _facility("b", hub, tmp_path, nproc=1, extra=extra)
+    try:
+        (rc_a, out_a), (rc_b, out_b) = a.wait(), b.wait()
+    finally:
+        for f in (a, b):
+            f.kill()
+    assert rc_a == 0 and rc_b == 0, out_a + out_b
+    model = LlamaConfig.from_mapping(OmegaConf.to_container(_compose(["+experiment=llama_fed"]).model))
+    shapes = [tuple(p.shape) for p in build_model(model, device="meta").parameters()]
+    cuts = np.cumsum([0] + [int(np.prod(s)) for s in shapes])
+
+    def split(flat: torch.Tensor) -> list:
+        x = flat.numpy()
+        return [x[cuts[i] : cuts[i + 1]].reshape(s) for i, s in enumerate(shapes)]
+
+    dump = tmp_path / "dump"
+    by = {n: _by_version(dump, n) for n in ("a", "b")}
+    start = {n: next(r for r in v.values() if r["status"] in ("created", "joined")) for n, v in by.items()}
+    theta = start["a"]["after"]
+    assert torch.equal(start["b"]["after"], theta) and int(cuts[-1]) == theta.numel()
+    errors = [[np.zeros(int(np.prod(s)), dtype=np.float32) for s in shapes] for _ in "ab"]
+    versions = sorted(v for v, r in by["a"].items() if r["status"] == "accepted")
+    assert versions == [1, 2, 3], versions
+    for v in versions:
+        want = outer_round(split(theta), [split(by[n][v]["before"]) for n in "ab"], errors)
+        got = by["a"][v]["after"]
+        err = float((got - torch.cat([torch.from_numpy(w).reshape(-1) for w in want])).abs().max())
+        assert err <= 2e-5, f"version {v}: {err:.3g} from the reference"
+        assert torch.equal(got, by["b"][v]["after"])
+        theta = got
+
+
+@pytest.mark.slow
 def test_late_joiner_heals_bitwise_then_leaves_on_sigusr1_at_once(hub, tmp_path):
     """a (2 processes, FSDP) starts alone; b (1 process) joins late, receives θ_global bit for bit and adopts
     the federation's step; both train DiLoCo (Nesterov) with bf16 compression and error feedback, weighted by

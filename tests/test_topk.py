@@ -202,7 +202,20 @@ def test_encode_refuses_non_finite_values():
         (dict(topk=dict(density=1.5)), "federation.topk.density=1.5: must be a number in (0, 1]"),
         (dict(topk=dict(bits=3)), "federation.topk.bits=3: use 2, 4 or 8"),
         (dict(topk=dict(decay=1.5)), "federation.topk.decay=1.5: must be a number in [0, 1]"),
-        (dict(error_feedback=False), "federation.compression=topk needs federation.error_feedback=true"),
+        (dict(error_feedback=False), "federation.error_feedback=false with federation.compression=topk"),
+        (dict(topk=dict(chunks="tiles")), "federation.topk.density=0.02 x tile^2 (64x64) is not a whole number"),
+        (dict(topk=dict(chunks="tiles", tile=0)), "federation.topk.tile=0: must be an integer in 1..4096"),
+        (dict(topk=dict(mean="median")), "federation.topk.mean='median': use weighted or senders"),
+        (dict(topk=dict(quantizer="ternary")), "federation.topk.quantizer='ternary': use levels or bins"),
+        (
+            dict(
+                topk=dict(
+                    preset="sparseloco", density=0.03125, chunks="tiles", quantizer="bins", mean="senders", decay=0.9
+                )
+            ),
+            "federation.topk.decay=0.9 contradicts federation/topk=sparseloco, which sets it to 0.95",
+        ),
+        (dict(topk=dict(preset="sparse")), "federation.topk.preset='sparse': use federation/topk=sparseloco"),
         (dict(topology="ring"), "compressed gossip is not supported"),
         (dict(every=4, fragments=2), "streaming rounds do not send top-k messages"),
         (dict(compression="uint8", topk=dict(bits=4)), "applies to federation.compression=topk, not uint8"),
@@ -247,7 +260,8 @@ def test_job_rounds_are_the_mean_of_the_decoded_messages(tmp_path):
         ],
         tmp_path,
     )
-    assert summary["federation"]["topk"] == {"density": DENSITY, "bits": BITS, "decay": DECAY}
+    choices = {"mean": "weighted", "quantizer": "levels", "chunks": "flat", "tile": 64, "preset": None}
+    assert summary["federation"]["topk"] == {"density": DENSITY, "bits": BITS, "decay": DECAY, **choices}
     assert [r["steps_taken"] for r in summary["round_records"]] == [[2, 1], [2, 1]]
     assert summary["max_param_divergence_after_last_round"] == 0.0
     recorded = load_rounds(tmp_path / "rounds")

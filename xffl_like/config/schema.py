@@ -269,6 +269,11 @@ class TopkConfig(Section):
     density: float = 0.02  # fraction of each chunk's values sent, in (0, 1]
     bits: int = 2  # 2 | 4 | 8: the sent values' quantization, per chunk
     decay: float = 0.95  # the error-feedback accumulator's decay beta: e = beta * e + update (SparseLoCo: 0.95)
+    mean: str = "weighted"  # weighted (w_f / sum w, an unsent value counts 0) | senders (per index over who sent it)
+    quantizer: str = "levels"  # levels (symmetric, a scale per chunk) | bins (2**bits bins per tensor, SparseLoCo)
+    chunks: str = "flat"  # flat (chunk_size values of the flat vector) | tiles (tile x tile of each tensor)
+    tile: int = 64  # chunks=tiles: the tile's side (a dimension's largest divisor <= tile)
+    preset: str | None = None  # set by federation/topk=NAME (conf/federation/topk/): its keys are checked
 
 
 @dataclass(frozen=True)
@@ -308,7 +313,7 @@ class FederationConfig(Section):
     outer: OuterConfig = field(default_factory=OuterConfig)
     compression: str = "none"  # none | bf16 | uint8 | topk
     chunk_size: int = 4096  # values per min-max chunk (uint8), per top-k chunk (topk)
-    error_feedback: bool = False
+    error_feedback: bool | None = None  # null: the compression's own (topk: on; bf16, uint8: off)
     topk: TopkConfig = field(default_factory=TopkConfig)
     delay: int = 0  # 1: a round's outer step is applied one round late, its exchange overlapping the next round
     fragments: int = 1  # contiguous fragments of the blocks, synced at staggered steps (Streaming DiLoCo)
@@ -317,6 +322,11 @@ class FederationConfig(Section):
     schedule: list[Any] | None = None  # phases: a list of {until_step, any federation keys}
     on_nonfinite: str = "fail"  # fail | skip
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
+
+    @property
+    def feedback(self) -> bool:
+        """Error feedback on: ``error_feedback``, or by default with ``compression=topk`` (its accumulator)."""
+        return self.compression == "topk" if self.error_feedback is None else bool(self.error_feedback)
 
     @property
     def streaming(self) -> bool:

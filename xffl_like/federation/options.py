@@ -16,7 +16,8 @@ options: the import graph of the package has no cycle.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
+from fractions import Fraction
 from typing import Any
 
 import torch.distributed as dist
@@ -29,7 +30,8 @@ from .compress import COMPRESSIONS
 from .gossip import check_gossip_layout
 from .outer import validate_outer
 from .pace import validate_pace
-from .topk import BITS
+from .topk import BITS, MEANS
+from .topk_tensors import CHUNKS, MAX_TILE, QUANTIZERS
 
 __all__ = [
     "FEDERATION_ALGORITHMS",
@@ -248,8 +250,9 @@ def _check_compression(cfg: FederationConfig) -> None:
             f"federation.chunk_size={cfg.chunk_size!r}: must be a positive integer (values per "
             f"min-max chunk, e.g. 4096)"
         )
-    if not isinstance(cfg.error_feedback, bool):
-        raise ConfigError(f"federation.error_feedback={cfg.error_feedback!r}: must be true or false")
+    if cfg.error_feedback is not None and not isinstance(cfg.error_feedback, bool):
+        raise ConfigError(f"federation.error_feedback={cfg.error_feedback!r}: must be true, false or null")
+    _check_preset(cfg)
     if cfg.error_feedback and compression == "none":
         raise ConfigError(
             "federation.error_feedback=true needs federation.compression=bf16 or uint8 "
@@ -257,7 +260,7 @@ def _check_compression(cfg: FederationConfig) -> None:
         )
     if compression == "topk":
         _check_topk(cfg)
-    elif cfg.topk != TopkConfig():
+    elif replace(cfg.topk, preset=None) != TopkConfig():
         raise ConfigError(
             f"federation.topk={as_plain(cfg.topk)} applies to federation.compression=topk, not "
             f"{compression}: drop it, or set federation.compression=topk"
@@ -289,17 +292,69 @@ def _check_topk(cfg: FederationConfig) -> None:
             f"federation.topk.decay={t.decay!r}: must be a number in [0, 1] (the error-feedback accumulator's "
             f"decay; SparseLoCo: 0.95)"
         )
-    if cfg.error_feedback is not True:
+    if cfg.error_feedback is False:
         raise ConfigError(
-            "federation.compression=topk needs federation.error_feedback=true (the values a message leaves out "
-            "stay in SparseLoCo's accumulator for later rounds)"
+            "federation.error_feedback=false with federation.compression=topk: top-k without its accumulator "
+            "drops what each message leaves out for good; drop the key (topk carries it) or use compression=uint8"
         )
+    _check_topk_choices(t)
     fragments, overlap = cfg.fragments, cfg.overlap_steps  # their own checks follow (_check_streaming)
     if (is_int(fragments) and fragments > 1) or (is_int(overlap) and overlap > 0):
         raise ConfigError(
             f"federation.compression=topk with federation.fragments={cfg.fragments} / overlap_steps="
             f"{cfg.overlap_steps}: streaming rounds do not send top-k messages; use fragments=1 overlap_steps=0, "
             f"or compression=uint8"
+        )
+
+
+#: ``federation/topk=NAME`` (conf/federation/topk/NAME.yaml): the keys each preset sets. Another value of one of
+#: them, set after the preset (the command line, an experiment), is refused.
+TOPK_PRESETS: dict[str, dict[str, Any]] = {
+    "sparseloco": {
+        "compression": "topk",
+        "error_feedback": True,
+        "outer.name": "average",
+        "outer.lr": 1.0,
+        "topk.density": 0.03125,
+        "topk.bits": 2,
+        "topk.decay": 0.95,
+        "topk.mean": "senders",
+        "topk.quantizer": "bins",
+        "topk.chunks": "tiles",
+        "topk.tile": 64,
+    }
+}
+
+
+def _check_preset(cfg: FederationConfig) -> None:
+    """``federation.topk.preset``: a known preset, none of whose keys another value contradicts."""
+    name = cfg.topk.preset
+    if name is None:
+        return
+    if name not in TOPK_PRESETS:
+        raise ConfigError(f"federation.topk.preset={name!r}: use federation/topk={' or '.join(TOPK_PRESETS)}")
+    for key, want in TOPK_PRESETS[name].items():
+        section, _, field = key.rpartition(".")
+        got = getattr(getattr(cfg, section) if section else cfg, field)
+        if got != want:
+            raise ConfigError(
+                f"federation.{key}={got!r} contradicts federation/topk={name}, which sets it to {want!r}: drop "
+                f"federation.{key} (from the command line or the experiment), or set it to {want!r}, or drop the preset"
+            )
+
+
+def _check_topk_choices(t: TopkConfig) -> None:
+    """``federation.topk``'s mean, quantizer, chunks and tile (SparseLoCo's choices, :mod:`.topk_tensors`)."""
+    for key, choices in (("mean", MEANS), ("quantizer", QUANTIZERS), ("chunks", CHUNKS)):
+        if getattr(t, key) not in choices:
+            raise ConfigError(f"federation.topk.{key}={getattr(t, key)!r}: use {' or '.join(choices)}")
+    if not is_int(t.tile) or not 1 <= t.tile <= MAX_TILE:
+        raise ConfigError(f"federation.topk.tile={t.tile!r}: must be an integer in 1..{MAX_TILE} (a tile's side)")
+    if t.chunks == "tiles" and is_number(t.density) and (Fraction(repr(float(t.density))) * t.tile**2).denominator != 1:
+        raise ConfigError(
+            f"federation.topk.density={t.density!r} x tile^2 ({t.tile}x{t.tile}) is not a whole number of values: "
+            f"with chunks=tiles a full tile keeps density x tile^2 values; e.g. density={128 / t.tile**2!r} keeps "
+            f"128 (SparseLoCo)"
         )
 
 

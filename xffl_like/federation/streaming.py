@@ -173,7 +173,7 @@ class StreamingFederation(Federation):
         self.residual = None
         self.compressors: list[CompressedMean | None] = [None] * K
         if o.compression != "none":
-            if o.error_feedback:
+            if o.feedback:
                 self.residual = torch.zeros(self.numel, dtype=torch.float32, device=state.device)
             for k, (a, b) in enumerate(self.bounds):
                 comp = CompressedMean(o.compression, b - a, n, o.chunk_size, False, device=state.device)

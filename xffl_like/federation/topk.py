@@ -45,7 +45,7 @@ from torch import Tensor
 
 from ..distributed.compat import all_gather_single
 
-__all__ = ["BITS", "TopkCodec", "TopkMean"]
+__all__ = ["BITS", "MEANS", "TopkCodec", "TopkFold", "TopkMean", "fold_weights", "level_codes"]
 
 BITS = (2, 4, 8)
 HEADER_BYTES = 4
@@ -74,6 +74,40 @@ def _unpack(data: Tensor, n: int, width: int) -> Tensor:
     bits = (data.unsqueeze(-1).long() >> torch.arange(8, device=data.device)) & 1
     bits = bits.view(rows, -1)[:, : n * width].view(rows, n, width)
     return (bits << torch.arange(width, device=data.device)).sum(-1)
+
+
+def _top_index(mag: Tensor, k: int) -> Tensor:
+    """``[rows, k]``: per row of ``mag`` the indices of its ``k`` largest values, ascending (ties: the lowest
+    indices)."""
+    rows, length = mag.shape
+    if k == length:
+        return torch.arange(length, device=mag.device).expand(rows, length)
+    # The k-th largest magnitude; every larger one is kept, then equal ones from the lowest index.
+    kth = torch.topk(mag, k, dim=1, sorted=False).values.amin(1, keepdim=True)
+    above = mag > kth
+    tied = mag == kth
+    need = k - above.sum(1, keepdim=True)
+    keep = above | (tied & (tied.cumsum(1) <= need))
+    return keep.nonzero()[:, 1].view(rows, k)  # row-major: ascending inside each chunk
+
+
+def level_codes(values: Tensor, bits: int) -> tuple[Tensor, Tensor]:
+    """``quantizer=levels``: per row of the kept ``values`` ``[rows, k]``, the scale ``s`` (0 for a row of zeros)
+    and the codes ``c`` (``[rows, k]``, ``0..2Q``) of the levels ``(c - Q) * s`` (the module's docstring)."""
+    levels = (1 << (bits - 1)) - 1
+    mag = values.abs()
+    top = mag.amax(1)
+    if bits == 2:
+        median = mag.sort(dim=1).values[:, (mag.shape[1] - 1) // 2]
+        scale = torch.maximum(median, top / 2)
+    else:
+        scale = top / levels
+    # A subnormal top can make the division underflow: the smallest subnormal keeps the levels exact.
+    tiny = torch.full_like(scale, torch.finfo(torch.float32).smallest_normal * 2.0**-23)
+    scale = torch.where((scale == 0) & (top > 0), tiny, scale)
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale)).unsqueeze(1)
+    q = torch.round(values / safe).clamp_(-levels, levels)
+    return scale, q.long() + levels  # a chunk of zeros: scale 0, every code Q (the level 0)
 
 
 class TopkCodec:
@@ -142,35 +176,11 @@ class TopkCodec:
         if not finite.all():
             bad = first + int((~finite).nonzero()[0, 0])
             raise ValueError(f"top-k encode: chunk {bad} holds a non-finite value; the update must be finite")
-        if k == length:
-            index = torch.arange(length, device=x.device).expand(rows, length)
-        else:
-            # The k-th largest magnitude; every larger one is kept, then equal ones from the lowest index.
-            kth = torch.topk(mag, k, dim=1, sorted=False).values.amin(1, keepdim=True)
-            above = mag > kth
-            tied = mag == kth
-            need = k - above.sum(1, keepdim=True)
-            keep = above | (tied & (tied.cumsum(1) <= need))
-            index = keep.nonzero()[:, 1].view(rows, k)  # row-major: ascending inside each chunk
+        index = _top_index(mag, k)
         values = x.gather(1, index)
-        top = values.abs().amax(1)
-        scale = self._scale(values.abs(), top)
-        safe = torch.where(scale > 0, scale, torch.ones_like(scale)).unsqueeze(1)
-        q = torch.round(values / safe).clamp_(-self.levels, self.levels)
-        codes = q.long() + self.levels  # a chunk of zeros: scale 0, every code Q (the level 0)
+        scale, codes = level_codes(values, self.bits)
         header = scale.contiguous().view(torch.uint8).view(rows, HEADER_BYTES)
         return torch.cat([header, _pack(index, self.index_bits), _pack(codes, self.bits)], dim=1).view(-1)
-
-    def _scale(self, mag: Tensor, top: Tensor) -> Tensor:
-        """Per chunk, the scale of the levels (0 for a chunk whose kept values are all zero)."""
-        if self.bits == 2:
-            median = mag.sort(dim=1).values[:, (mag.shape[1] - 1) // 2]
-            scale = torch.maximum(median, top / 2)
-        else:
-            scale = top / self.levels
-        # A subnormal top can make the division underflow: the smallest subnormal keeps the levels exact.
-        tiny = torch.full_like(scale, torch.finfo(torch.float32).smallest_normal * 2.0**-23)
-        return torch.where((scale == 0) & (top > 0), tiny, scale)
 
     # ------------------------------------------------------------------ decode
     def _decode_rows(self, packed: Tensor, length: int, first: int) -> tuple[Tensor, Tensor]:
@@ -230,17 +240,85 @@ class TopkCodec:
         out = torch.zeros(self.numel, dtype=torch.float32, device=message.device)
         return out.index_put_((index,), values)
 
-    def decode_stream(self, read: Callable[[int], bytes]) -> Iterator[tuple[int, Tensor]]:
-        """(first value, values) decoded in order from ``read(n)`` (the message's bytes, as a file gives them)."""
+    def _read_rows(self, read: Callable[[int], bytes]) -> Iterator[tuple[int, int, Tensor, Tensor]]:
+        """``(first chunk, length, indices, values)`` per block of chunks read from ``read(n)``; checked."""
         for first, rows, length in self._blocks():
             row = self.row_bytes(length)
             data = read(rows * row)
             if len(data) != rows * row:
                 raise ValueError(f"top-k message: {len(data)} bytes where chunks {first}.. have {rows * row}")
             packed = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(rows, row)
-            index, values = self._decode_rows(packed, length, first)
-            dense = torch.zeros(rows, length, dtype=torch.float32).scatter_(1, index, values)
+            yield (first, length, *self._decode_rows(packed, length, first))
+
+    def decode_stream(self, read: Callable[[int], bytes]) -> Iterator[tuple[int, Tensor]]:
+        """(first value, values) decoded in order from ``read(n)`` (the message's bytes, as a file gives them)."""
+        for first, length, index, values in self._read_rows(read):
+            dense = torch.zeros(index.shape[0], length, dtype=torch.float32).scatter_(1, index, values)
             yield first * self.chunk_size, dense.view(-1)
+
+    def decode_sent_stream(self, read: Callable[[int], bytes]) -> Iterator[tuple[int, Tensor, Tensor]]:
+        """As :meth:`decode_stream`, with a mask of the values sent (``federation.topk.mean=senders``)."""
+        for first, length, index, values in self._read_rows(read):
+            dense = torch.zeros(index.shape[0], length, dtype=torch.float32).scatter_(1, index, values)
+            sent = torch.zeros(index.shape[0], length, dtype=torch.bool).scatter_(1, index, True)
+            yield first * self.chunk_size, dense.view(-1), sent.view(-1)
+
+    def decode_sparse_stream(self, read: Callable[[int], bytes]) -> Iterator[tuple[Tensor, Tensor]]:
+        """(flat indices, values) of the values sent, a block at a time from ``read(n)`` (for :class:`TopkFold`)."""
+        for first, length, index, values in self._read_rows(read):
+            start = first * self.chunk_size
+            offsets = start + length * torch.arange(index.shape[0]).unsqueeze(1)
+            yield (index + offsets).view(-1), values.view(-1)
+
+
+MEANS = ("weighted", "senders")
+
+
+def fold_weights(weights: list[float], mean: str) -> list[float]:
+    """The weights :class:`TopkFold` takes: as given, except ``senders`` with equal weights, where every
+    facility weighs 1 (the same mean, computed as SparseLoCo does: the sum over the senders over their count)."""
+    if mean == "senders" and len({w for w in weights if w != 0}) == 1:
+        return [1.0 if w != 0 else 0.0 for w in weights]
+    return list(weights)
+
+
+class TopkFold:
+    """The mean over facilities of their top-k messages, one facility at a time (``federation.topk.mean``):
+    the one function the one-world exchange and the hub both fold messages with.
+
+    - ``weighted``: ``out = sum_f (w_f / total) decode(m_f)`` (a value not sent counts as 0);
+    - ``senders`` (SparseLoCo): per index, the weighted mean over the facilities that sent it,
+      ``sum_f w_f v_f / sum_f w_f`` over those ``f``; with equal weights ``w_f = 1`` it is
+      ``(v_1 + ... + v_m) / m`` in facility order, as SparseLoCo's ``scatter_reduce(mean, include_self=False)``;
+      an index nobody sent stays 0.
+
+    ``out`` (flat fp32, zeroed by the caller) receives the mean; a facility of weight 0 is left out.
+    """
+
+    def __init__(self, out: Tensor, mean: str, total: float):
+        if mean not in MEANS:
+            raise ValueError(f"federation.topk.mean={mean!r}: use {' or '.join(MEANS)}")
+        self.out, self.mean, self.total = out, mean, float(total)
+        self.den = torch.zeros_like(out) if mean == "senders" else None
+
+    @torch.no_grad()
+    def add(self, index: Tensor, values: Tensor, weight: float) -> None:
+        """Fold one facility's sent ``values`` at the flat ``index`` (unique), of weight ``weight``."""
+        if weight == 0:
+            return
+        if self.den is None:
+            self.out.index_add_(0, index, values, alpha=weight / self.total)
+            return
+        self.out.index_add_(0, index, values, alpha=weight)
+        self.den.index_add_(0, index, torch.full_like(values, weight))
+
+    @torch.no_grad()
+    def finish(self) -> Tensor:
+        """The mean (``out``)."""
+        if self.den is not None:
+            self.out.div_(torch.where(self.den > 0, self.den, torch.ones_like(self.den)))
+            self.den = None
+        return self.out
 
 
 class TopkMean:
@@ -260,9 +338,13 @@ class TopkMean:
         bits: int,
         decay: float,
         device: torch.device | str = "cpu",
+        codec=None,
+        mean: str = "weighted",
     ):
-        self.codec = TopkCodec(numel, chunk_size, density, bits)
-        self.numel, self.n, self.decay = numel, n, float(decay)
+        """``codec``: the message's codec (:func:`.topk_tensors.make_codec`; None: :class:`TopkCodec` of
+        ``chunk_size``, ``density``, ``bits``); ``mean``: :class:`TopkFold`'s rule."""
+        self.codec = codec if codec is not None else TopkCodec(numel, chunk_size, density, bits)
+        self.numel, self.n, self.decay, self.mean = numel, n, float(decay), mean
         self.residual = torch.zeros(numel, dtype=torch.float32, device=device)
 
     @torch.no_grad()
@@ -277,18 +359,18 @@ class TopkMean:
 
     @torch.no_grad()
     def reduce(self, message: Tensor, group, me: int, scales: list[float]) -> tuple[Tensor, int]:
-        """All-gather ``message`` among the peers of ``group`` (this peer is number ``me``) and return
-        ``sum_j scales[j] * decode(message_j)`` (flat fp32, identical on every peer) and the bytes this rank
-        sent. A peer of weight 0 is left out."""
+        """All-gather ``message`` among the peers of ``group`` (this peer is number ``me``) and return the
+        :class:`TopkFold` of the decoded messages, peer ``j`` of weight ``scales[j]`` (flat fp32, identical on
+        every peer) and the bytes this rank sent. A peer of weight 0 is left out."""
         if self.n == 1:
             gathered = message.view(1, -1)
         else:
             gathered = torch.empty(self.n * message.numel(), dtype=torch.uint8, device=message.device)
             all_gather_single(gathered, message.contiguous(), group=group)
             gathered = gathered.view(self.n, -1)
-        out = torch.zeros(self.numel, dtype=torch.float32, device=message.device)
+        fold = TopkFold(torch.zeros(self.numel, dtype=torch.float32, device=message.device), self.mean, 1.0)
+        weights = fold_weights(scales, self.mean)
         for j in range(self.n):
-            if scales[j] != 0:
-                index, values = self.codec.decode_sparse(gathered[j])
-                out.index_add_(0, index, values, alpha=scales[j])
-        return out, (self.n - 1) * message.nbytes
+            if weights[j] != 0:
+                fold.add(*self.codec.decode_sparse(gathered[j]), weights[j])
+        return fold.finish(), (self.n - 1) * message.nbytes

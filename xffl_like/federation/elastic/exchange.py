@@ -46,6 +46,7 @@ from ..clock import round_clock
 from ..options import rounds_description
 from ..protocol import Boundary, RoundClock
 from ..record import RoundRecord
+from ..topk_tensors import options_of
 from .downlink import apply_relay, zero_outer
 
 __all__ = ["ElasticFederation"]
@@ -113,8 +114,9 @@ class ElasticFederation:
         if self.leader:
             self.files = _Spool(Path(spool) if spool is not None else Path.cwd() / ".hub-spool")
             if cfg.compression != "none":
-                topk = (cfg.topk.density, cfg.topk.bits) if cfg.compression == "topk" else None
-                self.codec = UpdateCodec(cfg.compression, self.numel, cfg.chunk_size, topk)
+                topk = options_of(cfg.topk) if cfg.compression == "topk" else None
+                shapes = [list(p.shape) for p in self.params]  # the hub's spec: the same tensors, in this order
+                self.codec = UpdateCodec(cfg.compression, self.numel, cfg.chunk_size, topk, shapes)
         # SparseLoCo's error feedback decays what was not sent (federation.topk.decay); the others keep it all.
         self.decay = float(cfg.topk.decay) if cfg.compression == "topk" else 1.0
 
@@ -287,7 +289,7 @@ class ElasticFederation:
     def _round_compressed(self, done: int, tokens: float) -> dict:
         """Upload the encoded update ``θ_global + residual - θ_f``; keep the new residual only when the hub
         accepted it (a rejected or healed facility starts again from θ_global, without residual)."""
-        f, feedback = self.files, self.options.error_feedback
+        f, feedback = self.files, self.options.feedback
         self._encode(feedback)
         out = self.link.round(f.mine, f.theta, done, tokens, taken=done - self.last_step, message=f.message,
                               outer=f.outer, relay=f.relay)  # fmt: skip

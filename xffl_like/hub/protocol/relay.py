@@ -32,6 +32,7 @@ from torch import Tensor
 
 from ...config.schema import OuterConfig
 from ...federation.outer import OuterOptimizer
+from ...federation.topk import fold_weights
 from .spec import AGGREGATES
 from .update_codec import UpdateCodec
 
@@ -94,30 +95,40 @@ def combine(stack: Tensor, rule: str, trim: float) -> Tensor:
 
 class Reader:
     """One message (or fp32 parameters when ``codec`` is None), read in order ``n`` values at a time from the file
-    ``source`` (a path, or a binary file open at its first byte, which is closed with the reader)."""
+    ``source`` (a path, or a binary file open at its first byte, which is closed with the reader). With
+    ``federation.topk.mean=senders`` it also tells which values were sent (:attr:`sent`, after :meth:`take`)."""
 
     def __init__(self, source: Path | BinaryIO, codec: UpdateCodec | None):
         self.fh = open(source, "rb") if isinstance(source, (str, Path)) else source
-        self.pieces: Iterator[tuple[int, Tensor]] | None = codec.decode_stream(self.fh.read) if codec else None
-        self.left, self.at = torch.empty(0), 0  # values decoded and not taken yet; the next piece's first value
+        self.senders = codec is not None and codec.senders
+        if self.senders:
+            self.pieces: Iterator | None = codec.decode_sent_stream(self.fh.read)
+        else:
+            self.pieces = ((s, v, None) for s, v in codec.decode_stream(self.fh.read)) if codec is not None else None
+        self.left, self.mask, self.at = torch.empty(0), None, 0  # values not taken yet; the next piece's first
+        self.sent: Tensor | None = None
 
     def take(self, out: Tensor) -> None:
-        """Fill ``out`` with the next ``out.numel()`` values."""
+        """Fill ``out`` with the next ``out.numel()`` values (and :attr:`sent` with whether each was sent)."""
         n = out.numel()
         if self.pieces is None:
             got = self.fh.readinto(memoryview(out.numpy()).cast("B"))
             if got != 4 * n:
                 raise ValueError(f"a spooled upload ended after {got} of {4 * n} bytes")
             return
+        self.sent = torch.empty(n, dtype=torch.bool) if self.senders else None
         filled = 0
         while filled < n:
             if not self.left.numel():
-                start, self.left = next(self.pieces)
+                start, self.left, self.mask = next(self.pieces)
                 if start != self.at:
                     raise ValueError(f"a spooled update decodes value {start} where {self.at} was next")
                 self.at += self.left.numel()
             k = min(n - filled, self.left.numel())
             out[filled : filled + k].copy_(self.left[:k])
+            if self.sent is not None:
+                self.sent[filled : filled + k].copy_(self.mask[:k])
+                self.mask = self.mask[k:]
             self.left, filled = self.left[k:], filled + k
 
     def close(self) -> None:
@@ -126,8 +137,12 @@ class Reader:
 
 def fold(out: Tensor, readers: list[Reader], scales: list[float], rule: str, trim: float) -> None:
     """``out`` becomes the round's combination of the next ``out.numel()`` values of each reader (in fold order):
-    ``sum_f scales[f] x values_f`` for ``mean`` (each product rounded, then added, in order), else the
-    coordinate-wise ``rule`` (unweighted). A value that is not finite raises :class:`RelayError`."""
+    ``sum_f scales[f] x values_f`` for ``mean`` (each product rounded, then added, in order), or with
+    ``federation.topk.mean=senders`` per value the weighted mean over the readers that sent it (SparseLoCo's;
+    equal weights count 1 each: :func:`~xffl_like.federation.topk.fold_weights`), else the coordinate-wise
+    ``rule`` (unweighted). A value that is not finite raises :class:`RelayError`."""
+    if rule == "mean" and readers and readers[0].senders:
+        return _fold_senders(out, readers, fold_weights(list(scales), "senders"))
     if rule == "mean":
         out.zero_()
         part = torch.empty_like(out)
@@ -141,6 +156,18 @@ def fold(out: Tensor, readers: list[Reader], scales: list[float], rule: str, tri
         reader.take(stack[i])
     _finite(stack)
     out.copy_(combine(stack, rule, trim))
+
+
+def _fold_senders(out: Tensor, readers: list[Reader], weights: list[float]) -> None:
+    """``out``: per value, ``sum w_f v_f / sum w_f`` over the readers that sent it (0 where none did)."""
+    out.zero_()
+    part, den = torch.empty_like(out), torch.zeros_like(out)
+    for reader, weight in zip(readers, weights, strict=True):
+        reader.take(part)
+        _finite(part)
+        out.add_(part.mul_(weight))
+        den.add_(reader.sent.to(torch.float32).mul_(weight))
+    out.div_(torch.where(den > 0, den, torch.ones_like(den)))
 
 
 def _finite(values: Tensor) -> None:

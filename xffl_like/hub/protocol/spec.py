@@ -63,12 +63,8 @@ def federation_spec(job) -> dict[str, Any]:
         "compression": {
             "kind": fed.compression,
             "chunk_size": fed.chunk_size,
-            "error_feedback": fed.error_feedback,
-            **(
-                {"density": float(fed.topk.density), "bits": int(fed.topk.bits), "decay": float(fed.topk.decay)}
-                if fed.compression == "topk"
-                else {}
-            ),
+            "error_feedback": fed.feedback,
+            **(_topk_spec(fed.topk) if fed.compression == "topk" else {}),
         },  # fmt: skip
         # Facilities may take different steps per round (their own federation.every) if their rounds are as many;
         # with federation.every_s the round time and the last step are shared.
@@ -77,6 +73,16 @@ def federation_spec(job) -> dict[str, Any]:
         "train.steps": job.train.steps if fed.every_s is not None else None,
         "weights": fed.mean_weights,
     }
+
+
+#: ``federation.topk``'s choices beyond density, bits and decay, and their defaults (absent from a description
+#: when at their default, so a description written before them reads the same).
+TOPK_CHOICES = {"chunks": "flat", "tile": 64, "quantizer": "levels", "mean": "weighted"}
+
+
+def _topk_spec(t) -> dict[str, Any]:
+    out = {"density": float(t.density), "bits": int(t.bits), "decay": float(t.decay)}
+    return out | {k: getattr(t, k) for k, default in TOPK_CHOICES.items() if getattr(t, k) != default}
 
 
 def hub_spec(job) -> dict[str, Any]:
@@ -217,6 +223,7 @@ def check_spec(spec: dict) -> None:
             raise SpecError(f"federation.topk.density={density!r} is invalid")
         if bits not in (2, 4, 8) or isinstance(bits, bool):
             raise SpecError(f"federation.topk.bits={bits!r} is invalid")
+        _check_topk_choices(comp)
     if spec.get("aggregate", "mean") not in AGGREGATES:
         rule = spec.get("aggregate")
         raise SpecError(f"federation.elastic.aggregate={rule!r}: the hub takes {', '.join(AGGREGATES)}")
@@ -227,6 +234,17 @@ def check_spec(spec: dict) -> None:
         raise SpecError(f"weights {spec.get('weights_rule')!r}: the hub weighs uniform or tokens")
 
 
+def _check_topk_choices(comp: dict) -> None:
+    from ...federation.topk_tensors import CHUNKS, MAX_TILE, QUANTIZERS
+
+    chunks, quantizer = comp.get("chunks", "flat"), comp.get("quantizer", "levels")
+    mean, tile = comp.get("mean", "weighted"), comp.get("tile", 64)
+    if chunks not in CHUNKS or quantizer not in QUANTIZERS or mean not in ("weighted", "senders"):
+        raise SpecError(f"federation.topk chunks={chunks!r} quantizer={quantizer!r} mean={mean!r} is invalid")
+    if not (isinstance(tile, int) and not isinstance(tile, bool) and 1 <= tile <= MAX_TILE):
+        raise SpecError(f"federation.topk.tile={tile!r} is invalid")
+
+
 def codec_of(spec: dict):
     """The :class:`~.update_codec.UpdateCodec` of the description's compression (None: fp32 parameters)."""
     from .update_codec import UpdateCodec
@@ -234,5 +252,11 @@ def codec_of(spec: dict):
     comp = spec["compression"]
     if comp["kind"] == "none":
         return None
-    topk = (comp["density"], comp["bits"]) if comp["kind"] == "topk" else None
-    return UpdateCodec(comp["kind"], numel_of(spec), comp["chunk_size"], topk)
+    if comp["kind"] != "topk":
+        return UpdateCodec(comp["kind"], numel_of(spec), comp["chunk_size"])
+    from ...federation.topk_tensors import TopkOptions
+
+    choices = {k: comp.get(k, default) for k, default in TOPK_CHOICES.items()}
+    topk = TopkOptions(comp["density"], comp["bits"], **choices)
+    shapes = [p[1] for p in spec["parameters"]]
+    return UpdateCodec(comp["kind"], numel_of(spec), comp["chunk_size"], topk, shapes)

@@ -16,7 +16,8 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import Tensor
 
-from ...federation.topk import TopkCodec
+from ...federation.topk import TopkCodec, TopkFold, fold_weights
+from ...federation.topk_tensors import TensorCodec, TopkOptions, make_codec
 from ...parallel import codec
 
 __all__ = ["CODECS", "UpdateCodec"]
@@ -27,9 +28,18 @@ _ROWS = 1024  # uint8 chunks decoded at a time by the hub
 
 class UpdateCodec:
     """The ``kind`` message of ``numel`` values (``chunk_size``: values per uint8 chunk, about; per top-k
-    chunk, exactly); ``topk``: ``(density, bits)`` of ``federation.topk``."""
+    chunk, exactly); ``topk``: ``federation.topk``'s :class:`~xffl_like.federation.topk_tensors.TopkOptions` (or
+    ``(density, bits)``: flat chunks, levels, weighted mean); ``shapes``: the parameters' shapes in the flat
+    order (``federation.topk.chunks=tiles`` cuts each tensor on its own)."""
 
-    def __init__(self, kind: str, numel: int, chunk_size: int, topk: tuple[float, int] | None = None):
+    def __init__(
+        self,
+        kind: str,
+        numel: int,
+        chunk_size: int,
+        topk: TopkOptions | tuple[float, int] | None = None,
+        shapes: list[list[int]] | None = None,
+    ):
         if kind not in CODECS:
             raise ValueError(f"compression {kind!r}: the hub decodes {', '.join(CODECS)}")
         if not 1 <= chunk_size <= 1 << 24:
@@ -41,8 +51,9 @@ class UpdateCodec:
         if kind == "topk":
             if topk is None:
                 raise ValueError("compression topk needs federation.topk's density and bits")
-            self.density, self.bits = topk
-            self.topk = TopkCodec(numel, chunk_size, *topk)
+            self.options = topk if isinstance(topk, TopkOptions) else TopkOptions(*topk)
+            self.density, self.bits = self.options.density, self.options.bits
+            self.topk = make_codec(numel, chunk_size, self.options, shapes)
 
     @property
     def nbytes(self) -> int:
@@ -62,6 +73,8 @@ class UpdateCodec:
 
     def window(self, about: int) -> int:
         """Values per window of :meth:`encode_window`: ``about``, rounded to whole chunks (at least one)."""
+        if isinstance(self.topk, TensorCodec):  # chunks and quantization by tensor: one window
+            return max(1, self.numel)
         unit = 1 if self.kind == "bf16" else self.chunk_size if self.topk is not None else self.length
         return max(unit, about // unit * unit)
 
@@ -74,6 +87,8 @@ class UpdateCodec:
         :meth:`window`'s unit): the same bytes as :meth:`encode` of the whole gives there."""
         if self.kind == "bf16":
             return values.reshape(-1).to(torch.bfloat16).view(torch.uint8)
+        if isinstance(self.topk, TensorCodec):
+            return self.topk.encode(values.reshape(-1).contiguous())
         if self.topk is not None:
             return self._part(values.numel()).encode(values.reshape(-1).contiguous())
         rows = math.ceil(values.numel() / self.length)
@@ -86,6 +101,8 @@ class UpdateCodec:
         """The ``numel`` values that :meth:`encode_window`'s ``message`` carries (flat fp32)."""
         if self.kind == "bf16":
             return message.view(torch.bfloat16).float()
+        if isinstance(self.topk, TensorCodec):
+            return self.topk.decode(message)
         if self.topk is not None:
             return self._part(numel).decode(message)
         return codec.decompress(message.view(-1, codec.HEADER_BYTES + self.length), numel)
@@ -97,6 +114,24 @@ class UpdateCodec:
         if self.topk is not None:
             return self.topk.decode(message)
         return codec.decompress(message.view(self.chunks, -1), self.numel)
+
+    def fold(self, out: Tensor, weights: list[float]) -> tuple[TopkFold, list[float]]:
+        """``topk``: the :class:`~xffl_like.federation.topk.TopkFold` of ``federation.topk.mean`` into ``out``
+        (zeroed) and the weights to fold the facilities' messages with (``weights``: theirs, in order)."""
+        return TopkFold(out, self.options.mean, sum(weights)), fold_weights(weights, self.options.mean)
+
+    def decode_sparse_stream(self, read: Callable[[int], bytes]) -> Iterator[tuple[Tensor, Tensor]]:
+        """``topk``: (flat indices, values) of what the message sent, a block at a time from ``read(n)``."""
+        yield from self.topk.decode_sparse_stream(read)
+
+    @property
+    def senders(self) -> bool:
+        """Whether messages are averaged per index over the facilities that sent it (``federation.topk.mean``)."""
+        return self.topk is not None and self.options.mean == "senders"
+
+    def decode_sent_stream(self, read: Callable[[int], bytes]) -> Iterator[tuple[int, Tensor, Tensor]]:
+        """``topk``: (first value, values, mask of the values sent) decoded in order from ``read(n)``."""
+        yield from self.topk.decode_sent_stream(read)
 
     def decode_stream(self, read: Callable[[int], bytes]) -> Iterator[tuple[int, Tensor]]:
         """(first value, values) decoded in order from ``read(n)`` (the message's bytes, as a file gives them)."""

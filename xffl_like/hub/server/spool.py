@@ -81,6 +81,15 @@ class Spool:
         return math.sqrt(total)
 
     @staticmethod
+    def fold(fold, path: Path, weight: float, codec: UpdateCodec) -> None:
+        """Fold the top-k contribution in ``path`` into ``fold`` (:meth:`UpdateCodec.fold`) at ``weight``, a
+        block at a time; the file is removed."""
+        with open(path, "rb") as fh:
+            for index, values in codec.decode_sparse_stream(fh.read):
+                fold.add(index, values, weight)
+        path.unlink(missing_ok=True)
+
+    @staticmethod
     def accumulate(acc: Tensor, path: Path, scale: float, codec: UpdateCodec | None) -> None:
         """``acc += scale x`` the contribution in ``path`` (decoded by ``codec``), a slice at a time; the file
         is removed."""

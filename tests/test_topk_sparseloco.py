@@ -1,0 +1,215 @@
+"""Issue 39, item 1: top-k as SparseLoCo does it (``federation/topk=sparseloco``: 64x64 tiles, 4 bins per
+tensor, the per-index mean over the senders, SGD at lr 1, error feedback 0.95).
+
+The codec and a one-world job of 3 facilities against ``tests/helpers/sparseloco_reference.py``, SparseLoCo's
+published algorithm step by step in numpy with no call into ``xffl_like``. The tolerance is for float order
+only (numpy sums means and deviations in float64, torch in float32); copies are compared bit for bit.
+"""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import torch
+from helpers import TINY, run_recorded
+from helpers.round_values import MIN_FACILITY_SPREAD, load_rounds
+from helpers.sparseloco_reference import compress, outer_round, tile_positions
+
+from xffl_like.federation.topk import TopkFold, TopkMean, fold_weights
+from xffl_like.federation.topk_tensors import TensorCodec, TopkOptions, make_codec
+from xffl_like.hub.protocol.update_codec import UpdateCodec
+
+PRESET = TopkOptions(0.03125, 2, "tiles", 64, "bins", "senders")
+# 64x64 tiles (k 128), 48x64 (k 96), 1-D runs of 64 (k 2) and of 50 (k round(1.5625) = 2), 50x30 (k 47).
+SHAPES = [(128, 192), (96, 64), (64,), (100,), (50, 30)]
+ATOL = 2e-5  # float order: a bin's mean over hundreds of values, in float32 here and float64 there
+
+
+def _heavy(shape, rng) -> np.ndarray:
+    return (rng.standard_t(3, size=shape) * 0.01).astype(np.float32)
+
+
+def _flat(tensors) -> torch.Tensor:
+    return torch.cat([torch.as_tensor(np.asarray(t)).reshape(-1) for t in tensors])
+
+
+def test_tiles_are_the_references():
+    """Each tensor's chunks are SparseLoCo's tiles: the codec keeps exactly the reference's positions, and its
+    message is as small as documented (4 bytes a bin and the shift per tensor, 12-bit indices, 2-bit codes)."""
+    rng = np.random.default_rng(1)
+    x = [_heavy(s, rng) for s in SHAPES]
+    numel = sum(t.size for t in x)
+    codec = make_codec(numel, 4096, PRESET, SHAPES)
+    assert isinstance(codec, TensorCodec)
+    index, _ = codec.decode_sparse(codec.encode(_flat(x)))
+    want, offset = [], 0
+    for t, shape in zip(x, SHAPES):
+        want.append(offset + compress(t.reshape(-1).copy(), shape)[0])
+        offset += t.size
+    assert sorted(index.tolist()) == sorted(np.concatenate(want).tolist())
+    sizes = {(128, 192): 6 * (128 * 12 // 8 + 128 * 2 // 8), (96, 64): 2 * (96 * 12 // 8 + 96 * 2 // 8)}
+    sizes |= {(64,): 2 + 1, (100,): 2 * (2 + 1), (50, 30): 47 * 11 // 8 + 1 + -(-47 * 2 // 8)}
+    assert codec.nbytes == sum(20 + sizes[s] for s in SHAPES)
+    assert tile_positions((96, 64)).shape == (2, 48 * 64)
+
+
+def test_codec_rounds_follow_the_published_algorithm():
+    """3 facilities, 3 rounds: each facility's :class:`TopkMean` accumulator (decay 0.95) and message, the
+    fold of the messages (:class:`TopkFold`, ``senders``) and SGD at lr 1 against the numpy reference."""
+    rng = np.random.default_rng(0)
+    theta_ref = [rng.standard_normal(s).astype(np.float32) * 0.1 for s in SHAPES]
+    numel = sum(t.size for t in theta_ref)
+    theta = _flat(theta_ref).clone()
+    errors = [[np.zeros(t.size, dtype=np.float32) for t in theta_ref] for _ in range(3)]
+    codec = make_codec(numel, 4096, PRESET, SHAPES)
+    facilities = [TopkMean(numel, 3, 4096, 0.03125, 2, 0.95, codec=codec, mean="senders") for _ in range(3)]
+    for r in range(3):
+        updates = [[_heavy(s, rng) for s in SHAPES] for _ in range(3)]
+        local_ref = [[g - u for g, u in zip(theta_ref, us)] for us in updates]
+        messages = [m.prepare(theta - (theta - _flat(us))) for m, us in zip(facilities, updates)]
+        fold = TopkFold(torch.zeros(numel), "senders", 1.0)
+        for message, w in zip(messages, fold_weights([1 / 3] * 3, "senders")):
+            fold.add(*codec.decode_sparse(message), w)
+        theta = theta - 1.0 * fold.finish()
+        theta_ref = outer_round(theta_ref, local_ref, errors)
+        err = float((theta - _flat(theta_ref)).abs().max())
+        assert err <= ATOL, f"round {r}: {err:.3g} from the reference"
+        for f in range(3):
+            assert float((facilities[f].residual - _flat(errors[f])).abs().max()) <= ATOL
+        assert float(fold.out.abs().max()) > 100 * ATOL  # the round moved the model
+
+
+def test_senders_against_weighted():
+    """Two facilities with disjoint supports: ``senders`` keeps each value whole, ``weighted`` halves it."""
+    codec = make_codec(4, 4, TopkOptions(0.5, 2, "flat", 64, "levels", "senders"))
+    a, b = torch.tensor([4.0, 0, 4.0, 0]), torch.tensor([0, 6.0, 0, 6.0])
+    for mean, want in (("senders", [4.0, 6.0, 4.0, 6.0]), ("weighted", [2.0, 3.0, 2.0, 3.0])):
+        fold = TopkFold(torch.zeros(4), mean, 2.0)
+        for x, w in zip((a, b), fold_weights([1.0, 1.0], mean)):
+            fold.add(*codec.decode_sparse(codec.encode(x)), w)
+        assert fold.finish().tolist() == want
+
+
+@pytest.mark.parametrize("opts", [PRESET, TopkOptions(0.05, 4, "flat", 64, "bins", "weighted")])
+def test_the_hubs_codec_reads_what_the_facility_wrote(opts):
+    """The hub's :class:`UpdateCodec` of the same options and shapes: the same bytes, a decode stream equal to
+    the decoded message, and a fold equal to the one-world fold."""
+    rng = np.random.default_rng(2)
+    xs = [_flat([_heavy(s, rng) for s in SHAPES]) for _ in range(2)]
+    numel = xs[0].numel()
+    hub = UpdateCodec("topk", numel, 1000, opts, [list(s) for s in SHAPES])
+    mine = make_codec(numel, 1000, opts, SHAPES)
+    messages = [mine.encode(x) for x in xs]
+    assert all(torch.equal(hub.encode(x), m) for x, m in zip(xs, messages))
+    assert hub.window(1000) == numel and torch.equal(hub.encode_window(xs[0], 0), messages[0])
+    stream = torch.cat([v for _, v in hub.decode_stream(io.BytesIO(messages[0].numpy().tobytes()).read)])
+    assert torch.equal(stream, mine.decode(messages[0]))
+    fold, weights = hub.fold(torch.zeros(numel), [1.0, 1.0])
+    for m, w in zip(messages, weights):
+        for index, values in hub.decode_sparse_stream(io.BytesIO(m.numpy().tobytes()).read):
+            fold.add(index, values, w)
+    one = TopkFold(torch.zeros(numel), opts.mean, 1.0)
+    for m, w in zip(messages, fold_weights([0.5, 0.5], opts.mean)):
+        one.add(*mine.decode_sparse(m), w)
+    assert torch.equal(fold.finish(), one.finish())
+
+
+@pytest.mark.parametrize(
+    "what, needle",
+    [("lookup", "header holds a non-finite"), ("index", "indices out of range"), ("short", "bytes where tensor")],
+)
+def test_malformed_messages_are_refused(what, needle):
+    codec = make_codec(192 * 128, 4096, PRESET, [(128, 192)])
+    message = codec.encode(torch.randn(192 * 128)).clone()
+    if what == "lookup":
+        message[4:8] = torch.tensor([float("nan")]).view(torch.uint8)
+    elif what == "index":
+        message[20:23] = 0  # the first two 12-bit indices of tile 0 both 0
+    else:
+        message = message[:-1]
+        with pytest.raises(ValueError, match=needle):
+            list(codec.decode_stream(io.BytesIO(message.numpy().tobytes()).read))
+        return
+    with pytest.raises(ValueError, match=needle):
+        codec.decode(message)
+
+
+# ----------------------------------------------------------------------------- one world, 3 facilities
+@pytest.mark.cli
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_one_world_job_follows_the_published_algorithm(tmp_path):
+    """3 facilities x 1 process on gloo with ``federation/topk=sparseloco``, 3 rounds: every facility's
+    parameters after each round are the numpy reference's step from the recorded parameters (its own error
+    accumulators carried across rounds), and the 3 copies are equal bit for bit."""
+    _, summary = run_recorded(
+        [
+            "+experiment=llama_fed",
+            *TINY,
+            "logger=none",
+            "distributed.nproc_per_node=3",
+            "distributed.federated=1",
+            "federation.every=2",
+            "train.steps=6",
+            "optim.warmup_steps=1",
+            "train.eval_every=0",
+            "federation/topk=sparseloco",
+        ],
+        tmp_path,
+    )
+    assert summary["max_param_divergence_after_last_round"] == 0.0
+    recorded = load_rounds(tmp_path / "rounds")
+    by_facility = lambda records: {r["facility"]: r for r in records}  # noqa: E731 (one rank per facility)
+    init = by_facility(recorded[(0, "init")])
+    names = list(init[0]["params"])
+    theta = [init[0]["params"][n].numpy() for n in names]
+    errors = [[np.zeros(t.size, dtype=np.float32) for t in theta] for _ in range(3)]
+    spread = 0.0
+    for r in range(3):
+        before, after = by_facility(recorded[(r, "before")]), by_facility(recorded[(r, "after")])
+        local = [[before[f]["params"][n].numpy() for n in names] for f in range(3)]
+        spread = max(spread, max(float(np.abs(a - b).max()) for a, b in zip(local[0], local[1])))
+        want = outer_round(theta, local, errors)
+        for f in range(3):
+            got = [after[f]["params"][n].numpy() for n in names]
+            err = max(float(np.abs(g - w).max()) for g, w in zip(got, want))
+            assert err <= ATOL, f"round {r}, facility {f}: {err:.3g} from the reference"
+            assert all(np.array_equal(g, h) for g, h in zip(got, [after[0]["params"][n].numpy() for n in names]))
+        theta = [after[0]["params"][n].numpy() for n in names]
+    assert spread > MIN_FACILITY_SPREAD
+
+
+# ----------------------------------------------------------------------------- configuration
+def _validated(overrides: list[str]):
+    from omegaconf import OmegaConf
+
+    from xffl_like.config.schema import FederationConfig, build_section
+    from xffl_like.distributed.layout import plan_layout
+    from xffl_like.federation import validate_federation
+    from xffl_like.job import _compose
+
+    cfg = build_section(FederationConfig, OmegaConf.to_container(_compose(overrides).federation))
+    validate_federation(cfg, plan_layout(4, 2, None))
+    return cfg
+
+
+def test_the_preset_sets_every_choice_and_topk_alone_carries_its_feedback():
+    cfg = _validated(["federation/topk=sparseloco"])
+    assert (cfg.compression, cfg.feedback, cfg.outer.name, cfg.outer.lr) == ("topk", True, "average", 1.0)
+    t = cfg.topk
+    assert (t.density, t.bits, t.decay, t.mean, t.quantizer, t.chunks, t.tile) == (
+        0.03125, 2, 0.95, "senders", "bins", "tiles", 64
+    )  # fmt: skip
+    alone = _validated(["federation.compression=topk"])
+    assert alone.error_feedback is None and alone.feedback  # topk's accumulator, without spelling it out
+    assert not _validated(["federation.compression=uint8"]).feedback  # the others' default is unchanged
+    assert _validated(["+experiment=diloco", "federation/topk=sparseloco", "federation.outer.lr=1.0"]).topk.preset
+
+
+def test_a_key_set_after_the_preset_is_refused_in_one_line():
+    with pytest.raises(ValueError) as err:
+        _validated(["+experiment=diloco", "federation/topk=sparseloco"])  # the experiment's outer lr 0.8
+    line = str(err.value)
+    assert "\n" not in line and line.startswith("federation.outer.lr=0.8 contradicts federation/topk=sparseloco")

@@ -1,0 +1,280 @@
+"""Top-k by tensor, as SparseLoCo cuts and quantizes it (``federation.topk.chunks=tiles``, ``quantizer=bins``).
+
+SparseLoCo (``src/tplr/sparseloco.py``; Templar's ``src/tplr/compress.py``) differs from :mod:`.topk`'s flat
+codec in where its chunks lie and how it quantizes the values it keeps:
+
+- **chunks** (``chunks=tiles``): a 2-D tensor ``[R, C]`` is cut into tiles of ``h x w`` values, a 1-D tensor
+  of ``n`` into runs of ``w``, where a side is the largest divisor of the dimension that is at most
+  ``federation.topk.tile`` (64: 64 x 64 tiles wherever the dimensions are multiples of 64). A tensor of
+  more dimensions is read as ``[shape[0], the rest]``; a chunk never spans two tensors. In one world a
+  tensor is this rank's shard of it (FSDP splits the rows), at the hub the whole tensor. ``chunks=flat``
+  keeps the flat chunks of ``federation.chunk_size`` values (the last one shorter).
+- **kept values**: ``k = max(1, round(density x length))`` of a chunk of ``length`` values with ``tiles``
+  (round half to even, as SparseLoCo's ``round(chunk_len * top_k / chunk_size**2)``: 128 of a 64 x 64
+  tile at density 0.03125), ``ceil(density x length)`` with ``flat``; the largest magnitudes, ties to the
+  lowest index, sent in ascending order.
+- **quantizer** (``quantizer=bins``): ``2**bits`` bins per tensor (4 at 2 bits) over all its kept values
+  ``v``: ``shift = mean(v)``, ``s = 6 sigma / bins`` (sigma the unbiased standard deviation of ``v - shift``;
+  ``s = 1`` where that is 0 or not finite), code ``c = clamp(round((v - shift) / s + bins // 2), 0, bins-1)``;
+  code ``c`` decodes to ``shift + lookup[c]``, ``lookup[c]`` the mean of the centred values of bin ``c``
+  (0 for an empty bin). ``quantizer=levels`` keeps :mod:`.topk`'s symmetric levels, one scale per chunk.
+
+A tensor's bytes (tensors in order; ``flat``: the full chunks, then the last one, as two "tensors"):
+the header (``bins``: ``shift`` and the ``bins`` lookup values; ``levels``: every chunk's scale: float32,
+little-endian), then per chunk its ``k`` indices (``ceil(log2(h x w))`` bits each), then per chunk its ``k``
+codes (``bits`` each), each chunk's section padded to a whole byte (:func:`.topk._pack`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from fractions import Fraction
+
+import torch
+from torch import Tensor
+
+from .topk import BITS, MEANS, TopkCodec, _keep, _pack, _top_index, _unpack, level_codes
+
+__all__ = ["CHUNKS", "MAX_TILE", "QUANTIZERS", "TensorCodec", "TopkOptions", "make_codec", "options_of", "side"]
+
+CHUNKS = ("flat", "tiles")
+QUANTIZERS = ("levels", "bins")
+MAX_TILE = 4096  # a tile of at most 2**24 values: its indices in at most 24 bits
+RANGE_SIGMAS = 6  # SparseLoCo's quantization_range
+
+
+@dataclass(frozen=True)
+class TopkOptions:
+    """What a top-k message is (``federation.topk`` less the decay); both ends build the codec from it."""
+
+    density: float
+    bits: int
+    chunks: str = "flat"
+    tile: int = 64
+    quantizer: str = "levels"
+    mean: str = "weighted"
+
+    def __post_init__(self):
+        if self.chunks not in CHUNKS or self.quantizer not in QUANTIZERS or self.mean not in MEANS:
+            raise ValueError(f"top-k options {self}: chunks flat|tiles, quantizer levels|bins, mean weighted|senders")
+        if self.bits not in BITS or not 0.0 < self.density <= 1.0 or not 1 <= self.tile <= MAX_TILE:
+            raise ValueError(f"top-k options {self}: bits 2|4|8, density in (0, 1], tile in 1..{MAX_TILE}")
+
+
+def options_of(topk) -> TopkOptions:
+    """The :class:`TopkOptions` of the ``federation.topk`` section."""
+    return TopkOptions(float(topk.density), int(topk.bits), topk.chunks, int(topk.tile), topk.quantizer, topk.mean)
+
+
+def side(n: int, tile: int) -> int:
+    """The largest divisor of ``n`` that is at most ``tile`` (SparseLoCo's ``_get_smaller_split``)."""
+    return max(d for d in range(1, min(n, tile) + 1) if n % d == 0)
+
+
+@dataclass(frozen=True)
+class Block:
+    """``rows x cols`` values from ``offset`` of the flat vector, cut into ``h x w`` tiles (row-major)."""
+
+    offset: int
+    rows: int
+    cols: int
+    h: int
+    w: int
+
+    @property
+    def numel(self) -> int:
+        return self.rows * self.cols
+
+    @property
+    def chunks(self) -> int:
+        return (self.rows // self.h) * (self.cols // self.w)
+
+    @property
+    def length(self) -> int:
+        return self.h * self.w
+
+    def tiles(self, flat: Tensor) -> Tensor:
+        """This block's values of ``flat`` (the whole vector) as ``[chunks, length]``."""
+        x = flat[self.offset : self.offset + self.numel]
+        y, xs = self.rows // self.h, self.cols // self.w
+        return x.view(y, self.h, xs, self.w).permute(0, 2, 1, 3).reshape(self.chunks, self.length)
+
+    def flat_index(self, index: Tensor) -> Tensor:
+        """``[chunks, k]`` indices inside the chunks -> flat indices into the whole vector."""
+        xs = self.cols // self.w
+        c = torch.arange(self.chunks, device=index.device).unsqueeze(1)
+        row = (c // xs) * self.h + index // self.w
+        col = (c % xs) * self.w + index % self.w
+        return self.offset + row * self.cols + col
+
+
+def _blocks(numel: int, chunk_size: int, opts: TopkOptions, shapes: Sequence[Sequence[int]] | None) -> list[Block]:
+    if opts.chunks == "flat":
+        full, tail = divmod(numel, chunk_size)
+        out = [Block(0, 1, full * chunk_size, 1, chunk_size)] if full else []
+        return out + ([Block(full * chunk_size, 1, tail, 1, tail)] if tail else [])
+    if shapes is None or sum(math.prod(s) for s in shapes) != numel:
+        raise ValueError(f"top-k chunks=tiles: the tensors' shapes must cover the {numel} values")
+    out, offset = [], 0
+    for shape in shapes:
+        n = math.prod(shape)
+        if n:
+            rows = shape[0] if len(shape) > 1 else 1
+            out.append(Block(offset, rows, n // rows, side(rows, opts.tile), side(n // rows, opts.tile)))
+        offset += n
+    return out
+
+
+def _bins_encode(values: Tensor, bins: int) -> tuple[Tensor, Tensor]:
+    """``quantizer=bins`` over all of a tensor's kept ``values``: (header ``[shift, lookup...]``, codes)."""
+    v = values.reshape(-1)
+    shift = v.mean()
+    centred = v - shift
+    n = v.numel()
+    std = centred.norm() / math.sqrt(n - 1) if n > 1 else torch.zeros((), dtype=v.dtype, device=v.device)
+    scale = RANGE_SIGMAS * std / bins
+    if not (torch.isfinite(scale) and scale != 0):
+        scale = torch.ones((), dtype=v.dtype, device=v.device)
+    codes = (centred / scale + bins // 2).round().clamp(0, bins - 1).long()
+    sums = torch.zeros(bins, dtype=torch.float32, device=v.device).scatter_add_(0, codes, centred)
+    counts = torch.zeros(bins, dtype=torch.float32, device=v.device).scatter_add_(0, codes, torch.ones_like(centred))
+    lookup = torch.where(counts > 0, sums / torch.where(counts > 0, counts, 1.0), 0.0)
+    return torch.cat([shift.view(1), lookup]), codes.view(values.shape)
+
+
+class TensorCodec:
+    """The top-k message of ``numel`` fp32 values by tensor (``shapes``, in order) or by flat chunk, with the
+    ``opts.quantizer`` (see the module's docstring for the bytes)."""
+
+    def __init__(self, numel: int, chunk_size: int, opts: TopkOptions, shapes: Sequence[Sequence[int]] | None = None):
+        self.numel, self.chunk_size, self.opts, self.bits = numel, chunk_size, opts, opts.bits
+        self.blocks = _blocks(numel, chunk_size, opts, shapes)
+        self.bins = 1 << opts.bits if opts.quantizer == "bins" else 0
+        self.levels = (1 << (opts.bits - 1)) - 1
+        self.nbytes = sum(self._sizes(b)[3] for b in self.blocks)
+
+    def keep(self, length: int) -> int:
+        if self.opts.chunks == "flat":
+            return _keep(self.opts.density, length)
+        return max(1, min(length, round(Fraction(repr(float(self.opts.density))) * length)))
+
+    def _sizes(self, b: Block) -> tuple[int, int, int, int]:
+        """(k, header bytes, index bytes per chunk, block bytes) of block ``b``."""
+        k = self.keep(b.length)
+        head = 4 * (1 + self.bins) if self.bins else 4 * b.chunks
+        ib, cb = -(-k * _width(b.length) // 8), -(-k * self.bits // 8)
+        return k, head, ib, head + b.chunks * (ib + cb)
+
+    # ------------------------------------------------------------------ encode
+    def encode(self, update: Tensor) -> Tensor:
+        """The message's bytes (flat uint8) of ``update`` (``numel`` fp32 values, finite)."""
+        flat = update.reshape(-1)
+        if flat.numel() != self.numel or flat.dtype != torch.float32:
+            raise ValueError(
+                f"top-k encode: {flat.numel()} {flat.dtype} values where the codec takes {self.numel} fp32"
+            )
+        if not torch.isfinite(flat).all():
+            bad = int((~torch.isfinite(flat)).nonzero()[0, 0])
+            raise ValueError(f"top-k encode: value {bad} is not finite; the update must be finite")
+        out = [self._encode_block(b.tiles(flat), b) for b in self.blocks]
+        return torch.cat(out) if out else flat.new_empty(0, dtype=torch.uint8)
+
+    def _encode_block(self, x: Tensor, b: Block) -> Tensor:
+        k = self._sizes(b)[0]
+        index = _top_index(x.abs(), k)
+        values = x.gather(1, index)
+        if self.bins:
+            header, codes = _bins_encode(values, self.bins)
+        else:
+            header, codes = level_codes(values, self.bits)
+        head = header.contiguous().view(torch.uint8).view(-1)
+        return torch.cat([head, _pack(index, _width(b.length)).view(-1), _pack(codes, self.bits).view(-1)])
+
+    # ------------------------------------------------------------------ decode
+    def _decode_block(self, data: Tensor, b: Block, t: int) -> tuple[Tensor, Tensor]:
+        """Block ``t``'s bytes -> (flat indices, fp32 values); checked before use."""
+        k, head, ib, _ = self._sizes(b)
+        header = data[:head].clone().view(torch.float32)
+        if not torch.isfinite(header).all() or (not self.bins and (header < 0).any()):
+            raise ValueError(f"top-k message: tensor {t}'s header holds a non-finite (or negative scale) value")
+        index = _unpack(data[head : head + b.chunks * ib].view(b.chunks, ib), k, _width(b.length))
+        codes = _unpack(data[head + b.chunks * ib :].view(b.chunks, -1), k, self.bits)
+        wrong = (index >= b.length).any() or (k > 1 and bool((index[:, 1:] <= index[:, :-1]).any()))
+        if wrong:
+            raise ValueError(
+                f"top-k message: tensor {t} has indices out of range (its {b.length}-value chunks) or not strictly "
+                f"increasing (duplicated)"
+            )
+        if self.bins:
+            values = header[1:][codes] + header[0]
+        else:
+            if (codes > 2 * self.levels).any():
+                raise ValueError(f"top-k message: tensor {t} has a value code above {2 * self.levels}")
+            values = (codes - self.levels).to(torch.float32) * header.unsqueeze(1)
+        return b.flat_index(index).view(-1), values.view(-1)
+
+    def _read(self, read: Callable[[int], bytes]) -> Iterator[tuple[Block, Tensor, Tensor]]:
+        for t, b in enumerate(self.blocks):
+            size = self._sizes(b)[3]
+            data = read(size)
+            if len(data) != size:
+                raise ValueError(f"top-k message: {len(data)} bytes where tensor {t} has {size}")
+            yield (b, *self._decode_block(torch.frombuffer(bytearray(data), dtype=torch.uint8), b, t))
+
+    def decode_sparse_stream(self, read: Callable[[int], bytes]) -> Iterator[tuple[Tensor, Tensor]]:
+        """(flat indices, values) of the values sent, a tensor at a time from ``read(n)``."""
+        for _, index, values in self._read(read):
+            yield index, values
+
+    def decode_stream(self, read: Callable[[int], bytes]) -> Iterator[tuple[int, Tensor]]:
+        """(first value, values) decoded in order from ``read(n)``, a tensor at a time."""
+        for b, index, values in self._read(read):
+            dense = torch.zeros(b.numel, dtype=torch.float32)
+            yield b.offset, dense.index_put_((index - b.offset,), values)
+
+    def decode_sent_stream(self, read: Callable[[int], bytes]) -> Iterator[tuple[int, Tensor, Tensor]]:
+        """As :meth:`decode_stream`, with a mask of the values sent (``federation.topk.mean=senders``)."""
+        for b, index, values in self._read(read):
+            dense = torch.zeros(b.numel, dtype=torch.float32).index_put_((index - b.offset,), values)
+            sent = torch.zeros(b.numel, dtype=torch.bool).index_put_((index - b.offset,), torch.tensor(True))
+            yield b.offset, dense, sent
+
+    def decode_sparse(self, message: Tensor) -> tuple[Tensor, Tensor]:
+        """The message as (flat indices into the ``numel`` values; their fp32 values)."""
+        flat = message.reshape(-1)
+        if flat.dtype != torch.uint8 or flat.numel() != self.nbytes:
+            raise ValueError(f"top-k message: {flat.numel()} {flat.dtype} bytes where the message has {self.nbytes}")
+        data = bytes(flat.cpu().numpy())
+        at = [0]
+
+        def read(n: int) -> bytes:
+            at[0] += n
+            return data[at[0] - n : at[0]]
+
+        pieces = list(self.decode_sparse_stream(read))
+        if not pieces:
+            return message.new_empty(0, dtype=torch.long), message.new_empty(0, dtype=torch.float32)
+        device = message.device
+        return torch.cat([i for i, _ in pieces]).to(device), torch.cat([v for _, v in pieces]).to(device)
+
+    def decode(self, message: Tensor) -> Tensor:
+        """The values the message carries (flat fp32, ``numel`` values; zero where nothing was sent)."""
+        index, values = self.decode_sparse(message)
+        out = torch.zeros(self.numel, dtype=torch.float32, device=message.device)
+        return out.index_put_((index,), values)
+
+
+def _width(length: int) -> int:
+    return max(1, (length - 1).bit_length())
+
+
+def make_codec(
+    numel: int, chunk_size: int, opts: TopkOptions, shapes: Sequence[Sequence[int]] | None = None
+) -> TopkCodec | TensorCodec:
+    """The codec of ``opts``: :class:`.topk.TopkCodec` for flat chunks with levels (the present bytes), else
+    :class:`TensorCodec` (``shapes``: the tensors' shapes, in the flat order, needed by ``chunks=tiles``)."""
+    if opts.chunks == "flat" and opts.quantizer == "levels":
+        return TopkCodec(numel, chunk_size, opts.density, opts.bits)
+    return TensorCodec(numel, chunk_size, opts, shapes)

@@ -168,10 +168,10 @@ def test_a_trickled_upload_is_cut_and_the_round_closes_without_it(hub):
 def test_a_fetch_read_only_to_its_first_frame_is_ended_by_the_hub(hub, monkeypatch):
     """b opens a Fetch of a 48 MB θ_global and reads only its header: the hub ends the stream after its deadline
     (grace_s + θ's bytes at the minimum rate; shortened here) instead of holding a thread and a reader forever."""
+    spec = _spec(numel=12 << 20)
+    (a, b), _ = _created(hub, spec)  # at the usual rates: the creator's 48 MB upload is not what is measured
     monkeypatch.setattr(wire, "RATE_GRACE_S", 0.5)
     monkeypatch.setattr(wire, "MIN_RATE", 1 << 30)
-    spec = _spec(numel=12 << 20)
-    (a, b), _ = _created(hub, spec)
     try:
         call = b.stream("Fetch", timeout=BOUND_S * 2)
         assert unpack(next(call))["nbytes"] == 48 << 20

@@ -14,15 +14,19 @@ loses the role to the next facility that joins. Then, in the hub's committer thr
    members' norms this round, the federation's recent accepted ones, a floor) and at most
    ``max_norm_ratio x max(|θ_global|, 1)``; claims (steps taken, tokens) were checked on arrival against
    the facility's geometry (:func:`.checks.claims`);
-2. the accepted ones combined by the federation's ``aggregate`` rule, read back chunk by chunk from the
-   files the uploads were spooled to (:mod:`.spool`), into one accumulator: the weighted mean (uniform or
-   tokens weights, in name order), or the coordinate-wise median or trimmed mean (:mod:`.aggregate`);
-3. θ_global becomes the mean, or moves by the outer optimizer's step on ``θ_global - mean``, in memory
-   only: what members read is the saved version (its file), never the state being computed;
-4. the next version (θ_global, the outer state, the version, the members' history) is saved (:mod:`.store`)
-   and only then becomes the hub's: a round is applied once, whatever dies when. A save that fails (a full
-   disk) changes nothing anyone sees: θ_global and the outer state go back to the saved version, the log
-   says so in one line, and the round's members hear that it was ``missed``.
+2. the next version is computed and saved window by window (:meth:`HubFederation._apply`, :mod:`.fold`): the
+   saved version's θ_global and outer state are read a window at a time from its file, with each accepted
+   upload's window from the file it was spooled to (:mod:`.spool`); the window is combined by the
+   federation's ``aggregate`` rule (the weighted mean, uniform or tokens weights, in name order; or the
+   coordinate-wise median or trimmed mean, :mod:`.aggregate`), θ_global's window becomes the mean, or
+   moves by the outer optimizer's step on ``θ_global - mean`` (the round's one step number), and goes
+   straight into the next version's file. The hub holds neither θ_global nor the outer state nor an
+   accumulator in memory: one window per upload and per saved tensor, whatever the model's size;
+3. the next version (θ_global, the outer state, the version, the members' history) becomes the hub's only
+   once its file is whole and durable (:mod:`.store`: fsync, rename): a round is applied once, whatever dies
+   when. A save that fails (a full disk), or that the disk has no room for (checked before anything is
+   written), changes nothing anyone sees: the hub keeps the saved version, the log says so in one line,
+   and the round's members hear that it was ``missed``.
 
 Members read θ_global (Result, Fetch) from the saved file of the version they are told (:meth:`.store.
 StateStore.theta_reader`): a reader, however slow, never holds a commit, and a commit never changes what a
@@ -30,12 +34,14 @@ reader is sending. Every spool file of a round is removed when it is decided.
 
 Members that arrive with another version, whose claims fail, or that come after the round
 closed, heal: they receive θ_global (after the open round, if any) and contribute nothing. A round
-with no accepted contribution commits nothing. Members and their liveness: :mod:`.membership`.
+with no accepted contribution commits nothing. Members and their liveness: :mod:`.membership`. The
+creator's parameters are spooled to a file too, and version 0 written from it a window at a time.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
 import time
 import uuid
@@ -62,8 +68,9 @@ from ..protocol.spec import check_spec, codec_of, first_difference, numel_of
 from ..protocol.update_codec import UpdateCodec
 from ..protocol.wire import CHUNK_BYTES, Frames, WireError, paced, pack, transfer_s
 from . import checks, store
-from .aggregate import robust
+from .aggregate import Reader
 from .errors import HubError
+from .fold import Plan, fold, window
 from .membership import LIVE_S, Membership
 from .rounds import Arrival, Outcome, Part, Round, RoundState
 from .spool import Spool
@@ -97,7 +104,6 @@ class HubFederation:
         self.round: Round | None = None
         self.decided: dict[int, Round] = {}
         self.next_rid = 0
-        self.halted: str | None = None  # θ_global in memory could not go back to the saved version: no more rounds
         self.creator: str | None = None
         self.create_by = 0.0  # the creator's parameters are due by then (grace_s after it was told to create)
         self.create_cut = None  # ends the creator's upload call
@@ -107,9 +113,8 @@ class HubFederation:
         self.spool = Spool(state_dir / "spool")
         self.snap = snap
         self.spec: dict | None = snap.spec if snap else None
-        self.theta: Tensor | None = snap.theta if snap else None
-        self.acc: Tensor | None = None
-        self.outer: OuterOptimizer | None = None
+        self.options: OuterConfig | None = None  # the federation's outer optimizer
+        self.theta_norm = 0.0  # |θ_global| of the saved version (the checks' scale)
         self.codec: UpdateCodec | None = None
         if snap is not None:
             self._restore(snap)
@@ -120,10 +125,13 @@ class HubFederation:
     # ------------------------------------------------------------------ state
     def _restore(self, snap: store.Snapshot) -> None:
         self.codec = codec_of(snap.spec)
-        self.outer = OuterOptimizer(_outer_config(snap.spec), snap.theta)
-        for k, v in snap.buffers.items():
-            self.outer.buffers[k].copy_(v)
-        self.outer.steps = snap.outer_steps
+        self.options = _outer_config(snap.spec)
+        self.theta_norm = math.sqrt(checks.squares(snap.theta.numpy(), None, 0))
+
+    @property
+    def theta(self) -> Tensor | None:
+        """θ_global of the saved version, mapped from its file (pages the kernel reads and drops; never written)."""
+        return self.snap.theta if self.snap else None
 
     @property
     def version(self) -> int:
@@ -137,18 +145,21 @@ class HubFederation:
             return 4 * numel_of(self.pending_spec)
         if self.theta is None:
             raise HubError("the federation has not been created yet: join again", "FAILED_PRECONDITION")
-        return self.codec.nbytes if self.codec is not None else 4 * self.theta.numel()
+        return self.codec.nbytes if self.codec is not None else 4 * numel_of(self.spec)
 
     def _view(self) -> HubView:
         s = self.snap
         view = self.members.view(self.version, s.progress if s else 0, bool(s and s.ended))
         return dataclasses.replace(view, federation=s.federation if s else None)
 
-    def _saved(self, snap: store.Snapshot, what: str) -> str | None:
-        """Save ``snap``; None, or why it could not be saved (one line, logged; nothing kept changed)."""
+    def _saved(self, snap: store.Snapshot, what: str, windows: store.Windows | None = None) -> str | None:
+        """Save ``snap`` (its tensors from ``windows``); None, or why it could not be saved (one line, logged;
+        nothing kept changed)."""
         try:
-            self.store.save(snap)
+            self.store.save(snap, windows)
             return None
+        except store.NoRoom as exc:
+            why = f"refused {what}: {exc}"
         except OSError as exc:
             where = f" ({exc.filename})" if exc.filename else ""
             why = f"cannot save {what}: {exc.strerror or exc}{where}; free space on --state's disk"
@@ -232,29 +243,33 @@ class HubFederation:
                 raise HubError(f"facility {name} is not creating this federation: join again", "FAILED_PRECONDITION")
             spec, self.create_cut = self.pending_spec, cut
             frames.frames = paced(frames.frames, self.create_by, f"facility {name}'s parameters")
-        theta = torch.empty(numel_of(spec), dtype=torch.float32)
-        frames.into(theta)
-        if not torch.isfinite(theta).all():
+        path = self.spool.dir / f"create-{name}.bin"  # received to a file: never held whole
+        try:
+            self.spool.receive(frames, path)
+            norm = self.spool.norm(path)  # after the upload: never slows its frames down
+            if not math.isfinite(norm):
+                with self.cv:
+                    self.creator = None
+                raise HubError("the parameters that would create the federation are not finite", "INVALID_ARGUMENT")
             with self.cv:
-                self.creator = None
-            raise HubError("the parameters that would create the federation are not finite", "INVALID_ARGUMENT")
-        outer = OuterOptimizer(_outer_config(spec), theta)
-        with self.cv:
-            if self.creator != name:
-                raise HubError(f"facility {name}'s parameters came after its deadline (federation.elastic.grace_s): "
-                               f"another facility creates the federation; join again", "DEADLINE_EXCEEDED")  # fmt: skip
-            members = self.members.durable()
-        snap = store.Snapshot(0, spec, theta, dict(outer.buffers), outer.steps, members=members,
-                              federation=uuid.uuid4().hex)  # fmt: skip
-        why = self._saved(snap, "the new federation")
+                if self.creator != name:
+                    raise HubError(f"facility {name}'s parameters came after its deadline (federation.elastic."
+                                   f"grace_s): another facility creates the federation; join again",
+                                   "DEADLINE_EXCEEDED")  # fmt: skip
+                members = self.members.durable()
+            snap = store.Snapshot(0, spec, None, {}, 0, members=members, federation=uuid.uuid4().hex)
+            why = self._saved(snap, "the new federation", _created(path, numel_of(spec), _outer_config(spec)))
+        finally:
+            path.unlink(missing_ok=True)
         with self.cv:
             if why is not None:
                 self.creator, self.create_cut = None, None  # not created: the next join creates it
                 raise HubError(f"the hub {why}: the federation is not created", "INTERNAL")
-            self.spec, self.theta, self.creator, self.outer, self.snap = spec, theta, None, outer, snap
+            self.snap = self.store.load(0, verify=False)
+            self.spec, self.creator, self.options, self.theta_norm = spec, None, _outer_config(spec), norm
             self.create_cut = None
             self.codec = codec_of(spec)
-            self.log(f"hub: facility {name} created the federation ({theta.numel()} parameters)")
+            self.log(f"hub: facility {name} created the federation ({numel_of(spec)} parameters)")
             self.cv.notify_all()
             return self._view()
 
@@ -263,8 +278,6 @@ class HubFederation:
         """A member at its boundary: ``upload`` (its contribution is wanted) or ``heal``."""
         with self.cv:
             m = self.members.beat(name, msg.session)
-            if self.halted is not None:
-                raise HubError(self.halted, "INTERNAL")
             if self.spec is None:
                 raise HubError("the federation has not been created yet: join again", "FAILED_PRECONDITION")
             stale = None if msg.version == self.version else f"version {msg.version} (the hub's is {self.version})"
@@ -358,7 +371,6 @@ class HubFederation:
             except Exception as exc:  # noqa: BLE001 - a round that cannot commit commits nothing
                 outcome = Outcome(False, error=f"{type(exc).__name__}: {exc}")
                 self.log(f"hub: round {r.rid} failed to commit ({outcome.error}); version stays {self.version}")
-                self._restore_saved()
             finally:
                 self.spool.clear(r.rid)
             with self.cv:
@@ -370,40 +382,17 @@ class HubFederation:
                 self.round = None
                 self.cv.notify_all()
 
-    @torch.no_grad()
     def _commit(self, r: Round) -> Outcome:
         start = time.perf_counter()
-        theta_norm = float(torch.linalg.vector_norm(self.theta, dtype=torch.float64))
-        rejected = checks.judge(r, self.members.members, float(self.spec.get("max_norm_ratio") or 0), theta_norm)
-        accepted = {n: a for n, a in sorted(r.arrivals.items()) if not a.heal and n not in rejected}
-        healed = {n: a.reason for n, a in r.arrivals.items() if a.heal}
-        for n, why in rejected.items():
-            self.log(f"hub: round {r.rid}: facility {n}'s contribution rejected: {why}")
+        accepted, weights, rejected, healed = self._decide(r)
         if not accepted:
             return Outcome(False, {}, rejected, healed)
-        rule = self.spec.get("aggregate", "mean")
-        weights = checks.weights(self.spec, accepted) if rule == "mean" else dict.fromkeys(accepted, 1.0)
-        total = sum(weights.values())
-        acc = self.acc = self.acc if self.acc is not None else torch.empty_like(self.theta)
-        if rule == "mean":
-            acc.zero_()
-            for n, a in accepted.items():
-                self.spool.accumulate(acc, a.spool, weights[n] / total, self.codec)
-        else:  # coordinate-wise over members, a window at a time (unweighted)
-            robust(acc, [a.spool for a in accepted.values()], rule, float(self.spec.get("trim", 0.0)), self.codec)
-        if self.codec is not None:  # acc: the mean update, θ_global - mean
-            self.outer.step(acc)
-        elif self.outer.options.is_plain_mean:
-            self.theta.copy_(acc)
-        else:
-            self.outer.step(torch.sub(self.theta, acc, out=acc))
         nxt, members = self._next(r, accepted)
-        why = self._saved(nxt, f"version {nxt.version}")
+        why = self._apply(nxt, accepted, weights)
         if why is not None:
-            self._restore_saved()
             return Outcome(False, {}, rejected, healed, error=f"the hub {why}")
         with self.cv:
-            self.snap = nxt
+            self.snap = self.store.load(nxt.version, verify=False)  # the saved file, mapped
             for n, m in members.items():
                 if n in self.members.members:
                     self.members[n].last_step, self.members[n].norms = m.last_step, m.norms
@@ -412,10 +401,58 @@ class HubFederation:
             + (f"; rejected {', '.join(rejected)}" if rejected else "")
             + f" ({time.perf_counter() - start:.2f} s)"
         )
+        total = sum(weights.values())
         return Outcome(True, {n: weights[n] / total for n in accepted}, rejected, healed)
 
+    def _decide(self, r: Round) -> tuple[dict[str, Arrival], dict[str, float], dict[str, str], dict[str, str]]:
+        """The round's judgement: the accepted contributions (in name order) and their weights, the rejected
+        ones and why, the healed ones and why."""
+        rejected = checks.judge(r, self.members.members, float(self.spec.get("max_norm_ratio") or 0), self.theta_norm)
+        accepted = {n: a for n, a in sorted(r.arrivals.items()) if not a.heal and n not in rejected}
+        healed = {n: a.reason for n, a in r.arrivals.items() if a.heal}
+        for n, why in rejected.items():
+            self.log(f"hub: round {r.rid}: facility {n}'s contribution rejected: {why}")
+        rule = self.spec.get("aggregate", "mean")
+        weights = checks.weights(self.spec, accepted) if rule == "mean" else dict.fromkeys(accepted, 1.0)
+        return accepted, weights, rejected, healed
+
+    @torch.no_grad()
+    def _apply(self, nxt: store.Snapshot, accepted: dict[str, Arrival], weights: dict[str, float]) -> str | None:
+        """Save version ``nxt`` (:meth:`_saved`: None, or why not), its θ_global and outer state computed window
+        by window (:func:`.fold.fold`) from the saved version's and the accepted uploads' spool files, each
+        window written into its file as it is computed: nothing of the model's size is held in memory."""
+        saved, total, numel = self.snap, sum(weights.values()), numel_of(self.spec)
+        rule, trim = self.spec.get("aggregate", "mean"), float(self.spec.get("trim", 0.0))
+        scales = tuple(weights[n] / total for n in accepted)
+        plan = Plan(rule, scales, trim, self.codec is not None, self.options, saved.outer_steps + 1)
+        readers = [Reader(a.spool, self.codec) for a in accepted.values()]
+        squares = [0.0]  # |θ_global|² of the next version, window by window
+
+        def items():
+            n = window(len(readers))
+            stack = torch.empty(len(readers), n, dtype=torch.float32)
+            for start in range(0, numel, n):
+                k = min(n, numel - start)
+                theta = saved.theta[start : start + k].clone()
+                buffers = {b: t[start : start + k].clone() for b, t in saved.buffers.items()}
+                for i, reader in enumerate(readers):
+                    reader.take(stack[i, :k])
+                fold(plan, theta, buffers, stack[:, :k])
+                squares[0] += checks.squares(theta.numpy(), None, 0)
+                yield {"theta": theta, **buffers}
+
+        try:
+            why = self._saved(nxt, f"version {nxt.version}", store.Windows(("theta", *saved.buffers), numel, items()))
+        finally:
+            for reader in readers:
+                reader.close()
+        if why is None:
+            self.theta_norm = math.sqrt(squares[0])
+        return why
+
     def _next(self, r: Round, accepted: dict[str, Arrival]) -> tuple[store.Snapshot, dict]:
-        """The next version, aside (the hub's stays as it is until it is saved), and its members' history."""
+        """The next version's description (its tensors are computed as it is saved, :meth:`_apply`), and its
+        members' history; the hub's stays as it is until it is saved."""
         s = self.snap
         with self.cv:
             members = {n: dataclasses.replace(m, norms=list(m.norms)) for n, m in self.members.members.items()}
@@ -423,25 +460,10 @@ class HubFederation:
             members[n].accepted(a.step, a.norm if n in accepted else None)
         progress = max([s.progress] + [a.step // members[n].every for n, a in accepted.items() if members[n].every])
         ended = s.ended or self._ends(accepted, members)
-        nxt = dataclasses.replace(s, version=s.version + 1, theta=self.theta, buffers=dict(self.outer.buffers),
-                                  outer_steps=self.outer.steps, progress=progress, ended=ended,
+        nxt = dataclasses.replace(s, version=s.version + 1, theta=None, buffers={}, outer_steps=s.outer_steps + 1,
+                                  progress=progress, ended=ended,
                                   members={n: m.durable() for n, m in members.items()})  # fmt: skip
         return nxt, {n: members[n] for n in r.arrivals}
-
-    def _restore_saved(self) -> None:
-        """θ_global and the outer state in memory back to the saved version (after a commit that failed)."""
-        if self.snap is None or self.theta is None:
-            return
-        try:
-            saved = self.store.load(self.snap.version)
-            self.theta.copy_(saved.theta)
-            for k, v in saved.buffers.items():
-                self.outer.buffers[k].copy_(v)
-            self.outer.steps = saved.outer_steps
-        except Exception as exc:  # noqa: BLE001 - the hub cannot go on from a state it does not hold
-            self.halted = (f"the hub cannot restore version {self.snap.version} after a failed commit ({exc}): "
-                           f"its operator must restart it on the same --state")  # fmt: skip
-            self.log(f"hub: {self.halted}")
 
     def _ends(self, accepted: dict[str, Arrival], members: dict) -> bool:
         """Whether the round ends the federation: with ``every_s``, an accepted member reached the federation's last
@@ -506,6 +528,24 @@ class HubFederation:
                 raise HubError(f"the hub cannot read its saved state ({exc}): its operator must check --state",
                                "INTERNAL") from None  # fmt: skip
         return _file_frames(header, fh, nbytes, transfer_s(nbytes, self._grace()), cut)
+
+
+def _created(path: Path, numel: int, options: OuterConfig) -> store.Windows:
+    """Version 0's tensors, a window at a time: the creator's parameters (spooled to ``path``) and the outer
+    optimizer's state at zero."""
+    names = tuple(OuterOptimizer(options, torch.empty(0)).buffers)
+
+    def items():
+        reader, n = Reader(path, None), window(1)
+        try:
+            for start in range(0, numel, n):
+                theta = torch.empty(min(n, numel - start), dtype=torch.float32)
+                reader.take(theta)
+                yield {"theta": theta, **{k: torch.zeros_like(theta) for k in names}}
+        finally:
+            reader.close()
+
+    return store.Windows(("theta", *names), numel, items())
 
 
 def _file_frames(header: ResultHeader, fh, nbytes: int, deadline_s: float, cut) -> Iterator[bytes]:

@@ -53,6 +53,21 @@ class Spool:
         path.unlink(missing_ok=True)
         return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600), "wb")
 
+    def receive(self, frames: Frames, path: Path) -> None:
+        """Write the chunks to ``path`` as they come, unmeasured (a creator's parameters: :meth:`norm` after)."""
+        with self._create(path) as fh:
+            for _, chunk in frames.chunks():
+                fh.write(chunk)
+
+    @staticmethod
+    def norm(path: Path) -> float:
+        """The norm of the fp32 values in ``path``, read a slice at a time (nan when one is not finite)."""
+        total = 0.0
+        with open(path, "rb") as fh:
+            while math.isfinite(total) and (raw := fh.read(4 * SLICE)):
+                total += squares(np.frombuffer(raw, dtype=np.float32), None, 0)
+        return math.sqrt(total) if math.isfinite(total) else math.nan
+
     def write(self, frames: Frames, path: Path, theta: Tensor, codec: UpdateCodec | None) -> float:
         """Write the chunks to ``path``; the norm of the update ``θ_global - θ_f`` (nan when not finite)."""
         if codec is not None:

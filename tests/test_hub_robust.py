@@ -16,7 +16,7 @@ import torch
 
 from xffl_like.bench.hub_drift import Federation, drift, spec_of
 from xffl_like.hub.protocol.wire import GRPC_OPTIONS, SERVICE, frames_of, pack, unpack
-from xffl_like.hub.server import aggregate
+from xffl_like.hub.server import federation as hub_federation
 from xffl_like.hub.server.auth import IdentityInterceptor
 from xffl_like.hub.server.federation import HubFederation
 from xffl_like.hub.server.service import HubService
@@ -157,7 +157,7 @@ def _uploads(theta: torch.Tensor, members: int, seed: int) -> list[torch.Tensor]
 def test_median_and_trimmed_mean_match_numpy_over_the_same_uploads(tmp_path, monkeypatch, rule, members, trim):
     """θ_global after a round is the coordinate-wise rule over the members' parameters, read a window at a time
     (windows of 4096 values here: 10,000 values in three windows), as numpy computes it over the whole."""
-    monkeypatch.setattr(aggregate, "SLICE", 4096)
+    monkeypatch.setattr(hub_federation, "window", lambda uploads: 4096)  # the commit's windows
     numel = 10_000
     theta0 = torch.randn(numel, generator=torch.Generator().manual_seed(7))
     names = [f"m{i}" for i in range(members)]
@@ -182,7 +182,7 @@ def test_median_and_trimmed_mean_match_numpy_over_the_same_uploads(tmp_path, mon
 def test_the_median_of_compressed_updates(tmp_path, monkeypatch):
     """With compression the spool holds encoded updates θ_global - θ_f: the rule runs over the decoded ones
     (read in windows that do not line up with the codec's pieces), and the outer step applies it."""
-    monkeypatch.setattr(aggregate, "SLICE", 4096)
+    monkeypatch.setattr(hub_federation, "window", lambda uploads: 4096)  # the commit's windows
     numel, names = 10_000, ["a", "b", "c"]
     theta0 = torch.randn(numel, generator=torch.Generator().manual_seed(3))
     fed = Federation(tmp_path / "state", spec_of(numel, "median", compression="bf16"), names, theta0)

@@ -5,9 +5,12 @@ Three runs on this machine, one after the other:
 
 1. the facility alone (``distributed.federated=null``, no federation): its leader's peak;
 2. two facilities (one process each) through an ``--insecure`` hub on loopback, Nesterov outer
-   optimizer (one state buffer), ``--compression`` as given: the leader's peak (its ``summary.json``'s
-   ``peak_rss_mb``) and the hub's (``VmHWM`` of its process, read before it stops; its idle
-   resident memory is read after it starts serving).
+   optimizer (one state buffer), ``--compression`` as given (``topk``: 2%, 2 bits, with error feedback):
+   the leader's peak (its ``summary.json``'s ``peak_rss_mb``) and the hub's: the peak of its anonymous
+   resident memory (``RssAnon`` of ``/proc/PID/status``, sampled every 20 ms while the facilities run; its
+   idle value is read after it starts serving). Not ``VmRSS``/``VmHWM``: those count the pages of the state
+   files the hub maps and reads (file-backed page cache, which the kernel drops and reads again under
+   pressure: no memory the hub needs); ``VmHWM`` is reported beside, as ``hub_hwm_mb``.
 
 Both are run for ``--large`` (``llama_bench`` with 24 layers, 109.8 M parameters) and for ``--model``
 (``llama_bench``, 58.5 M); the bytes per parameter are the slope between the two,
@@ -16,8 +19,8 @@ model is left out: torch's and gRPC's own start-up, and the buffers of the frame
 frames per facility, whatever the model's size; a model smaller than a frame would count them per
 parameter). These are the figures that extrapolate to 8B and 70B (printed), beside each process's peak for
 ``--model`` itself. Leader's extra: federated peak minus alone peak, with the same rounds and synchronous
-checkpoints (an asynchronous one would stage a copy of the state in the window); hub's: its peak minus its
-idle memory.
+checkpoints (an asynchronous one would stage a copy of the state in the window); hub's: its anonymous peak
+minus its anonymous idle memory.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -51,11 +55,33 @@ _RUN = [
 
 
 def _status(pid: int, key: str) -> float:
-    """``VmRSS``/``VmHWM`` of ``pid`` in MiB."""
+    """``VmRSS``/``VmHWM``/``RssAnon`` of ``pid`` in MiB."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith(f"{key}:"):
             return int(line.split()[1]) / 1024
     raise RuntimeError(f"no {key} for pid {pid}")
+
+
+class _Peak:
+    """The greatest ``RssAnon`` of ``pid`` (MiB), sampled every 20 ms from a thread until :meth:`stop`."""
+
+    def __init__(self, pid: int):
+        self.pid, self.peak, self.done = pid, _status(pid, "RssAnon"), threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.done.wait(0.02):
+            try:
+                self.peak = max(self.peak, _status(self.pid, "RssAnon"))
+            except (OSError, RuntimeError):  # the process ended
+                return
+
+    def stop(self) -> float:
+        self.peak = max(self.peak, _status(self.pid, "RssAnon"))
+        self.done.set()
+        self.thread.join()
+        return self.peak
 
 
 def _job(args: list[str], run_dir: Path, env: dict) -> subprocess.Popen:
@@ -75,18 +101,19 @@ def _measure(model: str, compression: str, work: Path, timeout: float) -> dict:
     common[0] = f"model={common[0]}"
     alone = wait_job(_job(common, work / "alone", env), work / "alone", timeout)
     with insecure_hub(work / "state", env) as (hub, port):
-        idle = _status(hub.pid, "VmRSS")
+        idle, peak = _status(hub.pid, "RssAnon"), _Peak(hub.pid)
         fed = [*common, f"federation.elastic.hub=127.0.0.1:{port}",
                "federation.outer.name=nesterov", "federation.outer.lr=0.7", "federation.outer.momentum=0.9",
                f"federation.compression={compression}",
                *(["federation.error_feedback=true"] if compression != "none" else [])]  # fmt: skip
         procs = {n: _job([*fed, f"federation.elastic.facility={n}"], work / n, env) for n in ("a", "b")}
         summaries = {n: wait_job(p, work / n, timeout) for n, p in procs.items()}
-        hub_peak = _status(hub.pid, "VmHWM")
+        hub_peak, hub_hwm = peak.stop(), _status(hub.pid, "VmHWM")
     from ..hub.server.store import load_latest
 
     numel = load_latest(work / "state").theta.numel()  # the federation's parameters, as the hub saved them
-    return {"alone": alone, "federated": summaries, "hub_idle_mb": idle, "hub_peak_mb": hub_peak, "numel": numel}
+    return {"alone": alone, "federated": summaries, "hub_idle_mb": idle, "hub_peak_mb": hub_peak,
+            "hub_hwm_mb": hub_hwm, "numel": numel}  # fmt: skip
 
 
 def _extra(result: dict) -> tuple[float, float]:
@@ -108,6 +135,7 @@ def report(large: dict, model: dict) -> dict:
     leader_peak = max(s["peak_rss_mb"] for s in model["federated"].values())
     return {"parameters": model["numel"], "large_parameters": large["numel"], "leader_extra_mb": leader0,
             "hub_extra_mb": hub0, "leader_peak_mb": leader_peak, "hub_peak_mb": model["hub_peak_mb"],
+            "hub_hwm_mb": model["hub_hwm_mb"], "large_hub_hwm_mb": large["hub_hwm_mb"],
             "leader_extra_bytes_per_param": leader0 * mib / model["numel"],
             "hub_extra_bytes_per_param": hub0 * mib / model["numel"], **per,
             **{f"{w}_gb_at_{n}": per[f"{w}_bytes_per_param"] * size / 1e9 for w in ("leader", "hub")
@@ -118,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m xffl_like.bench.hub_memory", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="llama_bench", help="the model measured: NAME [key=value ...]")
     p.add_argument("--large", default="llama_bench model.n_layers=24", help="the larger model of the slope")
-    p.add_argument("--compression", default="none", choices=["none", "bf16", "uint8"])
+    p.add_argument("--compression", default="none", choices=["none", "bf16", "uint8", "topk"])
     p.add_argument("--out", help="write the figures as JSON here")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="xffl-hub-memory-") as tmp:

@@ -26,7 +26,7 @@ from ..config.checks import is_number
 from ..config.errors import ConfigError
 from ..config.schema import OuterConfig
 
-__all__ = ["OUTER_NAMES", "OuterOptimizer", "validate_outer"]
+__all__ = ["OUTER_NAMES", "OuterOptimizer", "outer_step", "validate_outer"]
 
 OUTER_NAMES = ("average", "nesterov", "momentum", "adam")
 
@@ -83,22 +83,31 @@ class OuterOptimizer:
     @torch.no_grad()
     def step(self, delta: Tensor) -> None:
         """Move ``theta`` in place along the pseudo-gradient ``delta`` (flat, fp32; may be overwritten)."""
-        o, theta = self.options, self.theta
         self.steps += 1
-        if o.name == "average":
-            theta.sub_(delta, alpha=o.lr)
-        elif o.name in ("momentum", "nesterov"):
-            buf = self.buffers["momentum_buffer"]
-            buf.mul_(o.momentum).add_(delta)
-            if o.name == "nesterov":
-                theta.sub_(delta.add_(buf, alpha=o.momentum), alpha=o.lr)
-            else:
-                theta.sub_(buf, alpha=o.lr)
+        outer_step(self.options, self.steps, self.theta, self.buffers, delta)
+
+
+@torch.no_grad()
+def outer_step(options: OuterConfig, steps: int, theta: Tensor, buffers: dict[str, Tensor], delta: Tensor) -> None:
+    """The outer step number ``steps`` (counted from 1, the count after this round's increment) on ``theta`` and
+    its state ``buffers``, in place along ``delta`` (may be overwritten). Elementwise: applied to any window
+    (``theta[a:b]``, each buffer's ``[a:b]``, ``delta[a:b]``) with the round's one ``steps``, it gives bitwise
+    the same values as on the whole tensors (the hub steps its state on disk window by window)."""
+    o = options
+    if o.name == "average":
+        theta.sub_(delta, alpha=o.lr)
+    elif o.name in ("momentum", "nesterov"):
+        buf = buffers["momentum_buffer"]
+        buf.mul_(o.momentum).add_(delta)
+        if o.name == "nesterov":
+            theta.sub_(delta.add_(buf, alpha=o.momentum), alpha=o.lr)
         else:
-            m, v = self.buffers["exp_avg"], self.buffers["exp_avg_sq"]
-            b1, b2 = o.betas
-            m.lerp_(delta, 1 - b1)
-            v.mul_(b2).addcmul_(delta, delta, value=1 - b2)
-            c1, c2 = 1 - b1**self.steps, 1 - b2**self.steps
-            denom = (v / c2).sqrt_().add_(o.eps)
-            theta.addcdiv_(m, denom, value=-o.lr / c1)
+            theta.sub_(buf, alpha=o.lr)
+    else:
+        m, v = buffers["exp_avg"], buffers["exp_avg_sq"]
+        b1, b2 = o.betas
+        m.lerp_(delta, 1 - b1)
+        v.mul_(b2).addcmul_(delta, delta, value=1 - b2)
+        c1, c2 = 1 - b1**steps, 1 - b2**steps
+        denom = (v / c2).sqrt_().add_(o.eps)
+        theta.addcdiv_(m, denom, value=-o.lr / c1)

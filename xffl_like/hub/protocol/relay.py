@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from ...config.schema import OuterConfig
-from ...federation.outer import OuterOptimizer
+from ...federation.outer import OuterOptimizer, outer_step
 from ...federation.topk import fold_weights
 from .spec import AGGREGATES
 from .update_codec import UpdateCodec
@@ -44,6 +44,7 @@ __all__ = [
     "RelayError",
     "State",
     "apply_round",
+    "rounds",
     "buffer_names",
     "check",
     "combine",
@@ -200,28 +201,30 @@ class MemoryState:
         pass  # the views were changed in place
 
 
-def _outer(options: OuterConfig, theta: Tensor, buffers: dict[str, Tensor], steps: int) -> OuterOptimizer:
-    """The outer optimizer over one window (its buffers the window's, its steps the whole one's)."""
-    part = OuterOptimizer.__new__(OuterOptimizer)
-    part.options, part.theta, part.buffers, part.steps = options, theta, buffers, steps
-    return part
-
-
 @torch.no_grad()
-def apply_round(state: State, options: OuterConfig, steps: int, readers: list[Reader], scales: list[float],
-                rule: str = "mean", trim: float = 0.0) -> int:  # fmt: skip
-    """One compressed round on ``state``: per window of :data:`WINDOW` values, the combination of the messages
-    (:func:`fold`, ``readers`` in the hub's fold order, ``scales`` their weights) is the update ``θ_global - mean``,
-    and the outer optimizer (``options``, ``steps`` taken before) steps on it. Returns the steps after. The hub
-    and every facility call this, so their copies stay bitwise equal."""
-    window = WINDOW if rule == "mean" else max(1 << 12, min(WINDOW, SLICE // max(1, len(readers))))
-    acc = torch.empty(min(window, state.numel), dtype=torch.float32)
-    for start in range(0, state.numel, window):
-        stop = min(start + window, state.numel)
-        theta, buffers = state.read(start, stop)
+def rounds(read, numel: int, options: OuterConfig, steps: int, readers: list[Reader], scales: list[float],
+           rule: str = "mean", trim: float = 0.0) -> Iterator[tuple[int, Tensor, dict[str, Tensor]]]:  # fmt: skip
+    """One compressed round, a window at a time: per window of :data:`WINDOW` values (fewer with a robust rule),
+    ``read(start, stop)`` gives θ_global's and the outer buffers' values there (changed in place), the combination
+    of the messages (:func:`fold`, ``readers`` in the hub's fold order, ``scales`` their weights) is the update
+    ``θ_global - mean``, and the outer step number ``steps + 1`` (:func:`~xffl_like.federation.outer.outer_step`)
+    moves them; yields ``(start, θ_global's window, the buffers' windows)``. The hub and every facility step
+    through these same windows, so their copies stay bitwise equal."""
+    window = WINDOW if rule == "mean" else max(1 << 16, min(WINDOW, SLICE // max(1, len(readers))) >> 16 << 16)
+    acc = torch.empty(min(window, numel), dtype=torch.float32)
+    for start in range(0, numel, window):
+        stop = min(start + window, numel)
+        theta, buffers = read(start, stop)
         update = acc[: stop - start]
         fold(update, readers, scales, rule, trim)
-        _outer(options, theta, buffers, steps).step(update)
+        outer_step(options, steps + 1, theta, buffers, update)
+        yield start, theta, buffers
+
+
+def apply_round(state: State, options: OuterConfig, steps: int, readers: list[Reader], scales: list[float],
+                rule: str = "mean", trim: float = 0.0) -> int:  # fmt: skip
+    """:func:`rounds` on ``state`` (each window written back); returns the steps after."""
+    for start, theta, buffers in rounds(state.read, state.numel, options, steps, readers, scales, rule, trim):
         state.write(start, theta, buffers)
     return steps + 1
 

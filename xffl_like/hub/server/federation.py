@@ -14,15 +14,19 @@ loses the role to the next facility that joins. Then, in the hub's committer thr
    members' norms this round, the federation's recent accepted ones, a floor) and at most
    ``max_norm_ratio x max(|θ_global|, 1)``; claims (steps taken, tokens) were checked on arrival against
    the facility's geometry (:func:`.checks.claims`);
-2. the accepted ones combined by the federation's ``aggregate`` rule, read back chunk by chunk from the
-   files the uploads were spooled to (:mod:`.spool`), into one accumulator: the weighted mean (uniform or
-   tokens weights, in name order), or the coordinate-wise median or trimmed mean (:mod:`.aggregate`);
-3. θ_global becomes the mean, or moves by the outer optimizer's step on ``θ_global - mean``, in memory
-   only: what members read is the saved version (its file), never the state being computed;
-4. the next version (θ_global, the outer state, the version, the members' history) is saved (:mod:`.store`)
-   and only then becomes the hub's: a round is applied once, whatever dies when. A save that fails (a full
-   disk) changes nothing anyone sees: θ_global and the outer state go back to the saved version, the log
-   says so in one line, and the round's members hear that it was ``missed``.
+2. the next version is computed and saved window by window (:meth:`HubFederation._apply`, :mod:`.fold`): the
+   saved version's θ_global and outer state are read a window at a time from its file, with each accepted
+   upload's window from the file it was spooled to (:mod:`.spool`); the window is combined by the
+   federation's ``aggregate`` rule (the weighted mean, uniform or tokens weights, in name order; or the
+   coordinate-wise median or trimmed mean, :mod:`.aggregate`), θ_global's window becomes the mean, or
+   moves by the outer optimizer's step on ``θ_global - mean`` (the round's one step number), and goes
+   straight into the next version's file. The hub holds neither θ_global nor the outer state nor an
+   accumulator in memory: one window per upload and per saved tensor, whatever the model's size;
+3. the next version (θ_global, the outer state, the version, the members' history) becomes the hub's only
+   once its file is whole and durable (:mod:`.store`: fsync, rename): a round is applied once, whatever dies
+   when. A save that fails (a full disk), or that the disk has no room for (checked before anything is
+   written), changes nothing anyone sees: the hub keeps the saved version, the log says so in one line,
+   and the round's members hear that it was ``missed``.
 
 Members read θ_global (Result, Fetch) from the saved file of the version they are told (:meth:`.store.
 StateStore.theta_reader`): a reader, however slow, never holds a commit, and a commit never changes what a
@@ -45,11 +49,13 @@ only, :func:`.checks.misaligned`), which then realign their step counter to the 
 joiner does. A round with no accepted contribution commits nothing. The federation ends once: with its round
 ``rounds`` (or, with ``every_s``, the first in which a member reached ``train.steps``); after it every arrival
 heals at once to the final version. Members and their liveness: :mod:`.membership`.
+The creator's parameters are spooled to a file too, and version 0 written from it a window at a time.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
 import time
 import uuid
@@ -77,8 +83,8 @@ from ..protocol.spec import check_spec, codec_of, first_difference, numel_of
 from ..protocol.update_codec import UpdateCodec
 from ..protocol.wire import CHUNK_BYTES, Frames, WireError, paced, pack, transfer_s
 from . import checks, relayed, store
-from .aggregate import robust
 from .errors import HubError
+from .fold import Plan, fold, window
 from .latency import ResultLatency
 from .membership import LIVE_S, Membership
 from .rounds import Arrival, Outcome, Part, Round, RoundState
@@ -113,7 +119,6 @@ class HubFederation:
         self.round: Round | None = None
         self.decided: dict[int, Round] = {}
         self.next_rid = 0
-        self.halted: str | None = None  # θ_global in memory could not go back to the saved version: no more rounds
         self.creator: str | None = None
         self.create_by = 0.0  # the creator's parameters are due by then (grace_s after it was told to create)
         self.create_cut = None  # ends the creator's upload call
@@ -124,9 +129,8 @@ class HubFederation:
         self.latency = ResultLatency(log)  # each round's last upload to its result's first byte, logged
         self.snap = snap
         self.spec: dict | None = snap.spec if snap else None
-        self.theta: Tensor | None = snap.theta if snap else None
-        self.acc: Tensor | None = None
-        self.outer: OuterOptimizer | None = None
+        self.options: OuterConfig | None = None  # the federation's outer optimizer
+        self.theta_norm = 0.0  # |θ_global| of the saved version (the checks' scale)
         self.codec: UpdateCodec | None = None
         self.relayed: relayed.Relayed | None = None  # the last compressed round's messages, for its members
         if snap is not None:
@@ -138,10 +142,13 @@ class HubFederation:
     # ------------------------------------------------------------------ state
     def _restore(self, snap: store.Snapshot) -> None:
         self.codec = codec_of(snap.spec)
-        self.outer = OuterOptimizer(_outer_config(snap.spec), snap.theta)
-        for k, v in snap.buffers.items():
-            self.outer.buffers[k].copy_(v)
-        self.outer.steps = snap.outer_steps
+        self.options = _outer_config(snap.spec)
+        self.theta_norm = math.sqrt(checks.squares(snap.theta.numpy(), None, 0))
+
+    @property
+    def theta(self) -> Tensor | None:
+        """θ_global of the saved version, mapped from its file (pages the kernel reads and drops; never written)."""
+        return self.snap.theta if self.snap else None
 
     @property
     def version(self) -> int:
@@ -155,18 +162,21 @@ class HubFederation:
             return 4 * numel_of(self.pending_spec)
         if self.theta is None:
             raise HubError("the federation has not been created yet: join again", "FAILED_PRECONDITION")
-        return self.codec.nbytes if self.codec is not None else 4 * self.theta.numel()
+        return self.codec.nbytes if self.codec is not None else 4 * numel_of(self.spec)
 
     def _view(self) -> HubView:
         s = self.snap
         view = self.members.view(self.version, s.progress if s else 0, bool(s and s.ended))
         return dataclasses.replace(view, federation=s.federation if s else None)
 
-    def _saved(self, snap: store.Snapshot, what: str) -> str | None:
-        """Save ``snap``; None, or why it could not be saved (one line, logged; nothing kept changed)."""
+    def _saved(self, snap: store.Snapshot, what: str, windows: store.Windows | None = None) -> str | None:
+        """Save ``snap`` (its tensors from ``windows``); None, or why it could not be saved (one line, logged;
+        nothing kept changed)."""
         try:
-            self.store.save(snap)
+            self.store.save(snap, windows)
             return None
+        except store.NoRoom as exc:
+            why = f"refused {what}: {exc}"
         except OSError as exc:
             where = f" ({exc.filename})" if exc.filename else ""
             why = f"cannot save {what}: {exc.strerror or exc}{where}; free space on --state's disk"
@@ -250,29 +260,33 @@ class HubFederation:
                 raise HubError(f"facility {name} is not creating this federation: join again", "FAILED_PRECONDITION")
             spec, self.create_cut = self.pending_spec, cut
             frames.frames = paced(frames.frames, self.create_by, f"facility {name}'s parameters")
-        theta = torch.empty(numel_of(spec), dtype=torch.float32)
-        frames.into(theta)
-        if not torch.isfinite(theta).all():
+        path = self.spool.dir / f"create-{name}.bin"  # received to a file: never held whole
+        try:
+            self.spool.receive(frames, path)
+            norm = self.spool.norm(path)  # after the upload: never slows its frames down
+            if not math.isfinite(norm):
+                with self.cv:
+                    self.creator = None
+                raise HubError("the parameters that would create the federation are not finite", "INVALID_ARGUMENT")
             with self.cv:
-                self.creator = None
-            raise HubError("the parameters that would create the federation are not finite", "INVALID_ARGUMENT")
-        outer = OuterOptimizer(_outer_config(spec), theta)
-        with self.cv:
-            if self.creator != name:
-                raise HubError(f"facility {name}'s parameters came after its deadline (federation.elastic.grace_s): "
-                               f"another facility creates the federation; join again", "DEADLINE_EXCEEDED")  # fmt: skip
-            members = self.members.durable()
-        snap = store.Snapshot(0, spec, theta, dict(outer.buffers), outer.steps, members=members,
-                              federation=uuid.uuid4().hex)  # fmt: skip
-        why = self._saved(snap, "the new federation")
+                if self.creator != name:
+                    raise HubError(f"facility {name}'s parameters came after its deadline (federation.elastic."
+                                   f"grace_s): another facility creates the federation; join again",
+                                   "DEADLINE_EXCEEDED")  # fmt: skip
+                members = self.members.durable()
+            snap = store.Snapshot(0, spec, None, {}, 0, members=members, federation=uuid.uuid4().hex)
+            why = self._saved(snap, "the new federation", _created(path, numel_of(spec), _outer_config(spec)))
+        finally:
+            path.unlink(missing_ok=True)
         with self.cv:
             if why is not None:
                 self.creator, self.create_cut = None, None  # not created: the next join creates it
                 raise HubError(f"the hub {why}: the federation is not created", "INTERNAL")
-            self.spec, self.theta, self.creator, self.outer, self.snap = spec, theta, None, outer, snap
+            self.snap = self.store.load(0, verify=False)
+            self.spec, self.creator, self.options, self.theta_norm = spec, None, _outer_config(spec), norm
             self.create_cut = None
             self.codec = codec_of(spec)
-            self.log(f"hub: facility {name} created the federation ({theta.numel()} parameters)")
+            self.log(f"hub: facility {name} created the federation ({numel_of(spec)} parameters)")
             self.cv.notify_all()
             return self._view()
 
@@ -281,8 +295,6 @@ class HubFederation:
         """A member at its boundary: ``upload`` (its contribution is wanted) or ``heal``."""
         with self.cv:
             m = self.members.beat(name, msg.session)
-            if self.halted is not None:
-                raise HubError(self.halted, "INTERNAL")
             if self.spec is None:
                 raise HubError("the federation has not been created yet: join again", "FAILED_PRECONDITION")
             stale = None if msg.version == self.version else f"version {msg.version} (the hub's is {self.version})"
@@ -381,7 +393,6 @@ class HubFederation:
             except Exception as exc:  # noqa: BLE001 - a round that cannot commit commits nothing
                 outcome = Outcome(False, error=f"{type(exc).__name__}: {exc}")
                 self.log(f"hub: round {r.rid} failed to commit ({outcome.error}); version stays {self.version}")
-                self._restore_saved()
             finally:
                 self.spool.clear(r.rid)
             with self.cv:
@@ -393,25 +404,19 @@ class HubFederation:
                 self.round = None
                 self.cv.notify_all()
 
-    @torch.no_grad()
     def _commit(self, r: Round) -> Outcome:
         start = time.perf_counter()
-        theta_norm = float(torch.linalg.vector_norm(self.theta, dtype=torch.float64))
-        rejected = checks.judge(r, self.members.members, float(self.spec.get("max_norm_ratio") or 0), theta_norm)
-        accepted = {n: a for n, a in sorted(r.arrivals.items()) if not a.heal and n not in rejected}
-        healed = {n: a.reason for n, a in r.arrivals.items() if a.heal}
-        for n, why in rejected.items():
-            self.log(f"hub: round {r.rid}: facility {n}'s contribution rejected: {why}")
+        accepted, weights, rejected, healed = self._decide(r)
         if not accepted:
             return Outcome(False, {}, rejected, healed)
-        scales = self._apply(accepted)
         nxt, members = self._next(r, accepted)
-        why = self._saved(nxt, f"version {nxt.version}")
+        why = self._apply(nxt, accepted, weights)
         if why is not None:
-            self._restore_saved()
             return Outcome(False, {}, rejected, healed, error=f"the hub {why}")
+        total = sum(weights.values())
+        scales = {n: weights[n] / total for n in accepted}
         with self.cv:
-            self.snap = nxt
+            self.snap = self.store.load(nxt.version, verify=False)  # the saved file, mapped
             self._keep_relay(r, scales, accepted)
             for n, m in members.items():
                 if n in self.members.members:
@@ -423,37 +428,6 @@ class HubFederation:
         )
         return Outcome(True, scales, rejected, healed)
 
-    def _apply(self, accepted: dict[str, Arrival]) -> dict[str, float]:
-        """θ_global and the outer state in memory become the round's (the accepted contributions, in name order,
-        combined by the federation's ``aggregate`` rule); each one's weight. With compression, the function each
-        facility applies a relayed round with (:func:`..protocol.relay.apply_round`), so their copies are the hub's."""
-        rule, trim = self.spec.get("aggregate", "mean"), float(self.spec.get("trim", 0.0))
-        weights = checks.weights(self.spec, accepted) if rule == "mean" else dict.fromkeys(accepted, 1.0)
-        total = sum(weights.values())
-        scales = {n: weights[n] / total for n in accepted}
-        if self.codec is not None:
-            readers = [relay.Reader(a.spool, self.codec) for a in accepted.values()]
-            try:
-                state = relay.MemoryState(self.theta, self.outer.buffers)
-                args = (self.outer.options, self.outer.steps, readers, list(scales.values()), rule, trim)
-                self.outer.steps = relay.apply_round(state, *args)
-            finally:
-                for reader in readers:
-                    reader.close()
-            return scales
-        acc = self.acc = self.acc if self.acc is not None else torch.empty_like(self.theta)
-        if rule == "mean":
-            acc.zero_()
-            for n, a in accepted.items():
-                self.spool.accumulate(acc, a.spool, scales[n], None)
-        else:  # coordinate-wise over members, a window at a time (unweighted)
-            robust(acc, [a.spool for a in accepted.values()], rule, trim, None)
-        if self.outer.options.is_plain_mean:
-            self.theta.copy_(acc)
-        else:
-            self.outer.step(torch.sub(self.theta, acc, out=acc))
-        return scales
-
     def _keep_relay(self, r: Round, scales: dict[str, float], accepted: dict[str, Arrival]) -> None:
         """With compression, the committed round's accepted messages are set aside for its members (the caller
         holds the lock); the previous round's are removed."""
@@ -464,12 +438,73 @@ class HubFederation:
             old.remove()
         try:
             spooled = {n: a.spool for n, a in accepted.items()}
-            self.relayed = relayed.keep(r.rid, r.version, self.version, scales, spooled, self.outer.steps)
+            self.relayed = relayed.keep(r.rid, r.version, self.version, scales, spooled, self.snap.outer_steps)
         except OSError as exc:  # its members read θ_global in full instead
             self.log(f"hub: round {r.rid}: cannot keep its messages to relay ({exc}); its members download θ_global")
 
+    def _decide(self, r: Round) -> tuple[dict[str, Arrival], dict[str, float], dict[str, str], dict[str, str]]:
+        """The round's judgement: the accepted contributions (in name order) and their weights, the rejected
+        ones and why, the healed ones and why."""
+        rejected = checks.judge(r, self.members.members, float(self.spec.get("max_norm_ratio") or 0), self.theta_norm)
+        accepted = {n: a for n, a in sorted(r.arrivals.items()) if not a.heal and n not in rejected}
+        healed = {n: a.reason for n, a in r.arrivals.items() if a.heal}
+        for n, why in rejected.items():
+            self.log(f"hub: round {r.rid}: facility {n}'s contribution rejected: {why}")
+        rule = self.spec.get("aggregate", "mean")
+        weights = checks.weights(self.spec, accepted) if rule == "mean" else dict.fromkeys(accepted, 1.0)
+        return accepted, weights, rejected, healed
+
+    @torch.no_grad()
+    def _apply(self, nxt: store.Snapshot, accepted: dict[str, Arrival], weights: dict[str, float]) -> str | None:
+        """Save version ``nxt`` (:meth:`_saved`: None, or why not), its θ_global and outer state computed window
+        by window from the saved version's and the accepted uploads' spool files, each window written into its
+        file as it is computed: nothing of the model's size is held in memory. With compression, the windows of
+        :func:`..protocol.relay.rounds`, which every facility applies a relayed round with (bitwise the same);
+        else :func:`.fold.fold`'s."""
+        saved, total, numel = self.snap, sum(weights.values()), numel_of(self.spec)
+        readers = [relay.Reader(a.spool, self.codec) for a in accepted.values()]
+        squares = [0.0]  # |θ_global|² of the next version, window by window
+
+        def items():
+            for theta, buffers in self._windows(saved, readers, tuple(weights[n] / total for n in accepted)):
+                squares[0] += checks.squares(theta.numpy(), None, 0)
+                yield {"theta": theta, **buffers}
+
+        try:
+            why = self._saved(nxt, f"version {nxt.version}", store.Windows(("theta", *saved.buffers), numel, items()))
+        finally:
+            for reader in readers:
+                reader.close()
+        if why is None:
+            self.theta_norm = math.sqrt(squares[0])
+        return why
+
+    def _windows(self, saved: store.Snapshot, readers: list, scales: tuple[float, ...]):
+        """(θ_global's window, the outer buffers' windows) of the next version, in order (:meth:`_apply`)."""
+        rule, trim, numel = self.spec.get("aggregate", "mean"), float(self.spec.get("trim", 0.0)), numel_of(self.spec)
+
+        def read(start: int, stop: int):
+            return saved.theta[start:stop].clone(), {b: t[start:stop].clone() for b, t in saved.buffers.items()}
+
+        if self.codec is not None:
+            args = (self.options, saved.outer_steps, readers, list(scales), rule, trim)
+            for _, theta, buffers in relay.rounds(read, numel, *args):
+                yield theta, buffers
+            return
+        plan = Plan(rule, scales, trim, False, self.options, saved.outer_steps + 1)
+        n = window(len(readers))
+        stack = torch.empty(len(readers), n, dtype=torch.float32)
+        for start in range(0, numel, n):
+            k = min(n, numel - start)
+            theta, buffers = read(start, start + k)
+            for i, reader in enumerate(readers):
+                reader.take(stack[i, :k])
+            fold(plan, theta, buffers, stack[:, :k])
+            yield theta, buffers
+
     def _next(self, r: Round, accepted: dict[str, Arrival]) -> tuple[store.Snapshot, dict]:
-        """The next version, aside (the hub's stays as it is until it is saved), and its members' history."""
+        """The next version's description (its tensors are computed as it is saved, :meth:`_apply`), and its
+        members' history; the hub's stays as it is until it is saved."""
         s = self.snap
         with self.cv:
             members = {n: dataclasses.replace(m, norms=list(m.norms)) for n, m in self.members.members.items()}
@@ -479,25 +514,10 @@ class HubFederation:
             step = a.step if n in accepted or not members[n].every else checks.federation_step(members[n], progress)
             members[n].accepted(step, a.norm if n in accepted else None)
         ended = s.ended or self._ends(accepted, progress)
-        nxt = dataclasses.replace(s, version=s.version + 1, theta=self.theta, buffers=dict(self.outer.buffers),
-                                  outer_steps=self.outer.steps, progress=progress, ended=ended,
+        nxt = dataclasses.replace(s, version=s.version + 1, theta=None, buffers={}, outer_steps=s.outer_steps + 1,
+                                  progress=progress, ended=ended,
                                   members={n: m.durable() for n, m in members.items()})  # fmt: skip
         return nxt, {n: members[n] for n in r.arrivals}
-
-    def _restore_saved(self) -> None:
-        """θ_global and the outer state in memory back to the saved version (after a commit that failed)."""
-        if self.snap is None or self.theta is None:
-            return
-        try:
-            saved = self.store.load(self.snap.version)
-            self.theta.copy_(saved.theta)
-            for k, v in saved.buffers.items():
-                self.outer.buffers[k].copy_(v)
-            self.outer.steps = saved.outer_steps
-        except Exception as exc:  # noqa: BLE001 - the hub cannot go on from a state it does not hold
-            self.halted = (f"the hub cannot restore version {self.snap.version} after a failed commit ({exc}): "
-                           f"its operator must restart it on the same --state")  # fmt: skip
-            self.log(f"hub: {self.halted}")
 
     def _ends(self, accepted: dict[str, Arrival], progress: int) -> bool:
         """Whether the round ends the federation: with ``every_s``, an accepted member reached the federation's last
@@ -581,12 +601,30 @@ class HubFederation:
         if self.codec is None:
             return header, sources
         try:
-            sources += [self.store.tensor_reader(self.version, f"outer.{k}") for k in self.outer.buffers]
+            sources += [self.store.tensor_reader(self.version, f"outer.{k}") for k in self.snap.buffers]
         except BaseException:
             for fh, _ in sources:
                 fh.close()
             raise
         return dataclasses.replace(header, outer_steps=self.snap.outer_steps), sources
+
+
+def _created(path: Path, numel: int, options: OuterConfig) -> store.Windows:
+    """Version 0's tensors, a window at a time: the creator's parameters (spooled to ``path``) and the outer
+    optimizer's state at zero."""
+    names = tuple(OuterOptimizer(options, torch.empty(0)).buffers)
+
+    def items():
+        reader, n = relay.Reader(path, None), window(1)
+        try:
+            for start in range(0, numel, n):
+                theta = torch.empty(min(n, numel - start), dtype=torch.float32)
+                reader.take(theta)
+                yield {"theta": theta, **{k: torch.zeros_like(theta) for k in names}}
+        finally:
+            reader.close()
+
+    return store.Windows(("theta", *names), numel, items())
 
 
 def _file_frames(header: ResultHeader, sources: list, deadline_s: float, cut) -> Iterator[bytes]:

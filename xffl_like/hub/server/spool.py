@@ -2,10 +2,10 @@
 
 A contribution is never held whole in memory: its frames go to ``<state>/spool/<round>-<facility>.bin``
 while the hub sums the squares of its update ``θ_global - θ_f`` (fp32 parameters) or decodes it (a
-compressed update, :mod:`..protocol.update_codec`); at the commit each accepted file is read back a slice at
-a time into the one accumulator. No file outlives its round: a broken upload's is removed at once, and every
-file of a decided round (accepted, rejected or late) is removed with it (:meth:`Spool.clear`). A spool that
-is a symbolic link is refused, and no file in it is followed.
+compressed update, :mod:`..protocol.update_codec`); at the commit each accepted file is read back a window
+at a time (:class:`.aggregate.Reader`, :mod:`.fold`). No file outlives its round: a broken upload's is
+removed at once, and every file of a decided round (accepted, rejected or late) is removed with it
+(:meth:`Spool.clear`). A spool that is a symbolic link is refused, and no file in it is followed.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import shutil
 from pathlib import Path
 
 import numpy as np
-import torch
 from torch import Tensor
 
 from ..protocol.update_codec import UpdateCodec
@@ -53,6 +52,21 @@ class Spool:
         path.unlink(missing_ok=True)
         return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600), "wb")
 
+    def receive(self, frames: Frames, path: Path) -> None:
+        """Write the chunks to ``path`` as they come, unmeasured (a creator's parameters: :meth:`norm` after)."""
+        with self._create(path) as fh:
+            for _, chunk in frames.chunks():
+                fh.write(chunk)
+
+    @staticmethod
+    def norm(path: Path) -> float:
+        """The norm of the fp32 values in ``path``, read a slice at a time (nan when one is not finite)."""
+        total = 0.0
+        with open(path, "rb") as fh:
+            while math.isfinite(total) and (raw := fh.read(4 * SLICE)):
+                total += squares(np.frombuffer(raw, dtype=np.float32), None, 0)
+        return math.sqrt(total) if math.isfinite(total) else math.nan
+
     def write(self, frames: Frames, path: Path, theta: Tensor, codec: UpdateCodec | None) -> float:
         """Write the chunks to ``path``; the norm of the update ``θ_global - θ_f`` (nan when not finite)."""
         if codec is not None:
@@ -79,30 +93,3 @@ class Spool:
                 if not math.isfinite(total):
                     return math.nan
         return math.sqrt(total)
-
-    @staticmethod
-    def fold(fold, path: Path, weight: float, codec: UpdateCodec) -> None:
-        """Fold the top-k contribution in ``path`` into ``fold`` (:meth:`UpdateCodec.fold`) at ``weight``, a
-        block at a time; the file is removed."""
-        with open(path, "rb") as fh:
-            for index, values in codec.decode_sparse_stream(fh.read):
-                fold.add(index, values, weight)
-        path.unlink(missing_ok=True)
-
-    @staticmethod
-    def accumulate(acc: Tensor, path: Path, scale: float, codec: UpdateCodec | None) -> None:
-        """``acc += scale x`` the contribution in ``path`` (decoded by ``codec``), a slice at a time; the file
-        is removed."""
-        if codec is not None:
-            with open(path, "rb") as fh:
-                for start, values in codec.decode_stream(fh.read):
-                    acc[start : start + values.numel()].add_(values, alpha=scale)
-            path.unlink(missing_ok=True)
-            return
-        with open(path, "rb") as fh:
-            offset, x = 0, torch.empty(SLICE, dtype=torch.float32)
-            while got := fh.readinto(memoryview(x.numpy()).cast("B")):
-                n = got // 4
-                acc[offset : offset + n].add_(x[:n], alpha=scale)
-                offset += n
-        path.unlink(missing_ok=True)

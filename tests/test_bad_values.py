@@ -68,6 +68,7 @@ BAD = [
     # issue 29: the delayed outer step
     (["federation.delay=2"], "federation.delay=2: use 0 (each round's outer step at its boundary) or 1"),
     (["federation.algorithm=synchronous", "federation.delay=1"], "so federation.delay does not apply"),
+    (["federation.delay_rule=own_full"], "federation.delay_rule=own_full applies to federation.delay=1 (now 0)"),
     (
         ["federation.elastic.hub=127.0.0.1:9", "distributed.federated=null", "federation.delay=1"],
         "federation.delay=1 does not work with federation.elastic.hub",

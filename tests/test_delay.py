@@ -1,11 +1,13 @@
-"""Issue 29, item 2: the delayed, overlapped outer step (``federation.delay=1``, ``federation/delayed.py``).
+"""Issues 29 and 39 (item 2): the delayed, overlapped outer step (``federation.delay=1``, ``federation/delayed.py``).
 
-Every boundary of two jobs is recomputed here by hand from the values the ranks recorded, with the rule as
-docs/running.md states it (``Δ_r = s_r - x_r``; round ``r - 1``'s mean lands at ``b_r``; the local model
-becomes ``θ_g - Δ_r``; at the end everything lands): top-k with error feedback and Nesterov over FSDP shards
-(the messages against the reference encoder of ``helpers.topk_reference``), and no compression with fixed
-weights over a facility of two replicas. The top-k job killed mid-round, while a delayed exchange is in
-flight, and restarted by the elastic launcher ends bitwise equal to the uninterrupted one. Then the refusals.
+Every boundary of three jobs is recomputed here by hand from the values the ranks recorded, with the rules as
+docs/running.md states them. ``eager`` (the default): ``Δ_r = θ_f - x_r``; each facility steps its own ``θ_f``
+and outer state on ``s_f Δ_r + D_{r-1} - s_f Δ_{r-1}``; at the end ``D_r`` replaces the fresh share and the job
+ends on ``Σ_f s_f θ_f``: with top-k and error feedback and Nesterov over FSDP shards (the messages against the
+reference encoder of ``helpers.topk_reference``), and without compression, fixed weights, own paces and a
+facility of two replicas. ``own_full``: the local model ``θ_g - Δ_r``, ``θ_g`` stepping on the landed means,
+on that second job. The top-k job killed mid-round, while a delayed exchange is in flight, and restarted by
+the elastic launcher ends bitwise equal to the uninterrupted one. Then the refusals.
 """
 
 from __future__ import annotations
@@ -77,35 +79,33 @@ def topk_runs(tmp_path_factory):
 @pytest.mark.cli
 @pytest.mark.multiprocess
 @pytest.mark.slow
-def test_topk_nesterov_rounds_by_hand(topk_runs):
-    """2 facilities x FSDP over 2 ranks. Per shard, from the recorded values: Δ_r = s_r - x_r (s_1 the start,
-    then the last boundary's parameters); the message sent after b_r is the reference encoding of
-    decay * e + Δ_r, and e + decoded is that accumulator exactly; at b_r the parameters are
-    θ_g - Δ_r, θ_g having taken Nesterov steps with the means of the decoded messages of rounds 1 .. r-1;
-    at the end both rounds land and every copy is θ_g."""
+def test_topk_nesterov_eager_rounds_by_hand(topk_runs):
+    """2 facilities x FSDP over 2 ranks, eager. Per shard, from the recorded values: Δ_r = θ_f - x_r (θ_f: the
+    parameters after the last boundary, or the start); the message sent after b_r is the reference encoding
+    of decay * e + Δ_r, and e + decoded is that accumulator exactly; at b_r facility f's parameters are its own
+    θ_f after a Nesterov step (its own momentum) on Δ_r / 2 + (D_{r-1} - Δ_{r-1} / 2), D the mean of the
+    decoded messages; at the end on D_r + (D_{r-1} - Δ_{r-1} / 2), and every copy is the mean of the θ_f."""
     base, s, _ = topk_runs
-    assert s["federation"]["delay"] == 1 and s["rounds"] == BOUNDARIES
-    assert [r["landed"] for r in s["round_records"]] == [[], [2], [4, 6]]
+    assert s["federation"]["delay"] == 1 and s["federation"]["delay_rule"] == "eager"
+    assert s["rounds"] == BOUNDARIES and [r["landed"] for r in s["round_records"]] == [[], [2], [4, 6]]
     rec = load_rounds(base / "rounds")
     init = _by_place(rec[(0, "init")])
-    spread = 0.0
+    spread = apart = 0.0
     for shard in (0, 1):
         places = [(0, 0, shard), (1, 0, shard)]
-        theta = _flat(init[places[0]]).double()
         assert torch.equal(_flat(init[places[0]]), _flat(init[places[1]]))
-        buf = torch.zeros_like(theta)
         start = {f: _flat(init[p]) for f, p in enumerate(places)}
+        theta = {f: start[f].double() for f in (0, 1)}
+        buf = {f: torch.zeros_like(theta[f]) for f in (0, 1)}
         residual = {f: torch.zeros_like(start[f]) for f in (0, 1)}
-        in_flight = None  # the decoded mean of the round whose step has not landed
+        landing, stale = None, None  # the decoded mean in flight, and each facility's Δ in it
         for b in range(BOUNDARIES):
             before, after = _by_place(rec[(b, "before")]), _by_place(rec[(b, "after")])
             last = b == BOUNDARIES - 1
-            delta = {f: start[f] - _flat(before[p]) for f, p in enumerate(places)}
-            if in_flight is not None:
-                theta, buf = _nesterov(theta, buf, in_flight)
+            delta = {f: (start[f] - _flat(before[p])).double() for f, p in enumerate(places)}
             decoded = {}
             for f, p in enumerate(places):
-                acc = residual[f] * DECAY + delta[f]
+                acc = residual[f] * DECAY + delta[f].float()
                 sent = ref_encode(acc.numpy(), CHUNK, DENSITY, BITS)
                 decoded[f] = torch.from_numpy(ref_decode(sent, acc.numel(), CHUNK, DENSITY, BITS))
                 if not last:  # recorded where its exchange starts, after the boundary's checkpoint
@@ -114,16 +114,22 @@ def test_topk_nesterov_rounds_by_hand(topk_runs):
                     assert torch.equal(started["residual"] + decoded[f], acc)
                 residual[f] = acc - decoded[f]
             spread = max(spread, float((decoded[0] - decoded[1]).abs().max()))
-            in_flight = (decoded[0].double() + decoded[1].double()) / 2
-            if last:
-                theta, buf = _nesterov(theta, buf, in_flight)
+            mean = (decoded[0].double() + decoded[1].double()) / 2
+            for f in (0, 1):
+                fresh = mean if last else delta[f] / 2
+                others = 0 if landing is None else landing - stale[f] / 2
+                theta[f], buf[f] = _nesterov(theta[f], buf[f], fresh + others)
+            landing, stale = mean, delta
+            if not last:
+                apart = max(apart, float((theta[0] - theta[1]).abs().max()))
             for f, p in enumerate(places):
-                want = theta if last else theta - delta[f].double()
+                want = (theta[0] + theta[1]) / 2 if last else theta[f]
                 err = float((_flat(after[p]).double() - want).abs().max())
                 assert err <= 1e-6, f"boundary {b}, facility {f}, shard {shard}: {err:.3g} from the rule"
                 start[f] = _flat(after[p])
         assert torch.equal(start[0], start[1])  # the end: one model
     assert spread > MIN_FACILITY_SPREAD  # the facilities sent different updates
+    assert apart > MIN_FACILITY_SPREAD  # and held different models between rounds, as the rule implies
     assert s["cross_facility_bytes_per_round"][0] == 0 and all(b > 0 for b in s["cross_facility_bytes_per_round"][1:])
 
 
@@ -160,11 +166,13 @@ def test_resume_with_another_delay_is_refused(topk_runs, tmp_path):
 @pytest.mark.cli
 @pytest.mark.multiprocess
 @pytest.mark.slow
-def test_plain_mean_with_replicas_by_hand(tmp_path):
+@pytest.mark.parametrize("rule", ["own_full", "eager"])
+def test_plain_mean_with_replicas_by_hand(tmp_path, rule):
     """Facility 0 of 2 replicas taking 2 steps per round and facility 1 of one rank taking 1 (their own
-    paces), no compression, weights [3, 1], outer average at lr 0.8: Δ_r = s_r - x_r, the landed mean is
-    (3 Δ_0 + Δ_1) / 4, θ_g -= 0.8 x that, the parameters θ_g - Δ_r, and the replicas of facility 0 hold the
-    same values throughout."""
+    paces), no compression, weights [3, 1] (shares s = 3/4, 1/4), outer average at lr 0.8; the landed mean is
+    D = (3 Δ_0 + Δ_1) / 4, and the replicas of facility 0 hold the same values throughout. own_full:
+    Δ_r = s_r - x_r, θ_g -= 0.8 D_{r-1}, the parameters θ_g - Δ_r. eager: Δ_r = θ_f - x_r,
+    θ_f -= 0.8 (s_f Δ_r + D_{r-1} - s_f Δ_{r-1}); at the end D_r in place of s_f Δ_r, then Σ_f s_f θ_f."""
     _, s = run_recorded(
         [
             *JOB,
@@ -175,32 +183,41 @@ def test_plain_mean_with_replicas_by_hand(tmp_path):
             "federation.weights=[3,1]",
             "federation.outer.name=average",
             "federation.outer.lr=0.8",
+            f"federation.delay_rule={rule}",
         ],
         tmp_path,
     )
     assert s["rounds"] == BOUNDARIES and [r["steps_taken"] for r in s["round_records"]] == [[2, 1]] * BOUNDARIES
+    assert s["federation"]["delay_rule"] == rule
     rec = load_rounds(tmp_path / "rounds")
-    places = [(0, 0, 0), (1, 0, 0)]
+    places, share = [(0, 0, 0), (1, 0, 0)], (0.75, 0.25)
     init = _by_place(rec[(0, "init")])
-    theta = _flat(init[places[0]]).double()
     start = {f: _flat(init[p]) for f, p in enumerate(places)}
-    in_flight = None
+    theta = {f: start[f].double() for f in (0, 1)}  # own_full: both the one θ_g
+    landing, stale = None, None
     for b in range(BOUNDARIES):
         before, after = _by_place(rec[(b, "before")]), _by_place(rec[(b, "after")])
         assert torch.equal(_flat(after[(0, 0, 0)]), _flat(after[(0, 1, 0)]))  # the replicas agree
         last = b == BOUNDARIES - 1
-        delta = {f: start[f] - _flat(before[p]) for f, p in enumerate(places)}
-        if in_flight is not None:
-            theta = theta - 0.8 * in_flight
-        in_flight = (3 * delta[0].double() + delta[1].double()) / 4
-        if last:
-            theta = theta - 0.8 * in_flight
+        delta = {f: (start[f] - _flat(before[p])).double() for f, p in enumerate(places)}
+        mean = share[0] * delta[0] + share[1] * delta[1]
+        for f in (0, 1):
+            if rule == "own_full":  # the stale mean, and at the end this round's
+                theta[f] = theta[f] - 0.8 * (0 if landing is None else landing) - (0.8 * mean if last else 0)
+            else:
+                fresh = mean if last else share[f] * delta[f]
+                theta[f] = theta[f] - 0.8 * (fresh + (0 if landing is None else landing - share[f] * stale[f]))
+        landing, stale = mean, delta
         for f, p in enumerate(places):
-            want = theta if last else theta - delta[f].double()
+            if rule == "own_full":
+                want = theta[f] if last else theta[f] - delta[f]
+            else:
+                want = share[0] * theta[0] + share[1] * theta[1] if last else theta[f]
             err = float((_flat(after[p]).double() - want).abs().max())
-            assert err <= 1e-6, f"boundary {b}, facility {f}: {err:.3g} from the rule"
+            assert err <= 1e-6, f"{rule}, boundary {b}, facility {f}: {err:.3g} from the rule"
             start[f] = _flat(after[p])
     assert float((delta[0] - delta[1]).abs().max()) > MIN_FACILITY_SPREAD
+    assert torch.equal(start[0], start[1])  # the end: one model
 
 
 @pytest.mark.parametrize(
@@ -213,6 +230,9 @@ def test_plain_mean_with_replicas_by_hand(tmp_path):
         (dict(delay=1, every=4, fragments=2), "federation.delay=1 with federation.fragments=2"),
         (dict(delay=1, schedule=[{"until_step": None, "every": 4}]), "federation.delay=1 with federation.schedule"),
         (dict(schedule=[{"until_step": None, "delay": 1}]), "federation.delay=1 with federation.schedule"),
+        (dict(delay_rule="own_full"), "federation.delay_rule=own_full applies to federation.delay=1 (now 0)"),
+        (dict(delay_rule="eager"), "federation.delay_rule=eager applies to federation.delay=1 (now 0)"),
+        (dict(delay=1, delay_rule="late"), "federation.delay_rule='late': use eager"),
     ],
 )
 def test_bad_delay_options(override, needle):

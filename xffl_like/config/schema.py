@@ -316,6 +316,7 @@ class FederationConfig(Section):
     error_feedback: bool | None = None  # null: the compression's own (topk: on; bf16, uint8: off)
     topk: TopkConfig = field(default_factory=TopkConfig)
     delay: int = 0  # 1: a round's outer step is applied one round late, its exchange overlapping the next round
+    delay_rule: str | None = None  # delay=1: eager (null: the default; arXiv 2502.12996) | own_full (the rule before)
     fragments: int = 1  # contiguous fragments of the blocks, synced at staggered steps (Streaming DiLoCo)
     overlap_steps: int = 0  # a fragment's exchange starts this many steps before it is applied
     merge_alpha: float = 0.5  # with overlap: merge_alpha * local + (1 - merge_alpha) * new global

@@ -15,10 +15,11 @@
 - :mod:`.topk`: SparseLoCo's top-k messages with error feedback (``compression=topk``);
 - the update encodings that cross to an elastic federation's hub: :mod:`xffl_like.hub.protocol.update_codec`;
 - :mod:`.streaming`: fragments synced at staggered steps, exchanges overlapping local steps;
-- :mod:`.delayed`: a round's outer step applied one round late, its exchange overlapping the next (``delay=1``);
+- :mod:`.delayed`: a round's exchange overlapping the next round (``delay=1``), its mean applied one round late
+  by ``delay_rule``: eager (:class:`~.delayed.EagerFederation`) or own_full;
 - :mod:`.phases`: phases of different federation settings (``federation.schedule``), and
-  :func:`build_federation`, which picks a :class:`Federation`, a :class:`StreamingFederation` or a
-  :class:`~.delayed.DelayedFederation`;
+  :func:`build_federation`, which picks a :class:`Federation`, a :class:`StreamingFederation` or
+  one of :mod:`.delayed`'s;
 - :mod:`.clock`: what each step is (a :class:`Boundary`: a fixed ``every``, one per facility, ``every_s``,
   an elastic facility's), one object chosen once by :func:`round_clock`; :mod:`.pace`: the per-facility paces;
 - :mod:`.record`: :class:`RoundRecord`, a round's record;

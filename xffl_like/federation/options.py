@@ -45,6 +45,7 @@ __all__ = [
 ]
 
 FEDERATION_ALGORITHMS = ("federated", "synchronous")
+DELAY_RULES = ("eager", "own_full")  # federation.delay_rule (federation/delayed.py)
 #: The keys a phase of ``federation.schedule`` may override: every federation key but these three.
 PHASE_KEYS = frozenset(f.name for f in fields(FederationConfig)) - {"schedule", "on_nonfinite", "elastic"}
 _EXAMPLE = "e.g. [{until_step: 50, algorithm: synchronous}, {until_step: null, every: 16}]"
@@ -394,6 +395,17 @@ def _check_delay(cfg: FederationConfig) -> None:
         raise ConfigError(
             f"federation.delay={delay!r}: use 0 (each round's outer step at its boundary) or 1 (one round late, its "
             f"exchange overlapping the next round's local steps)"
+        )
+    rule = cfg.delay_rule
+    if rule is not None and rule not in DELAY_RULES:
+        raise ConfigError(
+            f"federation.delay_rule={rule!r}: use eager (the default: each facility's own fresh progress at its "
+            f"share, the others' one round late) or own_full (the rule before eager)"
+        )
+    if rule is not None and delay != 1:
+        raise ConfigError(
+            f"federation.delay_rule={rule} applies to federation.delay=1 (now {delay}): drop delay_rule or set "
+            f"federation.delay=1"
         )
     if delay == 0 or cfg.algorithm != "federated":
         return

@@ -29,7 +29,7 @@ import torch
 from ..aggregation import aggregate
 from ..config.schema import FederationConfig
 from .clock import phase_clock
-from .delayed import DelayedFederation
+from .delayed import delayed_federation
 from .federation import Federation
 from .options import plan_phases
 from .protocol import Boundary, FederationPhase, NoHooks, RoundClock, RoundHooks
@@ -43,10 +43,10 @@ def build_federation(
     cfg: FederationConfig, model: torch.nn.Module, strategy, state, hooks: RoundHooks | None = None
 ) -> Federation:
     """The federation of ``cfg`` (validated): a :class:`~.streaming.StreamingFederation` for ``fragments > 1``
-    or ``overlap_steps > 0``, a :class:`~.delayed.DelayedFederation` for ``delay=1``, else a
+    or ``overlap_steps > 0``, :func:`~.delayed.delayed_federation`'s class for ``delay=1``, else a
     :class:`~.federation.Federation`. Where its rounds fall is the clock's (:func:`~.clock.round_clock`).
     Collective, like their constructors."""
-    kind = StreamingFederation if cfg.streaming else DelayedFederation if cfg.delay else Federation
+    kind = StreamingFederation if cfg.streaming else delayed_federation(cfg) if cfg.delay else Federation
     return kind(cfg, model, strategy, state, hooks=hooks)
 
 

@@ -173,7 +173,8 @@ def _check_full_copies(job: JobConfig, mode: str) -> None:
             f"distributed.hsdp={hsdp!r} shards the model, but parallel={mode} keeps a full copy on "
             f"every rank: drop distributed.hsdp (null) or use parallel=fsdp"
         )
-    for key in ("algorithm", "topology", "compression", "weights", "error_feedback", "delay", "on_nonfinite"):
+    keys = ("algorithm", "topology", "compression", "weights", "error_feedback", "delay", "delay_rule")
+    for key in (*keys, "on_nonfinite"):
         value, default = getattr(fed, key), getattr(FederationConfig(), key)
         if value != default:
             raise ConfigError(

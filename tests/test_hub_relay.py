@@ -11,23 +11,19 @@ from __future__ import annotations
 import math
 import shutil
 import threading
-from concurrent import futures
 from pathlib import Path
 from types import SimpleNamespace
 
-import grpc
 import numpy as np
 import pytest
 import torch
+from helpers.hub import serve
 
 from xffl_like.config.schema import ElasticConfig, FederationConfig, OuterConfig, TopkConfig
 from xffl_like.federation.elastic import exchange
 from xffl_like.hub.client import HubLink
-from xffl_like.hub.protocol.wire import GRPC_OPTIONS
 from xffl_like.hub.server import relayed
-from xffl_like.hub.server.auth import IdentityInterceptor
 from xffl_like.hub.server.federation import HubFederation
-from xffl_like.hub.server.service import HubService
 
 NAMES = ("a", "b", "c")
 N, CHUNK, DENSITY, BITS = 64 * 40 + 20, 64, 0.125, 2  # a shorter last chunk too
@@ -89,11 +85,8 @@ class Hub:
 
     def __init__(self, state: Path):
         self.fed = HubFederation(state, None, log=lambda _: None)
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=16), interceptors=[IdentityInterceptor(None)],
-                                  options=GRPC_OPTIONS)  # fmt: skip
-        self.server.add_generic_rpc_handlers((HubService(self.fed).handler(),))
-        self.address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
-        self.server.start()
+        self.server, port = serve(self.fed)
+        self.address = f"127.0.0.1:{port}"
 
     def saved(self):
         """The hub's saved version (θ_global, the outer buffers), read back from its file."""

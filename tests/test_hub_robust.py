@@ -7,19 +7,17 @@ wire format; the rules' arithmetic checked against numpy over the same uploads."
 from __future__ import annotations
 
 import math
-from concurrent import futures
 
 import grpc
 import numpy as np
 import pytest
 import torch
+from helpers.hub import serve
 
 from xffl_like.bench.hub_drift import Federation, drift, spec_of
 from xffl_like.hub.protocol.wire import GRPC_OPTIONS, SERVICE, frames_of, pack, unpack
 from xffl_like.hub.server import federation as hub_federation
-from xffl_like.hub.server.auth import IdentityInterceptor
 from xffl_like.hub.server.federation import HubFederation
-from xffl_like.hub.server.service import HubService
 
 GEOMETRY = {"batch_size": 2, "seq_len": 8, "dp": 1}
 N = 1000
@@ -56,11 +54,7 @@ class Raw:
 def hub(tmp_path):
     """A hub over a fresh federation on a free loopback port; yields (federation, channel)."""
     fed = HubFederation(tmp_path / "state", None, log=lambda _: None)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=16), interceptors=[IdentityInterceptor(None)],
-                         options=GRPC_OPTIONS)  # fmt: skip
-    server.add_generic_rpc_handlers((HubService(fed).handler(),))
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
+    server, port = serve(fed)
     channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=GRPC_OPTIONS)
     yield fed, channel
     channel.close()

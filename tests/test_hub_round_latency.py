@@ -11,6 +11,7 @@ import time
 import grpc
 import pytest
 import torch
+from helpers.hub import serve
 from test_hub_robust import N, Raw, hub  # noqa: F401 - hub: the fixture
 
 from xffl_like.bench.hub_drift import spec_of
@@ -58,19 +59,12 @@ def test_the_first_compression_setting_that_differs_is_named_with_its_key():
 def test_the_hub_logs_each_rounds_last_upload_to_its_first_result_byte(tmp_path, monkeypatch):
     """Two rounds of two members; the second member's upload is held back 0.3 s after the first's ends, so the
     round's time exceeds the latency the line reports. One line per committed round, none for a heal."""
-    from concurrent import futures
 
     from xffl_like.hub.protocol.wire import GRPC_OPTIONS
-    from xffl_like.hub.server.auth import IdentityInterceptor
-    from xffl_like.hub.server.service import HubService
 
     lines: list[str] = []
     fed = HubFederation(tmp_path / "state", None, log=lines.append)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), interceptors=[IdentityInterceptor(None)],
-                         options=GRPC_OPTIONS)  # fmt: skip
-    server.add_generic_rpc_handlers((HubService(fed).handler(),))
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
+    server, port = serve(fed, workers=8)
     channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=GRPC_OPTIONS)
     try:
         a, b = Raw(channel, "a"), Raw(channel, "b")

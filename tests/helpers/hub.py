@@ -21,7 +21,18 @@ import torch
 
 from . import PLUGINS, REPO, TINY
 
-__all__ = ["GEOMETRY", "SPEC", "Facility", "Hub", "free_port", "init_certs", "rounds", "small_spec", "wait_for"]
+__all__ = [
+    "GEOMETRY",
+    "SPEC",
+    "Facility",
+    "Hub",
+    "free_port",
+    "init_certs",
+    "rounds",
+    "serve",
+    "small_spec",
+    "wait_for",
+]
 
 ENV = {"PYTHONPATH": os.pathsep.join([str(PLUGINS), str(REPO)]), "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
 
@@ -49,6 +60,26 @@ def small_spec(numel: int = 6, grace_s: float = 60.0, max_norm_ratio: float = 10
 #: :func:`small_spec`'s defaults, and the geometry its members declare.
 SPEC = small_spec()
 GEOMETRY = {"batch_size": 2, "seq_len": 8, "dp": 1}
+
+
+def serve(fed, workers: int = 16, log=None):
+    """A real gRPC server for ``fed`` (a :class:`~xffl_like.hub.server.federation.HubFederation`) in this process,
+    ``--insecure`` on a free loopback port, started; returns (server, port)."""
+    from concurrent import futures
+
+    import grpc
+
+    from xffl_like.hub.protocol.wire import GRPC_OPTIONS
+    from xffl_like.hub.server.auth import IdentityInterceptor
+    from xffl_like.hub.server.service import HubService
+
+    interceptor = IdentityInterceptor(None, log=log) if log is not None else IdentityInterceptor(None)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), interceptors=[interceptor],
+                         options=GRPC_OPTIONS)  # fmt: skip
+    server.add_generic_rpc_handlers((HubService(fed).handler(),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    return server, port
 
 
 def free_port() -> int:

@@ -19,7 +19,6 @@ from xffl_like.observe.sweep import FIELDS, collect_jobs, write_sweep_summary
 
 TINY = [
     "train.steps=4",
-    "optim.warmup_steps=2",
     "federation.every=2",
     "train.batch_size=2",
     "distributed.nproc_per_node=2",
@@ -31,7 +30,9 @@ TINY = [
 def test_multirun_summary_with_a_failed_job(tmp_path):
     sweep_dir = tmp_path / "sweep"
     env = {**os.environ, "WANDB_MODE": "offline"}
-    # train.seq_len=999 exceeds the model's max_seq_len: those jobs fail in validation, the sweep goes on.
+    # One job trains; three fail in validation (optim.warmup_steps=5 exceeds train.steps=4, train.seq_len=999 the
+    # model's max_seq_len) and the sweep goes on. One job that trains is enough for what a real sweep adds to
+    # test_summary_of_a_made_up_sweep (real outputs, a real failure, the exit status): each costs a whole launch.
     proc = subprocess.run(
         [
             sys.executable,
@@ -42,7 +43,8 @@ def test_multirun_summary_with_a_failed_job(tmp_path):
             *TINY,
             "distributed.federated=1",
             "logger=none",
-            "strategy=layer_by_layer,fused",
+            "strategy=layer_by_layer",
+            "optim.warmup_steps=2,5",
             "train.seq_len=32,999",
             f"hydra.sweep.dir={sweep_dir}",
         ],
@@ -59,8 +61,8 @@ def test_multirun_summary_with_a_failed_job(tmp_path):
     assert [(r["job"], r["status"]) for r in rows] == [
         ("0_layer_by_layer", "ok"),
         ("1_layer_by_layer", "failed"),
-        ("2_fused", "ok"),
-        ("3_fused", "failed"),
+        ("2_layer_by_layer", "failed"),
+        ("3_layer_by_layer", "failed"),
     ]
     for row in rows:
         if row["status"] == "ok":
@@ -69,11 +71,12 @@ def test_multirun_summary_with_a_failed_job(tmp_path):
             assert float(row["aggregation_seconds_median"]) > 0 and float(row["busbw_gbps_median"]) > 0
             assert int(float(row["cross_facility_bytes_per_round"])) == summary["cross_facility_bytes_per_round"][0]
             assert row["streams"] == "1" and not (sweep_dir / row["job"] / "wandb").exists()  # logger=none
-        else:
-            assert "train.seq_len=999 exceeds model.max_seq_len=256" in row["error"]
-    assert rows[0]["overrides"] == "strategy=layer_by_layer train.seq_len=32"
+    assert "train.seq_len=999 exceeds model.max_seq_len=256" in rows[1]["error"]
+    assert "optim.warmup_steps=5 exceeds train.steps=4" in rows[2]["error"]
+    assert "exceeds" in rows[3]["error"]
+    assert rows[0]["overrides"] == "optim.warmup_steps=2 train.seq_len=32"
     md = (sweep_dir / "sweep_summary.md").read_text()
-    assert "4 jobs, 2 ok, 2 failed" in md and "## Failed jobs" in md and "`1_layer_by_layer`: train.seq_len=999" in md
+    assert "4 jobs, 1 ok, 3 failed" in md and "## Failed jobs" in md and "`1_layer_by_layer`: train.seq_len=999" in md
     assert (sweep_dir / "sweep_aggregation.png").read_bytes()[:4] == b"\x89PNG"
     assert "job 1_layer_by_layer failed: train.seq_len=999" in proc.stderr
 

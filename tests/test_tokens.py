@@ -137,6 +137,8 @@ def test_job_learns_on_bpe_tokens(prepared, tmp_path):
             "data=tokens",
             f"data.path={out}",
             f"model.vocab_size={VOCAB}",
+            "distributed.nproc_per_node=2",  # two facilities of one process: what is learnt is the point, not
+            "distributed.federated=1",  # the layout (test_hf exports from FSDP shards), at half the CPU per step
             "train.steps=40",
             "federation.every=10",
             "train.seq_len=64",

@@ -53,6 +53,8 @@ IMPORTS = {
     "grpc": "grpcio",
     "tqdm": "tqdm",
 }
+#: Seconds for all steps: one GPU command runs at most 10 minutes (bench.gpu's job timeouts stay under it).
+BUDGET_S = 540
 WHEELHOUSE_LIMIT = 64 * 2**20  # what travels with the working tree to the GPU machine, at most
 #: bench.gpu's checks that no earlier step runs (``mfu_llama3_2_1b`` is the mfu step, compiled only).
 REST = [
@@ -277,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--wheels", default=str(GPU_DIR / "wheels"), help="the wheelhouse (default .gpu/wheels)")
     parser.add_argument("--data", default=str(REPO.parent / "shared" / "data"), help="copied by --prepare")
     parser.add_argument("--scratch", default="/tmp/xffl-gpu-run", help="run dirs, the wheels' target, the caches")
-    parser.add_argument("--budget", type=float, default=540, help="seconds for all steps (default 540)")
+    parser.add_argument("--budget", type=float, default=BUDGET_S, help=f"seconds for all steps (default {BUDGET_S})")
     args = parser.parse_args(argv)
     try:
         if args.prepare:

@@ -22,10 +22,11 @@ one line per setting (bf16 by default). ``python -m xffl_like.bench.gpu --only m
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 __all__ = ["FORMULA", "PEAKS", "Measurement", "flops_per_token", "main", "measure", "peak_flops"]
 
@@ -154,8 +155,9 @@ def _training(job, state, compile_: bool, seq: int, batch: int):
     return net, optimizer, data, resolved
 
 
-def _timed_steps(step, warmup: int, steps: int, device) -> float:
-    """Seconds of ``steps`` calls of ``step(n)`` after ``warmup`` untimed ones (each waited for to its end)."""
+def _timed_steps(step, warmup: int, steps: int, device, clock=time.perf_counter) -> float:
+    """Seconds of ``steps`` calls of ``step(n)`` after ``warmup`` untimed ones (each waited for to its end):
+    ``clock()`` is read once after step ``warmup - 1`` finished and once after step ``warmup + steps - 1``."""
     import torch
 
     cuda = device.type == "cuda"
@@ -164,13 +166,13 @@ def _timed_steps(step, warmup: int, steps: int, device) -> float:
     float(loss)  # the warm-up's work is done
     if cuda:
         torch.cuda.synchronize(device)
-    start = time.perf_counter()
+    start = clock()
     for n in range(warmup, warmup + steps):
         loss = step(n)
     float(loss)
     if cuda:
         torch.cuda.synchronize(device)
-    return time.perf_counter() - start
+    return clock() - start
 
 
 def _fresh_device() -> None:
@@ -279,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=5, help="steps before the timed window (default 5)")
     parser.add_argument("--steps", type=int, default=20, help="steps timed (default 20)")
     parser.add_argument("--peak-tflops", type=float, default=None, help="the device's peak (default: by its name)")
+    parser.add_argument("--json", action="store_true", help="print each measurement as one JSON line")
     parser.add_argument("overrides", nargs="*", help="more Hydra overrides of the job (e.g. train.loss_chunk=512)")
     args = parser.parse_args(argv)
     try:
@@ -295,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.model, args.seq, args.batch, dtype=args.dtype, compile_=compile_, warmup=args.warmup,
                 steps=args.steps, peak_tflops=args.peak_tflops, extra=args.overrides,
             )  # fmt: skip
-            print(m.line(args.model, args.seq, args.batch), flush=True)
+            print(json.dumps(asdict(m)) if args.json else m.line(args.model, args.seq, args.batch), flush=True)
     except ValueError as exc:  # ConfigError included: one line
         print(f"error: {str(exc).splitlines()[0]}", file=sys.stderr)
         return 2

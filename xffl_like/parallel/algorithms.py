@@ -14,6 +14,7 @@ from the weights they stand for); shift_one checks an even number of peers with 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 import time
@@ -442,7 +443,10 @@ class AsyncModelAverage(Algorithm):
         self._mark_written()
 
     def _mark_written(self) -> None:
-        """On CUDA: record where the training stream last wrote the weights (the thread's snapshot waits for it)."""
+        """On CUDA: record where the training stream last wrote the weights (the thread's snapshot waits for it).
+        Called after every write of the weights on the training stream, under the lock: the module's broadcast
+        (``attach``), each optimizer step (``after_step``), each copy-back of an average (``_apply``, from
+        ``before_forward`` and ``abort``) and any other write (:meth:`writing`)."""
         if self._cuda:
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(self.module.device))
@@ -456,12 +460,23 @@ class AsyncModelAverage(Algorithm):
         if self._steps < self.warmup_steps:
             self._warmup.after_backward()
 
+    @contextlib.contextmanager
+    def writing(self):
+        """Around a write of the weights outside a training step (a checkpoint load, a reset), on the training
+        thread: the background thread takes no snapshot during it, and its snapshot waits for the write on CUDA
+        (``with algo.writing(): model.load_state_dict(sd)``)."""
+        with self._lock:
+            try:
+                yield
+            finally:
+                self._mark_written()
+
     def before_forward(self):
         if self._error is not None:
             raise RuntimeError(f"asynchronous model averaging failed: {self._error}")
         with self._lock:
             self._apply()
-            self._mark_written()
+            self._mark_written()  # also after any write since the last step that no writing() announced
             self._busy = True
         if self._steps >= self.warmup_steps and self._thread is None and not self._stop.is_set():
             self.resume()
@@ -492,7 +507,6 @@ class AsyncModelAverage(Algorithm):
             self._thread = None
         with self._lock:
             self._apply()
-            self._mark_written()
 
     def detach(self):
         self.abort()
@@ -502,12 +516,13 @@ class AsyncModelAverage(Algorithm):
         self._warmup._drop_groups()
         self._group = None
 
-    def _apply(self) -> None:  # under self._lock
+    def _apply(self) -> None:  # under self._lock: the copy-back of an average, then its mark
         if self._delta is not None:
             for b, d in zip(self.module.buckets, self._delta):
                 w = b.weights_flat()
                 b.set_weights(w.add_(d.to(w.device, non_blocking=True)))
             self._delta = None
+            self._mark_written()
 
     def _snapshot(self) -> list[Tensor]:  # under self._lock, on the thread: host copies of the weights
         buckets = self.module.buckets

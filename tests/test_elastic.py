@@ -167,7 +167,7 @@ def test_topk_through_the_hub(hub, tmp_path):
              f"federation.topk.bits={t['bits']}", f"federation.topk.decay={t['decay']}",
              "federation.outer.name=average", f"federation.outer.lr={t['lr']}", "federation.elastic.min_facilities=2",
              "train.steps=12"]  # fmt: skip
-    a, b = _pair(hub, tmp_path, extra)
+    a, b = _run_both(hub, tmp_path, extra)
     for f in (a, b):  # an elastic facility's phases account for its whole loop (joins and rounds included)
         phases_cover_the_loop(f.summary())
     dump = tmp_path / "dump"
@@ -196,7 +196,7 @@ def test_topk_through_the_hub(hub, tmp_path):
         theta = by["a"][v]["after"]
 
 
-def _pair(hub, tmp_path, extra: list[str]):
+def _run_both(hub, tmp_path, extra: list[str]):
     """Facilities a (2 processes, FSDP) and b (1) with ``extra``, run to their end: both exit 0."""
     a = _facility("a", hub, tmp_path, nproc=2, extra=extra)
     b = _facility("b", hub, tmp_path, nproc=1, extra=extra)
@@ -224,7 +224,7 @@ def test_sparseloco_preset_through_the_hub(hub, tmp_path):
     from xffl_like.models.llama import LlamaConfig
 
     extra = ["federation/topk=sparseloco", "federation.elastic.min_facilities=2", "train.steps=12"]
-    a, b = _pair(hub, tmp_path, extra)
+    a, b = _run_both(hub, tmp_path, extra)
     model = LlamaConfig.from_mapping(OmegaConf.to_container(_compose(["+experiment=llama_fed"]).model))
     shapes = [tuple(p.shape) for p in build_model(model, device="meta").parameters()]
     cuts = np.cumsum([0] + [int(np.prod(s)) for s in shapes])

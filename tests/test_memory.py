@@ -70,6 +70,13 @@ PEAK_SCRIPT = textwrap.dedent(
     dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
     state = build_state(plan_layout(1, 1, 1, 1), ProcessEnv(0, 1, 0, 1), backend="gloo")
     cfg = ModelConfig(**json.loads(sys.argv[1]))
+    # a tiny model first, through the same path: what the first build loads lazily (kernels, a CUDA build's
+    # libraries) is not counted as the weights' growth
+    tiny = dict(json.loads(sys.argv[1]), dim=64, n_layers=1, vocab_size=256, ffn_dim=128)
+    del_me = build_sharded_model(ModelConfig(**tiny), state, seed=0)
+    contiguous_shards(del_me, state.shard_size)
+    torch.optim.AdamW(del_me.parameters(), lr=1e-3)
+    del del_me
     before = rss("VmRSS:")
     model = build_sharded_model(cfg, state, seed=0)  # what ShardedParts.build does
     contiguous_shards(model, state.shard_size)

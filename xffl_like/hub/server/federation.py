@@ -491,7 +491,7 @@ class HubFederation:
             for _, theta, buffers in relay.rounds(read, numel, *args):
                 yield theta, buffers
             return
-        plan = Plan(rule, scales, trim, False, self.options, saved.outer_steps + 1)
+        plan = Plan(rule, scales, trim, self.options, saved.outer_steps + 1)
         n = window(len(readers))
         stack = torch.empty(len(readers), n, dtype=torch.float32)
         for start in range(0, numel, n):

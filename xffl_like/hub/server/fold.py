@@ -36,14 +36,13 @@ def window(uploads: int) -> int:
 @dataclass(frozen=True)
 class Plan:
     """What a round does with every window: ``rule`` (``mean``, ``median``, ``trimmed_mean``), the uploads'
-    ``scales`` (each one's weight over their sum, in name order; ``mean`` only), ``trim``, whether the uploads
-    are updates ``θ_global - θ_f`` (``compressed``) or parameters ``θ_f``, the outer optimizer and its step's
-    number this round (``steps``: the saved count plus one)."""
+    ``scales`` (each one's weight over their sum, in name order; ``mean`` only), ``trim``, the outer optimizer and
+    its step's number this round (``steps``: the saved count plus one). The uploads are parameters ``θ_f``; a
+    compressed round's updates go through :func:`..protocol.relay.rounds`, as at every facility."""
 
     rule: str
     scales: tuple[float, ...]
     trim: float
-    compressed: bool
     options: OuterConfig
     steps: int
 
@@ -58,9 +57,7 @@ def fold(plan: Plan, theta: Tensor, buffers: dict[str, Tensor], stack: Tensor) -
             acc.add_(row, alpha=scale)
     else:
         acc = combine(stack, plan.rule, plan.trim).clone()
-    if plan.compressed:  # acc: the mean update, θ_global - mean
-        outer_step(plan.options, plan.steps, theta, buffers, acc)
-    elif plan.options.is_plain_mean:
+    if plan.options.is_plain_mean:
         theta.copy_(acc)
     else:
         outer_step(plan.options, plan.steps, theta, buffers, torch.sub(theta, acc, out=acc))

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from helpers.hub import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -24,14 +24,8 @@ def no_cryptography(tmp_path) -> dict:
     return {**os.environ, "PYTHONPATH": os.pathsep.join([str(shim), str(REPO)])}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_serve_insecure_starts_without_cryptography(no_cryptography, tmp_path):
-    cmd = [sys.executable, "-m", "xffl_like.hub", "serve", "--insecure", "--port", str(_free_port())]
+    cmd = [sys.executable, "-m", "xffl_like.hub", "serve", "--insecure", "--port", str(free_port())]
     proc = subprocess.Popen(
         [*cmd, "--state", str(tmp_path / "state")],
         cwd=REPO,

@@ -40,6 +40,14 @@ def test_steps_in_priority_order_cover_every_check_once(tmp_path):
     assert [s.argv for s in cpu[2:]] == [s.argv for s in gpu[2:]]
 
 
+def test_steps_picks_a_rerun_in_priority_order_and_names_an_unknown_step(tmp_path):
+    every = gpu_run.steps(False, "py", tmp_path)
+    assert [s.name for s in gpu_run.chosen("rest, checkpoint", every)] == ["checkpoint", "rest"]
+    assert gpu_run.chosen(None, every) == every
+    with pytest.raises(gpu_run.Stop, match="no step named chekpoint: --steps takes main,mfu,bf16"):
+        gpu_run.chosen("chekpoint", every)
+
+
 def test_a_step_past_its_timeout_is_killed_and_one_past_the_budget_skipped(tmp_path):
     slow = gpu_run.Step("slow", [sys.executable, "-c", "import time; time.sleep(120)"], 1)
     line = gpu_run.run_step(slow, dict(os.environ), tmp_path, 1, left=100)

@@ -243,6 +243,18 @@ def run_step(step: Step, env: dict, out: Path, index: int, left: float) -> str:
     return f"{status} {step.name}: exit {code} in {took:.0f} s: {(tail or ['no output'])[-1][:300]}"
 
 
+def chosen(names: str | None, every: list[Step]) -> list[Step]:
+    """The steps named in ``names`` (comma-separated, in priority order whatever their order there), or all;
+    :class:`Stop` for a name that is no step."""
+    if not names:
+        return every
+    wanted = {n.strip() for n in names.split(",") if n.strip()}
+    unknown = sorted(wanted - {s.name for s in every})
+    if unknown:
+        raise Stop(f"no step named {', '.join(unknown)}: --steps takes {','.join(s.name for s in every)}")
+    return [s for s in every if s.name in wanted]
+
+
 def run(args: argparse.Namespace) -> int:
     py = sys.executable
     out = Path(args.out or os.environ.get("OUT") or REPO / "outputs" / "gpu_run" / time.strftime("%Y%m%d-%H%M%S"))
@@ -261,7 +273,7 @@ def run(args: argparse.Namespace) -> int:
     report = out / "gpu_run.txt"
     for line in lines:
         print(line, flush=True)
-    for index, step in enumerate(steps(args.cpu, py, scratch / f"runs-{os.getpid()}"), 1):
+    for index, step in enumerate(chosen(args.steps, steps(args.cpu, py, scratch / f"runs-{os.getpid()}")), 1):
         line = run_step(step, env, out, index, args.budget - (time.monotonic() - started))
         failed += line.startswith("FAIL")
         lines.append(line)
@@ -279,6 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--wheels", default=str(GPU_DIR / "wheels"), help="the wheelhouse (default .gpu/wheels)")
     parser.add_argument("--data", default=str(REPO.parent / "shared" / "data"), help="copied by --prepare")
     parser.add_argument("--scratch", default="/tmp/xffl-gpu-run", help="run dirs, the wheels' target, the caches")
+    parser.add_argument("--steps", default=None, help="only these steps, comma-separated (a rerun of what failed)")
     parser.add_argument("--budget", type=float, default=BUDGET_S, help=f"seconds for all steps (default {BUDGET_S})")
     args = parser.parse_args(argv)
     try:

@@ -403,7 +403,9 @@ CHECKS: dict[str, Callable[[Path], Result]] = {
     "hub": _hub("hub", []),
     "hub_topk": _hub("hub_topk", ["federation.compression=topk", "federation.error_feedback=true"]),
     "meta_hf": check_meta_hf,
-    "throughput_llama_bench": _throughput("llama_bench", 256, 16, floor=0.02),
+    # llama_bench at batch 16 x 256 measured the step's fixed cost, not its arithmetic: on an H200 eager 1.3%,
+    # compiled 1.4-1.8%, the same ~60-80 ms per step as batch 128's 12.9% (docs/running.md, "On GPUs")
+    "throughput_llama_bench": _throughput("llama_bench", 256, 128, floor=0.08),
     "throughput_llama3_2_1b": _throughput("llama3_2_1b", 1024, 4, floor=0.20),
     "mfu_llama3_2_1b": check_mfu,
 }

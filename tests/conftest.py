@@ -29,9 +29,22 @@ Fixtures shared by several modules:
   facility of one rank); the process group is destroyed afterwards, whatever the test did.
 - ``killed_at_7``: the durability job (``helpers.same_run.KILLED_AT_7``) run once per session, rank 1
   killed at step 7; test_durability and test_run_dir_safety read it (copy it before changing anything).
+
+Workers (pytest-xdist, ``-n auto --dist loadscope`` in pyproject.toml): the suite runs on
+:func:`pytest_xdist_auto_num_workers` pytest processes, a module's tests on one of them (its module-scoped
+fixtures and shared jobs built once). Most tests start processes and then wait on them (a job's ranks, a
+hub, a launcher), so two workers overlap one module's waits with another's work even on 2 cores. The
+modules with the most slow tests are handed out first (:func:`pytest_collection_modifyitems`), so that the
+longest modules do not start last. ``-n 0`` runs everything in this process, as before;
+``PYTEST_XDIST_AUTO_NUM_WORKERS=N`` sets the number. A session fixture shared by several modules
+(``killed_at_7``) runs once for the whole run, under a file lock in the run's common temporary folder.
 """
 
+import json
+import os
+import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -70,9 +83,35 @@ def gloo_world(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def killed_at_7(tmp_path_factory):
-    """``(run directory, CompletedProcess)`` of ``helpers.same_run.KILLED_AT_7``, run once per session (one job
-    fewer in the suite): rank 1 SIGKILLed at step 7, checkpoints of steps 4 and 6. Read-only for the tests."""
+    """``(run directory, CompletedProcess)`` of ``helpers.same_run.KILLED_AT_7``, run once per test run (one job
+    fewer in the suite), whatever the number of workers: rank 1 SIGKILLed at step 7, checkpoints of steps 4
+    and 6. Read-only for the tests."""
+    from filelock import FileLock
     from helpers.same_run import KILLED_AT_7, run_job
 
-    run = tmp_path_factory.mktemp("killed_at_7") / "run"
-    return run, run_job(KILLED_AT_7, run)
+    if not os.environ.get("PYTEST_XDIST_WORKER"):  # no workers (-n 0, -p no:xdist)
+        run = tmp_path_factory.mktemp("killed_at_7") / "run"
+        return run, run_job(KILLED_AT_7, run)
+    shared = tmp_path_factory.getbasetemp().parent  # the same folder for every worker of this run
+    run, record = shared / "killed_at_7" / "run", shared / "killed_at_7.json"
+    with FileLock(str(record) + ".lock"):
+        if not record.is_file():
+            proc = run_job(KILLED_AT_7, run)
+            record.write_text(json.dumps([proc.args, proc.returncode, proc.stdout, proc.stderr]))
+    return run, subprocess.CompletedProcess(*json.loads(record.read_text()))
+
+
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto``: half the cores (each test's processes use the rest), at least 2 where there are 2 (most
+    tests wait on their processes most of the time); ``PYTEST_XDIST_AUTO_NUM_WORKERS`` wins."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS", "").isdigit():
+        return int(os.environ["PYTEST_XDIST_AUTO_NUM_WORKERS"])
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return min(cores, max(2, cores // 2))
+
+
+def pytest_collection_modifyitems(config, items):
+    """The modules with the most ``slow`` tests first (stable otherwise): with ``--dist loadscope`` a module
+    runs on one worker, and a long module handed out last would run alone at the end."""
+    slow = Counter(item.module.__name__ for item in items if item.get_closest_marker("slow"))
+    items.sort(key=lambda item: -slow[item.module.__name__])

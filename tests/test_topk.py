@@ -229,7 +229,7 @@ def test_bad_topk_options(override, needle):
 
 
 # ----------------------------------------------------------------------------- one job, every round by hand
-CHUNK, DENSITY, BITS, DECAY = 1000, 0.05, 4, 0.9
+CHUNK, DENSITY, BITS, DECAY = 1000, 0.6, 2, 0.9  # ternary levels over 60% of each chunk: some kept values go as 0
 
 
 def _flat(record: dict) -> torch.Tensor:
@@ -274,6 +274,8 @@ def test_job_rounds_are_the_mean_of_the_decoded_messages(tmp_path):
     residual = {0: torch.zeros(numel), 1: torch.zeros(numel)}
     weights = torch.tensor([2.0, 1.0], dtype=torch.float64)
     spread = 0.0
+    kept = sum(keep(DENSITY, length) for _, length, _ in ref_layout(numel, CHUNK, DENSITY, BITS))
+    zero_shares = []  # per round, per facility: kept values sent as a zero code (kept indices are unique)
     for r in range(2):
         before, after = by_facility(recorded[(r, "before")]), by_facility(recorded[(r, "after")])
         decoded = {}
@@ -285,6 +287,7 @@ def test_job_rounds_are_the_mean_of_the_decoded_messages(tmp_path):
             assert torch.equal(after[f]["residual"] + decoded[f], acc)
             residual[f] = after[f]["residual"]
         spread = max(spread, float((decoded[0] - decoded[1]).abs().max()))
+        zero_shares.append([1 - int(torch.count_nonzero(decoded[f])) / kept for f in (0, 1)])
         mean = (weights[0] * decoded[0].double() + weights[1] * decoded[1].double()) / weights.sum()
         want = theta.double() - mean
         for f in (0, 1):
@@ -294,6 +297,8 @@ def test_job_rounds_are_the_mean_of_the_decoded_messages(tmp_path):
         assert after[0]["bytes_per_rank"] == nbytes and summary["cross_facility_bytes_per_round"][r] == 2 * nbytes
         theta = _flat(after[0])
     assert spread > MIN_FACILITY_SPREAD  # the facilities sent different updates
+    assert summary["federation"]["topk_zero_codes"] == [pytest.approx(row, abs=1e-12) for row in zero_shares]
+    assert any(share > 0 for row in zero_shares for share in row)  # ternary codes at 2 bits: some are zeros
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["rounds"] == 2
 
 

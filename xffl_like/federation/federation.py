@@ -47,7 +47,7 @@ from .options import round_weights, rounds_description
 from .outer import OuterOptimizer
 from .protocol import Boundary, NoHooks, RoundHooks
 from .record import RoundRecord
-from .topk import TopkMean
+from .topk import TopkMean, zero_code_shares
 from .topk_tensors import make_codec, options_of
 
 __all__ = ["CompressedMix", "Federation", "GossipMix", "PlainMean", "compressed_exchange", "sum_exchange"]
@@ -242,6 +242,13 @@ class Federation:
         """What the summary records: the algorithm and, for rounds, topology, outer rule, compression."""
         o = self.options
         return rounds_description(o) if self.federated else {"algorithm": o.algorithm}
+
+    def message_stats(self) -> dict:
+        """What the summary records of the messages sent (collective, at the job's end): with top-k,
+        ``topk_zero_codes`` (:func:`.topk.zero_code_shares`); else nothing."""
+        if not isinstance(self.compressor, TopkMean):
+            return {}
+        return {"topk_zero_codes": zero_code_shares(self.compressor.zero_codes, self.state)}
 
     # ------------------------------------------------------------------ per step
     def trained(self, tokens: int) -> None:

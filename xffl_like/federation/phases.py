@@ -111,6 +111,10 @@ class FederationSchedule:
             return self.current.describe()
         return {**self.current.describe(), "phases": self.phases_run()}
 
+    def message_stats(self) -> dict:
+        """The current (last) phase's :meth:`.federation.Federation.message_stats` (collective)."""
+        return self.current.message_stats()
+
     def phases_run(self) -> list[dict]:
         """``[{from_step, until_step, config}]`` of the phases that run (``until_step``: where it ends)."""
         out = []

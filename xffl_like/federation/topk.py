@@ -45,7 +45,7 @@ from torch import Tensor
 
 from ..distributed.compat import all_gather_single
 
-__all__ = ["BITS", "MEANS", "TopkCodec", "TopkFold", "TopkMean", "fold_weights", "level_codes"]
+__all__ = ["BITS", "MEANS", "TopkCodec", "TopkFold", "TopkMean", "fold_weights", "level_codes", "zero_code_shares"]
 
 BITS = (2, 4, 8)
 HEADER_BYTES = 4
@@ -346,6 +346,8 @@ class TopkMean:
         self.codec = codec if codec is not None else TopkCodec(numel, chunk_size, density, bits)
         self.numel, self.n, self.decay, self.mean = numel, n, float(decay), mean
         self.residual = torch.zeros(numel, dtype=torch.float32, device=device)
+        #: Per message this rank encoded, in order: ``(kept values sent as a zero code, kept values)``.
+        self.zero_codes: list[tuple[int, int]] = []
 
     @torch.no_grad()
     def prepare(self, update: Tensor) -> Tensor:
@@ -355,6 +357,7 @@ class TopkMean:
         message = self.codec.encode(acc)
         index, values = self.codec.decode_sparse(message)
         acc.index_put_((index,), acc[index] - values)  # exact: see the module's docstring
+        self.zero_codes.append((int(values.numel() - torch.count_nonzero(values)), int(values.numel())))
         return message
 
     @torch.no_grad()
@@ -374,3 +377,18 @@ class TopkMean:
             if weights[j] != 0:
                 fold.add(*self.codec.decode_sparse(gathered[j]), weights[j])
         return fold.finish(), (self.n - 1) * message.nbytes
+
+
+def zero_code_shares(counts: list[tuple[int, int]], state) -> list[list[float | None]]:
+    """Per message (in the order this job encoded them) and per facility, the share of the kept values that
+    were sent as a zero code (a slot that carries nothing), over every rank's shard of the facility's message.
+    ``counts``: this rank's :attr:`TopkMean.zero_codes`; collective over the world (every rank encodes the same
+    number of messages). A facility that sent no value has None."""
+    import torch.distributed as dist
+
+    table = torch.zeros(len(counts), state.num_facilities, 2, dtype=torch.float64, device=state.device)
+    if counts:
+        table[:, state.facility] = torch.tensor(counts, dtype=torch.float64, device=state.device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(table)
+    return [[None if kept == 0 else zeros / kept for zeros, kept in row] for row in table.tolist()]

@@ -289,7 +289,7 @@ class FederatedSync(SyncBase):
         schedule_at(scheduler, steps[self.state.facility])
 
     def close(self) -> dict:
-        return {"strategy": self.strategy, "federation": self.rounds.describe()}
+        return {"strategy": self.strategy, "federation": {**self.rounds.describe(), **self.rounds.message_stats()}}
 
 
 def sharded_steps(cfg: JobConfig, state: DistributedState) -> int:

@@ -66,7 +66,6 @@ def validate_elastic(job, layout) -> None:
         "federation.algorithm=synchronous": fed.algorithm != "federated",
         f"federation.topology={fed.topology}": fed.topology != "complete",
         "federation.fragments / overlap_steps": fed.streaming,
-        "federation.delay=1": fed.delay != 0,
         "federation.schedule": fed.schedule is not None,
         "a list in federation.weights": isinstance(fed.weights, (list, tuple)),
         f"parallel={job.parallel.name}": job.parallel.name != "fsdp",
@@ -77,6 +76,24 @@ def validate_elastic(job, layout) -> None:
                 f"{what} does not work with federation.elastic.hub (rounds among the facilities present): "
                 f"use rounds of averaging or an outer optimizer, with weights uniform or tokens"
             )
+    _validate_delay(fed)
+
+
+def _validate_delay(fed) -> None:
+    """``federation.delay=1`` through the hub: rounds of a fixed ``every`` (federation/elastic/delayed.py)."""
+    if fed.delay != 1:
+        return
+    if fed.every_s is not None:
+        raise ConfigError(
+            "federation.delay=1 with federation.every_s through federation.elastic.hub: a delayed round lands at the "
+            "next boundary of a fixed federation.every; set federation.every_s=null, or delay=0"
+        )
+    if fed.delay_rule != "own_full":
+        raise ConfigError(
+            f"federation.delay=1 with federation.delay_rule={fed.delay_rule or 'eager'} through "
+            f"federation.elastic.hub: the hub carries one θ_global, the own_full rule's; set "
+            f"federation.delay_rule=own_full"
+        )
 
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")

@@ -30,7 +30,7 @@ __all__ = [
 #: The rules ``federation.elastic.aggregate`` names (the hub's :mod:`..server.aggregate`).
 AGGREGATES = ("mean", "median", "trimmed_mean")
 #: The value a key added since has in a federation saved before it (so its facilities still match).
-ADDED = {"aggregate": "mean", "trim": 0.2, "delay": 0}
+ADDED = {"aggregate": "mean", "trim": 0.2, "delay": 0, "delay_rule": None}
 #: The description's keys that are ``federation.elastic``'s.
 ELASTIC_KEYS = ("grace_s", "max_norm_ratio", "aggregate", "trim", "min_facilities")
 #: The most parameters a federation may have (the hub holds θ_global, an accumulator and the outer optimizer's
@@ -98,6 +98,7 @@ def hub_spec(job) -> dict[str, Any]:
         "paced": fed.paced,
         "min_facilities": e.min_facilities,
         "delay": int(fed.delay),
+        "delay_rule": fed.delay_rule,
     }
 
 
@@ -111,7 +112,7 @@ def first_difference(mine: dict, theirs: dict) -> str | None:
         return f"{len(a)} parameters here, {len(b)} in the federation"
     for key in mine:
         if key != "parameters" and mine[key] != theirs.get(key, ADDED.get(key)):
-            if key in ("compression", "delay"):
+            if key in ("compression", "delay", "delay_rule"):
                 return _setting_difference(key, mine[key], theirs.get(key, ADDED.get(key)))
             if key == "rounds":
                 return (

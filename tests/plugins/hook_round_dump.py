@@ -123,21 +123,32 @@ def _dump_leader_rounds(exchange) -> None:
 
 
 def _dump_landings(delayed) -> None:
-    """Wrap the leader's composition of a landed round (``DelayedElasticFederation._compose``, federation.delay=1):
-    its gathered parameters ``x`` before the rule made them the next upload (``landing-*.pt``, in order)."""
-    compose = delayed.DelayedElasticFederation._compose
+    """Wrap the leader's rule at a boundary (``DelayedElasticFederation._compose``, ``EagerElasticFederation.
+    _compose_eager``; federation.delay=1): its gathered parameters ``x`` before the rule made them the next upload
+    (``landing-*.pt``, in order)."""
 
-    def _compose(self, theta, start, mine) -> None:
+    def save(self) -> None:
         import torch
 
         path = Path(os.environ[ENV]) / self.name
         path.mkdir(parents=True, exist_ok=True)
         final = path / f"landing-{time.time_ns()}.pt"
-        torch.save({"x": _load(mine)}, path / f".{final.name}.tmp")
+        torch.save({"x": _load(self.files.mine)}, path / f".{final.name}.tmp")
         os.replace(path / f".{final.name}.tmp", final)
+
+    compose = delayed.DelayedElasticFederation._compose
+    compose_eager = delayed.EagerElasticFederation._compose_eager
+
+    def _compose(self, theta, start, mine) -> None:
+        save(self)
         compose(self, theta, start, mine)
 
+    def _compose_eager(self, landed, stale) -> None:
+        save(self)
+        compose_eager(self, landed, stale)
+
     delayed.DelayedElasticFederation._compose = _compose
+    delayed.EagerElasticFederation._compose_eager = _compose_eager
 
 
 def _observe_rounds(observers) -> None:

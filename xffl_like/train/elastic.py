@@ -27,7 +27,7 @@ from ..checkpoint.dcp import checkpoint_dir
 from ..config.schema import JobConfig
 from ..distributed.state import DistributedState
 from ..federation.elastic import facility_name
-from ..federation.elastic.delayed import DelayedElasticFederation
+from ..federation.elastic.delayed import delayed_elastic
 from ..federation.elastic.exchange import ElasticFederation
 from ..federation.protocol import Boundary
 from ..hub.client import hub_link
@@ -73,7 +73,7 @@ class ElasticSync(SyncBase):
         name = facility_name(cfg.federation.elastic)
         link = hub_link(cfg, name, state.world_size) if cfg.federation.elastic.hub and state.rank == 0 else None
         spool = Path(run_dir) / ".hub-spool"
-        kind = DelayedElasticFederation if cfg.federation.delay else ElasticFederation
+        kind = ElasticFederation if not cfg.federation.delay else delayed_elastic(cfg.federation)
         federation = kind(cfg.federation, parts.model, state, name, steps, link=link, spool=spool)
         rewarm = cfg.optim.warmup_steps if cfg.federation.elastic.rewarm else 0
         described = {"name": cfg.strategy.name, "streams": cfg.strategy.streams}

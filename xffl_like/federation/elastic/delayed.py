@@ -1,4 +1,5 @@
-"""``federation.delay=1`` through the hub: :class:`DelayedElasticFederation` (``delay_rule=own_full``).
+"""``federation.delay=1`` through the hub: :class:`DelayedElasticFederation` (``delay_rule=own_full``) and
+:class:`EagerElasticFederation` (``eager``, the default; its docstring: the hub's θ_global carries the means).
 
 One world's ``own_full`` rule (:mod:`xffl_like.federation.delayed`) keeps one θ_g for everyone, stepped on each
 round's mean one round late, and makes each facility's local model ``θ_g - Δ_r``: the landed global model plus
@@ -27,20 +28,37 @@ hub's final θ_global, bitwise.
 
 Checkpoints: one at ``b_r`` is taken after the model became ``u_r`` and before the exchange starts. A
 resumed facility rejoins, as every restarted facility does (θ_global and the outer state live at the hub):
-it heals to θ_global and the federation's step, and its pending ``Δ_r`` is not sent.
+it heals to θ_global and the federation's step, and its pending ``Δ_r`` is not sent. docs/running.md ("Through
+the hub") has both rules' design.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import time
 
 import torch
 
+from ...hub.protocol import relay
+from ..outer import outer_step
 from ..record import RoundRecord
+from .downlink import FileState, zero_outer
 from .exchange import _WINDOW, ElasticFederation, _read_into
 
-__all__ = ["DelayedElasticFederation", "own_full_window"]
+__all__ = [
+    "AFFINE_OUTERS",
+    "DelayedElasticFederation",
+    "EagerElasticFederation",
+    "carrier_outer",
+    "end_scale",
+    "own_full_window",
+]
+
+
+def delayed_elastic(cfg) -> type:
+    """The class of ``federation.delay=1`` through the hub for ``cfg.delay_rule`` (null: ``eager``)."""
+    return DelayedElasticFederation if cfg.delay_rule == "own_full" else EagerElasticFederation
 
 
 def own_full_window(theta: torch.Tensor, start: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
@@ -68,8 +86,12 @@ class DelayedElasticFederation(ElasticFederation):
         records = self._land(boundary.step)
         if boundary.end:
             self.pending = False
-            records.append(self.round_at(records[-1].step if records else boundary.step))
+            records.append(self._final_round(records[-1].step if records else boundary.step))
         return records
+
+    def _final_round(self, done: int) -> RoundRecord:
+        """The job's last round, in the foreground: the model goes up, the federation's final θ_global comes back."""
+        return self.round_at(done)
 
     def start(self, boundary, index: int) -> None:
         """After the boundary's checkpoint: the exchange of ``u`` starts (the leader's thread)."""
@@ -103,8 +125,8 @@ class DelayedElasticFederation(ElasticFederation):
         self.flight = {"handle": self._spawn(work), "step": done}
 
     def _land(self, done: int) -> list[RoundRecord]:
-        """After ``done`` steps: wait for the round in flight, gather ``x``, and where θ_global came back make
-        the model ``θ_global - (s - x)`` (collective). Its record, or none when nothing was in flight."""
+        """After ``done`` steps: wait for the round in flight, gather ``x`` and apply the rule (:meth:`_take`;
+        collective). Its record, or none when nothing was in flight."""
         started, flight, self.flight = time.perf_counter(), self.flight, None
         f = self.files if self.leader else None
         out = self._await(flight["handle"]) if flight is not None else None
@@ -113,19 +135,28 @@ class DelayedElasticFederation(ElasticFederation):
         self._gather(f.mine if self.leader else None)
         self.pending = True
         if flight is None:
+            self._take(None, landed=False)
             return []
-
-        def take() -> None:
-            if self.leader:
-                self._compose(f.theta, f.start, f.mine)
-            self._scatter(f.mine if self.leader else None)
-
-        record = self._conclude(out, started, take)
+        taken: list[bool] = []
+        record = self._conclude(out, started, lambda: taken.append(self._take(out, landed=True)))
+        if not taken:  # nothing came back (the hub did not answer, or a stop)
+            self._take(out, landed=False)
         record.step += done - flight["step"]  # a realigned step carries over to the steps trained since
         record.landed = [flight["step"]]
         if self.leader:
             record.exchange_seconds = out.get("exchange_seconds", 0.0)
         return [record]
+
+    def _take(self, out: dict | None, landed: bool) -> bool:
+        """The rule at a boundary (collective): where θ_global came back (``landed``) the model becomes
+        ``θ_global - (s - x)`` and goes up next; else it stays ``x``. ``out``: the leader's round (None elsewhere,
+        and where nothing was in flight)."""
+        if landed:
+            f = self.files if self.leader else None
+            if self.leader:
+                self._compose(f.theta, f.start, f.mine)
+            self._scatter(f.mine if self.leader else None)
+        return True
 
     def _compose(self, theta, start, mine) -> None:
         """``mine <- θ_global - (start - mine)`` (the leader's files), a window at a time."""
@@ -136,3 +167,125 @@ class DelayedElasticFederation(ElasticFederation):
                 read = [_read_into(fh, torch.empty(n, dtype=torch.float32)) for fh in (t, s, x)]
                 own_full_window(*read).numpy().tofile(out)
         os.replace(target, mine)
+
+
+#: The outer rules whose step is affine in the pseudo-gradient (:func:`end_scale`): eager's end needs it.
+AFFINE_OUTERS = ("average", "momentum", "nesterov")
+
+
+def end_scale(options) -> float:
+    """``c`` with ``outer(θ, g + d) = outer(θ, g) - c d`` for one step of ``options`` (the same state): ``lr``
+    (average, momentum), ``lr (1 + momentum)`` (nesterov)."""
+    return options.lr * (1.0 + options.momentum) if options.name == "nesterov" else options.lr
+
+
+def carrier_outer(outer: dict) -> dict:
+    """The hub's outer rule under ``delay_rule=eager``: a plain sum of the means (``average`` at lr 1), so that
+    ``θ_{v-1} - θ_v`` is round v's mean; each facility steps its own outer optimizer."""
+    return {**outer, "name": "average", "lr": 1.0, "momentum": 0.0}
+
+
+class EagerElasticFederation(DelayedElasticFederation):
+    """``federation.delay=1`` with ``delay_rule=eager`` through the hub (fp32 rounds; docs/running.md): each
+    facility keeps its own ``θ_f`` and outer state in its leader's spool; the hub's θ_global carries the sum of
+    the rounds' means (:func:`carrier_outer`), so that ``D_v = θ_{v-1} - θ_v`` at every facility, bitwise alike.
+
+    At a boundary, with ``Δ = θ_f - x``: ``θ_f <- outer_f(θ_f, (D - s' Δ_prev) + s Δ)`` (``D`` and ``s'``: the
+    landed round's mean and this facility's weight in it, 0 where it was healed or nothing landed; ``s``: its
+    weight in the last round it was accepted in, ``1 / min_facilities`` before one), the model becomes ``θ_f``,
+    and ``u = θ_global - Δ`` goes up (the hub's pseudo-gradient ``θ_global - u`` is ``Δ``). At the job's last
+    boundary, with ``A = outer_f(θ_f, D - s' Δ_prev)``: ``u = A - c Δ`` (:func:`end_scale`) goes up in the
+    foreground, and the hub's last round (``θ - Σ s_f (θ - u_f)``) is ``Σ s_f outer_f(θ_f, D - s' Δ_prev + D_R)``:
+    one world's end, ``Σ_f s_f θ_f`` after the last mean replaced the fresh share."""
+
+    rule = "eager"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.share = 1.0 / max(1, int(self.options.elastic.min_facilities))
+        self.own_steps = 0  # this facility's outer optimizer's steps
+        self.ending = False
+        if self.leader:
+            d = self.files.directory
+            self.own_theta, self.own_outer = d / "own_theta.f32", d / "own_outer.f32"
+            self.own_delta, self.prev = d / "own_delta.f32", d / "theta_prev.f32"
+
+    def join(self, step: int) -> int:
+        """Join as before; this facility's θ_f is θ_global, its outer state and Δ zero."""
+        out = super().join(step)
+        if self.leader and self.files.theta.exists():  # not after a stop while joining
+            shutil.copyfile(self.files.theta, self.own_theta)
+            zero_outer(self.own_outer, relay.buffer_names(self.options.outer), self.numel)
+            zero_outer(self.own_delta, ("delta",), self.numel)
+        return out
+
+    def finish(self, boundary, index: int) -> list[RoundRecord]:
+        self.ending = boundary.end
+        return super().finish(boundary, index)
+
+    def _final_round(self, done: int) -> RoundRecord:
+        return self._round(done, joining=False, gather=False)  # u is the leader's file already
+
+    def _launch(self, done: int) -> None:
+        if self.leader:
+            shutil.copyfile(self.files.theta, self.prev)  # θ_global before the round: its mean is the difference
+        super()._launch(done)
+
+    def leave(self) -> None:
+        if self.leader:  # the round in flight (if any) uses none of these
+            for path in (self.own_theta, self.own_outer, self.own_delta, self.prev):
+                path.unlink(missing_ok=True)
+        super().leave()
+
+    def _take(self, out: dict | None, landed: bool) -> bool:
+        """Eager's step (the class's), at every boundary; the model becomes ``θ_f`` (but at the end, whose model
+        is the last round's)."""
+        if self.leader:
+            accepted = landed and out["status"] == "accepted"
+            weights = out.get("weights") or {} if accepted else {}
+            stale = weights[self.name] / sum(weights.values()) if accepted else 0.0
+            self._compose_eager(landed, stale)
+            if accepted:
+                self.share = stale
+        self.own_steps += 1
+        if not self.ending:
+            self._scatter(self.own_theta if self.leader else None)
+        return True
+
+    def _compose(self, theta, start, mine) -> None:
+        raise AssertionError("eager composes with _compose_eager")
+
+    @torch.no_grad()
+    def _compose_eager(self, landed: bool, stale: float) -> None:
+        """The leader's files, a window at a time: ``θ_f`` and its outer state step, ``Δ`` is kept, and ``mine``
+        (``x`` on entry) becomes the next upload."""
+        f, options = self.files, self.options.outer
+        state = FileState(self.own_theta, self.own_outer, relay.buffer_names(options), self.numel)
+        names = [f.mine, self.own_delta]
+        outs = [open(p.with_name(f"{p.name}.next"), "wb") for p in names]
+        ins = [open(p, "rb") for p in (f.mine, self.own_delta, f.theta, self.prev if landed else f.theta)]
+        try:
+            for first in range(0, self.numel, _WINDOW):
+                n = min(_WINDOW, self.numel - first)
+                x, before, theta, prev = (_read_into(fh, torch.empty(n, dtype=torch.float32)) for fh in ins)
+                own, buffers = state.read(first, first + n)
+                delta = torch.sub(own, x)
+                others = torch.sub(prev, theta).sub_(before, alpha=stale)  # D - s' Δ_prev (0 without a mean)
+                if self.ending:  # A = outer_f(θ_f, others); u = A - c Δ
+                    outer_step(options, self.own_steps + 1, own, buffers, others)
+                    upload = own.sub(delta, alpha=end_scale(options))
+                else:
+                    outer_step(options, self.own_steps + 1, own, buffers, others.add_(delta.mul(self.share)))
+                    upload = theta.sub(delta)
+                state.write(first, own, buffers)
+                upload.numpy().tofile(outs[0])
+                delta.numpy().tofile(outs[1])
+        except BaseException:
+            state.discard()
+            raise
+        finally:
+            for fh in outs + ins:
+                fh.close()
+        state.commit()
+        for p in names:
+            os.replace(p.with_name(f"{p.name}.next"), p)

@@ -234,9 +234,12 @@ class ElasticFederation:
         if self.leader:
             self.files.remove()
 
-    def _round(self, done: int, joining: bool) -> RoundRecord:
+    def _round(self, done: int, joining: bool, gather: bool = True) -> RoundRecord:
+        """This facility's round (or join) at the hub after ``done`` steps, in the foreground (collective);
+        ``gather``: its parameters go up (False: the leader's ``files.mine`` as it is)."""
         start = time.perf_counter()
-        self._gather(self.files.mine if self.leader else None)
+        if gather:
+            self._gather(self.files.mine if self.leader else None)
         tokens = self._round_tokens()
         out = self._while_leader_works(lambda: self._lead(tokens, done, joining))
         return self._conclude(out, start, lambda: self._scatter(self.files.theta if self.leader else None))

@@ -12,6 +12,7 @@ from ...config.checks import is_int, is_number
 from ...config.errors import ConfigError
 from ...hub.protocol.dial import ElasticError, address
 from ...hub.protocol.spec import AGGREGATES, federation_spec, first_difference
+from .delayed import AFFINE_OUTERS
 
 __all__ = [
     "ElasticError",
@@ -88,12 +89,20 @@ def _validate_delay(fed) -> None:
             "federation.delay=1 with federation.every_s through federation.elastic.hub: a delayed round lands at the "
             "next boundary of a fixed federation.every; set federation.every_s=null, or delay=0"
         )
-    if fed.delay_rule != "own_full":
-        raise ConfigError(
-            f"federation.delay=1 with federation.delay_rule={fed.delay_rule or 'eager'} through "
-            f"federation.elastic.hub: the hub carries one θ_global, the own_full rule's; set "
-            f"federation.delay_rule=own_full"
-        )
+    if (fed.delay_rule or "eager") != "eager":
+        return
+    refused = {
+        f"federation.compression={fed.compression}": fed.compression != "none",
+        f"federation.outer.name={fed.outer.name}": fed.outer.name not in AFFINE_OUTERS,
+        f"federation.elastic.aggregate={fed.elastic.aggregate}": fed.elastic.aggregate != "mean",
+    }
+    for what, bad in refused.items():
+        if bad:
+            raise ConfigError(
+                f"federation.delay=1 with delay_rule=eager and {what} through federation.elastic.hub: the hub carries "
+                f"fp32 means that each facility's outer step ({', '.join(AFFINE_OUTERS)}) takes; use "
+                f"federation.delay_rule=own_full, or fp32 rounds of a mean with one of those outer rules"
+            )
 
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")

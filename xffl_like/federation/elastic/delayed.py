@@ -41,19 +41,12 @@ import time
 import torch
 
 from ...hub.protocol import relay
-from ..outer import outer_step
+from ..outer import end_scale, outer_step
 from ..record import RoundRecord
 from .downlink import FileState, zero_outer
 from .exchange import _WINDOW, ElasticFederation, _read_into
 
-__all__ = [
-    "AFFINE_OUTERS",
-    "DelayedElasticFederation",
-    "EagerElasticFederation",
-    "carrier_outer",
-    "end_scale",
-    "own_full_window",
-]
+__all__ = ["DelayedElasticFederation", "EagerElasticFederation", "delayed_elastic", "own_full_window"]
 
 
 def delayed_elastic(cfg) -> type:
@@ -169,34 +162,19 @@ class DelayedElasticFederation(ElasticFederation):
         os.replace(target, mine)
 
 
-#: The outer rules whose step is affine in the pseudo-gradient (:func:`end_scale`): eager's end needs it.
-AFFINE_OUTERS = ("average", "momentum", "nesterov")
-
-
-def end_scale(options) -> float:
-    """``c`` with ``outer(θ, g + d) = outer(θ, g) - c d`` for one step of ``options`` (the same state): ``lr``
-    (average, momentum), ``lr (1 + momentum)`` (nesterov)."""
-    return options.lr * (1.0 + options.momentum) if options.name == "nesterov" else options.lr
-
-
-def carrier_outer(outer: dict) -> dict:
-    """The hub's outer rule under ``delay_rule=eager``: a plain sum of the means (``average`` at lr 1), so that
-    ``θ_{v-1} - θ_v`` is round v's mean; each facility steps its own outer optimizer."""
-    return {**outer, "name": "average", "lr": 1.0, "momentum": 0.0}
-
-
 class EagerElasticFederation(DelayedElasticFederation):
     """``federation.delay=1`` with ``delay_rule=eager`` through the hub (fp32 rounds; docs/running.md): each
-    facility keeps its own ``θ_f`` and outer state in its leader's spool; the hub's θ_global carries the sum of
-    the rounds' means (:func:`carrier_outer`), so that ``D_v = θ_{v-1} - θ_v`` at every facility, bitwise alike.
+    facility keeps its own ``θ_f`` and outer state in its leader's spool; the hub's θ_global carries the sum of the
+    rounds' means (its outer rule is ``average`` at lr 1: :func:`~xffl_like.hub.protocol.spec.hub_spec`), so that
+    ``D_v = θ_{v-1} - θ_v`` at every facility, bitwise alike.
 
     At a boundary, with ``Δ = θ_f - x``: ``θ_f <- outer_f(θ_f, (D - s' Δ_prev) + s Δ)`` (``D`` and ``s'``: the
     landed round's mean and this facility's weight in it, 0 where it was healed or nothing landed; ``s``: its
     weight in the last round it was accepted in, ``1 / min_facilities`` before one), the model becomes ``θ_f``,
     and ``u = θ_global - Δ`` goes up (the hub's pseudo-gradient ``θ_global - u`` is ``Δ``). At the job's last
-    boundary, with ``A = outer_f(θ_f, D - s' Δ_prev)``: ``u = A - c Δ`` (:func:`end_scale`) goes up in the
-    foreground, and the hub's last round (``θ - Σ s_f (θ - u_f)``) is ``Σ s_f outer_f(θ_f, D - s' Δ_prev + D_R)``:
-    one world's end, ``Σ_f s_f θ_f`` after the last mean replaced the fresh share."""
+    boundary, with ``A = outer_f(θ_f, D - s' Δ_prev)``: ``u = A - c Δ`` (:func:`~..outer.end_scale`) goes up in
+    the foreground, and the hub's last round (``θ - Σ s_f (θ - u_f)``) is ``Σ s_f outer_f(θ_f, D - s' Δ_prev +
+    D_R)``: one world's end, ``Σ_f s_f θ_f`` after the last mean replaced the fresh share."""
 
     rule = "eager"
 

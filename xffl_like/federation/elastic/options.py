@@ -12,7 +12,7 @@ from ...config.checks import is_int, is_number
 from ...config.errors import ConfigError
 from ...hub.protocol.dial import ElasticError, address
 from ...hub.protocol.spec import AGGREGATES, federation_spec, first_difference
-from .delayed import AFFINE_OUTERS
+from ..outer import AFFINE_OUTERS
 
 __all__ = [
     "ElasticError",

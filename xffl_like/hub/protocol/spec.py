@@ -104,7 +104,7 @@ def hub_spec(job) -> dict[str, Any]:
         "paced": fed.paced,
         "min_facilities": e.min_facilities,
         "delay": int(fed.delay),
-        "delay_rule": fed.delay_rule,
+        "delay_rule": (fed.delay_rule or "eager") if fed.delay else None,
     }
 
 
@@ -116,7 +116,8 @@ def first_difference(mine: dict, theirs: dict) -> str | None:
             return f"parameter {i}: {x[0]} {x[1]} {x[2]} here, {y[0]} {y[1]} {y[2]} in the federation"
     if len(a) != len(b):
         return f"{len(a)} parameters here, {len(b)} in the federation"
-    for key in mine:
+    # the delay first: under delay_rule=eager it changes the outer rule the hub is given too
+    for key in sorted(mine, key=lambda k: k not in ("delay", "delay_rule")):
         if key != "parameters" and mine[key] != theirs.get(key, ADDED.get(key)):
             if key in ("compression", "delay", "delay_rule"):
                 return _setting_difference(key, mine[key], theirs.get(key, ADDED.get(key)))

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.hub import Facility, Hub
-from test_hub import _export, _values
+from test_hub import _dumped, _export, _newest_state, _text, _values, _wait_for
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.cli]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.cli, pytest.mark.slow]
 
 STEPS, EVERY, LR = 12, 4, 0.8
 COMMON = ["federation.delay=1", "federation.elastic.min_facilities=2", "federation.elastic.grace_s=120",
@@ -135,3 +135,35 @@ def test_delayed_rounds_through_the_hub_eager_by_hand(tmp_path):
     one_world_end = sum(_nesterov(own, buf, others + last_mean)[0] for own, buf, others, _ in last.values()) / 2
     torch.testing.assert_close(hub[3], one_world_end, rtol=0, atol=atol, msg="the end is not one world's")
     _exports_are(facilities, rounds["a"][3]["after"])
+
+
+def test_delayed_rounds_through_a_hub_killed_mid_run_end_on_its_final_theta(tmp_path):
+    """eager, 16 steps, rounds every 4. Both facilities hold before sending the round at step 8 (in flight behind
+    steps 9-12) until the hub is SIGKILLed; that round is missed, lands nothing at step 12, and the hub comes back
+    on its --state. Whatever each facility then met (a round missed, healed, realigned), both end at their last
+    step on the federation's final version: no accepted round merged contributions of another step, and both
+    exports are the hub's final θ_global, bit for bit."""
+    hub = Hub(tmp_path)
+    go = tmp_path / "go"
+    extra = [*EAGER, "train.steps=16", "federation.elastic.final_wait_s=200", "federation.elastic.grace_s=30"]
+    facilities = [Facility(n, hub, tmp_path, extra=extra, env={"XFFL_TEST_ELASTIC_HOLD": f"1:{go}"}) for n in "ab"]
+    try:
+        _wait_for(lambda: all(_dumped(f, 1) for f in facilities), what="version 1 at a and b", alive=facilities)
+        hub.kill()
+        go.touch()
+        _wait_for(lambda: all("round at step 8 missed" in _text(f) for f in facilities), 120, "the missed round",
+                  alive=facilities)  # fmt: skip
+        hub.start()
+        for f in facilities:
+            rc, out = f.wait()
+            assert rc == 0, out[-4000:]
+    finally:
+        for f in facilities:
+            f.kill()
+        hub.stop()
+    meta, final = _newest_state(hub)
+    assert meta["ended"] and meta["progress"] == 4, meta
+    for f in facilities:
+        for r in [torch.load(p) for p in (f.dump / f.name).glob("round-*.pt")]:
+            assert r["status"] != "accepted" or r["step"] == EVERY * r["round"], (f.name, r["round"], r["step"])
+    _exports_are(facilities, final["theta"])

@@ -68,6 +68,8 @@ class DelayedElasticFederation(ElasticFederation):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.flight: dict | None = None  # the round in flight: the leader's handle, its step, when it started
+        self.ending = False  # this boundary ends the job: the round in flight lands, then the final round
+        self.moved = 0  # the steps trained since the landing round was sent
         self.pending = False  # the model is u: its round is still to start (after the boundary's checkpoint)
 
     # ------------------------------------------------------------------ the loop's interface
@@ -76,8 +78,9 @@ class DelayedElasticFederation(ElasticFederation):
         follows in the foreground."""
         if not boundary.finish:
             return []
+        self.ending = boundary.end  # unless the landed round realigns this facility's step back (_land)
         records = self._land(boundary.step)
-        if boundary.end:
+        if self.ending:
             self.pending = False
             records.append(self._final_round(records[-1].step if records else boundary.step))
         return records
@@ -131,10 +134,12 @@ class DelayedElasticFederation(ElasticFederation):
             self._take(None, landed=False)
             return []
         taken: list[bool] = []
+        self.moved = done - flight["step"]
         record = self._conclude(out, started, lambda: taken.append(self._take(out, landed=True)))
         if not taken:  # nothing came back (the hub did not answer, or a stop)
             self._take(out, landed=False)
-        record.step += done - flight["step"]  # a realigned step carries over to the steps trained since
+        record.step += self.moved  # a realigned step carries over to the steps trained since
+        self.ending = self.ending and record.step >= self.steps  # realigned back: the end comes later
         record.landed = [flight["step"]]
         if self.leader:
             record.exchange_seconds = out.get("exchange_seconds", 0.0)
@@ -182,7 +187,6 @@ class EagerElasticFederation(DelayedElasticFederation):
         super().__init__(*args, **kwargs)
         self.share = 1.0 / max(1, int(self.options.elastic.min_facilities))
         self.own_steps = 0  # this facility's outer optimizer's steps
-        self.ending = False
         if self.leader:
             d = self.files.directory
             self.own_theta, self.own_outer = d / "own_theta.f32", d / "own_outer.f32"
@@ -197,12 +201,11 @@ class EagerElasticFederation(DelayedElasticFederation):
             zero_outer(self.own_delta, ("delta",), self.numel)
         return out
 
-    def finish(self, boundary, index: int) -> list[RoundRecord]:
-        self.ending = boundary.end
-        return super().finish(boundary, index)
-
     def _final_round(self, done: int) -> RoundRecord:
-        return self._round(done, joining=False, gather=False)  # u is the leader's file already
+        record = self._round(done, joining=False, gather=False)  # u is the leader's file already
+        if record.step < self.steps and self.leader:  # the hub was behind: training goes on from θ_global
+            shutil.copyfile(self.files.theta, self.own_theta)
+        return record
 
     def _launch(self, done: int) -> None:
         if self.leader:
@@ -218,6 +221,8 @@ class EagerElasticFederation(DelayedElasticFederation):
     def _take(self, out: dict | None, landed: bool) -> bool:
         """Eager's step (the class's), at every boundary; the model becomes ``θ_f`` (but at the end, whose model
         is the last round's)."""
+        if landed:  # a round that realigned this facility's step back does not end it (finish: the same test)
+            self.ending = self.ending and self.last_step + self.moved >= self.steps
         if self.leader:
             accepted = landed and out["status"] == "accepted"
             weights = out.get("weights") or {} if accepted else {}

@@ -113,12 +113,16 @@ class DelayedElasticFederation(ElasticFederation):
         self.pending = False
 
         def work() -> dict:
+            self._before_send()
             out = self._lead(tokens, done, False)
             out["exchange_seconds"] = time.perf_counter() - started
             return out
 
         started = time.perf_counter()
         self.flight = {"handle": self._spawn(work), "step": done}
+
+    def _before_send(self) -> None:
+        """The leader's thread, before the round goes up (nothing here)."""
 
     def _land(self, done: int) -> list[RoundRecord]:
         """After ``done`` steps: wait for the round in flight, gather ``x`` and apply the rule (:meth:`_take`;
@@ -207,10 +211,8 @@ class EagerElasticFederation(DelayedElasticFederation):
             shutil.copyfile(self.files.theta, self.own_theta)
         return record
 
-    def _launch(self, done: int) -> None:
-        if self.leader:
-            shutil.copyfile(self.files.theta, self.prev)  # θ_global before the round: its mean is the difference
-        super()._launch(done)
+    def _before_send(self) -> None:
+        shutil.copyfile(self.files.theta, self.prev)  # θ_global before the round: its mean is the difference
 
     def leave(self) -> None:
         if self.leader:  # the round in flight (if any) uses none of these

@@ -138,14 +138,15 @@ def test_delayed_rounds_through_the_hub_eager_by_hand(tmp_path):
 
 
 def test_delayed_rounds_through_a_hub_killed_mid_run_end_on_its_final_theta(tmp_path):
-    """eager, 16 steps, rounds every 4. Both facilities hold before sending the round at step 8 (in flight behind
-    steps 9-12) until the hub is SIGKILLed; that round is missed, lands nothing at step 12, and the hub comes back
-    on its --state. Whatever each facility then met (a round missed, healed, realigned), both end at their last
-    step on the federation's final version: no accepted round merged contributions of another step, and both
-    exports are the hub's final θ_global, bit for bit."""
+    """eager, 12 steps, rounds every 4. Both facilities hold before sending the round at step 8 (in flight behind
+    steps 9-12) until the hub is SIGKILLed; that round is missed and lands nothing at step 12, the last, whose
+    final round waits for the hub to come back on its --state (and, the federation being behind, realigns them back).
+    Whatever each facility then met (a round missed, healed, realigned), both end at their last step on the
+    federation's final version: no accepted round merged contributions of another step, and both exports are the
+    hub's final θ_global, bit for bit."""
     hub = Hub(tmp_path)
     go = tmp_path / "go"
-    extra = [*EAGER, "train.steps=16", "federation.elastic.final_wait_s=200", "federation.elastic.grace_s=30"]
+    extra = [*EAGER, "federation.elastic.final_wait_s=200", "federation.elastic.grace_s=30"]
     facilities = [Facility(n, hub, tmp_path, extra=extra, env={"XFFL_TEST_ELASTIC_HOLD": f"1:{go}"}) for n in "ab"]
     try:
         _wait_for(lambda: all(_dumped(f, 1) for f in facilities), what="version 1 at a and b", alive=facilities)
@@ -162,7 +163,7 @@ def test_delayed_rounds_through_a_hub_killed_mid_run_end_on_its_final_theta(tmp_
             f.kill()
         hub.stop()
     meta, final = _newest_state(hub)
-    assert meta["ended"] and meta["progress"] == 4, meta
+    assert meta["ended"] and meta["progress"] == STEPS // EVERY, meta
     for f in facilities:
         for r in [torch.load(p) for p in (f.dump / f.name).glob("round-*.pt")]:
             assert r["status"] != "accepted" or r["step"] == EVERY * r["round"], (f.name, r["round"], r["step"])

@@ -341,6 +341,11 @@ def test_guards_each_one_line(hub, tmp_path):
             (["federation.outer.name=nesterov", "federation.outer.momentum=0.9"], "federation.outer"),
             (["federation.every=5"], "12 rounds here (train.steps / federation.every), 6 in the federation"),
             (["federation.every=null", "federation.every_s=5"], "federation.every_s: 5.0 here, None in the federation"),
+            (
+                ["federation.delay=1"],  # eager: the outer rule it gives the hub differs too; the delay is named
+                "federation.delay: 1 here, 0 in the federation: every facility of a federation must use the same; run "
+                "this facility with federation.delay=0",
+            ),
         ]
         for extra, words in cases:
             with pytest.raises(ElasticError) as info:
@@ -382,6 +387,12 @@ def test_guards_each_one_line(hub, tmp_path):
         (["federation.elastic.min_facilities=0"], "min_facilities"),
         (["federation.elastic.timeout_s=-1"], "timeout_s"),
         (["federation.elastic.facility='a b'"], "federation.elastic.facility"),
+        (["federation.delay=1", "federation.compression=bf16"], "delay_rule=eager and federation.compression=bf16"),
+        (["federation.delay=1", "federation.outer.name=adam"], "delay_rule=eager and federation.outer.name=adam"),
+        (
+            ["federation.delay=1", "federation.delay_rule=own_full", "federation.every=null", "federation.every_s=5"],
+            "federation.delay=1 with federation.every_s",
+        ),
     ],
 )
 def test_elastic_config_refused_before_workers(extra, words):

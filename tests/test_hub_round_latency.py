@@ -54,6 +54,12 @@ def test_the_first_compression_setting_that_differs_is_named_with_its_key():
     assert first_difference(no_ef, theirs).endswith("federation.error_feedback=true")
     assert first_difference({**base, "delay": 0}, base) is None  # a federation saved before the key: delay 0
     assert "federation.delay: 1 here, 0" in first_difference({**base, "delay": 1}, base)
+    eager = {**base, "delay": 1, "delay_rule": "eager", "outer": {**base["outer"], "lr": 1.0}}
+    own_full = {**base, "delay": 1, "delay_rule": "own_full"}
+    assert first_difference(own_full, eager).endswith(
+        "federation.delay_rule: 'own_full' here, 'eager' in the federation: every facility of a federation must use "
+        "the same; run this facility with federation.delay_rule=eager"
+    )
 
 
 def test_the_hub_logs_each_rounds_last_upload_to_its_first_result_byte(tmp_path, monkeypatch):

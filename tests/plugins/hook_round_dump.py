@@ -20,6 +20,8 @@ facility saves, per round it holds a result of (its join included), its paramete
 θ_global ``after``, the hub's decision (facilities, healed, round, step, status, rejected, weights),
 its tokens and, compressed, the ``message`` it sent: ``<dir>/<facility>/round-<R>-<time_ns>.pt``
 (written whole, then renamed: a reader never sees half a file; ``tests/helpers/hub.py``'s ``rounds``).
+With ``federation.delay=1`` the leader also saves, at each boundary where a round landed, its gathered
+parameters ``x`` before the rule made them the next upload: ``<dir>/<facility>/landing-<time_ns>.pt``.
 
 Only ``os`` and ``pathlib`` at import: ``torch`` and the package are imported when a job uses them.
 """
@@ -120,6 +122,35 @@ def _dump_leader_rounds(exchange) -> None:
     exchange.ElasticFederation._lead = _lead
 
 
+def _dump_landings(delayed) -> None:
+    """Wrap the leader's rule at a boundary (``DelayedElasticFederation._compose``, ``EagerElasticFederation.
+    _compose_eager``; federation.delay=1): its gathered parameters ``x`` before the rule made them the next upload
+    (``landing-*.pt``, in order)."""
+
+    def save(self) -> None:
+        import torch
+
+        path = Path(os.environ[ENV]) / self.name
+        path.mkdir(parents=True, exist_ok=True)
+        final = path / f"landing-{time.time_ns()}.pt"
+        torch.save({"x": _load(self.files.mine)}, path / f".{final.name}.tmp")
+        os.replace(path / f".{final.name}.tmp", final)
+
+    compose = delayed.DelayedElasticFederation._compose
+    compose_eager = delayed.EagerElasticFederation._compose_eager
+
+    def _compose(self, theta, start, mine) -> None:
+        save(self)
+        compose(self, theta, start, mine)
+
+    def _compose_eager(self, landed, stale) -> None:
+        save(self)
+        compose_eager(self, landed, stale)
+
+    delayed.DelayedElasticFederation._compose = _compose
+    delayed.EagerElasticFederation._compose_eager = _compose_eager
+
+
 def _observe_rounds(observers) -> None:
     observers.OBSERVERS.append(RoundDump)
 
@@ -127,3 +158,4 @@ def _observe_rounds(observers) -> None:
 if os.environ.get(ENV):
     after_import("xffl_like.train.observers", _observe_rounds)
     after_import("xffl_like.federation.elastic.exchange", _dump_leader_rounds)
+    after_import("xffl_like.federation.elastic.delayed", _dump_landings)

@@ -39,6 +39,11 @@ after the other:
   after the hub served again (each round's end from the facility's ``eval_history``: it evaluates right
   after each round).
 
+Every scenario also gives each facility's overhead over compute (:func:`overhead_figure`): its training's
+seconds over the seconds its slowest rank spent outside the link; the ``line`` scenario's worst facility is
+set beside :data:`GOAL_OVERHEAD` (issue 37's goal for ``federation.delay=1``, passed through
+``bench.hub.bytes_overrides``).
+
 Writes ``wan.json`` (the report) and ``wan.md`` into the run directory, as every mode.
 """
 
@@ -69,7 +74,9 @@ __all__ = [
     "GOAL_TLS",
     "GOAL_STALL",
     "GOAL_LOST",
+    "GOAL_OVERHEAD",
     "line_seconds",
+    "overhead_figure",
     "round_times",
     "round_figure",
     "join_figure",
@@ -96,6 +103,10 @@ GOAL_TLS = 0.10
 GOAL_STALL = 1.0
 #: ... and the rounds lost to a hub SIGKILL and restart.
 GOAL_LOST = 1
+#: ... and, with federation.delay=1, a facility's training time over its compute time.
+GOAL_OVERHEAD = 1.05
+#: The phases of a facility's phase table that are not compute: its rounds (joins included) and its waits.
+_LINK_PHASES = ("aggregation", "wait")
 
 _REPO = Path(__file__).resolve().parents[2]
 _PORT = 29720  # the hub's port in its namespace; scenario i uses _PORT + 10 * i (and the next two for relays)
@@ -234,6 +245,15 @@ def lost_figure(
         "outage_seconds": down[1] - down[0],
         "goal": GOAL_LOST,
     }
+
+
+def overhead_figure(summary: dict) -> float | None:
+    """A facility's training seconds over its compute: the most any of its ranks spent outside the link (every
+    phase of its table but ``aggregation``, where joins, rounds and a delayed round's landing are timed, and
+    ``wait``). 1.0: its rounds are hidden behind its steps."""
+    per_rank = summary["phases"]["per_rank"]
+    compute = max(sum(v["total_s"] for k, v in phases.items() if k not in _LINK_PHASES) for phases in per_rank.values())
+    return summary["train_seconds"] / compute if compute > 0 else None
 
 
 def payload_bytes(records: list[dict], numel: int) -> tuple[int, int]:
@@ -619,6 +639,7 @@ def _collect(name: str, h: dict, hub: _Hub, jobs: list[_Job], results: _Results,
     out["round_times"] = round_times(records)
     out["payload_bytes"] = {n: list(payload_bytes(r, numel)) for n, r in records.items()}
     out["train_seconds"] = {j.name: j.summary()["train_seconds"] for j in jobs if j.name in records}
+    out["overhead"] = {j.name: overhead_figure(j.summary()) for j in jobs if j.name in records}
     if name == "kill_facility":
         out["stall"] = stall_figure(killed, [t for t, _ in results("f0")], float(h["grace_s"]))
     if name == "kill_hub":
@@ -744,6 +765,10 @@ def _report(bench: dict, results: dict, failures: dict, up: float, down: float, 
         join = join_figure(line["records"].get("f1", []), line["numel"], down)
         if join:
             goals["join"] = join
+    if line and line.get("overhead"):
+        worst = max((v for v in line["overhead"].values() if v is not None), default=None)
+        if worst is not None:
+            goals["overhead"] = {"ratio": worst, "per_facility": line["overhead"]}
     if "tls" in results and "insecure" in results:
         fig = tls_figure(results["tls"]["round_times"], results["insecure"]["round_times"])
         if fig:
@@ -873,6 +898,13 @@ def _round_goal_lines(g: dict, h: dict) -> list[str]:
             f"| a facility's bytes per round, up + down (the most of any, median round; link bytes) / an fp32 "
             f"round's payload (8 x numel = {x['fp32_bytes'] / 1e6:.2f} MB) | 1/{1 / x['ratio']:.1f} "
             f"({x['bytes'] / 1e6:.3f} MB) | <= 1/{1 / x['goal']:g} | {ok} |"
+        )
+    if "overhead" in g:
+        x = g["overhead"]
+        each = ", ".join(f"{n} {v:.3f}" for n, v in x["per_facility"].items() if v is not None)
+        lines.append(
+            f"| training time / compute time (the worst facility; {each}) | {x['ratio']:.3f} | <= {GOAL_OVERHEAD:g} "
+            f"(federation.delay=1) | {_met(x['ratio'] <= GOAL_OVERHEAD)} |"
         )
     return lines
 

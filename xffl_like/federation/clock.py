@@ -77,7 +77,7 @@ def round_clock(
     if elastic:
         if cfg.every_s is not None:
             return ElasticTimedClock(cfg, state, steps)
-        return FixedClock([Span(0, steps, True, cfg.every)], steps)
+        return FixedClock([Span(0, steps, True, cfg.every, delay=bool(cfg.delay))], steps)
     if cfg.every_s is not None:  # no schedule, no streaming (refused before launch): the job's steps
         return TimedClock(cfg, state, steps)
     if isinstance(cfg.every, (list, tuple)):

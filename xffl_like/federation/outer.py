@@ -26,9 +26,11 @@ from ..config.checks import is_number
 from ..config.errors import ConfigError
 from ..config.schema import OuterConfig
 
-__all__ = ["OUTER_NAMES", "OuterOptimizer", "outer_step", "validate_outer"]
+__all__ = ["AFFINE_OUTERS", "OUTER_NAMES", "OuterOptimizer", "end_scale", "outer_step", "validate_outer"]
 
 OUTER_NAMES = ("average", "nesterov", "momentum", "adam")
+#: The rules whose one step is affine in its input (:func:`end_scale`).
+AFFINE_OUTERS = ("average", "momentum", "nesterov")
 
 
 def validate_outer(cfg: OuterConfig) -> None:
@@ -54,6 +56,12 @@ def validate_outer(cfg: OuterConfig) -> None:
         raise ConfigError(f"federation.outer.offload={cfg.offload!r}: must be true or false")
     if cfg.name in ("nesterov", "momentum") and cfg.momentum == 0:
         raise ConfigError(f"federation.outer.name={cfg.name} needs federation.outer.momentum > 0 (DiLoCo: 0.9)")
+
+
+def end_scale(options: OuterConfig) -> float:
+    """``c`` with ``outer(θ, g + d) = outer(θ, g) - c d`` for one step of an :data:`AFFINE_OUTERS` rule from the same
+    state: ``lr`` (average, momentum), ``lr (1 + momentum)`` (nesterov)."""
+    return options.lr * (1.0 + options.momentum) if options.name == "nesterov" else options.lr
 
 
 class OuterOptimizer:

@@ -27,6 +27,7 @@ from ..checkpoint.dcp import checkpoint_dir
 from ..config.schema import JobConfig
 from ..distributed.state import DistributedState
 from ..federation.elastic import facility_name
+from ..federation.elastic.delayed import delayed_elastic
 from ..federation.elastic.exchange import ElasticFederation
 from ..federation.protocol import Boundary
 from ..hub.client import hub_link
@@ -72,7 +73,8 @@ class ElasticSync(SyncBase):
         name = facility_name(cfg.federation.elastic)
         link = hub_link(cfg, name, state.world_size) if cfg.federation.elastic.hub and state.rank == 0 else None
         spool = Path(run_dir) / ".hub-spool"
-        federation = ElasticFederation(cfg.federation, parts.model, state, name, steps, link=link, spool=spool)
+        kind = ElasticFederation if not cfg.federation.delay else delayed_elastic(cfg.federation)
+        federation = kind(cfg.federation, parts.model, state, name, steps, link=link, spool=spool)
         rewarm = cfg.optim.warmup_steps if cfg.federation.elastic.rewarm else 0
         described = {"name": cfg.strategy.name, "streams": cfg.strategy.streams}
         where = checkpoint_dir(cfg.checkpoint, run_dir)
@@ -125,6 +127,12 @@ class ElasticSync(SyncBase):
         if step != done:  # realigned to the federation's step (it missed rounds, or trained through them)
             self._realign(done, step)
         return StepEnd(step, records, ended=self.rounds_end_job and self.federation.ended)
+
+    def start(self, boundary: Boundary, index: int) -> None:
+        # federation.delay=1: the round's exchange starts after the boundary's checkpoint, in the leader's thread
+        if boundary.start:
+            with self.timer("aggregation"):
+                self.federation.start(boundary, index)
 
     def _realign(self, done: int, step: int) -> None:
         """The schedule follows the federation's step ``step`` (not this facility's ``done``), and a re-warm-up

@@ -12,6 +12,8 @@ and default process group; ``distributed.*`` describes this facility only). Its 
   upload, take θ_global back to every rank);
 - :mod:`.downlink`: with compression, a relayed round (the other facilities' messages) applied on the leader's
   files by the function the hub applies it with.
+- :mod:`.delayed`: ``federation.delay=1``, each round's exchange in the leader's thread while the next round
+  trains, landing at the next boundary by one of the two rules (``own_full``, ``eager``).
 """
 
 from .options import ElasticError, facility_name, federation_spec, validate_elastic

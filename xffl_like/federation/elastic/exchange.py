@@ -63,9 +63,10 @@ class _Spool:
         self.mine, self.theta = directory / "parameters.f32", directory / "theta_global.f32"
         self.message, self.residual = directory / "update.bin", directory / "residual.f32"
         self.outer, self.relay = directory / "outer.f32", directory / "relay.bin"  # compressed: the relay downlink
+        self.start = directory / "start.f32"  # federation.delay=1: where the round in flight started (its upload)
 
     def remove(self) -> None:
-        for path in (self.mine, self.theta, self.message, self.residual, self.outer, self.relay):
+        for path in (self.mine, self.theta, self.message, self.residual, self.outer, self.relay, self.start):
             path.unlink(missing_ok=True)
         try:
             self.directory.rmdir()
@@ -162,34 +163,46 @@ class ElasticFederation:
         """Run ``work()`` on the leader while the other ranks wait on a small broadcast every second
         (so a long wait for other facilities never trips this facility's collective timeout);
         returns the leader's result (None elsewhere). Collective."""
-        result: dict = {}
-        if self.leader:
+        return self._await(self._spawn(work))
 
-            def run():
-                try:
-                    result["value"] = work()
-                except BaseException as exc:  # noqa: BLE001 - re-raised in the main thread
-                    result["error"] = exc
+    def _spawn(self, work) -> dict | None:
+        """Start ``work()`` in a thread of the leader (None elsewhere): the handle :meth:`_await` takes. Only
+        the leader's thread runs: no collective is issued from it."""
+        if not self.leader:
+            return None
+        handle: dict = {}
 
-            thread = threading.Thread(target=run, daemon=True, name="xffl-elastic-round")
-            thread.start()
+        def run():
+            try:
+                handle["value"] = work()
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the main thread
+                handle["error"] = exc
+
+        handle["thread"] = thread = threading.Thread(target=run, daemon=True, name="xffl-elastic-round")
+        thread.start()
+        return handle
+
+    def _await(self, handle: dict | None):
+        """The result of :meth:`_spawn`'s ``handle`` (the leader's; None elsewhere), every rank waiting on a small
+        broadcast every second (a stop request cancels the leader's wait at the hub). Collective."""
         flag = torch.zeros(1, dtype=torch.int32, device=self.state.device)
         while True:
             if self.leader:
+                thread = handle["thread"]
                 thread.join(timeout=1.0)
                 if self.link is not None and thread.is_alive() and requested() is not None:
                     self.link.cancel()  # a stop while waiting in a round: leave now, not after the round
-                flag.fill_(0 if thread.is_alive() else (2 if "error" in result else 1))
+                flag.fill_(0 if thread.is_alive() else (2 if "error" in handle else 1))
             dist.broadcast(flag, src=0)
             if int(flag.item()) != 0:
                 break
         if int(flag.item()) == 2:
             if self.leader:
-                raise result["error"]
+                raise handle["error"]
             from .options import ElasticError
 
             raise ElasticError(f"facility {self.name}: its leader left the federation (see rank 0's line)")
-        return result.get("value")
+        return handle.get("value") if self.leader else None
 
     # ------------------------------------------------------------------ the loop's interface (protocol.Rounds)
     def trained(self, tokens: int) -> None:
@@ -221,13 +234,26 @@ class ElasticFederation:
         if self.leader:
             self.files.remove()
 
-    def _round(self, done: int, joining: bool) -> RoundRecord:
+    def _round(self, done: int, joining: bool, gather: bool = True) -> RoundRecord:
+        """This facility's round (or join) at the hub after ``done`` steps, in the foreground (collective);
+        ``gather``: its parameters go up (False: the leader's ``files.mine`` as it is)."""
         start = time.perf_counter()
-        self._gather(self.files.mine if self.leader else None)
+        if gather:
+            self._gather(self.files.mine if self.leader else None)
+        tokens = self._round_tokens()
+        out = self._while_leader_works(lambda: self._lead(tokens, done, joining))
+        return self._conclude(out, start, lambda: self._scatter(self.files.theta if self.leader else None))
+
+    def _round_tokens(self) -> float:
+        """The tokens this facility trained since its last round (every rank's; collective)."""
         tokens = torch.tensor([self.tokens], dtype=torch.float64, device=self.state.device)
         dist.all_reduce(tokens)
         self.tokens = 0.0
-        out = self._while_leader_works(lambda: self._lead(float(tokens.item()), done, joining))
+        return float(tokens.item())
+
+    def _conclude(self, out: dict | None, start: float, take) -> RoundRecord:
+        """Every rank learns the leader's round ``out`` (collective); ``take()`` makes what came back this
+        facility's model when θ_global changed. The round's record (kept by the leader)."""
         header = torch.zeros(5, dtype=torch.float64, device=self.state.device)
         if self.leader:
             header.copy_(
@@ -239,7 +265,7 @@ class ElasticFederation:
         self.ended = bool(header[4])
         self.last_step = step
         if changed:
-            self._scatter(self.files.theta if self.leader else None)
+            take()
         # The index of the round committed here; None for a join that only healed (no mean yet).
         record = RoundRecord(
             self.round - 1 if self.round > before else None,

@@ -12,6 +12,7 @@ from ...config.checks import is_int, is_number
 from ...config.errors import ConfigError
 from ...hub.protocol.dial import ElasticError, address
 from ...hub.protocol.spec import AGGREGATES, federation_spec, first_difference
+from ..outer import AFFINE_OUTERS
 
 __all__ = [
     "ElasticError",
@@ -66,7 +67,6 @@ def validate_elastic(job, layout) -> None:
         "federation.algorithm=synchronous": fed.algorithm != "federated",
         f"federation.topology={fed.topology}": fed.topology != "complete",
         "federation.fragments / overlap_steps": fed.streaming,
-        "federation.delay=1": fed.delay != 0,
         "federation.schedule": fed.schedule is not None,
         "a list in federation.weights": isinstance(fed.weights, (list, tuple)),
         f"parallel={job.parallel.name}": job.parallel.name != "fsdp",
@@ -76,6 +76,32 @@ def validate_elastic(job, layout) -> None:
             raise ConfigError(
                 f"{what} does not work with federation.elastic.hub (rounds among the facilities present): "
                 f"use rounds of averaging or an outer optimizer, with weights uniform or tokens"
+            )
+    _validate_delay(fed)
+
+
+def _validate_delay(fed) -> None:
+    """``federation.delay=1`` through the hub: rounds of a fixed ``every`` (federation/elastic/delayed.py)."""
+    if fed.delay != 1:
+        return
+    if fed.every_s is not None:
+        raise ConfigError(
+            "federation.delay=1 with federation.every_s through federation.elastic.hub: a delayed round lands at the "
+            "next boundary of a fixed federation.every; set federation.every_s=null, or delay=0"
+        )
+    if (fed.delay_rule or "eager") != "eager":
+        return
+    refused = {
+        f"federation.compression={fed.compression}": fed.compression != "none",
+        f"federation.outer.name={fed.outer.name}": fed.outer.name not in AFFINE_OUTERS,
+        f"federation.elastic.aggregate={fed.elastic.aggregate}": fed.elastic.aggregate != "mean",
+    }
+    for what, bad in refused.items():
+        if bad:
+            raise ConfigError(
+                f"federation.delay=1 with delay_rule=eager and {what} through federation.elastic.hub: the hub carries "
+                f"fp32 means that each facility's outer step ({', '.join(AFFINE_OUTERS)}) takes; use "
+                f"federation.delay_rule=own_full, or fp32 rounds of a mean with one of those outer rules"
             )
 
 

@@ -30,7 +30,7 @@ __all__ = [
 #: The rules ``federation.elastic.aggregate`` names (the hub's :mod:`..server.aggregate`).
 AGGREGATES = ("mean", "median", "trimmed_mean")
 #: The value a key added since has in a federation saved before it (so its facilities still match).
-ADDED = {"aggregate": "mean", "trim": 0.2, "delay": 0}
+ADDED = {"aggregate": "mean", "trim": 0.2, "delay": 0, "delay_rule": None, "delay_outer": None}
 #: The description's keys that are ``federation.elastic``'s.
 ELASTIC_KEYS = ("grace_s", "max_norm_ratio", "aggregate", "trim", "min_facilities")
 #: The most parameters a federation may have (the hub holds θ_global, an accumulator and the outer optimizer's
@@ -86,10 +86,16 @@ def _topk_spec(t) -> dict[str, Any]:
 
 
 def hub_spec(job) -> dict[str, Any]:
-    """What every facility of a hub's federation shares: :func:`federation_spec` plus the hub's rules."""
+    """What every facility of a hub's federation shares: :func:`federation_spec` plus the hub's rules. Under
+    ``federation.delay=1`` with ``delay_rule=eager`` the hub's outer rule is the carrier of the means
+    (``average`` at lr 1) and the facilities' own one is ``delay_outer``."""
     e, fed = job.federation.elastic, job.federation
+    spec = federation_spec(job)
+    if fed.delay == 1 and (fed.delay_rule or "eager") == "eager":
+        spec["delay_outer"] = spec["outer"]
+        spec["outer"] = {**spec["outer"], "name": "average", "lr": 1.0, "momentum": 0.0}
     return {
-        **federation_spec(job),
+        **spec,
         "grace_s": float(e.grace_s),
         "max_norm_ratio": float(e.max_norm_ratio),
         "aggregate": e.aggregate,
@@ -98,6 +104,7 @@ def hub_spec(job) -> dict[str, Any]:
         "paced": fed.paced,
         "min_facilities": e.min_facilities,
         "delay": int(fed.delay),
+        "delay_rule": (fed.delay_rule or "eager") if fed.delay else None,
     }
 
 
@@ -109,9 +116,10 @@ def first_difference(mine: dict, theirs: dict) -> str | None:
             return f"parameter {i}: {x[0]} {x[1]} {x[2]} here, {y[0]} {y[1]} {y[2]} in the federation"
     if len(a) != len(b):
         return f"{len(a)} parameters here, {len(b)} in the federation"
-    for key in mine:
+    # the delay first: under delay_rule=eager it changes the outer rule the hub is given too
+    for key in sorted(mine, key=lambda k: k not in ("delay", "delay_rule")):
         if key != "parameters" and mine[key] != theirs.get(key, ADDED.get(key)):
-            if key in ("compression", "delay"):
+            if key in ("compression", "delay", "delay_rule"):
                 return _setting_difference(key, mine[key], theirs.get(key, ADDED.get(key)))
             if key == "rounds":
                 return (
@@ -119,6 +127,7 @@ def first_difference(mine: dict, theirs: dict) -> str | None:
                     f"federation: set train.steps to {theirs.get(key)} x federation.every"
                 )
             name = key if key == "train.steps" else f"federation.{'elastic.' * (key in ELASTIC_KEYS)}{key}"
+            name = "federation.outer" if key == "delay_outer" else name
             return f"{name}: {mine[key]!r} here, {theirs.get(key, ADDED.get(key))!r} in the federation"
     return None
 

@@ -1,0 +1,170 @@
+"""``federation.delay=1`` through the hub (issue 37 item 5): two facilities (2 processes FSDP and 1) as independent
+jobs at a real hub, each round's exchange in the leader's thread while the next round trains, landing at the next
+boundary; both rules (docs/running.md).
+
+Every value is recomputed here from what the leaders dump (``tests/plugins/hook_round_dump.py``): per round its
+upload ``before`` and θ_global ``after``, per boundary where the rule ran its gathered parameters ``x``. The last
+round is made in the foreground, and both exports are the hub's final θ_global, bit for bit.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from helpers.hub import Facility, Hub
+from test_hub import _dumped, _export, _newest_state, _text, _values, _wait_for
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.cli, pytest.mark.slow]
+
+STEPS, EVERY, LR = 12, 4, 0.8
+COMMON = ["federation.delay=1", "federation.elastic.min_facilities=2", "federation.elastic.grace_s=120",
+          f"train.steps={STEPS}", f"federation.every={EVERY}", "optim.warmup_steps=2", "export.hf=true"]  # fmt: skip
+DELAY = [*COMMON, "federation.delay_rule=own_full", "federation.weights=tokens", "federation.outer.name=average",
+         f"federation.outer.lr={LR}"]  # fmt: skip
+NESTEROV_LR, MOMENTUM = 0.7, 0.9
+EAGER = [*COMMON, "federation.outer.name=nesterov", f"federation.outer.lr={NESTEROV_LR}",
+         f"federation.outer.momentum={MOMENTUM}"]  # fmt: skip
+
+
+def _dumps(dump: Path, name: str, kind: str) -> list[dict]:
+    return [torch.load(p) for p in sorted((dump / name).glob(f"{kind}-*.pt"))]
+
+
+def _run(tmp_path, extra: list[str]) -> tuple[dict, dict, dict, list[Facility]]:
+    """a and b run to their end; per facility its rounds by version and the ``x`` of each boundary's rule; the
+    federation's θ_0, both having started from it; the facilities."""
+    hub = Hub(tmp_path)
+    a = Facility("a", hub, tmp_path, nproc=2, extra=extra)
+    b = Facility("b", hub, tmp_path, nproc=1, extra=extra)
+    try:
+        (rc_a, out_a), (rc_b, out_b) = a.wait(), b.wait()
+    finally:
+        for f in (a, b):
+            f.kill()
+        hub.stop()
+    assert rc_a == 0 and rc_b == 0, out_a + out_b
+    dump = tmp_path / "dump"
+    rounds = {n: {r["round"]: r for r in _dumps(dump, n, "round")} for n in "ab"}
+    landings = {n: [d["x"] for d in _dumps(dump, n, "landing")] for n in "ab"}
+    start = {n: next(r for r in rounds[n].values() if r["status"] in ("created", "joined")) for n in "ab"}
+    assert torch.equal(start["b"]["after"], start["a"]["after"])
+    for n in "ab":  # rounds at steps 4, 8 (in flight while the next round trained) and 12 (the last, foreground)
+        versions = sorted(v for v, r in rounds[n].items() if r["status"] == "accepted")
+        assert versions == [1, 2, 3] and [rounds[n][v]["step"] for v in versions] == [4, 8, 12], rounds[n]
+    for f in (a, b):  # each landed round is recorded where it landed; the last boundary lands two
+        records = f.summary()["round_records"]
+        assert [r.get("landed") for r in records] == [[4], [8], None], records
+    return rounds, landings, start["a"]["after"], [a, b]
+
+
+def _exports_are(facilities: list[Facility], theta: torch.Tensor) -> None:
+    exports = {f.name: _export(f) for f in facilities}
+    assert all(torch.equal(exports["a"][k], exports["b"][k]) for k in exports["a"])
+    assert torch.equal(_values(exports["a"].values()), _values([theta])), "the exports are not the final θ_global"
+
+
+@pytest.mark.parametrize("compression", ["none", "topk"])
+def test_delayed_rounds_through_the_hub_own_full_by_hand(tmp_path, compression):
+    """own_full: the hub's θ_global of version v is θ_{v-1} - lr x the tokens-weighted mean of θ_{v-1} - u_f (fp32;
+    with top-k each facility applies the relayed round itself, bitwise as the hub: the copies are compared); a
+    facility's upload at the boundary where version v landed is θ_v - (u_v - x), bitwise."""
+    topk = ["federation.compression=topk", "federation.error_feedback=true"] if compression == "topk" else []
+    rounds, landings, theta, facilities = _run(tmp_path, [*DELAY, *topk])
+    versions = [1, 2, 3]
+    for n in "ab":
+        assert len(landings[n]) == 2, f"{n} landed {len(landings[n])} rounds, not those of steps 4 and 8"
+    for v in versions:
+        weights = rounds["a"][v]["weights"]
+        assert weights == rounds["b"][v]["weights"] and set(weights) == {"a", "b"}
+        total = sum(weights.values())
+        mean = sum((theta.double() - rounds[n][v]["before"].double()) * (weights[n] / total) for n in "ab")
+        expected = (theta.double() - LR * mean).float()
+        after = rounds["a"][v]["after"]
+        if compression == "none":
+            torch.testing.assert_close(after, expected, rtol=0, atol=1e-6, msg=f"version {v}")
+        assert torch.equal(after, rounds["b"][v]["after"]), f"the copies of version {v} differ"
+        if v < versions[-1]:  # version v landed at the next boundary: the upload there is θ_v - (u_v - x)
+            for n in "ab":
+                x = landings[n][v - 1]
+                upload = after - (rounds[n][v]["before"] - x)
+                assert torch.equal(rounds[n][v + 1]["before"], upload), f"{n}'s upload after version {v} landed"
+                assert not torch.equal(x, rounds[n][v]["before"]), f"{n} did not train while version {v} was made"
+        theta = after
+    _exports_are(facilities, theta)
+
+
+def _nesterov(theta: torch.Tensor, buf: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """By hand: buf <- m buf + g; θ <- θ - lr (g + m buf) (float64)."""
+    buf = MOMENTUM * buf + g
+    return theta - NESTEROV_LR * (g + MOMENTUM * buf), buf
+
+
+def test_delayed_rounds_through_the_hub_eager_by_hand(tmp_path):
+    """eager (the default rule): each facility's θ_f and Nesterov state recomputed here. The hub sums the means
+    (θ_v = θ_{v-1} - mean of θ_{v-1} - u_f); at each boundary D = θ_{v-1} - θ_v of the landed round, Δ = θ_f - x,
+    θ_f <- nesterov(θ_f, D - s' Δ_prev + s Δ) (s = 1/2: two facilities, uniform), u = θ_v - Δ; at the last,
+    u = nesterov(θ_f, D - s' Δ_prev) - lr (1 + m) Δ, so that the final θ_global is one world's eager end,
+    Σ_f s_f nesterov_f(θ_f, D - s' Δ_prev + D_3), D_3 = Σ_f s_f Δ_f the last round's mean."""
+    rounds, landings, theta0, facilities = _run(tmp_path, EAGER)
+    atol = 2e-6
+    hub = [theta0.double()] + [rounds["a"][v]["after"].double() for v in (1, 2, 3)]
+    for v in (1, 2, 3):  # the hub: a sum of the means
+        mean = sum(hub[v - 1] - rounds[n][v]["before"].double() for n in "ab") / 2
+        torch.testing.assert_close(hub[v], hub[v - 1] - mean, rtol=0, atol=atol, msg=f"version {v}")
+        assert torch.equal(rounds["a"][v]["after"], rounds["b"][v]["after"])
+    last = {}  # per facility at the last boundary: θ_f, its momentum, the others' part, its fresh Δ
+    for n in "ab":
+        assert len(landings[n]) == 3, f"{n}'s rule ran {len(landings[n])} times, not at steps 4, 8 and 12"
+        own, buf, before = theta0.double(), torch.zeros_like(hub[0]), torch.zeros_like(hub[0])
+        for k in (1, 2, 3):  # the boundary at step 4k: version k - 1 landed (none at the first)
+            delta = own - landings[n][k - 1].double()
+            others = hub[k - 2] - hub[k - 1] - 0.5 * before if k > 1 else torch.zeros_like(own)
+            if k < 3:
+                own, buf = _nesterov(own, buf, others + 0.5 * delta)
+                upload = hub[k - 1] - delta
+            else:
+                ended, _ = _nesterov(own, buf, others)
+                upload = ended - NESTEROV_LR * (1 + MOMENTUM) * delta
+                last[n] = (own, buf, others, delta)
+            torch.testing.assert_close(rounds[n][k]["before"].double(), upload, rtol=0, atol=atol, msg=f"{n}, {k}")
+            before = delta
+        assert not torch.equal(rounds["a"][1]["before"], rounds["b"][1]["before"])
+    last_mean = sum(last[n][3] for n in "ab") / 2  # D_3, which replaces the fresh share in one world
+    one_world_end = sum(_nesterov(own, buf, others + last_mean)[0] for own, buf, others, _ in last.values()) / 2
+    torch.testing.assert_close(hub[3], one_world_end, rtol=0, atol=atol, msg="the end is not one world's")
+    _exports_are(facilities, rounds["a"][3]["after"])
+
+
+def test_delayed_rounds_through_a_hub_killed_mid_run_end_on_its_final_theta(tmp_path):
+    """eager, 12 steps, rounds every 4. Both facilities hold before sending the round at step 8 (in flight behind
+    steps 9-12) until the hub is SIGKILLed; that round is missed and lands nothing at step 12, the last, whose
+    final round waits for the hub to come back on its --state (and, the federation being behind, realigns them back).
+    Whatever each facility then met (a round missed, healed, realigned), both end at their last step on the
+    federation's final version: no accepted round merged contributions of another step, and both exports are the
+    hub's final θ_global, bit for bit."""
+    hub = Hub(tmp_path)
+    go = tmp_path / "go"
+    extra = [*EAGER, "federation.elastic.final_wait_s=200", "federation.elastic.grace_s=30"]
+    facilities = [Facility(n, hub, tmp_path, extra=extra, env={"XFFL_TEST_ELASTIC_HOLD": f"1:{go}"}) for n in "ab"]
+    try:
+        _wait_for(lambda: all(_dumped(f, 1) for f in facilities), what="version 1 at a and b", alive=facilities)
+        hub.kill()
+        go.touch()
+        _wait_for(lambda: all("round at step 8 missed" in _text(f) for f in facilities), 120, "the missed round",
+                  alive=facilities)  # fmt: skip
+        hub.start()
+        for f in facilities:
+            rc, out = f.wait()
+            assert rc == 0, out[-4000:]
+    finally:
+        for f in facilities:
+            f.kill()
+        hub.stop()
+    meta, final = _newest_state(hub)
+    assert meta["ended"] and meta["progress"] == STEPS // EVERY, meta
+    for f in facilities:
+        for r in [torch.load(p) for p in (f.dump / f.name).glob("round-*.pt")]:
+            assert r["status"] != "accepted" or r["step"] == EVERY * r["round"], (f.name, r["round"], r["step"])
+    _exports_are(facilities, final["theta"])

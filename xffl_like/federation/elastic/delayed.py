@@ -1,0 +1,276 @@
+"""``federation.delay=1`` through the hub: :class:`DelayedElasticFederation` (``delay_rule=own_full``) and
+:class:`EagerElasticFederation` (``eager``, the default; its docstring: the hub's θ_global carries the means).
+
+One world's ``own_full`` rule (:mod:`xffl_like.federation.delayed`) keeps one θ_g for everyone, stepped on each
+round's mean one round late, and makes each facility's local model ``θ_g - Δ_r``: the landed global model plus
+its own progress still in flight, at full weight. The hub already holds that θ_g: its θ_global, stepped by its
+outer optimizer on each round's mean. So the hub's rounds stay what they are, and only the facility changes:
+
+- at the boundary ``b_r`` the hub's round ``r - 1``, which ran during round ``r``, lands: θ_global of version
+  ``r - 1`` (the hub's, bitwise, or applied here from the relay with compression);
+- the round's pseudo-gradient is ``Δ_r = s_r - x_r`` (``s_r``: where round ``r`` started, ``x_r``: the
+  facility's model now), and the model becomes ``u_r = θ_global - Δ_r``;
+- after the boundary's checkpoint, round ``r``'s exchange starts in a thread of the leader: ``u_r`` goes up to
+  the hub's round at step ``b_r`` exactly as a round's parameters do without delay (the hub's pseudo-gradient
+  ``θ_global - u_r`` is ``Δ_r``; with compression the message encodes it plus the residual) while round
+  ``r + 1`` trains from ``s_{r+1} = u_r``. The leader's thread only uploads, waits and downloads: no
+  collective runs outside the training thread, and every rank learns the result at ``b_{r+1}``.
+
+The arithmetic is the leader's, on its spool files a window at a time (``start.f32``: ``u_r``, what went up;
+``parameters.f32``: ``x`` gathered, then ``u`` written over it and scattered back): no rank holds a second
+copy of the model. Where nothing landed (the first boundary, after a join or a resume, or a round the hub
+did not answer) the model stays ``x``: its progress since the last θ_global it holds goes up whole at the next
+round. A round in which the hub healed or rejected this facility lands θ_global without its ``Δ_r``: that
+round is discarded, as one world's non-finite guard discards one; a realigned step carries over to the steps
+trained since. The job's last boundary lands the round in flight, then makes its own round in the foreground
+(the federation's final one, :meth:`~xffl_like.hub.client.HubLink.until_final`): every facility ends on the
+hub's final θ_global, bitwise.
+
+Checkpoints: one at ``b_r`` is taken after the model became ``u_r`` and before the exchange starts. A
+resumed facility rejoins, as every restarted facility does (θ_global and the outer state live at the hub):
+it heals to θ_global and the federation's step, and its pending ``Δ_r`` is not sent. docs/running.md ("Through
+the hub") has both rules' design.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+
+import torch
+
+from ...hub.protocol import relay
+from ..outer import end_scale, outer_step
+from ..record import RoundRecord
+from .downlink import FileState, zero_outer
+from .exchange import _WINDOW, ElasticFederation, _read_into
+
+__all__ = ["DelayedElasticFederation", "EagerElasticFederation", "delayed_elastic", "own_full_window"]
+
+
+def delayed_elastic(cfg) -> type:
+    """The class of ``federation.delay=1`` through the hub for ``cfg.delay_rule`` (null: ``eager``)."""
+    return DelayedElasticFederation if cfg.delay_rule == "own_full" else EagerElasticFederation
+
+
+def own_full_window(theta: torch.Tensor, start: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """``θ_global - (s - x)``: the landed θ_global plus the progress still in flight (fp32, in this order)."""
+    return theta - (start - local)
+
+
+class DelayedElasticFederation(ElasticFederation):
+    """:class:`~.exchange.ElasticFederation` with ``federation.delay=1`` (``delay_rule=own_full``): the module's
+    rule; a round's exchange runs from the boundary's :meth:`start` to the next boundary's :meth:`finish`."""
+
+    rule = "own_full"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.flight: dict | None = None  # the round in flight: the leader's handle, its step, when it started
+        self.ending = False  # this boundary ends the job: the round in flight lands, then the final round
+        self.moved = 0  # the steps trained since the landing round was sent
+        self.pending = False  # the model is u: its round is still to start (after the boundary's checkpoint)
+
+    # ------------------------------------------------------------------ the loop's interface
+    def finish(self, boundary, index: int) -> list[RoundRecord]:
+        """At a boundary: the round in flight lands (the rule); at the job's end this facility's last round
+        follows in the foreground."""
+        if not boundary.finish:
+            return []
+        self.ending = boundary.end  # unless the landed round realigns this facility's step back (_land)
+        records = self._land(boundary.step)
+        if self.ending:
+            self.pending = False
+            records.append(self._final_round(records[-1].step if records else boundary.step))
+        return records
+
+    def _final_round(self, done: int) -> RoundRecord:
+        """The job's last round, in the foreground: the model goes up, the federation's final θ_global comes back."""
+        return self.round_at(done)
+
+    def start(self, boundary, index: int) -> None:
+        """After the boundary's checkpoint: the exchange of ``u`` starts (the leader's thread)."""
+        if self.pending:
+            self._launch(boundary.step)
+
+    def leave(self) -> None:
+        flight, self.flight = self.flight, None
+        if flight is not None and self.leader:  # a stop while a round is in flight: it ends now, unapplied
+            if self.link is not None:
+                self.link.cancel()
+            flight["handle"]["thread"].join(timeout=60.0)
+        super().leave()
+
+    def describe(self) -> dict:
+        return {**super().describe(), "delay": 1, "delay_rule": self.rule}
+
+    # ------------------------------------------------------------------ the rule
+    def _launch(self, done: int) -> None:
+        """Round at step ``done``: ``files.mine`` (``u``) goes up in a thread of the leader (collective: the
+        round's tokens)."""
+        tokens = self._round_tokens()
+        self.pending = False
+
+        def work() -> dict:
+            self._before_send()
+            out = self._lead(tokens, done, False)
+            out["exchange_seconds"] = time.perf_counter() - started
+            return out
+
+        started = time.perf_counter()
+        self.flight = {"handle": self._spawn(work), "step": done}
+
+    def _before_send(self) -> None:
+        """The leader's thread, before the round goes up (nothing here)."""
+
+    def _land(self, done: int) -> list[RoundRecord]:
+        """After ``done`` steps: wait for the round in flight, gather ``x`` and apply the rule (:meth:`_take`;
+        collective). Its record, or none when nothing was in flight."""
+        started, flight, self.flight = time.perf_counter(), self.flight, None
+        f = self.files if self.leader else None
+        out = self._await(flight["handle"]) if flight is not None else None
+        if flight is not None and self.leader:
+            os.replace(f.mine, f.start)  # what went up: where the round that ends now started
+        self._gather(f.mine if self.leader else None)
+        self.pending = True
+        if flight is None:
+            self._take(None, landed=False)
+            return []
+        taken: list[bool] = []
+        self.moved = done - flight["step"]
+        record = self._conclude(out, started, lambda: taken.append(self._take(out, landed=True)))
+        if not taken:  # nothing came back (the hub did not answer, or a stop)
+            self._take(out, landed=False)
+        record.step += self.moved  # a realigned step carries over to the steps trained since
+        self.ending = self.ending and record.step >= self.steps  # realigned back: the end comes later
+        record.landed = [flight["step"]]
+        if self.leader:
+            record.exchange_seconds = out.get("exchange_seconds", 0.0)
+        return [record]
+
+    def _take(self, out: dict | None, landed: bool) -> bool:
+        """The rule at a boundary (collective): where θ_global came back (``landed``) the model becomes
+        ``θ_global - (s - x)`` and goes up next; else it stays ``x``. ``out``: the leader's round (None elsewhere,
+        and where nothing was in flight)."""
+        if landed:
+            f = self.files if self.leader else None
+            if self.leader:
+                self._compose(f.theta, f.start, f.mine)
+            self._scatter(f.mine if self.leader else None)
+        return True
+
+    def _compose(self, theta, start, mine) -> None:
+        """``mine <- θ_global - (start - mine)`` (the leader's files), a window at a time."""
+        target = mine.with_name(f"{mine.name}.next")
+        with open(theta, "rb") as t, open(start, "rb") as s, open(mine, "rb") as x, open(target, "wb") as out:
+            for first in range(0, self.numel, _WINDOW):
+                n = min(_WINDOW, self.numel - first)
+                read = [_read_into(fh, torch.empty(n, dtype=torch.float32)) for fh in (t, s, x)]
+                own_full_window(*read).numpy().tofile(out)
+        os.replace(target, mine)
+
+
+class EagerElasticFederation(DelayedElasticFederation):
+    """``federation.delay=1`` with ``delay_rule=eager`` through the hub (fp32 rounds; docs/running.md): each
+    facility keeps its own ``θ_f`` and outer state in its leader's spool; the hub's θ_global carries the sum of the
+    rounds' means (its outer rule is ``average`` at lr 1: :func:`~xffl_like.hub.protocol.spec.hub_spec`), so that
+    ``D_v = θ_{v-1} - θ_v`` at every facility, bitwise alike.
+
+    At a boundary, with ``Δ = θ_f - x``: ``θ_f <- outer_f(θ_f, (D - s' Δ_prev) + s Δ)`` (``D`` and ``s'``: the
+    landed round's mean and this facility's weight in it, 0 where it was healed or nothing landed; ``s``: its
+    weight in the last round it was accepted in, ``1 / min_facilities`` before one), the model becomes ``θ_f``,
+    and ``u = θ_global - Δ`` goes up (the hub's pseudo-gradient ``θ_global - u`` is ``Δ``). At the job's last
+    boundary, with ``A = outer_f(θ_f, D - s' Δ_prev)``: ``u = A - c Δ`` (:func:`~..outer.end_scale`) goes up in
+    the foreground, and the hub's last round (``θ - Σ s_f (θ - u_f)``) is ``Σ s_f outer_f(θ_f, D - s' Δ_prev +
+    D_R)``: one world's end, ``Σ_f s_f θ_f`` after the last mean replaced the fresh share."""
+
+    rule = "eager"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.share = 1.0 / max(1, int(self.options.elastic.min_facilities))
+        self.own_steps = 0  # this facility's outer optimizer's steps
+        if self.leader:
+            d = self.files.directory
+            self.own_theta, self.own_outer = d / "own_theta.f32", d / "own_outer.f32"
+            self.own_delta, self.prev = d / "own_delta.f32", d / "theta_prev.f32"
+
+    def join(self, step: int) -> int:
+        """Join as before; this facility's θ_f is θ_global, its outer state and Δ zero."""
+        out = super().join(step)
+        if self.leader and self.files.theta.exists():  # not after a stop while joining
+            shutil.copyfile(self.files.theta, self.own_theta)
+            zero_outer(self.own_outer, relay.buffer_names(self.options.outer), self.numel)
+            zero_outer(self.own_delta, ("delta",), self.numel)
+        return out
+
+    def _final_round(self, done: int) -> RoundRecord:
+        record = self._round(done, joining=False, gather=False)  # u is the leader's file already
+        if record.step < self.steps and self.leader:  # the hub was behind: training goes on from θ_global
+            shutil.copyfile(self.files.theta, self.own_theta)
+        return record
+
+    def _before_send(self) -> None:
+        shutil.copyfile(self.files.theta, self.prev)  # θ_global before the round: its mean is the difference
+
+    def leave(self) -> None:
+        if self.leader:  # the round in flight (if any) uses none of these
+            for path in (self.own_theta, self.own_outer, self.own_delta, self.prev):
+                path.unlink(missing_ok=True)
+        super().leave()
+
+    def _take(self, out: dict | None, landed: bool) -> bool:
+        """Eager's step (the class's), at every boundary; the model becomes ``θ_f`` (but at the end, whose model
+        is the last round's)."""
+        if landed:  # a round that realigned this facility's step back does not end it (finish: the same test)
+            self.ending = self.ending and self.last_step + self.moved >= self.steps
+        if self.leader:
+            accepted = landed and out["status"] == "accepted"
+            weights = out.get("weights") or {} if accepted else {}
+            stale = weights[self.name] / sum(weights.values()) if accepted else 0.0
+            self._compose_eager(landed, stale)
+            if accepted:
+                self.share = stale
+        self.own_steps += 1
+        if not self.ending:
+            self._scatter(self.own_theta if self.leader else None)
+        return True
+
+    def _compose(self, theta, start, mine) -> None:
+        raise AssertionError("eager composes with _compose_eager")
+
+    @torch.no_grad()
+    def _compose_eager(self, landed: bool, stale: float) -> None:
+        """The leader's files, a window at a time: ``θ_f`` and its outer state step, ``Δ`` is kept, and ``mine``
+        (``x`` on entry) becomes the next upload."""
+        f, options = self.files, self.options.outer
+        state = FileState(self.own_theta, self.own_outer, relay.buffer_names(options), self.numel)
+        names = [f.mine, self.own_delta]
+        outs = [open(p.with_name(f"{p.name}.next"), "wb") for p in names]
+        ins = [open(p, "rb") for p in (f.mine, self.own_delta, f.theta, self.prev if landed else f.theta)]
+        try:
+            for first in range(0, self.numel, _WINDOW):
+                n = min(_WINDOW, self.numel - first)
+                x, before, theta, prev = (_read_into(fh, torch.empty(n, dtype=torch.float32)) for fh in ins)
+                own, buffers = state.read(first, first + n)
+                delta = torch.sub(own, x)
+                others = torch.sub(prev, theta).sub_(before, alpha=stale)  # D - s' Δ_prev (0 without a mean)
+                if self.ending:  # A = outer_f(θ_f, others); u = A - c Δ
+                    outer_step(options, self.own_steps + 1, own, buffers, others)
+                    upload = own.sub(delta, alpha=end_scale(options))
+                else:
+                    outer_step(options, self.own_steps + 1, own, buffers, others.add_(delta.mul(self.share)))
+                    upload = theta.sub(delta)
+                state.write(first, own, buffers)
+                upload.numpy().tofile(outs[0])
+                delta.numpy().tofile(outs[1])
+        except BaseException:
+            state.discard()
+            raise
+        finally:
+            for fh in outs + ins:
+                fh.close()
+        state.commit()
+        for p in names:
+            os.replace(p.with_name(f"{p.name}.next"), p)

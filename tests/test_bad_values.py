@@ -70,8 +70,14 @@ BAD = [
     (["federation.algorithm=synchronous", "federation.delay=1"], "so federation.delay does not apply"),
     (["federation.delay_rule=own_full"], "federation.delay_rule=own_full applies to federation.delay=1 (now 0)"),
     (
-        ["federation.elastic.hub=127.0.0.1:9", "distributed.federated=null", "federation.delay=1"],
-        "federation.delay=1 does not work with federation.elastic.hub",
+        [
+            "federation.elastic.hub=127.0.0.1:9",
+            "distributed.federated=null",
+            "federation.delay=1",
+            "federation.every=null",
+            "federation.every_s=5",
+        ],
+        "federation.delay=1 with federation.every_s through federation.elastic.hub: ",
     ),
     # issue 21: facilities of different speeds (llama_fed: 2 facilities, 60 steps, federation.every=10)
     (["federation.every=[4,2,2]"], "federation.every=[4, 2, 2]: 3 entries for 2 facilities"),

@@ -128,6 +128,7 @@ def fake_federation(kind, clock):
     fake.finish.side_effect = lambda b, index: [RoundRecord.from_dict(round_record(index, b.step))] if b.finish else []
     fake.state_dict.side_effect = lambda: {"rounds": torch.tensor(0), "tokens": torch.zeros(1, dtype=torch.float64)}
     fake.describe.side_effect = lambda: {"algorithm": "fake", "elastic": {"facility": "a"}}
+    fake.message_stats.side_effect = lambda: {}
     return fake
 
 
@@ -187,7 +188,7 @@ def expected_federated_calls(stop_at: int | None = None) -> list:
             return calls
         if done in STARTS:
             calls.append(call.rounds.start(boundary(done, starts=STARTS), index))
-    return [*calls, call.rounds.describe()]  # close(): the summary's federation
+    return [*calls, call.rounds.describe(), call.rounds.message_stats()]  # close(): the summary's federation
 
 
 def elastic(cfg, state, run_dir: Path, join_at: int):

@@ -55,3 +55,5 @@ def test_the_report_by_hand():
     assert topk["excess_per_seed"] == {0: pytest.approx(0.01), 1: pytest.approx(0.025)}
     assert topk["zero_codes"] == pytest.approx(0.1875)
     assert part["goals"] == [{"variant": "topk", "within": 0.03, "excess": pytest.approx(0.02), "met": True}]
+    pretrained = quality_report(runs, 192, pretrained=True)[2]["goals"]  # the pretrained start's goal: 1%
+    assert pretrained == [{"variant": "topk", "within": 0.01, "excess": pytest.approx(0.02), "met": False}]

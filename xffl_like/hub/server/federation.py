@@ -580,7 +580,7 @@ class HubFederation:
                 return saved.theta[start:stop].clone(), {b: t[start:stop].clone() for b, t in saved.buffers.items()}
 
             args = (self.options, saved.outer_steps, readers, list(scales), rule, trim)
-            for _, theta, buffers in relay.rounds(read, numel, *args):
+            for _, theta, buffers in relay.rounds(read, numel, *args, checked=True):  # finite norms: finite values
                 yield theta, buffers
             return
         plan = Plan(rule, scales, trim, self.options, saved.outer_steps + 1)

@@ -8,7 +8,8 @@ from the uploads it sent: numpy in float64 (the mean or the median over members,
 1e-6 (the hub computes in fp32: a few roundings of values near 1); and bitwise against the documented order,
 the fp32 products summed in name order from zero whatever the order of arrival (which, for three members at
 1/3 each, is not the arrival order's sum). A contribution rejected by the norm check after it was folded ahead
-leaves no trace: the version is bitwise the two others' round, and no file of the unfinished one is left."""
+leaves no trace: the version is bitwise the two others' round, and no file of the unfinished one is left; one
+broken off half-way is folded out, the others folded ahead again without it."""
 
 from __future__ import annotations
 
@@ -56,7 +57,8 @@ def _uploads(rejected: bool) -> dict[str, torch.Tensor]:
 
 
 def _held(member: Raw, rid: int, values: torch.Tensor, gate: threading.Event, replies: dict) -> threading.Thread:
-    """``member``'s upload in a thread: its first :data:`HELD` values, then the rest once ``gate`` is set."""
+    """``member``'s upload in a thread: its first :data:`HELD` values, then the rest once ``gate`` is set (or the
+    call broken off there, when ``replies`` already names ``member``)."""
     raw = values.view(torch.uint8).numpy()
 
     def frames():
@@ -64,11 +66,16 @@ def _held(member: Raw, rid: int, values: torch.Tensor, gate: threading.Event, re
         yield pack({**header, "nbytes": raw.size})
         yield raw[: 4 * HELD].tobytes()
         gate.wait(60)
+        if member.name in replies:  # told to break off: the client cancels the call
+            raise RuntimeError("broken off")
         yield raw[4 * HELD :].tobytes()
 
     def run():
         call = member.ch.stream_unary(f"/{SERVICE}/Upload")
-        replies[member.name] = unpack(call(frames(), timeout=60))
+        try:
+            replies[member.name] = unpack(call(frames(), timeout=60))
+        except grpc.RpcError as exc:
+            replies[member.name] = {"ok": False, "error": exc.code()}
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
@@ -114,9 +121,10 @@ def hub(tmp_path, monkeypatch):
     fed.close()
 
 
-def _round(hub, aggregate: str, rejected: bool) -> tuple[dict, torch.Tensor, dict[str, torch.Tensor]]:
+def _round(hub, aggregate: str, rejected: bool, broken: str | None = None):
     """Three members create and join, arrive and upload held half-way; once the hub has folded the held windows
-    ahead, the uploads finish in the order c, b, a. The round's result as a reads it, and the uploads."""
+    ahead, the uploads finish in the order c, b, a (``broken``'s is broken off first, and the hub folds the
+    others' held windows again). The round's result as b reads it, and the uploads."""
     fed, channel, lines = hub
     members = [Raw(channel, n) for n in NAMES]
     for m in members:
@@ -128,12 +136,20 @@ def _round(hub, aggregate: str, rejected: bool) -> tuple[dict, torch.Tensor, dic
     gates = {m.name: threading.Event() for m in members}
     threads = {m.name: _held(m, rid, ups[m.name], gates[m.name], replies) for m in members}
     wait_for(lambda: fed.ahead is not None and fed.ahead.start == HELD, 60, "the held windows folded ahead")
-    assert (fed.store.dir / ".state-0000000001.safetensors.tmp").exists()
+    assert fed.ahead.key[1] == NAMES and (fed.store.dir / ".state-0000000001.safetensors.tmp").exists()
+    if broken is not None:
+        replies[broken] = None  # its frames break off when its gate opens
+        gates[broken].set()
+        threads[broken].join(60)
+        others = tuple(n for n in NAMES if n != broken)
+        wait_for(lambda: fed.ahead is not None and fed.ahead.key[1] == others and fed.ahead.start == HELD, 60,
+                 "the others' held windows folded ahead again")  # fmt: skip
     for name in reversed(NAMES):
-        gates[name].set()
-        threads[name].join(60)
-    assert all(replies[n]["ok"] for n in NAMES), replies
-    header, theta = members[0].result(rid)
+        if name != broken:
+            gates[name].set()
+            threads[name].join(60)
+    assert all(replies[n]["ok"] for n in NAMES if n != broken), replies
+    header, theta = members[1].result(rid)
     return header, theta, ups
 
 
@@ -166,3 +182,17 @@ def test_a_rejected_upload_folded_ahead_leaves_no_trace(hub):
     assert names == ["state-0000000000.safetensors", "state-0000000001.safetensors"], names
     assert not any(fed.spool.dir.iterdir())
     assert fed.ahead is None
+
+
+def test_an_upload_broken_off_while_folded_ahead_is_folded_out(hub):
+    """a's upload breaks off half-way, after the hub folded its first windows with b's and c's: the hub folds b's
+    and c's again without it, and commits their round folded ahead, bitwise the two alone."""
+    fed, _, lines = hub
+    header, theta, ups = _round(hub, "mean", rejected=False, broken="a")
+    assert header["status"] == "accepted" and header["version"] == 1, header
+    said = r"round 0 committed version 1: b, c; rejected a \(.*folded ahead\)"
+    assert any(re.search(said, line) for line in lines), lines
+    assert any("facility a's contribution rejected: upload broken off" in line for line in lines), lines
+    assert torch.equal(theta, _in_order(ups, ("b", "c"), 2))
+    np.testing.assert_allclose(theta.double().numpy(), _by_hand(ups, ("b", "c"), "mean"), rtol=0, atol=1e-6)
+    assert not (fed.store.dir / ".state-0000000001.safetensors.tmp").exists()

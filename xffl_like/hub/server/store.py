@@ -20,7 +20,10 @@ outer buffers: 0 for ``average``, 1 for momentum and Nesterov, 2 for Adam; ``H``
 the description and the members), its header written twice (``H`` more), and fsyncs the directory once.
 ``llama_tiny`` (853,120 parameters) with Nesterov: 6,828,632 bytes (3,672 of header), 3.42 MB with
 ``average``; ``llama_bench`` (58.5 M): 468 MB. It reads the previous version's tensors (the same ``4 N (1 +
-B)``, from the page cache when it is warm) and each accepted upload's spool file once.
+B)``, from the page cache when it is warm) and each accepted upload's spool file once. A version begun while
+its round's uploads stream in (:meth:`StateStore.begin`, :mod:`.ahead`) has :data:`SLACK` more bytes of header;
+one dropped unfinished (the round decided otherwise) was written, never fsynced, and the round's version is
+written again.
 """
 
 from __future__ import annotations

@@ -61,7 +61,9 @@ class Ahead:
             if any(a.received < 4 * (self.start + k) for a in self.arrivals):
                 break
             if self.readers is None:
-                self.readers = [Reader(a.spool, None) for a in self.arrivals]
+                self.readers = []  # each one closed with the others, even if a later one cannot be opened
+                for a in self.arrivals:
+                    self.readers.append(Reader(a.spool, None))
             theta, buffers = next_window(self.plan, self.saved, self.readers, self.start, self.stack[:, :k])
             self.squares += squares(theta.numpy(), None, 0)
             for name, values in {"theta": theta, **buffers}.items():

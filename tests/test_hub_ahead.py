@@ -192,7 +192,8 @@ def test_an_upload_broken_off_while_folded_ahead_is_folded_out(hub):
     assert header["status"] == "accepted" and header["version"] == 1, header
     said = r"round 0 committed version 1: b, c; rejected a \(.*folded ahead\)"
     assert any(re.search(said, line) for line in lines), lines
-    assert any("facility a's contribution rejected: upload broken off" in line for line in lines), lines
+    why = ("upload broken off", "malformed upload")  # the call cancelled, or seen ending short
+    assert any("facility a's contribution rejected: " in line and any(w in line for w in why) for line in lines)
     assert torch.equal(theta, _in_order(ups, ("b", "c"), 2))
     np.testing.assert_allclose(theta.double().numpy(), _by_hand(ups, ("b", "c"), "mean"), rtol=0, atol=1e-6)
     assert not (fed.store.dir / ".state-0000000001.safetensors.tmp").exists()

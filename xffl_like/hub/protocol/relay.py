@@ -136,36 +136,39 @@ class Reader:
         self.fh.close()
 
 
-def fold(out: Tensor, readers: list[Reader], scales: list[float], rule: str, trim: float) -> None:
+def fold(out: Tensor, readers: list[Reader], scales: list[float], rule: str, trim: float,
+         checked: bool = False) -> None:  # fmt: skip
     """``out`` becomes the round's combination of the next ``out.numel()`` values of each reader (in fold order):
     ``sum_f scales[f] x values_f`` for ``mean`` (each product rounded, then added, in order), or with
     ``federation.topk.mean=senders`` per value the weighted mean over the readers that sent it (SparseLoCo's;
     equal weights count 1 each: :func:`~xffl_like.federation.topk.fold_weights`), else the coordinate-wise
-    ``rule`` (unweighted). A value that is not finite raises :class:`RelayError`."""
+    ``rule`` (unweighted). A value that is not finite raises :class:`RelayError`, unless ``checked``: the messages
+    are known finite (the hub's accepted ones: each one's norm, summed over every decoded value, was finite)."""
+    check = (lambda values: None) if checked else _finite
     if rule == "mean" and readers and readers[0].senders:
-        return _fold_senders(out, readers, fold_weights(list(scales), "senders"))
+        return _fold_senders(out, readers, fold_weights(list(scales), "senders"), check)
     if rule == "mean":
         out.zero_()
         part = torch.empty_like(out)
         for reader, scale in zip(readers, scales, strict=True):
             reader.take(part)
-            _finite(part)
+            check(part)
             out.add_(part.mul_(scale))
         return
     stack = torch.empty(len(readers), out.numel(), dtype=torch.float32)
     for i, reader in enumerate(readers):
         reader.take(stack[i])
-    _finite(stack)
+    check(stack)
     out.copy_(combine(stack, rule, trim))
 
 
-def _fold_senders(out: Tensor, readers: list[Reader], weights: list[float]) -> None:
+def _fold_senders(out: Tensor, readers: list[Reader], weights: list[float], check) -> None:
     """``out``: per value, ``sum w_f v_f / sum w_f`` over the readers that sent it (0 where none did)."""
     out.zero_()
     part, den = torch.empty_like(out), torch.zeros_like(out)
     for reader, weight in zip(readers, weights, strict=True):
         reader.take(part)
-        _finite(part)
+        check(part)
         out.add_(part.mul_(weight))
         den.add_(reader.sent.to(torch.float32).mul_(weight))
     out.div_(torch.where(den > 0, den, torch.ones_like(den)))
@@ -203,20 +206,21 @@ class MemoryState:
 
 @torch.no_grad()
 def rounds(read, numel: int, options: OuterConfig, steps: int, readers: list[Reader], scales: list[float],
-           rule: str = "mean", trim: float = 0.0) -> Iterator[tuple[int, Tensor, dict[str, Tensor]]]:  # fmt: skip
+           rule: str = "mean", trim: float = 0.0, checked: bool = False,
+           ) -> Iterator[tuple[int, Tensor, dict[str, Tensor]]]:  # fmt: skip
     """One compressed round, a window at a time: per window of :data:`WINDOW` values (fewer with a robust rule),
     ``read(start, stop)`` gives θ_global's and the outer buffers' values there (changed in place), the combination
     of the messages (:func:`fold`, ``readers`` in the hub's fold order, ``scales`` their weights) is the update
     ``θ_global - mean``, and the outer step number ``steps + 1`` (:func:`~xffl_like.federation.outer.outer_step`)
     moves them; yields ``(start, θ_global's window, the buffers' windows)``. The hub and every facility step
-    through these same windows, so their copies stay bitwise equal."""
+    through these same windows, so their copies stay bitwise equal. ``checked``: as :func:`fold`'s (the hub)."""
     window = WINDOW if rule == "mean" else max(1 << 16, min(WINDOW, SLICE // max(1, len(readers))) >> 16 << 16)
     acc = torch.empty(min(window, numel), dtype=torch.float32)
     for start in range(0, numel, window):
         stop = min(start + window, numel)
         theta, buffers = read(start, stop)
         update = acc[: stop - start]
-        fold(update, readers, scales, rule, trim)
+        fold(update, readers, scales, rule, trim, checked)
         outer_step(options, steps + 1, theta, buffers, update)
         yield start, theta, buffers
 

@@ -8,6 +8,8 @@
 - :mod:`.rounds`: a round's explicit state (an enum and its transitions) and each member's part in it;
 - :mod:`.checks`: the checks of a contribution (claims, finiteness, update norm) and its weight;
 - :mod:`.spool`: uploads written to files as they arrive, read back to average;
+- :mod:`.fold`: one window of a round's commit (the aggregate, then the outer step);
+- :mod:`.ahead`: a round's next version folded while its uploads stream in (the commit hidden behind them);
 - :mod:`.relayed`: a compressed round's messages kept for its members (the relay downlink);
 - :mod:`.store`: the durable state behind one interface (:class:`~.store.StateStore`; safetensors files);
 - :mod:`.errors`: :class:`~.errors.HubError`, a refusal and its gRPC status.

@@ -21,7 +21,11 @@ loses the role to the next facility that joins. Then, in the hub's committer thr
    coordinate-wise median or trimmed mean, :mod:`.aggregate`), θ_global's window becomes the mean, or
    moves by the outer optimizer's step on ``θ_global - mean`` (the round's one step number), and goes
    straight into the next version's file. The hub holds neither θ_global nor the outer state nor an
-   accumulator in memory: one window per upload and per saved tensor, whatever the model's size;
+   accumulator in memory: one window per upload and per saved tensor, whatever the model's size. With fp32
+   uploads this runs ahead (:mod:`.ahead`): once every live member has arrived, each window is folded into the
+   next version's file as soon as every upload has spooled it, so that at the close only the last frames'
+   windows, the header and the fsync remain; used only if the round decides what it assumed, else removed
+   unfinished and the round computed as above (bitwise the same version either way);
 3. the next version (θ_global, the outer state, the version, the members' history) becomes the hub's only
    once its file is whole and durable (:mod:`.store`: fsync, rename): a round is applied once, whatever dies
    when. A save that fails (a full disk), or that the disk has no room for (checked before anything is
@@ -83,8 +87,9 @@ from ..protocol.spec import check_spec, codec_of, first_difference, numel_of
 from ..protocol.update_codec import UpdateCodec
 from ..protocol.wire import CHUNK_BYTES, Frames, WireError, paced, pack, transfer_s
 from . import checks, relayed, store
+from .ahead import Ahead
 from .errors import HubError
-from .fold import Plan, fold, window
+from .fold import Plan, next_window, window
 from .latency import ResultLatency
 from .membership import LIVE_S, Membership
 from .rounds import Arrival, Outcome, Part, Round, RoundState
@@ -133,6 +138,8 @@ class HubFederation:
         self.theta_norm = 0.0  # |θ_global| of the saved version (the checks' scale)
         self.codec: UpdateCodec | None = None
         self.relayed: relayed.Relayed | None = None  # the last compressed round's messages, for its members
+        self.ahead: Ahead | None = None  # the open round's next version, folded as its uploads stream in
+        self.not_ahead: tuple | None = None  # a round's plan whose file could not be begun (not tried again)
         if snap is not None:
             self._restore(snap)
         self._stop = threading.Event()
@@ -169,11 +176,11 @@ class HubFederation:
         view = self.members.view(self.version, s.progress if s else 0, bool(s and s.ended))
         return dataclasses.replace(view, federation=s.federation if s else None)
 
-    def _saved(self, snap: store.Snapshot, what: str, windows: store.Windows | None = None) -> str | None:
-        """Save ``snap`` (its tensors from ``windows``); None, or why it could not be saved (one line, logged;
-        nothing kept changed)."""
+    def _saved(self, what: str, save) -> str | None:
+        """``save()`` (a version saved: :meth:`.store.StateStore.save`, :meth:`.ahead.Ahead.finish`); None, or why it
+        could not be saved (one line, logged; nothing kept changed)."""
         try:
-            self.store.save(snap, windows)
+            save()
             return None
         except store.NoRoom as exc:
             why = f"refused {what}: {exc}"
@@ -190,6 +197,8 @@ class HubFederation:
         with self.cv:
             self.cv.notify_all()
         self._thread.join(timeout=10)
+        if not self._thread.is_alive():
+            self._drop_ahead()
 
     # ------------------------------------------------------------------ membership
     def join(self, name: str, msg: JoinRequest) -> JoinReply:
@@ -275,7 +284,8 @@ class HubFederation:
                                    "DEADLINE_EXCEEDED")  # fmt: skip
                 members = self.members.durable()
             snap = store.Snapshot(0, spec, None, {}, 0, members=members, federation=uuid.uuid4().hex)
-            why = self._saved(snap, "the new federation", _created(path, numel_of(spec), _outer_config(spec)))
+            windows = _created(path, numel_of(spec), _outer_config(spec))
+            why = self._saved("the new federation", lambda: self.store.save(snap, windows))
         finally:
             path.unlink(missing_ok=True)
         with self.cv:
@@ -335,7 +345,7 @@ class HubFederation:
             frames.frames = paced(frames.frames, r.opened + self._grace(), f"facility {name}'s upload")
         part, reason = Part.BROKEN, "upload broken off"
         try:
-            a.norm = self.spool.write(frames, a.spool, self.theta, self.codec)
+            a.norm = self.spool.write(frames, a.spool, self.theta, self.codec, lambda n: setattr(a, "received", n))
             part, reason = Part.UPLOADED, None
         except WireError as exc:
             reason = f"malformed upload ({exc})"
@@ -382,18 +392,29 @@ class HubFederation:
                 if self.creator is not None and time.monotonic() >= self.create_by:
                     self._drop_creator("did not upload in time")
                 r = self.round
-                if r is None or r.state is not RoundState.OPEN or not self._closable(r, time.monotonic()):
+                if r is None or r.state is not RoundState.OPEN:
                     self.cv.wait(timeout=0.2)
                     continue
-                self._cut_late(r)
-                r.move(RoundState.CLOSED)
-                r.move(RoundState.COMMITTING)  # readers read saved files: none is waited for
+                closing = self._closable(r, time.monotonic())
+                if closing:
+                    self._cut_late(r)
+                    r.move(RoundState.CLOSED)
+                    r.move(RoundState.COMMITTING)  # readers read saved files: none is waited for
+                else:
+                    plan = self._ahead_plan(r, time.monotonic())
+            if not closing:
+                self._fold_ahead(plan)
+                with self.cv:  # the round's state changes under the lock: no close is missed
+                    if r.state is RoundState.OPEN and not self._closable(r, time.monotonic()):
+                        self.cv.wait(timeout=0.2)
+                continue
             try:
                 outcome = self._commit(r)
             except Exception as exc:  # noqa: BLE001 - a round that cannot commit commits nothing
                 outcome = Outcome(False, error=f"{type(exc).__name__}: {exc}")
                 self.log(f"hub: round {r.rid} failed to commit ({outcome.error}); version stays {self.version}")
             finally:
+                self._drop_ahead()
                 self.spool.clear(r.rid)
             with self.cv:
                 r.outcome = dataclasses.replace(outcome, view=self._view())
@@ -404,16 +425,70 @@ class HubFederation:
                 self.round = None
                 self.cv.notify_all()
 
+    # ------------------------------------------------------------------ folding ahead (:mod:`.ahead`)
+    def _ahead_plan(self, r: Round, now: float) -> tuple | None:
+        """What the open round would commit if every upload wanted is accepted (the caller holds the lock): its
+        key (the round, the members in name order, their scales), their arrivals and the aggregate's plan; None
+        while it cannot be known (a live member has not arrived), or with compression (:mod:`.ahead`)."""
+        if self.codec is not None or not self.members.live(now) <= set(r.arrivals):
+            return None
+        wanted = (Part.WANTED, Part.UPLOADING, Part.UPLOADED)
+        up = {n: a for n, a in sorted(r.arrivals.items()) if a.part in wanted and a.reason is None}
+        if not up:
+            return None
+        rule = self.spec.get("aggregate", "mean")
+        weights = checks.weights(self.spec, up) if rule == "mean" else dict.fromkeys(up, 1.0)
+        total = sum(weights.values())
+        scales = tuple(weights[n] / total for n in up)
+        plan = Plan(rule, scales, float(self.spec.get("trim", 0.0)), self.options, self.snap.outer_steps + 1)
+        return (r.rid, tuple(up), scales), list(up.values()), plan
+
+    def _fold_ahead(self, planned: tuple | None) -> None:
+        """Begin the round's next version (a new plan drops the old one's file), then fold what is spooled."""
+        if planned is None:
+            return
+        key, arrivals, plan = planned
+        if self.ahead is not None and self.ahead.key != key:
+            self._drop_ahead()
+        if self.ahead is None and key != self.not_ahead:
+            saved = self.snap
+            head = dataclasses.replace(saved, version=saved.version + 1, theta=None, buffers={},
+                                       outer_steps=saved.outer_steps + 1)  # fmt: skip
+            try:
+                pending = self.store.begin(head, ("theta", *saved.buffers), saved.theta.numel())
+            except (OSError, store.StateError):  # no room: the close refuses the round, and says so
+                pending = None
+            if pending is None:
+                self.not_ahead = key
+                return
+            self.ahead = Ahead(key, pending, plan, saved, arrivals, window(len(arrivals)))
+        try:
+            self.ahead.advance()
+        except Exception as exc:  # noqa: BLE001 - the round commits at its close, from the spool files
+            self.log(f"hub: round {key[0]}: cannot fold ahead ({type(exc).__name__}: {exc}); it commits at its close")
+            self._drop_ahead()
+            self.not_ahead = key
+
+    def _drop_ahead(self) -> None:
+        ahead, self.ahead = self.ahead, None
+        if ahead is not None:
+            ahead.abort()
+
     def _commit(self, r: Round) -> Outcome:
         start = time.perf_counter()
         accepted, weights, rejected, healed = self._decide(r)
         if not accepted:
             return Outcome(False, {}, rejected, healed)
         nxt, members = self._next(r, accepted)
-        why = self._apply(nxt, accepted, weights)
+        total = sum(weights.values())
+        key = (r.rid, tuple(accepted), tuple(weights[n] / total for n in accepted))
+        ahead, self.ahead = self.ahead, None
+        if ahead is not None and (ahead.key != key or not ahead.pending.fits(nxt)):
+            ahead.abort()  # the round decided otherwise: nothing folded ahead is kept
+            ahead = None
+        why = self._apply(nxt, accepted, weights) if ahead is None else self._finish_ahead(nxt, ahead)
         if why is not None:
             return Outcome(False, {}, rejected, healed, error=f"the hub {why}")
-        total = sum(weights.values())
         scales = {n: weights[n] / total for n in accepted}
         with self.cv:
             self.snap = self.store.load(nxt.version, verify=False)  # the saved file, mapped
@@ -424,7 +499,7 @@ class HubFederation:
         self.log(
             f"hub: round {r.rid} committed version {self.version}: {', '.join(accepted)}"
             + (f"; rejected {', '.join(rejected)}" if rejected else "")
-            + f" ({time.perf_counter() - start:.2f} s)"
+            + f" ({time.perf_counter() - start:.2f} s{', folded ahead' if ahead is not None else ''})"
         )
         return Outcome(True, scales, rejected, healed)
 
@@ -471,7 +546,8 @@ class HubFederation:
                 yield {"theta": theta, **buffers}
 
         try:
-            why = self._saved(nxt, f"version {nxt.version}", store.Windows(("theta", *saved.buffers), numel, items()))
+            windows = store.Windows(("theta", *saved.buffers), numel, items())
+            why = self._saved(f"version {nxt.version}", lambda: self.store.save(nxt, windows))
         finally:
             for reader in readers:
                 reader.close()
@@ -479,28 +555,39 @@ class HubFederation:
             self.theta_norm = math.sqrt(squares[0])
         return why
 
+    def _finish_ahead(self, nxt: store.Snapshot, ahead: Ahead) -> str | None:
+        """Save version ``nxt`` from the file folded ahead (:meth:`_saved`: None, or why not)."""
+
+        def save():
+            try:
+                ahead.finish(nxt)
+            except BaseException:
+                ahead.abort()
+                raise
+
+        why = self._saved(f"version {nxt.version}", save)
+        if why is None:
+            self.theta_norm = math.sqrt(ahead.squares)
+        return why
+
     def _windows(self, saved: store.Snapshot, readers: list, scales: tuple[float, ...]):
         """(θ_global's window, the outer buffers' windows) of the next version, in order (:meth:`_apply`)."""
         rule, trim, numel = self.spec.get("aggregate", "mean"), float(self.spec.get("trim", 0.0)), numel_of(self.spec)
 
-        def read(start: int, stop: int):
-            return saved.theta[start:stop].clone(), {b: t[start:stop].clone() for b, t in saved.buffers.items()}
-
         if self.codec is not None:
+
+            def read(start: int, stop: int):
+                return saved.theta[start:stop].clone(), {b: t[start:stop].clone() for b, t in saved.buffers.items()}
+
             args = (self.options, saved.outer_steps, readers, list(scales), rule, trim)
-            for _, theta, buffers in relay.rounds(read, numel, *args):
+            for _, theta, buffers in relay.rounds(read, numel, *args, checked=True):  # finite norms: finite values
                 yield theta, buffers
             return
         plan = Plan(rule, scales, trim, self.options, saved.outer_steps + 1)
         n = window(len(readers))
         stack = torch.empty(len(readers), n, dtype=torch.float32)
         for start in range(0, numel, n):
-            k = min(n, numel - start)
-            theta, buffers = read(start, start + k)
-            for i, reader in enumerate(readers):
-                reader.take(stack[i, :k])
-            fold(plan, theta, buffers, stack[:, :k])
-            yield theta, buffers
+            yield next_window(plan, saved, readers, start, stack[:, : min(n, numel - start)])
 
     def _next(self, r: Round, accepted: dict[str, Arrival]) -> tuple[store.Snapshot, dict]:
         """The next version's description (its tensors are computed as it is saved, :meth:`_apply`), and its

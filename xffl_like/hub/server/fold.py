@@ -22,7 +22,7 @@ from ...federation.outer import outer_step
 from .aggregate import combine
 from .checks import SLICE
 
-__all__ = ["UNIT", "Plan", "fold", "window"]
+__all__ = ["UNIT", "Plan", "fold", "next_window", "window"]
 
 UNIT = 1 << 16  # values: a window's size is a multiple of it
 
@@ -61,3 +61,16 @@ def fold(plan: Plan, theta: Tensor, buffers: dict[str, Tensor], stack: Tensor) -
         theta.copy_(acc)
     else:
         outer_step(plan.options, plan.steps, theta, buffers, torch.sub(theta, acc, out=acc))
+
+
+@torch.no_grad()
+def next_window(plan: Plan, saved, readers: list, start: int, stack: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+    """Version v + 1's θ_global and outer buffers over ``stack.shape[1]`` values from ``start``: version v's
+    (``saved``, a :class:`.store.Snapshot` mapped from its file) folded (:func:`fold`) with the next values of
+    each reader (the accepted uploads' spool files, in name order), read into ``stack``."""
+    stop = start + stack.shape[1]
+    theta, buffers = saved.theta[start:stop].clone(), {b: t[start:stop].clone() for b, t in saved.buffers.items()}
+    for i, reader in enumerate(readers):
+        reader.take(stack[i])
+    fold(plan, theta, buffers, stack)
+    return theta, buffers

@@ -1,5 +1,6 @@
 """How long a round's members wait on the hub itself: from the end of the round's last upload to the first
-byte of its result going out (the check, the mean, the outer step and the save in between), one log line per
+byte of its result going out (the check, the mean, the outer step and the save in between; with fp32 uploads
+most of the mean, the step and the save are done while the uploads stream in, :mod:`.ahead`), one log line per
 committed round::
 
     hub: round 3 (version 4): 0.412 s from the last upload's end to the first byte of its result (round 9.87 s)

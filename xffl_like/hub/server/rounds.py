@@ -78,6 +78,7 @@ class Arrival:
     spool: Path | None = None
     norm: float = math.nan
     cut: Callable[[], None] | None = None  # ends its upload's call (the round's deadline passed)
+    received: int = 0  # bytes of its upload written to its spool file so far (:mod:`.ahead` folds them)
 
     def move(self, to: Part, reason: str | None = None) -> None:
         self.part = _move("an arrival", PART_MOVES, self.part, to)

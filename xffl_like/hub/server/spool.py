@@ -67,8 +67,9 @@ class Spool:
                 total += squares(np.frombuffer(raw, dtype=np.float32), None, 0)
         return math.sqrt(total) if math.isfinite(total) else math.nan
 
-    def write(self, frames: Frames, path: Path, theta: Tensor, codec: UpdateCodec | None) -> float:
-        """Write the chunks to ``path``; the norm of the update ``θ_global - θ_f`` (nan when not finite)."""
+    def write(self, frames: Frames, path: Path, theta: Tensor, codec: UpdateCodec | None, written=None) -> float:
+        """Write the chunks to ``path``; the norm of the update ``θ_global - θ_f`` (nan when not finite).
+        ``written(n)``: fp32 parameters, after each chunk, the first ``n`` bytes are in the file (readable)."""
         if codec is not None:
             with self._create(path) as fh:
                 for _, chunk in frames.chunks():
@@ -80,6 +81,9 @@ class Spool:
                 if offset % 4 or len(chunk) % 4:
                     raise WireError("a frame that splits a value")
                 fh.write(chunk)
+                if written is not None:
+                    fh.flush()
+                    written(offset + len(chunk))
                 if math.isfinite(total):  # read in place: the frame is never copied
                     total += squares(np.frombuffer(chunk, dtype=np.float32), theta, offset // 4)
         return math.sqrt(total) if math.isfinite(total) else math.nan

@@ -20,7 +20,10 @@ outer buffers: 0 for ``average``, 1 for momentum and Nesterov, 2 for Adam; ``H``
 the description and the members), its header written twice (``H`` more), and fsyncs the directory once.
 ``llama_tiny`` (853,120 parameters) with Nesterov: 6,828,632 bytes (3,672 of header), 3.42 MB with
 ``average``; ``llama_bench`` (58.5 M): 468 MB. It reads the previous version's tensors (the same ``4 N (1 +
-B)``, from the page cache when it is warm) and each accepted upload's spool file once.
+B)``, from the page cache when it is warm) and each accepted upload's spool file once. A version begun while
+its round's uploads stream in (:meth:`StateStore.begin`, :mod:`.ahead`) has :data:`SLACK` more bytes of header;
+one dropped unfinished (the round decided otherwise) was written, never fsynced, and the round's version is
+written again.
 """
 
 from __future__ import annotations
@@ -46,11 +49,12 @@ from torch import Tensor
 
 from ..protocol.spec import SpecError, numel_of
 
-__all__ = ["KEEP", "MARGIN", "NoRoom", "SafetensorsStore", "Snapshot", "StateError", "StateStore", "Windows",
-           "load_latest", "room", "save"]  # fmt: skip
+__all__ = ["KEEP", "MARGIN", "SLACK", "NoRoom", "Pending", "SafetensorsStore", "Snapshot", "StateError", "StateStore",
+           "Windows", "load_latest", "room", "save"]  # fmt: skip
 
 KEEP = 2
 MARGIN = 64 << 20  # free bytes left on --state's disk beyond the next version's file (the spool, the log)
+SLACK = 64 << 10  # header room of a version begun before its round is decided, for its members' history
 _NAME = re.compile(r"^state-(\d{10})\.safetensors$")
 _FORMAT = "xffl-hub-2"  # the metadata checksummed too ("xffl-hub-1": tensors only, still read)
 _FORMATS = ("xffl-hub-1", _FORMAT)
@@ -154,14 +158,15 @@ def _meta(snap: Snapshot, sums: dict[str, str]) -> str:
     })  # fmt: skip
 
 
-def _header(snap: Snapshot, keys: list[str], numel: int, sums: dict[str, str]) -> bytes:
-    """The safetensors header (its 8-byte length, the JSON, padded to 8): the tensors side by side, in order."""
+def _header(snap: Snapshot, keys: list[str], numel: int, sums: dict[str, str], size: int = 0) -> bytes:
+    """The safetensors header (its 8-byte length, the JSON, padded to 8 or to ``size`` bytes in all): the tensors
+    side by side, in order."""
     text = _meta(snap, sums)
     header: dict = {"__metadata__": {"xffl": text, "xffl_crc32": f"{zlib.crc32(text.encode()):08x}"}}
     for i, k in enumerate(keys):
         header[k] = {"dtype": "F32", "shape": [numel], "data_offsets": [4 * numel * i, 4 * numel * (i + 1)]}
     raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+    raw += b" " * max(-len(raw) % 8, size - 8 - len(raw))  # the data starts 8-byte aligned (JSON allows the spaces)
     return len(raw).to_bytes(8, "little") + raw
 
 
@@ -175,18 +180,22 @@ def room(directory: Path, nbytes: int) -> None:
         )
 
 
-class _Next:
+class Pending:
     """The next version's file, written aside (``.state-<version>.safetensors.tmp``): its header first, with
-    room for the checksums (fixed width), each tensor's values then put in order (:meth:`put`) at their
-    place, the checksums last; :meth:`finish` makes it the newest version (fsync, rename, fsync of the
-    directory). The disk's free room is checked, and the file's blocks reserved, before any value is put."""
+    room for the checksums (fixed width) and ``slack`` bytes more, each tensor's values then put in order
+    (:meth:`put`) at their place, the header and checksums last; :meth:`finish` makes it the newest version
+    (fsync, rename, fsync of the directory), :meth:`abort` removes it (nothing kept changed). The disk's free
+    room is checked, and the file's blocks reserved, before any value is put. ``slack``: room for the header of
+    a version whose metadata (its members' history) is known only at :meth:`finish` (:mod:`.ahead`)."""
 
-    def __init__(self, directory: Path, snap: Snapshot, names: tuple[str, ...], numel: int):
+    def __init__(self, directory: Path, snap: Snapshot, names: tuple[str, ...], numel: int, slack: int = 0):
         self.snap, self.numel, self.dir = snap, numel, directory
         self.keys = ["theta" if k == "theta" else f"outer.{k}" for k in names]
         self.sums = dict.fromkeys(self.keys, 0)
         self.done = dict.fromkeys(self.keys, 0)
         head = _header(snap, self.keys, numel, dict.fromkeys(self.keys, "0" * 8))
+        if slack:
+            head = _header(snap, self.keys, numel, dict.fromkeys(self.keys, "0" * 8), len(head) + slack + 7 & ~7)
         self.base, size = len(head), len(head) + 4 * numel * len(self.keys)
         room(directory, size)
         self.final = directory / f"state-{snap.version:010d}.safetensors"
@@ -210,12 +219,21 @@ class _Next:
         self.sums[key] = zlib.crc32(raw, self.sums[key])
         self.done[key] = at + values.numel()
 
-    def finish(self) -> Path:
+    def fits(self, snap: Snapshot) -> bool:
+        """Whether ``snap``'s header (metadata, checksums) fits the room this file's header was given."""
+        return len(_header(snap, self.keys, self.numel, dict.fromkeys(self.keys, "0" * 8))) <= self.base
+
+    def finish(self, snap: Snapshot | None = None) -> Path:
+        """The file becomes the saved version, its metadata ``snap``'s (default: the one it was begun with; the
+        same version), and the older files beyond :data:`KEEP` go."""
         short = [k for k, n in self.done.items() if n != self.numel]
         if short:
             raise ValueError(f"the next version lacks values of {', '.join(short)}")
-        head = _header(self.snap, self.keys, self.numel, {k: f"{v:08x}" for k, v in self.sums.items()})
-        if len(head) != self.base:  # the checksums have a fixed width: never
+        snap = snap or self.snap
+        if snap.version != self.snap.version:
+            raise ValueError(f"version {snap.version} finished in the file of version {self.snap.version}")
+        head = _header(snap, self.keys, self.numel, {k: f"{v:08x}" for k, v in self.sums.items()}, self.base)
+        if len(head) != self.base:  # the checksums have a fixed width; the metadata must fit the room given
             raise ValueError("the state file's header changed size")
         _pwrite(self.fd, head, 0)
         os.fsync(self.fd)
@@ -223,6 +241,8 @@ class _Next:
         self.fd = None
         os.replace(self.tmp, self.final)
         _fsync_dir(self.dir)
+        for old in _files(self.dir)[KEEP:]:
+            old.unlink(missing_ok=True)
         return self.final
 
     def abort(self) -> None:
@@ -243,18 +263,15 @@ def save(directory: Path, snap: Snapshot, windows: Windows | None = None) -> Pat
     atomically; keep the last :data:`KEEP`. :class:`NoRoom` before anything is written when the disk lacks
     room for it."""
     windows = windows or _whole(snap)
-    out = _Next(directory, snap, windows.names, windows.numel)
+    out = Pending(directory, snap, windows.names, windows.numel)
     try:
         for window in windows.items:
             for name, values in window.items():
                 out.put(name, values)
-        final = out.finish()
+        return out.finish()
     except BaseException:
         out.abort()
         raise
-    for old in _files(directory)[KEEP:]:
-        old.unlink(missing_ok=True)
-    return final
 
 
 def _files(directory: Path) -> list[Path]:
@@ -384,6 +401,12 @@ class StateStore(abc.ABC):
         """As :meth:`theta_reader`, for the saved tensor ``name`` (``theta``, or ``outer.<buffer>``)."""
         raise NotImplementedError(f"{type(self).__name__} reads θ_global only")
 
+    def begin(self, snap: Snapshot, names: tuple[str, ...], numel: int) -> Pending | None:
+        """The next version's file, to be written while a round's uploads stream in and finished (or aborted)
+        when it is decided (:mod:`.ahead`), with room for a header grown by :data:`SLACK` bytes; None when the
+        store writes versions only whole (:meth:`save`). :class:`NoRoom` as :meth:`save`."""
+        return None
+
 
 class SafetensorsStore(StateStore):
     """The state as safetensors files in ``directory`` (:func:`save`, :func:`load_latest`)."""
@@ -397,6 +420,9 @@ class SafetensorsStore(StateStore):
 
     def save(self, snap: Snapshot, windows: Windows | None = None) -> None:
         save(self.dir, snap, windows)
+
+    def begin(self, snap: Snapshot, names: tuple[str, ...], numel: int) -> Pending:
+        return Pending(self.dir, snap, names, numel, SLACK)
 
     def load(self, version: int, verify: bool = True) -> Snapshot:
         return _read(self._path(version), verify)

@@ -128,7 +128,8 @@ def fake_federation(kind, clock):
     fake.finish.side_effect = lambda b, index: [RoundRecord.from_dict(round_record(index, b.step))] if b.finish else []
     fake.state_dict.side_effect = lambda: {"rounds": torch.tensor(0), "tokens": torch.zeros(1, dtype=torch.float64)}
     fake.describe.side_effect = lambda: {"algorithm": "fake", "elastic": {"facility": "a"}}
-    fake.message_stats.side_effect = lambda: {}
+    if hasattr(kind, "message_stats"):  # a schedule's close() asks it; an elastic federation has none
+        fake.message_stats.side_effect = lambda: {}
     return fake
 
 

@@ -12,6 +12,16 @@ Three runs on this machine, one after the other:
    files the hub maps and reads (file-backed page cache, which the kernel drops and reads again under
    pressure: no memory the hub needs); ``VmHWM`` is reported beside, as ``hub_hwm_mb``.
 
+The leader's peak is measured two ways, in both runs alike: ``VmHWM`` (its ``summary.json``'s
+``peak_rss_mb``) and the peak of its anonymous resident memory (``RssAnon`` of the job's processes, the
+launcher and its one worker, sampled every 20 ms, the largest of them: the worker). Every process of the
+three runs (the jobs and the hub) runs with glibc's threshold for mapped buffers fixed,
+``MALLOC_MMAP_THRESHOLD_=4194304`` (unless the environment sets it): by default glibc raises that threshold
+to the size of each large buffer freed, so that later buffers of that size come from its arenas, where freed
+memory stays resident and fragmented, and a peak then moves by hundreds of MB with the order of allocations
+(seen from run to run with identical jobs). Fixed, every buffer of 4 MiB or more is its own mapping, returned
+to the kernel when freed, and a peak is what the process held at once.
+
 Both are run for ``--large`` (``llama_bench`` with 24 layers, 109.8 M parameters) and for ``--model``
 (``llama_bench``, 58.5 M); the bytes per parameter are the slope between the two,
 ``(extra(large) - extra(model)) / (parameters(large) - parameters(model))``, so what does not grow with the
@@ -54,6 +64,9 @@ _RUN = [
 ]  # fmt: skip (the same rounds and checkpoints with and without the hub)
 
 
+MMAP_THRESHOLD = "4194304"  # glibc's MALLOC_MMAP_THRESHOLD_ in every process measured (the docstring: why)
+
+
 def _status(pid: int, key: str) -> float:
     """``VmRSS``/``VmHWM``/``RssAnon`` of ``pid`` in MiB."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -62,26 +75,59 @@ def _status(pid: int, key: str) -> float:
     raise RuntimeError(f"no {key} for pid {pid}")
 
 
-class _Peak:
-    """The greatest ``RssAnon`` of ``pid`` (MiB), sampled every 20 ms from a thread until :meth:`stop`."""
+def _tree(pid: int) -> list[int]:
+    """``pid`` and its descendants, now."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        for task in Path(f"/proc/{p}/task").glob("*/children"):
+            try:
+                todo.extend(int(c) for c in task.read_text().split())
+            except OSError:  # the task ended
+                pass
+    return out
 
-    def __init__(self, pid: int):
-        self.pid, self.peak, self.done = pid, _status(pid, "RssAnon"), threading.Event()
+
+def _anon(pid: int, tree: bool) -> float:
+    """``RssAnon`` of ``pid`` (MiB), or with ``tree`` the largest over ``pid`` and its descendants (0 if gone)."""
+    best = 0.0
+    for p in _tree(pid) if tree else [pid]:
+        try:
+            best = max(best, _status(p, "RssAnon"))
+        except (OSError, RuntimeError):  # ended
+            pass
+    return best
+
+
+class _Peak:
+    """The greatest ``RssAnon`` of ``pid`` (MiB; with ``tree``, of its largest process), sampled every 20 ms from a
+    thread until :meth:`stop`."""
+
+    def __init__(self, pid: int, tree: bool = False):
+        self.pid, self.tree, self.done = pid, tree, threading.Event()
+        self.peak = _anon(pid, tree)
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
         while not self.done.wait(0.02):
-            try:
-                self.peak = max(self.peak, _status(self.pid, "RssAnon"))
-            except (OSError, RuntimeError):  # the process ended
-                return
+            self.peak = max(self.peak, _anon(self.pid, self.tree))
 
     def stop(self) -> float:
-        self.peak = max(self.peak, _status(self.pid, "RssAnon"))
+        self.peak = max(self.peak, _anon(self.pid, self.tree))
         self.done.set()
         self.thread.join()
         return self.peak
+
+
+def _watched(proc: subprocess.Popen, run_dir: Path, timeout: float, peak: _Peak) -> dict:
+    """The job's summary, with its largest process's ``RssAnon`` peak as ``peak_anon_mb``."""
+    try:
+        summary = wait_job(proc, run_dir, timeout)
+    finally:
+        anon = peak.stop()
+    return {**summary, "peak_anon_mb": anon}
 
 
 def _job(args: list[str], run_dir: Path, env: dict) -> subprocess.Popen:
@@ -96,10 +142,11 @@ def measure(model: str, compression: str, work: Path, timeout: float = 900.0) ->
 
 
 def _measure(model: str, compression: str, work: Path, timeout: float) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
+    env = {"MALLOC_MMAP_THRESHOLD_": MMAP_THRESHOLD, **os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
     common = [*model.split(), "distributed.federated=null"]  # "NAME key=value ..."
     common[0] = f"model={common[0]}"
-    alone = wait_job(_job(common, work / "alone", env), work / "alone", timeout)
+    job = _job(common, work / "alone", env)
+    alone = _watched(job, work / "alone", timeout, _Peak(job.pid, tree=True))
     with insecure_hub(work / "state", env) as (hub, port):
         idle, peak = _status(hub.pid, "RssAnon"), _Peak(hub.pid)
         fed = [*common, f"federation.elastic.hub=127.0.0.1:{port}",
@@ -107,38 +154,43 @@ def _measure(model: str, compression: str, work: Path, timeout: float) -> dict:
                f"federation.compression={compression}",
                *(["federation.error_feedback=true"] if compression != "none" else [])]  # fmt: skip
         procs = {n: _job([*fed, f"federation.elastic.facility={n}"], work / n, env) for n in ("a", "b")}
-        summaries = {n: wait_job(p, work / n, timeout) for n, p in procs.items()}
+        peaks = {n: _Peak(p.pid, tree=True) for n, p in procs.items()}
+        summaries = {n: _watched(p, work / n, timeout, peaks[n]) for n, p in procs.items()}
         hub_peak, hub_hwm = peak.stop(), _status(hub.pid, "VmHWM")
     from ..hub.server.store import load_latest
 
     numel = load_latest(work / "state").theta.numel()  # the federation's parameters, as the hub saved them
     return {"alone": alone, "federated": summaries, "hub_idle_mb": idle, "hub_peak_mb": hub_peak,
-            "hub_hwm_mb": hub_hwm, "numel": numel}  # fmt: skip
+            "hub_hwm_mb": hub_hwm, "numel": numel, "malloc_mmap_threshold": env["MALLOC_MMAP_THRESHOLD_"]}  # fmt: skip
 
 
-def _extra(result: dict) -> tuple[float, float]:
-    """(leader's, hub's) memory beyond what the same job needs without the hub, MiB."""
-    leader = max(s["peak_rss_mb"] for s in result["federated"].values()) - result["alone"]["peak_rss_mb"]
-    return leader, result["hub_peak_mb"] - result["hub_idle_mb"]
+def _extra(result: dict) -> tuple[float, float, float]:
+    """(leader's ``VmHWM``, hub's, leader's ``RssAnon``) memory beyond what the same job needs without the hub, MiB."""
+    alone, fed = result["alone"], result["federated"].values()
+    leader = max(s["peak_rss_mb"] for s in fed) - alone["peak_rss_mb"]
+    anon = max(s["peak_anon_mb"] for s in fed) - alone["peak_anon_mb"]
+    return leader, result["hub_peak_mb"] - result["hub_idle_mb"], anon
 
 
 def report(large: dict, model: dict) -> dict:
     """The slope between ``large`` and ``model`` (bytes per parameter, and at 8B and 70B), and ``model``'s own
     extra memory and peaks."""
     mib = 1 << 20
-    (leader, hub), (leader0, hub0) = _extra(large), _extra(model)
+    (leader, hub, anon), (leader0, hub0, anon0) = _extra(large), _extra(model)
     numel = large["numel"] - model["numel"]
     per = {
         "leader_bytes_per_param": (leader - leader0) * mib / numel,
+        "leader_anon_bytes_per_param": (anon - anon0) * mib / numel,
         "hub_bytes_per_param": (hub - hub0) * mib / numel,
     }
     leader_peak = max(s["peak_rss_mb"] for s in model["federated"].values())
     return {"parameters": model["numel"], "large_parameters": large["numel"], "leader_extra_mb": leader0,
+            "leader_anon_extra_mb": anon0, "malloc_mmap_threshold": model["malloc_mmap_threshold"],
             "hub_extra_mb": hub0, "leader_peak_mb": leader_peak, "hub_peak_mb": model["hub_peak_mb"],
             "hub_hwm_mb": model["hub_hwm_mb"], "large_hub_hwm_mb": large["hub_hwm_mb"],
             "leader_extra_bytes_per_param": leader0 * mib / model["numel"],
             "hub_extra_bytes_per_param": hub0 * mib / model["numel"], **per,
-            **{f"{w}_gb_at_{n}": per[f"{w}_bytes_per_param"] * size / 1e9 for w in ("leader", "hub")
+            **{f"{w}_gb_at_{n}": per[f"{w}_bytes_per_param"] * size / 1e9 for w in ("leader", "leader_anon", "hub")
                for n, size in (("8b", 8e9), ("70b", 70e9))}}  # fmt: skip
 
 

@@ -8,8 +8,8 @@ the leader streams through files (its spool, under the run directory) and never 
    leader's spool file;
 2. the leader arrives at the hub (:class:`xffl_like.hub.client.HubLink`) and uploads that file a frame at a time, or
    with ``federation.compression`` the encoding of its update ``θ_global - θ_f`` plus its error-feedback
-   residual (encoded window by window; its one full buffer is ``ef``, θ_global and the residual folded
-   together), while the other ranks wait on a small broadcast every second;
+   residual (encoded window by window from ``ef.f32``, θ_global and the residual folded together, a file of
+   its spool like the others), while the other ranks wait on a small broadcast every second;
 3. the hub decides the round (who arrived within ``grace_s``, whose contribution passes its checks),
    applies the weighted mean and the outer step, saves, and sends θ_global back into a second file,
    which the leader broadcasts to its facility one parameter at a time; each rank copies its own shard.
@@ -33,7 +33,6 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -55,18 +54,20 @@ _WINDOW = 1 << 22  # values read, encoded or folded at a time by the leader (16 
 
 
 class _Spool:
-    """The leader's files for one round: its parameters, θ_global, the encoded update, its residual."""
+    """The leader's files for one round: its parameters, θ_global, the encoded update, its residual, and with
+    compression ``ef`` (θ_global plus the residual it carries, what the next update is taken from)."""
 
     def __init__(self, directory: Path):
         directory.mkdir(parents=True, exist_ok=True)
         self.directory = directory
         self.mine, self.theta = directory / "parameters.f32", directory / "theta_global.f32"
         self.message, self.residual = directory / "update.bin", directory / "residual.f32"
+        self.ef = directory / "ef.f32"  # compressed: θ_global + this facility's residual, between rounds
         self.outer, self.relay = directory / "outer.f32", directory / "relay.bin"  # compressed: the relay downlink
         self.start = directory / "start.f32"  # federation.delay=1: where the round in flight started (its upload)
 
     def remove(self) -> None:
-        for path in (self.mine, self.theta, self.message, self.residual, self.outer, self.relay, self.start):
+        for path in (self.mine, self.theta, self.message, self.residual, self.ef, self.outer, self.relay, self.start):
             path.unlink(missing_ok=True)
         try:
             self.directory.rmdir()
@@ -81,11 +82,6 @@ def _read_into(fh, out: Tensor) -> Tensor:
     if got != len(view):
         raise OSError(f"{fh.name}: {got} bytes where {len(view)} were expected (the spool file is damaged)")
     return out
-
-
-def _load(path: Path) -> Tensor:
-    """A whole spooled file as flat fp32 (the compressed path's ``ef``)."""
-    return torch.from_numpy(np.fromfile(path, dtype=np.float32))
 
 
 class ElasticFederation:
@@ -109,7 +105,6 @@ class ElasticFederation:
         self.link = link
         # Where this facility's rounds end: every `every` of its steps, or by its own step time (every_s).
         self.clock: RoundClock = round_clock(cfg, state, steps, elastic=True)
-        self.ef: Tensor | None = None  # hub with compression: θ_global + this facility's residual (leader)
         self.codec: UpdateCodec | None = None
         self.outer_steps = 0  # with compression: the outer optimizer's steps in files.outer (the leader's)
         if self.leader:
@@ -295,7 +290,7 @@ class ElasticFederation:
                 if self.codec is not None:
                     zero_outer(f.outer, relay.buffer_names(self.options.outer), self.numel)
             if self.codec is not None and out["status"] in ("created", "joined"):  # θ_global, no residual yet
-                self.ef = _load(f.theta)
+                shutil.copyfile(f.theta, f.ef)
                 self.outer_steps = out.get("outer_steps") or 0
             return out
         out = self._exchange(done, tokens)
@@ -350,11 +345,12 @@ class ElasticFederation:
 
     def _encode(self, feedback: bool) -> None:
         """``files.message``: the encoding of ``ef - θ_f``, window by window; ``files.residual``: what it
-        lost (with error feedback). Only ``ef`` is held whole. With ``topk`` the carried residual
-        ``ef - θ_global`` (θ_global: ``files.theta``, the last one this facility holds) first decays:
+        lost (with error feedback). Nothing is held whole: ``ef`` is ``files.ef``. With ``topk`` the carried
+        residual ``ef - θ_global`` (θ_global: ``files.theta``, the last one this facility holds) first decays:
         the update is ``decay * (ef - θ_global) + θ_global - θ_f``."""
         f, step, decay = self.files, self.codec.window(_WINDOW), self.decay
         with (
+            open(f.ef, "rb") as ef,
             open(f.mine, "rb") as mine,
             open(f.theta if decay != 1.0 else os.devnull, "rb") as theta,
             open(f.message, "wb") as message,
@@ -362,9 +358,10 @@ class ElasticFederation:
         ):
             for start in range(0, self.numel, step):
                 n = min(step, self.numel - start)
-                update = self.ef[start : start + n] - _read_into(mine, torch.empty(n, dtype=torch.float32))
+                held = _read_into(ef, torch.empty(n, dtype=torch.float32))
+                update = held - _read_into(mine, torch.empty(n, dtype=torch.float32))
                 if decay != 1.0:  # minus (1 - decay) of the residual
-                    carried = self.ef[start : start + n] - _read_into(theta, torch.empty(n, dtype=torch.float32))
+                    carried = held - _read_into(theta, torch.empty(n, dtype=torch.float32))
                     update.sub_(carried, alpha=1.0 - decay)
                 encoded = self.codec.encode_window(update, start)
                 encoded.numpy().tofile(message)
@@ -372,14 +369,25 @@ class ElasticFederation:
                     update.sub_(self.codec.decode_window(encoded, start, n)).numpy().tofile(residual)
 
     def _refold(self, with_residual: bool) -> None:
-        """``ef`` becomes θ_global (``files.theta``), plus the residual of an accepted update."""
+        """``files.ef`` becomes θ_global (``files.theta``), plus the residual of an accepted update, a window at
+        a time into ``ef.f32.next``, which replaces it once whole."""
         f, step = self.files, _WINDOW
-        with open(f.theta, "rb") as theta, open(f.residual if with_residual else os.devnull, "rb") as residual:
-            for start in range(0, self.numel, step):
-                window = self.ef[start : start + step]
-                _read_into(theta, window)
-                if with_residual:
-                    window.add_(_read_into(residual, torch.empty_like(window)))
+        target = f.ef.with_name(f"{f.ef.name}.next")
+        try:
+            with (
+                open(f.theta, "rb") as theta,
+                open(f.residual if with_residual else os.devnull, "rb") as residual,
+                open(target, "wb") as out,
+            ):
+                for start in range(0, self.numel, step):
+                    window = _read_into(theta, torch.empty(min(step, self.numel - start), dtype=torch.float32))
+                    if with_residual:
+                        window.add_(_read_into(residual, torch.empty_like(window)))
+                    window.numpy().tofile(out)
+        except BaseException:
+            target.unlink(missing_ok=True)
+            raise
+        os.replace(target, f.ef)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:

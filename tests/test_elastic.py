@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import REPO
-from helpers.hub import Facility, Hub, free_port, rounds, wait_for
+from helpers.hub import Facility, Hub, free_port, rounds, run_to_end, wait_for
 from helpers.phases import phases_cover_the_loop
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.cli]
@@ -159,7 +159,7 @@ def test_topk_through_the_hub(hub, tmp_path):
     through the hub. Each facility's message is the reference encoding (tests/test_topk.py, numpy) of its update
     recomputed here: decay x its residual plus θ_global minus its parameters; each round's θ_global is the
     previous one minus outer.lr x the tokens-weighted mean of the messages decoded here; both copies equal."""
-    from test_topk import ref_decode, ref_encode
+    from helpers.topk_reference import ref_decode, ref_encode
 
     t = TOPK
     extra = ["federation.weights=tokens", "federation.compression=topk", "federation.error_feedback=true",
@@ -200,12 +200,7 @@ def _run_both(hub, tmp_path, extra: list[str]):
     """Facilities a (2 processes, FSDP) and b (1) with ``extra``, run to their end: both exit 0."""
     a = _facility("a", hub, tmp_path, nproc=2, extra=extra)
     b = _facility("b", hub, tmp_path, nproc=1, extra=extra)
-    try:
-        (rc_a, out_a), (rc_b, out_b) = a.wait(), b.wait()
-    finally:
-        for f in (a, b):
-            f.kill()
-    assert rc_a == 0 and rc_b == 0, out_a + out_b
+    run_to_end(a, b)
     return a, b
 
 

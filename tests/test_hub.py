@@ -11,7 +11,6 @@ code: the weighted mean and the Nesterov step are written out below.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import shutil
@@ -26,7 +25,16 @@ import pytest
 import torch
 from helpers import REPO, TINY
 from helpers.hub import ENV as HUB_ENV
-from helpers.hub import Facility, Hub, free_port, init_certs
+from helpers.hub import STATE_FILE, Facility, Hub, free_port, init_certs
+from helpers.hub import dumped as _dumped
+from helpers.hub import export_of as _export
+from helpers.hub import newest_state as _newest_state
+from helpers.hub import output as _text
+from helpers.hub import read_state as _read_state
+from helpers.hub import state_version as _version
+from helpers.hub import state_versions as _versions
+from helpers.hub import value_bits as _values
+from helpers.hub import wait_alive as _wait_for
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.cli, pytest.mark.slow]
 
@@ -58,46 +66,10 @@ def certs(tmp_path_factory) -> Path:
     return init_certs(tmp_path_factory.mktemp("pki") / "certs", list(NAMES))
 
 
-def _wait_for(predicate, timeout=240, what="", alive=()):
-    """Poll ``predicate``; fail at ``timeout``, or as soon as a facility of ``alive`` has exited."""
-    deadline = time.time() + timeout
-    while not predicate():
-        for f in alive:
-            assert f.proc.poll() is None, f"{f.name} exited ({f.proc.returncode}) while waiting for {what}:\n{_text(f)}"
-        assert time.time() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-
-
-_STATE = re.compile(r"^state-(\d+)\.safetensors$")
-
-
-def _versions(hub: Hub) -> list[int]:
-    """The versions of the hub's state files in ``--state`` now."""
-    return sorted(int(m.group(1)) for p in hub.state.glob("state-*.safetensors") if (m := _STATE.match(p.name)))
-
-
-def _version(hub: Hub) -> int:
-    return max(_versions(hub), default=-1)
-
-
 def _committed(log: str) -> list[tuple[int, list[str]]]:
     """(version, accepted facilities) of every commit line in a hub's log."""
     found = re.findall(r"committed version (\d+): ([^;(]*)", log)
     return [(int(v), sorted(n.strip() for n in names.split(","))) for v, names in found]
-
-
-def _read_state(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    """A hub state file's metadata (``xffl``) and tensors, read with safetensors alone."""
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as fh:
-        meta = json.loads(fh.metadata()["xffl"])
-        tensors = {k: fh.get_tensor(k) for k in fh.keys()}  # noqa: SIM118 - safe_open has no iteration
-    return meta, tensors
-
-
-def _newest_state(hub: Hub) -> tuple[dict, dict[str, torch.Tensor]]:
-    return _read_state(hub.state / f"state-{_version(hub):010d}.safetensors")
 
 
 class StateCopies:
@@ -134,13 +106,9 @@ class StateCopies:
         out = {}
         for p in self.into.glob("state-*.safetensors"):
             meta, tensors = _read_state(p)
-            assert meta["version"] == int(_STATE.match(p.name).group(1)), p
+            assert meta["version"] == int(STATE_FILE.match(p.name).group(1)), p
             out[meta["version"]] = (meta, tensors)
         return out
-
-
-def _text(f: Facility) -> str:
-    return Path(f.out.name).read_text()
 
 
 def _records(f: Facility) -> list[dict]:
@@ -165,11 +133,6 @@ def _theta_0(facilities) -> torch.Tensor:
     for n, r in joins.items():
         assert r["round"] == 0 and torch.equal(r["after"], theta), f"{n} did not start from θ_0"
     return theta
-
-
-def _dumped(f: Facility, version: int) -> bool:
-    """Its leader dumped a round of ``version`` (without reading it)."""
-    return any((f.dump / f.name).glob(f"round-{version:04d}-*.pt"))
 
 
 def _start(name, hub, tmp_path, steps, nproc=1, **kw) -> Facility:
@@ -378,22 +341,6 @@ def _check_commit_from_saved(saved_meta: dict, saved: dict[str, torch.Tensor], f
     _close(after, expected, f"version {v + 1} from the saved version {v} and {accepted}")
     forgot, _ = _nesterov(theta, torch.zeros_like(buf), mean)
     assert (after.double() - forgot).abs().max() > 100 * ATOL, "the momentum does not show in the step"
-
-
-def _export(f: Facility) -> dict[str, torch.Tensor]:
-    """The facility's export (``export.hf=true``: ``<run>/hf/*.safetensors``), read with safetensors alone."""
-    from safetensors.torch import load_file
-
-    out: dict[str, torch.Tensor] = {}
-    for path in sorted((f.dir / "hf").glob("*.safetensors")):
-        out.update(load_file(str(path)))
-    return out
-
-
-def _values(tensors) -> torch.Tensor:
-    """Every value's bit pattern, sorted: equal for two models whose tensors hold the same values in another
-    layout (the export's attention rows are in Hugging Face's order)."""
-    return torch.cat([t.reshape(-1).view(torch.int32) for t in tensors]).sort().values
 
 
 # Issue 37: three facilities through a TLS hub that is SIGKILLed mid-run and restarted on its --state. b's steps

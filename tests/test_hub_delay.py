@@ -13,8 +13,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.hub import Facility, Hub
-from test_hub import _dumped, _export, _newest_state, _text, _values, _wait_for
+from helpers.hub import Facility, Hub, run_to_end
+from helpers.hub import dumped as _dumped
+from helpers.hub import export_of as _export
+from helpers.hub import newest_state as _newest_state
+from helpers.hub import output as _text
+from helpers.hub import value_bits as _values
+from helpers.hub import wait_alive as _wait_for
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.cli, pytest.mark.slow]
 
@@ -39,12 +44,9 @@ def _run(tmp_path, extra: list[str]) -> tuple[dict, dict, dict, list[Facility]]:
     a = Facility("a", hub, tmp_path, nproc=2, extra=extra)
     b = Facility("b", hub, tmp_path, nproc=1, extra=extra)
     try:
-        (rc_a, out_a), (rc_b, out_b) = a.wait(), b.wait()
+        run_to_end(a, b)
     finally:
-        for f in (a, b):
-            f.kill()
         hub.stop()
-    assert rc_a == 0 and rc_b == 0, out_a + out_b
     dump = tmp_path / "dump"
     rounds = {n: {r["round"]: r for r in _dumps(dump, n, "round")} for n in "ab"}
     landings = {n: [d["x"] for d in _dumps(dump, n, "landing")] for n in "ab"}

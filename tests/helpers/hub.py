@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -24,13 +25,24 @@ from . import PLUGINS, REPO, TINY
 __all__ = [
     "GEOMETRY",
     "SPEC",
+    "STATE_FILE",
     "Facility",
     "Hub",
+    "dumped",
+    "export_of",
     "free_port",
     "init_certs",
+    "newest_state",
+    "output",
+    "read_state",
     "rounds",
+    "run_to_end",
     "serve",
     "small_spec",
+    "state_version",
+    "state_versions",
+    "value_bits",
+    "wait_alive",
     "wait_for",
 ]
 
@@ -202,3 +214,81 @@ class Facility:
 def rounds(dump: Path, name: str) -> list[dict]:
     """The rounds facility ``name``'s leader took part in (joins excluded), in order."""
     return [torch.load(p) for p in sorted((dump / name).glob("round-*.pt"))]
+
+
+def run_to_end(*facilities: Facility) -> list[str]:
+    """Wait for every facility to end (each killed as a group afterwards, whatever happened); each must exit 0.
+    Their outputs."""
+    try:
+        ended = [f.wait() for f in facilities]
+    finally:
+        for f in facilities:
+            f.kill()
+    assert all(rc == 0 for rc, _ in ended), "".join(out for _, out in ended)
+    return [out for _, out in ended]
+
+
+def output(f: Facility) -> str:
+    """What the facility's job printed so far."""
+    return Path(f.out.name).read_text()
+
+
+def wait_alive(predicate, timeout=240, what="", alive=()):
+    """Poll ``predicate``; fail at ``timeout``, or as soon as a facility of ``alive`` has exited."""
+    deadline = time.time() + timeout
+    while not predicate():
+        for f in alive:
+            assert f.proc.poll() is None, (
+                f"{f.name} exited ({f.proc.returncode}) while waiting for {what}:\n{output(f)}"
+            )
+        assert time.time() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def dumped(f: Facility, version: int) -> bool:
+    """Its leader dumped a round of ``version`` (without reading it)."""
+    return any((f.dump / f.name).glob(f"round-{version:04d}-*.pt"))
+
+
+STATE_FILE = re.compile(r"^state-(\d+)\.safetensors$")
+
+
+def state_versions(hub: Hub) -> list[int]:
+    """The versions of the hub's state files in ``--state`` now."""
+    return sorted(int(m.group(1)) for p in hub.state.glob("state-*.safetensors") if (m := STATE_FILE.match(p.name)))
+
+
+def state_version(hub: Hub) -> int:
+    """The newest of :func:`state_versions` (-1: none)."""
+    return max(state_versions(hub), default=-1)
+
+
+def read_state(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """A hub state file's metadata (``xffl``) and tensors, read with safetensors alone."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as fh:
+        meta = json.loads(fh.metadata()["xffl"])
+        tensors = {k: fh.get_tensor(k) for k in fh.keys()}  # noqa: SIM118 - safe_open has no iteration
+    return meta, tensors
+
+
+def newest_state(hub: Hub) -> tuple[dict, dict[str, torch.Tensor]]:
+    """:func:`read_state` of the hub's newest state file."""
+    return read_state(hub.state / f"state-{state_version(hub):010d}.safetensors")
+
+
+def export_of(f: Facility) -> dict[str, torch.Tensor]:
+    """The facility's export (``export.hf=true``: ``<run>/hf/*.safetensors``), read with safetensors alone."""
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    for path in sorted((f.dir / "hf").glob("*.safetensors")):
+        out.update(load_file(str(path)))
+    return out
+
+
+def value_bits(tensors) -> torch.Tensor:
+    """Every value's bit pattern, sorted: equal for two models whose tensors hold the same values in another
+    layout (the export's attention rows are in Hugging Face's order)."""
+    return torch.cat([t.reshape(-1).view(torch.int32) for t in tensors]).sort().values

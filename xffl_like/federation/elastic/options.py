@@ -71,13 +71,21 @@ def validate_elastic(job, layout) -> None:
         "a list in federation.weights": isinstance(fed.weights, (list, tuple)),
         f"parallel={job.parallel.name}": job.parallel.name != "fsdp",
     }
+    _refuse_first(
+        refused,
+        lambda what: (
+            f"{what} does not work with federation.elastic.hub (rounds among the facilities present): "
+            f"use rounds of averaging or an outer optimizer, with weights uniform or tokens"
+        ),
+    )
+    _validate_delay(fed)
+
+
+def _refuse_first(refused: dict[str, bool], says) -> None:
+    """The first setting of ``refused`` whose flag holds, as one :class:`ConfigError` line ``says(setting)``."""
     for what, bad in refused.items():
         if bad:
-            raise ConfigError(
-                f"{what} does not work with federation.elastic.hub (rounds among the facilities present): "
-                f"use rounds of averaging or an outer optimizer, with weights uniform or tokens"
-            )
-    _validate_delay(fed)
+            raise ConfigError(says(what))
 
 
 def _validate_delay(fed) -> None:
@@ -96,13 +104,14 @@ def _validate_delay(fed) -> None:
         f"federation.outer.name={fed.outer.name}": fed.outer.name not in AFFINE_OUTERS,
         f"federation.elastic.aggregate={fed.elastic.aggregate}": fed.elastic.aggregate != "mean",
     }
-    for what, bad in refused.items():
-        if bad:
-            raise ConfigError(
-                f"federation.delay=1 with delay_rule=eager and {what} through federation.elastic.hub: the hub carries "
-                f"fp32 means that each facility's outer step ({', '.join(AFFINE_OUTERS)}) takes; use "
-                f"federation.delay_rule=own_full, or fp32 rounds of a mean with one of those outer rules"
-            )
+    _refuse_first(
+        refused,
+        lambda what: (
+            f"federation.delay=1 with delay_rule=eager and {what} through federation.elastic.hub: the hub "
+            f"carries fp32 means that each facility's outer step ({', '.join(AFFINE_OUTERS)}) takes; use "
+            f"federation.delay_rule=own_full, or fp32 rounds of a mean with one of those outer rules"
+        ),
+    )
 
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")

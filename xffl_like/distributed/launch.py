@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import signal
 import socket
 import sys
@@ -35,7 +36,29 @@ class WorkerFailure(RuntimeError):
         self.interrupted: int | None = None  # the SIGINT/SIGTERM the launcher received before, if any
 
 
+def _ephemeral_low() -> int:
+    """The lowest port of the kernel's ephemeral range (outgoing connections' local ports); 32768 if unknown."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
+    """A port free on 127.0.0.1 now, for a rendezvous that rank 0 binds later. Taken at random below the kernel's
+    ephemeral range where there is room, so that no outgoing connection of this machine (a gRPC client's, another
+    job's) takes it as its local port in between, and two launchers picking at once rarely meet; else the
+    kernel's choice."""
+    low = _ephemeral_low()
+    rng = random.SystemRandom()
+    for _ in range(64) if low > 11024 else ():
+        port = rng.randrange(10000, low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]

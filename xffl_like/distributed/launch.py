@@ -151,6 +151,8 @@ def _adopt_environment(env: dict[str, str]) -> None:
     os.environ.clear()
     os.environ.update(env)
     os.environ.update(agent)
+    if env.get(_RANK0_PORT):  # the launcher's choice, not the agent's (which is in the ephemeral range)
+        os.environ["MASTER_PORT"] = env[_RANK0_PORT]
     if os.environ.get("OMP_NUM_THREADS", "").isdigit():
         import torch
 
@@ -173,6 +175,10 @@ def check_cuda_fresh() -> None:
 
 
 _FALLBACK = "XFFL_ERROR_FALLBACK_DIR"
+# The port worker rank 0's store listens on (MASTER_PORT), picked by the launcher with :func:`free_port`. The
+# agent's own pick binds port 0 and lets it go: a port of the ephemeral range, which any outgoing connection of
+# the machine may take as its local port before rank 0 binds it (seen as 'Address already in use').
+_RANK0_PORT = "XFFL_RANK0_PORT"
 
 
 def _entry(fn: Callable, args: tuple, error_dir: str, env: dict[str, str]) -> Any:
@@ -412,6 +418,7 @@ def launch_local(
     try:
         with forwarder:
             env = {k: v for k, v in os.environ.items() if k != "TORCHELASTIC_SIGNALS_TO_HANDLE"}
+            env[_RANK0_PORT] = str(free_port())
             results = elastic_launch(config, _entry)(fn, args, str(err_dir), env)
     except ChildFailedError as exc:
         failure = _worker_failure(exc, err_dir)

@@ -33,11 +33,11 @@ Fixtures shared by several modules:
 Workers (pytest-xdist, ``-n auto --dist loadscope`` in pyproject.toml): the suite runs on
 :func:`pytest_xdist_auto_num_workers` pytest processes, a module's tests on one of them (its module-scoped
 fixtures and shared jobs built once). Most tests start processes and then wait on them (a job's ranks, a
-hub, a launcher), so two workers overlap one module's waits with another's work even on 2 cores. The
-modules with the most slow tests are handed out first (:func:`pytest_collection_modifyitems`), so that the
-longest modules do not start last. ``-n 0`` runs everything in this process, as before;
-``PYTEST_XDIST_AUTO_NUM_WORKERS=N`` sets the number. A session fixture shared by several modules
-(``killed_at_7``) runs once for the whole run, under a file lock in the run's common temporary folder.
+hub, a launcher), so three workers overlap modules' waits with others' work even on 2 cores (two left the
+cores idle half the time). The costliest modules are handed out first (:func:`pytest_collection_modifyitems`,
+``module_costs.json``), so that the longest modules do not start last. ``-n 0`` runs everything in this
+process, as before; ``PYTEST_XDIST_AUTO_NUM_WORKERS=N`` sets the number. A session fixture shared by several
+modules (``killed_at_7``) runs once for the whole run, under a file lock in the run's common temporary folder.
 """
 
 import json
@@ -102,16 +102,38 @@ def killed_at_7(tmp_path_factory):
 
 
 def pytest_xdist_auto_num_workers(config):
-    """``-n auto``: half the cores (each test's processes use the rest), at least 2 where there are 2 (most
-    tests wait on their processes most of the time); ``PYTEST_XDIST_AUTO_NUM_WORKERS`` wins."""
+    """``-n auto``: half the cores (each test's processes use the rest), at least 3 where there are 2 (most
+    tests wait on their processes most of the time: with 2 workers the suite used 48% of 2 cores);
+    ``PYTEST_XDIST_AUTO_NUM_WORKERS`` wins."""
     if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS", "").isdigit():
         return int(os.environ["PYTEST_XDIST_AUTO_NUM_WORKERS"])
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return min(cores, max(2, cores // 2))
+    return min(cores + 1, max(3, cores // 2))
+
+
+_COSTS = Path(_TESTS) / "module_costs.json"
 
 
 def pytest_collection_modifyitems(config, items):
-    """The modules with the most ``slow`` tests first (stable otherwise): with ``--dist loadscope`` a module
-    runs on one worker, and a long module handed out last would run alone at the end."""
-    slow = Counter(item.module.__name__ for item in items if item.get_closest_marker("slow"))
-    items.sort(key=lambda item: -slow[item.module.__name__])
+    """The costliest modules first, by ``module_costs.json`` (seconds per module in a measured run; a module not
+    in it counts 0), stable otherwise. With ``--dist loadscope --no-loadscope-reorder`` a module runs on one
+    worker in this order: a long module handed out last would run alone at the end. Refresh the file with
+    ``XFFL_TEST_COSTS_OUT=tests/module_costs.json python -m pytest -q``."""
+    costs = json.loads(_COSTS.read_text()) if _COSTS.is_file() else {}
+    items.sort(key=lambda item: -costs.get(item.nodeid.split("::")[0], 0))
+
+
+_SPENT: Counter = Counter()
+
+
+def pytest_runtest_logreport(report):
+    """Every phase's seconds, by module (in the controller, which sees every worker's reports)."""
+    if os.environ.get("XFFL_TEST_COSTS_OUT"):
+        _SPENT[report.nodeid.split("::")[0]] += report.duration
+
+
+def pytest_sessionfinish(session):
+    """``XFFL_TEST_COSTS_OUT=PATH``: the seconds by module of this run, for :func:`pytest_collection_modifyitems`."""
+    out = os.environ.get("XFFL_TEST_COSTS_OUT")
+    if out and _SPENT and not os.environ.get("PYTEST_XDIST_WORKER"):
+        Path(out).write_text(json.dumps({k: round(v) for k, v in _SPENT.most_common() if v >= 1}, indent=0) + "\n")

@@ -20,6 +20,7 @@ from helpers.hub import newest_state as _newest_state
 from helpers.hub import output as _text
 from helpers.hub import value_bits as _values
 from helpers.hub import wait_alive as _wait_for
+from helpers.topk_reference import topk_overrides
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.cli, pytest.mark.slow]
 
@@ -103,20 +104,72 @@ def _nesterov(theta: torch.Tensor, buf: torch.Tensor, g: torch.Tensor) -> tuple[
     return theta - NESTEROV_LR * (g + MOMENTUM * buf), buf
 
 
-def test_delayed_rounds_through_the_hub_eager_by_hand(tmp_path):
+#: eager with top-k (error feedback, SparseLoCo's decay) through the hub: the codec's settings, the reference's too.
+TOPK = {"chunk": 1000, "density": 0.05, "bits": 4, "decay": 0.9}
+
+
+def _topk_rounds_by_hand(rounds: dict, hub: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Versions 1 and 2 of a compressed eager federation from the dumped uploads, with the numpy reference codec:
+    each facility's message is the reference encoding of ``decay x residual + θ_{v-1} - u`` (``ef = θ_{v-1} +
+    residual``, as the facility keeps it), bitwise, and θ_v is θ_{v-1} minus the weighted sum (fp32, fold order) of
+    the decoded messages (the carrier: average at lr 1), bitwise at both facilities. The final version 3 is a round
+    of fp32 parameters (no message): the weighted sum of the uploads in fold order, bitwise. Each facility's residual
+    after version 2 (what its final upload flushes)."""
+    from helpers.topk_reference import ref_decode, ref_encode
+
+    t, numel = TOPK, hub[0].numel()
+    codec = (t["chunk"], t["density"], t["bits"])
+    residual = {n: torch.zeros_like(hub[0]) for n in "ab"}
+    for v in (1, 2, 3):
+        scales = rounds["a"][v]["weights"]  # each one's share, as the hub folded with it
+        assert scales == rounds["b"][v]["weights"] and sorted(scales) == ["a", "b"], scales
+        mean = torch.zeros_like(hub[0])
+        for n in sorted(scales):  # the hub's fold order
+            r = rounds[n][v]
+            if v == 3:  # the final round: fp32 parameters, their weighted sum (average at lr 1: the mean itself)
+                assert r["message"] is None, f"{n} sent a message in the final round"
+                mean.add_(r["before"], alpha=scales[n])
+                continue
+            ef = hub[v - 1] + residual[n]
+            update = (ef - r["before"]).sub_(ef - hub[v - 1], alpha=1.0 - t["decay"])
+            assert r["message"] == ref_encode(update.numpy(), *codec), f"{n}'s message at version {v}"
+            sent = torch.from_numpy(ref_decode(r["message"], numel, *codec))
+            residual[n] = update - sent
+            mean.add_(sent.mul(scales[n]))  # each product rounded, then added (the relay's fold)
+        expected = mean if v == 3 else hub[v - 1] - mean
+        assert torch.equal(hub[v], expected), f"version {v} is not the weighted sum recomputed here"
+    return residual
+
+
+@pytest.mark.parametrize("compression", ["none", "topk"])
+def test_delayed_rounds_through_the_hub_eager_by_hand(tmp_path, compression):
     """eager (the default rule): each facility's θ_f and Nesterov state recomputed here. The hub sums the means
     (θ_v = θ_{v-1} - mean of θ_{v-1} - u_f); at each boundary D = θ_{v-1} - θ_v of the landed round, Δ = θ_f - x,
     θ_f <- nesterov(θ_f, D - s' Δ_prev + s Δ) (s = 1/2: two facilities, uniform), u = θ_v - Δ; at the last,
     u = nesterov(θ_f, D - s' Δ_prev) - lr (1 + m) Δ, so that the final θ_global is one world's eager end,
-    Σ_f s_f nesterov_f(θ_f, D - s' Δ_prev + D_3), D_3 = Σ_f s_f Δ_f the last round's mean."""
-    rounds, landings, theta0, facilities = _run(tmp_path, EAGER)
+    Σ_f s_f nesterov_f(θ_f, D - s' Δ_prev + D_3), D_3 = Σ_f s_f Δ_f the last round's mean.
+
+    With top-k (error feedback, decay) the means are the decoded messages' (each message and θ_v recomputed with the
+    reference codec, bitwise: :func:`_topk_rounds_by_hand`), the stale own share taken out is ``s' Δ`` (not its
+    message), and the final round carries fp32 parameters: its message would be ``Δ + decay x residual``, so
+    u = nesterov(θ_f, D - s' Δ_prev) - lr (1 + m) (Δ + decay e), and the end is one world's with that last message
+    sent without loss."""
+    topk = compression == "topk"
+    codec = topk_overrides(TOPK["chunk"], TOPK["density"], TOPK["bits"], TOPK["decay"]) if topk else []
+    rounds, landings, theta0, facilities = _run(tmp_path, [*EAGER, *codec])
     atol = 2e-6
-    hub = [theta0.double()] + [rounds["a"][v]["after"].double() for v in (1, 2, 3)]
-    for v in (1, 2, 3):  # the hub: a sum of the means
+    hub = [theta0] + [rounds["a"][v]["after"] for v in (1, 2, 3)]
+    for v in (1, 2, 3):
+        assert torch.equal(rounds["a"][v]["after"], rounds["b"][v]["after"]), f"the copies of version {v} differ"
+    if topk:
+        flushed = {n: TOPK["decay"] * e.double() for n, e in _topk_rounds_by_hand(rounds, hub).items()}
+    else:
+        flushed = {n: torch.zeros_like(theta0, dtype=torch.float64) for n in "ab"}
+    hub = [h.double() for h in hub]
+    for v in (1, 2, 3) if not topk else ():  # the hub: a sum of the means (top-k: of the messages', above)
         mean = sum(hub[v - 1] - rounds[n][v]["before"].double() for n in "ab") / 2
         torch.testing.assert_close(hub[v], hub[v - 1] - mean, rtol=0, atol=atol, msg=f"version {v}")
-        assert torch.equal(rounds["a"][v]["after"], rounds["b"][v]["after"])
-    last = {}  # per facility at the last boundary: θ_f, its momentum, the others' part, its fresh Δ
+    last = {}  # per facility at the last boundary: θ_f, its momentum, the others' part, its fresh Δ and residual
     for n in "ab":
         assert len(landings[n]) == 3, f"{n}'s rule ran {len(landings[n])} times, not at steps 4, 8 and 12"
         own, buf, before = theta0.double(), torch.zeros_like(hub[0]), torch.zeros_like(hub[0])
@@ -128,8 +181,8 @@ def test_delayed_rounds_through_the_hub_eager_by_hand(tmp_path):
                 upload = hub[k - 1] - delta
             else:
                 ended, _ = _nesterov(own, buf, others)
-                upload = ended - NESTEROV_LR * (1 + MOMENTUM) * delta
-                last[n] = (own, buf, others, delta)
+                upload = ended - NESTEROV_LR * (1 + MOMENTUM) * (delta + flushed[n])
+                last[n] = (own, buf, others, delta + flushed[n])
             torch.testing.assert_close(rounds[n][k]["before"].double(), upload, rtol=0, atol=atol, msg=f"{n}, {k}")
             before = delta
         assert not torch.equal(rounds["a"][1]["before"], rounds["b"][1]["before"])

@@ -39,7 +39,8 @@ def _dumps(dump: Path, name: str, kind: str) -> list[dict]:
 
 
 def _run(tmp_path, extra: list[str]) -> tuple[dict, dict, dict, list[Facility]]:
-    """a and b run to their end; per facility its rounds by version and the ``x`` of each boundary's rule; the
+    """a and b run to their end; per facility its rounds by version and each boundary's rule's dump (``x``, eager's
+    ``own``: θ_f); the
     federation's θ_0, both having started from it; the facilities."""
     hub = Hub(tmp_path)
     a = Facility("a", hub, tmp_path, nproc=2, extra=extra)
@@ -50,7 +51,7 @@ def _run(tmp_path, extra: list[str]) -> tuple[dict, dict, dict, list[Facility]]:
         hub.stop()
     dump = tmp_path / "dump"
     rounds = {n: {r["round"]: r for r in _dumps(dump, n, "round")} for n in "ab"}
-    landings = {n: [d["x"] for d in _dumps(dump, n, "landing")] for n in "ab"}
+    landings = {n: _dumps(dump, n, "landing") for n in "ab"}
     start = {n: next(r for r in rounds[n].values() if r["status"] in ("created", "joined")) for n in "ab"}
     assert torch.equal(start["b"]["after"], start["a"]["after"])
     for n in "ab":  # rounds at steps 4, 8 (in flight while the next round trained) and 12 (the last, foreground)
@@ -90,7 +91,7 @@ def test_delayed_rounds_through_the_hub_own_full_by_hand(tmp_path, compression):
         assert torch.equal(after, rounds["b"][v]["after"]), f"the copies of version {v} differ"
         if v < versions[-1]:  # version v landed at the next boundary: the upload there is θ_v - (u_v - x)
             for n in "ab":
-                x = landings[n][v - 1]
+                x = landings[n][v - 1]["x"]
                 upload = after - (rounds[n][v]["before"] - x)
                 assert torch.equal(rounds[n][v + 1]["before"], upload), f"{n}'s upload after version {v} landed"
                 assert not torch.equal(x, rounds[n][v]["before"]), f"{n} did not train while version {v} was made"
@@ -108,29 +109,33 @@ def _nesterov(theta: torch.Tensor, buf: torch.Tensor, g: torch.Tensor) -> tuple[
 TOPK = {"chunk": 1000, "density": 0.05, "bits": 4, "decay": 0.9}
 
 
-def _topk_rounds_by_hand(rounds: dict, hub: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Versions 1 and 2 of a compressed eager federation from the dumped uploads, with the numpy reference codec:
-    each facility's message is the reference encoding of ``decay x residual + θ_{v-1} - u`` (``ef = θ_{v-1} +
-    residual``, as the facility keeps it), bitwise, and θ_v is θ_{v-1} minus the weighted sum (fp32, fold order) of
-    the decoded messages (the carrier: average at lr 1), bitwise at both facilities. The final version 3 is a round
-    of fp32 parameters (no message): the weighted sum of the uploads in fold order, bitwise. Each facility's residual
-    after version 2 (what its final upload flushes)."""
+def _topk_rounds_by_hand(rounds: dict, hub: list[torch.Tensor], landings: dict) -> dict[str, torch.Tensor]:
+    """A compressed eager federation's versions from the dumped uploads and θ_f, with the numpy reference codec.
+    Versions 1 and 2: each facility's message is the reference encoding of ``decay x residual + θ_{v-1} - u``
+    (``ef = θ_{v-1} + residual``, as the facility keeps it), bitwise, and θ_v is θ_{v-1} minus the weighted sum (fp32,
+    fold order) of the decoded messages (the carrier: average at lr 1), bitwise at both facilities. Version 3, the
+    final round, carries fp32 parameters: its θ_global is the weighted sum of the uploads in fold order, bitwise,
+    and each facility's last message (kept, not sent) is the reference encoding of ``Δ + decay x residual`` (``Δ =
+    θ_f - x`` at the last boundary), bitwise. Each facility's last message decoded, ``Δ̂``."""
     from helpers.topk_reference import ref_decode, ref_encode
 
     t, numel = TOPK, hub[0].numel()
     codec = (t["chunk"], t["density"], t["bits"])
     residual = {n: torch.zeros_like(hub[0]) for n in "ab"}
+    last = {}
     for v in (1, 2, 3):
         scales = rounds["a"][v]["weights"]  # each one's share, as the hub folded with it
         assert scales == rounds["b"][v]["weights"] and sorted(scales) == ["a", "b"], scales
         mean = torch.zeros_like(hub[0])
         for n in sorted(scales):  # the hub's fold order
-            r = rounds[n][v]
+            r, ef = rounds[n][v], hub[v - 1] + residual[n]
             if v == 3:  # the final round: fp32 parameters, their weighted sum (average at lr 1: the mean itself)
-                assert r["message"] is None, f"{n} sent a message in the final round"
+                own, x = landings[n][2]["own"], landings[n][2]["x"]
+                update = torch.sub(own, x).add(torch.sub(ef, hub[2]).mul_(t["decay"]))
+                assert r["message"] == ref_encode(update.numpy(), *codec), f"{n}'s last message"
+                last[n] = torch.from_numpy(ref_decode(r["message"], numel, *codec))
                 mean.add_(r["before"], alpha=scales[n])
                 continue
-            ef = hub[v - 1] + residual[n]
             update = (ef - r["before"]).sub_(ef - hub[v - 1], alpha=1.0 - t["decay"])
             assert r["message"] == ref_encode(update.numpy(), *codec), f"{n}'s message at version {v}"
             sent = torch.from_numpy(ref_decode(r["message"], numel, *codec))
@@ -138,7 +143,7 @@ def _topk_rounds_by_hand(rounds: dict, hub: list[torch.Tensor]) -> dict[str, tor
             mean.add_(sent.mul(scales[n]))  # each product rounded, then added (the relay's fold)
         expected = mean if v == 3 else hub[v - 1] - mean
         assert torch.equal(hub[v], expected), f"version {v} is not the weighted sum recomputed here"
-    return residual
+    return last
 
 
 @pytest.mark.parametrize("compression", ["none", "topk"])
@@ -151,9 +156,9 @@ def test_delayed_rounds_through_the_hub_eager_by_hand(tmp_path, compression):
 
     With top-k (error feedback, decay) the means are the decoded messages' (each message and θ_v recomputed with the
     reference codec, bitwise: :func:`_topk_rounds_by_hand`), the stale own share taken out is ``s' Δ`` (not its
-    message), and the final round carries fp32 parameters: its message would be ``Δ + decay x residual``, so
-    u = nesterov(θ_f, D - s' Δ_prev) - lr (1 + m) (Δ + decay e), and the end is one world's with that last message
-    sent without loss."""
+    message), and the final round carries fp32 parameters: u = nesterov(θ_f, D - s' Δ_prev) - lr (1 + m) Δ̂, Δ̂ the
+    facility's last message (``Δ + decay x residual``, encoded, kept, not sent) decoded, so that the end is one
+    world's, with D_3 the mean of the decoded last messages."""
     topk = compression == "topk"
     codec = topk_overrides(TOPK["chunk"], TOPK["density"], TOPK["bits"], TOPK["decay"]) if topk else []
     rounds, landings, theta0, facilities = _run(tmp_path, [*EAGER, *codec])
@@ -161,28 +166,28 @@ def test_delayed_rounds_through_the_hub_eager_by_hand(tmp_path, compression):
     hub = [theta0] + [rounds["a"][v]["after"] for v in (1, 2, 3)]
     for v in (1, 2, 3):
         assert torch.equal(rounds["a"][v]["after"], rounds["b"][v]["after"]), f"the copies of version {v} differ"
-    if topk:
-        flushed = {n: TOPK["decay"] * e.double() for n, e in _topk_rounds_by_hand(rounds, hub).items()}
-    else:
-        flushed = {n: torch.zeros_like(theta0, dtype=torch.float64) for n in "ab"}
+    last_messages = _topk_rounds_by_hand(rounds, hub, landings) if topk else {}
     hub = [h.double() for h in hub]
     for v in (1, 2, 3) if not topk else ():  # the hub: a sum of the means (top-k: of the messages', above)
         mean = sum(hub[v - 1] - rounds[n][v]["before"].double() for n in "ab") / 2
         torch.testing.assert_close(hub[v], hub[v - 1] - mean, rtol=0, atol=atol, msg=f"version {v}")
-    last = {}  # per facility at the last boundary: θ_f, its momentum, the others' part, its fresh Δ and residual
+    last = {}  # per facility at the last boundary: θ_f, its momentum, the others' part, its last Δ (top-k: Δ̂)
     for n in "ab":
         assert len(landings[n]) == 3, f"{n}'s rule ran {len(landings[n])} times, not at steps 4, 8 and 12"
         own, buf, before = theta0.double(), torch.zeros_like(hub[0]), torch.zeros_like(hub[0])
         for k in (1, 2, 3):  # the boundary at step 4k: version k - 1 landed (none at the first)
-            delta = own - landings[n][k - 1].double()
+            if landings[n][k - 1]["own"] is not None:  # θ_f as the facility held it
+                torch.testing.assert_close(landings[n][k - 1]["own"].double(), own, rtol=0, atol=atol)
+            delta = own - landings[n][k - 1]["x"].double()
             others = hub[k - 2] - hub[k - 1] - 0.5 * before if k > 1 else torch.zeros_like(own)
             if k < 3:
                 own, buf = _nesterov(own, buf, others + 0.5 * delta)
                 upload = hub[k - 1] - delta
             else:
                 ended, _ = _nesterov(own, buf, others)
-                upload = ended - NESTEROV_LR * (1 + MOMENTUM) * (delta + flushed[n])
-                last[n] = (own, buf, others, delta + flushed[n])
+                sent = last_messages[n].double() if topk else delta
+                upload = ended - NESTEROV_LR * (1 + MOMENTUM) * sent
+                last[n] = (own, buf, others, sent)
             torch.testing.assert_close(rounds[n][k]["before"].double(), upload, rtol=0, atol=atol, msg=f"{n}, {k}")
             before = delta
         assert not torch.equal(rounds["a"][1]["before"], rounds["b"][1]["before"])

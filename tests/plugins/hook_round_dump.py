@@ -22,7 +22,8 @@ its tokens and, compressed, the ``message`` it sent (None in a round of fp32 par
 ``<dir>/<facility>/round-<R>-<time_ns>.pt``
 (written whole, then renamed: a reader never sees half a file; ``tests/helpers/hub.py``'s ``rounds``).
 With ``federation.delay=1`` the leader also saves, at each boundary where a round landed, its gathered
-parameters ``x`` before the rule made them the next upload: ``<dir>/<facility>/landing-<time_ns>.pt``.
+parameters ``x`` before the rule made them the next upload (and eager's ``θ_f``, ``own``):
+``<dir>/<facility>/landing-<time_ns>.pt``.
 
 Only ``os`` and ``pathlib`` at import: ``torch`` and the package are imported when a job uses them.
 """
@@ -135,7 +136,8 @@ def _dump_landings(delayed) -> None:
         path = Path(os.environ[ENV]) / self.name
         path.mkdir(parents=True, exist_ok=True)
         final = path / f"landing-{time.time_ns()}.pt"
-        torch.save({"x": _load(self.files.mine)}, path / f".{final.name}.tmp")
+        own = getattr(self, "own_theta", None)  # eager: θ_f as the rule finds it
+        torch.save({"x": _load(self.files.mine), "own": _load(own) if own else None}, path / f".{final.name}.tmp")
         os.replace(path / f".{final.name}.tmp", final)
 
     compose = delayed.DelayedElasticFederation._compose

@@ -41,6 +41,7 @@ import shutil
 import time
 
 import torch
+from torch import Tensor
 
 from ...config.schema import OuterConfig
 from ...hub.protocol import relay
@@ -64,7 +65,7 @@ def own_full_window(theta: torch.Tensor, start: torch.Tensor, local: torch.Tenso
 
 
 def final_residual(ef: torch.Tensor, theta: torch.Tensor, decay: float) -> torch.Tensor:
-    """The error-feedback residual a last message would carry, ``decay x (ef - θ_global)`` (``ef``: θ_global plus
+    """The error-feedback residual the last message carries, ``decay x (ef - θ_global)`` (``ef``: θ_global plus
     the residual; decay 1: ``ef - θ_global`` as it is), fp32 in this order."""
     carried = torch.sub(ef, theta)
     return carried.mul_(decay) if decay != 1.0 else carried
@@ -202,11 +203,14 @@ class EagerElasticFederation(DelayedElasticFederation):
     **With compression** the final round carries fp32 parameters, not a message
     (:func:`~xffl_like.hub.protocol.spec.final_in_fp32`: the hub knows it by its round count, the facility by its
     last step): ``u`` is far from θ_global (``A`` moved by this facility's own outer rule), and only its fp32 mean
-    makes the hub's final θ_global ``Σ s_f outer_f(...)`` that every facility exports bitwise. One world's last
-    message would carry ``Δ`` plus the decayed residual (:func:`final_residual`); so here
-    ``u = A - c (Δ + decay x residual)``: one world's end with that last message sent without loss, where one world
-    decodes a top-k of it (its residual then stays unsent). The upload and download of that round are those of an
-    fp32 round (θ_global in full comes back, as to a joiner), once per job."""
+    makes the hub's final θ_global ``Σ s_f outer_f(...)`` that every facility exports bitwise. What ``u`` folds in
+    is one world's last message: ``Δ`` plus the decayed residual (:func:`final_residual`), encoded and decoded here
+    (``Δ̂``, :meth:`_last_message`; its bytes stay in ``files.message``, unsent), ``u = A - c Δ̂``, so the hub's last
+    round is ``Σ s_f outer_f(θ_f, D - s' Δ_prev + D̂_R)`` with ``D̂_R = Σ s_f Δ̂_f``, the mean one world's last
+    exchange decodes: one world's end, up to fp32 rounding (one world sums the decoded messages, then steps; here
+    each facility steps on its own and the hub sums). What the message left out stays unsent, as in one world.
+    The upload and download of that round are those of an fp32 round (θ_global in full comes back, as to a
+    joiner), once per job."""
 
     rule = "eager"
 
@@ -274,21 +278,22 @@ class EagerElasticFederation(DelayedElasticFederation):
         (``x`` on entry) becomes the next upload."""
         f, options = self.files, self.options.outer
         state = FileState(self.own_theta, self.own_outer, relay.buffer_names(options), self.numel)
-        names = [f.mine, self.own_delta]
+        final = self.ending and self.codec is not None  # the last message, decoded here: Δ̂ (the class's)
+        names = [f.mine, self.own_delta] + ([f.message] if final else [])
         outs = [open(p.with_name(f"{p.name}.next"), "wb") for p in names]
-        flush = self.ending and self.codec is not None  # the final message is Δ plus the residual, in fp32
-        paths = (f.mine, self.own_delta, f.theta, self.prev if landed else f.theta) + ((f.ef,) if flush else ())
+        paths = (f.mine, self.own_delta, f.theta, self.prev if landed else f.theta) + ((f.ef,) if final else ())
         ins = [open(p, "rb") for p in paths]
+        step = self.codec.window(_WINDOW) if final else _WINDOW  # whole chunks of the message
         try:
-            for first in range(0, self.numel, _WINDOW):
-                n = min(_WINDOW, self.numel - first)
+            for first in range(0, self.numel, step):
+                n = min(step, self.numel - first)
                 x, before, theta, prev, *ef = (_read_into(fh, torch.empty(n, dtype=torch.float32)) for fh in ins)
                 own, buffers = state.read(first, first + n)
                 delta = torch.sub(own, x)
                 others = torch.sub(prev, theta).sub_(before, alpha=stale)  # D - s' Δ_prev (0 without a mean)
-                if self.ending:  # A = outer_f(θ_f, others); u = A - c (Δ + decay x residual)
+                if self.ending:  # A = outer_f(θ_f, others); u = A - c Δ (with compression: A - c Δ̂)
                     outer_step(options, self.own_steps + 1, own, buffers, others)
-                    sent = delta.add(final_residual(ef[0], theta, self.decay)) if flush else delta
+                    sent = self._last_message(delta, theta, ef[0], first, outs[2]) if final else delta
                     upload = own.sub(sent, alpha=end_scale(options))
                 else:
                     outer_step(options, self.own_steps + 1, own, buffers, others.add_(delta.mul(self.share)))
@@ -305,3 +310,11 @@ class EagerElasticFederation(DelayedElasticFederation):
         state.commit()
         for p in names:
             os.replace(p.with_name(f"{p.name}.next"), p)
+
+    def _last_message(self, delta: Tensor, theta: Tensor, ef: Tensor, first: int, out) -> Tensor:
+        """The window from ``first`` of the message one world's last exchange would send, ``Δ + decay x residual``
+        (:func:`final_residual`) encoded (its bytes to ``out``, the leader's ``files.message``: the record of what the
+        fp32 upload folds in), decoded: ``Δ̂``."""
+        encoded = self.codec.encode_window(delta.add(final_residual(ef, theta, self.decay)), first)
+        encoded.numpy().tofile(out)
+        return self.codec.decode_window(encoded, first, delta.numel())

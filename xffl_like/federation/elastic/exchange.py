@@ -320,9 +320,9 @@ class ElasticFederation:
     def _round_fp32(self, done: int, tokens: float) -> dict:
         """A compressed federation's round of fp32 parameters (its final one under ``delay_rule=eager``:
         :func:`~xffl_like.hub.protocol.spec.final_in_fp32`): ``files.mine`` goes up whole, θ_global and the outer
-        buffers come back in full (a relay is refused), and ``ef`` becomes θ_global (no residual is left)."""
+        buffers come back in full (a relay is refused), and ``ef`` becomes θ_global (no residual is left). No message
+        is sent (``files.message`` is left as the caller made it)."""
         f = self.files
-        f.message.unlink(missing_ok=True)  # no message is sent
         out = self.link.round(f.mine, f.theta, done, tokens, taken=done - self.last_step, outer=f.outer)
         if out["status"] in ("missed", "left"):
             return out

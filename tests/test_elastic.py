@@ -382,7 +382,10 @@ def test_guards_each_one_line(hub, tmp_path):
         (["federation.elastic.min_facilities=0"], "min_facilities"),
         (["federation.elastic.timeout_s=-1"], "timeout_s"),
         (["federation.elastic.facility='a b'"], "federation.elastic.facility"),
-        (["federation.delay=1", "federation.compression=bf16"], "delay_rule=eager and federation.compression=bf16"),
+        (
+            ["federation.delay=1", "federation.elastic.aggregate=median"],
+            "delay_rule=eager and federation.elastic.aggregate=median",
+        ),
         (["federation.delay=1", "federation.outer.name=adam"], "delay_rule=eager and federation.outer.name=adam"),
         (
             ["federation.delay=1", "federation.delay_rule=own_full", "federation.every=null", "federation.every_s=5"],

@@ -20,6 +20,7 @@ from helpers.hub import newest_state as _newest_state
 from helpers.hub import output as _text
 from helpers.hub import value_bits as _values
 from helpers.hub import wait_alive as _wait_for
+from helpers.topk_reference import topk_overrides
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.cli, pytest.mark.slow]
 
@@ -38,7 +39,8 @@ def _dumps(dump: Path, name: str, kind: str) -> list[dict]:
 
 
 def _run(tmp_path, extra: list[str]) -> tuple[dict, dict, dict, list[Facility]]:
-    """a and b run to their end; per facility its rounds by version and the ``x`` of each boundary's rule; the
+    """a and b run to their end; per facility its rounds by version and each boundary's rule's dump (``x``, eager's
+    ``own``: θ_f); the
     federation's θ_0, both having started from it; the facilities."""
     hub = Hub(tmp_path)
     a = Facility("a", hub, tmp_path, nproc=2, extra=extra)
@@ -49,7 +51,7 @@ def _run(tmp_path, extra: list[str]) -> tuple[dict, dict, dict, list[Facility]]:
         hub.stop()
     dump = tmp_path / "dump"
     rounds = {n: {r["round"]: r for r in _dumps(dump, n, "round")} for n in "ab"}
-    landings = {n: [d["x"] for d in _dumps(dump, n, "landing")] for n in "ab"}
+    landings = {n: _dumps(dump, n, "landing") for n in "ab"}
     start = {n: next(r for r in rounds[n].values() if r["status"] in ("created", "joined")) for n in "ab"}
     assert torch.equal(start["b"]["after"], start["a"]["after"])
     for n in "ab":  # rounds at steps 4, 8 (in flight while the next round trained) and 12 (the last, foreground)
@@ -89,7 +91,7 @@ def test_delayed_rounds_through_the_hub_own_full_by_hand(tmp_path, compression):
         assert torch.equal(after, rounds["b"][v]["after"]), f"the copies of version {v} differ"
         if v < versions[-1]:  # version v landed at the next boundary: the upload there is θ_v - (u_v - x)
             for n in "ab":
-                x = landings[n][v - 1]
+                x = landings[n][v - 1]["x"]
                 upload = after - (rounds[n][v]["before"] - x)
                 assert torch.equal(rounds[n][v + 1]["before"], upload), f"{n}'s upload after version {v} landed"
                 assert not torch.equal(x, rounds[n][v]["before"]), f"{n} did not train while version {v} was made"
@@ -103,33 +105,89 @@ def _nesterov(theta: torch.Tensor, buf: torch.Tensor, g: torch.Tensor) -> tuple[
     return theta - NESTEROV_LR * (g + MOMENTUM * buf), buf
 
 
-def test_delayed_rounds_through_the_hub_eager_by_hand(tmp_path):
+#: eager with top-k (error feedback, SparseLoCo's decay) through the hub: the codec's settings, the reference's too.
+TOPK = {"chunk": 1000, "density": 0.05, "bits": 4, "decay": 0.9}
+
+
+def _topk_rounds_by_hand(rounds: dict, hub: list[torch.Tensor], landings: dict) -> dict[str, torch.Tensor]:
+    """A compressed eager federation's versions from the dumped uploads and θ_f, with the numpy reference codec.
+    Versions 1 and 2: each facility's message is the reference encoding of ``decay x residual + θ_{v-1} - u``
+    (``ef = θ_{v-1} + residual``, as the facility keeps it), bitwise, and θ_v is θ_{v-1} minus the weighted sum (fp32,
+    fold order) of the decoded messages (the carrier: average at lr 1), bitwise at both facilities. Version 3, the
+    final round, carries fp32 parameters: its θ_global is the weighted sum of the uploads in fold order, bitwise,
+    and each facility's last message (kept, not sent) is the reference encoding of ``Δ + decay x residual`` (``Δ =
+    θ_f - x`` at the last boundary), bitwise. Each facility's last message decoded, ``Δ̂``."""
+    from helpers.topk_reference import ref_decode, ref_encode
+
+    t, numel = TOPK, hub[0].numel()
+    codec = (t["chunk"], t["density"], t["bits"])
+    residual = {n: torch.zeros_like(hub[0]) for n in "ab"}
+    last = {}
+    for v in (1, 2, 3):
+        scales = rounds["a"][v]["weights"]  # each one's share, as the hub folded with it
+        assert scales == rounds["b"][v]["weights"] and sorted(scales) == ["a", "b"], scales
+        mean = torch.zeros_like(hub[0])
+        for n in sorted(scales):  # the hub's fold order
+            r, ef = rounds[n][v], hub[v - 1] + residual[n]
+            if v == 3:  # the final round: fp32 parameters, their weighted sum (average at lr 1: the mean itself)
+                own, x = landings[n][2]["own"], landings[n][2]["x"]
+                update = torch.sub(own, x).add(torch.sub(ef, hub[2]).mul_(t["decay"]))
+                assert r["message"] == ref_encode(update.numpy(), *codec), f"{n}'s last message"
+                last[n] = torch.from_numpy(ref_decode(r["message"], numel, *codec))
+                mean.add_(r["before"], alpha=scales[n])
+                continue
+            update = (ef - r["before"]).sub_(ef - hub[v - 1], alpha=1.0 - t["decay"])
+            assert r["message"] == ref_encode(update.numpy(), *codec), f"{n}'s message at version {v}"
+            sent = torch.from_numpy(ref_decode(r["message"], numel, *codec))
+            residual[n] = update - sent
+            mean.add_(sent.mul(scales[n]))  # each product rounded, then added (the relay's fold)
+        expected = mean if v == 3 else hub[v - 1] - mean
+        assert torch.equal(hub[v], expected), f"version {v} is not the weighted sum recomputed here"
+    return last
+
+
+@pytest.mark.parametrize("compression", ["none", "topk"])
+def test_delayed_rounds_through_the_hub_eager_by_hand(tmp_path, compression):
     """eager (the default rule): each facility's θ_f and Nesterov state recomputed here. The hub sums the means
     (θ_v = θ_{v-1} - mean of θ_{v-1} - u_f); at each boundary D = θ_{v-1} - θ_v of the landed round, Δ = θ_f - x,
     θ_f <- nesterov(θ_f, D - s' Δ_prev + s Δ) (s = 1/2: two facilities, uniform), u = θ_v - Δ; at the last,
     u = nesterov(θ_f, D - s' Δ_prev) - lr (1 + m) Δ, so that the final θ_global is one world's eager end,
-    Σ_f s_f nesterov_f(θ_f, D - s' Δ_prev + D_3), D_3 = Σ_f s_f Δ_f the last round's mean."""
-    rounds, landings, theta0, facilities = _run(tmp_path, EAGER)
+    Σ_f s_f nesterov_f(θ_f, D - s' Δ_prev + D_3), D_3 = Σ_f s_f Δ_f the last round's mean.
+
+    With top-k (error feedback, decay) the means are the decoded messages' (each message and θ_v recomputed with the
+    reference codec, bitwise: :func:`_topk_rounds_by_hand`), the stale own share taken out is ``s' Δ`` (not its
+    message), and the final round carries fp32 parameters: u = nesterov(θ_f, D - s' Δ_prev) - lr (1 + m) Δ̂, Δ̂ the
+    facility's last message (``Δ + decay x residual``, encoded, kept, not sent) decoded, so that the end is one
+    world's, with D_3 the mean of the decoded last messages."""
+    topk = compression == "topk"
+    codec = topk_overrides(TOPK["chunk"], TOPK["density"], TOPK["bits"], TOPK["decay"]) if topk else []
+    rounds, landings, theta0, facilities = _run(tmp_path, [*EAGER, *codec])
     atol = 2e-6
-    hub = [theta0.double()] + [rounds["a"][v]["after"].double() for v in (1, 2, 3)]
-    for v in (1, 2, 3):  # the hub: a sum of the means
+    hub = [theta0] + [rounds["a"][v]["after"] for v in (1, 2, 3)]
+    for v in (1, 2, 3):
+        assert torch.equal(rounds["a"][v]["after"], rounds["b"][v]["after"]), f"the copies of version {v} differ"
+    last_messages = _topk_rounds_by_hand(rounds, hub, landings) if topk else {}
+    hub = [h.double() for h in hub]
+    for v in (1, 2, 3) if not topk else ():  # the hub: a sum of the means (top-k: of the messages', above)
         mean = sum(hub[v - 1] - rounds[n][v]["before"].double() for n in "ab") / 2
         torch.testing.assert_close(hub[v], hub[v - 1] - mean, rtol=0, atol=atol, msg=f"version {v}")
-        assert torch.equal(rounds["a"][v]["after"], rounds["b"][v]["after"])
-    last = {}  # per facility at the last boundary: θ_f, its momentum, the others' part, its fresh Δ
+    last = {}  # per facility at the last boundary: θ_f, its momentum, the others' part, its last Δ (top-k: Δ̂)
     for n in "ab":
         assert len(landings[n]) == 3, f"{n}'s rule ran {len(landings[n])} times, not at steps 4, 8 and 12"
         own, buf, before = theta0.double(), torch.zeros_like(hub[0]), torch.zeros_like(hub[0])
         for k in (1, 2, 3):  # the boundary at step 4k: version k - 1 landed (none at the first)
-            delta = own - landings[n][k - 1].double()
+            if landings[n][k - 1]["own"] is not None:  # θ_f as the facility held it
+                torch.testing.assert_close(landings[n][k - 1]["own"].double(), own, rtol=0, atol=atol)
+            delta = own - landings[n][k - 1]["x"].double()
             others = hub[k - 2] - hub[k - 1] - 0.5 * before if k > 1 else torch.zeros_like(own)
             if k < 3:
                 own, buf = _nesterov(own, buf, others + 0.5 * delta)
                 upload = hub[k - 1] - delta
             else:
                 ended, _ = _nesterov(own, buf, others)
-                upload = ended - NESTEROV_LR * (1 + MOMENTUM) * delta
-                last[n] = (own, buf, others, delta)
+                sent = last_messages[n].double() if topk else delta
+                upload = ended - NESTEROV_LR * (1 + MOMENTUM) * sent
+                last[n] = (own, buf, others, sent)
             torch.testing.assert_close(rounds[n][k]["before"].double(), upload, rtol=0, atol=atol, msg=f"{n}, {k}")
             before = delta
         assert not torch.equal(rounds["a"][1]["before"], rounds["b"][1]["before"])

@@ -8,6 +8,7 @@ one line and the facility heals; and a facility's download per round is (F-1) me
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import shutil
 import threading
@@ -383,3 +384,87 @@ def test_a_relayed_median_round_by_hand(tmp_path):
     np.testing.assert_array_equal(saved.buffers["momentum_buffer"].numpy(), buf)
     for name, f in facilities.items():
         np.testing.assert_array_equal(np.fromfile(f.files.theta, dtype=np.float32), expected, err_msg=name)
+
+
+def _eager_federation(tmp: Path, rounds: int) -> tuple[Hub, dict]:
+    """A hub and three facilities of a compressed ``delay=1`` eager federation of ``rounds`` rounds (every 2 steps):
+    the hub's rule is the carrier (average at lr 1), the facilities' own Nesterov is ``delay_outer``."""
+    carrier = {**_spec()["outer"], "name": "average", "lr": 1.0, "momentum": 0.0}
+    spec = {**_spec(), "outer": carrier, "delay_outer": _spec()["outer"], "delay": 1, "delay_rule": "eager",
+            "rounds": rounds}  # fmt: skip
+    hub = Hub(tmp / "state")
+    facilities = {}
+    for name in NAMES:
+        cfg = dataclasses.replace(_config(hub.address, name), outer=OuterConfig(name="average", lr=1.0), delay=1)
+        link = HubLink(cfg.elastic, name, spec, GEOMETRY, steps=2 * rounds, every=2)
+        model = torch.nn.Module()
+        model.w = torch.nn.Parameter(torch.zeros(N))
+        state = SimpleNamespace(rank=0, device=torch.device("cpu"))
+        f = exchange.ElasticFederation(cfg, model, state, name, 2 * rounds, link=link, spool=tmp / f"spool-{name}")
+        facilities[name] = f
+    np.random.default_rng(0).standard_normal(N).astype(np.float32).tofile(facilities["a"].files.mine)
+    for name, f in facilities.items():
+        out = f._lead(0.0, 0, joining=True)
+        assert out["status"] == ("created" if name == "a" else "joined"), out
+        f.round = out["round"]
+    return hub, facilities
+
+
+def test_the_final_round_of_a_compressed_eager_federation_carries_fp32_parameters(tmp_path):
+    """Under ``delay=1`` with ``delay_rule=eager`` (issue 37 item 5) every round but the last is relayed, and the
+    last carries fp32 parameters (each facility's end): the hub's final θ_global is their token-weighted sum in
+    name order (the carrier: average at lr 1), by hand, bitwise at the hub and at every facility, which downloads
+    it in full (no relay, no message sent: 4 bytes a parameter up)."""
+    hub, facilities = _eager_federation(tmp_path, rounds=2)
+    try:
+        first = _round(facilities, 2, seed=6)
+        assert all(o["status"] == "accepted" and o["relay"] is not None for o in first.values()), first
+        theta = hub.saved().theta.numpy()
+        gen = np.random.default_rng(7)
+        ends = {n: (theta - gen.standard_normal(N).astype(np.float32)).astype(np.float32) for n in NAMES}
+        for name, f in facilities.items():
+            ends[name].tofile(f.files.mine)
+
+        def lead(name):
+            f = facilities[name]
+            return f._lead(TOKENS[name], 4, joining=False)
+
+        last = _parallel({n: (lambda n=n: lead(n)) for n in facilities})
+        saved = hub.saved()
+    finally:
+        _close(hub, facilities)
+    total = sum(TOKENS.values())
+    expected = torch.zeros(N)
+    for name in NAMES:
+        expected.add_(torch.from_numpy(ends[name]), alpha=TOKENS[name] / total)  # the hub's fp32 fold
+    assert saved.version == 2 and saved.ended
+    np.testing.assert_array_equal(saved.theta.numpy(), expected.numpy())
+    for name, f in facilities.items():
+        out = last[name]
+        assert out["status"] == "accepted" and out["relay"] is None and out["ended"], out
+        assert out["bytes_up"] == 4 * N and out["bytes_down"] >= 4 * N, out
+        np.testing.assert_array_equal(np.fromfile(f.files.theta, dtype=np.float32), saved.theta.numpy(), err_msg=name)
+
+
+def test_an_upload_of_the_other_kind_than_its_round_is_refused_before_it_is_spooled(tmp_path):
+    """The hub decides a round's upload size from its own count: a message in the final round of a compressed eager
+    federation (which takes fp32 parameters), or fp32 parameters in a compressed round, is refused in one line."""
+    from xffl_like.hub.protocol.messages import UploadHeader
+    from xffl_like.hub.protocol.wire import Frames, WireError
+
+    for rounds, wrong, right in ((1, "message", "parameters"), (2, "parameters", "message")):
+        hub, facilities = _eager_federation(tmp_path / f"r{rounds}", rounds=rounds)
+        try:
+            a = facilities["a"]
+            sizes = {"message": a.codec.nbytes, "parameters": 4 * N}
+            rid = a.link.unary("Arrive", version=0, step=2, taken=2, tokens=TOKENS["a"]).round
+            for kind in (wrong, right):
+                header = UploadHeader(session=a.link.session, kind="round", round=rid, nbytes=sizes[kind])
+                if kind == right:
+                    Frames(iter([header.encode()]), hub.fed.expected_bytes, UploadHeader)
+                    continue
+                with pytest.raises(WireError) as info:
+                    Frames(iter([header.encode()]), hub.fed.expected_bytes, UploadHeader)
+                assert str(info.value) == f"{sizes[wrong]} bytes announced, expected {sizes[right]}"
+        finally:
+            _close(hub, facilities)

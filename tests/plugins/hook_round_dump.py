@@ -18,10 +18,12 @@ error-feedback ``residual`` after the round, so a test can decode what every fac
 Rounds at a hub (:class:`xffl_like.federation.elastic.exchange.ElasticFederation`): the leader of each
 facility saves, per round it holds a result of (its join included), its parameters ``before`` and
 θ_global ``after``, the hub's decision (facilities, healed, round, step, status, rejected, weights),
-its tokens and, compressed, the ``message`` it sent: ``<dir>/<facility>/round-<R>-<time_ns>.pt``
+its tokens and, compressed, the ``message`` it sent (None in a round of fp32 parameters):
+``<dir>/<facility>/round-<R>-<time_ns>.pt``
 (written whole, then renamed: a reader never sees half a file; ``tests/helpers/hub.py``'s ``rounds``).
 With ``federation.delay=1`` the leader also saves, at each boundary where a round landed, its gathered
-parameters ``x`` before the rule made them the next upload: ``<dir>/<facility>/landing-<time_ns>.pt``.
+parameters ``x`` before the rule made them the next upload (and eager's ``θ_f``, ``own``):
+``<dir>/<facility>/landing-<time_ns>.pt``.
 
 Only ``os`` and ``pathlib`` at import: ``torch`` and the package are imported when a job uses them.
 """
@@ -111,7 +113,8 @@ def _dump_leader_rounds(exchange) -> None:
         if out["status"] not in ("missed", "left"):
             after = _load(f.mine if out["status"] == "created" else f.theta)
             decided = {k: out[k] for k in ("facilities", "healed", "round", "step", "status", "rejected", "weights")}
-            message = f.message.read_bytes() if self.codec and not joining else None
+            sent = self.codec and not joining and f.message.exists()  # none in a round of fp32 parameters
+            message = f.message.read_bytes() if sent else None
             _save_leader(
                 self.name,
                 {**decided, "tokens": tokens, "before": before, "after": after,
@@ -133,7 +136,8 @@ def _dump_landings(delayed) -> None:
         path = Path(os.environ[ENV]) / self.name
         path.mkdir(parents=True, exist_ok=True)
         final = path / f"landing-{time.time_ns()}.pt"
-        torch.save({"x": _load(self.files.mine)}, path / f".{final.name}.tmp")
+        own = getattr(self, "own_theta", None)  # eager: θ_f as the rule finds it
+        torch.save({"x": _load(self.files.mine), "own": _load(own) if own else None}, path / f".{final.name}.tmp")
         os.replace(path / f".{final.name}.tmp", final)
 
     compose = delayed.DelayedElasticFederation._compose

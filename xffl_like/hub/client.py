@@ -165,6 +165,8 @@ class HubLink:
         header = frames.header
         if header.relay is None and self.codec is not None and header.outer_steps is None:
             raise WireError("θ_global came without the outer optimizer's state")
+        if header.relay is not None and relay is None:  # a round of fp32 parameters relays nothing
+            raise WireError("a relay came where θ_global was expected (a round of fp32 parameters)")
         targets = [(relay, header.nbytes)] if header.relay is not None else [(path, 4 * self.geometry_numel)]
         if header.relay is None and self.buffers:
             outer = outer or Path(path).with_name(f"{Path(path).name}.outer")

@@ -1,5 +1,6 @@
 """``federation.delay=1`` through the hub: :class:`DelayedElasticFederation` (``delay_rule=own_full``) and
-:class:`EagerElasticFederation` (``eager``, the default; its docstring: the hub's θ_global carries the means).
+:class:`EagerElasticFederation` (``eager``, the default; its docstring: the hub's θ_global carries the means, and
+with compression the final round carries fp32 parameters).
 
 One world's ``own_full`` rule (:mod:`xffl_like.federation.delayed`) keeps one θ_g for everyone, stepped on each
 round's mean one round late, and makes each facility's local model ``θ_g - Δ_r``: the landed global model plus
@@ -34,19 +35,23 @@ the hub") has both rules' design.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import time
 
 import torch
+from torch import Tensor
 
+from ...config.schema import OuterConfig
 from ...hub.protocol import relay
+from ...hub.protocol.spec import CARRIER
 from ..outer import end_scale, outer_step
 from ..record import RoundRecord
 from .downlink import FileState, zero_outer
 from .exchange import _WINDOW, ElasticFederation, _read_into
 
-__all__ = ["DelayedElasticFederation", "EagerElasticFederation", "delayed_elastic", "own_full_window"]
+__all__ = ["DelayedElasticFederation", "EagerElasticFederation", "delayed_elastic", "final_residual", "own_full_window"]
 
 
 def delayed_elastic(cfg) -> type:
@@ -57,6 +62,13 @@ def delayed_elastic(cfg) -> type:
 def own_full_window(theta: torch.Tensor, start: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     """``θ_global - (s - x)``: the landed θ_global plus the progress still in flight (fp32, in this order)."""
     return theta - (start - local)
+
+
+def final_residual(ef: torch.Tensor, theta: torch.Tensor, decay: float) -> torch.Tensor:
+    """The error-feedback residual the last message carries, ``decay x (ef - θ_global)`` (``ef``: θ_global plus
+    the residual; decay 1: ``ef - θ_global`` as it is), fp32 in this order."""
+    carried = torch.sub(ef, theta)
+    return carried.mul_(decay) if decay != 1.0 else carried
 
 
 class DelayedElasticFederation(ElasticFederation):
@@ -172,18 +184,33 @@ class DelayedElasticFederation(ElasticFederation):
 
 
 class EagerElasticFederation(DelayedElasticFederation):
-    """``federation.delay=1`` with ``delay_rule=eager`` through the hub (fp32 rounds; docs/running.md): each
-    facility keeps its own ``θ_f`` and outer state in its leader's spool; the hub's θ_global carries the sum of the
-    rounds' means (its outer rule is ``average`` at lr 1: :func:`~xffl_like.hub.protocol.spec.hub_spec`), so that
-    ``D_v = θ_{v-1} - θ_v`` at every facility, bitwise alike.
+    """``federation.delay=1`` with ``delay_rule=eager`` through the hub (docs/running.md): each facility keeps its
+    own ``θ_f`` and outer state in its leader's spool; the hub's θ_global carries the sum of the rounds' means (its
+    outer rule is ``average`` at lr 1, :data:`~xffl_like.hub.protocol.spec.CARRIER`: :attr:`hub_outer`), so that
+    ``D_v = θ_{v-1} - θ_v`` at every facility, bitwise alike (with compression: the mean of the decoded messages,
+    the relayed round applied here as at the hub).
 
     At a boundary, with ``Δ = θ_f - x``: ``θ_f <- outer_f(θ_f, (D - s' Δ_prev) + s Δ)`` (``D`` and ``s'``: the
     landed round's mean and this facility's weight in it, 0 where it was healed or nothing landed; ``s``: its
     weight in the last round it was accepted in, ``1 / min_facilities`` before one), the model becomes ``θ_f``,
-    and ``u = θ_global - Δ`` goes up (the hub's pseudo-gradient ``θ_global - u`` is ``Δ``). At the job's last
-    boundary, with ``A = outer_f(θ_f, D - s' Δ_prev)``: ``u = A - c Δ`` (:func:`~..outer.end_scale`) goes up in
-    the foreground, and the hub's last round (``θ - Σ s_f (θ - u_f)``) is ``Σ s_f outer_f(θ_f, D - s' Δ_prev +
-    D_R)``: one world's end, ``Σ_f s_f θ_f`` after the last mean replaced the fresh share."""
+    and ``u = θ_global - Δ`` goes up (the hub's pseudo-gradient ``θ_global - u`` is ``Δ``; with compression the
+    message encodes it plus the error-feedback residual, and the stale share taken out is ``s' Δ``, as in one
+    world). At the job's last boundary, with ``A = outer_f(θ_f, D - s' Δ_prev)``: ``u = A - c Δ``
+    (:func:`~..outer.end_scale`) goes up in the foreground, and the hub's last round (``θ - Σ s_f (θ - u_f)``) is
+    ``Σ s_f outer_f(θ_f, D - s' Δ_prev + D_R)``: one world's end, ``Σ_f s_f θ_f`` after the last mean replaced
+    the fresh share.
+
+    **With compression** the final round carries fp32 parameters, not a message
+    (:func:`~xffl_like.hub.protocol.spec.final_in_fp32`: the hub knows it by its round count, the facility by its
+    last step): ``u`` is far from θ_global (``A`` moved by this facility's own outer rule), and only its fp32 mean
+    makes the hub's final θ_global ``Σ s_f outer_f(...)`` that every facility exports bitwise. What ``u`` folds in
+    is one world's last message: ``Δ`` plus the decayed residual (:func:`final_residual`), encoded and decoded here
+    (``Δ̂``, :meth:`_last_message`; its bytes stay in ``files.message``, unsent), ``u = A - c Δ̂``, so the hub's last
+    round is ``Σ s_f outer_f(θ_f, D - s' Δ_prev + D̂_R)`` with ``D̂_R = Σ s_f Δ̂_f``, the mean one world's last
+    exchange decodes: one world's end, up to fp32 rounding (one world sums the decoded messages, then steps; here
+    each facility steps on its own and the hub sums). What the message left out stays unsent, as in one world.
+    The upload and download of that round are those of an fp32 round (θ_global in full comes back, as to a
+    joiner), once per job."""
 
     rule = "eager"
 
@@ -195,6 +222,11 @@ class EagerElasticFederation(DelayedElasticFederation):
             d = self.files.directory
             self.own_theta, self.own_outer = d / "own_theta.f32", d / "own_outer.f32"
             self.own_delta, self.prev = d / "own_delta.f32", d / "theta_prev.f32"
+
+    @property
+    def hub_outer(self) -> OuterConfig:
+        """The hub's rule: the carrier of the means (``average`` at lr 1), not this facility's own."""
+        return dataclasses.replace(self.options.outer, **CARRIER)
 
     def join(self, step: int) -> int:
         """Join as before; this facility's θ_f is θ_global, its outer state and Δ zero."""
@@ -246,19 +278,23 @@ class EagerElasticFederation(DelayedElasticFederation):
         (``x`` on entry) becomes the next upload."""
         f, options = self.files, self.options.outer
         state = FileState(self.own_theta, self.own_outer, relay.buffer_names(options), self.numel)
-        names = [f.mine, self.own_delta]
+        final = self.ending and self.codec is not None  # the last message, decoded here: Δ̂ (the class's)
+        names = [f.mine, self.own_delta] + ([f.message] if final else [])
         outs = [open(p.with_name(f"{p.name}.next"), "wb") for p in names]
-        ins = [open(p, "rb") for p in (f.mine, self.own_delta, f.theta, self.prev if landed else f.theta)]
+        paths = (f.mine, self.own_delta, f.theta, self.prev if landed else f.theta) + ((f.ef,) if final else ())
+        ins = [open(p, "rb") for p in paths]
+        step = self.codec.window(_WINDOW) if final else _WINDOW  # whole chunks of the message
         try:
-            for first in range(0, self.numel, _WINDOW):
-                n = min(_WINDOW, self.numel - first)
-                x, before, theta, prev = (_read_into(fh, torch.empty(n, dtype=torch.float32)) for fh in ins)
+            for first in range(0, self.numel, step):
+                n = min(step, self.numel - first)
+                x, before, theta, prev, *ef = (_read_into(fh, torch.empty(n, dtype=torch.float32)) for fh in ins)
                 own, buffers = state.read(first, first + n)
                 delta = torch.sub(own, x)
                 others = torch.sub(prev, theta).sub_(before, alpha=stale)  # D - s' Δ_prev (0 without a mean)
-                if self.ending:  # A = outer_f(θ_f, others); u = A - c Δ
+                if self.ending:  # A = outer_f(θ_f, others); u = A - c Δ (with compression: A - c Δ̂)
                     outer_step(options, self.own_steps + 1, own, buffers, others)
-                    upload = own.sub(delta, alpha=end_scale(options))
+                    sent = self._last_message(delta, theta, ef[0], first, outs[2]) if final else delta
+                    upload = own.sub(sent, alpha=end_scale(options))
                 else:
                     outer_step(options, self.own_steps + 1, own, buffers, others.add_(delta.mul(self.share)))
                     upload = theta.sub(delta)
@@ -274,3 +310,11 @@ class EagerElasticFederation(DelayedElasticFederation):
         state.commit()
         for p in names:
             os.replace(p.with_name(f"{p.name}.next"), p)
+
+    def _last_message(self, delta: Tensor, theta: Tensor, ef: Tensor, first: int, out) -> Tensor:
+        """The window from ``first`` of the message one world's last exchange would send, ``Δ + decay x residual``
+        (:func:`final_residual`) encoded (its bytes to ``out``, the leader's ``files.message``: the record of what the
+        fp32 upload folds in), decoded: ``Δ̂``."""
+        encoded = self.codec.encode_window(delta.add(final_residual(ef, theta, self.decay)), first)
+        encoded.numpy().tofile(out)
+        return self.codec.decode_window(encoded, first, delta.numel())

@@ -37,9 +37,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ...config.schema import OuterConfig
 from ...distributed.signals import requested
 from ...distributed.state import to_local
 from ...hub.protocol import relay
+from ...hub.protocol.spec import final_in_fp32
 from ...hub.protocol.update_codec import UpdateCodec
 from ..clock import round_clock
 from ..options import rounds_description
@@ -115,6 +117,12 @@ class ElasticFederation:
                 self.codec = UpdateCodec(cfg.compression, self.numel, cfg.chunk_size, topk, shapes)
         # SparseLoCo's error feedback decays what was not sent (federation.topk.decay); the others keep it all.
         self.decay = float(cfg.topk.decay) if cfg.compression == "topk" else 1.0
+
+    @property
+    def hub_outer(self) -> OuterConfig:
+        """The hub's outer rule (``federation.outer``; :mod:`.delayed`'s eager: the carrier of the means), which a
+        relayed round is applied with and whose buffers the leader's ``files.outer`` holds."""
+        return self.options.outer
 
     # ------------------------------------------------------------------ inside the facility
     @torch.no_grad()
@@ -288,7 +296,7 @@ class ElasticFederation:
             if out["status"] == "created":  # this facility's parameters are θ_global
                 shutil.copyfile(f.mine, f.theta)
                 if self.codec is not None:
-                    zero_outer(f.outer, relay.buffer_names(self.options.outer), self.numel)
+                    zero_outer(f.outer, relay.buffer_names(self.hub_outer), self.numel)
             if self.codec is not None and out["status"] in ("created", "joined"):  # θ_global, no residual yet
                 shutil.copyfile(f.theta, f.ef)
                 self.outer_steps = out.get("outer_steps") or 0
@@ -302,10 +310,26 @@ class ElasticFederation:
     def _exchange(self, done: int, tokens: float) -> dict:
         """This facility's round at the hub after ``done`` steps: its parameters (or encoded update) up, θ_global
         back."""
-        if self.codec is not None:
+        if self.codec is not None and not (done >= self.steps and final_in_fp32(self.link.spec)):
             return self._round_compressed(done, tokens)
         f = self.files
-        return self.link.round(f.mine, f.theta, done, tokens, taken=done - self.last_step)
+        if self.codec is None:
+            return self.link.round(f.mine, f.theta, done, tokens, taken=done - self.last_step)
+        return self._round_fp32(done, tokens)
+
+    def _round_fp32(self, done: int, tokens: float) -> dict:
+        """A compressed federation's round of fp32 parameters (its final one under ``delay_rule=eager``:
+        :func:`~xffl_like.hub.protocol.spec.final_in_fp32`): ``files.mine`` goes up whole, θ_global and the outer
+        buffers come back in full (a relay is refused), and ``ef`` becomes θ_global (no residual is left). No message
+        is sent (``files.message`` is left as the caller made it)."""
+        f = self.files
+        out = self.link.round(f.mine, f.theta, done, tokens, taken=done - self.last_step, outer=f.outer)
+        if out["status"] in ("missed", "left"):
+            return out
+        if out.get("outer_steps") is not None:
+            self.outer_steps = out["outer_steps"]
+        self._refold(with_residual=False)
+        return out
 
     def _round_compressed(self, done: int, tokens: float) -> dict:
         """Upload the encoded update ``θ_global + residual - θ_f``; keep the new residual only when the hub
@@ -334,7 +358,7 @@ class ElasticFederation:
                         accepted=out.get("weights"), message_bytes=self.codec.nbytes,
                         nbytes=f.relay.stat().st_size)  # fmt: skip
             steps = apply_relay(f.theta, f.outer, f.message, f.relay, me=self.name, header=header, codec=self.codec,
-                                options=self.options.outer, steps=self.outer_steps, rule=e.aggregate,
+                                options=self.hub_outer, steps=self.outer_steps, rule=e.aggregate,
                                 trim=float(e.trim))  # fmt: skip
         except (ValueError, OSError) as exc:  # RelayError, a message that does not decode, a damaged spool
             return self.link.heal(f.theta, f.outer, done, f"the hub's relay does not match: {exc}")  # its bytes count

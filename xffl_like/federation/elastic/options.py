@@ -100,7 +100,6 @@ def _validate_delay(fed) -> None:
     if (fed.delay_rule or "eager") != "eager":
         return
     refused = {
-        f"federation.compression={fed.compression}": fed.compression != "none",
         f"federation.outer.name={fed.outer.name}": fed.outer.name not in AFFINE_OUTERS,
         f"federation.elastic.aggregate={fed.elastic.aggregate}": fed.elastic.aggregate != "mean",
     }
@@ -108,8 +107,9 @@ def _validate_delay(fed) -> None:
         refused,
         lambda what: (
             f"federation.delay=1 with delay_rule=eager and {what} through federation.elastic.hub: the hub "
-            f"carries fp32 means that each facility's outer step ({', '.join(AFFINE_OUTERS)}) takes; use "
-            f"federation.delay_rule=own_full, or fp32 rounds of a mean with one of those outer rules"
+            f"carries the rounds' means, which each facility's outer step ({', '.join(AFFINE_OUTERS)}) takes, and "
+            f"its final round is the mean of their ends; use federation.delay_rule=own_full, or a mean with one of "
+            f"those outer rules"
         ),
     )
 

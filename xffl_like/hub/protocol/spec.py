@@ -15,12 +15,15 @@ from .update_codec import CODECS
 
 __all__ = [
     "AGGREGATES",
+    "CARRIER",
     "MAX_PARAMETERS",
     "MAX_TENSORS",
     "SpecError",
+    "carries_means",
     "check_spec",
     "codec_of",
     "federation_spec",
+    "final_in_fp32",
     "first_difference",
     "hub_spec",
     "numel_of",
@@ -85,15 +88,26 @@ def _topk_spec(t) -> dict[str, Any]:
     return out | {k: getattr(t, k) for k, default in TOPK_CHOICES.items() if getattr(t, k) != default}
 
 
+#: The hub's outer rule under ``federation.delay=1`` with ``delay_rule=eager``: θ_global carries the sum of the
+#: rounds' means (``θ_v = θ_{v-1} - D_v``); the facilities step their own (:func:`hub_spec`).
+CARRIER = {"name": "average", "lr": 1.0, "momentum": 0.0}
+
+
+def carries_means(fed) -> bool:
+    """Whether the hub's θ_global carries the means (:data:`CARRIER`): ``fed`` (``federation``) has ``delay=1`` with
+    ``delay_rule=eager``."""
+    return fed.delay == 1 and (fed.delay_rule or "eager") == "eager"
+
+
 def hub_spec(job) -> dict[str, Any]:
     """What every facility of a hub's federation shares: :func:`federation_spec` plus the hub's rules. Under
     ``federation.delay=1`` with ``delay_rule=eager`` the hub's outer rule is the carrier of the means
     (``average`` at lr 1) and the facilities' own one is ``delay_outer``."""
     e, fed = job.federation.elastic, job.federation
     spec = federation_spec(job)
-    if fed.delay == 1 and (fed.delay_rule or "eager") == "eager":
+    if carries_means(fed):
         spec["delay_outer"] = spec["outer"]
-        spec["outer"] = {**spec["outer"], "name": "average", "lr": 1.0, "momentum": 0.0}
+        spec["outer"] = {**spec["outer"], **CARRIER}
     return {
         **spec,
         "grace_s": float(e.grace_s),
@@ -106,6 +120,23 @@ def hub_spec(job) -> dict[str, Any]:
         "delay": int(fed.delay),
         "delay_rule": (fed.delay_rule or "eager") if fed.delay else None,
     }
+
+
+def final_in_fp32(spec: dict) -> bool:
+    """Whether the federation's final round (round ``rounds``, with a fixed ``every``) carries fp32 parameters
+    although the federation compresses: under ``delay=1`` with ``delay_rule=eager`` each facility's upload there is
+    its end, ``outer_f(θ_f, ...) - c Δ``, far from θ_global (``xffl_like/federation/elastic/delayed.py``), which a
+    compressed update would lose; the hub's last round is then the fp32 mean of those ends. The hub and every
+    facility decide it from the description alone (the hub by its own round count, a facility by its last step)."""
+    compression = spec.get("compression")
+    return (
+        isinstance(compression, dict)
+        and compression.get("kind") != "none"
+        and spec.get("delay") == 1
+        and spec.get("delay_rule") == "eager"
+        and spec.get("every_s") is None
+        and type(spec.get("rounds")) is int
+    )
 
 
 def first_difference(mine: dict, theirs: dict) -> str | None:

@@ -44,7 +44,11 @@ downloads (F-1) messages instead of θ_global. This is SparseLoCo's (Templar's) 
 algorithm here and in one world: no second compression error, no residual at the hub. It reveals to each
 accepted member every other accepted member's sparse update (indices and quantized values) and weight, which
 the mean alone would hide. Everyone else (rejected, healed, joining, behind a newer commit) reads θ_global
-with the outer optimizer's buffers and step count.
+with the outer optimizer's buffers and step count. One round of a compressed federation carries fp32 parameters
+instead of messages (:attr:`.rounds.Round.fp32`, :func:`..protocol.spec.final_in_fp32`): the final round of
+``federation.delay=1`` with ``delay_rule=eager``, whose uploads are each facility's end; it is folded as an fp32
+round, relays nothing, and its members read θ_global in full. The hub knows it by its own round count, so an upload
+of the other size is refused before a byte is spooled.
 
 Members that arrive with another version, whose claims fail, or that come after the round
 closed, heal: they receive θ_global (after the open round, if any) and contribute nothing. So do members
@@ -59,6 +63,7 @@ The creator's parameters are spooled to a file too, and version 0 written from i
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import threading
 import time
@@ -83,7 +88,7 @@ from ..protocol.messages import (
     SessionRequest,
     UploadReply,
 )
-from ..protocol.spec import check_spec, codec_of, first_difference, numel_of
+from ..protocol.spec import check_spec, codec_of, final_in_fp32, first_difference, numel_of
 from ..protocol.update_codec import UpdateCodec
 from ..protocol.wire import CHUNK_BYTES, Frames, WireError, paced, pack, transfer_s
 from . import checks, relayed, store
@@ -162,14 +167,22 @@ class HubFederation:
         return self.snap.version if self.snap else 0
 
     def expected_bytes(self, header) -> int:
-        """The bytes an upload with ``header`` must have: parameters (fp32), or the codec's message."""
+        """The bytes an upload with ``header`` must have: parameters (fp32), or the codec's message (that of the
+        round it names: :meth:`codec_of`)."""
         if header.kind == "create":
             if self.pending_spec is None:
                 raise HubError("no federation is being created: join again", "FAILED_PRECONDITION")
             return 4 * numel_of(self.pending_spec)
         if self.theta is None:
             raise HubError("the federation has not been created yet: join again", "FAILED_PRECONDITION")
-        return self.codec.nbytes if self.codec is not None else 4 * numel_of(self.spec)
+        r = self.round
+        codec = self.codec_of(r) if r is not None and r.rid == header.round else self.codec
+        return codec.nbytes if codec is not None else 4 * numel_of(self.spec)
+
+    def codec_of(self, r: Round) -> UpdateCodec | None:
+        """The codec of round ``r``'s uploads: the federation's, or None (fp32 parameters) without compression and in
+        a final round that carries fp32 parameters (:func:`..protocol.spec.final_in_fp32`: ``delay_rule=eager``)."""
+        return None if r.fp32 else self.codec
 
     def _view(self) -> HubView:
         s = self.snap
@@ -315,7 +328,8 @@ class HubFederation:
             if r is None or r.version != self.version:
                 if stale is not None:  # nothing to wait for: θ_global now
                     return ArriveReply("heal", None, stale)
-                r = self.round = Round(self.next_rid, self.version, time.monotonic())
+                fp32 = final_in_fp32(self.spec) and self.snap.progress + 1 >= self.spec["rounds"]
+                r = self.round = Round(self.next_rid, self.version, time.monotonic(), fp32=fp32)
                 self.next_rid += 1
             if name in r.arrivals:
                 raise HubError(f"facility {name} already arrived at this round", "ALREADY_EXISTS")
@@ -345,7 +359,8 @@ class HubFederation:
             frames.frames = paced(frames.frames, r.opened + self._grace(), f"facility {name}'s upload")
         part, reason = Part.BROKEN, "upload broken off"
         try:
-            a.norm = self.spool.write(frames, a.spool, self.theta, self.codec, lambda n: setattr(a, "received", n))
+            received = functools.partial(setattr, a, "received")
+            a.norm = self.spool.write(frames, a.spool, self.theta, self.codec_of(r), received)
             part, reason = Part.UPLOADED, None
         except WireError as exc:
             reason = f"malformed upload ({exc})"
@@ -429,8 +444,8 @@ class HubFederation:
     def _ahead_plan(self, r: Round, now: float) -> tuple | None:
         """What the open round would commit if every upload wanted is accepted (the caller holds the lock): its
         key (the round, the members in name order, their scales), their arrivals and the aggregate's plan; None
-        while it cannot be known (a live member has not arrived), or with compression (:mod:`.ahead`)."""
-        if self.codec is not None or not self.members.live(now) <= set(r.arrivals):
+        while it cannot be known (a live member has not arrived), or for a round of messages (:mod:`.ahead`)."""
+        if self.codec_of(r) is not None or not self.members.live(now) <= set(r.arrivals):
             return None
         wanted = (Part.WANTED, Part.UPLOADING, Part.UPLOADED)
         up = {n: a for n, a in sorted(r.arrivals.items()) if a.part in wanted and a.reason is None}
@@ -486,7 +501,7 @@ class HubFederation:
         if ahead is not None and (ahead.key != key or not ahead.pending.fits(nxt)):
             ahead.abort()  # the round decided otherwise: nothing folded ahead is kept
             ahead = None
-        why = self._apply(nxt, accepted, weights) if ahead is None else self._finish_ahead(nxt, ahead)
+        why = self._apply(nxt, accepted, weights, self.codec_of(r)) if ahead is None else self._finish_ahead(nxt, ahead)
         if why is not None:
             return Outcome(False, {}, rejected, healed, error=f"the hub {why}")
         scales = {n: weights[n] / total for n in accepted}
@@ -505,12 +520,15 @@ class HubFederation:
 
     def _keep_relay(self, r: Round, scales: dict[str, float], accepted: dict[str, Arrival]) -> None:
         """With compression, the committed round's accepted messages are set aside for its members (the caller
-        holds the lock); the previous round's are removed."""
+        holds the lock); the previous round's are removed (a round of fp32 parameters relays nothing: its members
+        read θ_global)."""
         if self.codec is None:
             return
         old, self.relayed = self.relayed, None
         if old is not None:
             old.remove()
+        if self.codec_of(r) is None:
+            return
         try:
             spooled = {n: a.spool for n, a in accepted.items()}
             self.relayed = relayed.keep(r.rid, r.version, self.version, scales, spooled, self.snap.outer_steps)
@@ -530,18 +548,19 @@ class HubFederation:
         return accepted, weights, rejected, healed
 
     @torch.no_grad()
-    def _apply(self, nxt: store.Snapshot, accepted: dict[str, Arrival], weights: dict[str, float]) -> str | None:
+    def _apply(self, nxt: store.Snapshot, accepted: dict[str, Arrival], weights: dict[str, float],
+               codec: UpdateCodec | None) -> str | None:  # fmt: skip
         """Save version ``nxt`` (:meth:`_saved`: None, or why not), its θ_global and outer state computed window
         by window from the saved version's and the accepted uploads' spool files, each window written into its
-        file as it is computed: nothing of the model's size is held in memory. With compression, the windows of
-        :func:`..protocol.relay.rounds`, which every facility applies a relayed round with (bitwise the same);
-        else :func:`.fold.fold`'s."""
+        file as it is computed: nothing of the model's size is held in memory. With compression (``codec``, the
+        round's), the windows of :func:`..protocol.relay.rounds`, which every facility applies a relayed round with
+        (bitwise the same); else :func:`.fold.fold`'s."""
         saved, total, numel = self.snap, sum(weights.values()), numel_of(self.spec)
-        readers = [relay.Reader(a.spool, self.codec) for a in accepted.values()]
+        readers = [relay.Reader(a.spool, codec) for a in accepted.values()]
         squares = [0.0]  # |θ_global|² of the next version, window by window
 
         def items():
-            for theta, buffers in self._windows(saved, readers, tuple(weights[n] / total for n in accepted)):
+            for theta, buffers in self._windows(saved, readers, tuple(weights[n] / total for n in accepted), codec):
                 squares[0] += checks.squares(theta.numpy(), None, 0)
                 yield {"theta": theta, **buffers}
 
@@ -570,11 +589,11 @@ class HubFederation:
             self.theta_norm = math.sqrt(ahead.squares)
         return why
 
-    def _windows(self, saved: store.Snapshot, readers: list, scales: tuple[float, ...]):
+    def _windows(self, saved: store.Snapshot, readers: list, scales: tuple[float, ...], codec: UpdateCodec | None):
         """(θ_global's window, the outer buffers' windows) of the next version, in order (:meth:`_apply`)."""
         rule, trim, numel = self.spec.get("aggregate", "mean"), float(self.spec.get("trim", 0.0)), numel_of(self.spec)
 
-        if self.codec is not None:
+        if codec is not None:
 
             def read(start: int, stop: int):
                 return saved.theta[start:stop].clone(), {b: t[start:stop].clone() for b, t in saved.buffers.items()}

@@ -130,6 +130,7 @@ class Round:
     arrivals: dict[str, Arrival] = field(default_factory=dict)
     state: RoundState = RoundState.OPEN
     outcome: Outcome | None = None
+    fp32: bool = False  # its uploads are fp32 parameters although the federation compresses (spec.final_in_fp32)
 
     def move(self, to: RoundState) -> None:
         self.state = _move(f"round {self.rid}", ROUND_MOVES, self.state, to)

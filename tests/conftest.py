@@ -33,11 +33,12 @@ Fixtures shared by several modules:
 Workers (pytest-xdist, ``-n auto --dist loadscope`` in pyproject.toml): the suite runs on
 :func:`pytest_xdist_auto_num_workers` pytest processes, a module's tests on one of them (its module-scoped
 fixtures and shared jobs built once). Most tests start processes and then wait on them (a job's ranks, a
-hub, a launcher), so three workers overlap modules' waits with others' work even on 2 cores (two left the
-cores idle half the time). The costliest modules are handed out first (:func:`pytest_collection_modifyitems`,
-``module_costs.json``), so that the longest modules do not start last. ``-n 0`` runs everything in this
-process, as before; ``PYTEST_XDIST_AUTO_NUM_WORKERS=N`` sets the number. A session fixture shared by several
-modules (``killed_at_7``) runs once for the whole run, under a file lock in the run's common temporary folder.
+hub, a launcher), so two workers overlap one module's waits with another's work even on 2 cores (three
+made every test twice as slow there: 16:35 against 14:00). The costliest modules are handed out first
+(:func:`pytest_collection_modifyitems`, ``module_costs.json``), so that the longest modules do not start
+last. ``-n 0`` runs everything in this process, as before; ``PYTEST_XDIST_AUTO_NUM_WORKERS=N`` sets the
+number. A session fixture shared by several modules (``killed_at_7``) runs once for the whole run, under a
+file lock in the run's common temporary folder.
 """
 
 import json
@@ -102,13 +103,12 @@ def killed_at_7(tmp_path_factory):
 
 
 def pytest_xdist_auto_num_workers(config):
-    """``-n auto``: half the cores (each test's processes use the rest), at least 3 where there are 2 (most
-    tests wait on their processes most of the time: with 2 workers the suite used 48% of 2 cores);
-    ``PYTEST_XDIST_AUTO_NUM_WORKERS`` wins."""
+    """``-n auto``: half the cores (each test's processes use the rest), at least 2 where there are 2 (most
+    tests wait on their processes much of the time); ``PYTEST_XDIST_AUTO_NUM_WORKERS`` wins."""
     if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS", "").isdigit():
         return int(os.environ["PYTEST_XDIST_AUTO_NUM_WORKERS"])
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return min(cores + 1, max(3, cores // 2))
+    return min(cores, max(2, cores // 2))
 
 
 _COSTS = Path(_TESTS) / "module_costs.json"

@@ -151,6 +151,8 @@ def _simulate_diloco_bf16(by_name: dict[str, dict[int, dict]], tokens: dict[str,
 
 
 TOPK = {"chunk": 1000, "density": 0.05, "bits": 4, "decay": 0.9, "lr": 0.8}
+#: The compressed runs' length: three rounds of two steps (versions 1, 2 and 3).
+THREE_ROUNDS = ["train.steps=6", "federation.every=2"]
 
 
 @pytest.mark.slow
@@ -166,7 +168,7 @@ def test_topk_through_the_hub(hub, tmp_path):
              f"federation.chunk_size={t['chunk']}", f"federation.topk.density={t['density']}",
              f"federation.topk.bits={t['bits']}", f"federation.topk.decay={t['decay']}",
              "federation.outer.name=average", f"federation.outer.lr={t['lr']}", "federation.elastic.min_facilities=2",
-             "train.steps=12"]  # fmt: skip
+             *THREE_ROUNDS]  # fmt: skip
     a, b = _run_both(hub, tmp_path, extra)
     for f in (a, b):  # an elastic facility's phases account for its whole loop (joins and rounds included)
         phases_cover_the_loop(f.summary())
@@ -177,7 +179,7 @@ def test_topk_through_the_hub(hub, tmp_path):
     assert torch.equal(start["b"]["after"], theta)
     residual = {n: torch.zeros_like(theta) for n in by}
     versions = sorted(v for v, r in by["a"].items() if r["status"] == "accepted")
-    assert versions == [1, 2, 3], versions  # 12 steps, a round every 4
+    assert versions == [1, 2, 3], versions  # 6 steps, a round every 2
     codec = (t["chunk"], t["density"], t["bits"])
     for v in versions:
         ef = {n: theta + residual[n] for n in by}  # the facility's one buffer
@@ -218,7 +220,7 @@ def test_sparseloco_preset_through_the_hub(hub, tmp_path):
     from xffl_like.models import build_model
     from xffl_like.models.llama import LlamaConfig
 
-    extra = ["federation/topk=sparseloco", "federation.elastic.min_facilities=2", "train.steps=12"]
+    extra = ["federation/topk=sparseloco", "federation.elastic.min_facilities=2", *THREE_ROUNDS]
     a, b = _run_both(hub, tmp_path, extra)
     model = LlamaConfig.from_mapping(OmegaConf.to_container(_compose(["+experiment=llama_fed"]).model))
     shapes = [tuple(p.shape) for p in build_model(model, device="meta").parameters()]

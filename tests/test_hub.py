@@ -136,7 +136,7 @@ def _theta_0(facilities) -> torch.Tensor:
 
 
 def _start(name, hub, tmp_path, steps, nproc=1, **kw) -> Facility:
-    base = [f"train.steps={steps}", f"federation.every={EVERY}", "optim.warmup_steps=2", "data.num_eval_batches=1"]
+    base = [f"train.steps={steps}", f"federation.every={EVERY}", "optim.warmup_steps=2"]
     return Facility(name, hub, tmp_path, nproc=nproc, base=base, **kw)
 
 

@@ -24,7 +24,7 @@ from helpers.topk_reference import topk_overrides
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.cli, pytest.mark.slow]
 
-STEPS, EVERY, LR = 12, 4, 0.8
+STEPS, EVERY, LR = 6, 2, 0.8  # three rounds: at steps 2, 4 and 6
 COMMON = ["federation.delay=1", "federation.elastic.min_facilities=2", "federation.elastic.grace_s=120",
           f"train.steps={STEPS}", f"federation.every={EVERY}", "optim.warmup_steps=2", "export.hf=true"]  # fmt: skip
 DELAY = [*COMMON, "federation.delay_rule=own_full", "federation.weights=tokens", "federation.outer.name=average",
@@ -54,12 +54,12 @@ def _run(tmp_path, extra: list[str]) -> tuple[dict, dict, dict, list[Facility]]:
     landings = {n: _dumps(dump, n, "landing") for n in "ab"}
     start = {n: next(r for r in rounds[n].values() if r["status"] in ("created", "joined")) for n in "ab"}
     assert torch.equal(start["b"]["after"], start["a"]["after"])
-    for n in "ab":  # rounds at steps 4, 8 (in flight while the next round trained) and 12 (the last, foreground)
+    for n in "ab":  # rounds at steps 2, 4 (in flight while the next round trained) and 6 (the last, foreground)
         versions = sorted(v for v, r in rounds[n].items() if r["status"] == "accepted")
-        assert versions == [1, 2, 3] and [rounds[n][v]["step"] for v in versions] == [4, 8, 12], rounds[n]
+        assert versions == [1, 2, 3] and [rounds[n][v]["step"] for v in versions] == [2, 4, 6], rounds[n]
     for f in (a, b):  # each landed round is recorded where it landed; the last boundary lands two
         records = f.summary()["round_records"]
-        assert [r.get("landed") for r in records] == [[4], [8], None], records
+        assert [r.get("landed") for r in records] == [[2], [4], None], records
     return rounds, landings, start["a"]["after"], [a, b]
 
 
@@ -78,7 +78,7 @@ def test_delayed_rounds_through_the_hub_own_full_by_hand(tmp_path, compression):
     rounds, landings, theta, facilities = _run(tmp_path, [*DELAY, *topk])
     versions = [1, 2, 3]
     for n in "ab":
-        assert len(landings[n]) == 2, f"{n} landed {len(landings[n])} rounds, not those of steps 4 and 8"
+        assert len(landings[n]) == 2, f"{n} landed {len(landings[n])} rounds, not those of steps 2 and 4"
     for v in versions:
         weights = rounds["a"][v]["weights"]
         assert weights == rounds["b"][v]["weights"] and set(weights) == {"a", "b"}
@@ -173,9 +173,9 @@ def test_delayed_rounds_through_the_hub_eager_by_hand(tmp_path, compression):
         torch.testing.assert_close(hub[v], hub[v - 1] - mean, rtol=0, atol=atol, msg=f"version {v}")
     last = {}  # per facility at the last boundary: θ_f, its momentum, the others' part, its last Δ (top-k: Δ̂)
     for n in "ab":
-        assert len(landings[n]) == 3, f"{n}'s rule ran {len(landings[n])} times, not at steps 4, 8 and 12"
+        assert len(landings[n]) == 3, f"{n}'s rule ran {len(landings[n])} times, not at steps 2, 4 and 6"
         own, buf, before = theta0.double(), torch.zeros_like(hub[0]), torch.zeros_like(hub[0])
-        for k in (1, 2, 3):  # the boundary at step 4k: version k - 1 landed (none at the first)
+        for k in (1, 2, 3):  # the boundary at step 2k: version k - 1 landed (none at the first)
             if landings[n][k - 1]["own"] is not None:  # θ_f as the facility held it
                 torch.testing.assert_close(landings[n][k - 1]["own"].double(), own, rtol=0, atol=atol)
             delta = own - landings[n][k - 1]["x"].double()
@@ -198,8 +198,8 @@ def test_delayed_rounds_through_the_hub_eager_by_hand(tmp_path, compression):
 
 
 def test_delayed_rounds_through_a_hub_killed_mid_run_end_on_its_final_theta(tmp_path):
-    """eager, 12 steps, rounds every 4. Both facilities hold before sending the round at step 8 (in flight behind
-    steps 9-12) until the hub is SIGKILLed; that round is missed and lands nothing at step 12, the last, whose
+    """eager, 6 steps, rounds every 2. Both facilities hold before sending the round at step 4 (in flight behind
+    steps 5-6) until the hub is SIGKILLed; that round is missed and lands nothing at step 6, the last, whose
     final round waits for the hub to come back on its --state (and, the federation being behind, realigns them back).
     Whatever each facility then met (a round missed, healed, realigned), both end at their last step on the
     federation's final version: no accepted round merged contributions of another step, and both exports are the
@@ -212,7 +212,7 @@ def test_delayed_rounds_through_a_hub_killed_mid_run_end_on_its_final_theta(tmp_
         _wait_for(lambda: all(_dumped(f, 1) for f in facilities), what="version 1 at a and b", alive=facilities)
         hub.kill()
         go.touch()
-        _wait_for(lambda: all("round at step 8 missed" in _text(f) for f in facilities), 120, "the missed round",
+        _wait_for(lambda: all("round at step 4 missed" in _text(f) for f in facilities), 120, "the missed round",
                   alive=facilities)  # fmt: skip
         hub.start()
         for f in facilities:

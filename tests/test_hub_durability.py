@@ -308,7 +308,7 @@ def test_a_job_whose_hub_is_restarted_fresh_exits_non_zero_in_one_line(tmp_path)
     exits 0 "done", but stops non-zero with the line naming --fresh."""
     hub = Hub(tmp_path)
     go = tmp_path / "go"
-    base = ["train.steps=40", "federation.every=2", "optim.warmup_steps=2", "data.num_eval_batches=1"]
+    base = ["train.steps=40", "federation.every=2", "optim.warmup_steps=2"]
     f = Facility("a", hub, tmp_path, base=base, env={"XFFL_TEST_ELASTIC_HOLD": f"2:{go}"})
     try:
         wait_for(lambda: any((f.dump / "a").glob("round-0002-*.pt")) or f.proc.poll() is not None, 240, "version 2")

@@ -174,6 +174,7 @@ class Facility:
             *hub.identity(name),
             "federation.elastic.timeout_s=20",
             "checkpoint.every_rounds=1",
+            "data.num_eval_batches=1",  # the evaluation before and after each round: one batch (no test reads it)
             *TINY,
             *base,
             *extra,

@@ -148,12 +148,17 @@ def _federation(tmp: Path, aggregate: str = "mean") -> tuple[Hub, dict]:
     """A hub and three facilities joined to it: ``a`` creates the federation with random parameters."""
     hub = Hub(tmp / "state")
     facilities = {n: _facility(hub, tmp, n, aggregate) for n in NAMES}
+    _join_all(facilities)
+    return hub, facilities
+
+
+def _join_all(facilities: dict) -> None:
+    """``a`` creates the federation with random parameters; the others join it."""
     np.random.default_rng(0).standard_normal(N).astype(np.float32).tofile(facilities["a"].files.mine)
     for name, f in facilities.items():
         out = f._lead(0.0, 0, joining=True)
         assert out["status"] == ("created" if name == "a" else "joined"), out
         f.round = out["round"]
-    return hub, facilities
 
 
 def _close(hub: Hub, facilities: dict) -> None:
@@ -402,11 +407,7 @@ def _eager_federation(tmp: Path, rounds: int) -> tuple[Hub, dict]:
         state = SimpleNamespace(rank=0, device=torch.device("cpu"))
         f = exchange.ElasticFederation(cfg, model, state, name, 2 * rounds, link=link, spool=tmp / f"spool-{name}")
         facilities[name] = f
-    np.random.default_rng(0).standard_normal(N).astype(np.float32).tofile(facilities["a"].files.mine)
-    for name, f in facilities.items():
-        out = f._lead(0.0, 0, joining=True)
-        assert out["status"] == ("created" if name == "a" else "joined"), out
-        f.round = out["round"]
+    _join_all(facilities)
     return hub, facilities
 
 

@@ -34,11 +34,11 @@ Workers (pytest-xdist, ``-n auto --dist loadscope`` in pyproject.toml): the suit
 :func:`pytest_xdist_auto_num_workers` pytest processes, a module's tests on one of them (its module-scoped
 fixtures and shared jobs built once). Most tests start processes and then wait on them (a job's ranks, a
 hub, a launcher), so two workers overlap one module's waits with another's work even on 2 cores (three
-were no faster there, 16:35 against two's 16:19-16:27: each test took about twice as long). The costliest modules are handed out first
-(:func:`pytest_collection_modifyitems`, ``module_costs.json``), so that the longest modules do not start
-last. ``-n 0`` runs everything in this process, as before; ``PYTEST_XDIST_AUTO_NUM_WORKERS=N`` sets the
-number. A session fixture shared by several modules (``killed_at_7``) runs once for the whole run, under a
-file lock in the run's common temporary folder.
+were no faster there, 16:35 against two's 16:19-16:27: each test took about twice as long). The costliest
+modules are handed out first (:func:`pytest_collection_modifyitems`, ``module_costs.json``), so that the
+longest modules do not start last. ``-n 0`` runs everything in this process, as before;
+``PYTEST_XDIST_AUTO_NUM_WORKERS=N`` sets the number. A session fixture shared by several modules
+(``killed_at_7``) runs once for the whole run, under a file lock in the run's common temporary folder.
 """
 
 import json

@@ -12,13 +12,14 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
+
+from xffl_like.distributed.launch import free_port
 
 from . import PLUGINS, REPO, TINY
 
@@ -92,12 +93,6 @@ def serve(fed, workers: int = 16, log=None):
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     return server, port
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_for(predicate, timeout=240, what=""):

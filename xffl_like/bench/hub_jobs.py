@@ -6,22 +6,16 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from ..distributed.launch import free_port
 from .children import spawn
 
 __all__ = ["free_port", "insecure_hub", "start_job", "wait_job"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_job(args: list[str], run_dir: Path, env: dict) -> subprocess.Popen:

@@ -310,12 +310,12 @@ class ElasticFederation:
     def _exchange(self, done: int, tokens: float) -> dict:
         """This facility's round at the hub after ``done`` steps: its parameters (or encoded update) up, θ_global
         back."""
-        if self.codec is not None and not (done >= self.steps and final_in_fp32(self.link.spec)):
-            return self._round_compressed(done, tokens)
-        f = self.files
         if self.codec is None:
+            f = self.files
             return self.link.round(f.mine, f.theta, done, tokens, taken=done - self.last_step)
-        return self._round_fp32(done, tokens)
+        if done >= self.steps and final_in_fp32(self.link.spec):
+            return self._round_fp32(done, tokens)
+        return self._round_compressed(done, tokens)
 
     def _round_fp32(self, done: int, tokens: float) -> dict:
         """A compressed federation's round of fp32 parameters (its final one under ``delay_rule=eager``:

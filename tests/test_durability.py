@@ -22,15 +22,13 @@ from helpers import REPO
 from helpers.same_run import JOB, assert_same_run, run_job, summary
 from workers import durability as workers
 
+from xffl_like.checkpoint.safe import SafeFileSystemReader, SafeLoadPlanner, read_metadata
 from xffl_like.checkpoint.store import (
     LATEST,
-    SafeFileSystemReader,
-    SafeLoadPlanner,
     checkpoint_name,
     latest_checkpoint,
     list_checkpoints,
     publish,
-    read_metadata,
     remove_stale,
     retain,
 )

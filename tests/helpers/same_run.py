@@ -12,7 +12,8 @@ from pathlib import Path
 
 import torch
 
-from xffl_like.checkpoint.store import SafeFileSystemReader, latest_checkpoint
+from xffl_like.checkpoint.safe import SafeFileSystemReader
+from xffl_like.checkpoint.store import latest_checkpoint
 
 from . import REPO
 

@@ -273,7 +273,8 @@ def final_tensors(run_dir: Path) -> dict:
     """Every tensor of the run's newest checkpoint, read on this process, by dotted key."""
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
-    from ..checkpoint.store import SafeFileSystemReader, latest_checkpoint
+    from ..checkpoint.safe import SafeFileSystemReader
+    from ..checkpoint.store import latest_checkpoint
 
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.simplefilter("ignore", UserWarning)

@@ -43,14 +43,13 @@ from torch.distributed.checkpoint.state_dict import (
 
 from ..config.schema import CheckpointConfig
 from ..distributed.signals import cleanup_on_exit
+from .safe import SafeFileSystemReader, SafeLoadPlanner, read_metadata
 from .staging import HostStager, host_copy
 from .store import (
-    SafeFileSystemReader,
-    SafeLoadPlanner,
+    checkpoint_dir,
     checkpoint_name,
     latest_checkpoint,
     publish,
-    read_metadata,
     read_state,
     remove_stale,
     retain,
@@ -122,12 +121,6 @@ def _load_failure(exc: BaseException, path: Path) -> CheckpointError:
     older = newest_intact(path.parent, path)
     hint = f"the newest intact checkpoint is {older} (resume={older})" if older else "no older intact checkpoint"
     return CheckpointError(f"cannot read checkpoint {path}: {what}; {hint}")
-
-
-def checkpoint_dir(checkpoint: CheckpointConfig, run_dir: Path) -> Path:
-    """``checkpoint.dir`` of the ``checkpoint`` section, or ``<run_dir>/checkpoints`` when it is null."""
-    configured = checkpoint.dir
-    return Path(configured).expanduser().absolute() if configured else Path(run_dir) / "checkpoints"
 
 
 def restart_count() -> int:

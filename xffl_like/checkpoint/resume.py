@@ -12,8 +12,7 @@ from pathlib import Path
 from ..config.checks import is_int
 from ..config.errors import ConfigError
 from ..config.schema import CheckpointConfig, JobConfig, as_plain, build_section
-from .dcp import checkpoint_dir
-from .store import LATEST, Damaged, check_intact, newest_intact, read_metadata, read_state
+from .store import LATEST, Damaged, check_intact, checkpoint_dir, newest_intact, read_state
 
 __all__ = [
     "RESUME_MAY_CHANGE",
@@ -299,9 +298,11 @@ def resolve_resume(job: JobConfig, layout, outputs: Path, current_run_dir: Path 
         if not path.exists():
             raise ValueError(f"resume={resume}: no such directory (pass a run directory, a checkpoint or latest)")
     ckpt, run_dir = _find(path)
+    from ..models import build_model
+    from .safe import read_metadata  # DCP's import: only when resuming
+
     state = read_state(ckpt)
     metadata = read_metadata(ckpt)
-    from ..models import build_model
 
     _check_compatible(
         job, state, _saved_config(state, run_dir), metadata, layout, build_model(job.model, device="meta")

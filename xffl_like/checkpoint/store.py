@@ -6,10 +6,11 @@ counters, records and other small values, written by rank 0). It is written as
 ``.tmp-step-<N>`` and becomes visible by one rename once every rank's part is complete;
 ``latest`` (a one-line text file, replaced atomically) names the newest complete one.
 
-Nothing read here executes code: ``state.json`` is JSON, DCP's tensor files are read with
-``torch.load(weights_only=True)`` by DCP itself, and DCP's ``.metadata`` pickle goes
-through :class:`SafeFileSystemReader`, whose unpickler admits only DCP's metadata classes.
-Pure file-system code: no ``torch.distributed`` calls.
+Nothing read here executes code: ``state.json`` is JSON, and DCP's ``.metadata`` pickle goes through
+:mod:`.safe`'s reader, whose unpickler admits only DCP's metadata classes.
+Pure file-system code: no torch import (the launcher checks a resume with it before any worker starts, and
+importing ``torch.distributed.checkpoint`` there cost about 0.7 s of CPU per launch). Reading DCP's files is
+:mod:`.safe`.
 """
 
 from __future__ import annotations
@@ -19,17 +20,16 @@ import os
 import pickle
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
-import torch
-from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+if TYPE_CHECKING:
+    from ..config.schema import CheckpointConfig
 
 __all__ = [
     "LATEST",
     "STATE_FILE",
     "Damaged",
-    "SafeFileSystemReader",
-    "SafeLoadPlanner",
+    "checkpoint_dir",
     "checkpoint_name",
     "check_intact",
     "is_complete",
@@ -37,7 +37,6 @@ __all__ = [
     "list_checkpoints",
     "newest_intact",
     "publish",
-    "read_metadata",
     "read_state",
     "remove_stale",
     "retain",
@@ -47,6 +46,12 @@ LATEST = "latest"
 STATE_FILE = "state.json"
 _PREFIX = "step-"
 _TMP = ".tmp-"
+
+
+def checkpoint_dir(checkpoint: CheckpointConfig, run_dir: Path) -> Path:
+    """``checkpoint.dir`` of the ``checkpoint`` section, or ``<run_dir>/checkpoints`` when it is null."""
+    configured = checkpoint.dir
+    return Path(configured).expanduser().absolute() if configured else Path(run_dir) / "checkpoints"
 
 
 def checkpoint_name(step: int) -> str:
@@ -92,6 +97,8 @@ def check_intact(path: Path) -> None:
     """Raise :class:`Damaged` (naming the file and the cause) unless checkpoint ``path`` can be read back:
     ``.metadata`` exists and parses, ``state.json`` parses, every file the metadata names exists, is long
     enough and holds a ``torch.save`` record at each item's offset. Reads a few bytes per item, no tensor."""
+    from .safe import SafeFileSystemReader
+
     path = Path(path)
     if not (path / ".metadata").is_file():
         raise Damaged(path / ".metadata", "missing .metadata")
@@ -187,62 +194,3 @@ def remove_stale(ckpt_dir: Path) -> None:
         for path in ckpt_dir.iterdir():
             if path.name.startswith(_TMP):
                 shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
-
-
-# ----------------------------------------------------------------------------- safe reading
-_DCP_MODULES = ("torch.distributed.checkpoint.metadata",)
-_ALLOWED = {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),
-    ("collections", "OrderedDict"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "PurePosixPath"),
-    ("pathlib", "WindowsPath"),
-    ("pathlib", "PureWindowsPath"),
-    ("builtins", "set"),
-    ("builtins", "frozenset"),
-}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Admits DCP's metadata dataclasses, ``torch.Size``, dtypes and layouts, nothing else."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if module in _DCP_MODULES or (module, name) in _ALLOWED:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"refusing to load {module}.{name} from a checkpoint's .metadata")
-
-
-class SafeFileSystemReader(FileSystemReader):
-    """DCP's reader with a restricted unpickler for ``.metadata``."""
-
-    def read_metadata(self, *args: Any, **kwargs: Any):
-        from torch.distributed.checkpoint.metadata import StorageMeta
-
-        rank = kwargs.get("rank")
-        path = self._get_metadata_path(rank)
-        with self.fs.create_stream(path, "rb") as fh:
-            metadata = _MetadataUnpickler(fh).load()
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-
-class SafeLoadPlanner(DefaultLoadPlanner):
-    """Our checkpoints hold tensors only; a pickled object (which DCP would ``torch.load``
-    with ``weights_only=False``) is refused."""
-
-    def load_bytes(self, read_item, value) -> None:
-        raise ValueError(f"checkpoint entry {read_item.dest_index.fqn!r} is a pickled object; refusing to load it")
-
-
-def read_metadata(path: Path):
-    """DCP's metadata of checkpoint ``path`` (``ValueError`` if missing, truncated or unsafe)."""
-    try:
-        return SafeFileSystemReader(str(path)).read_metadata()
-    except (OSError, EOFError, pickle.UnpicklingError, AttributeError, TypeError, ValueError, IndexError) as exc:
-        raise ValueError(f"{Path(path) / '.metadata'} cannot be read ({type(exc).__name__}: {exc})") from None

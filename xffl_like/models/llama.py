@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import hashlib
 import math
+import sys
 from collections.abc import Mapping
+from contextlib import contextmanager
 from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
@@ -23,11 +25,6 @@ from ..config.errors import ConfigError
 from ..config.schema import ModelConfig
 from ..distributed.state import to_local
 from .loss import chunk_loss_sum, chunked_cross_entropy
-
-try:  # FSDP2 turns parameters into DTensors; init_weights fills only the local shard.
-    from torch.distributed.tensor import DTensor
-except ImportError:  # pragma: no cover - torch built without distributed
-    DTensor = None
 
 
 @dataclass(frozen=True)
@@ -243,7 +240,10 @@ class Llama(nn.Module):
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps, **factory)
         self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False, **factory)
         # RoPE tables: fp32, not saved in state_dict; recomputed by init_weights (e.g. after meta + to_empty).
-        cos, sin = rope_cos_sin(cfg, device=device)
+        if torch.device(device or "cpu").type == "meta":  # no values (nor torch's meta path, see _init_skipped)
+            cos, sin = (torch.empty(cfg.max_seq_len, cfg.head_dim // 2, device=device) for _ in "cs")
+        else:
+            cos, sin = rope_cos_sin(cfg, device=device)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         #: One chunk's loss (:func:`.loss.chunk_loss_sum`); ``train.compile`` puts its compiled form here.
@@ -342,7 +342,7 @@ def _block_normal(seed: int, name: str, std: float, shape: torch.Size):
 
 def local_slices(p: torch.Tensor) -> tuple[slice, ...]:
     """Index of this rank's piece of parameter ``p`` in the full tensor (everything for a plain tensor)."""
-    if DTensor is not None and isinstance(p, DTensor):
+    if _is_dtensor(p):  # FSDP2 turns parameters into DTensors; init_weights fills only the local shard
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
         shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
@@ -381,10 +381,43 @@ def build_model(model: ModelConfig | LlamaConfig, *, device="cpu", dtype=torch.f
             f"build_model takes a ModelConfig or a LlamaConfig (LlamaConfig.from_mapping reads a plain "
             f"mapping), got {type(model).__name__}"
         )
+    if torch.device(device).type == "meta":
+        with _init_skipped():
+            return Llama(cfg, device=device, dtype=dtype)
     llama = Llama(cfg, device=device, dtype=dtype)
-    if torch.device(device).type != "meta":
-        llama.init_weights(seed)
+    llama.init_weights(seed)
     return llama
+
+
+#: The functions of ``torch.nn.init`` that torch's modules call from their ``reset_parameters``.
+_INIT_FUNCTIONS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "kaiming_uniform_",
+                   "kaiming_normal_", "xavier_uniform_", "xavier_normal_")  # fmt: skip
+
+
+@contextmanager
+def _init_skipped():
+    """``torch.nn.init``'s functions as no-ops while modules are built on meta (the pattern of transformers'
+    ``no_init_weights``): a meta tensor holds no values, and their meta path imports ``torch._dynamo`` (over a
+    second of CPU in a launcher that builds the model only to check the configuration)."""
+    saved = {name: getattr(nn.init, name) for name in _INIT_FUNCTIONS}
+    for name in saved:
+        setattr(nn.init, name, _unchanged)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(nn.init, name, fn)
+
+
+def _unchanged(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    return tensor
+
+
+def _is_dtensor(p: torch.Tensor) -> bool:
+    """Whether ``p`` is a DTensor, without importing ``torch.distributed.tensor`` (about half a second of CPU in
+    a launcher that builds the model on meta to check the configuration): none exists before that import."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(p, module.DTensor)
 
 
 def count_parameters(model: nn.Module) -> int:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import zlib
 from pathlib import Path
 
-from ..checkpoint.dcp import checkpoint_dir
+from ..checkpoint.store import checkpoint_dir
 from ..config.schema import JobConfig
 from ..distributed.state import DistributedState
 from ..federation.elastic import facility_name

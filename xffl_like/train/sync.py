@@ -48,7 +48,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..aggregation import build_strategy
-from ..checkpoint.dcp import checkpoint_dir
+from ..checkpoint.store import checkpoint_dir
 from ..config.schema import JobConfig
 from ..distributed.state import DistributedState
 from ..federation import FederationSchedule

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..checkpoint import Checkpointer
+from ..checkpoint.dcp import Checkpointer
 from ..config.schema import JobConfig, as_plain
 from ..data import build_data
 from ..distributed.signals import agree_stop, signal_name

@@ -38,8 +38,9 @@ def load_model_conf(name):
     return OmegaConf.load(CONF / "model" / f"{name}.yaml")
 
 
-#: Small sequences and batches for jobs run through the CLI.
-TINY = ["train.seq_len=64", "train.batch_size=4", "train.log_every=5"]
+#: Small sequences and batches for jobs run through the CLI; one held-out batch per evaluation (a job evaluates
+#: before and after every round: four batches made evaluation most of a short test job's compute).
+TINY = ["train.seq_len=64", "train.batch_size=4", "train.log_every=5", "data.num_eval_batches=1"]
 
 
 def run_cli(args, run_dir, timeout=240, launcher=(), env=None):

@@ -28,6 +28,7 @@ JOB = [
     "train.batch_size=2",
     "train.log_every=4",
     "logger=none",
+    "data.num_eval_batches=1",  # as helpers.TINY: evaluation was most of this job's compute
 ]
 #: ``JOB`` with rank 1 SIGKILLed at step 7 (synchronous saves: checkpoints of steps 4 and 6 are complete).
 KILLED_AT_7 = [*JOB, "fault.kill_rank=1", "fault.at_step=7", "checkpoint.async=false"]

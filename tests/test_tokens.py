@@ -146,6 +146,7 @@ def test_job_learns_on_bpe_tokens(prepared, tmp_path):
             "train.log_every=10",
             "logger=none",
             "export.hf=true",
+            "data.num_eval_batches=1",  # the test reads the training loss
         ],
         tmp_path,
     )

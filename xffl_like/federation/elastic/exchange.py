@@ -292,7 +292,8 @@ class ElasticFederation:
         ``files.theta`` (the hub's, bitwise)."""
         f = self.files
         if joining:
-            out = self.link.join(f.mine, f.theta, done, self.options.elastic.min_facilities, outer=f.outer)
+            out = self.link.join(f.mine, f.theta, done, self.options.elastic.min_facilities, outer=f.outer,
+                                 pending=self._pending_claim())  # fmt: skip
             if out["status"] == "created":  # this facility's parameters are θ_global
                 shutil.copyfile(f.mine, f.theta)
                 if self.codec is not None:
@@ -306,6 +307,11 @@ class ElasticFederation:
             bound = float(self.options.elastic.final_wait_s)
             out = self.link.until_final(lambda: self._exchange(done, tokens), out, done, bound)
         return out
+
+    def _pending_claim(self) -> tuple[int, int] | None:
+        """(step, version) of the round whose upload this facility holds from its checkpoint, which a join names
+        (:mod:`.delayed`); None: nothing is pending."""
+        return None
 
     def _exchange(self, done: int, tokens: float) -> dict:
         """This facility's round at the hub after ``done`` steps: its parameters (or encoded update) up, θ_global

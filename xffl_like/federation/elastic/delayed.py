@@ -27,10 +27,12 @@ trained since. The job's last boundary lands the round in flight, then makes its
 (the federation's final one, :meth:`~xffl_like.hub.client.HubLink.until_final`): every facility ends on the
 hub's final θ_global, bitwise.
 
-Checkpoints: one at ``b_r`` is taken after the model became ``u_r`` and before the exchange starts. A
-resumed facility rejoins, as every restarted facility does (θ_global and the outer state live at the hub):
-it heals to θ_global and the federation's step, and its pending ``Δ_r`` is not sent. docs/running.md ("Through
-the hub") has both rules' design.
+Checkpoints: one at ``b_r`` is taken after the model became ``u_r`` and before the exchange starts, and keeps the
+round still to go up (:meth:`DelayedElasticFederation.state_dict`: the leader's spool files of it, mapped from disk,
+and its step and tokens). A resumed facility's join names that round, and the hub says whether it counted it
+(:meth:`DelayedElasticFederation.join`): ``open``, it goes up as it would have; ``counted``, nothing is sent again and
+the version that counted it lands at the next boundary; ``missed``, the facility heals and that round's progress is
+dropped (one line). docs/running.md ("Through the hub") has both rules' design and this choice's reasons.
 """
 
 from __future__ import annotations

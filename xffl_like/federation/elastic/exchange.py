@@ -22,7 +22,8 @@ the federation's (with a fixed ``every``) or whose contribution is rejected heal
 contributes nothing to that round and takes the federation's step (the round's record carries it). A hub that
 does not answer costs the round, not the job, except the last: at its last step a facility asks again until
 the federation's final version comes (``federation.elastic.final_wait_s``). The facility's checkpoint keeps
-its model, inner optimizer, data position and version; θ_global and the outer state live at the hub.
+its model, inner optimizer, data position and version; θ_global and the outer state live at the hub (with
+``federation.delay=1`` it keeps the round still to go up too: :mod:`.delayed`).
 """
 
 from __future__ import annotations

@@ -56,7 +56,10 @@ at another step than the federation's (a fixed ``every``: round ``k`` takes each
 only, :func:`.checks.misaligned`), which then realign their step counter to the version they receive, as a
 joiner does. A round with no accepted contribution commits nothing. The federation ends once: with its round
 ``rounds`` (or, with ``every_s``, the first in which a member reached ``train.steps``); after it every arrival
-heals at once to the final version. Members and their liveness: :mod:`.membership`.
+heals at once to the final version. Members and their liveness: :mod:`.membership`. A member resumed from a checkpoint
+with a round still to go up (``federation.delay=1``) names it when it joins, and hears whether that round counted its
+upload (:meth:`HubFederation._pending`: from the open round, and each member's durable record of the last round that
+accepted it).
 The creator's parameters are spooled to a file too, and version 0 written from it a window at a time.
 """
 

@@ -250,12 +250,13 @@ def _restart(tmp_path, hub: Hub, killed_at: float, extra: list[str], env=None) -
     from xffl_like.hub.server.membership import LIVE_S
 
     time.sleep(max(0.0, killed_at + LIVE_S + 0.5 - time.monotonic()))
-    return Facility("b", hub, tmp_path, extra=extra, env=env, resume=str(tmp_path / "run-b"))
+    return Facility("b", hub, tmp_path, nproc=2, extra=extra, env=env, resume=str(tmp_path / "run-b"))
 
 
 def test_a_facility_killed_with_its_delayed_round_pending_sends_it_once(tmp_path):
-    """own_full, 8 steps, rounds every 2 (versions 1-4 at steps 2, 4, 6 and 8, the last in the foreground). b is
-    SIGKILLed twice after a boundary's checkpoint, with that boundary's round not yet landed, and resumed from it:
+    """own_full, 8 steps, rounds every 2 (versions 1-4 at steps 2, 4, 6 and 8, the last in the foreground); b of two
+    FSDP processes, a of one. b is SIGKILLed twice after a boundary's checkpoint, with that boundary's round not yet
+    landed, and resumed from it:
 
     - open: b holds before sending its round at step 4 (version 1), a before arriving at it; b is killed and
       resumed from step 4: the hub answers that round is open, and b sends its checkpointed upload;
@@ -263,17 +264,17 @@ def test_a_facility_killed_with_its_delayed_round_pending_sends_it_once(tmp_path
       b, resumed from step 6, hears it was counted, sends nothing, and lands version 3 at step 8 by the rule.
 
     By hand from the dumps: every version is θ_{v-1} - lr x the tokens-weighted mean over a and b (both in every
-    round, at equal weights: the resent round claims its own tokens); b's uploads follow the rule across both
-    resumes, u_{v+1} = θ_v - (u_v - x) with ``x`` its model where version v landed, and the upload a checkpoint kept is
-    that (the one sent after the first resume, the one the second resume holds). A pending round dropped leaves b
-    out of version 2 or its rule off; one counted twice (sent again, or folded into the next upload) puts b's uploads
-    off the rule."""
+    round, b at twice a's weight, its two ranks' tokens: the resent round claims its own); b's uploads follow the
+    rule across both resumes, u_{v+1} = θ_v - (u_v - x) with ``x`` its model where version v landed, and the upload a
+    checkpoint kept is that (the one sent after the first resume, the one the second resume holds). A pending round
+    dropped leaves b out of version 2 or its rule off; one counted twice (sent again, or folded into the next upload)
+    puts b's uploads off the rule."""
     extra = [o for o in DELAY if not o.startswith("train.steps=")] + ["train.steps=8"]
     hub = Hub(tmp_path)
     go, paused, never = (tmp_path / n for n in ("go-1", "paused", "never"))
     go3 = tmp_path / "go-3"
     a = Facility("a", hub, tmp_path, extra=extra, env={"XFFL_TEST_ELASTIC_HOLD": f"1:{go},3:{go3}"})
-    b = Facility("b", hub, tmp_path, extra=extra, env={"XFFL_TEST_ELASTIC_HOLD": f"1:{never}"})
+    b = Facility("b", hub, tmp_path, nproc=2, extra=extra, env={"XFFL_TEST_ELASTIC_HOLD": f"1:{never}"})
     running = [a, b]
     try:
         _wait_for(lambda: _step_of_latest(b) == 4, what="b's checkpoint at step 4", alive=running)
@@ -315,8 +316,9 @@ def test_a_facility_killed_with_its_delayed_round_pending_sends_it_once(tmp_path
     assert torch.equal(version["b"][4]["before"], upload_b[4]), "b's last upload: version 3 landed once"
     for v in (1, 2, 3, 4):
         weights = version["a"][v]["weights"]
-        assert set(weights) == {"a", "b"} and weights["a"] == weights["b"], (v, weights)
-        mean = sum((theta[v - 1].double() - u.double()) / 2 for u in (version["a"][v]["before"], upload_b[v]))
+        assert set(weights) == {"a", "b"} and weights["b"] == 2 * weights["a"], (v, weights)  # b: 2 ranks' tokens
+        ups = {"a": version["a"][v]["before"], "b": upload_b[v]}
+        mean = sum((theta[v - 1].double() - ups[n].double()) * weights[n] for n in "ab")
         expected = (theta[v - 1].double() - LR * mean).float()
         torch.testing.assert_close(theta[v], expected, rtol=0, atol=1e-6, msg=f"version {v}")
     assert torch.equal(version["b"][4]["after"], theta[4])

@@ -183,6 +183,9 @@ class DelayedElasticFederation(ElasticFederation):
         out = self._lead(0.0, done, True)
         answer = out.get("pending")
         pending = f"facility {self.name}: resumed with its round at step {self.pending_step} pending"
+        if out["status"] == "created":  # the hub held no federation (a new --state): this upload created it
+            print(f"{pending}: the hub holds no federation, and its upload created one", flush=True)
+            return {**out, "changed": True, "kept": _HEALED}  # the model becomes that θ_global
         if out["status"] == "resumed":
             print(f"{pending}: that round is open at the hub; it sends the upload its checkpoint kept", flush=True)
             return {**out, "kept": _OPEN}
@@ -195,11 +198,10 @@ class DelayedElasticFederation(ElasticFederation):
                       "share": out["share"], "exchange_seconds": 0.0}  # fmt: skip
             kept = {"round": held, "step": done, "changed": False, "status": "resumed", "healed": []}
             return {**out, **kept, "kept": _COUNTED, "landed": landed}
-        why = ("the hub counted it, and the federation moved on to version " f"{out['round']}" if answer == "counted"
-               else "its round closed without it, or the federation moved on")  # fmt: skip
-        print(f"{pending}: {why}; it heals to "
-              f"θ_global of version {out['round']} (that round's progress is not sent: it would count in a round of "
-              f"another step)", flush=True)  # fmt: skip
+        moved = f"the federation moved on to version {out['round']}"
+        why = f"the hub counted it, and {moved}" if answer == "counted" else f"its round closed without it, or {moved}"
+        print(f"{pending}: {why}; it heals to θ_global (that round's progress is not sent: it would count in a round "
+              f"of another step)", flush=True)  # fmt: skip
         return {**out, "kept": _HEALED}
 
     # ------------------------------------------------------------------ checkpoints

@@ -149,10 +149,10 @@ class DelayedElasticFederation(ElasticFederation):
     # ------------------------------------------------------------------ a resumed facility's pending round
     def join(self, step: int) -> int:
         """As every facility joins; a facility resumed from a checkpoint with its round still to go up names it,
-        and the hub's answer decides (docs/running.md, "A pending round through the hub"): ``open``, it goes up
-        after the join as it would have; ``counted``, it lands at the next boundary (the version that counted it,
-        downloaded now); ``missed`` (or the federation moved on since), it heals as any joiner, one line says so,
-        and that round's progress is dropped. Collective."""
+        and the hub's answer decides (docs/running.md, "Checkpoints: a pending round through the hub"): ``open``,
+        it goes up after the join as it would have; ``counted``, it lands at the next boundary (the version that
+        counted it, downloaded now); ``missed`` (or the federation moved on since), it heals as any joiner, one line
+        says so, and that round's progress is dropped. Collective."""
         self.kept = False
         if not self.pending:
             return super().join(step)

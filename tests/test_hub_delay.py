@@ -9,6 +9,7 @@ round is made in the foreground, and both exports are the hub's final θ_global,
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -228,3 +229,97 @@ def test_delayed_rounds_through_a_hub_killed_mid_run_end_on_its_final_theta(tmp_
         for r in [torch.load(p) for p in (f.dump / f.name).glob("round-*.pt")]:
             assert r["status"] != "accepted" or r["step"] == EVERY * r["round"], (f.name, r["round"], r["step"])
     _exports_are(facilities, final["theta"])
+
+
+def _step_of_latest(f: Facility) -> int | None:
+    """The step of the facility's newest published checkpoint (None: none yet)."""
+    from xffl_like.checkpoint.store import latest_checkpoint
+
+    path = latest_checkpoint(f.dir / "checkpoints")
+    return None if path is None else int(path.name.removeprefix("step-"))
+
+
+def _killed(f: Facility) -> float:
+    """SIGKILL the facility's job; when (its heartbeat is seen live for LIVE_S more: a restart waits that long)."""
+    f.kill()
+    return time.monotonic()
+
+
+def _restart(tmp_path, hub: Hub, killed_at: float, extra: list[str], env=None) -> Facility:
+    """b again, resumed from its newest checkpoint, once the hub no longer sees the killed process live."""
+    from xffl_like.hub.server.membership import LIVE_S
+
+    time.sleep(max(0.0, killed_at + LIVE_S + 0.5 - time.monotonic()))
+    return Facility("b", hub, tmp_path, nproc=2, extra=extra, env=env, resume=str(tmp_path / "run-b"))
+
+
+def test_a_facility_killed_with_its_delayed_round_pending_sends_it_once(tmp_path):
+    """own_full, 8 steps, rounds every 2 (versions 1-4 at steps 2, 4, 6 and 8, the last in the foreground); b of two
+    FSDP processes, a of one. b is SIGKILLed twice after a boundary's checkpoint, with that boundary's round not yet
+    landed, and resumed from it:
+
+    - open: b holds before sending its round at step 4 (version 1), a before arriving at it; b is killed and
+      resumed from step 4: the hub answers that round is open, and b sends its checkpointed upload;
+    - counted: b uploads its round at step 6 and is killed before it lands; a arrives, version 3 counts b's upload;
+      b, resumed from step 6, hears it was counted, sends nothing, and lands version 3 at step 8 by the rule.
+
+    By hand from the dumps: every version is θ_{v-1} - lr x the tokens-weighted mean over a and b (both in every
+    round, b at twice a's weight, its two ranks' tokens: the resent round claims its own); b's uploads follow the
+    rule across both resumes, u_{v+1} = θ_v - (u_v - x) with ``x`` its model where version v landed, and the upload a
+    checkpoint kept is that (the one sent after the first resume, the one the second resume holds). A pending round
+    dropped leaves b out of version 2 or its rule off; one counted twice (sent again, or folded into the next upload)
+    puts b's uploads off the rule."""
+    extra = [o for o in DELAY if not o.startswith("train.steps=")] + ["train.steps=8"]
+    hub = Hub(tmp_path)
+    go, paused, never = (tmp_path / n for n in ("go-1", "paused", "never"))
+    go3 = tmp_path / "go-3"
+    a = Facility("a", hub, tmp_path, extra=extra, env={"XFFL_TEST_ELASTIC_HOLD": f"1:{go},3:{go3}"})
+    b = Facility("b", hub, tmp_path, nproc=2, extra=extra, env={"XFFL_TEST_ELASTIC_HOLD": f"1:{never}"})
+    running = [a, b]
+    try:
+        _wait_for(lambda: _step_of_latest(b) == 4, what="b's checkpoint at step 4", alive=running)
+        killed_at = _killed(b)
+        b = _restart(tmp_path, hub, killed_at, extra, env={"XFFL_TEST_ELASTIC_PAUSE": f"2:{paused}"})
+        running = [a, b]
+        _wait_for(lambda: "is open" in _text(b), what="b's round at step 4 open", alive=running)
+        go.touch()
+        # its upload at step 6 is at the hub, and its checkpoint at step 6 (async: written while the round goes up)
+        _wait_for(lambda: paused.exists() and _step_of_latest(b) == 6, what="b's upload at step 6", alive=running)
+        killed_at = _killed(b)
+        b = _restart(tmp_path, hub, killed_at, extra)
+        running = [a, b]
+        _wait_for(lambda: "counted it" in _text(b), what="b's round at step 6 counted", alive=running)
+        go3.touch()
+        run_to_end(a, b)
+    finally:
+        for f in running:
+            f.kill()
+        hub.stop()
+    dump = tmp_path / "dump"
+    rounds = {n: _dumps(dump, n, "round") for n in "ab"}
+    version = {n: {r["round"]: r for r in rounds[n] if r["status"] == "accepted"} for n in "ab"}
+    assert sorted(version["a"]) == [1, 2, 3, 4] and sorted(version["b"]) == [1, 2, 4], {
+        n: [(r["round"], r["status"]) for r in rounds[n]] for n in "ab"
+    }
+    resumed = [r for r in rounds["b"] if r["status"] == "resumed" or (r["status"] == "joined" and r["round"] > 0)]
+    assert [(r["round"], r["status"]) for r in resumed] == [(1, "resumed"), (3, "joined")], resumed
+    x = [landing["x"] for landing in _dumps(dump, "b", "landing")]  # where versions 1, 2 and 3 landed
+    assert len(x) == 3, f"b's rule ran {len(x)} times, not at steps 4, 6 and 8"
+    theta = [next(r for n in "ab" for r in rounds[n] if r["status"] == "created")["after"]]
+    theta += [version["a"][v]["after"] for v in (1, 2, 3, 4)]
+    upload_b = {1: version["b"][1]["before"]}
+    for v in (1, 2, 3):  # b's upload after version v landed: the rule, across both resumes
+        upload_b[v + 1] = theta[v] - (upload_b[v] - x[v - 1])
+    assert torch.equal(resumed[0]["before"], upload_b[2]), "the upload b's checkpoint kept at step 4"
+    assert torch.equal(version["b"][2]["before"], upload_b[2]), "b's resent upload at step 4"
+    assert torch.equal(resumed[1]["before"], upload_b[3]), "the upload b's checkpoint kept at step 6"
+    assert torch.equal(version["b"][4]["before"], upload_b[4]), "b's last upload: version 3 landed once"
+    for v in (1, 2, 3, 4):
+        weights = version["a"][v]["weights"]
+        assert set(weights) == {"a", "b"} and weights["b"] == 2 * weights["a"], (v, weights)  # b: 2 ranks' tokens
+        ups = {"a": version["a"][v]["before"], "b": upload_b[v]}
+        mean = sum((theta[v - 1].double() - ups[n].double()) * weights[n] for n in "ab")
+        expected = (theta[v - 1].double() - LR * mean).float()
+        torch.testing.assert_close(theta[v], expected, rtol=0, atol=1e-6, msg=f"version {v}")
+    assert torch.equal(version["b"][4]["after"], theta[4])
+    _exports_are([a, b], theta[4])

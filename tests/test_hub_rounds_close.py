@@ -28,6 +28,7 @@ from xffl_like.hub.protocol import wire
 from xffl_like.hub.protocol.messages import ArriveReply, ResultHeader, UploadHeader
 from xffl_like.hub.protocol.retry import RetryPolicy
 from xffl_like.hub.protocol.wire import GRPC_OPTIONS, SERVICE, Frames, frames_of, pack, unpack
+from xffl_like.hub.server import membership
 from xffl_like.hub.server.federation import HubFederation
 from xffl_like.hub.server.serve import build_server
 
@@ -453,6 +454,59 @@ def test_a_round_takes_only_the_members_at_the_federations_step_and_the_others_r
     finally:
         for m in members.values():
             m.close()
+
+
+def _resumed(hub, spec: dict, n: int, step: int, version: int) -> dict:
+    """b again, in its process number ``n``, resumed with its round at ``step`` on ``version`` pending: the hub's
+    answer to its join."""
+    b = Raw(hub, "b")
+    b.session = f"session-b{n}"
+    try:
+        return b.call("Join", spec=spec, geometry=GEOMETRY, steps=20, every=2, pending_step=step,
+                      pending_version=version)  # fmt: skip
+    finally:
+        b.close()
+
+
+def test_a_resumed_member_hears_whether_its_pending_round_counted(hub, monkeypatch):
+    """federation.delay=1 (issue 37 item 5): a member resumed from a checkpoint names the round whose upload it
+    holds, and the hub answers from the round's decision and the member's durable record. b uploads its round at
+    step 2 and dies: asked while that round is open, the hub answers ``retry`` (its upload may yet count); once a's
+    arrival closed it, ``counted`` with b's share (uniform: 1/2), in the saved version's record too. Its round at
+    step 4 on version 1 is ``open``, even when a dead process of b arrived in it without uploading (it may arrive
+    again); once that round closed without b, ``missed``."""
+    monkeypatch.setattr(membership, "LIVE_S", 1.0)  # b's dead processes stop counting as live within a second
+    spec = _spec(grace_s=4.0)
+    (a, b), theta = _created(hub, spec)
+    try:
+        rid = _arrive(b).round
+        assert unpack(b.upload(b.frames("round", theta + 3, rid)).result())["ok"]
+        b.close()
+        time.sleep(1.2)
+        waiting = _resumed(hub, spec, 2, step=2, version=0)
+        assert waiting["status"] == "retry" and "pending" not in waiting, waiting
+        assert _arrive(a).round == rid
+        a.upload(a.frames("round", theta + 1, rid)).result()
+        header, got = a.result(rid, theta.numel())
+        assert header.accepted == {"a": 0.5, "b": 0.5} and torch.equal(got, theta + 2)
+        counted = _resumed(hub, spec, 2, step=2, version=0)  # the same process, asking again
+        assert (counted["status"], counted["pending"], counted["share"]) == ("member", "counted", 0.5), counted
+        assert hub.fed.snap.members["b"]["counted"] == 2 and hub.fed.snap.members["b"]["share"] == 0.5
+        time.sleep(1.2)
+        assert _resumed(hub, spec, 4, step=4, version=1)["pending"] == "open"
+        late = Raw(hub, "b")
+        late.session = "session-b4"
+        assert _arrive(late, step=4, version=1).action == "upload"  # then dies without uploading
+        late.close()
+        time.sleep(1.2)
+        assert _resumed(hub, spec, 5, step=4, version=1)["pending"] == "open"  # its dead arrival is dropped
+        rid = _arrive(a, step=4, version=1).round
+        a.upload(a.frames("round", got + 1, rid)).result()
+        header, _ = a.result(rid, theta.numel())  # closed at its deadline: b5 never arrived
+        assert header.accepted == {"a": 1.0}, header
+        assert _resumed(hub, spec, 6, step=4, version=1)["pending"] == "missed"
+    finally:
+        a.close(), b.close()
 
 
 def test_the_final_round_is_asked_again_until_it_comes_and_no_longer_than_its_bound(monkeypatch):

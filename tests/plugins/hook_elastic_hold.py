@@ -3,7 +3,7 @@ it asks the hub for a round):
 
 - ``$XFFL_TEST_ELASTIC_ASKING=FILE``: write FILE (this process's id) when asking for a quorum;
 - ``$XFFL_TEST_ELASTIC_HOLD=ROUND:FILE``: before asking for round ROUND's (the federation's version this
-  facility holds), wait (up to 300 s) for FILE (another facility asking).
+  facility holds), wait (up to 300 s) for FILE (another facility asking); several, comma-separated.
 
 The seam: the leader's round at the hub, ``ElasticFederation._lead`` (on the leader's thread, after
 every rank gathered the parameters into its spool).
@@ -25,11 +25,11 @@ def hold(round_index: int) -> None:
     asking = os.environ.get(ASKING)
     if asking:
         Path(asking).write_text(str(os.getpid()))
-    spec = os.environ.get(HOLD)
-    if spec and int(spec.split(":", 1)[0]) == round_index:
-        deadline = time.time() + 300
-        while not Path(spec.split(":", 1)[1]).exists() and time.time() < deadline:
-            time.sleep(0.1)
+    for spec in filter(None, os.environ.get(HOLD, "").split(",")):
+        if int(spec.split(":", 1)[0]) == round_index:
+            deadline = time.time() + 300
+            while not Path(spec.split(":", 1)[1]).exists() and time.time() < deadline:
+                time.sleep(0.1)
 
 
 def _hold_before_asking(exchange) -> None:

@@ -204,13 +204,17 @@ class HubLink:
                 f"new federation (python -m xffl_like.hub serve with another --state)"
             )
 
-    def join(self, mine: Path, theta: Path, done: int, min_facilities: int, outer: Path | None = None) -> dict:
+    def join(self, mine: Path, theta: Path, done: int, min_facilities: int, outer: Path | None = None,
+             pending: tuple[int, int] | None = None) -> dict:  # fmt: skip
         """Join: this facility's parameters (the file ``mine``) create the federation, or θ_global is
         downloaded into the file ``theta`` (with compression, the outer buffers into ``outer``). Returns the
-        leader's round result."""
+        leader's round result. ``pending``: (step, version) of the round whose upload this facility holds, resumed
+        from a checkpoint (``federation.delay=1``); the result's ``pending`` is the hub's answer
+        (:class:`~.protocol.messages.JoinReply`), and to ``open`` nothing is downloaded (status ``resumed``: the
+        facility holds that version, and uploads that round next)."""
         self.up = self.down = 0
         try:
-            return self._join(mine, theta, done, min_facilities, outer)
+            return self._join(mine, theta, done, min_facilities, outer, pending)
         except _Cancelled:
             return self._left(done, "joining")
         except grpc.RpcError as exc:
@@ -218,15 +222,20 @@ class HubLink:
                 return self._left(done, "joining")
             raise ElasticError(f"facility {self.name}: {explain(exc, self.hub)}") from None
 
-    def _join(self, mine: Path, theta: Path, done: int, min_facilities: int, outer: Path | None = None) -> dict:
+    def _join(self, mine: Path, theta: Path, done: int, min_facilities: int, outer: Path | None = None,
+              pending: tuple[int, int] | None = None) -> dict:  # fmt: skip
         said = [time.monotonic()]
+        named = {"pending_step": pending[0], "pending_version": pending[1]} if pending is not None else {}
 
         def join() -> JoinReply:
-            out = self.unary("Join", spec=self.spec, geometry=self.geometry, steps=self.steps, every=self.every)
+            out = self.unary("Join", spec=self.spec, geometry=self.geometry, steps=self.steps, every=self.every,
+                             **named)  # fmt: skip
             if out.status == "retry" and time.monotonic() - said[0] > _WAIT_LINE_S:
-                print(f"facility {self.name}: another facility is creating the federation at the hub {self.hub}; "
-                      f"waiting (it has federation.elastic.grace_s to upload its parameters, or loses the role)",
-                      flush=True)  # fmt: skip
+                what = (f"its round at step {pending[0]} holds an upload of this facility's earlier process; waiting "
+                        f"for the hub to decide it" if pending is not None and out.federation is not None else
+                        f"another facility is creating the federation at the hub {self.hub}; waiting (it has "
+                        f"federation.elastic.grace_s to upload its parameters, or loses the role)")  # fmt: skip
+                print(f"facility {self.name}: {what}", flush=True)
                 said[0] = time.monotonic()
             return out
 
@@ -240,10 +249,14 @@ class HubLink:
             self._wait_for(min_facilities)
             return self._result(view, done, changed=False, healed=[], status="created")
         self._wait_for(min_facilities)
+        if out.pending == "open":  # the round at its step is still to come: the facility uploads it as it is
+            self.version = out.version
+            return {**self._result(out, done, changed=False, healed=[], status="resumed"), "pending": "open"}
         header = self._download(self._stream("Fetch"), theta, outer)
         self.version, self.federation = header.version, header.federation or self.federation
-        return self._result(header, self._federation_step(header, done), changed=True, healed=[self.name],
-                            status="joined")  # fmt: skip
+        result = self._result(header, self._federation_step(header, done), changed=True, healed=[self.name],
+                              status="joined")  # fmt: skip
+        return {**result, "pending": out.pending, "share": out.share}
 
     def _federation_step(self, header: ResultHeader, done: int) -> int:
         """The step this facility trains on from after receiving the version of ``header``: with a fixed ``every``

@@ -27,10 +27,12 @@ trained since. The job's last boundary lands the round in flight, then makes its
 (the federation's final one, :meth:`~xffl_like.hub.client.HubLink.until_final`): every facility ends on the
 hub's final θ_global, bitwise.
 
-Checkpoints: one at ``b_r`` is taken after the model became ``u_r`` and before the exchange starts. A
-resumed facility rejoins, as every restarted facility does (θ_global and the outer state live at the hub):
-it heals to θ_global and the federation's step, and its pending ``Δ_r`` is not sent. docs/running.md ("Through
-the hub") has both rules' design.
+Checkpoints: one at ``b_r`` is taken after the model became ``u_r`` and before the exchange starts, and keeps the
+round still to go up (:meth:`DelayedElasticFederation.state_dict`: the leader's spool files of it, mapped from disk,
+and its step and tokens). A resumed facility's join names that round, and the hub says whether it counted it
+(:meth:`DelayedElasticFederation.join`): ``open``, it goes up as it would have; ``counted``, nothing is sent again and
+the version that counted it lands at the next boundary; ``missed``, the facility heals and that round's progress is
+dropped (one line). docs/running.md ("Through the hub") has both rules' design and this choice's reasons.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ import shutil
 import time
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from ...config.schema import OuterConfig
@@ -59,6 +62,15 @@ def delayed_elastic(cfg) -> type:
     return DelayedElasticFederation if cfg.delay_rule == "own_full" else EagerElasticFederation
 
 
+def _share(out: dict, name: str) -> float:
+    """This facility's weight in the round ``out`` accepted it in, over the round's total (a counted round a resumed
+    facility lands: the hub's answer, ``share``)."""
+    if out.get("share") is not None:
+        return float(out["share"])
+    weights = out.get("weights") or {}
+    return weights[name] / sum(weights.values())
+
+
 def own_full_window(theta: torch.Tensor, start: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     """``θ_global - (s - x)``: the landed θ_global plus the progress still in flight (fp32, in this order)."""
     return theta - (start - local)
@@ -69,6 +81,18 @@ def final_residual(ef: torch.Tensor, theta: torch.Tensor, decay: float) -> torch
     the residual; decay 1: ``ef - θ_global`` as it is), fp32 in this order."""
     carried = torch.sub(ef, theta)
     return carried.mul_(decay) if decay != 1.0 else carried
+
+
+_OPEN, _COUNTED, _HEALED = 1, 2, 0  # what a resumed facility's join kept of its pending round
+
+
+def _mapped(path, values: int) -> torch.Tensor:
+    """The spool file ``path`` as a flat fp32 tensor of ``values`` mapped from it (made, zero, at that size if it is
+    not): a checkpoint saves it, and a restore writes into it, without a copy of the model in memory."""
+    with open(path, "ab") as fh:
+        if fh.tell() != 4 * values:
+            fh.truncate(4 * values)
+    return torch.from_file(str(path), shared=True, size=values, dtype=torch.float32)
 
 
 class DelayedElasticFederation(ElasticFederation):
@@ -83,6 +107,9 @@ class DelayedElasticFederation(ElasticFederation):
         self.ending = False  # this boundary ends the job: the round in flight lands, then the final round
         self.moved = 0  # the steps trained since the landing round was sent
         self.pending = False  # the model is u: its round is still to start (after the boundary's checkpoint)
+        self.pending_step = 0  # the step that round ended at
+        self.round_tokens = 0.0  # its tokens (the facility's, summed at its boundary)
+        self.kept = False  # a resumed facility kept its checkpoint's state at its join (its round open or counted)
 
     # ------------------------------------------------------------------ the loop's interface
     def finish(self, boundary, index: int) -> list[RoundRecord]:
@@ -95,6 +122,8 @@ class DelayedElasticFederation(ElasticFederation):
         if self.ending:
             self.pending = False
             records.append(self._final_round(records[-1].step if records else boundary.step))
+        else:  # the round that starts after the checkpoint: its step and tokens are the checkpoint's
+            self.pending_step, self.round_tokens = records[-1].step if records else boundary.step, self._round_tokens()
         return records
 
     def _final_round(self, done: int) -> RoundRecord:
@@ -117,11 +146,116 @@ class DelayedElasticFederation(ElasticFederation):
     def describe(self) -> dict:
         return {**super().describe(), "delay": 1, "delay_rule": self.rule}
 
+    # ------------------------------------------------------------------ a resumed facility's pending round
+    def join(self, step: int) -> int:
+        """As every facility joins; a facility resumed from a checkpoint with its round still to go up names it,
+        and the hub's answer decides (docs/running.md, "Checkpoints: a pending round through the hub"): ``open``,
+        it goes up after the join as it would have; ``counted``, it lands at the next boundary (the version that
+        counted it, downloaded now); ``missed`` (or the federation moved on since), it heals as any joiner, one line
+        says so, and that round's progress is dropped. Collective."""
+        self.kept = False
+        if not self.pending:
+            return super().join(step)
+        started, last_step = time.perf_counter(), self.last_step
+        out = self._while_leader_works(lambda: self._resume(step))
+        kept = torch.tensor([out["kept"] if self.leader else 0], dtype=torch.int32, device=self.state.device)
+        dist.broadcast(kept, src=0)
+        record = self._conclude(out, started, lambda: self._scatter(self.files.theta if self.leader else None))
+        self.kept = int(kept.item()) != _HEALED
+        if self.kept:
+            self.last_step = last_step  # the pending round's claim counts the steps since the round before it
+        if int(kept.item()) == _COUNTED:  # lands at the next boundary, as the round in flight would have
+            landed = out["landed"] if self.leader else None
+            self.flight = {"handle": self._spawn(lambda: landed), "step": self.pending_step}
+        self.pending = int(kept.item()) == _OPEN
+        return record.step
+
+    def _pending_claim(self) -> tuple[int, int] | None:
+        return (self.pending_step, self.round) if self.pending else None
+
+    def _resume(self, done: int) -> dict:
+        """The leader's join naming its pending round (its thread), and what the hub's answer keeps: ``kept``
+        (:data:`_OPEN`, :data:`_COUNTED`, :data:`_HEALED`), and with ``counted`` the round's result, ``landed``."""
+        held = self.round
+        self._before_send()  # eager: the version held, which the counted round's mean is taken against
+        if self.codec is not None:  # the message and residual that round went up with (deterministic)
+            self._encode(self.options.feedback)
+        out = self._lead(0.0, done, True)
+        answer = out.get("pending")
+        pending = f"facility {self.name}: resumed with its round at step {self.pending_step} pending"
+        if out["status"] == "created":  # the hub held no federation (a new --state): this upload created it
+            print(f"{pending}: the hub holds no federation, and its upload created one", flush=True)
+            return {**out, "changed": True, "kept": _HEALED}  # the model becomes that θ_global
+        if out["status"] == "resumed":
+            print(f"{pending}: that round is open at the hub; it sends the upload its checkpoint kept", flush=True)
+            return {**out, "kept": _OPEN}
+        if answer == "counted" and out["round"] == held + 1:
+            print(f"{pending}: the hub counted it in version {out['round']}; nothing is sent again, and that "
+                  f"version lands at the next boundary", flush=True)  # fmt: skip
+            if self.codec is not None:  # as the round's own result: θ_global plus the residual of the accepted update
+                self._refold(with_residual=self.options.feedback)
+            landed = {**out, "status": "accepted", "healed": [], "bytes": 0, "bytes_up": 0, "bytes_down": 0,
+                      "share": out["share"], "exchange_seconds": 0.0}  # fmt: skip
+            kept = {"round": held, "step": done, "changed": False, "status": "resumed", "healed": []}
+            return {**out, **kept, "kept": _COUNTED, "landed": landed}
+        moved = f"the federation moved on to version {out['round']}"
+        why = f"the hub counted it, and {moved}" if answer == "counted" else f"its round closed without it, or {moved}"
+        print(f"{pending}: {why}; it heals to θ_global (that round's progress is not sent: it would count in a round "
+              f"of another step)", flush=True)  # fmt: skip
+        return {**out, "kept": _HEALED}
+
+    # ------------------------------------------------------------------ checkpoints
+    def _kept_files(self) -> dict[str, tuple]:
+        """The leader's spool files a checkpoint keeps, by name: (path, values). ``mine``: the upload ``u``;
+        ``theta``: θ_global of the version held; with compression ``ef`` and the hub's outer buffers."""
+        f, n = self.files, self.numel
+        kept = {"mine": (f.mine, n), "theta": (f.theta, n)}
+        if self.codec is not None:
+            kept["ef"] = (f.ef, n)
+            kept["outer"] = (f.outer, n * len(relay.buffer_names(self.hub_outer)))
+        return {k: v for k, v in kept.items() if v[1] > 0}
+
+    def state_dict(self) -> dict:
+        """The round counter, and the round still to go up at a boundary's checkpoint (after the rule, before the
+        exchange starts): whether one is pending, its step and tokens, the step of the round before; on the
+        leader its spool files (:meth:`_kept_files`, mapped from disk: no copy of the model is made in memory) and
+        its counters. A checkpoint with a round in flight (none is taken there) keeps nothing pending."""
+        pending = self.pending and self.flight is None
+        out = {
+            **super().state_dict(),
+            "delayed": {
+                "pending": torch.tensor(int(pending)),
+                "step": torch.tensor(self.pending_step),
+                "last_step": torch.tensor(self.last_step),
+                "tokens": torch.tensor([self.round_tokens], dtype=torch.float64),
+            },
+        }
+        if self.leader:
+            counters = {k: torch.tensor([float(v)], dtype=torch.float64) for k, v in self._counters().items()}
+            out["leader"] = {"spool": {k: _mapped(p, n) for k, (p, n) in self._kept_files().items()}, **counters}
+        return out
+
+    def _counters(self) -> dict[str, float]:
+        """The leader's own counters a checkpoint keeps."""
+        return {"outer_steps": self.outer_steps}
+
+    def load_state_dict(self, sd: dict) -> None:
+        """Restored in place: the leader's spool files were written through their mappings."""
+        super().load_state_dict(sd)
+        d = sd["delayed"]
+        self.pending, self.pending_step = bool(int(d["pending"])), int(d["step"])
+        self.last_step, self.round_tokens = int(d["last_step"]), float(d["tokens"][0])
+        if self.leader:
+            self._restore_counters({k: float(v[0]) for k, v in sd["leader"].items() if k != "spool"})
+
+    def _restore_counters(self, counters: dict[str, float]) -> None:
+        self.outer_steps = int(counters["outer_steps"])
+
     # ------------------------------------------------------------------ the rule
     def _launch(self, done: int) -> None:
-        """Round at step ``done``: ``files.mine`` (``u``) goes up in a thread of the leader (collective: the
-        round's tokens)."""
-        tokens = self._round_tokens()
+        """Round at step ``done``: ``files.mine`` (``u``) goes up in a thread of the leader, with the round's
+        tokens (summed at its boundary)."""
+        tokens = self.round_tokens
         self.pending = False
 
         def work() -> dict:
@@ -231,7 +365,7 @@ class EagerElasticFederation(DelayedElasticFederation):
     def join(self, step: int) -> int:
         """Join as before; this facility's θ_f is θ_global, its outer state and Δ zero."""
         out = super().join(step)
-        if self.leader and self.files.theta.exists():  # not after a stop while joining
+        if self.leader and not self.kept and self.files.theta.exists():  # not after a stop while joining
             shutil.copyfile(self.files.theta, self.own_theta)
             zero_outer(self.own_outer, relay.buffer_names(self.options.outer), self.numel)
             zero_outer(self.own_delta, ("delta",), self.numel)
@@ -259,8 +393,7 @@ class EagerElasticFederation(DelayedElasticFederation):
             self.ending = self.ending and self.last_step + self.moved >= self.steps
         if self.leader:
             accepted = landed and out["status"] == "accepted"
-            weights = out.get("weights") or {} if accepted else {}
-            stale = weights[self.name] / sum(weights.values()) if accepted else 0.0
+            stale = _share(out, self.name) if accepted else 0.0
             self._compose_eager(landed, stale)
             if accepted:
                 self.share = stale
@@ -271,6 +404,29 @@ class EagerElasticFederation(DelayedElasticFederation):
 
     def _compose(self, theta, start, mine) -> None:
         raise AssertionError("eager composes with _compose_eager")
+
+    def _kept_files(self) -> dict[str, tuple]:
+        """As own_full's, with this facility's θ_f, its outer state and Δ."""
+        n, buffers = self.numel, len(relay.buffer_names(self.options.outer))
+        own = {"own_theta": (self.own_theta, n), "own_outer": (self.own_outer, n * buffers),
+               "own_delta": (self.own_delta, n)}  # fmt: skip
+        return {**super()._kept_files(), **{k: v for k, v in own.items() if v[1] > 0}}
+
+    def _counters(self) -> dict[str, float]:
+        return {**super()._counters(), "share": self.share}
+
+    def _restore_counters(self, counters: dict[str, float]) -> None:
+        super()._restore_counters(counters)
+        self.share = counters["share"]
+
+    def state_dict(self) -> dict:
+        out = super().state_dict()
+        out["delayed"]["own_steps"] = torch.tensor(self.own_steps)  # every rank's
+        return out
+
+    def load_state_dict(self, sd: dict) -> None:
+        super().load_state_dict(sd)
+        self.own_steps = int(sd["delayed"]["own_steps"])
 
     @torch.no_grad()
     def _compose_eager(self, landed: bool, stale: float) -> None:

@@ -22,7 +22,8 @@ the federation's (with a fixed ``every``) or whose contribution is rejected heal
 contributes nothing to that round and takes the federation's step (the round's record carries it). A hub that
 does not answer costs the round, not the job, except the last: at its last step a facility asks again until
 the federation's final version comes (``federation.elastic.final_wait_s``). The facility's checkpoint keeps
-its model, inner optimizer, data position and version; θ_global and the outer state live at the hub.
+its model, inner optimizer, data position and version; θ_global and the outer state live at the hub (with
+``federation.delay=1`` it keeps the round still to go up too: :mod:`.delayed`).
 """
 
 from __future__ import annotations
@@ -292,7 +293,8 @@ class ElasticFederation:
         ``files.theta`` (the hub's, bitwise)."""
         f = self.files
         if joining:
-            out = self.link.join(f.mine, f.theta, done, self.options.elastic.min_facilities, outer=f.outer)
+            out = self.link.join(f.mine, f.theta, done, self.options.elastic.min_facilities, outer=f.outer,
+                                 pending=self._pending_claim())  # fmt: skip
             if out["status"] == "created":  # this facility's parameters are θ_global
                 shutil.copyfile(f.mine, f.theta)
                 if self.codec is not None:
@@ -306,6 +308,11 @@ class ElasticFederation:
             bound = float(self.options.elastic.final_wait_s)
             out = self.link.until_final(lambda: self._exchange(done, tokens), out, done, bound)
         return out
+
+    def _pending_claim(self) -> tuple[int, int] | None:
+        """(step, version) of the round whose upload this facility holds from its checkpoint, which a join names
+        (:mod:`.delayed`); None: nothing is pending."""
+        return None
 
     def _exchange(self, done: int, tokens: float) -> dict:
         """This facility's round at the hub after ``done`` steps: its parameters (or encoded update) up, θ_global

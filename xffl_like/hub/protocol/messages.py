@@ -180,7 +180,9 @@ class SessionRequest(Message):
 @dataclass(frozen=True)
 class JoinRequest(Message):
     """``Join``: the federation's description (:mod:`.spec`), this facility's geometry and job; ``probe``:
-    only check (its launcher, before workers start)."""
+    only check (its launcher, before workers start). ``pending_step`` and ``pending_version``: a facility resumed
+    from a checkpoint with a round still to be exchanged (``federation.delay=1``) names that round, by the step it
+    ended at and the version its upload is taken against; the answer says whether the hub counted it."""
 
     session: str
     spec: dict
@@ -189,6 +191,8 @@ class JoinRequest(Message):
     every: int | None = field(default=None, metadata=_bounds(1, COUNT))
     probe: bool | None = None
     facility: str | None = None
+    pending_step: int | None = field(default=None, metadata=_bounds(1, COUNT))
+    pending_version: int | None = field(default=None, metadata=_bounds(0, COUNT))
 
     def __post_init__(self):
         check_spec(self.spec)  # the whole description, before any handler reads it
@@ -242,7 +246,10 @@ class HubView(Message):
 @dataclass(frozen=True)
 class JoinReply(Message):
     """``Join``'s answer: ``create`` (upload the parameters), ``member``, ``ok`` (a probe), ``retry`` (another
-    facility is creating the federation), with the hub's view."""
+    facility is creating the federation, or the round a resumed facility names is being decided), with the hub's
+    view. To a join that names a pending round (``JoinRequest.pending_step``): ``pending``, ``counted`` (a committed
+    round accepted that upload; ``share``: its weight there, over the round's total), ``open`` (the round at that
+    step, on that version, is the hub's next: upload it) or ``missed`` (it closed without it, or the hub moved on)."""
 
     status: Literal["create", "member", "ok", "retry"]
     version: int = field(metadata=_bounds(0, COUNT))
@@ -250,6 +257,8 @@ class JoinReply(Message):
     ended: bool
     live: tuple[str, ...]
     federation: str | None = None  # its id: a hub started --fresh holds another
+    pending: Literal["counted", "open", "missed"] | None = None
+    share: float | None = field(default=None, metadata=_bounds(0.0, 1.0))
 
 
 @dataclass(frozen=True)

@@ -56,7 +56,10 @@ at another step than the federation's (a fixed ``every``: round ``k`` takes each
 only, :func:`.checks.misaligned`), which then realign their step counter to the version they receive, as a
 joiner does. A round with no accepted contribution commits nothing. The federation ends once: with its round
 ``rounds`` (or, with ``every_s``, the first in which a member reached ``train.steps``); after it every arrival
-heals at once to the final version. Members and their liveness: :mod:`.membership`.
+heals at once to the final version. Members and their liveness: :mod:`.membership`. A member resumed from a checkpoint
+with a round still to go up (``federation.delay=1``) names it when it joins, and hears whether that round counted its
+upload (:meth:`HubFederation._pending`: from the open round, and each member's durable record of the last round that
+accepted it).
 The creator's parameters are spooled to a file too, and version 0 written from it a window at a time.
 """
 
@@ -238,7 +241,29 @@ class HubFederation:
                 self.creator, self.pending_spec = name, msg.spec
             self.members.admit(name, msg.session, msg.geometry, msg.every, msg.steps)
             self.cv.notify_all()
-            return JoinReply("create" if self.spec is None else "member", **vars(self._view()))
+            if self.spec is None or msg.pending_step is None:
+                return JoinReply("create" if self.spec is None else "member", **vars(self._view()))
+            pending, share = self._pending(name, msg.pending_step, msg.pending_version)
+            status = "retry" if pending is None else "member"
+            return JoinReply(status, **vars(self._view()), pending=pending, share=share)
+
+    def _pending(self, name: str, step: int, version: int | None) -> tuple[str | None, float | None]:
+        """Whether the upload a resumed member holds, of its round at ``step`` taken against ``version``, counted
+        (the caller holds the lock): ``counted`` (a committed round at that step accepted it; its share), ``open``
+        (the round at that step on that version is the hub's next: it may upload), ``missed``, or None while the
+        open round holds an upload of its earlier process (that round's decision is the answer: ask again)."""
+        m, r = self.members[name], self.round
+        a = r.arrivals.get(name) if r is not None else None
+        if a is not None:
+            if r.state is not RoundState.OPEN or a.part in (Part.UPLOADING, Part.UPLOADED):
+                return None, None
+            del r.arrivals[name]  # its earlier process arrived and sent nothing that counts: it may arrive again
+        if m.counted == step:
+            return "counted", m.share
+        aligned = checks.misaligned(m, step, self.snap.progress, self.spec) is None
+        if version == self.version and not self.snap.ended and aligned:
+            return "open", None
+        return "missed", None
 
     def _another_creates(self, name: str) -> bool:
         """Whether ``name`` must wait while another facility creates the federation: the creator is live and
@@ -494,7 +519,7 @@ class HubFederation:
         accepted, weights, rejected, healed = self._decide(r)
         if not accepted:
             return Outcome(False, {}, rejected, healed)
-        nxt, members = self._next(r, accepted)
+        nxt, members = self._next(r, accepted, weights)
         total = sum(weights.values())
         key = (r.rid, tuple(accepted), tuple(weights[n] / total for n in accepted))
         ahead, self.ahead = self.ahead, None
@@ -510,7 +535,8 @@ class HubFederation:
             self._keep_relay(r, scales, accepted)
             for n, m in members.items():
                 if n in self.members.members:
-                    self.members[n].last_step, self.members[n].norms = m.last_step, m.norms
+                    held = self.members[n]
+                    held.last_step, held.norms, held.counted, held.share = m.last_step, m.norms, m.counted, m.share
         self.log(
             f"hub: round {r.rid} committed version {self.version}: {', '.join(accepted)}"
             + (f"; rejected {', '.join(rejected)}" if rejected else "")
@@ -608,9 +634,10 @@ class HubFederation:
         for start in range(0, numel, n):
             yield next_window(plan, saved, readers, start, stack[:, : min(n, numel - start)])
 
-    def _next(self, r: Round, accepted: dict[str, Arrival]) -> tuple[store.Snapshot, dict]:
+    def _next(self, r: Round, accepted: dict[str, Arrival], weights: dict[str, float]) -> tuple[store.Snapshot, dict]:
         """The next version's description (its tensors are computed as it is saved, :meth:`_apply`), and its
-        members' history; the hub's stays as it is until it is saved."""
+        members' history (with each accepted member's step and share: :meth:`_pending`'s record); the hub's stays as
+        it is until it is saved."""
         s = self.snap
         with self.cv:
             members = {n: dataclasses.replace(m, norms=list(m.norms)) for n, m in self.members.members.items()}
@@ -618,7 +645,8 @@ class HubFederation:
         progress = max([s.progress] + [-(-accepted[n].step // e) for n, e in every.items()])
         for n, a in r.arrivals.items():  # a member that healed realigns to the federation's step (every_s: its own)
             step = a.step if n in accepted or not members[n].every else checks.federation_step(members[n], progress)
-            members[n].accepted(step, a.norm if n in accepted else None)
+            share = weights[n] / sum(weights.values()) if n in accepted else None
+            members[n].accepted(step, a.norm if n in accepted else None, share)
         ended = s.ended or self._ends(accepted, progress)
         nxt = dataclasses.replace(s, version=s.version + 1, theta=None, buffers={}, outer_steps=s.outer_steps + 1,
                                   progress=progress, ended=ended,

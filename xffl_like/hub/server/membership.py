@@ -34,20 +34,28 @@ class Member:
     last_step: int | None = None
     norms: list[float] = field(default_factory=list)
     left: bool = False
+    counted: int | None = None  # the step of the last round that accepted its contribution
+    share: float | None = None  # its weight in that round, over the round's total
+
+    def history(self) -> dict[str, Any]:
+        """What a member coming back (another session, a restarted hub) keeps."""
+        return {"last_step": self.last_step, "norms": self.norms, "counted": self.counted, "share": self.share}
 
     def live(self, now: float) -> bool:
         return not self.left and now - self.beat < LIVE_S
 
     def durable(self) -> dict[str, Any]:
         """What the state keeps of it across restarts."""
-        return {"geometry": self.geometry.to_json(), "every": self.every, "steps": self.steps,
-                "last_step": self.last_step, "norms": self.norms}  # fmt: skip
+        return {"geometry": self.geometry.to_json(), "every": self.every, "steps": self.steps, **self.history()}
 
-    def accepted(self, step: int, norm: float | None) -> None:
-        """A round at ``step`` committed; ``norm``: its accepted update's (None: not accepted)."""
+    def accepted(self, step: int, norm: float | None, share: float | None = None) -> None:
+        """A round at ``step`` committed; ``norm``: its accepted update's, ``share``: its weight (None: not
+        accepted)."""
         self.last_step = step
         if norm is not None:
             self.norms = (self.norms + [norm])[-HISTORY:]
+        if share is not None:
+            self.counted, self.share = step, share
 
 
 class Membership:
@@ -58,6 +66,7 @@ class Membership:
         for name, d in (saved or {}).items():
             m = Member(name, "", Geometry.from_json(d["geometry"]), d["every"], d["steps"], beat=-math.inf)
             m.last_step, m.norms = d["last_step"], list(d["norms"])
+            m.counted, m.share = d.get("counted"), d.get("share")  # absent from a state saved before them
             self.members[name] = m
 
     def __getitem__(self, name: str) -> Member:
@@ -88,7 +97,7 @@ class Membership:
         member = Member(name, session, geometry, every, steps)
         held = self.members.get(name)
         if held is not None:
-            member.norms = held.norms
+            member.norms, member.counted, member.share = held.norms, held.counted, held.share
         self.members[name] = member
         return member
 

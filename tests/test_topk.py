@@ -317,10 +317,11 @@ def test_the_hubs_codec_encodes_window_by_window_the_bytes_of_the_whole(kind, to
     assert whole.numel() == codec.nbytes
     if kind == "topk":
         assert bytes(whole.numpy()) == ref_encode(x.numpy(), 100, *topk)
-    step = codec.window(1000)
-    parts = [codec.encode_window(x[s : s + step], s) for s in range(0, numel, step)]
+    windows = codec.windows(1000)
+    assert len(windows) > 1 and [s for s, _ in windows] == list(range(0, numel, windows[0][1]))
+    parts = [codec.encode_window(x[s : s + n], s) for s, n in windows]
     assert torch.equal(torch.cat(parts), whole)
-    decoded = [codec.decode_window(m, s, min(step, numel - s)) for m, s in zip(parts, range(0, numel, step))]
+    decoded = [codec.decode_window(m, s, n) for m, (s, n) in zip(parts, windows)]
     assert torch.equal(torch.cat(decoded), codec.decode(whole))
     stream = torch.cat([v for _, v in codec.decode_stream(io.BytesIO(whole.numpy().tobytes()).read)])
     assert torch.equal(stream[:numel], codec.decode(whole))

@@ -103,7 +103,7 @@ def test_the_hubs_codec_reads_what_the_facility_wrote(opts):
     mine = make_codec(numel, 1000, opts, SHAPES)
     messages = [mine.encode(x) for x in xs]
     assert all(torch.equal(hub.encode(x), m) for x, m in zip(xs, messages))
-    assert hub.window(1000) == numel and torch.equal(hub.encode_window(xs[0], 0), messages[0])
+    assert torch.equal(torch.cat([hub.encode_window(xs[0][s : s + n], s) for s, n in hub.windows(1000)]), messages[0])
     stream = torch.cat([v for _, v in hub.decode_stream(io.BytesIO(messages[0].numpy().tobytes()).read)])
     assert torch.equal(stream, mine.decode(messages[0]))
     fold, weights = hub.fold(torch.zeros(numel), [1.0, 1.0])
@@ -114,6 +114,33 @@ def test_the_hubs_codec_reads_what_the_facility_wrote(opts):
     for m, w in zip(messages, fold_weights([0.5, 0.5], opts.mean)):
         one.add(*mine.decode_sparse(m), w)
     assert torch.equal(fold.finish(), one.finish())
+
+
+def test_the_leader_encodes_whole_tensors_a_window_at_a_time():
+    """The hub's leader encodes and decodes its update a window of whole tensors at a time (it never holds the whole
+    model): windows of at most ``about`` values unless one tensor is larger, whose bytes are the whole message's and
+    whose values are the numpy reference's (SparseLoCo's tiles and bins per tensor), at the reference's positions."""
+    rng = np.random.default_rng(4)
+    x = [_heavy(s, rng) for s in SHAPES]
+    numel = sum(t.size for t in x)
+    codec = UpdateCodec("topk", numel, 4096, PRESET, [list(s) for s in SHAPES])
+    windows = codec.windows(7000)  # 24576 values alone; 6144 + 64 + 100 together; 1500
+    bounds = np.cumsum([0] + [t.size for t in x]).tolist()
+    assert windows == [(0, 24576), (24576, 6308), (30884, 1500)]
+    assert all(s in bounds and s + n in bounds for s, n in windows)
+    flat = _flat(x)
+    parts = [codec.encode_window(flat[s : s + n], s) for s, n in windows]
+    assert torch.equal(torch.cat(parts), codec.encode(flat))
+    decoded = torch.cat([codec.decode_window(m, s, n) for m, (s, n) in zip(parts, windows)])
+    assert torch.equal(decoded, codec.decode(codec.encode(flat)))
+    want = np.zeros(numel, dtype=np.float32)
+    for t, start in zip(x, bounds):
+        sent, values = compress(t.reshape(-1).copy(), t.shape)
+        want[start + sent] = values
+    assert np.array_equal(decoded.numpy() != 0, want != 0)  # the same positions (no kept value decodes to 0 here)
+    assert float(np.abs(decoded.numpy() - want).max()) <= ATOL
+    with pytest.raises(ValueError, match="cuts a tensor"):
+        codec.encode_window(flat[:1000], 0)
 
 
 @pytest.mark.parametrize(

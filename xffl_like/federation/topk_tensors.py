@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fractions import Fraction
 
 import torch
@@ -148,9 +148,17 @@ class TensorCodec:
     """The top-k message of ``numel`` fp32 values by tensor (``shapes``, in order) or by flat chunk, with the
     ``opts.quantizer`` (see the module's docstring for the bytes)."""
 
-    def __init__(self, numel: int, chunk_size: int, opts: TopkOptions, shapes: Sequence[Sequence[int]] | None = None):
+    def __init__(
+        self,
+        numel: int,
+        chunk_size: int,
+        opts: TopkOptions,
+        shapes: Sequence[Sequence[int]] | None = None,
+        blocks: list[Block] | None = None,
+    ):
+        """``blocks``: the blocks themselves (:meth:`part`), instead of cutting them from ``shapes``."""
         self.numel, self.chunk_size, self.opts, self.bits = numel, chunk_size, opts, opts.bits
-        self.blocks = _blocks(numel, chunk_size, opts, shapes)
+        self.blocks = blocks if blocks is not None else _blocks(numel, chunk_size, opts, shapes)
         self.bins = 1 << opts.bits if opts.quantizer == "bins" else 0
         self.levels = (1 << (opts.bits - 1)) - 1
         self.nbytes = sum(self._sizes(b)[3] for b in self.blocks)
@@ -166,6 +174,30 @@ class TensorCodec:
         head = 4 * (1 + self.bins) if self.bins else 4 * b.chunks
         ib, cb = -(-k * _width(b.length) // 8), -(-k * self.bits // 8)
         return k, head, ib, head + b.chunks * (ib + cb)
+
+    # ------------------------------------------------------------------ windows
+    def windows(self, about: int) -> list[tuple[int, int]]:
+        """``(start, numel)`` of consecutive windows of whole tensors (blocks) covering the ``numel`` values: as many
+        tensors as fit in ``about`` values, a larger tensor alone. A tensor's bytes depend on its values alone (its
+        tiles, its bins), so the message is the concatenation of its windows' messages (:meth:`part`)."""
+        out, start, end = [], 0, 0
+        for b in self.blocks:
+            stop = b.offset + b.numel
+            if end > start and stop - start > about:
+                out.append((start, end - start))
+                start = end
+            end = stop
+        out.append((start, self.numel - start))  # the last one, through the empty tensors after it
+        return [w for w in out if w[1] > 0]
+
+    def part(self, start: int, numel: int) -> TensorCodec:
+        """The codec of ``numel`` values from ``start``, a run of whole tensors (a window of :meth:`windows`): its
+        message is the whole message's bytes there."""
+        stop = start + numel
+        if any(b.offset < start < b.offset + b.numel or b.offset < stop < b.offset + b.numel for b in self.blocks):
+            raise ValueError(f"top-k window of {numel} values from {start} cuts a tensor: use the codec's windows")
+        inside = [replace(b, offset=b.offset - start) for b in self.blocks if start <= b.offset < stop]
+        return TensorCodec(numel, self.chunk_size, self.opts, blocks=inside)
 
     # ------------------------------------------------------------------ encode
     def encode(self, update: Tensor) -> Tensor:

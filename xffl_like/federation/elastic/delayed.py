@@ -283,10 +283,10 @@ class EagerElasticFederation(DelayedElasticFederation):
         outs = [open(p.with_name(f"{p.name}.next"), "wb") for p in names]
         paths = (f.mine, self.own_delta, f.theta, self.prev if landed else f.theta) + ((f.ef,) if final else ())
         ins = [open(p, "rb") for p in paths]
-        step = self.codec.window(_WINDOW) if final else _WINDOW  # whole chunks of the message
+        whole = [(first, min(_WINDOW, self.numel - first)) for first in range(0, self.numel, _WINDOW)]
+        windows = self.codec.windows(_WINDOW) if final else whole  # whole chunks (tensors) of the message
         try:
-            for first in range(0, self.numel, step):
-                n = min(step, self.numel - first)
+            for first, n in windows:
                 x, before, theta, prev, *ef = (_read_into(fh, torch.empty(n, dtype=torch.float32)) for fh in ins)
                 own, buffers = state.read(first, first + n)
                 delta = torch.sub(own, x)

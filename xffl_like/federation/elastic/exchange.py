@@ -372,7 +372,7 @@ class ElasticFederation:
         lost (with error feedback). Nothing is held whole: ``ef`` is ``files.ef``. With ``topk`` the carried
         residual ``ef - θ_global`` (θ_global: ``files.theta``, the last one this facility holds) first decays:
         the update is ``decay * (ef - θ_global) + θ_global - θ_f``."""
-        f, step, decay = self.files, self.codec.window(_WINDOW), self.decay
+        f, decay = self.files, self.decay
         with (
             open(f.ef, "rb") as ef,
             open(f.mine, "rb") as mine,
@@ -380,8 +380,7 @@ class ElasticFederation:
             open(f.message, "wb") as message,
             open(f.residual, "wb") as residual,
         ):
-            for start in range(0, self.numel, step):
-                n = min(step, self.numel - start)
+            for start, n in self.codec.windows(_WINDOW):
                 held = _read_into(ef, torch.empty(n, dtype=torch.float32))
                 update = held - _read_into(mine, torch.empty(n, dtype=torch.float32))
                 if decay != 1.0:  # minus (1 - decay) of the residual

@@ -71,24 +71,27 @@ class UpdateCodec:
             return self.topk.encode(update)
         return codec.compress(update.reshape(-1), self.chunks).view(-1)
 
-    def window(self, about: int) -> int:
-        """Values per window of :meth:`encode_window`: ``about``, rounded to whole chunks (at least one)."""
-        if isinstance(self.topk, TensorCodec):  # chunks and quantization by tensor: one window
-            return max(1, self.numel)
+    def windows(self, about: int) -> list[tuple[int, int]]:
+        """``(start, numel)`` of the windows of :meth:`encode_window`, in order, covering the values: about ``about``
+        values each, in whole chunks (at least one); by tensor (``chunks=tiles`` or ``quantizer=bins``), whole
+        tensors (:meth:`.topk_tensors.TensorCodec.windows`: a tensor larger than ``about`` alone)."""
+        if isinstance(self.topk, TensorCodec):
+            return self.topk.windows(about)
         unit = 1 if self.kind == "bf16" else self.chunk_size if self.topk is not None else self.length
-        return max(unit, about // unit * unit)
+        step = max(unit, about // unit * unit)
+        return [(start, min(step, self.numel - start)) for start in range(0, self.numel, step)]
 
     def _part(self, numel: int) -> TopkCodec:
         """The top-k codec of a window of ``numel`` values: its chunks are the whole message's there."""
         return TopkCodec(numel, self.chunk_size, self.density, self.bits)
 
     def encode_window(self, values: Tensor, start: int) -> Tensor:
-        """The bytes of the message that encode ``values``, the values from ``start`` on (a multiple of
-        :meth:`window`'s unit): the same bytes as :meth:`encode` of the whole gives there."""
+        """The bytes of the message that encode ``values``, the values of a window from ``start`` (of
+        :meth:`windows`): the same bytes as :meth:`encode` of the whole gives there."""
         if self.kind == "bf16":
             return values.reshape(-1).to(torch.bfloat16).view(torch.uint8)
         if isinstance(self.topk, TensorCodec):
-            return self.topk.encode(values.reshape(-1).contiguous())
+            return self.topk.part(start, values.numel()).encode(values.reshape(-1).contiguous())
         if self.topk is not None:
             return self._part(values.numel()).encode(values.reshape(-1).contiguous())
         rows = math.ceil(values.numel() / self.length)
@@ -102,7 +105,7 @@ class UpdateCodec:
         if self.kind == "bf16":
             return message.view(torch.bfloat16).float()
         if isinstance(self.topk, TensorCodec):
-            return self.topk.decode(message)
+            return self.topk.part(start, numel).decode(message)
         if self.topk is not None:
             return self._part(numel).decode(message)
         return codec.decompress(message.view(-1, codec.HEADER_BYTES + self.length), numel)

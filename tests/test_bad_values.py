@@ -157,8 +157,8 @@ BAD = [
         "federation.topk.mean='weighted' contradicts federation/topk=sparseloco, which sets it to 'senders'",
     ),
     (
-        ["federation.compression=topk", "federation.topk.chunks=tiles", "federation.topk.tile=16"],
-        "federation.topk.density=0.02 x tile^2 (16x16) is not a whole number of values",
+        ["federation.compression=topk", "federation.topk.tile=12"],
+        "federation.topk.density=0.03125 x tile^2 (12x12) is not a whole number of values",
     ),
     (
         ["federation.compression=topk", "federation.error_feedback=true", "federation.topology=ring"],

@@ -161,10 +161,10 @@ def test_topk_through_the_hub(hub, tmp_path):
     through the hub. Each facility's message is the reference encoding (tests/test_topk.py, numpy) of its update
     recomputed here: decay x its residual plus θ_global minus its parameters; each round's θ_global is the
     previous one minus outer.lr x the tokens-weighted mean of the messages decoded here; both copies equal."""
-    from helpers.topk_reference import ref_decode, ref_encode
+    from helpers.topk_reference import FLAT_LEVELS, ref_decode, ref_encode
 
     t = TOPK
-    extra = ["federation.weights=tokens", "federation.compression=topk", "federation.error_feedback=true",
+    extra = ["federation.weights=tokens", "federation.compression=topk", "federation.error_feedback=true", *FLAT_LEVELS,
              f"federation.chunk_size={t['chunk']}", f"federation.topk.density={t['density']}",
              f"federation.topk.bits={t['bits']}", f"federation.topk.decay={t['decay']}",
              "federation.outer.name=average", f"federation.outer.lr={t['lr']}", "federation.elastic.min_facilities=2",

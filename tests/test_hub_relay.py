@@ -76,7 +76,7 @@ def _config(address: str, name: str, aggregate: str = "mean") -> FederationConfi
         compression="topk",
         chunk_size=CHUNK,
         error_feedback=True,
-        topk=TopkConfig(density=DENSITY, bits=BITS, decay=0.95),
+        topk=TopkConfig(density=DENSITY, bits=BITS, decay=0.95, mean="weighted", quantizer="levels", chunks="flat"),
         elastic=ElasticConfig(hub=address, facility=name, timeout_s=30.0, aggregate=aggregate),
     )
 

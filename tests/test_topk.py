@@ -203,16 +203,12 @@ def test_encode_refuses_non_finite_values():
         (dict(topk=dict(bits=3)), "federation.topk.bits=3: use 2, 4 or 8"),
         (dict(topk=dict(decay=1.5)), "federation.topk.decay=1.5: must be a number in [0, 1]"),
         (dict(error_feedback=False), "federation.error_feedback=false with federation.compression=topk"),
-        (dict(topk=dict(chunks="tiles")), "federation.topk.density=0.02 x tile^2 (64x64) is not a whole number"),
+        (dict(topk=dict(density=0.02)), "federation.topk.density=0.02 x tile^2 (64x64) is not a whole number"),
         (dict(topk=dict(chunks="tiles", tile=0)), "federation.topk.tile=0: must be an integer in 1..4096"),
         (dict(topk=dict(mean="median")), "federation.topk.mean='median': use weighted or senders"),
         (dict(topk=dict(quantizer="ternary")), "federation.topk.quantizer='ternary': use levels or bins"),
         (
-            dict(
-                topk=dict(
-                    preset="sparseloco", density=0.03125, chunks="tiles", quantizer="bins", mean="senders", decay=0.9
-                )
-            ),
+            dict(topk=dict(preset="sparseloco", decay=0.9)),
             "federation.topk.decay=0.9 contradicts federation/topk=sparseloco, which sets it to 0.95",
         ),
         (dict(topk=dict(preset="sparse")), "federation.topk.preset='sparse': use federation/topk=sparseloco"),

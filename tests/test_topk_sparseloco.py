@@ -226,11 +226,11 @@ def test_the_preset_sets_every_choice_and_topk_alone_carries_its_feedback():
     cfg = _validated(["federation/topk=sparseloco"])
     assert (cfg.compression, cfg.feedback, cfg.outer.name, cfg.outer.lr) == ("topk", True, "average", 1.0)
     t = cfg.topk
-    assert (t.density, t.bits, t.decay, t.mean, t.quantizer, t.chunks, t.tile) == (
-        0.03125, 2, 0.95, "senders", "bins", "tiles", 64
-    )  # fmt: skip
+    choices = lambda t: (t.density, t.bits, t.decay, t.mean, t.quantizer, t.chunks, t.tile)  # noqa: E731
+    assert choices(t) == (0.03125, 2, 0.95, "senders", "bins", "tiles", 64)
     alone = _validated(["federation.compression=topk"])
     assert alone.error_feedback is None and alone.feedback  # topk's accumulator, without spelling it out
+    assert choices(alone.topk) == choices(t) and (alone.outer.name, alone.outer.lr) == ("average", 1.0)  # the default
     assert not _validated(["federation.compression=uint8"]).feedback  # the others' default is unchanged
     assert _validated(["+experiment=diloco", "federation/topk=sparseloco", "federation.outer.lr=1.0"]).topk.preset
 

@@ -81,11 +81,18 @@ def ref_decode(data: bytes, numel: int, chunk: int, density: float, bits: int) -
     return out
 
 
+#: The flat codec this module writes again (flat chunks, symmetric levels, the weighted mean): top-k's choices
+#: before SparseLoCo's became its defaults (issue 39), spelled out.
+FLAT_LEVELS = ["federation.topk.chunks=flat", "federation.topk.quantizer=levels", "federation.topk.mean=weighted"]
+
+
 def topk_overrides(chunk: int, density: float, bits: int, decay: float) -> list[str]:
-    """A job's overrides for ``compression=topk`` with these settings (error feedback on, as topk needs)."""
+    """A job's overrides for ``compression=topk`` with these settings and this module's codec (:data:`FLAT_LEVELS`;
+    error feedback on, as topk needs)."""
     return [
         "federation.compression=topk",
         "federation.error_feedback=true",
+        *FLAT_LEVELS,
         f"federation.chunk_size={chunk}",
         f"federation.topk.density={density}",
         f"federation.topk.bits={bits}",

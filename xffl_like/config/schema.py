@@ -271,7 +271,7 @@ class TopkConfig(Section):
     decay: float = 0.95  # the error-feedback accumulator's decay beta: e = beta * e + update (SparseLoCo: 0.95)
     mean: str = "senders"  # senders (per index over who sent it, SparseLoCo) | weighted (w_f / sum w, unsent counts 0)
     quantizer: str = "bins"  # bins (2**bits bins per tensor, SparseLoCo) | levels (symmetric, a scale per chunk)
-    chunks: str = "tiles"  # tiles (tile x tile of each tensor, SparseLoCo) | flat (chunk_size values of the flat vector)
+    chunks: str = "tiles"  # tiles (tile x tile of each tensor, SparseLoCo) | flat (chunk_size values, the flat vector)
     tile: int = 64  # chunks=tiles: the tile's side (a dimension's largest divisor <= tile)
     preset: str | None = None  # set by federation/topk=NAME (conf/federation/topk/): its keys are checked
 

@@ -17,7 +17,8 @@ codec in where its chunks lie and how it quantizes the values it keeps:
   ``v``: ``shift = mean(v)``, ``s = 6 sigma / bins`` (sigma the unbiased standard deviation of ``v - shift``;
   ``s = 1`` where that is 0 or not finite), code ``c = clamp(round((v - shift) / s + bins // 2), 0, bins-1)``;
   code ``c`` decodes to ``shift + lookup[c]``, ``lookup[c]`` the mean of the centred values of bin ``c``
-  (0 for an empty bin). ``quantizer=levels`` keeps :mod:`.topk`'s symmetric levels, one scale per chunk.
+  (0 for an empty bin). ``shift``, sigma and ``lookup`` are summed in float64, then rounded to float32.
+  ``quantizer=levels`` keeps :mod:`.topk`'s symmetric levels, one scale per chunk.
 
 A tensor's bytes (tensors in order; ``flat``: the full chunks, then the last one, as two "tensors"):
 the header (``bins``: ``shift`` and the ``bins`` lookup values; ``levels``: every chunk's scale: float32,
@@ -128,19 +129,21 @@ def _blocks(numel: int, chunk_size: int, opts: TopkOptions, shapes: Sequence[Seq
 
 
 def _bins_encode(values: Tensor, bins: int) -> tuple[Tensor, Tensor]:
-    """``quantizer=bins`` over all of a tensor's kept ``values``: (header ``[shift, lookup...]``, codes)."""
+    """``quantizer=bins`` over all of a tensor's kept ``values``: (header ``[shift, lookup...]``, codes). The
+    statistics are summed in float64 and rounded once to float32, so they do not depend on the order of the sums
+    (a reference in numpy finds the same bits)."""
     v = values.reshape(-1)
-    shift = v.mean()
+    shift = v.double().mean().float()
     centred = v - shift
     n = v.numel()
-    std = centred.norm() / math.sqrt(n - 1) if n > 1 else torch.zeros((), dtype=v.dtype, device=v.device)
+    std = (centred.double().square().sum().sqrt() / math.sqrt(n - 1)).float() if n > 1 else centred.new_zeros(())
     scale = RANGE_SIGMAS * std / bins
     if not (torch.isfinite(scale) and scale != 0):
         scale = torch.ones((), dtype=v.dtype, device=v.device)
     codes = (centred / scale + bins // 2).round().clamp(0, bins - 1).long()
-    sums = torch.zeros(bins, dtype=torch.float32, device=v.device).scatter_add_(0, codes, centred)
-    counts = torch.zeros(bins, dtype=torch.float32, device=v.device).scatter_add_(0, codes, torch.ones_like(centred))
-    lookup = torch.where(counts > 0, sums / torch.where(counts > 0, counts, 1.0), 0.0)
+    sums = torch.zeros(bins, dtype=torch.float64, device=v.device).scatter_add_(0, codes, centred.double())
+    counts = torch.bincount(codes, minlength=bins).double()
+    lookup = torch.where(counts > 0, sums / counts.clamp(min=1), 0.0).float()
     return torch.cat([shift.view(1), lookup]), codes.view(values.shape)
 
 

@@ -153,8 +153,8 @@ BAD = [
     ),
     # issue 39: SparseLoCo's choices (a preset and a contradicting key; tiles that do not divide)
     (
-        ["federation/topk=sparseloco", "federation.topk.mean=weighted"],
-        "federation.topk.mean='weighted' contradicts federation/topk=sparseloco, which sets it to 'senders'",
+        ["federation/topk=sparseloco", "federation.topk.decay=0.9"],
+        "federation.topk.decay=0.9 contradicts federation/topk=sparseloco, which sets it to 0.95",
     ),
     (
         ["federation.compression=topk", "federation.topk.tile=12"],

@@ -19,7 +19,8 @@ from xffl_like.hub.protocol.spec import first_difference
 from xffl_like.hub.server.federation import HubFederation
 from xffl_like.hub.server.latency import LINE
 
-TOPK = {"kind": "topk", "chunk_size": 4096, "error_feedback": True, "density": 0.02, "bits": 2, "decay": 0.95}
+TOPK = {"kind": "topk", "chunk_size": 4096, "error_feedback": True, "density": 0.03125, "bits": 2, "decay": 0.95,
+        "chunks": "tiles", "quantizer": "bins", "mean": "senders"}  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -45,11 +46,15 @@ def test_a_facility_with_another_compression_or_delay_is_refused_in_one_line(hub
 def test_the_first_compression_setting_that_differs_is_named_with_its_key():
     base = spec_of(N)
     theirs = {**base, "compression": TOPK}
-    denser = {**base, "compression": {**TOPK, "density": 0.05}}
+    denser = {**base, "compression": {**TOPK, "density": 0.0625}}
     assert first_difference(denser, theirs).startswith(
-        "federation.topk.density: 0.05 here, 0.02 in the federation: every facility of a federation must use the same;"
+        "federation.topk.density: 0.0625 here, 0.03125 in the federation: every facility of a federation must use the "
+        "same;"
     )
-    assert first_difference(denser, theirs).endswith("run this facility with federation.topk.density=0.02")
+    assert first_difference(denser, theirs).endswith("run this facility with federation.topk.density=0.03125")
+    smaller = {**base, "compression": {**TOPK, "tile": 32}}
+    assert first_difference(smaller, theirs).startswith("federation.topk.tile: 32 here, 64 in the federation")
+    assert first_difference(smaller, theirs).endswith("run this facility with federation.topk.tile=64")
     no_ef = {**base, "compression": {**TOPK, "error_feedback": False}}
     assert first_difference(no_ef, theirs).endswith("federation.error_feedback=true")
     assert first_difference({**base, "delay": 0}, base) is None  # a federation saved before the key: delay 0

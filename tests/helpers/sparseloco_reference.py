@@ -128,10 +128,12 @@ def ref_encode(x: np.ndarray, shapes, density: float = DENSITY, tile: int = TILE
     return bytes(out)
 
 
-def ref_decode(data: bytes, shapes, density: float = DENSITY, tile: int = TILE, bits: int = 2) -> np.ndarray:
-    """The flat fp32 values :func:`ref_encode`'s ``data`` carries (zero where nothing was sent)."""
+def ref_decode(data: bytes, shapes, density: float = DENSITY, tile: int = TILE, bits: int = 2):
+    """(the flat fp32 values :func:`ref_encode`'s ``data`` carries, zero where nothing was sent; a mask of the values
+    sent)."""
     total = sum(int(np.prod(s)) for s in shapes)
     out, offset, at, bins = np.zeros(total, dtype=np.float32), 0, 0, 1 << bits
+    sent = np.zeros(total, dtype=bool)
     for shape in shapes:
         n = int(np.prod(shape))
         if n == 0:
@@ -148,10 +150,25 @@ def ref_decode(data: bytes, shapes, density: float = DENSITY, tile: int = TILE, 
         for c in range(chunks):
             codes = _unpack(data[at : at + -(-k * bits // 8)], k, bits)
             at += -(-k * bits // 8)
+            assert all(b > a for a, b in zip(index[c], index[c][1:])) and max(index[c]) < length
             out[offset + pos[c][index[c]]] = (head[1:][codes] + head[0]).astype(np.float32)
+            sent[offset + pos[c][index[c]]] = True
         offset += n
     assert at == len(data), f"{len(data) - at} bytes left"
-    return out
+    return out, sent
+
+
+def sender_mean(decoded: list[np.ndarray], sent: list[np.ndarray], weights: list[float]) -> np.ndarray:
+    """Per index the weighted mean over the facilities that sent it (0 where none did), in float64."""
+    num = sum(np.float64(w) * d.astype(np.float64) * s for d, s, w in zip(decoded, sent, weights))
+    den = sum(np.float64(w) * s for s, w in zip(sent, weights))
+    return np.where(den > 0, num / np.where(den > 0, den, 1), 0.0)
+
+
+def topk_overrides(density: float, bits: int, decay: float, tile: int = TILE) -> list[str]:
+    """A job's overrides for ``compression=topk`` with these settings."""
+    return ["federation.compression=topk", f"federation.topk.density={density}", f"federation.topk.bits={bits}",
+            f"federation.topk.decay={decay}", f"federation.topk.tile={tile}"]  # fmt: skip
 
 
 def outer_round(theta: list[np.ndarray], local: list[list[np.ndarray]], errors: list[list[np.ndarray]]):

@@ -135,7 +135,7 @@ def _job(args: list[str], run_dir: Path, env: dict) -> subprocess.Popen:
 
 
 def measure(model: str, compression: str, work: Path, timeout: float = 900.0, extra: tuple[str, ...] = ()) -> dict:
-    """``extra``: more overrides of the federated facilities (e.g. ``federation.topk.chunks=flat``)."""
+    """``extra``: more overrides of the federated facilities (e.g. ``federation.topk.tile=32``)."""
     try:
         return _measure(model, compression, work, timeout, extra)
     finally:  # the jobs run in their own process groups: none outlives a failure (or Ctrl-C) here

@@ -266,13 +266,10 @@ class OuterConfig(Section):
 class TopkConfig(Section):
     """``federation.topk``: ``compression=topk``, SparseLoCo's sparse messages (``federation/topk.py``)."""
 
-    density: float = 0.03125  # fraction of each chunk's values sent, in (0, 1] (128 of a 64 x 64 tile)
-    bits: int = 2  # 2 | 4 | 8: the sent values' quantization, per chunk
+    density: float = 0.03125  # fraction of each tile's values sent, in (0, 1] (128 of a 64 x 64 tile)
+    bits: int = 2  # 2 | 4 | 8: the sent values' quantization, 2**bits bins per tensor
     decay: float = 0.95  # the error-feedback accumulator's decay beta: e = beta * e + update (SparseLoCo: 0.95)
-    mean: str = "senders"  # senders (per index over who sent it, SparseLoCo) | weighted (w_f / sum w, unsent counts 0)
-    quantizer: str = "bins"  # bins (2**bits bins per tensor, SparseLoCo) | levels (symmetric, a scale per chunk)
-    chunks: str = "tiles"  # tiles (tile x tile of each tensor, SparseLoCo) | flat (chunk_size values, the flat vector)
-    tile: int = 64  # chunks=tiles: the tile's side (a dimension's largest divisor <= tile)
+    tile: int = 64  # the tile's side (a dimension's largest divisor <= tile)
     preset: str | None = None  # set by federation/topk=NAME (conf/federation/topk/): its keys are checked
 
 

@@ -5,7 +5,8 @@ Three runs on this machine, one after the other:
 
 1. the facility alone (``distributed.federated=null``, no federation): its leader's peak;
 2. two facilities (one process each) through an ``--insecure`` hub on loopback, Nesterov outer
-   optimizer (one state buffer), ``--compression`` as given (``topk``: 2%, 2 bits, with error feedback):
+   optimizer (one state buffer), ``--compression`` as given (``topk``: its defaults, SparseLoCo's tiles and
+   bins, with error feedback; ``--set KEY=VALUE ...``: more overrides of the facilities):
    the leader's peak (its ``summary.json``'s ``peak_rss_mb``) and the hub's: the peak of its anonymous
    resident memory (``RssAnon`` of ``/proc/PID/status``, sampled every 20 ms while the facilities run; its
    idle value is read after it starts serving). Not ``VmRSS``/``VmHWM``: those count the pages of the state

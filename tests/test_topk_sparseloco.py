@@ -119,10 +119,14 @@ def test_the_hubs_codec_reads_what_the_facility_wrote(opts):
     assert torch.equal(fold.finish(), one.finish())
 
 
-def test_the_leader_encodes_whole_tensors_a_window_at_a_time():
+def test_the_leader_encodes_whole_tensors_a_window_at_a_time(monkeypatch):
     """The hub's leader encodes and decodes its update a window of whole tensors at a time (it never holds the whole
     model): windows of at most ``about`` values unless one tensor is larger, whose bytes are the whole message's and
-    whose values are the numpy reference's (SparseLoCo's tiles and bins per tensor), at the reference's positions."""
+    the numpy reference's (SparseLoCo's tiles and bins per tensor; a tensor's tiles ranked a band of rows of tiles
+    at a time), whose values are the reference's, and whose residual is the update less them where they were sent."""
+    from xffl_like.federation import topk_tensors
+
+    monkeypatch.setattr(topk_tensors, "_BAND", 4096)  # 2 bands of 1 row of tiles in (128, 192) and in (96, 64)
     rng = np.random.default_rng(4)
     x = [_heavy(s, rng) for s in SHAPES]
     numel = sum(t.size for t in x)
@@ -134,6 +138,7 @@ def test_the_leader_encodes_whole_tensors_a_window_at_a_time():
     flat = _flat(x)
     parts = [codec.encode_window(flat[s : s + n], s) for s, n in windows]
     assert torch.equal(torch.cat(parts), codec.encode(flat))
+    assert codec.encode(flat).numpy().tobytes() == ref_encode(flat.numpy(), SHAPES)
     decoded = torch.cat([codec.decode_window(m, s, n) for m, (s, n) in zip(parts, windows)])
     assert torch.equal(decoded, codec.decode(codec.encode(flat)))
     want = np.zeros(numel, dtype=np.float32)
@@ -141,6 +146,10 @@ def test_the_leader_encodes_whole_tensors_a_window_at_a_time():
         sent, values = compress(t.reshape(-1).copy(), t.shape)
         want[start + sent] = values
     assert np.array_equal(decoded.numpy(), want) and np.count_nonzero(want) == 768 + 192 + 2 + 4 + 47
+    residual = torch.cat([codec.take_sent(flat[s : s + n].clone(), m, s) for m, (s, n) in zip(parts, windows)])
+    sent = ref_decode(ref_encode(flat.numpy(), SHAPES), SHAPES)[1]
+    assert np.array_equal(residual.numpy()[~sent], flat.numpy()[~sent])
+    assert np.array_equal(residual.numpy()[sent], flat.numpy()[sent] - want[sent])
     with pytest.raises(ValueError, match="cuts a tensor"):
         codec.encode_window(flat[:1000], 0)
 

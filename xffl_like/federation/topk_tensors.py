@@ -37,6 +37,7 @@ from torch import Tensor
 __all__ = ["BITS", "MAX_TILE", "TensorCodec", "TopkOptions", "options_of", "side"]
 
 BITS = (2, 4, 8)
+_BAND = 1 << 20  # values of a tensor cut into tiles and ranked at a time (bounds the working memory)
 MAX_TILE = 4096  # a tile of at most 2**24 values: its indices in at most 24 bits
 RANGE_SIGMAS = 6  # SparseLoCo's quantization_range
 
@@ -121,11 +122,15 @@ class Block:
     def length(self) -> int:
         return self.h * self.w
 
-    def tiles(self, flat: Tensor) -> Tensor:
-        """This block's values of ``flat`` (the whole vector) as ``[chunks, length]``."""
-        x = flat[self.offset : self.offset + self.numel]
-        y, xs = self.rows // self.h, self.cols // self.w
-        return x.view(y, self.h, xs, self.w).permute(0, 2, 1, 3).reshape(self.chunks, self.length)
+    def bands(self, flat: Tensor) -> Iterator[Tensor]:
+        """This block's values of ``flat`` (the whole vector) as ``[chunks, length]`` tiles, in order, a band of
+        whole rows of tiles (about :data:`_BAND` values) at a time."""
+        y, xs, row = self.rows // self.h, self.cols // self.w, self.h * self.cols
+        per = max(1, _BAND // row)
+        for first in range(0, y, per):
+            n = min(per, y - first)
+            x = flat[self.offset + first * row : self.offset + (first + n) * row]
+            yield x.view(n, self.h, xs, self.w).permute(0, 2, 1, 3).reshape(n * xs, self.length)
 
     def flat_index(self, index: Tensor) -> Tensor:
         """``[chunks, k]`` indices inside the chunks -> flat indices into the whole vector."""
@@ -231,13 +236,17 @@ class TensorCodec:
         if not torch.isfinite(flat).all():
             bad = int((~torch.isfinite(flat)).nonzero()[0, 0])
             raise ValueError(f"top-k encode: value {bad} is not finite; the update must be finite")
-        out = [self._encode_block(b.tiles(flat), b) for b in self.blocks]
+        out = [self._encode_block(flat, b) for b in self.blocks]
         return torch.cat(out) if out else flat.new_empty(0, dtype=torch.uint8)
 
-    def _encode_block(self, x: Tensor, b: Block) -> Tensor:
-        k = self._sizes(b)[0]
-        index = _top_index(x.abs(), k)
-        header, codes = _bins_encode(x.gather(1, index), self.bins)
+    def _encode_block(self, flat: Tensor, b: Block) -> Tensor:
+        """Block ``b``'s bytes: its tiles ranked a band at a time, then its kept values' bins."""
+        k, indices, kept = self._sizes(b)[0], [], []
+        for x in b.bands(flat):
+            indices.append(_top_index(x.abs(), k))
+            kept.append(x.gather(1, indices[-1]))
+        index = torch.cat(indices)
+        header, codes = _bins_encode(torch.cat(kept), self.bins)
         head = header.contiguous().view(torch.uint8).view(-1)
         return torch.cat([head, _pack(index, _width(b.length)).view(-1), _pack(codes, self.bits).view(-1)])
 

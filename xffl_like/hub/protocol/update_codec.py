@@ -99,6 +99,14 @@ class UpdateCodec:
             return self.topk.part(start, numel).decode(message)
         return codec.decompress(message.view(-1, codec.HEADER_BYTES + self.length), numel)
 
+    def take_sent(self, update: Tensor, message: Tensor, start: int) -> Tensor:
+        """``update`` (a window of :meth:`windows`) less what its window's ``message`` carries, in place: the residual
+        of error feedback (top-k: only the values sent change, never a dense copy of the decoded window)."""
+        if self.topk is not None:
+            index, values = self.topk.part(start, update.numel()).decode_sparse(message)
+            return update.index_put_((index,), update[index] - values)
+        return update.sub_(self.decode_window(message, start, update.numel()))
+
     def decode(self, message: Tensor) -> Tensor:
         """The update the message carries (flat fp32, ``numel`` values)."""
         if self.kind == "bf16":

@@ -127,6 +127,7 @@ def test_the_leader_encodes_whole_tensors_a_window_at_a_time(monkeypatch):
     from xffl_like.federation import topk_tensors
 
     monkeypatch.setattr(topk_tensors, "_BAND", 4096)  # 2 bands of 1 row of tiles in (128, 192) and in (96, 64)
+    monkeypatch.setattr(topk_tensors, "_ROWS", 2)  # the tiles' indices and codes packed 2 tiles at a time
     rng = np.random.default_rng(4)
     x = [_heavy(s, rng) for s in SHAPES]
     numel = sum(t.size for t in x)

@@ -60,8 +60,21 @@ def options_of(topk) -> TopkOptions:
     return TopkOptions(float(topk.density), int(topk.bits), int(topk.tile))
 
 
+_ROWS = 1024  # rows packed or unpacked at a time (their bits are 64-bit integers while they are)
+
+
 def _pack(values: Tensor, width: int) -> Tensor:
-    """``[rows, n]`` non-negative integers below ``2**width`` -> ``[rows, ceil(n * width / 8)]`` uint8."""
+    """``[rows, n]`` non-negative integers below ``2**width`` -> ``[rows, ceil(n * width / 8)]`` uint8 (each row
+    padded to a byte on its own)."""
+    return torch.cat([_pack_rows(values[r : r + _ROWS], width) for r in range(0, max(1, len(values)), _ROWS)])
+
+
+def _unpack(data: Tensor, n: int, width: int) -> Tensor:
+    """The inverse of :func:`_pack`: ``[rows, nbytes]`` uint8 -> ``[rows, n]`` int64."""
+    return torch.cat([_unpack_rows(data[r : r + _ROWS], n, width) for r in range(0, max(1, len(data)), _ROWS)])
+
+
+def _pack_rows(values: Tensor, width: int) -> Tensor:
     rows, n = values.shape
     shifts = torch.arange(width, device=values.device)
     bits = ((values.unsqueeze(-1) >> shifts) & 1).to(torch.uint8).view(rows, n * width)
@@ -72,8 +85,7 @@ def _pack(values: Tensor, width: int) -> Tensor:
     return (padded.view(rows, nbytes, 8) * weights).sum(-1, dtype=torch.uint8)
 
 
-def _unpack(data: Tensor, n: int, width: int) -> Tensor:
-    """The inverse of :func:`_pack`: ``[rows, nbytes]`` uint8 -> ``[rows, n]`` int64."""
+def _unpack_rows(data: Tensor, n: int, width: int) -> Tensor:
     rows = data.shape[0]
     bits = (data.unsqueeze(-1).long() >> torch.arange(8, device=data.device)) & 1
     bits = bits.view(rows, -1)[:, : n * width].view(rows, n, width)
@@ -233,9 +245,6 @@ class TensorCodec:
             raise ValueError(
                 f"top-k encode: {flat.numel()} {flat.dtype} values where the codec takes {self.numel} fp32"
             )
-        if not torch.isfinite(flat).all():
-            bad = int((~torch.isfinite(flat)).nonzero()[0, 0])
-            raise ValueError(f"top-k encode: value {bad} is not finite; the update must be finite")
         out = [self._encode_block(flat, b) for b in self.blocks]
         return torch.cat(out) if out else flat.new_empty(0, dtype=torch.uint8)
 
@@ -243,6 +252,9 @@ class TensorCodec:
         """Block ``b``'s bytes: its tiles ranked a band at a time, then its kept values' bins."""
         k, indices, kept = self._sizes(b)[0], [], []
         for x in b.bands(flat):
+            if not torch.isfinite(x).all():
+                bad = int((~torch.isfinite(flat[b.offset : b.offset + b.numel])).nonzero()[0, 0]) + b.offset
+                raise ValueError(f"top-k encode: value {bad} is not finite; the update must be finite")
             indices.append(_top_index(x.abs(), k))
             kept.append(x.gather(1, indices[-1]))
         index = torch.cat(indices)

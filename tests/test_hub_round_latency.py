@@ -15,7 +15,7 @@ from helpers.hub import serve
 from test_hub_robust import N, Raw, hub  # noqa: F401 - hub: the fixture
 
 from xffl_like.bench.hub_drift import spec_of
-from xffl_like.hub.protocol.spec import first_difference
+from xffl_like.hub.protocol.spec import SpecError, check_spec, first_difference
 from xffl_like.hub.server.federation import HubFederation
 from xffl_like.hub.server.latency import LINE
 
@@ -41,6 +41,17 @@ def test_a_facility_with_another_compression_or_delay_is_refused_in_one_line(hub
     line = refused.value.details()
     fix = "federation.compression=none" if "compression" in mine else "federation.delay=0"
     assert words in line and f"run this facility with {fix}" in line and "\n" not in line, line
+
+
+def test_a_description_of_the_flat_top_k_codec_is_refused_in_one_line():
+    """A federation described before issue 39 with the flat codec (no ``chunks``/``quantizer``/``mean``: flat chunks,
+    levels, the weighted mean), which is no longer decoded."""
+    check_spec({**spec_of(N), "compression": TOPK})
+    flat = {k: v for k, v in TOPK.items() if k not in ("chunks", "quantizer", "mean")}
+    with pytest.raises(SpecError) as err:
+        check_spec({**spec_of(N), "compression": flat})
+    line = str(err.value)
+    assert "the flat top-k codec of before issue 39 is no longer decoded" in line and "\n" not in line
 
 
 def test_the_first_compression_setting_that_differs_is_named_with_its_key():

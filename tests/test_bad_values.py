@@ -153,12 +153,12 @@ BAD = [
     ),
     # issue 39: SparseLoCo's choices (a preset and a contradicting key; tiles that do not divide)
     (
-        ["federation/topk=sparseloco", "federation.topk.mean=weighted"],
-        "federation.topk.mean='weighted' contradicts federation/topk=sparseloco, which sets it to 'senders'",
+        ["federation/topk=sparseloco", "federation.topk.decay=0.9"],
+        "federation.topk.decay=0.9 contradicts federation/topk=sparseloco, which sets it to 0.95",
     ),
     (
-        ["federation.compression=topk", "federation.topk.chunks=tiles", "federation.topk.tile=16"],
-        "federation.topk.density=0.02 x tile^2 (16x16) is not a whole number of values",
+        ["federation.compression=topk", "federation.topk.tile=12"],
+        "federation.topk.density=0.03125 x tile^2 (12x12) is not a whole number of values",
     ),
     (
         ["federation.compression=topk", "federation.error_feedback=true", "federation.topology=ring"],

@@ -4,7 +4,7 @@ Every boundary of three jobs is recomputed here by hand from the values the rank
 docs/running.md states them. ``eager`` (the default): ``Δ_r = θ_f - x_r``; each facility steps its own ``θ_f``
 and outer state on ``s_f Δ_r + D_{r-1} - s_f Δ_{r-1}``; at the end ``D_r`` replaces the fresh share and the job
 ends on ``Σ_f s_f θ_f``: with top-k and error feedback and Nesterov over FSDP shards (the messages against the
-reference encoder of ``helpers.topk_reference``), and without compression, fixed weights, own paces and a
+reference encoder of ``helpers.sparseloco_reference``), and without compression, fixed weights, own paces and a
 facility of two replicas. ``own_full``: the local model ``θ_g - Δ_r``, ``θ_g`` stepping on the landed means,
 on that second job. The top-k job killed mid-round, while a delayed exchange is in flight, and restarted by
 the elastic launcher ends bitwise equal to the uninterrupted one. Then the refusals.
@@ -20,7 +20,7 @@ import torch
 from helpers import run_recorded
 from helpers.round_values import MIN_FACILITY_SPREAD, load_rounds
 from helpers.same_run import assert_same_run, run_job, summary
-from helpers.topk_reference import ref_decode, ref_encode, topk_overrides
+from helpers.sparseloco_reference import ref_decode, ref_encode, sender_mean, topk_overrides
 
 from xffl_like.checkpoint.store import checkpoint_name
 from xffl_like.config.schema import FederationConfig, build_section
@@ -40,9 +40,9 @@ JOB = [
     "federation.delay=1",
     "data.num_eval_batches=1",  # as helpers.TINY: no test here reads an evaluation
 ]
-CHUNK, DENSITY, BITS, DECAY, LR, MOMENTUM = 1000, 0.05, 4, 0.9, 0.7, 0.9
+DENSITY, BITS, DECAY, TILE, LR, MOMENTUM = 0.0625, 4, 0.9, 16, 0.7, 0.9  # 16 of each 16 x 16 tile, 16 bins
 TOPK = [
-    *topk_overrides(CHUNK, DENSITY, BITS, DECAY),
+    *topk_overrides(DENSITY, BITS, DECAY, TILE),
     "federation.outer.name=nesterov",
     f"federation.outer.lr={LR}",
     f"federation.outer.momentum={MOMENTUM}",
@@ -83,9 +83,10 @@ def topk_runs(tmp_path_factory):
 def test_topk_nesterov_eager_rounds_by_hand(topk_runs):
     """2 facilities x FSDP over 2 ranks, eager. Per shard, from the recorded values: Δ_r = θ_f - x_r (θ_f: the
     parameters after the last boundary, or the start); the message sent after b_r is the reference encoding
-    of decay * e + Δ_r, and e + decoded is that accumulator exactly; at b_r facility f's parameters are its own
-    θ_f after a Nesterov step (its own momentum) on Δ_r / 2 + (D_{r-1} - Δ_{r-1} / 2), D the mean of the
-    decoded messages; at the end on D_r + (D_{r-1} - Δ_{r-1} / 2), and every copy is the mean of the θ_f."""
+    of decay * e + Δ_r (the tiles of this rank's shards), and e is that accumulator less what was sent; at b_r
+    facility f's parameters are its own θ_f after a Nesterov step (its own momentum) on Δ_r / 2 + (D_{r-1} -
+    Δ_{r-1} / 2), D per index the mean of the decoded messages over the facilities that sent it; at the end on
+    D_r + (D_{r-1} - Δ_{r-1} / 2), and every copy is the mean of the θ_f."""
     base, s, _ = topk_runs
     assert s["federation"]["delay"] == 1 and s["federation"]["delay_rule"] == "eager"
     assert s["rounds"] == BOUNDARIES and [r["landed"] for r in s["round_records"]] == [[], [2], [4, 6]]
@@ -96,6 +97,7 @@ def test_topk_nesterov_eager_rounds_by_hand(topk_runs):
         places = [(0, 0, shard), (1, 0, shard)]
         assert torch.equal(_flat(init[places[0]]), _flat(init[places[1]]))
         start = {f: _flat(init[p]) for f, p in enumerate(places)}
+        shapes = [tuple(t.shape) for t in init[places[0]]["params"].values()]  # this rank's shards
         theta = {f: start[f].double() for f in (0, 1)}
         buf = {f: torch.zeros_like(theta[f]) for f in (0, 1)}
         residual = {f: torch.zeros_like(start[f]) for f in (0, 1)}
@@ -104,18 +106,19 @@ def test_topk_nesterov_eager_rounds_by_hand(topk_runs):
             before, after = _by_place(rec[(b, "before")]), _by_place(rec[(b, "after")])
             last = b == BOUNDARIES - 1
             delta = {f: (start[f] - _flat(before[p])).double() for f, p in enumerate(places)}
-            decoded = {}
+            decoded, mask = {}, {}
             for f, p in enumerate(places):
                 acc = residual[f] * DECAY + delta[f].float()
-                sent = ref_encode(acc.numpy(), CHUNK, DENSITY, BITS)
-                decoded[f] = torch.from_numpy(ref_decode(sent, acc.numel(), CHUNK, DENSITY, BITS))
+                sent = ref_encode(acc.numpy(), shapes, DENSITY, TILE, BITS)
+                values, mask[f] = ref_decode(sent, shapes, DENSITY, TILE, BITS)
+                decoded[f] = torch.from_numpy(values)
                 if not last:  # recorded where its exchange starts, after the boundary's checkpoint
                     started = _by_place(rec[(b, "start")])[p]
                     assert started["message"].numpy().tobytes() == sent, f"boundary {b}, facility {f}"
-                    assert torch.equal(started["residual"] + decoded[f], acc)
+                    assert torch.equal(started["residual"], acc - decoded[f])
                 residual[f] = acc - decoded[f]
             spread = max(spread, float((decoded[0] - decoded[1]).abs().max()))
-            mean = (decoded[0].double() + decoded[1].double()) / 2
+            mean = torch.from_numpy(sender_mean([decoded[0].numpy(), decoded[1].numpy()], [mask[0], mask[1]], [1, 1]))
             for f in (0, 1):
                 fresh = mean if last else delta[f] / 2
                 others = 0 if landing is None else landing - stale[f] / 2

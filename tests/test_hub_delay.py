@@ -21,7 +21,7 @@ from helpers.hub import newest_state as _newest_state
 from helpers.hub import output as _text
 from helpers.hub import value_bits as _values
 from helpers.hub import wait_alive as _wait_for
-from helpers.topk_reference import topk_overrides
+from helpers.sparseloco_reference import topk_overrides
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.cli, pytest.mark.slow]
 
@@ -107,42 +107,47 @@ def _nesterov(theta: torch.Tensor, buf: torch.Tensor, g: torch.Tensor) -> tuple[
 
 
 #: eager with top-k (error feedback, SparseLoCo's decay) through the hub: the codec's settings, the reference's too.
-TOPK = {"chunk": 1000, "density": 0.05, "bits": 4, "decay": 0.9}
+TOPK = {"density": 0.0625, "tile": 16, "bits": 4, "decay": 0.9}  # 16 of each 16 x 16 tile, 16 bins
 
 
 def _topk_rounds_by_hand(rounds: dict, hub: list[torch.Tensor], landings: dict) -> dict[str, torch.Tensor]:
     """A compressed eager federation's versions from the dumped uploads and θ_f, with the numpy reference codec.
     Versions 1 and 2: each facility's message is the reference encoding of ``decay x residual + θ_{v-1} - u``
-    (``ef = θ_{v-1} + residual``, as the facility keeps it), bitwise, and θ_v is θ_{v-1} minus the weighted sum (fp32,
-    fold order) of the decoded messages (the carrier: average at lr 1), bitwise at both facilities. Version 3, the
+    (``ef = θ_{v-1} + residual``, as the facility keeps it), bitwise, and θ_v is θ_{v-1} minus, per index, the mean
+    of the decoded messages over the facilities that sent it (fp32, fold order; the carrier: average at lr 1),
+    bitwise at both facilities. Version 3, the
     final round, carries fp32 parameters: its θ_global is the weighted sum of the uploads in fold order, bitwise,
     and each facility's last message (kept, not sent) is the reference encoding of ``Δ + decay x residual`` (``Δ =
     θ_f - x`` at the last boundary), bitwise. Each facility's last message decoded, ``Δ̂``."""
-    from helpers.topk_reference import ref_decode, ref_encode
+    from helpers import model_shapes
+    from helpers.sparseloco_reference import ref_decode, ref_encode
 
-    t, numel = TOPK, hub[0].numel()
-    codec = (t["chunk"], t["density"], t["bits"])
+    t = TOPK
+    codec = (model_shapes(), t["density"], t["tile"], t["bits"])
     residual = {n: torch.zeros_like(hub[0]) for n in "ab"}
     last = {}
     for v in (1, 2, 3):
         scales = rounds["a"][v]["weights"]  # each one's share, as the hub folded with it
         assert scales == rounds["b"][v]["weights"] and sorted(scales) == ["a", "b"], scales
-        mean = torch.zeros_like(hub[0])
+        mean, count = torch.zeros_like(hub[0]), torch.zeros_like(hub[0])
         for n in sorted(scales):  # the hub's fold order
             r, ef = rounds[n][v], hub[v - 1] + residual[n]
             if v == 3:  # the final round: fp32 parameters, their weighted sum (average at lr 1: the mean itself)
                 own, x = landings[n][2]["own"], landings[n][2]["x"]
                 update = torch.sub(own, x).add(torch.sub(ef, hub[2]).mul_(t["decay"]))
                 assert r["message"] == ref_encode(update.numpy(), *codec), f"{n}'s last message"
-                last[n] = torch.from_numpy(ref_decode(r["message"], numel, *codec))
+                last[n] = torch.from_numpy(ref_decode(r["message"], *codec)[0])
                 mean.add_(r["before"], alpha=scales[n])
                 continue
             update = (ef - r["before"]).sub_(ef - hub[v - 1], alpha=1.0 - t["decay"])
             assert r["message"] == ref_encode(update.numpy(), *codec), f"{n}'s message at version {v}"
-            sent = torch.from_numpy(ref_decode(r["message"], numel, *codec))
+            values, mask = ref_decode(r["message"], *codec)
+            sent = torch.from_numpy(values)
             residual[n] = update - sent
-            mean.add_(sent.mul(scales[n]))  # each product rounded, then added (the relay's fold)
-        expected = mean if v == 3 else hub[v - 1] - mean
+            mean.add_(sent)  # equal weights: each counts 1 (the relay's fold)
+            count.add_(torch.from_numpy(mask).float())
+        assert v == 3 or (count == 1).any() and (count == 2).any()  # each sent what the other did not, and shared
+        expected = mean if v == 3 else hub[v - 1] - mean.div_(torch.where(count > 0, count, 1.0))
         assert torch.equal(hub[v], expected), f"version {v} is not the weighted sum recomputed here"
     return last
 
@@ -161,7 +166,7 @@ def test_delayed_rounds_through_the_hub_eager_by_hand(tmp_path, compression):
     facility's last message (``Δ + decay x residual``, encoded, kept, not sent) decoded, so that the end is one
     world's, with D_3 the mean of the decoded last messages."""
     topk = compression == "topk"
-    codec = topk_overrides(TOPK["chunk"], TOPK["density"], TOPK["bits"], TOPK["decay"]) if topk else []
+    codec = topk_overrides(TOPK["density"], TOPK["bits"], TOPK["decay"], TOPK["tile"]) if topk else []
     rounds, landings, theta0, facilities = _run(tmp_path, [*EAGER, *codec])
     atol = 2e-6
     hub = [theta0] + [rounds["a"][v]["after"] for v in (1, 2, 3)]

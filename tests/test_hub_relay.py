@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 from helpers.hub import serve
+from helpers.sparseloco_reference import ref_decode
 
 from xffl_like.config.schema import ElasticConfig, FederationConfig, OuterConfig, TopkConfig
 from xffl_like.federation.elastic import exchange
@@ -27,7 +28,7 @@ from xffl_like.hub.server import relayed
 from xffl_like.hub.server.federation import HubFederation
 
 NAMES = ("a", "b", "c")
-N, CHUNK, DENSITY, BITS = 64 * 40 + 20, 64, 0.125, 2  # a shorter last chunk too
+N, CHUNK, DENSITY, BITS = 64 * 40 + 20, 64, 0.125, 2  # top-k: 43 runs of 60 (2580's divisor <= 64), 8 kept
 LR, MOMENTUM = 0.7, 0.9
 TOKENS = {"a": 12.0, "b": 20.0, "c": 28.0}  # token weights: 12/60, 20/60, 28/60
 GEOMETRY = {"batch_size": 2, "seq_len": 8, "dp": 1}
@@ -53,6 +54,9 @@ def _spec(aggregate: str = "mean") -> dict:
             "density": DENSITY,
             "bits": BITS,
             "decay": 0.95,
+            "chunks": "tiles",
+            "quantizer": "bins",
+            "mean": "senders",
         },  # fmt: skip
         "every_s": None,
         "rounds": 10,
@@ -167,25 +171,10 @@ def _close(hub: Hub, facilities: dict) -> None:
     hub.close()
 
 
-def _decode(message: bytes) -> np.ndarray:
-    """A top-k message decoded by hand from its format (``xffl_like.federation.topk``'s docstring), not the codec:
-    per chunk a float32 scale, then the kept indices and value codes as little-endian bit streams."""
-    raw, out, offset = np.frombuffer(message, dtype=np.uint8), np.zeros(N, dtype=np.float32), 0
-    index_bits, levels = (CHUNK - 1).bit_length(), (1 << (BITS - 1)) - 1
-    for start in range(0, N, CHUNK):
-        length = min(CHUNK, N - start)
-        k = math.ceil(DENSITY * length)  # 0.125 x length: exact
-        ib, vb = -(-k * index_bits // 8), -(-k * BITS // 8)
-        scale = raw[offset : offset + 4].copy().view(np.float32)[0]
-        bits = np.unpackbits(raw[offset + 4 : offset + 4 + ib], bitorder="little")[: k * index_bits]
-        index = bits.reshape(k, index_bits).astype(np.int64) @ (1 << np.arange(index_bits))
-        bits = np.unpackbits(raw[offset + 4 + ib : offset + 4 + ib + vb], bitorder="little")[: k * BITS]
-        codes = bits.reshape(k, BITS).astype(np.int64) @ (1 << np.arange(BITS))
-        assert np.all(np.diff(index) > 0) and index.max() < length
-        out[start + index] = (codes - levels).astype(np.float32) * scale
-        offset += 4 + ib + vb
-    assert offset == raw.size
-    return out
+def _decode(message: bytes) -> tuple[np.ndarray, np.ndarray]:
+    """A top-k message decoded by hand from its format (tests/helpers/sparseloco_reference.py, not the codec): the
+    values and a mask of those sent."""
+    return ref_decode(message, [(N,)], DENSITY, 64, BITS)
 
 
 def _fused() -> bool:
@@ -204,14 +193,20 @@ def _muladd(x: np.ndarray, alpha: float, y: np.ndarray, fused: bool) -> np.ndarr
 
 
 def _by_hand(theta: np.ndarray, buf: np.ndarray, messages: dict, weights: dict | None, fused: bool):
-    """One round: the weighted mean of the decoded messages in name order (each weight x values rounded, then
-    added; ``weights`` None: their coordinate-wise median), then Nesterov (torch.optim.SGD(nesterov=True)'s
-    rule) on it, in float32."""
-    mean = np.zeros(N, dtype=np.float32)
+    """One round: per index the weighted mean of the decoded messages over the members that sent it, in name order
+    (each weight x value rounded, then added, the weights of the senders summed alike, then divided; ``weights``
+    None: the coordinate-wise median of the decoded messages, 0 where not sent), then Nesterov
+    (torch.optim.SGD(nesterov=True)'s rule) on it, in float32."""
+    mean, den = np.zeros(N, dtype=np.float32), np.zeros(N, dtype=np.float32)
     if weights is None:
-        mean = np.median(np.stack([_decode(messages[n]) for n in sorted(messages)]), axis=0).astype(np.float32)
+        mean = np.median(np.stack([_decode(messages[n])[0] for n in sorted(messages)]), axis=0).astype(np.float32)
     for name in sorted(messages) if weights is not None else ():
-        mean = mean + np.float32(weights[name]) * _decode(messages[name])
+        values, sent = _decode(messages[name])
+        mean = mean + np.float32(weights[name]) * values
+        den = den + np.float32(weights[name]) * sent.astype(np.float32)
+    if weights is not None:
+        assert (den > 0).any() and (den < 1).any()  # some values sent by some members only
+        mean = mean / np.where(den > 0, den, np.float32(1))
     buf = buf * np.float32(MOMENTUM) + mean
     step = _muladd(buf, MOMENTUM, mean, fused)
     return _muladd(step, -LR, theta, fused), buf
@@ -317,7 +312,7 @@ def _tamper(kind: str, victim: str):
         import io
 
         data = bytearray(files[0][0].read())
-        data[0:4] = np.array([np.nan], dtype=np.float32).tobytes()  # the first chunk's scale
+        data[0:4] = np.array([np.nan], dtype=np.float32).tobytes()  # the tensor's shift
         files[0][0].close()
         return [(io.BytesIO(bytes(data)), len(data)), *files[1:]]
 
@@ -330,7 +325,7 @@ def _tamper(kind: str, victim: str):
         ("size", "relay message of a is"),
         ("order", "is not the hub's fold order"),
         ("version", "but this facility holds version 0"),
-        ("values", "has scale nan"),
+        ("values", "header holds a non-finite value"),
     ],
 )
 def test_a_relay_that_does_not_match_is_refused_in_one_line_and_the_facility_heals(tmp_path, capsys, monkeypatch,

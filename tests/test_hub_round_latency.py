@@ -15,11 +15,12 @@ from helpers.hub import serve
 from test_hub_robust import N, Raw, hub  # noqa: F401 - hub: the fixture
 
 from xffl_like.bench.hub_drift import spec_of
-from xffl_like.hub.protocol.spec import first_difference
+from xffl_like.hub.protocol.spec import SpecError, check_spec, first_difference
 from xffl_like.hub.server.federation import HubFederation
 from xffl_like.hub.server.latency import LINE
 
-TOPK = {"kind": "topk", "chunk_size": 4096, "error_feedback": True, "density": 0.02, "bits": 2, "decay": 0.95}
+TOPK = {"kind": "topk", "chunk_size": 4096, "error_feedback": True, "density": 0.03125, "bits": 2, "decay": 0.95,
+        "chunks": "tiles", "quantizer": "bins", "mean": "senders"}  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -42,14 +43,29 @@ def test_a_facility_with_another_compression_or_delay_is_refused_in_one_line(hub
     assert words in line and f"run this facility with {fix}" in line and "\n" not in line, line
 
 
+def test_a_description_of_the_flat_top_k_codec_is_refused_in_one_line():
+    """A federation described before issue 39 with the flat codec (no ``chunks``/``quantizer``/``mean``: flat chunks,
+    levels, the weighted mean), which is no longer decoded."""
+    check_spec({**spec_of(N), "compression": TOPK})
+    flat = {k: v for k, v in TOPK.items() if k not in ("chunks", "quantizer", "mean")}
+    with pytest.raises(SpecError) as err:
+        check_spec({**spec_of(N), "compression": flat})
+    line = str(err.value)
+    assert "the flat top-k codec of before issue 39 is no longer decoded" in line and "\n" not in line
+
+
 def test_the_first_compression_setting_that_differs_is_named_with_its_key():
     base = spec_of(N)
     theirs = {**base, "compression": TOPK}
-    denser = {**base, "compression": {**TOPK, "density": 0.05}}
+    denser = {**base, "compression": {**TOPK, "density": 0.0625}}
     assert first_difference(denser, theirs).startswith(
-        "federation.topk.density: 0.05 here, 0.02 in the federation: every facility of a federation must use the same;"
+        "federation.topk.density: 0.0625 here, 0.03125 in the federation: every facility of a federation must use the "
+        "same;"
     )
-    assert first_difference(denser, theirs).endswith("run this facility with federation.topk.density=0.02")
+    assert first_difference(denser, theirs).endswith("run this facility with federation.topk.density=0.03125")
+    smaller = {**base, "compression": {**TOPK, "tile": 32}}
+    assert first_difference(smaller, theirs).startswith("federation.topk.tile: 32 here, 64 in the federation")
+    assert first_difference(smaller, theirs).endswith("run this facility with federation.topk.tile=64")
     no_ef = {**base, "compression": {**TOPK, "error_feedback": False}}
     assert first_difference(no_ef, theirs).endswith("federation.error_feedback=true")
     assert first_difference({**base, "delay": 0}, base) is None  # a federation saved before the key: delay 0

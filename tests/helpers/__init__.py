@@ -43,6 +43,18 @@ def load_model_conf(name):
 TINY = ["train.seq_len=64", "train.batch_size=4", "train.log_every=5", "data.num_eval_batches=1"]
 
 
+def model_shapes(overrides=("+experiment=llama_fed",)) -> list[tuple[int, ...]]:
+    """The shapes of the job's model's parameters, in order (the order the hub's description lists them)."""
+    from omegaconf import OmegaConf
+
+    from xffl_like.job import _compose
+    from xffl_like.models import build_model
+    from xffl_like.models.llama import LlamaConfig
+
+    model = LlamaConfig.from_mapping(OmegaConf.to_container(_compose(list(overrides)).model))
+    return [tuple(p.shape) for p in build_model(model, device="meta").parameters()]
+
+
 def run_cli(args, run_dir, timeout=240, launcher=(), env=None):
     """Run the entry point (plainly, or under ``launcher`` such as torchrun) with ``args``;
     returns (CompletedProcess, seconds)."""

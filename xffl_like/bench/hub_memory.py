@@ -5,7 +5,8 @@ Three runs on this machine, one after the other:
 
 1. the facility alone (``distributed.federated=null``, no federation): its leader's peak;
 2. two facilities (one process each) through an ``--insecure`` hub on loopback, Nesterov outer
-   optimizer (one state buffer), ``--compression`` as given (``topk``: 2%, 2 bits, with error feedback):
+   optimizer (one state buffer), ``--compression`` as given (``topk``: its defaults, SparseLoCo's tiles and
+   bins, with error feedback; ``--set KEY=VALUE ...``: more overrides of the facilities):
    the leader's peak (its ``summary.json``'s ``peak_rss_mb``) and the hub's: the peak of its anonymous
    resident memory (``RssAnon`` of ``/proc/PID/status``, sampled every 20 ms while the facilities run; its
    idle value is read after it starts serving). Not ``VmRSS``/``VmHWM``: those count the pages of the state
@@ -134,14 +135,15 @@ def _job(args: list[str], run_dir: Path, env: dict) -> subprocess.Popen:
     return start_job([*_RUN, *args], run_dir, env)
 
 
-def measure(model: str, compression: str, work: Path, timeout: float = 900.0) -> dict:
+def measure(model: str, compression: str, work: Path, timeout: float = 900.0, extra: tuple[str, ...] = ()) -> dict:
+    """``extra``: more overrides of the federated facilities (e.g. ``federation.topk.tile=32``)."""
     try:
-        return _measure(model, compression, work, timeout)
+        return _measure(model, compression, work, timeout, extra)
     finally:  # the jobs run in their own process groups: none outlives a failure (or Ctrl-C) here
         kill_all()
 
 
-def _measure(model: str, compression: str, work: Path, timeout: float) -> dict:
+def _measure(model: str, compression: str, work: Path, timeout: float, extra: tuple[str, ...]) -> dict:
     env = {"MALLOC_MMAP_THRESHOLD_": MMAP_THRESHOLD, **os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
     common = [*model.split(), "distributed.federated=null"]  # "NAME key=value ..."
     common[0] = f"model={common[0]}"
@@ -152,7 +154,7 @@ def _measure(model: str, compression: str, work: Path, timeout: float) -> dict:
         fed = [*common, f"federation.elastic.hub=127.0.0.1:{port}",
                "federation.outer.name=nesterov", "federation.outer.lr=0.7", "federation.outer.momentum=0.9",
                f"federation.compression={compression}",
-               *(["federation.error_feedback=true"] if compression != "none" else [])]  # fmt: skip
+               *(["federation.error_feedback=true"] if compression != "none" else []), *extra]  # fmt: skip
         procs = {n: _job([*fed, f"federation.elastic.facility={n}"], work / n, env) for n in ("a", "b")}
         peaks = {n: _Peak(p.pid, tree=True) for n, p in procs.items()}
         summaries = {n: _watched(p, work / n, timeout, peaks[n]) for n, p in procs.items()}
@@ -199,14 +201,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="llama_bench", help="the model measured: NAME [key=value ...]")
     p.add_argument("--large", default="llama_bench model.n_layers=24", help="the larger model of the slope")
     p.add_argument("--compression", default="none", choices=["none", "bf16", "uint8", "topk"])
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="more overrides of the facilities")
     p.add_argument("--out", help="write the figures as JSON here")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="xffl-hub-memory-") as tmp:
         start = time.time()
-        small = measure(args.model, args.compression, Path(tmp) / "model")
-        big = measure(args.large, args.compression, Path(tmp) / "large")
+        small = measure(args.model, args.compression, Path(tmp) / "model", extra=tuple(args.set))
+        big = measure(args.large, args.compression, Path(tmp) / "large", extra=tuple(args.set))
         figures = report(big, small)
-    figures.update(model=args.model, compression=args.compression, seconds=time.time() - start)
+    figures.update(model=args.model, compression=args.compression, set=args.set, seconds=time.time() - start)
     for key, value in figures.items():
         print(f"{key}: {value:.3f}" if isinstance(value, float) else f"{key}: {value}")
     if args.out:

@@ -3,8 +3,9 @@
 A matrix of runs of ``+experiment=diloco`` (non-IID facilities of ``llama_tiny`` on byte-level tinyshakespeare,
 rounds of 16 steps, Nesterov lr 0.8 momentum 0.3), one after the other on this machine: for each number of
 facilities (``--facilities``, 2: 2 facilities x FSDP over 2 ranks; 4: one rank each) and each seed, every
-``--variants`` entry (:data:`VARIANTS`: fp32 DiLoCo, top-k as it is, each of SparseLoCo's four choices on its
-own, the ``sparseloco`` preset, top-k with ``delay=1`` under both rules). ``--steps 960`` is issue 39's long
+``--variants`` entry (:data:`VARIANTS`: fp32 DiLoCo, top-k (SparseLoCo's codec, its only one since issue 39)
+under the experiment's Nesterov, the ``sparseloco`` preset (the same codec, plain SGD at lr 1 outside), top-k with
+``delay=1`` under both rules). ``--steps 960`` is issue 39's long
 horizon (60 rounds).
 
 ``--pretrained`` fine-tunes instead of training from scratch: a base model is trained first (one facility,
@@ -37,13 +38,8 @@ _TOPK = ("federation.compression=topk",)
 #: The runs to compare, by name: overrides on top of ``+experiment=diloco``. ``fp32`` is the reference.
 VARIANTS: dict[str, tuple[str, ...]] = {
     "fp32": (),
-    "topk": _TOPK,  # flat 4096-value chunks, symmetric levels, the weighted mean, 2%, 2 bits, Nesterov
-    "topk_senders": (*_TOPK, "federation.topk.mean=senders"),
-    "topk_bins": (*_TOPK, "federation.topk.quantizer=bins"),
-    "topk_tiles": (*_TOPK, "federation.topk.chunks=tiles", "federation.topk.tile=50"),  # 50 x 50 x 2% = 50 kept
-    "topk_sgd": (*_TOPK, "federation.outer.name=average", "federation.outer.lr=1.0", "federation.outer.momentum=0"),
-    "topk_density": (*_TOPK, "federation.topk.density=0.03125"),  # the preset's density alone
-    "sparseloco": ("federation/topk=sparseloco", "federation.outer.lr=1.0", "federation.outer.momentum=0"),
+    "topk": _TOPK,  # SparseLoCo's tiles, bins, per-index mean over the senders, 3.1%, under the experiment's Nesterov
+    "sparseloco": ("federation/topk=sparseloco", "federation.outer.lr=1.0", "federation.outer.momentum=0"),  # SGD lr 1
     "topk_delay_eager": (*_TOPK, "federation.delay=1", "federation.delay_rule=eager"),
     "topk_delay_own_full": (*_TOPK, "federation.delay=1", "federation.delay_rule=own_full"),
     "fp32_delay_eager": ("federation.delay=1", "federation.delay_rule=eager"),

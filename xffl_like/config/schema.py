@@ -266,13 +266,10 @@ class OuterConfig(Section):
 class TopkConfig(Section):
     """``federation.topk``: ``compression=topk``, SparseLoCo's sparse messages (``federation/topk.py``)."""
 
-    density: float = 0.02  # fraction of each chunk's values sent, in (0, 1]
-    bits: int = 2  # 2 | 4 | 8: the sent values' quantization, per chunk
+    density: float = 0.03125  # fraction of each tile's values sent, in (0, 1] (128 of a 64 x 64 tile)
+    bits: int = 2  # 2 | 4 | 8: the sent values' quantization, 2**bits bins per tensor
     decay: float = 0.95  # the error-feedback accumulator's decay beta: e = beta * e + update (SparseLoCo: 0.95)
-    mean: str = "weighted"  # weighted (w_f / sum w, an unsent value counts 0) | senders (per index over who sent it)
-    quantizer: str = "levels"  # levels (symmetric, a scale per chunk) | bins (2**bits bins per tensor, SparseLoCo)
-    chunks: str = "flat"  # flat (chunk_size values of the flat vector) | tiles (tile x tile of each tensor)
-    tile: int = 64  # chunks=tiles: the tile's side (a dimension's largest divisor <= tile)
+    tile: int = 64  # the tile's side (a dimension's largest divisor <= tile)
     preset: str | None = None  # set by federation/topk=NAME (conf/federation/topk/): its keys are checked
 
 

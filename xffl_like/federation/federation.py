@@ -48,7 +48,7 @@ from .outer import OuterOptimizer
 from .protocol import Boundary, NoHooks, RoundHooks
 from .record import RoundRecord
 from .topk import TopkMean, zero_code_shares
-from .topk_tensors import make_codec, options_of
+from .topk_tensors import TensorCodec, options_of
 
 __all__ = ["CompressedMix", "Federation", "GossipMix", "PlainMean", "compressed_exchange", "sum_exchange"]
 
@@ -206,11 +206,9 @@ class Federation:
             self._allocate_theta()
             n, t = state.num_facilities, o.topk
             if o.compression == "topk":
-                # chunks=tiles: this rank's shard of each tensor (the same shapes on every facility's rank)
-                codec = make_codec(self.numel, o.chunk_size, options_of(t), [list(p.shape) for p in self.locals])
-                self.compressor = TopkMean(
-                    self.numel, n, o.chunk_size, t.density, t.bits, t.decay, state.device, codec, t.mean
-                )
+                # the tiles of this rank's shard of each tensor (the same shapes on every facility's rank)
+                codec = TensorCodec(self.numel, options_of(t), [list(p.shape) for p in self.locals])
+                self.compressor = TopkMean(codec, n, t.decay, state.device)
             elif o.compression != "none":
                 self.compressor = CompressedMean(
                     o.compression, self.numel, n, o.chunk_size, o.feedback, device=state.device

@@ -30,8 +30,7 @@ from .compress import COMPRESSIONS
 from .gossip import check_gossip_layout
 from .outer import validate_outer
 from .pace import validate_pace
-from .topk import BITS, MEANS
-from .topk_tensors import CHUNKS, MAX_TILE, QUANTIZERS
+from .topk_tensors import BITS, MAX_TILE
 
 __all__ = [
     "FEDERATION_ALGORITHMS",
@@ -319,9 +318,6 @@ TOPK_PRESETS: dict[str, dict[str, Any]] = {
         "topk.density": 0.03125,
         "topk.bits": 2,
         "topk.decay": 0.95,
-        "topk.mean": "senders",
-        "topk.quantizer": "bins",
-        "topk.chunks": "tiles",
         "topk.tile": 64,
     }
 }
@@ -345,17 +341,13 @@ def _check_preset(cfg: FederationConfig) -> None:
 
 
 def _check_topk_choices(t: TopkConfig) -> None:
-    """``federation.topk``'s mean, quantizer, chunks and tile (SparseLoCo's choices, :mod:`.topk_tensors`)."""
-    for key, choices in (("mean", MEANS), ("quantizer", QUANTIZERS), ("chunks", CHUNKS)):
-        if getattr(t, key) not in choices:
-            raise ConfigError(f"federation.topk.{key}={getattr(t, key)!r}: use {' or '.join(choices)}")
+    """``federation.topk.tile``, and a density that keeps a whole number of a full tile's values."""
     if not is_int(t.tile) or not 1 <= t.tile <= MAX_TILE:
         raise ConfigError(f"federation.topk.tile={t.tile!r}: must be an integer in 1..{MAX_TILE} (a tile's side)")
-    if t.chunks == "tiles" and is_number(t.density) and (Fraction(repr(float(t.density))) * t.tile**2).denominator != 1:
+    if is_number(t.density) and (Fraction(repr(float(t.density))) * t.tile**2).denominator != 1:
         raise ConfigError(
             f"federation.topk.density={t.density!r} x tile^2 ({t.tile}x{t.tile}) is not a whole number of values: "
-            f"with chunks=tiles a full tile keeps density x tile^2 values; e.g. density={128 / t.tile**2!r} keeps "
-            f"128 (SparseLoCo)"
+            f"a full tile keeps density x tile^2 values; e.g. density={128 / t.tile**2!r} keeps 128 (SparseLoCo)"
         )
 
 

@@ -1,46 +1,43 @@
-"""Top-k by tensor, as SparseLoCo cuts and quantizes it (``federation.topk.chunks=tiles``, ``quantizer=bins``).
+"""The top-k message as SparseLoCo cuts and quantizes it (``federation.compression=topk``): :class:`TensorCodec`.
 
-SparseLoCo (``src/tplr/sparseloco.py``; Templar's ``src/tplr/compress.py``) differs from :mod:`.topk`'s flat
-codec in where its chunks lie and how it quantizes the values it keeps:
+SparseLoCo (``src/tplr/sparseloco.py``; Templar's ``src/tplr/compress.py``):
 
-- **chunks** (``chunks=tiles``): a 2-D tensor ``[R, C]`` is cut into tiles of ``h x w`` values, a 1-D tensor
-  of ``n`` into runs of ``w``, where a side is the largest divisor of the dimension that is at most
-  ``federation.topk.tile`` (64: 64 x 64 tiles wherever the dimensions are multiples of 64). A tensor of
-  more dimensions is read as ``[shape[0], the rest]``; a chunk never spans two tensors. In one world a
-  tensor is this rank's shard of it (FSDP splits the rows), at the hub the whole tensor. ``chunks=flat``
-  keeps the flat chunks of ``federation.chunk_size`` values (the last one shorter).
-- **kept values**: ``k = max(1, round(density x length))`` of a chunk of ``length`` values with ``tiles``
-  (round half to even, as SparseLoCo's ``round(chunk_len * top_k / chunk_size**2)``: 128 of a 64 x 64
-  tile at density 0.03125), ``ceil(density x length)`` with ``flat``; the largest magnitudes, ties to the
-  lowest index, sent in ascending order.
-- **quantizer** (``quantizer=bins``): ``2**bits`` bins per tensor (4 at 2 bits) over all its kept values
-  ``v``: ``shift = mean(v)``, ``s = 6 sigma / bins`` (sigma the unbiased standard deviation of ``v - shift``;
-  ``s = 1`` where that is 0 or not finite), code ``c = clamp(round((v - shift) / s + bins // 2), 0, bins-1)``;
-  code ``c`` decodes to ``shift + lookup[c]``, ``lookup[c]`` the mean of the centred values of bin ``c``
-  (0 for an empty bin). ``quantizer=levels`` keeps :mod:`.topk`'s symmetric levels, one scale per chunk.
+- **chunks**: a 2-D tensor ``[R, C]`` is cut into tiles of ``h x w`` values, a 1-D tensor of ``n`` into runs of
+  ``w``, where a side is the largest divisor of the dimension that is at most ``federation.topk.tile`` (64: 64 x 64
+  tiles wherever the dimensions are multiples of 64). A tensor of more dimensions is read as ``[shape[0], the
+  rest]``; a chunk never spans two tensors. In one world a tensor is this rank's shard of it (FSDP splits the
+  rows), at the hub the whole tensor.
+- **kept values**: ``k = max(1, round(density x length))`` of a chunk of ``length`` values (round half to even, as
+  SparseLoCo's ``round(chunk_len * top_k / chunk_size**2)``: 128 of a 64 x 64 tile at density 0.03125; ``density``
+  read as the decimal it is written as); the largest magnitudes, ties to the lowest index, sent in ascending order.
+- **quantizer**: ``2**bits`` bins per tensor (4 at 2 bits) over all its kept values ``v``: ``shift = mean(v)``,
+  ``s = 6 sigma / bins`` (sigma the unbiased standard deviation of ``v - shift``; ``s = 1`` where that is 0 or not
+  finite), code ``c = clamp(round((v - shift) / s + bins // 2), 0, bins-1)`` (half to even); code ``c`` decodes to
+  ``shift + lookup[c]``, ``lookup[c]`` the mean of the centred values of bin ``c`` (0 for an empty bin). ``shift``,
+  sigma and ``lookup`` are summed in float64, then rounded to float32 once (so they do not depend on the order of
+  the sums).
 
-A tensor's bytes (tensors in order; ``flat``: the full chunks, then the last one, as two "tensors"):
-the header (``bins``: ``shift`` and the ``bins`` lookup values; ``levels``: every chunk's scale: float32,
-little-endian), then per chunk its ``k`` indices (``ceil(log2(h x w))`` bits each), then per chunk its ``k``
-codes (``bits`` each), each chunk's section padded to a whole byte (:func:`.topk._pack`).
+A tensor's bytes (tensors in order): the header, ``shift`` and the ``bins`` lookup values (float32, little-endian),
+then per chunk its ``k`` indices inside the chunk (``ceil(log2(h x w))`` bits each, 12 in a 64 x 64 tile), then per
+chunk its ``k`` codes (``bits`` each), each chunk's section a little-endian bit stream (value ``j``'s bit ``b`` is
+bit ``(j * w + b) % 8`` of byte ``(j * w + b) // 8``) padded to a whole byte. A 64 x 64 tile at density 0.03125 and
+2 bits: 128 values in 192 + 32 = 224 bytes against 16,384 in fp32 (73x smaller, plus 20 bytes per tensor).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fractions import Fraction
 
 import torch
 from torch import Tensor
 
-from .topk import BITS, MEANS, TopkCodec, _keep, _pack, _top_index, _unpack, level_codes
+__all__ = ["BITS", "MAX_TILE", "TensorCodec", "TopkOptions", "options_of", "side"]
 
-__all__ = ["CHUNKS", "MAX_TILE", "QUANTIZERS", "TensorCodec", "TopkOptions", "make_codec", "options_of", "side"]
-
-CHUNKS = ("flat", "tiles")
-QUANTIZERS = ("levels", "bins")
+BITS = (2, 4, 8)
+_BAND = 1 << 20  # values of a tensor cut into tiles and ranked at a time (bounds the working memory)
 MAX_TILE = 4096  # a tile of at most 2**24 values: its indices in at most 24 bits
 RANGE_SIGMAS = 6  # SparseLoCo's quantization_range
 
@@ -51,21 +48,63 @@ class TopkOptions:
 
     density: float
     bits: int
-    chunks: str = "flat"
     tile: int = 64
-    quantizer: str = "levels"
-    mean: str = "weighted"
 
     def __post_init__(self):
-        if self.chunks not in CHUNKS or self.quantizer not in QUANTIZERS or self.mean not in MEANS:
-            raise ValueError(f"top-k options {self}: chunks flat|tiles, quantizer levels|bins, mean weighted|senders")
         if self.bits not in BITS or not 0.0 < self.density <= 1.0 or not 1 <= self.tile <= MAX_TILE:
             raise ValueError(f"top-k options {self}: bits 2|4|8, density in (0, 1], tile in 1..{MAX_TILE}")
 
 
 def options_of(topk) -> TopkOptions:
     """The :class:`TopkOptions` of the ``federation.topk`` section."""
-    return TopkOptions(float(topk.density), int(topk.bits), topk.chunks, int(topk.tile), topk.quantizer, topk.mean)
+    return TopkOptions(float(topk.density), int(topk.bits), int(topk.tile))
+
+
+_ROWS = 1024  # rows packed or unpacked at a time (their bits are 64-bit integers while they are)
+
+
+def _pack(values: Tensor, width: int) -> Tensor:
+    """``[rows, n]`` non-negative integers below ``2**width`` -> ``[rows, ceil(n * width / 8)]`` uint8 (each row
+    padded to a byte on its own)."""
+    return torch.cat([_pack_rows(values[r : r + _ROWS], width) for r in range(0, max(1, len(values)), _ROWS)])
+
+
+def _unpack(data: Tensor, n: int, width: int) -> Tensor:
+    """The inverse of :func:`_pack`: ``[rows, nbytes]`` uint8 -> ``[rows, n]`` int64."""
+    return torch.cat([_unpack_rows(data[r : r + _ROWS], n, width) for r in range(0, max(1, len(data)), _ROWS)])
+
+
+def _pack_rows(values: Tensor, width: int) -> Tensor:
+    rows, n = values.shape
+    shifts = torch.arange(width, device=values.device)
+    bits = ((values.unsqueeze(-1) >> shifts) & 1).to(torch.uint8).view(rows, n * width)
+    nbytes = -(-n * width // 8)
+    padded = bits.new_zeros(rows, nbytes * 8)
+    padded[:, : n * width] = bits
+    weights = (1 << torch.arange(8, device=values.device)).to(torch.uint8)
+    return (padded.view(rows, nbytes, 8) * weights).sum(-1, dtype=torch.uint8)
+
+
+def _unpack_rows(data: Tensor, n: int, width: int) -> Tensor:
+    rows = data.shape[0]
+    bits = (data.unsqueeze(-1).long() >> torch.arange(8, device=data.device)) & 1
+    bits = bits.view(rows, -1)[:, : n * width].view(rows, n, width)
+    return (bits << torch.arange(width, device=data.device)).sum(-1)
+
+
+def _top_index(mag: Tensor, k: int) -> Tensor:
+    """``[rows, k]``: per row of ``mag`` the indices of its ``k`` largest values, ascending (ties: the lowest
+    indices)."""
+    rows, length = mag.shape
+    if k == length:
+        return torch.arange(length, device=mag.device).expand(rows, length)
+    # The k-th largest magnitude; every larger one is kept, then equal ones from the lowest index.
+    kth = torch.topk(mag, k, dim=1, sorted=False).values.amin(1, keepdim=True)
+    above = mag > kth
+    tied = mag == kth
+    need = k - above.sum(1, keepdim=True)
+    keep = above | (tied & (tied.cumsum(1) <= need))
+    return keep.nonzero()[:, 1].view(rows, k)  # row-major: ascending inside each chunk
 
 
 def side(n: int, tile: int) -> int:
@@ -95,11 +134,15 @@ class Block:
     def length(self) -> int:
         return self.h * self.w
 
-    def tiles(self, flat: Tensor) -> Tensor:
-        """This block's values of ``flat`` (the whole vector) as ``[chunks, length]``."""
-        x = flat[self.offset : self.offset + self.numel]
-        y, xs = self.rows // self.h, self.cols // self.w
-        return x.view(y, self.h, xs, self.w).permute(0, 2, 1, 3).reshape(self.chunks, self.length)
+    def bands(self, flat: Tensor) -> Iterator[Tensor]:
+        """This block's values of ``flat`` (the whole vector) as ``[chunks, length]`` tiles, in order, a band of
+        whole rows of tiles (about :data:`_BAND` values) at a time."""
+        y, xs, row = self.rows // self.h, self.cols // self.w, self.h * self.cols
+        per = max(1, _BAND // row)
+        for first in range(0, y, per):
+            n = min(per, y - first)
+            x = flat[self.offset + first * row : self.offset + (first + n) * row]
+            yield x.view(n, self.h, xs, self.w).permute(0, 2, 1, 3).reshape(n * xs, self.length)
 
     def flat_index(self, index: Tensor) -> Tensor:
         """``[chunks, k]`` indices inside the chunks -> flat indices into the whole vector."""
@@ -110,13 +153,9 @@ class Block:
         return self.offset + row * self.cols + col
 
 
-def _blocks(numel: int, chunk_size: int, opts: TopkOptions, shapes: Sequence[Sequence[int]] | None) -> list[Block]:
-    if opts.chunks == "flat":
-        full, tail = divmod(numel, chunk_size)
-        out = [Block(0, 1, full * chunk_size, 1, chunk_size)] if full else []
-        return out + ([Block(full * chunk_size, 1, tail, 1, tail)] if tail else [])
-    if shapes is None or sum(math.prod(s) for s in shapes) != numel:
-        raise ValueError(f"top-k chunks=tiles: the tensors' shapes must cover the {numel} values")
+def _blocks(numel: int, opts: TopkOptions, shapes: Sequence[Sequence[int]]) -> list[Block]:
+    if sum(math.prod(s) for s in shapes) != numel:
+        raise ValueError(f"top-k: the tensors' shapes must cover the {numel} values")
     out, offset = [], 0
     for shape in shapes:
         n = math.prod(shape)
@@ -128,44 +167,75 @@ def _blocks(numel: int, chunk_size: int, opts: TopkOptions, shapes: Sequence[Seq
 
 
 def _bins_encode(values: Tensor, bins: int) -> tuple[Tensor, Tensor]:
-    """``quantizer=bins`` over all of a tensor's kept ``values``: (header ``[shift, lookup...]``, codes)."""
+    """The quantizer over all of a tensor's kept ``values``: (header ``[shift, lookup...]``, codes). The
+    statistics are summed in float64 and rounded once to float32, so they do not depend on the order of the sums
+    (a reference in numpy finds the same bits)."""
     v = values.reshape(-1)
-    shift = v.mean()
+    shift = v.double().mean().float()
     centred = v - shift
     n = v.numel()
-    std = centred.norm() / math.sqrt(n - 1) if n > 1 else torch.zeros((), dtype=v.dtype, device=v.device)
+    std = (centred.double().square().sum().sqrt() / math.sqrt(n - 1)).float() if n > 1 else centred.new_zeros(())
     scale = RANGE_SIGMAS * std / bins
     if not (torch.isfinite(scale) and scale != 0):
         scale = torch.ones((), dtype=v.dtype, device=v.device)
     codes = (centred / scale + bins // 2).round().clamp(0, bins - 1).long()
-    sums = torch.zeros(bins, dtype=torch.float32, device=v.device).scatter_add_(0, codes, centred)
-    counts = torch.zeros(bins, dtype=torch.float32, device=v.device).scatter_add_(0, codes, torch.ones_like(centred))
-    lookup = torch.where(counts > 0, sums / torch.where(counts > 0, counts, 1.0), 0.0)
+    sums = torch.zeros(bins, dtype=torch.float64, device=v.device).scatter_add_(0, codes, centred.double())
+    counts = torch.bincount(codes, minlength=bins).double()
+    lookup = torch.where(counts > 0, sums / counts.clamp(min=1), 0.0).float()
     return torch.cat([shift.view(1), lookup]), codes.view(values.shape)
 
 
 class TensorCodec:
-    """The top-k message of ``numel`` fp32 values by tensor (``shapes``, in order) or by flat chunk, with the
-    ``opts.quantizer`` (see the module's docstring for the bytes)."""
+    """The top-k message of ``numel`` fp32 values by tensor (``shapes``, in order; see the module's docstring for the
+    bytes)."""
 
-    def __init__(self, numel: int, chunk_size: int, opts: TopkOptions, shapes: Sequence[Sequence[int]] | None = None):
-        self.numel, self.chunk_size, self.opts, self.bits = numel, chunk_size, opts, opts.bits
-        self.blocks = _blocks(numel, chunk_size, opts, shapes)
-        self.bins = 1 << opts.bits if opts.quantizer == "bins" else 0
-        self.levels = (1 << (opts.bits - 1)) - 1
+    def __init__(
+        self,
+        numel: int,
+        opts: TopkOptions,
+        shapes: Sequence[Sequence[int]] | None = None,
+        blocks: list[Block] | None = None,
+    ):
+        """``blocks``: the blocks themselves (:meth:`part`), instead of cutting them from ``shapes``."""
+        self.numel, self.opts, self.bits = numel, opts, opts.bits
+        self.blocks = blocks if blocks is not None else _blocks(numel, opts, shapes or [])
+        self.bins = 1 << opts.bits
         self.nbytes = sum(self._sizes(b)[3] for b in self.blocks)
 
     def keep(self, length: int) -> int:
-        if self.opts.chunks == "flat":
-            return _keep(self.opts.density, length)
+        """Values kept of a chunk of ``length`` values."""
         return max(1, min(length, round(Fraction(repr(float(self.opts.density))) * length)))
 
     def _sizes(self, b: Block) -> tuple[int, int, int, int]:
         """(k, header bytes, index bytes per chunk, block bytes) of block ``b``."""
         k = self.keep(b.length)
-        head = 4 * (1 + self.bins) if self.bins else 4 * b.chunks
+        head = 4 * (1 + self.bins)
         ib, cb = -(-k * _width(b.length) // 8), -(-k * self.bits // 8)
         return k, head, ib, head + b.chunks * (ib + cb)
+
+    # ------------------------------------------------------------------ windows
+    def windows(self, about: int) -> list[tuple[int, int]]:
+        """``(start, numel)`` of consecutive windows of whole tensors (blocks) covering the ``numel`` values: as many
+        tensors as fit in ``about`` values, a larger tensor alone. A tensor's bytes depend on its values alone (its
+        tiles, its bins), so the message is the concatenation of its windows' messages (:meth:`part`)."""
+        out, start, end = [], 0, 0
+        for b in self.blocks:
+            stop = b.offset + b.numel
+            if end > start and stop - start > about:
+                out.append((start, end - start))
+                start = end
+            end = stop
+        out.append((start, self.numel - start))  # the last one, through the empty tensors after it
+        return [w for w in out if w[1] > 0]
+
+    def part(self, start: int, numel: int) -> TensorCodec:
+        """The codec of ``numel`` values from ``start``, a run of whole tensors (a window of :meth:`windows`): its
+        message is the whole message's bytes there."""
+        stop = start + numel
+        if any(b.offset < start < b.offset + b.numel or b.offset < stop < b.offset + b.numel for b in self.blocks):
+            raise ValueError(f"top-k window of {numel} values from {start} cuts a tensor: use the codec's windows")
+        inside = [replace(b, offset=b.offset - start) for b in self.blocks if start <= b.offset < stop]
+        return TensorCodec(numel, self.opts, blocks=inside)
 
     # ------------------------------------------------------------------ encode
     def encode(self, update: Tensor) -> Tensor:
@@ -175,20 +245,20 @@ class TensorCodec:
             raise ValueError(
                 f"top-k encode: {flat.numel()} {flat.dtype} values where the codec takes {self.numel} fp32"
             )
-        if not torch.isfinite(flat).all():
-            bad = int((~torch.isfinite(flat)).nonzero()[0, 0])
-            raise ValueError(f"top-k encode: value {bad} is not finite; the update must be finite")
-        out = [self._encode_block(b.tiles(flat), b) for b in self.blocks]
+        out = [self._encode_block(flat, b) for b in self.blocks]
         return torch.cat(out) if out else flat.new_empty(0, dtype=torch.uint8)
 
-    def _encode_block(self, x: Tensor, b: Block) -> Tensor:
-        k = self._sizes(b)[0]
-        index = _top_index(x.abs(), k)
-        values = x.gather(1, index)
-        if self.bins:
-            header, codes = _bins_encode(values, self.bins)
-        else:
-            header, codes = level_codes(values, self.bits)
+    def _encode_block(self, flat: Tensor, b: Block) -> Tensor:
+        """Block ``b``'s bytes: its tiles ranked a band at a time, then its kept values' bins."""
+        k, indices, kept = self._sizes(b)[0], [], []
+        for x in b.bands(flat):
+            if not torch.isfinite(x).all():
+                bad = int((~torch.isfinite(flat[b.offset : b.offset + b.numel])).nonzero()[0, 0]) + b.offset
+                raise ValueError(f"top-k encode: value {bad} is not finite; the update must be finite")
+            indices.append(_top_index(x.abs(), k))
+            kept.append(x.gather(1, indices[-1]))
+        index = torch.cat(indices)
+        header, codes = _bins_encode(torch.cat(kept), self.bins)
         head = header.contiguous().view(torch.uint8).view(-1)
         return torch.cat([head, _pack(index, _width(b.length)).view(-1), _pack(codes, self.bits).view(-1)])
 
@@ -197,8 +267,8 @@ class TensorCodec:
         """Block ``t``'s bytes -> (flat indices, fp32 values); checked before use."""
         k, head, ib, _ = self._sizes(b)
         header = data[:head].clone().view(torch.float32)
-        if not torch.isfinite(header).all() or (not self.bins and (header < 0).any()):
-            raise ValueError(f"top-k message: tensor {t}'s header holds a non-finite (or negative scale) value")
+        if not torch.isfinite(header).all():
+            raise ValueError(f"top-k message: tensor {t}'s header holds a non-finite value")
         index = _unpack(data[head : head + b.chunks * ib].view(b.chunks, ib), k, _width(b.length))
         codes = _unpack(data[head + b.chunks * ib :].view(b.chunks, -1), k, self.bits)
         wrong = (index >= b.length).any() or (k > 1 and bool((index[:, 1:] <= index[:, :-1]).any()))
@@ -207,12 +277,7 @@ class TensorCodec:
                 f"top-k message: tensor {t} has indices out of range (its {b.length}-value chunks) or not strictly "
                 f"increasing (duplicated)"
             )
-        if self.bins:
-            values = header[1:][codes] + header[0]
-        else:
-            if (codes > 2 * self.levels).any():
-                raise ValueError(f"top-k message: tensor {t} has a value code above {2 * self.levels}")
-            values = (codes - self.levels).to(torch.float32) * header.unsqueeze(1)
+        values = header[1:][codes] + header[0]
         return b.flat_index(index).view(-1), values.view(-1)
 
     def _read(self, read: Callable[[int], bytes]) -> Iterator[tuple[Block, Tensor, Tensor]]:
@@ -235,7 +300,7 @@ class TensorCodec:
             yield b.offset, dense.index_put_((index - b.offset,), values)
 
     def decode_sent_stream(self, read: Callable[[int], bytes]) -> Iterator[tuple[int, Tensor, Tensor]]:
-        """As :meth:`decode_stream`, with a mask of the values sent (``federation.topk.mean=senders``)."""
+        """As :meth:`decode_stream`, with a mask of the values sent (the per-index mean over the senders)."""
         for b, index, values in self._read(read):
             dense = torch.zeros(b.numel, dtype=torch.float32).index_put_((index - b.offset,), values)
             sent = torch.zeros(b.numel, dtype=torch.bool).index_put_((index - b.offset,), torch.tensor(True))
@@ -268,13 +333,3 @@ class TensorCodec:
 
 def _width(length: int) -> int:
     return max(1, (length - 1).bit_length())
-
-
-def make_codec(
-    numel: int, chunk_size: int, opts: TopkOptions, shapes: Sequence[Sequence[int]] | None = None
-) -> TopkCodec | TensorCodec:
-    """The codec of ``opts``: :class:`.topk.TopkCodec` for flat chunks with levels (the present bytes), else
-    :class:`TensorCodec` (``shapes``: the tensors' shapes, in the flat order, needed by ``chunks=tiles``)."""
-    if opts.chunks == "flat" and opts.quantizer == "levels":
-        return TopkCodec(numel, chunk_size, opts.density, opts.bits)
-    return TensorCodec(numel, chunk_size, opts, shapes)

@@ -430,33 +430,36 @@ class EagerElasticFederation(DelayedElasticFederation):
 
     @torch.no_grad()
     def _compose_eager(self, landed: bool, stale: float) -> None:
-        """The leader's files, a window at a time: ``θ_f`` and its outer state step, ``Δ`` is kept, and ``mine``
-        (``x`` on entry) becomes the next upload."""
+        """The leader's files, :data:`_WINDOW` values at a time: ``θ_f`` and its outer state step, ``Δ`` is kept, and
+        ``mine`` (``x`` on entry) becomes the next upload; at the last boundary with compression, first the window of
+        the codec's (top-k: whole tensors) of the last message (:meth:`_last_message`)."""
         f, options = self.files, self.options.outer
         state = FileState(self.own_theta, self.own_outer, relay.buffer_names(options), self.numel)
         final = self.ending and self.codec is not None  # the last message, decoded here: Δ̂ (the class's)
         names = [f.mine, self.own_delta] + ([f.message] if final else [])
         outs = [open(p.with_name(f"{p.name}.next"), "wb") for p in names]
-        paths = (f.mine, self.own_delta, f.theta, self.prev if landed else f.theta) + ((f.ef,) if final else ())
+        paths = (f.mine, self.own_delta, f.theta, self.prev if landed else f.theta)
         ins = [open(p, "rb") for p in paths]
-        step = self.codec.window(_WINDOW) if final else _WINDOW  # whole chunks of the message
+        windows = self.codec.windows(_WINDOW) if final else [(0, self.numel)]
         try:
-            for first in range(0, self.numel, step):
-                n = min(step, self.numel - first)
-                x, before, theta, prev, *ef = (_read_into(fh, torch.empty(n, dtype=torch.float32)) for fh in ins)
-                own, buffers = state.read(first, first + n)
-                delta = torch.sub(own, x)
-                others = torch.sub(prev, theta).sub_(before, alpha=stale)  # D - s' Δ_prev (0 without a mean)
-                if self.ending:  # A = outer_f(θ_f, others); u = A - c Δ (with compression: A - c Δ̂)
-                    outer_step(options, self.own_steps + 1, own, buffers, others)
-                    sent = self._last_message(delta, theta, ef[0], first, outs[2]) if final else delta
-                    upload = own.sub(sent, alpha=end_scale(options))
-                else:
-                    outer_step(options, self.own_steps + 1, own, buffers, others.add_(delta.mul(self.share)))
-                    upload = theta.sub(delta)
-                state.write(first, own, buffers)
-                upload.numpy().tofile(outs[0])
-                delta.numpy().tofile(outs[1])
+            for first, n in windows:
+                sent = self._last_message(state, first, n, outs[2]) if final else None
+                for at in range(first, first + n, _WINDOW):
+                    m = min(_WINDOW, first + n - at)
+                    x, before, theta, prev = (_read_into(fh, torch.empty(m, dtype=torch.float32)) for fh in ins)
+                    own, buffers = state.read(at, at + m)
+                    delta = torch.sub(own, x)
+                    others = torch.sub(prev, theta).sub_(before, alpha=stale)  # D - s' Δ_prev (0 without a mean)
+                    if self.ending:  # A = outer_f(θ_f, others); u = A - c Δ (with compression: A - c Δ̂)
+                        outer_step(options, self.own_steps + 1, own, buffers, others)
+                        last = sent[at - first : at - first + m] if final else delta
+                        upload = own.sub(last, alpha=end_scale(options))
+                    else:
+                        outer_step(options, self.own_steps + 1, own, buffers, others.add_(delta.mul(self.share)))
+                        upload = theta.sub(delta)
+                    state.write(at, own, buffers)
+                    upload.numpy().tofile(outs[0])
+                    delta.numpy().tofile(outs[1])
         except BaseException:
             state.discard()
             raise
@@ -467,10 +470,21 @@ class EagerElasticFederation(DelayedElasticFederation):
         for p in names:
             os.replace(p.with_name(f"{p.name}.next"), p)
 
-    def _last_message(self, delta: Tensor, theta: Tensor, ef: Tensor, first: int, out) -> Tensor:
-        """The window from ``first`` of the message one world's last exchange would send, ``Δ + decay x residual``
-        (:func:`final_residual`) encoded (its bytes to ``out``, the leader's ``files.message``: the record of what the
-        fp32 upload folds in), decoded: ``Δ̂``."""
-        encoded = self.codec.encode_window(delta.add(final_residual(ef, theta, self.decay)), first)
+    def _last_message(self, state: FileState, first: int, n: int, out) -> Tensor:
+        """The window ``(first, n)`` of the message one world's last exchange would send, ``Δ + decay x residual``
+        (``Δ = θ_f - x``; :func:`final_residual`), encoded (its bytes to ``out``, the leader's ``files.message``: the
+        record of what the fp32 upload folds in), decoded: ``Δ̂`` (``n`` values). Read :data:`_WINDOW` values at a
+        time: the window's update, then its decoding, are the only buffers of its size."""
+        f, update = self.files, torch.empty(n, dtype=torch.float32)
+        with open(f.mine, "rb") as mine, open(f.theta, "rb") as theta, open(f.ef, "rb") as ef:
+            for fh in (mine, theta, ef):
+                fh.seek(4 * first)
+            for at in range(0, n, _WINDOW):
+                m = min(_WINDOW, n - at)
+                own = state.read(first + at, first + at + m)[0]
+                x, t, e = (_read_into(fh, torch.empty(m, dtype=torch.float32)) for fh in (mine, theta, ef))
+                torch.sub(own, x, out=update[at : at + m]).add_(final_residual(e, t, self.decay))
+        encoded = self.codec.encode_window(update, first)
+        del update
         encoded.numpy().tofile(out)
-        return self.codec.decode_window(encoded, first, delta.numel())
+        return self.codec.decode_window(encoded, first, n)

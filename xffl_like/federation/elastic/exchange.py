@@ -375,11 +375,12 @@ class ElasticFederation:
         return {**out, "outer_steps": steps}
 
     def _encode(self, feedback: bool) -> None:
-        """``files.message``: the encoding of ``ef - θ_f``, window by window; ``files.residual``: what it
-        lost (with error feedback). Nothing is held whole: ``ef`` is ``files.ef``. With ``topk`` the carried
-        residual ``ef - θ_global`` (θ_global: ``files.theta``, the last one this facility holds) first decays:
-        the update is ``decay * (ef - θ_global) + θ_global - θ_f``."""
-        f, step, decay = self.files, self.codec.window(_WINDOW), self.decay
+        """``files.message``: the encoding of ``ef - θ_f``, a window of the codec at a time (top-k: whole tensors);
+        ``files.residual``: what it lost (with error feedback). Nothing is held whole: ``ef`` is ``files.ef``, and a
+        window is read :data:`_WINDOW` values at a time. With ``topk`` the carried residual ``ef - θ_global``
+        (θ_global: ``files.theta``, the last one this facility holds) first decays: the update is
+        ``decay * (ef - θ_global) + θ_global - θ_f``."""
+        f, decay = self.files, self.decay
         with (
             open(f.ef, "rb") as ef,
             open(f.mine, "rb") as mine,
@@ -387,17 +388,18 @@ class ElasticFederation:
             open(f.message, "wb") as message,
             open(f.residual, "wb") as residual,
         ):
-            for start in range(0, self.numel, step):
-                n = min(step, self.numel - start)
-                held = _read_into(ef, torch.empty(n, dtype=torch.float32))
-                update = held - _read_into(mine, torch.empty(n, dtype=torch.float32))
-                if decay != 1.0:  # minus (1 - decay) of the residual
-                    carried = held - _read_into(theta, torch.empty(n, dtype=torch.float32))
-                    update.sub_(carried, alpha=1.0 - decay)
+            for start, n in self.codec.windows(_WINDOW):
+                update = torch.empty(n, dtype=torch.float32)
+                for at in range(0, n, _WINDOW):
+                    part = update[at : at + _WINDOW]
+                    held = _read_into(ef, torch.empty_like(part))
+                    torch.sub(held, _read_into(mine, torch.empty_like(part)), out=part)
+                    if decay != 1.0:  # minus (1 - decay) of the residual
+                        part.sub_(held.sub_(_read_into(theta, torch.empty_like(part))), alpha=1.0 - decay)
                 encoded = self.codec.encode_window(update, start)
                 encoded.numpy().tofile(message)
                 if feedback:
-                    update.sub_(self.codec.decode_window(encoded, start, n)).numpy().tofile(residual)
+                    self.codec.take_sent(update, encoded, start).numpy().tofile(residual)
 
     def _refold(self, with_residual: bool) -> None:
         """``files.ef`` becomes θ_global (``files.theta``), plus the residual of an accepted update, a window at

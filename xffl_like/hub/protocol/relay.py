@@ -96,8 +96,8 @@ def combine(stack: Tensor, rule: str, trim: float) -> Tensor:
 
 class Reader:
     """One message (or fp32 parameters when ``codec`` is None), read in order ``n`` values at a time from the file
-    ``source`` (a path, or a binary file open at its first byte, which is closed with the reader). With
-    ``federation.topk.mean=senders`` it also tells which values were sent (:attr:`sent`, after :meth:`take`)."""
+    ``source`` (a path, or a binary file open at its first byte, which is closed with the reader). With top-k
+    (the per-index mean over the senders) it also tells which values were sent (:attr:`sent`, after :meth:`take`)."""
 
     def __init__(self, source: Path | BinaryIO, codec: UpdateCodec | None):
         self.fh = open(source, "rb") if isinstance(source, (str, Path)) else source
@@ -140,13 +140,13 @@ def fold(out: Tensor, readers: list[Reader], scales: list[float], rule: str, tri
          checked: bool = False) -> None:  # fmt: skip
     """``out`` becomes the round's combination of the next ``out.numel()`` values of each reader (in fold order):
     ``sum_f scales[f] x values_f`` for ``mean`` (each product rounded, then added, in order), or with
-    ``federation.topk.mean=senders`` per value the weighted mean over the readers that sent it (SparseLoCo's;
+    top-k messages per value the weighted mean over the readers that sent it (SparseLoCo's;
     equal weights count 1 each: :func:`~xffl_like.federation.topk.fold_weights`), else the coordinate-wise
     ``rule`` (unweighted). A value that is not finite raises :class:`RelayError`, unless ``checked``: the messages
     are known finite (the hub's accepted ones: each one's norm, summed over every decoded value, was finite)."""
     check = (lambda values: None) if checked else _finite
     if rule == "mean" and readers and readers[0].senders:
-        return _fold_senders(out, readers, fold_weights(list(scales), "senders"), check)
+        return _fold_senders(out, readers, fold_weights(list(scales)), check)
     if rule == "mean":
         out.zero_()
         part = torch.empty_like(out)

@@ -78,14 +78,16 @@ def federation_spec(job) -> dict[str, Any]:
     }
 
 
-#: ``federation.topk``'s choices beyond density, bits and decay, and their defaults (absent from a description
-#: when at their default, so a description written before them reads the same).
-TOPK_CHOICES = {"chunks": "flat", "tile": 64, "quantizer": "levels", "mean": "weighted"}
+#: The top-k codec a description names: SparseLoCo's tiles, bins and per-index mean over the senders (issue 39;
+#: the keys a description by ``federation/topk=sparseloco`` carried before they became top-k's only codec). A
+#: description without them is the flat codec top-k had before, which is no longer decoded.
+TOPK_CODEC = {"chunks": "tiles", "quantizer": "bins", "mean": "senders"}
+TILE = 64  # ``federation.topk.tile``'s default: absent from a description at this value
 
 
 def _topk_spec(t) -> dict[str, Any]:
-    out = {"density": float(t.density), "bits": int(t.bits), "decay": float(t.decay)}
-    return out | {k: getattr(t, k) for k, default in TOPK_CHOICES.items() if getattr(t, k) != default}
+    out = {"density": float(t.density), "bits": int(t.bits), "decay": float(t.decay), **TOPK_CODEC}
+    return out | ({"tile": int(t.tile)} if t.tile != TILE else {})
 
 
 #: The hub's outer rule under ``federation.delay=1`` with ``delay_rule=eager``: θ_global carries the sum of the
@@ -166,7 +168,8 @@ def first_difference(mine: dict, theirs: dict) -> str | None:
 #: The config key of each entry of the description's ``compression``.
 _COMPRESSION_KEYS = {"kind": "federation.compression", "chunk_size": "federation.chunk_size",
                      "error_feedback": "federation.error_feedback", "density": "federation.topk.density",
-                     "bits": "federation.topk.bits", "decay": "federation.topk.decay"}  # fmt: skip
+                     "bits": "federation.topk.bits", "decay": "federation.topk.decay",
+                     "tile": "federation.topk.tile"}  # fmt: skip
 
 
 def _override(value) -> str:
@@ -174,11 +177,17 @@ def _override(value) -> str:
     return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
 
 
+def _with_tile(comp: dict) -> dict:
+    """A top-k description with its ``tile`` spelled out (absent at :data:`TILE`)."""
+    return {"tile": TILE, **comp} if comp.get("kind") == "topk" else comp
+
+
 def _setting_difference(key: str, mine, theirs) -> str:
     """A facility dialling with another compression or delay than the federation's: the first setting that
     differs, both values and the override that makes this facility match."""
     name, a, b = f"federation.{key}", mine, theirs
     if key == "compression" and isinstance(mine, dict) and isinstance(theirs, dict):
+        mine, theirs = _with_tile(mine), _with_tile(theirs)
         subs = [s for s in ("kind", *sorted(set(mine) | set(theirs) - {"kind"})) if mine.get(s) != theirs.get(s)]
         if subs:
             name, a, b = _COMPRESSION_KEYS.get(subs[0], f"{name}.{subs[0]}"), mine.get(subs[0]), theirs.get(subs[0])
@@ -275,12 +284,15 @@ def check_spec(spec: dict) -> None:
 
 
 def _check_topk_choices(comp: dict) -> None:
-    from ...federation.topk_tensors import CHUNKS, MAX_TILE, QUANTIZERS
+    from ...federation.topk_tensors import MAX_TILE
 
-    chunks, quantizer = comp.get("chunks", "flat"), comp.get("quantizer", "levels")
-    mean, tile = comp.get("mean", "weighted"), comp.get("tile", 64)
-    if chunks not in CHUNKS or quantizer not in QUANTIZERS or mean not in ("weighted", "senders"):
-        raise SpecError(f"federation.topk chunks={chunks!r} quantizer={quantizer!r} mean={mean!r} is invalid")
+    if any(comp.get(k) != v for k, v in TOPK_CODEC.items()):
+        got = {k: comp.get(k) for k in TOPK_CODEC}
+        raise SpecError(
+            f"federation.topk {got}: the flat top-k codec of before issue 39 is no longer decoded (only "
+            f"{TOPK_CODEC}); start this federation anew (a new --state) with the facilities of this version"
+        )
+    tile = comp.get("tile", TILE)
     if not (isinstance(tile, int) and not isinstance(tile, bool) and 1 <= tile <= MAX_TILE):
         raise SpecError(f"federation.topk.tile={tile!r} is invalid")
 
@@ -296,7 +308,6 @@ def codec_of(spec: dict):
         return UpdateCodec(comp["kind"], numel_of(spec), comp["chunk_size"])
     from ...federation.topk_tensors import TopkOptions
 
-    choices = {k: comp.get(k, default) for k, default in TOPK_CHOICES.items()}
-    topk = TopkOptions(comp["density"], comp["bits"], **choices)
+    topk = TopkOptions(comp["density"], comp["bits"], comp.get("tile", TILE))
     shapes = [p[1] for p in spec["parameters"]]
     return UpdateCodec(comp["kind"], numel_of(spec), comp["chunk_size"], topk, shapes)

@@ -1,11 +1,11 @@
 """A facility's update ``θ_global - θ_f`` as it travels to the hub, compressed (``federation.compression``).
 
 One flat message per facility: ``bf16`` (two bytes a value), ``uint8`` (min-max chunks of about
-``federation.chunk_size`` values, :mod:`xffl_like.parallel.codec`) or ``topk`` (the top-k of each chunk of
-``chunk_size`` values at a few bits, :mod:`xffl_like.federation.topk`). The facility encodes it window by
-window; the hub decodes it chunk by chunk as it reads it back (:meth:`UpdateCodec.decode_stream`), so it
-never holds a decoded copy beside its accumulator. Both ends size the message from the federation's
-description alone, so the hub checks every byte count before it reads one.
+``federation.chunk_size`` values, :mod:`xffl_like.parallel.codec`) or ``topk`` (SparseLoCo's top-k of each tile
+of each tensor in a few bits, :mod:`xffl_like.federation.topk_tensors`). The facility encodes it window by
+window; the hub decodes it chunk by chunk (top-k: tensor by tensor) as it reads it back
+(:meth:`UpdateCodec.decode_stream`), so it never holds a decoded copy beside its accumulator. Both ends size the
+message from the federation's description alone, so the hub checks every byte count before it reads one.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import Tensor
 
-from ...federation.topk import TopkCodec, TopkFold, fold_weights
-from ...federation.topk_tensors import TensorCodec, TopkOptions, make_codec
+from ...federation.topk import TopkFold, fold_weights
+from ...federation.topk_tensors import TensorCodec, TopkOptions
 from ...parallel import codec
 
 __all__ = ["CODECS", "UpdateCodec"]
@@ -27,17 +27,16 @@ _ROWS = 1024  # uint8 chunks decoded at a time by the hub
 
 
 class UpdateCodec:
-    """The ``kind`` message of ``numel`` values (``chunk_size``: values per uint8 chunk, about; per top-k
-    chunk, exactly); ``topk``: ``federation.topk``'s :class:`~xffl_like.federation.topk_tensors.TopkOptions` (or
-    ``(density, bits)``: flat chunks, levels, weighted mean); ``shapes``: the parameters' shapes in the flat
-    order (``federation.topk.chunks=tiles`` cuts each tensor on its own)."""
+    """The ``kind`` message of ``numel`` values (``chunk_size``: values per uint8 chunk, about); ``topk``:
+    ``federation.topk``'s :class:`~xffl_like.federation.topk_tensors.TopkOptions`; ``shapes``: the parameters'
+    shapes in the flat order (top-k cuts each tensor on its own)."""
 
     def __init__(
         self,
         kind: str,
         numel: int,
         chunk_size: int,
-        topk: TopkOptions | tuple[float, int] | None = None,
+        topk: TopkOptions | None = None,
         shapes: list[list[int]] | None = None,
     ):
         if kind not in CODECS:
@@ -47,13 +46,11 @@ class UpdateCodec:
         self.kind, self.numel, self.chunk_size = kind, numel, chunk_size
         self.chunks = max(1, math.ceil(numel / chunk_size))
         self.length = codec.chunk_length(numel, self.chunks)  # values per chunk (the last one padded)
-        self.topk = None
+        self.topk: TensorCodec | None = None
         if kind == "topk":
             if topk is None:
-                raise ValueError("compression topk needs federation.topk's density and bits")
-            self.options = topk if isinstance(topk, TopkOptions) else TopkOptions(*topk)
-            self.density, self.bits = self.options.density, self.options.bits
-            self.topk = make_codec(numel, chunk_size, self.options, shapes)
+                raise ValueError("compression topk needs federation.topk's options")
+            self.topk = TensorCodec(numel, topk, shapes)
 
     @property
     def nbytes(self) -> int:
@@ -71,26 +68,23 @@ class UpdateCodec:
             return self.topk.encode(update)
         return codec.compress(update.reshape(-1), self.chunks).view(-1)
 
-    def window(self, about: int) -> int:
-        """Values per window of :meth:`encode_window`: ``about``, rounded to whole chunks (at least one)."""
-        if isinstance(self.topk, TensorCodec):  # chunks and quantization by tensor: one window
-            return max(1, self.numel)
-        unit = 1 if self.kind == "bf16" else self.chunk_size if self.topk is not None else self.length
-        return max(unit, about // unit * unit)
-
-    def _part(self, numel: int) -> TopkCodec:
-        """The top-k codec of a window of ``numel`` values: its chunks are the whole message's there."""
-        return TopkCodec(numel, self.chunk_size, self.density, self.bits)
+    def windows(self, about: int) -> list[tuple[int, int]]:
+        """``(start, numel)`` of the windows of :meth:`encode_window`, in order, covering the values: about ``about``
+        values each, in whole chunks (at least one); top-k: whole tensors
+        (:meth:`.topk_tensors.TensorCodec.windows`: a tensor larger than ``about`` alone)."""
+        if self.topk is not None:
+            return self.topk.windows(about)
+        unit = 1 if self.kind == "bf16" else self.length
+        step = max(unit, about // unit * unit)
+        return [(start, min(step, self.numel - start)) for start in range(0, self.numel, step)]
 
     def encode_window(self, values: Tensor, start: int) -> Tensor:
-        """The bytes of the message that encode ``values``, the values from ``start`` on (a multiple of
-        :meth:`window`'s unit): the same bytes as :meth:`encode` of the whole gives there."""
+        """The bytes of the message that encode ``values``, the values of a window from ``start`` (of
+        :meth:`windows`): the same bytes as :meth:`encode` of the whole gives there."""
         if self.kind == "bf16":
             return values.reshape(-1).to(torch.bfloat16).view(torch.uint8)
-        if isinstance(self.topk, TensorCodec):
-            return self.topk.encode(values.reshape(-1).contiguous())
         if self.topk is not None:
-            return self._part(values.numel()).encode(values.reshape(-1).contiguous())
+            return self.topk.part(start, values.numel()).encode(values.reshape(-1).contiguous())
         rows = math.ceil(values.numel() / self.length)
         padded = values.new_empty(rows * self.length)
         padded[: values.numel()].copy_(values.reshape(-1))
@@ -101,11 +95,17 @@ class UpdateCodec:
         """The ``numel`` values that :meth:`encode_window`'s ``message`` carries (flat fp32)."""
         if self.kind == "bf16":
             return message.view(torch.bfloat16).float()
-        if isinstance(self.topk, TensorCodec):
-            return self.topk.decode(message)
         if self.topk is not None:
-            return self._part(numel).decode(message)
+            return self.topk.part(start, numel).decode(message)
         return codec.decompress(message.view(-1, codec.HEADER_BYTES + self.length), numel)
+
+    def take_sent(self, update: Tensor, message: Tensor, start: int) -> Tensor:
+        """``update`` (a window of :meth:`windows`) less what its window's ``message`` carries, in place: the residual
+        of error feedback (top-k: only the values sent change, never a dense copy of the decoded window)."""
+        if self.topk is not None:
+            index, values = self.topk.part(start, update.numel()).decode_sparse(message)
+            return update.index_put_((index,), update[index] - values)
+        return update.sub_(self.decode_window(message, start, update.numel()))
 
     def decode(self, message: Tensor) -> Tensor:
         """The update the message carries (flat fp32, ``numel`` values)."""
@@ -116,9 +116,9 @@ class UpdateCodec:
         return codec.decompress(message.view(self.chunks, -1), self.numel)
 
     def fold(self, out: Tensor, weights: list[float]) -> tuple[TopkFold, list[float]]:
-        """``topk``: the :class:`~xffl_like.federation.topk.TopkFold` of ``federation.topk.mean`` into ``out``
-        (zeroed) and the weights to fold the facilities' messages with (``weights``: theirs, in order)."""
-        return TopkFold(out, self.options.mean, sum(weights)), fold_weights(weights, self.options.mean)
+        """``topk``: the :class:`~xffl_like.federation.topk.TopkFold` (the per-index mean over the senders) into
+        ``out`` (zeroed) and the weights to fold the facilities' messages with (``weights``: theirs, in order)."""
+        return TopkFold(out), fold_weights(weights)
 
     def decode_sparse_stream(self, read: Callable[[int], bytes]) -> Iterator[tuple[Tensor, Tensor]]:
         """``topk``: (flat indices, values) of what the message sent, a block at a time from ``read(n)``."""
@@ -126,8 +126,8 @@ class UpdateCodec:
 
     @property
     def senders(self) -> bool:
-        """Whether messages are averaged per index over the facilities that sent it (``federation.topk.mean``)."""
-        return self.topk is not None and self.options.mean == "senders"
+        """Whether messages are averaged per index over the facilities that sent them (top-k)."""
+        return self.topk is not None
 
     def decode_sent_stream(self, read: Callable[[int], bytes]) -> Iterator[tuple[int, Tensor, Tensor]]:
         """``topk``: (first value, values, mask of the values sent) decoded in order from ``read(n)``."""

@@ -28,41 +28,6 @@ __all__ = ["BITS", "TopkFold", "TopkMean", "fold_weights", "zero_code_shares"]
 BITS = (2, 4, 8)
 
 
-def _pack(values: Tensor, width: int) -> Tensor:
-    """``[rows, n]`` non-negative integers below ``2**width`` -> ``[rows, ceil(n * width / 8)]`` uint8."""
-    rows, n = values.shape
-    shifts = torch.arange(width, device=values.device)
-    bits = ((values.unsqueeze(-1) >> shifts) & 1).to(torch.uint8).view(rows, n * width)
-    nbytes = -(-n * width // 8)
-    padded = bits.new_zeros(rows, nbytes * 8)
-    padded[:, : n * width] = bits
-    weights = (1 << torch.arange(8, device=values.device)).to(torch.uint8)
-    return (padded.view(rows, nbytes, 8) * weights).sum(-1, dtype=torch.uint8)
-
-
-def _unpack(data: Tensor, n: int, width: int) -> Tensor:
-    """The inverse of :func:`_pack`: ``[rows, nbytes]`` uint8 -> ``[rows, n]`` int64."""
-    rows = data.shape[0]
-    bits = (data.unsqueeze(-1).long() >> torch.arange(8, device=data.device)) & 1
-    bits = bits.view(rows, -1)[:, : n * width].view(rows, n, width)
-    return (bits << torch.arange(width, device=data.device)).sum(-1)
-
-
-def _top_index(mag: Tensor, k: int) -> Tensor:
-    """``[rows, k]``: per row of ``mag`` the indices of its ``k`` largest values, ascending (ties: the lowest
-    indices)."""
-    rows, length = mag.shape
-    if k == length:
-        return torch.arange(length, device=mag.device).expand(rows, length)
-    # The k-th largest magnitude; every larger one is kept, then equal ones from the lowest index.
-    kth = torch.topk(mag, k, dim=1, sorted=False).values.amin(1, keepdim=True)
-    above = mag > kth
-    tied = mag == kth
-    need = k - above.sum(1, keepdim=True)
-    keep = above | (tied & (tied.cumsum(1) <= need))
-    return keep.nonzero()[:, 1].view(rows, k)  # row-major: ascending inside each chunk
-
-
 def fold_weights(weights: list[float]) -> list[float]:
     """The weights :class:`TopkFold` takes: as given, except equal weights, where every facility weighs 1 (the same
     mean, computed as SparseLoCo does: the sum over the senders over their count)."""

@@ -222,6 +222,10 @@ def bagua_cases(cases, lr=0.1):
         elif kind == "async":
             for it in range(1, case["steps"] + 1):
                 wrapped(coefs(rank, it)).backward()
+                if it == case["steps"]:
+                    # An exchange ends inside the last step (its result must be applied although no forward
+                    # follows; it once waited for one, and every rank's thread stalled until abort).
+                    time.sleep(0.3)
                 opt.step()
                 opt.zero_grad()
                 time.sleep(0.01)

@@ -403,10 +403,10 @@ class AsyncModelAverage(Algorithm):
     The thread snapshots the weights (never during ``optimizer.step()``), averages the
     snapshots over all ranks on its own process group, and adds ``avg - snapshot`` to the
     weights itself between iterations (after ``optimizer.step()``, before the next forward);
-    during an iteration it leaves the result to the training thread, which adds it before
-    its next forward. So weights saved by autograd are never modified under a running
-    backward, local steps taken during an exchange are kept, and the mean over ranks is
-    unchanged.
+    during an iteration it leaves the result to the training thread, which adds it at the end
+    of that ``optimizer.step()`` (the next forward may never come). So weights saved by
+    autograd are never modified under a running backward, local steps taken during an
+    exchange are kept, and the mean over ranks is unchanged.
     ``abort()`` stops the thread (every rank must call it; all ranks stop after the same
     exchange) and applies the last result; ``resume()`` starts it again.
 
@@ -416,8 +416,8 @@ class AsyncModelAverage(Algorithm):
     its all-reduces wait on the host only. On CUDA its snapshot is copied on a side stream that
     waits for the training stream's last write of the weights (an event), into pinned memory,
     while holding the lock (the next ``optimizer.step()`` waits for the copy, never the GPU for
-    the thread); the training thread adds the result itself, before its next forward (or at
-    ``abort()``)."""
+    the thread); the training thread adds the result itself, before its next forward or at the
+    end of its ``optimizer.step()`` (or at ``abort()``)."""
 
     def __init__(self, sync_interval_ms: int = 500, warmup_steps: int = 0):
         if sync_interval_ms < 0 or warmup_steps < 0:
@@ -485,6 +485,10 @@ class AsyncModelAverage(Algorithm):
         self._lock.acquire()
 
     def after_step(self):
+        # A result that arrived during this step: applied now. Left for the next forward, it waited for one that
+        # may never come (after the last step), and the thread, which starts no exchange while one is pending,
+        # held every rank's thread until abort.
+        self._apply()
         self._mark_written()
         self._busy = False
         self._lock.release()

@@ -11,7 +11,7 @@ import hashlib
 import math
 import sys
 from collections.abc import Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
@@ -234,14 +234,17 @@ class Llama(nn.Module):
     def __init__(self, cfg: LlamaConfig, *, device=None, dtype=None):
         super().__init__()
         factory = {"device": device, "dtype": dtype}
+        meta = torch.device(device or "cpu").type == "meta"  # no values: nothing to initialise (_init_skipped)
         self.cfg = cfg
-        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim, **factory)
-        self.layers = nn.ModuleList(TransformerBlock(cfg, **factory) for _ in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps, **factory)
-        self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False, **factory)
+        with _init_skipped() if meta else nullcontext():
+            self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim, **factory)
+            self.layers = nn.ModuleList(TransformerBlock(cfg, **factory) for _ in range(cfg.n_layers))
+            self.norm = RMSNorm(cfg.dim, cfg.norm_eps, **factory)
+            self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False, **factory)
         # RoPE tables: fp32, not saved in state_dict; recomputed by init_weights (e.g. after meta + to_empty).
-        if torch.device(device or "cpu").type == "meta":  # no values (nor torch's meta path, see _init_skipped)
-            cos, sin = (torch.empty(cfg.max_seq_len, cfg.head_dim // 2, device=device) for _ in "cs")
+        if meta:
+            shape = (cfg.max_seq_len, cfg.head_dim // 2)
+            cos, sin = (torch.empty(shape, device=device, dtype=torch.float32) for _ in "cs")
         else:
             cos, sin = rope_cos_sin(cfg, device=device)
         self.register_buffer("rope_cos", cos, persistent=False)
@@ -381,11 +384,9 @@ def build_model(model: ModelConfig | LlamaConfig, *, device="cpu", dtype=torch.f
             f"build_model takes a ModelConfig or a LlamaConfig (LlamaConfig.from_mapping reads a plain "
             f"mapping), got {type(model).__name__}"
         )
-    if torch.device(device).type == "meta":
-        with _init_skipped():
-            return Llama(cfg, device=device, dtype=dtype)
     llama = Llama(cfg, device=device, dtype=dtype)
-    llama.init_weights(seed)
+    if torch.device(device).type != "meta":
+        llama.init_weights(seed)
     return llama
 
 
@@ -396,9 +397,9 @@ _INIT_FUNCTIONS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_",
 
 @contextmanager
 def _init_skipped():
-    """``torch.nn.init``'s functions as no-ops while modules are built on meta (the pattern of transformers'
-    ``no_init_weights``): a meta tensor holds no values, and their meta path imports ``torch._dynamo`` (over a
-    second of CPU in a launcher that builds the model only to check the configuration)."""
+    """``torch.nn.init``'s functions as no-ops while :class:`Llama` builds its modules on meta (the pattern of
+    transformers' ``no_init_weights``): a meta tensor holds no values, and their meta path imports
+    ``torch._dynamo`` (over a second of CPU in a launcher that builds the model only to check the configuration)."""
     saved = {name: getattr(nn.init, name) for name in _INIT_FUNCTIONS}
     for name in saved:
         setattr(nn.init, name, _unchanged)

@@ -120,6 +120,7 @@ def test_the_launcher_checks_a_job_without_the_workers_modules(tmp_path):
     probe that reports and exits): the whole check ran (its model built on meta) and none of WORKERS_ONLY was
     imported."""
     import json
+    import os
     import subprocess
     import sys
 
@@ -136,6 +137,6 @@ def test_the_launcher_checks_a_job_without_the_workers_modules(tmp_path):
         "runpy.run_module('xffl_like.run', run_name='__main__')\n"
     )
     proc = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120,
-                          env={**__import__("os").environ, "PYTHONPATH": PYTHONPATH})  # fmt: skip
+                          env={**os.environ, "PYTHONPATH": PYTHONPATH})  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == [], proc.stdout

@@ -107,8 +107,8 @@ def test_sigkill_of_the_launcher_takes_the_job_with_it(tmp_path):
 
 def _workers(launcher: int) -> list[int]:
     """The launcher's workers: the children of its fork server (its other child is multiprocessing's
-    resource tracker)."""
-    servers = [p for p in _children(launcher) if b"forkserver" in Path(f"/proc/{p}/cmdline").read_bytes()]
+    resource tracker; the server is a fork of the launcher, or a fresh interpreter running forkserver's main)."""
+    servers = [p for p in _children(launcher) if b"resource_tracker" not in Path(f"/proc/{p}/cmdline").read_bytes()]
     return [w for s in servers for w in _children(s)]
 
 

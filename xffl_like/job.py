@@ -266,9 +266,11 @@ def run_local(cfg: DictConfig, run_dir: Path, worker: Callable | None = None) ->
         job, layout = validate_config(job, nproc, nproc, Path.cwd())
     except ConfigError as exc:
         raise JobFailed(str(exc)) from None
+    # The workers' imports run while this process prepares the run directory; first, while this process has
+    # one thread (before _admit's gRPC channel): the server may then be forked from it (.distributed.fork_server).
+    start_fork_server(from_here=True)
     device_notice(job, nproc)
     _admit(job)  # a facility of the hub's federation: the hub answers, admits its identity, the model matches
-    start_fork_server()  # the workers' imports run while this process prepares the run directory
     fresh = run_dir
     job, run_dir = prepare_durability(job, layout, run_dir)
     if run_dir != fresh:

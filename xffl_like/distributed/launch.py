@@ -23,6 +23,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from .fork_server import check_cuda_fresh, server_pid, start_fork_server
+
 __all__ = ["WorkerFailure", "free_port", "launch_local", "loopback_store", "start_fork_server", "worker_count_threads"]
 
 
@@ -102,19 +104,6 @@ _SECONDARY = ("Connection closed by peer", "Connection reset by peer", "Broken p
 _SECONDARY_GRACE_S = 3.0
 
 
-# Workers are forked from multiprocessing's fork server, which imports these once (it lives as
-# long as the launching process): a worker costs a fork instead of a fresh interpreter that
-# imports torch and the training loop (seconds of CPU per worker, per launch).
-# torch._dynamo: FSDP2 imports it at its first DTensor (seconds); the figures are rank 0's.
-# forkserver_init first: the fork server dies with this process and ignores SIGTERM (.signals).
-_PRELOAD = [
-    "xffl_like.distributed.forkserver_init",
-    "torch",
-    "torch._dynamo",
-    "xffl_like.train.loop",
-    "matplotlib.figure",
-    "matplotlib.backends.backend_agg",
-]
 # What the elastic agent sets for each worker; the rest of the environment is the launcher's.
 _AGENT_KEYS = {
     "RANK",
@@ -133,16 +122,6 @@ _AGENT_KEYS = {
 }
 
 
-def start_fork_server() -> None:
-    """Start the fork server now (it imports torch and the training loop while the caller goes
-    on: the launcher calls it once the config is valid); :func:`launch_local` uses it."""
-    import multiprocessing
-    from multiprocessing import forkserver
-
-    multiprocessing.set_forkserver_preload(_PRELOAD)  # no effect once the server runs
-    forkserver.ensure_running()
-
-
 def _adopt_environment(env: dict[str, str]) -> None:
     """Give a forked worker the launcher's environment of now (the fork server's is the one it
     started with) plus what the agent set, and the intra-op threads of ``OMP_NUM_THREADS``
@@ -157,21 +136,6 @@ def _adopt_environment(env: dict[str, str]) -> None:
         import torch
 
         torch.set_num_threads(max(1, int(os.environ["OMP_NUM_THREADS"])))
-
-
-def check_cuda_fresh() -> None:
-    """A forked worker must find CUDA uninitialised: a CUDA context does not survive ``fork``, and a
-    worker that inherits one fails at its first kernel, or worse. The fork server imports torch,
-    torch._dynamo and the loop (:data:`_PRELOAD`); if one of them ever initialises CUDA (on the CUDA
-    wheel, triton is imported through torch._dynamo), this fails loudly, naming the cause."""
-    import torch
-
-    if torch.cuda.is_initialized():
-        raise RuntimeError(
-            "CUDA was initialised in the fork server before the workers were forked (an import in "
-            "xffl_like.distributed.launch._PRELOAD touched the GPU): forked workers cannot use it; "
-            "remove that import from the preload list"
-        )
 
 
 _FALLBACK = "XFFL_ERROR_FALLBACK_DIR"
@@ -212,9 +176,7 @@ def _entry(fn: Callable, args: tuple, error_dir: str, env: dict[str, str]) -> An
 
 def _worker_pids() -> list[int]:
     """The fork server's children: the workers (Linux: /proc; elsewhere ``pgrep -P``)."""
-    from multiprocessing import forkserver
-
-    server = getattr(forkserver._forkserver, "_forkserver_pid", None)
+    server = server_pid()
     if not server:
         return []
     pids = []

@@ -49,7 +49,10 @@ def test_steps_picks_a_rerun_in_priority_order_and_names_an_unknown_step(tmp_pat
 
 
 def test_a_step_past_its_timeout_is_killed_and_one_past_the_budget_skipped(tmp_path):
-    slow = gpu_run.Step("slow", [sys.executable, "-c", "import time; time.sleep(120)"], 1)
+    # SIGINT ends it at once (its own handler: an ignored SIGINT, as in a pytest-xdist worker, would be inherited,
+    # and the step would wait out stop()'s 20 s grace before its SIGKILL).
+    code = "import signal, time; signal.signal(signal.SIGINT, signal.default_int_handler); time.sleep(120)"
+    slow = gpu_run.Step("slow", [sys.executable, "-c", code], 1)
     line = gpu_run.run_step(slow, dict(os.environ), tmp_path, 1, left=100)
     assert line == "FAIL slow: timed out after 1 s (log 1_slow.log)"
     assert gpu_run.run_step(slow, dict(os.environ), tmp_path, 2, left=5).startswith("SKIP slow: no time left")

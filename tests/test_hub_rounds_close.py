@@ -527,3 +527,31 @@ def test_the_final_round_is_asked_again_until_it_comes_and_no_longer_than_its_bo
         assert "final_wait_s=0.2" in line and "exports nothing" in line and "does not answer" in line
     finally:
         link.channel.close()
+
+
+def test_a_facility_restarted_soon_after_its_death_waits_for_its_old_heartbeat_to_lapse(hub, monkeypatch, capsys):
+    """a's process dies right after its join (its heartbeat is still live at the hub) and a new process of a asks
+    in: its launcher's check waits for that heartbeat to lapse and is admitted (before: refused at once with
+    ALREADY_EXISTS, so a facility resumed within seconds of a kill failed). A twin that keeps beating is still
+    refused, in one line, once the wait is over. The liveness window is shortened to 1 s (hub and client)."""
+    monkeypatch.setattr(membership, "LIVE_S", 1.0)
+    monkeypatch.setattr(client, "LIVE_S", 1.0)
+    cfg = SimpleNamespace(hub=hub.address, cert=None, ca=None, key=None, timeout_s=5.0)
+    old = Raw(hub, "a")
+    assert old.join(_spec())["status"] == "create"  # a member now, its heartbeat fresh; then it beats no more
+    again = HubLink(cfg, "a", _spec(), GEOMETRY, steps=20, every=2)
+    try:
+        again.probe()  # admitted once the old heartbeat lapsed
+        assert "a process of this name is still live at the hub" in capsys.readouterr().out
+    finally:
+        again.channel.close()
+    twin = Raw(hub, "b").beating()
+    twin.join(_spec())
+    other = HubLink(cfg, "b", _spec(), GEOMETRY, steps=20, every=2)
+    try:
+        with pytest.raises(ElasticError, match=r"^facility b: .*a facility named b is already a member"):
+            other.probe()
+    finally:
+        other.channel.close()
+        twin.close()
+        old.close()

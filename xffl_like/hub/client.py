@@ -27,7 +27,7 @@ import grpc  # noqa: E402 - after its verbosity is set
 from .protocol.dial import ElasticError, address  # noqa: E402
 from .protocol.messages import CALLS, HubView, JoinReply, ResultHeader, UploadHeader, UploadReply  # noqa: E402
 from .protocol.relay import buffer_names, outer_of  # noqa: E402
-from .protocol.retry import POLL_RETRY, ROUND_RETRY  # noqa: E402
+from .protocol.retry import LIVE_S, POLL_RETRY, ROUND_RETRY  # noqa: E402
 from .protocol.spec import codec_of, hub_spec  # noqa: E402
 from .protocol.wire import GRPC_OPTIONS, SERVICE, Frames, WireError, frames_of_file, transfer_s  # noqa: E402
 
@@ -185,13 +185,28 @@ class HubLink:
 
     # ------------------------------------------------------------------ membership
     def probe(self) -> None:
-        """The launcher's check before workers start: the hub answers, admits this identity and description."""
-        try:
-            out = self.unary(
-                "Join", spec=self.spec, geometry=self.geometry, steps=self.steps, every=self.every, probe=True
-            )
-        except grpc.RpcError as exc:
-            raise ElasticError(f"facility {self.name}: {explain(exc, self.hub)}") from None
+        """The launcher's check before workers start: the hub answers, admits this identity and description.
+        A process of this facility's name still live at the hub (ALREADY_EXISTS) is waited for once, up to twice
+        the hub's liveness window (:data:`~.protocol.retry.LIVE_S`): a facility restarted within seconds of its
+        death finds its old heartbeat lapsed then; a twin that keeps beating is still refused, in one line."""
+        until, said = time.monotonic() + 2 * LIVE_S, False
+        while True:
+            try:
+                out = self.unary(
+                    "Join", spec=self.spec, geometry=self.geometry, steps=self.steps, every=self.every, probe=True
+                )
+                break
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.ALREADY_EXISTS or time.monotonic() >= until:
+                    raise ElasticError(f"facility {self.name}: {explain(exc, self.hub)}") from None
+                if not said:
+                    print(
+                        f"facility {self.name}: a process of this name is still live at the hub {self.hub}; waiting "
+                        f"up to {2 * LIVE_S:.0f} s for its heartbeat to lapse (a restart soon after a kill)",
+                        flush=True,
+                    )
+                    said = True
+                time.sleep(min(LIVE_S / 10, max(0.0, until - time.monotonic())))
         self._refuse_if_ended(out)
 
     def _refuse_if_ended(self, out: HubView | JoinReply) -> None:

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-__all__ = ["POLL_RETRY", "ROUND_RETRY", "RetryPolicy"]
+__all__ = ["LIVE_S", "POLL_RETRY", "ROUND_RETRY", "RetryPolicy"]
 
 T = TypeVar("T")
 
@@ -56,3 +56,6 @@ class RetryPolicy:
 ROUND_RETRY = RetryPolicy(base=1.0, cap=30.0)
 #: Asking the hub again while a join waits (another facility creating the federation; min_facilities).
 POLL_RETRY = RetryPolicy(base=0.25, cap=1.0)
+#: A member whose last heartbeat is older than this is not waited for, and its name may be taken by another process
+#: of that facility (the hub's :mod:`~..server.membership`); a facility restarted sooner waits for it to lapse.
+LIVE_S = 5.0

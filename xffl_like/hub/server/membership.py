@@ -13,12 +13,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..protocol.messages import Geometry, HubView
+from ..protocol.retry import LIVE_S
 from .errors import HubError
 
 __all__ = ["HISTORY", "LIVE_S", "Member", "Membership"]
 
-#: A member whose last heartbeat is older than this is not waited for.
-LIVE_S = 5.0
 #: Accepted update norms kept per facility (together, the federation's recent accepted norms: :mod:`.checks`).
 HISTORY = 5
 

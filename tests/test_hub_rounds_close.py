@@ -555,3 +555,44 @@ def test_a_facility_restarted_soon_after_its_death_waits_for_its_old_heartbeat_t
         other.channel.close()
         twin.close()
         old.close()
+
+
+def test_a_stop_request_while_the_upload_goes_up_leaves_the_round(tmp_path):
+    """The hub wants a's upload and reads it no further than its first frame; a stop request (``cancel``, as the
+    trainer's signal handler calls it) cuts the upload in flight: the round ends as ``left``, one line, and the
+    trainer leaves next (before: the cancelled future raised ``grpc.FutureCancelledError``, which is no
+    ``RpcError``, out of the round and failed the job)."""
+    got_frame, release = threading.Event(), threading.Event()
+
+    def arrive(request, context):
+        return ArriveReply("upload", 0, None).encode()
+
+    def upload(frames, context):
+        next(frames)
+        got_frame.set()
+        release.wait(BOUND_S * 2)
+        return b""
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=GRPC_OPTIONS)
+    handlers = {"Arrive": grpc.unary_unary_rpc_method_handler(arrive),
+                "Upload": grpc.stream_unary_rpc_method_handler(upload)}  # fmt: skip
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    mine = tmp_path / "mine"
+    mine.write_bytes(np.zeros(1 << 20, dtype=np.float32).tobytes())  # 4 MB: several frames, the first one read
+    cfg = SimpleNamespace(hub=f"127.0.0.1:{port}", cert=None, ca=None, key=None, timeout_s=BOUND_S)
+    link = HubLink(cfg, "a", _spec(numel=1 << 20), GEOMETRY, steps=20, every=2)
+    out = {}
+    worker = threading.Thread(target=lambda: out.update(link.round(mine, tmp_path / "t", 2, 32.0, 2)))
+    try:
+        worker.start()
+        assert got_frame.wait(BOUND_S), "the upload did not start"
+        link.cancel()
+        worker.join(BOUND_S)
+        assert not worker.is_alive(), "the round did not end on the stop request"
+        assert out.get("status") == "left" and "uploading its round" in out["reason"], out
+    finally:
+        release.set()
+        link.channel.close()
+        server.stop(0)

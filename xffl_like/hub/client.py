@@ -63,7 +63,7 @@ def explain(exc: grpc.RpcError, hub: str) -> str:
 
 
 class _Cancelled(Exception):
-    """A stop request ended a wait of the join."""
+    """A stop request ended a wait of the join, or cut an upload in flight."""
 
 
 def _read(path: str | None) -> bytes | None:
@@ -133,7 +133,11 @@ class HubLink:
         call = self.channel.stream_unary(f"/{SERVICE}/Upload")
         timeout = self.deadline(Path(path).stat().st_size, wait=True)
         future = self._call = call.future(frames_of_file(header.to_json(), path), timeout=timeout)
-        out = (HubView if kind == "create" else UploadReply).decode(future.result())
+        try:
+            answer = future.result()
+        except grpc.FutureCancelledError:  # cut by :meth:`cancel` (a stop request), not an RpcError
+            raise _Cancelled from None
+        out = (HubView if kind == "create" else UploadReply).decode(answer)
         self._call = None
         self.up += Path(path).stat().st_size
         return out
@@ -344,6 +348,8 @@ class HubLink:
             header = self._download(self._stream("Result", round=arrived.round), theta, outer, relay)
         except WireError as exc:  # nothing was written: θ_global in full instead
             return self.heal(theta, outer, done, f"the hub's result does not match ({exc})")
+        except _Cancelled:  # a stop request while this facility's upload was going up
+            return self._left(done, "uploading its round")
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.CANCELLED:  # a stop request while waiting: the trainer leaves next
                 return self._left(done, "waiting in the round")

@@ -71,22 +71,29 @@ def _by_version(dump: Path, name: str) -> dict[int, dict]:
     return {r["round"]: r for r in rounds(dump, name)}
 
 
+def _dumped(dump: Path, name: str, version: int) -> bool:
+    """``name``'s leader dumped a round of ``version`` (by its file's name: polled without loading every dump)."""
+    return any((dump / name).glob(f"round-{version:04d}-*.pt"))
+
+
 @pytest.mark.slow
 def test_a_facility_killed_is_left_out_then_restarts_and_heals(hub, tmp_path):
     # a: 2 processes FSDP; b: 1 process; c: 2 processes HSDP (2 replicas of 1 shard). b waits before arriving
     # at the round of version 2 and is SIGKILLed there, with its whole process group.
     outer = ["federation.outer.name=average", "federation.outer.lr=0.5", "federation.elastic.min_facilities=3"]
-    never, back = tmp_path / "never", tmp_path / "b-back"
+    never, back, marks = tmp_path / "never", tmp_path / "b-back", tmp_path / "b-marks"
     # a arrives at the round of version 3 only once b's restart asks to join: b surely rejoins while a trains.
     a = _facility("a", hub, tmp_path, nproc=2, extra=outer, env={"XFFL_TEST_ELASTIC_HOLD": f"3:{back}"})
-    b = _facility("b", hub, tmp_path, nproc=1, extra=outer, env={"XFFL_TEST_ELASTIC_HOLD": f"2:{never}"})
+    b = _facility("b", hub, tmp_path, nproc=1, extra=outer,
+                  env={"XFFL_TEST_ELASTIC_HOLD": f"2:{never}", "XFFL_TEST_ELASTIC_MARK": str(marks)})  # fmt: skip
     c = _facility("c", hub, tmp_path, nproc=2, extra=[*outer, "distributed.hsdp=1"])
     dump = tmp_path / "dump"
     try:
-        wait_for(lambda: any(r["round"] == 2 for r in rounds(dump, "b")), what="b's second round")
-        time.sleep(2)  # b is at its next boundary, holding
+        wait_for(lambda: (marks / "held-2").exists(), what="b holding at its boundary after version 2")
         b.kill()
-        time.sleep(3)
+        # The survivors' round of version 3 commits once b's heartbeat stopped: its name is free for the restart
+        # (a live b would be refused as a twin).
+        wait_for(lambda: _dumped(dump, "a", 3), what="version 3 without b")
         again = _facility(
             "b", hub, tmp_path, nproc=1, extra=outer, resume=b.dir, env={"XFFL_TEST_ELASTIC_ASKING": str(back)}
         )
@@ -264,9 +271,9 @@ def test_late_joiner_heals_bitwise_then_leaves_on_sigusr1_at_once(hub, tmp_path)
     b = None
     dump = tmp_path / "dump"
     try:
-        wait_for(lambda: len(rounds(dump, "a")) >= 1, what="a's start")
+        wait_for(lambda: _dumped(dump, "a", 0), what="a's start")
         b = _facility("b", hub, tmp_path, nproc=1, extra=extra, env={"XFFL_TEST_ELASTIC_ASKING": str(asking)})
-        wait_for(lambda: len(rounds(dump, "b")) >= 2, what="b's first round")
+        wait_for(lambda: len(list((dump / "b").glob("round-*.pt"))) >= 2, what="b's first round")
         left_at = time.time()
         os.kill(b.proc.pid, signal.SIGUSR1)
         rc_b, out_b = b.wait(timeout=60)
@@ -503,13 +510,16 @@ def test_facilities_of_different_speeds_as_independent_jobs(hub, tmp_path):
 def test_a_walltime_signal_while_waiting_in_a_round_leaves_within_seconds(hub, tmp_path):
     """a waits in a round for b (live, holding before it arrives); SIGUSR1 to a: it cuts the wait, saves,
     leaves and exits 0 within seconds, not after grace_s (120 s)."""
-    never = tmp_path / "never"
-    a = _facility("a", hub, tmp_path, extra=["federation.elastic.min_facilities=2"])
+    never, marks = tmp_path / "never", tmp_path / "marks"
+    a = _facility("a", hub, tmp_path, extra=["federation.elastic.min_facilities=2"],
+                  env={"XFFL_TEST_ELASTIC_MARK": str(marks / "a")})  # fmt: skip
     b = _facility("b", hub, tmp_path, extra=["federation.elastic.min_facilities=2"],
-                  env={"XFFL_TEST_ELASTIC_HOLD": f"1:{never}"})  # fmt: skip
+                  env={"XFFL_TEST_ELASTIC_HOLD": f"1:{never}", "XFFL_TEST_ELASTIC_MARK": str(marks / "b")})  # fmt: skip
     try:
-        wait_for(lambda: _waiting(tmp_path / "dump", "a"), what="a's first round with b")
-        time.sleep(3)  # a is in the round's wait now (b holds before arriving)
+        # version 1 committed with both; a asks for the next round's while b holds before arriving
+        wait_for(lambda: (marks / "a" / "asking-1").exists() and (marks / "b" / "held-1").exists(),
+                 what="a asking for its round after version 1, b holding")  # fmt: skip
+        time.sleep(3)  # a's upload (milliseconds) is over: it is in the round's wait now
         signalled = time.time()
         os.kill(a.proc.pid, signal.SIGUSR1)
         rc, out = a.wait(timeout=60)  # the bound: without the fix the wait for 2 more facilities never ends
@@ -521,6 +531,7 @@ def test_a_walltime_signal_while_waiting_in_a_round_leaves_within_seconds(hub, t
     assert took < 20, took
     lines = [line for line in out.splitlines() if "left the federation" in line]
     assert len(lines) == 1 and "resume=" in lines[0], out
+    assert "a stop request while waiting in the round" in out, out  # the wait was cut, not a step boundary reached
 
 
 def test_a_stop_while_waiting_for_more_facilities_leaves_at_once(hub, tmp_path):
@@ -556,8 +567,3 @@ def _in_session(sid: int) -> list[int]:
             if int(fields[3]) == sid and fields[0] != "Z":
                 out.append(int(entry))
     return out
-
-
-def _waiting(dump: Path, name: str) -> bool:
-    """``name`` committed version 1 (with b): its next boundary's round is the one b holds back."""
-    return any(r["round"] == 1 and r["status"] == "accepted" for r in rounds(dump, name))

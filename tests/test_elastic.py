@@ -160,26 +160,52 @@ def _simulate_diloco_bf16(by_name: dict[str, dict[int, dict]], tokens: dict[str,
 TOPK = {"density": 0.0625, "tile": 16, "bits": 4, "decay": 0.9, "lr": 0.8}  # 16 of each 16 x 16 tile, 16 bins
 #: The compressed runs' length: three rounds of two steps (versions 1, 2 and 3).
 THREE_ROUNDS = ["train.steps=6", "federation.every=2"]
+#: The top-k run's facilities: (processes, federation.every) each, three rounds: a 2 steps a round, b 1 (issue 21:
+#: each facility its own steps per round, as many rounds; federation.weights=null then weighs by tokens).
+TOPK_FACILITIES = {"a": (2, 2), "b": (1, 1)}
+
+
+@pytest.fixture(scope="module")
+def topk_run(tmp_path_factory) -> Path:
+    """One federation read by two tests (its rounds checked for both): facilities a (2 processes, FSDP) and b (1)
+    send top-k messages with SparseLoCo's error feedback (:data:`TOPK`) through the hub, each with its own
+    federation.every (:data:`TOPK_FACILITIES`) and federation.weights left null. Its folder (``dump``, ``run-*``)."""
+    from helpers.sparseloco_reference import topk_overrides
+
+    tmp, t = tmp_path_factory.mktemp("topk"), TOPK
+    extra = [*topk_overrides(t["density"], t["bits"], t["decay"], t["tile"]), "federation.outer.name=average",
+             f"federation.outer.lr={t['lr']}", "federation.elastic.min_facilities=2"]  # fmt: skip
+    hub = Hub(tmp)
+    try:
+        run_to_end(*[_facility(n, hub, tmp, nproc=nproc, extra=[*extra, f"train.steps={3 * every}",
+                                                                   f"federation.every={every}"])
+                     for n, (nproc, every) in TOPK_FACILITIES.items()])  # fmt: skip
+    finally:
+        hub.stop()
+    return tmp
+
+
+def _tokens_weights() -> dict[str, float]:
+    """By hand: each facility's weight in every round of the top-k run, the tokens it trained since its last round
+    (its steps per round x its processes x BATCH x SEQ) over the round's total."""
+    tokens = {n: every * nproc * BATCH * SEQ for n, (nproc, every) in TOPK_FACILITIES.items()}
+    return {n: v / sum(tokens.values()) for n, v in tokens.items()}
 
 
 @pytest.mark.slow
-def test_topk_through_the_hub(hub, tmp_path):
-    """Two facilities (2 processes and 1, tokens weights) send top-k messages with SparseLoCo's error feedback
-    through the hub. Each facility's message is the reference encoding (tests/helpers/sparseloco_reference.py,
+def test_topk_through_the_hub(topk_run):
+    """Two facilities (2 processes and 1, weighted by tokens: 4 to 1) send top-k messages with SparseLoCo's error
+    feedback through the hub. Each facility's message is the reference encoding (tests/helpers/sparseloco_reference.py,
     numpy: the tiles of the whole tensors) of its update recomputed here: decay x its residual plus θ_global minus
     its parameters; each round's θ_global is the previous one minus outer.lr x, per index, the tokens-weighted mean
-    over the facilities that sent it of the messages decoded here; both copies equal."""
+    (weights computed here) over the facilities that sent it of the messages decoded here; both copies equal."""
     import numpy as np
-    from helpers.sparseloco_reference import ref_decode, ref_encode, sender_mean, topk_overrides
+    from helpers.sparseloco_reference import ref_decode, ref_encode, sender_mean
 
     t = TOPK
-    extra = ["federation.weights=tokens", *topk_overrides(t["density"], t["bits"], t["decay"], t["tile"]),
-             "federation.outer.name=average", f"federation.outer.lr={t['lr']}", "federation.elastic.min_facilities=2",
-             *THREE_ROUNDS]  # fmt: skip
-    a, b = _run_both(hub, tmp_path, extra)
-    for f in (a, b):  # an elastic facility's phases account for its whole loop (joins and rounds included)
-        phases_cover_the_loop(f.summary())
-    dump = tmp_path / "dump"
+    for n in TOPK_FACILITIES:  # an elastic facility's phases account for its whole loop (joins and rounds included)
+        phases_cover_the_loop(json.loads((topk_run / f"run-{n}" / "summary.json").read_text()))
+    dump = topk_run / "dump"
     by = {n: _by_version(dump, n) for n in ("a", "b")}
     start = {n: next(r for r in v.values() if r["status"] in ("created", "joined")) for n, v in by.items()}
     theta = start["a"]["after"]
@@ -187,12 +213,13 @@ def test_topk_through_the_hub(hub, tmp_path):
     shapes = model_shapes()
     residual = {n: torch.zeros_like(theta) for n in by}
     versions = sorted(v for v, r in by["a"].items() if r["status"] == "accepted")
-    assert versions == [1, 2, 3], versions  # 6 steps, a round every 2
+    assert versions == [1, 2, 3], versions  # three rounds each
     codec = (shapes, t["density"], t["tile"], t["bits"])
+    by_hand = _tokens_weights()
     for v in versions:
         ef = {n: theta + residual[n] for n in by}  # the facility's one buffer
         weights = by["a"][v]["weights"]
-        assert weights == pytest.approx({"a": 2 / 3, "b": 1 / 3}), weights
+        assert weights == pytest.approx(by_hand), weights
         decoded, sent = [], []
         for n, r in ((n, by[n][v]) for n in sorted(weights)):
             update = (ef[n] - r["before"]).sub_(ef[n] - theta, alpha=1.0 - t["decay"])
@@ -201,12 +228,30 @@ def test_topk_through_the_hub(hub, tmp_path):
             residual[n] = update - torch.from_numpy(values)
             decoded.append(values)
             sent.append(mask)
-        mean = sender_mean(decoded, sent, [weights[n] for n in sorted(weights)])
+        mean = sender_mean(decoded, sent, [by_hand[n] for n in sorted(weights)])
         want = torch.from_numpy(theta.double().numpy() - t["lr"] * mean).float()
         torch.testing.assert_close(by["a"][v]["after"], want, rtol=0, atol=1e-6, msg=f"version {v}")
         assert torch.equal(by["a"][v]["after"], by["b"][v]["after"])
         assert np.count_nonzero(sent[0] & sent[1]) < np.count_nonzero(sent[0] | sent[1])  # supports differ
         theta = by["a"][v]["after"]
+
+
+@pytest.mark.slow
+def test_facilities_with_their_own_every_take_as_many_rounds_weighted_by_tokens(topk_run):
+    """Issue 21 through the hub (the top-k run): each facility its own federation.every with as many rounds, a 2
+    steps a round for 6 steps, b 1 for 3; every committed round weighs each member by the tokens it trained since
+    its last round (federation.weights=null: tokens, as their steps per round differ), computed here from the
+    facilities' steps and processes; test_topk_through_the_hub checks each round's θ_global with these weights."""
+    steps = {n: _round_steps(json.loads((topk_run / f"run-{n}" / "summary.json").read_text())) for n in "ab"}
+    assert steps == {"a": [2, 2, 2], "b": [1, 1, 1]}, steps
+    dump = topk_run / "dump"
+    applied, theirs = _committed(dump, "a"), _by_version(dump, "b")
+    assert [r["round"] for r in applied] == [1, 2, 3] == [v for v, r in theirs.items() if r["status"] == "accepted"]
+    assert 2 * min(_tokens_weights().values()) < max(_tokens_weights().values())  # far from uniform
+    for r in applied:
+        assert r["weights"] == pytest.approx(_tokens_weights()), r["weights"]
+        assert theirs[r["round"]]["weights"] == r["weights"]
+        assert torch.equal(r["after"], theirs[r["round"]]["after"])
 
 
 def _run_both(hub, tmp_path, extra: list[str]):
@@ -461,12 +506,12 @@ def _pair(hub, tmp_path, names, extra_a, extra_b, envs=(None, None)) -> dict[str
 
 @pytest.mark.slow
 def test_facilities_of_different_speeds_as_independent_jobs(hub, tmp_path):
-    """Issue 21 through the hub. (1) Each facility its own federation.every with as many rounds: a takes 4 steps
-    per round for 8 steps, b 2 for 4; (2) rounds by time: d, 12x as slow, takes fewer steps per round than c, on
-    the paces' test clock (each step 1 s for c, 12 s for d; the wall clock's rounds were a race on a loaded
-    machine, which once gave both facilities rounds of [1, 1, 8]). Every committed round is the mean weighted by
-    the tokens each member trained since its last round, computed here from each facility's own step records and
-    the batch geometry."""
+    """Issue 21 through the hub, rounds by time (each facility its own federation.every: the top-k run,
+    test_facilities_with_their_own_every_take_as_many_rounds_weighted_by_tokens): d, 12x as slow, takes fewer steps
+    per round than c, on the paces' test clock (each step 1 s for c, 12 s for d; the wall clock's rounds were a race
+    on a loaded machine, which once gave both facilities rounds of [1, 1, 8]). Every committed round is the mean
+    weighted by the tokens each member trained since its last round, computed here from each facility's own step
+    records and the batch geometry."""
 
     def check(names, steps: dict[str, list[int]]) -> None:
         first, other = names
@@ -481,23 +526,14 @@ def test_facilities_of_different_speeds_as_independent_jobs(hub, tmp_path):
             )
         assert torch.equal(applied[-1]["after"], theirs[applied[-1]["round"]]["after"])
 
-    steps = _pair(hub, tmp_path, ("a", "b"), ["federation.every=4", "train.steps=8"],
-                  ["federation.every=2", "train.steps=4"])  # fmt: skip
-    assert steps == {"a": [4, 4], "b": [2, 2]}, steps
-    check(("a", "b"), steps)
-
     # (2) rounds by time: federation.every_s, d's steps twelve times as slow; the job ends after the first
     # round in which one of them reached train.steps=10. The rule, on the test clock: a round ends when another
     # step would end past 2.5 s: c after 2 steps (2 s + 1 s > 2.5 s), d after 1 (12 s); c reaches 10 in round 5.
     timed = ["federation.every=null", "federation.every_s=2.5", "train.steps=10"]
     clocks = ({"XFFL_TEST_PACE_STEP_S": "1.0"}, {"XFFL_TEST_PACE_STEP_S": "12.0"})
-    other = Hub(tmp_path, name="timed")  # a new federation: its own round time
-    try:
-        # d's speed is its test clock's (12 s a step): the pace reads nothing else, so a real slowdown
-        # (fault.slow_factor=12, test_speeds' subject) would only add some 11 x 5 steps of sleep to the suite.
-        steps = _pair(other, tmp_path, ("c", "d"), timed, timed, envs=clocks)
-    finally:
-        other.stop()
+    # d's speed is its test clock's (12 s a step): the pace reads nothing else, so a real slowdown
+    # (fault.slow_factor=12, test_speeds' subject) would only add some 11 x 5 steps of sleep to the suite.
+    steps = _pair(hub, tmp_path, ("c", "d"), timed, timed, envs=clocks)
     assert steps == {"c": [2] * 5, "d": [1] * 5}, steps
     ends = {n: sum(row) for n, row in steps.items()}
     assert max(ends.values()) == 10 and ends["d"] < ends["c"], steps

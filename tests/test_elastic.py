@@ -254,25 +254,58 @@ def test_facilities_with_their_own_every_take_as_many_rounds_weighted_by_tokens(
         assert torch.equal(r["after"], theirs[r["round"]]["after"])
 
 
-def _run_both(hub, tmp_path, extra: list[str]):
-    """Facilities a (2 processes, FSDP) and b (1) with ``extra``, run to their end: both exit 0."""
-    a = _facility("a", hub, tmp_path, nproc=2, extra=extra)
-    b = _facility("b", hub, tmp_path, nproc=1, extra=extra)
-    run_to_end(a, b)
-    return a, b
+#: The SparseLoCo preset's run: five rounds of two steps. a (2 processes, FSDP) holds before asking for the round
+#: after version 3 (its fourth) until b has left; b (1 process) waits in that round for it, and gets SIGUSR1 there.
+PRESET_STEPS = 10
+
+
+@pytest.fixture(scope="module")
+def sparseloco_run(tmp_path_factory) -> dict:
+    """One federation read by two tests: ``federation/topk=sparseloco`` with facilities a (2 processes) and b (1),
+    b signalled (SIGUSR1) while it waits in its fourth round for a, which holds before arriving there until b has
+    exited; a then goes on alone to its last step. Its folder and each facility's exit status and output, and the
+    seconds b took to exit after its signal."""
+    tmp = tmp_path_factory.mktemp("sparseloco")
+    marks, gone = tmp / "marks", tmp / "b-gone"
+    extra = ["federation/topk=sparseloco", "federation.elastic.min_facilities=2", f"train.steps={PRESET_STEPS}",
+             "federation.every=2"]  # fmt: skip
+    hub = Hub(tmp)
+    a = b = None
+    try:
+        held = {"XFFL_TEST_ELASTIC_HOLD": f"3:{gone}", "XFFL_TEST_ELASTIC_MARK": str(marks / "a")}
+        a = _facility("a", hub, tmp, nproc=2, extra=extra, env=held)
+        b = _facility("b", hub, tmp, nproc=1, extra=extra, env={"XFFL_TEST_ELASTIC_MARK": str(marks / "b")})
+        # version 3 committed with both; b asks for the next round's while a holds before arriving
+        wait_for(lambda: (marks / "b" / "asking-3").exists() and (marks / "a" / "held-3").exists(),
+                 what="b asking for its round after version 3, a holding")  # fmt: skip
+        time.sleep(3)  # b's upload (milliseconds) is over: it is in the round's wait now
+        signalled = time.time()
+        os.kill(b.proc.pid, signal.SIGUSR1)
+        rc_b, out_b = b.wait(timeout=60)  # the bound: without the fix the wait lasts until grace_s (120 s)
+        took = time.time() - signalled
+        gone.touch()
+        rc_a, out_a = a.wait()
+    finally:
+        for f in (a, b):
+            if f is not None:
+                f.kill()
+        hub.stop()
+    return {"dir": tmp, "a": (rc_a, out_a), "b": (rc_b, out_b), "took": took}
 
 
 @pytest.mark.slow
-def test_sparseloco_preset_through_the_hub(hub, tmp_path):
+def test_sparseloco_preset_through_the_hub(sparseloco_run):
     """``federation/topk=sparseloco`` through the hub (issue 39): two facilities (2 processes FSDP and 1) send
     tiled, 4-bin messages; each round's θ_global is SparseLoCo's step computed here in numpy from the recorded
     parameters (tests/helpers/sparseloco_reference.py: per-tensor tiles of the full tensors, the per-index mean
-    over the senders, SGD at lr 1, each facility's accumulator decayed by 0.95); both copies equal."""
+    over the senders, SGD at lr 1, each facility's accumulator decayed by 0.95); both copies equal. Versions 1 to 3:
+    those both facilities hold (b leaves in the fourth round: the walltime test below)."""
     import numpy as np
     from helpers.sparseloco_reference import outer_round
 
-    extra = ["federation/topk=sparseloco", "federation.elastic.min_facilities=2", *THREE_ROUNDS]
-    a, b = _run_both(hub, tmp_path, extra)
+    for n in "ab":
+        rc, out = sparseloco_run[n]
+        assert rc == 0, f"{n}: {out}"
     shapes = model_shapes()
     cuts = np.cumsum([0] + [int(np.prod(s)) for s in shapes])
 
@@ -280,14 +313,15 @@ def test_sparseloco_preset_through_the_hub(hub, tmp_path):
         x = flat.numpy()
         return [x[cuts[i] : cuts[i + 1]].reshape(s) for i, s in enumerate(shapes)]
 
-    dump = tmp_path / "dump"
+    dump = sparseloco_run["dir"] / "dump"
     by = {n: _by_version(dump, n) for n in ("a", "b")}
     start = {n: next(r for r in v.values() if r["status"] in ("created", "joined")) for n, v in by.items()}
     theta = start["a"]["after"]
     assert torch.equal(start["b"]["after"], theta) and int(cuts[-1]) == theta.numel()
     errors = [[np.zeros(int(np.prod(s)), dtype=np.float32) for s in shapes] for _ in "ab"]
-    versions = sorted(v for v, r in by["a"].items() if r["status"] == "accepted")
+    versions = sorted(v for v, r in by["b"].items() if r["status"] == "accepted")
     assert versions == [1, 2, 3], versions
+    assert all(by["a"][v]["status"] == "accepted" for v in versions), {v: by["a"][v]["status"] for v in versions}
     for v in versions:
         want = outer_round(split(theta), [split(by[n][v]["before"]) for n in "ab"], errors)
         got = by["a"][v]["after"]
@@ -543,28 +577,12 @@ def test_facilities_of_different_speeds_as_independent_jobs(hub, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_walltime_signal_while_waiting_in_a_round_leaves_within_seconds(hub, tmp_path):
-    """a waits in a round for b (live, holding before it arrives); SIGUSR1 to a: it cuts the wait, saves,
-    leaves and exits 0 within seconds, not after grace_s (120 s)."""
-    never, marks = tmp_path / "never", tmp_path / "marks"
-    a = _facility("a", hub, tmp_path, extra=["federation.elastic.min_facilities=2"],
-                  env={"XFFL_TEST_ELASTIC_MARK": str(marks / "a")})  # fmt: skip
-    b = _facility("b", hub, tmp_path, extra=["federation.elastic.min_facilities=2"],
-                  env={"XFFL_TEST_ELASTIC_HOLD": f"1:{never}", "XFFL_TEST_ELASTIC_MARK": str(marks / "b")})  # fmt: skip
-    try:
-        # version 1 committed with both; a asks for the next round's while b holds before arriving
-        wait_for(lambda: (marks / "a" / "asking-1").exists() and (marks / "b" / "held-1").exists(),
-                 what="a asking for its round after version 1, b holding")  # fmt: skip
-        time.sleep(3)  # a's upload (milliseconds) is over: it is in the round's wait now
-        signalled = time.time()
-        os.kill(a.proc.pid, signal.SIGUSR1)
-        rc, out = a.wait(timeout=60)  # the bound: without the fix the wait for 2 more facilities never ends
-        took = time.time() - signalled
-    finally:
-        for f in (a, b):
-            f.kill()
+def test_a_walltime_signal_while_waiting_in_a_round_leaves_within_seconds(sparseloco_run):
+    """b waits in a round for a (live, holding before it arrives; the SparseLoCo run); SIGUSR1 to b: it cuts the
+    wait, saves, leaves and exits 0 within seconds, not after grace_s (120 s)."""
+    rc, out = sparseloco_run["b"]
     assert rc == 0, out
-    assert took < 20, took
+    assert sparseloco_run["took"] < 20, sparseloco_run["took"]
     lines = [line for line in out.splitlines() if "left the federation" in line]
     assert len(lines) == 1 and "resume=" in lines[0], out
     assert "a stop request while waiting in the round" in out, out  # the wait was cut, not a step boundary reached

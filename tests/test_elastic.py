@@ -24,7 +24,7 @@ from helpers.phases import phases_cover_the_loop
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.cli]
 
-STEPS, EVERY = 24, 4
+STEPS, EVERY = 16, 4  # rounds at steps 4, 8, 12 and 16: versions 1 to 4
 BATCH, SEQ = 4, 64  # TINY's: the tokens a facility trains per step are BATCH * SEQ * its processes
 LR, WARMUP = 3.0e-3, 2  # conf/optim/adamw.yaml's lr (constant schedule), the Facility's optim.warmup_steps
 BASE = [f"train.steps={STEPS}", f"federation.every={EVERY}", "optim.warmup_steps=2", "federation.elastic.grace_s=120"]

@@ -13,13 +13,14 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import time
 from pathlib import Path
 
 import pytest
 import torch
 from helpers import REPO, model_shapes
-from helpers.hub import Facility, Hub, free_port, rounds, run_to_end, wait_for
+from helpers.hub import Facility, Hub, free_port, output, rounds, run_to_end, wait_for
 from helpers.phases import phases_cover_the_loop
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.cli]
@@ -281,7 +282,10 @@ def sparseloco_run(tmp_path_factory) -> dict:
         time.sleep(3)  # b's upload (milliseconds) is over: it is in the round's wait now
         signalled = time.time()
         os.kill(b.proc.pid, signal.SIGUSR1)
-        rc_b, out_b = b.wait(timeout=60)  # the bound: without the fix the wait lasts until grace_s (120 s)
+        try:  # the bound: without the fix the wait lasts until grace_s (120 s)
+            rc_b, out_b = b.wait(timeout=60)
+        except subprocess.TimeoutExpired:  # b killed: the walltime test fails on it, the preset's rounds stand
+            rc_b, out_b = None, output(b)
         took = time.time() - signalled
         gone.touch()
         rc_a, out_a = a.wait()
@@ -303,9 +307,8 @@ def test_sparseloco_preset_through_the_hub(sparseloco_run):
     import numpy as np
     from helpers.sparseloco_reference import outer_round
 
-    for n in "ab":
-        rc, out = sparseloco_run[n]
-        assert rc == 0, f"{n}: {out}"
+    rc, out = sparseloco_run["a"]  # b's exit: the walltime test's
+    assert rc == 0, out
     shapes = model_shapes()
     cuts = np.cumsum([0] + [int(np.prod(s)) for s in shapes])
 
@@ -503,7 +506,6 @@ def test_elastic_config_refused_before_workers(extra, words):
 
 
 def test_the_lighthouse_key_says_what_replaced_it():
-    import subprocess
     import sys
 
     out = subprocess.run(

@@ -262,13 +262,18 @@ def _stub_hub():
         release.wait(BOUND_S * 2)
         yield b""
 
+    server, port = _stub({"Arrive": grpc.unary_unary_rpc_method_handler(arrive),
+                          "Result": grpc.unary_stream_rpc_method_handler(result)})  # fmt: skip
+    return server, port, release
+
+
+def _stub(handlers: dict) -> tuple[grpc.Server, int]:
+    """A gRPC server of the hub's service with only ``handlers`` (by method), started on a free loopback port."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=GRPC_OPTIONS)
-    handlers = {"Arrive": grpc.unary_unary_rpc_method_handler(arrive),
-                "Result": grpc.unary_stream_rpc_method_handler(result)}  # fmt: skip
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
-    return server, port, release
+    return server, port
 
 
 def test_a_result_that_never_comes_is_a_missed_round_for_the_client(tmp_path, monkeypatch):
@@ -573,12 +578,8 @@ def test_a_stop_request_while_the_upload_goes_up_leaves_the_round(tmp_path):
         release.wait(BOUND_S * 2)
         return b""
 
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=GRPC_OPTIONS)
-    handlers = {"Arrive": grpc.unary_unary_rpc_method_handler(arrive),
-                "Upload": grpc.stream_unary_rpc_method_handler(upload)}  # fmt: skip
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
+    server, port = _stub({"Arrive": grpc.unary_unary_rpc_method_handler(arrive),
+                          "Upload": grpc.stream_unary_rpc_method_handler(upload)})  # fmt: skip
     mine = tmp_path / "mine"
     mine.write_bytes(np.zeros(1 << 20, dtype=np.float32).tobytes())  # 4 MB: several frames, the first one read
     cfg = SimpleNamespace(hub=f"127.0.0.1:{port}", cert=None, ca=None, key=None, timeout_s=BOUND_S)

@@ -125,6 +125,8 @@ class HubLink:
         timeout = self.deadline(self.full_bytes, wait=method == "Result")
         call = self.channel.unary_stream(f"/{SERVICE}/{method}")(request.encode(), timeout=timeout)
         self._call = call
+        if self._cancelled.is_set():  # :meth:`cancel` set the flag, then found no call to cut: cut this one
+            call.cancel()
         return call
 
     def _upload(self, path: Path, kind: str, rid: int | None = None) -> HubView | UploadReply:
@@ -133,6 +135,8 @@ class HubLink:
         call = self.channel.stream_unary(f"/{SERVICE}/Upload")
         timeout = self.deadline(Path(path).stat().st_size, wait=True)
         future = self._call = call.future(frames_of_file(header.to_json(), path), timeout=timeout)
+        if self._cancelled.is_set():  # a stop request between the call's start and ``_call``: cut it here
+            future.cancel()
         try:
             answer = future.result()
         except grpc.FutureCancelledError:  # cut by :meth:`cancel` (a stop request), not an RpcError
@@ -181,7 +185,8 @@ class HubLink:
         return header
 
     def cancel(self) -> None:
-        """Cut the call in flight and end a join's waits (a stop request while waiting at the hub)."""
+        """Cut the call in flight and end a join's waits (a stop request while waiting at the hub). The flag is
+        set first: a call started meanwhile sees it once it is ``_call`` (:meth:`_upload`, :meth:`_stream`)."""
         self._cancelled.set()
         call = self._call
         if call is not None:

@@ -9,7 +9,6 @@ round is made in the foreground, and both exports are the hub's final θ_global,
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
@@ -70,27 +69,20 @@ def _exports_are(facilities: list[Facility], theta: torch.Tensor) -> None:
     assert torch.equal(_values(exports["a"].values()), _values([theta])), "the exports are not the final θ_global"
 
 
-@pytest.mark.parametrize("compression", ["none", "topk"])
-def test_delayed_rounds_through_the_hub_own_full_by_hand(tmp_path, compression):
-    """own_full: the hub's θ_global of version v is θ_{v-1} - lr x the tokens-weighted mean of θ_{v-1} - u_f (fp32;
-    with top-k each facility applies the relayed round itself, bitwise as the hub: the copies are compared); a
-    facility's upload at the boundary where version v landed is θ_v - (u_v - x), bitwise."""
-    topk = ["federation.compression=topk", "federation.error_feedback=true"] if compression == "topk" else []
+def test_delayed_rounds_through_the_hub_own_full_topk_by_hand(tmp_path):
+    """own_full with top-k (error feedback): each facility applies the relayed round itself, bitwise as the hub (the
+    copies are compared); a facility's upload at the boundary where version v landed is θ_v - (u_v - x), bitwise.
+    (Uncompressed, the versions by hand too: :func:`test_delayed_rounds_through_the_hub_own_full_by_hand`.)"""
+    topk = ["federation.compression=topk", "federation.error_feedback=true"]
     rounds, landings, theta, facilities = _run(tmp_path, [*DELAY, *topk])
-    versions = [1, 2, 3]
     for n in "ab":
         assert len(landings[n]) == 2, f"{n} landed {len(landings[n])} rounds, not those of steps 2 and 4"
-    for v in versions:
+    for v in (1, 2, 3):
         weights = rounds["a"][v]["weights"]
         assert weights == rounds["b"][v]["weights"] and set(weights) == {"a", "b"}
-        total = sum(weights.values())
-        mean = sum((theta.double() - rounds[n][v]["before"].double()) * (weights[n] / total) for n in "ab")
-        expected = (theta.double() - LR * mean).float()
         after = rounds["a"][v]["after"]
-        if compression == "none":
-            torch.testing.assert_close(after, expected, rtol=0, atol=1e-6, msg=f"version {v}")
         assert torch.equal(after, rounds["b"][v]["after"]), f"the copies of version {v} differ"
-        if v < versions[-1]:  # version v landed at the next boundary: the upload there is θ_v - (u_v - x)
+        if v < 3:  # version v landed at the next boundary: the upload there is θ_v - (u_v - x)
             for n in "ab":
                 x = landings[n][v - 1]["x"]
                 upload = after - (rounds[n][v]["before"] - x)
@@ -244,21 +236,53 @@ def _step_of_latest(f: Facility) -> int | None:
     return None if path is None else int(path.name.removeprefix("step-"))
 
 
-def _killed(f: Facility) -> float:
-    """SIGKILL the facility's job; when (its heartbeat is seen live for LIVE_S more: a restart waits that long)."""
-    f.kill()
-    return time.monotonic()
-
-
-def _restart(tmp_path, hub: Hub, killed_at: float, extra: list[str], env=None) -> Facility:
-    """b again, resumed from its newest checkpoint, once the hub no longer sees the killed process live."""
-    from xffl_like.hub.server.membership import LIVE_S
-
-    time.sleep(max(0.0, killed_at + LIVE_S + 0.5 - time.monotonic()))
+def _restart(tmp_path, hub: Hub, b: Facility, extra: list[str], env=None) -> Facility:
+    """b SIGKILLed, and started again at once, resumed from its newest checkpoint: its launcher waits for the killed
+    process's heartbeat to lapse at the hub before joining (a restart within the liveness window)."""
+    b.kill()
     return Facility("b", hub, tmp_path, nproc=2, extra=extra, env=env, resume=str(tmp_path / "run-b"))
 
 
-def test_a_facility_killed_with_its_delayed_round_pending_sends_it_once(tmp_path):
+@pytest.fixture(scope="module")
+def pending(tmp_path_factory) -> tuple[dict, dict, list[torch.Tensor], list[Facility]]:
+    """The federation of :func:`test_a_facility_killed_with_its_delayed_round_pending_sends_it_once` (own_full, 8
+    steps, b of two FSDP processes killed twice with a round pending, a of one never stopped), run once for it and
+    :func:`test_delayed_rounds_through_the_hub_own_full_by_hand`: per facility its dumped rounds in order and its
+    landings, θ_global of versions 0-4 (a's copies), and the facilities (a, b's last job)."""
+    tmp_path = tmp_path_factory.mktemp("pending")
+    extra = [o for o in DELAY if not o.startswith("train.steps=")] + ["train.steps=8"]
+    hub = Hub(tmp_path)
+    go, paused, never = (tmp_path / n for n in ("go-1", "paused", "never"))
+    go3 = tmp_path / "go-3"
+    a = Facility("a", hub, tmp_path, extra=extra, env={"XFFL_TEST_ELASTIC_HOLD": f"1:{go},3:{go3}"})
+    b = Facility("b", hub, tmp_path, nproc=2, extra=extra, env={"XFFL_TEST_ELASTIC_HOLD": f"1:{never}"})
+    running = [a, b]
+    try:
+        _wait_for(lambda: _step_of_latest(b) == 4, what="b's checkpoint at step 4", alive=running)
+        b = _restart(tmp_path, hub, b, extra, env={"XFFL_TEST_ELASTIC_PAUSE": f"2:{paused}"})
+        running = [a, b]
+        _wait_for(lambda: "is open" in _text(b), what="b's round at step 4 open", alive=running)
+        go.touch()
+        # its upload at step 6 is at the hub, and its checkpoint at step 6 (async: written while the round goes up)
+        _wait_for(lambda: paused.exists() and _step_of_latest(b) == 6, what="b's upload at step 6", alive=running)
+        b = _restart(tmp_path, hub, b, extra)
+        running = [a, b]
+        _wait_for(lambda: "counted it" in _text(b), what="b's round at step 6 counted", alive=running)
+        go3.touch()
+        run_to_end(a, b)
+    finally:
+        for f in running:
+            f.kill()
+        hub.stop()
+    dump = tmp_path / "dump"
+    rounds = {n: _dumps(dump, n, "round") for n in "ab"}
+    landings = {n: _dumps(dump, n, "landing") for n in "ab"}
+    theta = [next(r for n in "ab" for r in rounds[n] if r["status"] == "created")["after"]]
+    theta += [r["after"] for v in (1, 2, 3, 4) for r in rounds["a"] if r["round"] == v and r["status"] == "accepted"]
+    return rounds, landings, theta, [a, b]
+
+
+def test_a_facility_killed_with_its_delayed_round_pending_sends_it_once(pending):
     """own_full, 8 steps, rounds every 2 (versions 1-4 at steps 2, 4, 6 and 8, the last in the foreground); b of two
     FSDP processes, a of one. b is SIGKILLed twice after a boundary's checkpoint, with that boundary's round not yet
     landed, and resumed from it:
@@ -274,44 +298,16 @@ def test_a_facility_killed_with_its_delayed_round_pending_sends_it_once(tmp_path
     checkpoint kept is that (the one sent after the first resume, the one the second resume holds). A pending round
     dropped leaves b out of version 2 or its rule off; one counted twice (sent again, or folded into the next upload)
     puts b's uploads off the rule."""
-    extra = [o for o in DELAY if not o.startswith("train.steps=")] + ["train.steps=8"]
-    hub = Hub(tmp_path)
-    go, paused, never = (tmp_path / n for n in ("go-1", "paused", "never"))
-    go3 = tmp_path / "go-3"
-    a = Facility("a", hub, tmp_path, extra=extra, env={"XFFL_TEST_ELASTIC_HOLD": f"1:{go},3:{go3}"})
-    b = Facility("b", hub, tmp_path, nproc=2, extra=extra, env={"XFFL_TEST_ELASTIC_HOLD": f"1:{never}"})
-    running = [a, b]
-    try:
-        _wait_for(lambda: _step_of_latest(b) == 4, what="b's checkpoint at step 4", alive=running)
-        killed_at = _killed(b)
-        b = _restart(tmp_path, hub, killed_at, extra, env={"XFFL_TEST_ELASTIC_PAUSE": f"2:{paused}"})
-        running = [a, b]
-        _wait_for(lambda: "is open" in _text(b), what="b's round at step 4 open", alive=running)
-        go.touch()
-        # its upload at step 6 is at the hub, and its checkpoint at step 6 (async: written while the round goes up)
-        _wait_for(lambda: paused.exists() and _step_of_latest(b) == 6, what="b's upload at step 6", alive=running)
-        killed_at = _killed(b)
-        b = _restart(tmp_path, hub, killed_at, extra)
-        running = [a, b]
-        _wait_for(lambda: "counted it" in _text(b), what="b's round at step 6 counted", alive=running)
-        go3.touch()
-        run_to_end(a, b)
-    finally:
-        for f in running:
-            f.kill()
-        hub.stop()
-    dump = tmp_path / "dump"
-    rounds = {n: _dumps(dump, n, "round") for n in "ab"}
+    rounds, landings, theta, facilities = pending
     version = {n: {r["round"]: r for r in rounds[n] if r["status"] == "accepted"} for n in "ab"}
     assert sorted(version["a"]) == [1, 2, 3, 4] and sorted(version["b"]) == [1, 2, 4], {
         n: [(r["round"], r["status"]) for r in rounds[n]] for n in "ab"
     }
     resumed = [r for r in rounds["b"] if r["status"] == "resumed" or (r["status"] == "joined" and r["round"] > 0)]
     assert [(r["round"], r["status"]) for r in resumed] == [(1, "resumed"), (3, "joined")], resumed
-    x = [landing["x"] for landing in _dumps(dump, "b", "landing")]  # where versions 1, 2 and 3 landed
+    x = [landing["x"] for landing in landings["b"]]  # where versions 1, 2 and 3 landed
     assert len(x) == 3, f"b's rule ran {len(x)} times, not at steps 4, 6 and 8"
-    theta = [next(r for n in "ab" for r in rounds[n] if r["status"] == "created")["after"]]
-    theta += [version["a"][v]["after"] for v in (1, 2, 3, 4)]
+    assert len(theta) == 5, "a holds one accepted copy of each of versions 1-4"
     upload_b = {1: version["b"][1]["before"]}
     for v in (1, 2, 3):  # b's upload after version v landed: the rule, across both resumes
         upload_b[v + 1] = theta[v] - (upload_b[v] - x[v - 1])
@@ -327,4 +323,40 @@ def test_a_facility_killed_with_its_delayed_round_pending_sends_it_once(tmp_path
         expected = (theta[v - 1].double() - LR * mean).float()
         torch.testing.assert_close(theta[v], expected, rtol=0, atol=1e-6, msg=f"version {v}")
     assert torch.equal(version["b"][4]["after"], theta[4])
-    _exports_are([a, b], theta[4])
+    _exports_are(facilities, theta[4])
+
+
+def test_delayed_rounds_through_the_hub_own_full_by_hand(pending):
+    """own_full, uncompressed, on the federation of the pending test (a never stopped, b killed twice and resumed):
+    the hub's θ_global of version v is θ_{v-1} - lr x the tokens-weighted mean of θ_{v-1} - u_f (fp32) over the
+    uploads the facilities dumped (b's of version 3: the one its checkpoint kept, its resumed job's); every copy
+    either facility holds is a's, bitwise; a's upload at the boundary where version v landed is θ_v - (u_v - x),
+    bitwise, ``x`` its model there (it trained while version v was made), and each landed round is recorded where it
+    landed. (b's uploads by the rule across its resumes: the pending test.)"""
+    rounds, landings, theta, facilities = pending
+    start = {n: next(r for r in rounds[n] if r["status"] in ("created", "joined")) for n in "ab"}
+    assert start["a"]["round"] == start["b"]["round"] == 0 and torch.equal(start["a"]["after"], start["b"]["after"])
+    a = {r["round"]: r for r in rounds["a"] if r["status"] == "accepted"}
+    assert sorted(a) == [1, 2, 3, 4] and [a[v]["step"] for v in (1, 2, 3, 4)] == [2, 4, 6, 8], rounds["a"]
+    for r in rounds["b"]:  # b's copies (its accepted rounds, its resumed job's and its rejoined job's θ_global)
+        if r["round"] > 0:
+            assert torch.equal(r["after"], theta[r["round"]]), f"b's copy of version {r['round']} ({r['status']})"
+    b = {r["round"]: r for r in rounds["b"] if r["round"] > 0 and r["status"] in ("accepted", "joined")}
+    assert sorted(b) == [1, 2, 3, 4] and b[3]["status"] == "joined", [(r["round"], r["status"]) for r in rounds["b"]]
+    for v in (1, 2, 3, 4):
+        weights = a[v]["weights"]
+        assert set(weights) == {"a", "b"} and (b[v]["status"] == "joined" or b[v]["weights"] == weights), (v, weights)
+        assert b[v]["status"] == "joined" or b[v]["step"] == 2 * v, b[v]
+        total = sum(weights.values())
+        ups = {"a": a[v]["before"], "b": b[v]["before"]}
+        mean = sum((theta[v - 1].double() - ups[n].double()) * (weights[n] / total) for n in "ab")
+        torch.testing.assert_close(theta[v], (theta[v - 1].double() - LR * mean).float(), rtol=0, atol=1e-6,
+                                   msg=f"version {v}")  # fmt: skip
+    assert len(landings["a"]) == 3, f"a landed {len(landings['a'])} rounds, not those of steps 2, 4 and 6"
+    for v in (1, 2, 3):  # version v landed at the next boundary: a's upload there is θ_v - (u_v - x)
+        x = landings["a"][v - 1]["x"]
+        assert torch.equal(a[v + 1]["before"], theta[v] - (a[v]["before"] - x)), f"a's upload after version {v} landed"
+        assert not torch.equal(x, a[v]["before"]), f"a did not train while version {v} was made"
+    records = facilities[0].summary()["round_records"]
+    assert [r.get("landed") for r in records] == [[2], [4], [6], None], records
+    _exports_are(facilities, theta[4])

@@ -22,6 +22,9 @@ from helpers.phases import phases_cover_the_loop
 pytestmark = [pytest.mark.cli]
 
 LONG = ["+experiment=llama_fed", "logger=none", "train.steps=400", "federation.every=2", *TINY]
+#: Two facilities of one process each, for the tests whose assertions are about the launcher and its processes, not
+#: about ranks within a facility (the signal's checkpoint and resume keep LONG's two FSDP facilities).
+TWO = ["distributed.nproc_per_node=2", "distributed.federated=[1,1]"]
 
 
 def _start(args, run_dir: Path, env=None) -> subprocess.Popen:
@@ -90,11 +93,12 @@ def _kill_session(proc: subprocess.Popen) -> None:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="walks /proc")
 def test_sigkill_of_the_launcher_takes_the_job_with_it(tmp_path):
     run_dir = tmp_path / "run"
-    proc = _start(LONG, run_dir)
+    proc = _start([*LONG, *TWO], run_dir)
     try:
         _wait_training(proc, run_dir)
         job = _descendants(proc.pid)
-        assert len(job) >= 5, job  # the fork server and 4 workers (and multiprocessing's helpers)
+        workers = _workers(proc.pid)
+        assert len(workers) == 2 and set(workers) < job, job  # the fork server and its 2 workers (and helpers)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=10)
         deadline = time.monotonic() + 10
@@ -191,7 +195,7 @@ def test_a_stop_cuts_an_injected_slow_step(tmp_path):
     """Facility 1's steps sleep 999 x their own time (fault.slow_factor=1000); facilities of their own pace
     (a list of every) so facility 0 logs its steps meanwhile. SIGTERM ends the job within seconds, not after
     the sleep (minutes)."""
-    args = ["+experiment=llama_fed", "logger=none", "train.steps=40", "federation.every=[4,4]", *TINY,
+    args = ["+experiment=llama_fed", "logger=none", "train.steps=40", "federation.every=[4,4]", *TINY, *TWO,
             "train.log_every=1", "fault.slow_facility=1", "fault.slow_factor=1000"]  # fmt: skip
     rc, err, seconds = _interrupt(args, tmp_path / "run", signal.SIGTERM)
     assert seconds < 20, f"{seconds:.1f} s from the signal to the exit: {err[-2000:]}"
@@ -209,7 +213,7 @@ def test_a_second_sigint_exits_at_once(tmp_path):
     # The workers are held (SIGSTOP) so the second one surely finds them still stopping: the launcher kills
     # them and ends at once: 130, no traceback, no temporaries, no process left, and the named semaphores of
     # the agent's queues and events released (they were left to the resource tracker, which warned of them).
-    args = [a if a != "federation.every=2" else "federation.every=8" for a in LONG]
+    args = [a if a != "federation.every=2" else "federation.every=8" for a in [*LONG, *TWO]]
     rc, err, seconds = _interrupt(args, run_dir, signal.SIGINT, again=True, hold_workers=True)
     assert "interrupted again (SIGINT): stopped at once" in err, err
     assert rc == 130, err

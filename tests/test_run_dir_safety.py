@@ -207,25 +207,8 @@ RESUMES = [  # (overrides, damage to the run copy, needles in the one line)
 ]
 
 
-@pytest.mark.cli
-@pytest.mark.slow
-def test_resume_refusals_are_one_line_and_leave_the_run_alone(killed_run, tmp_path):
-    cases, runs = [], []
-    for i, (overrides, damage, _) in enumerate(RESUMES):
-        run = tmp_path / f"run{i}"
-        shutil.copytree(killed_run, run, ignore=shutil.ignore_patterns(".lock"))
-        if damage:
-            damage(run)
-        runs.append((run, sorted((p.relative_to(run), p.stat().st_mtime_ns, p.stat().st_size) for p in run.rglob("*"))))
-        cases.append({"args": [*JOB, f"resume={run}", *overrides], "run_dir": str(tmp_path / f"fresh{i}")})
-    for (_, _, needles), result, (run, before) in zip(RESUMES, batch(cases, tmp_path), runs):
-        line = one_error_line(result)
-        assert result["rc"] == 2, line
-        for needle in needles:  # a damaged step 6 points to step 4, never to itself
-            needle = needle.format(step4=_ckpt(run, 4), step6=_ckpt(run, 6))
-            assert needle in line, (needle, line)
-        # Nothing of the original run was written: config.yaml, checkpoints, metrics.
-        assert sorted((p.relative_to(run), p.stat().st_mtime_ns, p.stat().st_size) for p in run.rglob("*")) == before
+def _listing(run: Path) -> list:
+    return sorted((p.relative_to(run), p.stat().st_mtime_ns, p.stat().st_size) for p in run.rglob("*"))
 
 
 # ----------------------------------------------------------------------------- class 6
@@ -236,37 +219,95 @@ def _wait_for(predicate, timeout: float, what: str) -> None:
         time.sleep(0.2)
 
 
-@pytest.mark.cli
-@pytest.mark.multiprocess
-@pytest.mark.slow
-def test_second_job_on_a_locked_run_dir_is_refused(tmp_path):
-    run = tmp_path / "run"
-    cmd = [
-        sys.executable,
-        "-m",
-        "xffl_like.run",
-        *JOB,
-        "train.steps=60",
-        "checkpoint.every_rounds=100",
-        f"hydra.run.dir={run}",
+def _pause(pid: int) -> list[int]:
+    """SIGSTOP ``pid``'s descendants (its fork server and ranks, Linux: /proc), not ``pid`` itself: the ones stopped."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").glob("[0-9]*"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            children.setdefault(ppid, []).append(int(entry.name))
+    stopped, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            with contextlib.suppress(OSError):
+                os.kill(child, signal.SIGSTOP)
+                stopped.append(child)
+            todo.append(child)
+    return stopped
+
+
+@pytest.fixture(scope="module")
+def refusals(killed_run, tmp_path_factory):
+    """One ``workers.cli_batch`` process (one import of torch and Hydra fewer) for the command lines of classes 4-6:
+    while a first job owns ``run`` (running, then paused), two jobs that want it (``lock``), then the resumes of
+    ``RESUMES``, each from its own copy of the killed run (``resumes``: (run copy, its files before), result).
+    The first job is killed before this returns."""
+    tmp = tmp_path_factory.mktemp("refusals")
+    copies = []
+    for i, (_, damage, _) in enumerate(RESUMES):
+        run = tmp / f"run{i}"
+        shutil.copytree(killed_run, run, ignore=shutil.ignore_patterns(".lock"))
+        if damage:
+            damage(run)
+        copies.append((run, _listing(run)))
+    resumes = [
+        {"args": [*JOB, f"resume={run}", *overrides], "run_dir": str(tmp / f"fresh{i}")}
+        for i, ((overrides, _, _), (run, _)) in enumerate(zip(RESUMES, copies))
     ]
+    run = tmp / "run"
+    cmd = [sys.executable, "-m", "xffl_like.run", *JOB, "train.steps=60", "checkpoint.every_rounds=100",
+           f"hydra.run.dir={run}"]  # fmt: skip
     first = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    paused: list[int] = []
     try:
         _wait_for(lambda: (run / "metrics.jsonl").is_file() or first.poll() is not None, 240, "the first job started")
         assert first.poll() is None, first.communicate()
         owner = (run / ".lock").read_text()
-        assert owner.startswith(f"pid {first.pid} on ")
-        results = batch(
-            [{"args": [*JOB, f"resume={run}"], "run_dir": str(tmp_path / "fresh")}, {"args": JOB, "run_dir": str(run)}],
-            tmp_path,
-        )
-        for result in results:
-            line = one_error_line(result)
-            assert result["rc"] == 2 and f"pid {first.pid} on" in line and "is in use by another job" in line, line
+        # Paused (SIGSTOP) while the others try: its lock is held all the same, and its ranks leave the CPU to the
+        # batch instead of training on until they are killed.
+        paused = _pause(first.pid)
+        assert paused, "the first job's ranks were not found"
+        lock = [{"args": [*JOB, f"resume={run}"], "run_dir": str(tmp / "fresh")}, {"args": JOB, "run_dir": str(run)}]
+        results = batch([*lock, *resumes], tmp)
     finally:
         if first.poll() is None:
             first.kill()
+        for pid in paused:  # SIGKILL ends a stopped process too; its ranks also die with their parent
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
     first.wait(timeout=60)  # killed above (its run is not this test's)
+    return {
+        "run": run,
+        "pid": first.pid,
+        "owner": owner,
+        "lock": results[:2],
+        "resumes": list(zip(copies, results[2:])),
+    }
+
+
+@pytest.mark.cli
+@pytest.mark.slow
+def test_resume_refusals_are_one_line_and_leave_the_run_alone(refusals):
+    assert len(refusals["resumes"]) == len(RESUMES)
+    for (_, _, needles), ((run, before), result) in zip(RESUMES, refusals["resumes"]):
+        line = one_error_line(result)
+        assert result["rc"] == 2, line
+        for needle in needles:  # a damaged step 6 points to step 4, never to itself
+            needle = needle.format(step4=_ckpt(run, 4), step6=_ckpt(run, 6))
+            assert needle in line, (needle, line)
+        # Nothing of the original run was written: config.yaml, checkpoints, metrics.
+        assert _listing(run) == before
+
+
+@pytest.mark.cli
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_second_job_on_a_locked_run_dir_is_refused(refusals):
+    run, pid = refusals["run"], refusals["pid"]
+    assert refusals["owner"].startswith(f"pid {pid} on ")
+    for result in refusals["lock"]:
+        line = one_error_line(result)
+        assert result["rc"] == 2 and f"pid {pid} on" in line and "is in use by another job" in line, line
     # The owner is gone: the .lock file left behind blocks nothing (flock dies with its process).
     from xffl_like.job import lock_run_dir
 

@@ -204,69 +204,76 @@ def test_partition_limit_from_sinfo(tmp_path, monkeypatch):
         SlurmSweepLauncher().check(points)
 
 
+def _batch(cases: list[dict], root: Path, env: dict) -> list[dict]:
+    """``workers.cli_batch``: these command lines in one process (one import of torch and Hydra, not one each), each
+    with its own ``env`` on top of the process's ``env``: ``[{"rc", "stdout", "stderr"}]``."""
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "cases.json").write_text(json.dumps(cases))
+    cmd = [sys.executable, "-m", "workers.cli_batch", str(root / "cases.json"), str(root / "results.json")]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120 + 20 * len(cases))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return json.loads((root / "results.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def slurm_refusals(tmp_path_factory):
+    """Two ``hydra/launcher=slurm`` sweeps refused before anything is submitted, in one batch: ``big`` (a fake
+    sinfo's partition gpu allows 4 nodes; a fake sbatch records a call) and ``no_slurm`` (no sbatch on PATH).
+    Each: (its folder, its result)."""
+    tmp = tmp_path_factory.mktemp("refusals")
+    big, no_slurm = tmp / "big", tmp / "no_slurm"
+    big.mkdir(), no_slurm.mkdir()
+    marker = big / "sbatch-called"
+    path = os.pathsep.join(d for d in os.environ["PATH"].split(os.pathsep) if not (Path(d) / "sbatch").exists())
+    cases = [
+        {"args": ["-m", "+experiment=llama_fed", "hydra/launcher=slurm", "distributed.federated=[8,4],[16,16]",
+                  f"hydra.sweep.dir={big / 'sweep'}"], "run_dir": str(big / "run"),
+         "env": {"PATH": _fake_bin(big, srun="exit 0", sbatch=f"touch {marker}; exit 1", sinfo=_SINFO)}},
+        {"args": ["-m", "+experiment=llama_fed", "hydra/launcher=slurm", "strategy=fused,layer_by_layer",
+                  f"hydra.sweep.dir={no_slurm / 'sweep'}"], "run_dir": str(no_slurm / "run"), "env": {"PATH": path}},
+    ]  # fmt: skip
+    results = _batch(cases, tmp, _env())
+    return {"big": (big, results[0]), "no_slurm": (no_slurm, results[1])}
+
+
 @needs_extra
 @pytest.mark.cli
-def test_a_sweep_too_big_for_the_partition_is_refused_before_submitting(tmp_path):
-    marker = tmp_path / "sbatch-called"
-    path = _fake_bin(tmp_path, srun="exit 0", sbatch=f"touch {marker}; exit 1", sinfo=_SINFO)
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "xffl_like.run",
-            "-m",
-            "+experiment=llama_fed",
-            "hydra/launcher=slurm",
-            "distributed.federated=[8,4],[16,16]",
-            f"hydra.sweep.dir={tmp_path / 'sweep'}",
-        ],
-        cwd=REPO,
-        env=_env(PATH=path),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert proc.stderr.strip().splitlines() == [
+def test_a_sweep_too_big_for_the_partition_is_refused_before_submitting(slurm_refusals):
+    where, proc = slurm_refusals["big"]
+    assert proc["rc"] == 2, proc["stdout"] + proc["stderr"]
+    assert proc["stderr"].strip().splitlines() == [
         "error: 1 sweep point(s) ask for more nodes than partition gpu allows at most 4 nodes per job (sinfo): "
         "#1 (distributed.federated=[16,16]: 8 nodes); nothing was submitted: make their distributed.federated "
         "smaller, raise hydra.launcher.processes_per_node, or choose another hydra.launcher.partition"
     ]
-    assert not marker.exists()
+    assert not (where / "sbatch-called").exists()
 
 
 @pytest.mark.cli
-@pytest.mark.parametrize("launcher", ["slurm", "local_submitit"])
-def test_without_the_extra_one_line_names_it(tmp_path, launcher):
+def test_without_the_extra_one_line_names_it(tmp_path):
     hide = tmp_path / "hide"
     hide.mkdir()
     # The extra looks uninstalled: both imports fail, and Hydra's plugin scan skips a module set to None.
     (hide / "sitecustomize.py").write_text(
         "import sys\nsys.modules['hydra_plugins.hydra_submitit_launcher'] = None\nsys.modules['submitit'] = None\n"
     )
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "xffl_like.run",
-            "-m",
-            "+experiment=llama_fed",
-            f"hydra/launcher={launcher}",
-            "strategy=fused,layer_by_layer",
-            f"hydra.sweep.dir={tmp_path / 'sweep'}",
-        ],
-        cwd=REPO,
-        env=_env(PYTHONPATH=f"{hide}{os.pathsep}{PYTHONPATH}"),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == [
-        f"error: hydra/launcher={launcher} needs the slurm extra (hydra-submitit-launcher): "
-        f"pip install -c constraints.txt -e '.[slurm]'"
-    ]
-    assert not (tmp_path / "sweep").exists()
+    launchers = ["slurm", "local_submitit"]  # one process runs both command lines, one after the other
+    cases = [
+        {
+            "args": ["-m", "+experiment=llama_fed", f"hydra/launcher={launcher}", "strategy=fused,layer_by_layer",
+                     f"hydra.sweep.dir={tmp_path / launcher / 'sweep'}"],
+            "run_dir": str(tmp_path / launcher / "run"),
+        }
+        for launcher in launchers
+    ]  # fmt: skip
+    results = _batch(cases, tmp_path, _env(PYTHONPATH=f"{hide}{os.pathsep}{PYTHONPATH}"))
+    for launcher, proc in zip(launchers, results, strict=True):
+        assert proc["rc"] == 2, (launcher, proc)
+        assert proc["stderr"].strip().splitlines() == [
+            f"error: hydra/launcher={launcher} needs the slurm extra (hydra-submitit-launcher): "
+            f"pip install -c constraints.txt -e '.[slurm]'"
+        ], launcher
+        assert not (tmp_path / launcher / "sweep").exists()
 
 
 def _tree(pid: int) -> set[int]:
@@ -361,17 +368,10 @@ def _ctrl_c(sweep_dir: Path, ready, after: float = 0.0) -> tuple[int, str, list[
 
 @needs_extra
 @pytest.mark.cli
-def test_the_slurm_launcher_without_slurm_is_one_line(tmp_path):
-    bin_dir = tmp_path / "empty"
-    bin_dir.mkdir()
-    path = os.pathsep.join(d for d in os.environ["PATH"].split(os.pathsep) if not (Path(d) / "sbatch").exists())
-    proc = subprocess.run(
-        [sys.executable, "-m", "xffl_like.run", "-m", "+experiment=llama_fed", "hydra/launcher=slurm",
-         "strategy=fused,layer_by_layer", f"hydra.sweep.dir={tmp_path / 'sweep'}"],
-        cwd=REPO, env=_env(PATH=path), capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.strip().splitlines() == [
+def test_the_slurm_launcher_without_slurm_is_one_line(slurm_refusals):
+    _, proc = slurm_refusals["no_slurm"]
+    assert proc["rc"] == 2, proc["stderr"]
+    assert proc["stderr"].strip().splitlines() == [
         "error: hydra/launcher=slurm needs Slurm, and sbatch is not on PATH here: run the sweep on the cluster's "
         "login node, or hydra/launcher=local_submitit to run its points on this machine; nothing was submitted"
-    ], proc.stderr
+    ], proc["stderr"]

@@ -74,11 +74,8 @@ def top(e: np.ndarray, shape: tuple[int, ...], density: float = DENSITY, tile: i
     (ties: the lowest position), ascending."""
     pos = tile_positions(shape, tile)
     k = keep(pos.shape[1], density)
-    out = []
-    for row in pos:
-        order = np.argsort(-np.abs(e[row]), kind="stable")[:k]
-        out.append(row[np.sort(order)])
-    return np.array(out).reshape(len(pos), k)
+    order = np.sort(np.argsort(-np.abs(e[pos]), axis=1, kind="stable")[:, :k], axis=1)  # per tile, as one array
+    return np.take_along_axis(pos, order, axis=1)
 
 
 def compress(e: np.ndarray, shape: tuple[int, ...], density: float = DENSITY, tile: int = TILE, bits: int = 2):
@@ -122,7 +119,7 @@ def ref_encode(x: np.ndarray, shapes, density: float = DENSITY, tile: int = TILE
         codes = codes.reshape(sent.shape)
         out += np.concatenate([[shift], lookup]).astype("<f4").tobytes()
         for row, chosen in zip(pos, sent):
-            out += _pack([int(np.nonzero(row == p)[0][0]) for p in chosen], _width(pos.shape[1]))
+            out += _pack(np.argmax(row[None, :] == chosen[:, None], axis=1), _width(pos.shape[1]))  # where in the tile
         for c in codes:
             out += _pack(c, bits)
     return bytes(out)

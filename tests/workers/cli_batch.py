@@ -7,7 +7,8 @@ own file descriptors 1 and 2 redirected to files (so output written below Python
 Hydra's global state cleared and the environment restored afterwards. The exit status is what ``sys.exit`` was given.
 
 Usage: ``python -m workers.cli_batch cases.json results.json`` (tests/ on ``PYTHONPATH``), where cases.json is a list of
-``{"args": [...], "run_dir": "..."}``; results.json gets ``[{"rc", "stdout", "stderr"}]`` in order.
+``{"args": [...], "run_dir": "...", "env": {...}}`` (``env``, optional: variables set for that case only);
+results.json gets ``[{"rc", "stdout", "stderr"}]`` in order.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import sys
 import tempfile
 
 
-def run_case(args: list[str], run_dir: str) -> dict:
+def run_case(args: list[str], run_dir: str, env: dict[str, str] | None = None) -> dict:
     import runpy
 
     from hydra.core.global_hydra import GlobalHydra
@@ -29,6 +30,7 @@ def run_case(args: list[str], run_dir: str) -> dict:
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         sys.stdout.flush(), sys.stderr.flush()
         os.dup2(out.fileno(), 1), os.dup2(err.fileno(), 2)
+        os.environ.update(env or {})  # the case's own variables (e.g. PATH), for this case only
         os.environ["XFFL_RUN_DIR"] = run_dir
         sys.argv = ["xffl_like.run", *args, f"hydra.run.dir={run_dir}"]
         rc = 0
@@ -54,7 +56,7 @@ def run_case(args: list[str], run_dir: str) -> dict:
 def main() -> None:
     cases_path, results_path = sys.argv[1:3]
     cases = json.loads(open(cases_path).read())
-    results = [run_case(c["args"], c["run_dir"]) for c in cases]
+    results = [run_case(c["args"], c["run_dir"], c.get("env")) for c in cases]
     with open(results_path, "w") as f:
         json.dump(results, f)
 

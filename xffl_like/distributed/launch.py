@@ -169,8 +169,11 @@ def _entry(fn: Callable, args: tuple, error_dir: str, env: dict[str, str]) -> An
         sys.stderr.flush()
         if any(s in summary for s in _SECONDARY):
             # Only a symptom of another rank's death: let the agent see that death first, so
-            # the launcher names the rank that died (and its signal), not this one.
-            time.sleep(_SECONDARY_GRACE_S)
+            # the launcher names the rank that died (and its signal), not this one. Its SIGTERM to the
+            # survivors (it saw the death, it stops the others) ends the wait at once.
+            from .signals import sleep
+
+            sleep(_SECONDARY_GRACE_S, poll=0.05)
         os._exit(1)
 
 

@@ -430,7 +430,7 @@ def test_phase_timer_events_on_cuda_and_clock_on_cpu(monkeypatch):
     with timer("optimizer"):
         FakeEvent.clock += 1.0
     assert timer.seconds == {"data": 0.25, "forward": 2.5, "backward": 3.0, "optimizer": 1.0,
-                             **dict.fromkeys(("aggregation", "eval", "checkpoint", "wait"), 0.0)}  # fmt: skip
+                             **dict.fromkeys(("aggregation", "eval", "checkpoint", "wait", "log"), 0.0)}  # fmt: skip
     assert FakeEvent.synced == 1  # reading waits for the one still in flight
 
     ticks = iter([10.0, 10.5, 20.0, 23.0])
@@ -440,4 +440,4 @@ def test_phase_timer_events_on_cuda_and_clock_on_cpu(monkeypatch):
     with cpu("aggregation"):
         pass
     assert cpu.seconds == {"data": 0.0, "forward": 0.5, "backward": 0.0, "optimizer": 0.0, "aggregation": 3.0,
-                           **dict.fromkeys(("eval", "checkpoint", "wait"), 0.0)}  # fmt: skip
+                           **dict.fromkeys(("eval", "checkpoint", "wait", "log"), 0.0)}  # fmt: skip

@@ -23,7 +23,7 @@ __all__ = ["PHASES", "PhaseTimer", "load_imbalance", "gather_phase_table", "form
 #: facilities included), ``eval`` (local and global evaluations), ``checkpoint`` (saves, or their staging when
 #: asynchronous), ``wait`` (the step's loss reduced over the facility and the stop agreement: the time spent
 #: waiting for the slowest rank between rounds).
-PHASES = ("data", "forward", "backward", "optimizer", "aggregation", "eval", "checkpoint", "wait")
+PHASES = ("data", "forward", "backward", "optimizer", "aggregation", "eval", "checkpoint", "wait", "log")
 #: Rows of the table: the phases, then their sum (a rank's whole step).
 ROWS = (*PHASES, "total")
 #: Above this many ranks the per-rank table lists only the slowest ones.

@@ -110,8 +110,9 @@ class StepLog:
     anything that reads them (an evaluation, a round, a checkpoint, a stop, the end): a float() of
     the loss every step would make a GPU wait for each step's kernels before queueing the next."""
 
-    def __init__(self, observer, losses: torch.Tensor, facility: int, tokens_per_step: int):
+    def __init__(self, observer, losses: torch.Tensor, facility: int, tokens_per_step: int, timer):
         self.observer, self.losses, self.facility, self.tokens_per_step = observer, losses, facility, tokens_per_step
+        self.timer = timer  # the rows' host sync and writes are the phase ``log``
         self.rows: list[tuple] = []
 
     def add(self, step: int, loss: torch.Tensor, lr: float, elapsed: float, evals: dict | None, extra: dict) -> None:
@@ -120,10 +121,11 @@ class StepLog:
     def flush(self) -> None:
         if not self.rows:
             return
-        values = torch.stack([row[1].reshape(()) for row in self.rows]).tolist()  # the one host sync
-        for (step, _, lr, elapsed, evals, extra), value in zip(self.rows, values):
-            self.losses[self.facility, step] = value
-            self.observer.step(step, value, lr, self.tokens_per_step, elapsed, evals, **extra)
+        with self.timer("log"):
+            values = torch.stack([row[1].reshape(()) for row in self.rows]).tolist()  # the one host sync
+            for (step, _, lr, elapsed, evals, extra), value in zip(self.rows, values):
+                self.losses[self.facility, step] = value
+                self.observer.step(step, value, lr, self.tokens_per_step, elapsed, evals, **extra)
         self.rows.clear()
 
 
@@ -206,7 +208,7 @@ class Trainer:
             self.tcfg, cfg.strategy, cfg.logger, self.state, self.run_dir, saved, rounds_at=self._rounds_at,
             experiment=cfg.experiment, config=self.config,
         )  # fmt: skip
-        self.log = StepLog(self.observer, self.losses, self.state.facility, self.tokens_per_step)
+        self.log = StepLog(self.observer, self.losses, self.state.facility, self.tokens_per_step, self.timer)
 
     def _rounds_at(self, done: int) -> bool:
         """Whether rounds end after ``done`` steps, as the clock plans it (the progress line looks ahead)."""

@@ -51,7 +51,8 @@ def start_fork_server(from_here: bool = False) -> None:
     from multiprocessing import forkserver
 
     multiprocessing.set_forkserver_preload(PRELOAD)  # no effect once the server runs
-    if from_here and not _alive(forkserver._forkserver) and _can_fork_here():
+    # Once one was started, ensure_running keeps it (or starts a fresh one if it died).
+    if from_here and forkserver._forkserver._forkserver_pid is None and _can_fork_here():
         _fork_from_here(forkserver._forkserver)
     forkserver.ensure_running()  # a fresh interpreter, unless one of ours is running
 
@@ -61,16 +62,6 @@ def server_pid() -> int | None:
     from multiprocessing import forkserver
 
     return getattr(forkserver._forkserver, "_forkserver_pid", None)
-
-
-def _alive(server) -> bool:
-    pid = getattr(server, "_forkserver_pid", None)
-    if pid is None:
-        return False
-    try:
-        return os.waitpid(pid, os.WNOHANG)[0] == 0
-    except ChildProcessError:
-        return False
 
 
 def _threads() -> set[str]:

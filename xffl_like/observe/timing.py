@@ -22,7 +22,8 @@ __all__ = ["PHASES", "PhaseTimer", "load_imbalance", "gather_phase_table", "form
 #: Every second of a rank's training loop is in one of them: ``aggregation`` (rounds, their wait for the other
 #: facilities included), ``eval`` (local and global evaluations), ``checkpoint`` (saves, or their staging when
 #: asynchronous), ``wait`` (the step's loss reduced over the facility and the stop agreement: the time spent
-#: waiting for the slowest rank between rounds).
+#: waiting for the slowest rank between rounds), ``log`` (every ``train.log_every`` steps, the rows' host sync and
+#: their writes: metrics.jsonl, W&B, the progress line).
 PHASES = ("data", "forward", "backward", "optimizer", "aggregation", "eval", "checkpoint", "wait", "log")
 #: Rows of the table: the phases, then their sum (a rank's whole step).
 ROWS = (*PHASES, "total")

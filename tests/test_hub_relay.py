@@ -11,20 +11,25 @@ from __future__ import annotations
 import dataclasses
 import math
 import shutil
+import signal
+import subprocess
+import sys
 import threading
 from pathlib import Path
 from types import SimpleNamespace
 
+import grpc
 import numpy as np
 import pytest
 import torch
-from helpers.hub import serve
+from helpers import REPO
+from helpers.hub import free_port, serve, wait_for
 from helpers.sparseloco_reference import ref_decode
 
 from xffl_like.config.schema import ElasticConfig, FederationConfig, OuterConfig, TopkConfig
 from xffl_like.federation.elastic import exchange
 from xffl_like.hub.client import HubLink
-from xffl_like.hub.server import relayed
+from xffl_like.hub.server import relayed, store
 from xffl_like.hub.server.federation import HubFederation
 
 NAMES = ("a", "b", "c")
@@ -94,8 +99,9 @@ class Hub:
         self.address = f"127.0.0.1:{port}"
 
     def saved(self):
-        """The hub's saved version (θ_global, the outer buffers), read back from its file."""
-        return self.fed.store.load(self.fed.version)
+        """The hub's latest version (θ_global, the outer buffers), read back from its file once written (its
+        checksums checked)."""
+        return self.fed.store.load(self.fed.saved().version)
 
     def close(self) -> None:
         self.server.stop(grace=None)
@@ -464,3 +470,187 @@ def test_an_upload_of_the_other_kind_than_its_round_is_refused_before_it_is_spoo
                 assert str(info.value) == f"{sizes[wrong]} bytes announced, expected {sizes[right]}"
         finally:
             _close(hub, facilities)
+
+
+# ------------------------------------------------------------------ the record first, θ_global's file behind it
+def _copies(facilities: dict) -> dict:
+    return {n: (np.fromfile(f.files.theta, dtype=np.float32), np.fromfile(f.files.outer, dtype=np.float32))
+            for n, f in facilities.items()}  # fmt: skip
+
+
+def _behind(state: Path, version: int) -> bool:
+    """Whether ``version`` is committed by its record while its file is not written."""
+    return (state / "journal" / f"{version:010d}.json").exists() and not (
+        state / f"state-{version:010d}.safetensors").exists()  # fmt: skip
+
+
+def test_members_apply_the_relay_before_the_hub_has_written_the_versions_file(tmp_path, monkeypatch):
+    """A compressed round commits by its record (the accepted messages and a small JSON file, durable): every member
+    receives its relay and applies the round while the hub's file of that version is not written yet (held here),
+    and the file written behind it is, bitwise, the round by hand and every member's copy."""
+    release, behind = threading.Event(), HubFederation._write_behind
+
+    def held(self):
+        release.wait(timeout=120)
+        behind(self)
+
+    lines: list[str] = []
+    hub, facilities = _federation(tmp_path)
+    hub.fed.log = lines.append
+    state, theta = tmp_path / "state", hub.saved().theta.numpy().copy()
+    monkeypatch.setattr(HubFederation, "_write_behind", held)
+    try:
+        outs = _round(facilities, 2, seed=31)
+        assert all(o["status"] == "accepted" and o["relay"] is not None for o in outs.values()), outs
+        assert hub.fed.version == 1 and hub.fed.snap.version == 0  # committed; its file not written
+        assert _behind(state, 1)
+        copies = _copies(facilities)
+        release.set()
+        saved = hub.saved()
+    finally:
+        release.set()
+        _close(hub, facilities)
+    total = sum(TOKENS.values())
+    messages = {n: o["message"] for n, o in outs.items()}
+    expected, buf = _by_hand(theta, np.zeros(N, dtype=np.float32), messages, {n: TOKENS[n] / total for n in NAMES},
+                             _fused())  # fmt: skip
+    assert saved.version == 1 and saved.outer_steps == 1
+    np.testing.assert_array_equal(saved.theta.numpy(), expected)
+    np.testing.assert_array_equal(saved.buffers["momentum_buffer"].numpy(), buf)
+    for name, (f_theta, f_outer) in copies.items():
+        np.testing.assert_array_equal(f_theta, expected, err_msg=name)
+        np.testing.assert_array_equal(f_outer, buf, err_msg=name)
+    assert not (state / "journal" / "0000000001.json").exists()  # the record goes once the file is durable
+    assert any("committed version 1: a, b, c" in x and "its record: the file is written behind it" in x for x in lines)
+    assert any(x.startswith("hub: version 1's file written behind its record") for x in lines), lines
+
+
+def test_a_disk_without_room_refuses_the_compressed_round_before_its_record(tmp_path, monkeypatch):
+    """No room for the next version's file: the round is refused before anything commits (no record, the saved
+    version intact, every member told ``missed`` and keeping its state); the next round, with room, commits."""
+    hub, facilities = _federation(tmp_path)
+    state = tmp_path / "state"
+    before = (state / "state-0000000000.safetensors").read_bytes()
+
+    def no_room(directory, nbytes):
+        raise store.NoRoom(f"--state {directory} has 0 bytes free; the next version needs {nbytes}")
+
+    try:
+        held = _copies(facilities)
+        with monkeypatch.context() as patch:
+            patch.setattr(store, "room", no_room)
+            outs = _round(facilities, 2, seed=32)
+        assert {o["status"] for o in outs.values()} == {"missed"}, outs
+        assert hub.fed.version == 0 and not list(state.glob("journal/*"))
+        assert (state / "state-0000000000.safetensors").read_bytes() == before
+        for name, (theta, _) in _copies(facilities).items():
+            np.testing.assert_array_equal(theta, held[name][0], err_msg=name)
+        for f in facilities.values():  # the round at the federation's step 2 again, 2 steps from the start
+            f.last_step = 0
+        again = _round(facilities, 2, seed=33)
+        assert all(o["status"] == "accepted" for o in again.values()) and hub.saved().version == 1, again
+    finally:
+        _close(hub, facilities)
+
+
+_HUB = """
+import sys, time
+sys.path[:0] = [{tests!r}]
+from pathlib import Path
+from helpers.hub import serve
+from xffl_like.hub.server import store
+from xffl_like.hub.server.federation import HubFederation
+
+if {hang!r}:  # the committer stops between a round's record and its file: the process is killed there
+    def hang(self):
+        print("BEHIND", self.behind.record.version, flush=True)
+        time.sleep(600)
+    HubFederation._write_behind = hang
+state = Path({state!r})
+fed = HubFederation(state, store.load_latest(state) if state.exists() else None, log=lambda x: print(x, flush=True))
+server, port = serve(fed, port={port})
+print("PORT", port, flush=True)
+time.sleep(600)
+"""
+
+
+class _HubProcess:
+    """A hub in its own process on ``port`` over ``state`` (``hang``: its committer never writes a file behind its
+    record); its log lines collected as they come."""
+
+    def __init__(self, state: Path, port: int, hang: bool):
+        code = _HUB.format(tests=str(REPO / "tests"), state=str(state), port=port, hang=hang)
+        self.proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True)
+        self.lines: list[str] = []
+        threading.Thread(target=lambda: self.lines.extend(iter(self.proc.stdout.readline, "")), daemon=True).start()
+        self.said(f"PORT {port}")
+
+    def said(self, line: str) -> None:
+        wait_for(lambda: line in (x.strip() for x in self.lines) or self.proc.poll() is not None, 120, line)
+        assert line in (x.strip() for x in self.lines), self.lines
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=60)
+
+
+def test_a_hub_killed_between_a_rounds_record_and_its_file_replays_the_record(tmp_path):
+    """A hub process SIGKILLed once round 1's record is durable and its members applied the relay, before the
+    version's file: started again on the same ``--state`` it writes that file from the record (a damaged message
+    refused in one line instead), and round 2 relays on it; both rounds by hand equal the hub's file and every
+    member's copy, bitwise."""
+    state, port = tmp_path / "state", free_port()
+    first = _HubProcess(state, port, hang=True)
+    address = SimpleNamespace(address=f"127.0.0.1:{port}")
+    facilities = {n: _facility(address, tmp_path, n) for n in NAMES}
+    second = None
+    try:
+        _join_all(facilities)
+        theta = store.load_latest(state).theta.numpy().copy()
+        one = _round(facilities, 2, seed=34)
+        first.said("BEHIND 1")
+        assert _behind(state, 1)
+        first.kill()
+        damaged = tmp_path / "damaged"
+        shutil.copytree(state, damaged)
+        with open(damaged / "journal" / "0000000001-b.bin", "r+b") as fh:
+            byte = fh.read(1)
+            fh.seek(0)
+            fh.write(bytes([byte[0] ^ 1]))
+        with pytest.raises(store.StateError, match=r"0000000001\.json: facility b's message 0000000001-b\.bin is "
+                                                   r"missing or damaged: remove it"):  # fmt: skip
+            HubFederation(damaged, store.load_latest(damaged), log=lambda _: None)
+        second = _HubProcess(state, port, hang=False)
+        assert any("hub: version 1 (round 0) was committed by its record: its file is written" in x
+                   for x in second.lines), second.lines  # fmt: skip
+        copies = _copies(facilities)
+        for f in facilities.values():  # members of the hub before: each joins the restarted hub again
+            grpc.channel_ready_future(f.link.channel).result(timeout=60)
+            out = f._lead(0.0, 2, joining=True)
+            assert out["status"] == "joined" and f.link.version == 1, out
+        two = _round(facilities, 4, seed=35)
+        wait_for(lambda: not (state / "journal" / "0000000002.json").exists(), 120, "version 2's file")
+        saved = store.load_latest(state)
+        applied, copies = copies, _copies(facilities)
+    finally:
+        for f in facilities.values():
+            f.link.leave()
+        first.kill()
+        if second is not None:
+            second.kill()
+    total = sum(TOKENS.values())
+    weights, buf = {n: TOKENS[n] / total for n in NAMES}, np.zeros(N, dtype=np.float32)
+    by_hand = []
+    for outs in (one, two):
+        assert all(o["status"] == "accepted" and o["relay"] is not None for o in outs.values()), outs
+        theta, buf = _by_hand(theta, buf, {n: o["message"] for n, o in outs.items()}, weights, _fused())
+        by_hand.append((theta, buf))
+    for name, (f_theta, f_outer) in applied.items():  # round 1's relay, applied before the kill
+        np.testing.assert_array_equal(f_theta, by_hand[0][0], err_msg=name)
+        np.testing.assert_array_equal(f_outer, by_hand[0][1], err_msg=name)
+    assert saved.version == 2 and saved.outer_steps == 2
+    np.testing.assert_array_equal(saved.theta.numpy(), theta)
+    np.testing.assert_array_equal(saved.buffers["momentum_buffer"].numpy(), buf)
+    for name, (f_theta, f_outer) in copies.items():
+        np.testing.assert_array_equal(f_theta, theta, err_msg=name)
+        np.testing.assert_array_equal(f_outer, buf, err_msg=name)

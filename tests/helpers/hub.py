@@ -75,9 +75,9 @@ SPEC = small_spec()
 GEOMETRY = {"batch_size": 2, "seq_len": 8, "dp": 1}
 
 
-def serve(fed, workers: int = 16, log=None):
+def serve(fed, workers: int = 16, log=None, port: int = 0):
     """A real gRPC server for ``fed`` (a :class:`~xffl_like.hub.server.federation.HubFederation`) in this process,
-    ``--insecure`` on a free loopback port, started; returns (server, port)."""
+    ``--insecure`` on loopback (``port``, or a free one), started; returns (server, port)."""
     from concurrent import futures
 
     import grpc
@@ -90,7 +90,7 @@ def serve(fed, workers: int = 16, log=None):
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), interceptors=[interceptor],
                          options=GRPC_OPTIONS)  # fmt: skip
     server.add_generic_rpc_handlers((HubService(fed).handler(),))
-    port = server.add_insecure_port("127.0.0.1:0")
+    port = server.add_insecure_port(f"127.0.0.1:{port}")
     server.start()
     return server, port
 

@@ -10,6 +10,7 @@
 - :mod:`.spool`: uploads written to files as they arrive, read back to average;
 - :mod:`.fold`: one window of a round's commit (the aggregate, then the outer step);
 - :mod:`.ahead`: a round's next version folded while its uploads stream in (the commit hidden behind them);
+- :mod:`.journal`: a compressed round's durable record, its commit point (the version's file written behind it);
 - :mod:`.relayed`: a compressed round's messages kept for its members (the relay downlink);
 - :mod:`.store`: the durable state behind one interface (:class:`~.store.StateStore`; safetensors files);
 - :mod:`.errors`: :class:`~.errors.HubError`, a refusal and its gRPC status.

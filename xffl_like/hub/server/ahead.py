@@ -22,9 +22,10 @@ no trace, nothing of the unfinished file is ever a version, and a hub killed mea
 saved one (the temporary file is removed by the next save).
 
 Compressed rounds (top-k and the other codecs) do not fold ahead: their messages are small, and what their
-commit spends (the outer step over the whole model, writing it) cannot start before every message is in. A round
-of fp32 parameters in a compressed federation (eager's final round, :attr:`.rounds.Round.fp32`) folds ahead as
-any fp32 round does.
+commit spends (the outer step over the whole model, writing it) cannot start before every message is in. They
+commit by a record instead (:mod:`.journal`), their members hear at once, and the version's file is written
+behind it. A round of fp32 parameters in a compressed federation (eager's final round, :attr:`.rounds.Round.fp32`)
+folds ahead as any fp32 round does.
 """
 
 from __future__ import annotations

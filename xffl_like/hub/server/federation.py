@@ -30,25 +30,31 @@ loses the role to the next facility that joins. Then, in the hub's committer thr
    once its file is whole and durable (:mod:`.store`: fsync, rename): a round is applied once, whatever dies
    when. A save that fails (a full disk), or that the disk has no room for (checked before anything is
    written), changes nothing anyone sees: the hub keeps the saved version, the log says so in one line,
-   and the round's members hear that it was ``missed``.
+   and the round's members hear that it was ``missed``. A compressed round commits sooner, by a small durable
+   record of what it decided (:mod:`.journal`: the accepted messages, their weights in fold order, the next
+   version's description): its members hear at once, and the hub writes the version's file behind the record
+   (:meth:`HubFederation._write_behind`, before any other round is judged; a hub killed meanwhile writes it from
+   the record when it starts again). The file is begun, its room checked and reserved, before the record, so a
+   disk without room refuses the round before it commits; a write that fails later is tried again every
+   :data:`RETRY_S` while the record stays.
 
 Members read θ_global (Result, Fetch) from the saved file of the version they are told (:meth:`.store.
 StateStore.theta_reader`): a reader, however slow, never holds a commit, and a commit never changes what a
 reader is sending. Every spool file of a round is removed when it is decided.
 
-With compression the round is applied by :func:`..protocol.relay.apply_round`, the function every facility
-calls too, and the downlink is relayed (:mod:`.relayed`): a member accepted in the round reads, once the
-version is saved, a header (the new version, the accepted members in fold order, their weights, the outer
-step count, the message sizes) and the other accepted members' messages, and applies the round itself, so it
-downloads (F-1) messages instead of θ_global. This is SparseLoCo's (Templar's) exchange, and it keeps one
-algorithm here and in one world: no second compression error, no residual at the hub. It reveals to each
-accepted member every other accepted member's sparse update (indices and quantized values) and weight, which
-the mean alone would hide. Everyone else (rejected, healed, joining, behind a newer commit) reads θ_global
-with the outer optimizer's buffers and step count. One round of a compressed federation carries fp32 parameters
-instead of messages (:attr:`.rounds.Round.fp32`, :func:`..protocol.spec.final_in_fp32`): the final round of
-``federation.delay=1`` with ``delay_rule=eager``, whose uploads are each facility's end; it is folded as an fp32
-round, relays nothing, and its members read θ_global in full. The hub knows it by its own round count, so an upload
-of the other size is refused before a byte is spooled.
+With compression the round is applied by :func:`..protocol.relay.apply_round`, the function every facility calls
+too, and the downlink is relayed (:mod:`.relayed`): a member accepted in the round reads, once its record is durable
+(the version's file may still be being written), a header (the new version, the accepted members in fold order,
+their weights, the outer step count, the message sizes) and the other accepted members' messages, and applies the
+round itself, so it downloads (F-1) messages instead of θ_global. This is SparseLoCo's (Templar's) exchange, and it
+keeps one algorithm here and in one world: no second compression error, no residual at the hub. It reveals to each
+accepted member every other accepted member's sparse update (indices and quantized values) and weight, which the
+mean alone would hide. Everyone else (rejected, healed, joining, behind a newer commit) reads θ_global with the
+outer optimizer's buffers and step count, once the version's file is written. One round of a compressed federation
+carries fp32 parameters instead of messages (:attr:`.rounds.Round.fp32`, :func:`..protocol.spec.final_in_fp32`): the
+final round of ``federation.delay=1`` with ``delay_rule=eager``, whose uploads are each facility's end; it is folded
+as an fp32 round, relays nothing, and its members read θ_global in full. The hub knows it by its own round count, so
+an upload of the other size is refused before a byte is spooled.
 
 Members that arrive with another version, whose claims fail, or that come after the round
 closed, heal: they receive θ_global (after the open round, if any) and contribute nothing. So do members
@@ -72,6 +78,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -94,7 +101,7 @@ from ..protocol.messages import (
 from ..protocol.spec import check_spec, codec_of, final_in_fp32, first_difference, numel_of
 from ..protocol.update_codec import UpdateCodec
 from ..protocol.wire import CHUNK_BYTES, Frames, WireError, paced, pack, transfer_s
-from . import checks, relayed, store
+from . import checks, journal, relayed, store
 from .ahead import Ahead
 from .errors import HubError
 from .fold import Plan, next_window, window
@@ -103,7 +110,20 @@ from .membership import LIVE_S, Membership
 from .rounds import Arrival, Outcome, Part, Round, RoundState
 from .spool import Spool
 
-__all__ = ["LIVE_S", "HubError", "HubFederation"]
+__all__ = ["LIVE_S", "RETRY_S", "HubError", "HubFederation"]
+
+RETRY_S = 5.0  # a version whose file could not be written behind its record is tried again after this
+
+
+@dataclass
+class _Behind:
+    """A version committed by its record (:mod:`.journal`) whose file is still to be written: from ``saved`` (the
+    version it applies to), into ``pending`` (begun before the record, its room reserved) or a new file."""
+
+    record: journal.Record
+    saved: store.Snapshot
+    pending: store.Pending | None
+    retry_at: float = 0.0
 
 
 def _outer_config(spec: dict) -> OuterConfig:
@@ -148,9 +168,12 @@ class HubFederation:
         self.relayed: relayed.Relayed | None = None  # the last compressed round's messages, for its members
         self.ahead: Ahead | None = None  # the open round's next version, folded as its uploads stream in
         self.not_ahead: tuple | None = None  # a round's plan whose file could not be begun (not tried again)
+        self.journal = state_dir / store.JOURNAL  # compressed rounds' records (:mod:`.journal`)
+        self.behind: _Behind | None = None  # the latest version, committed by its record, its file being written
+        self._stop = threading.Event()
         if snap is not None:
             self._restore(snap)
-        self._stop = threading.Event()
+        self._replay()
         self._thread = threading.Thread(target=self._commit_loop, name="xffl-hub-commit", daemon=True)
         self._thread.start()
 
@@ -160,14 +183,52 @@ class HubFederation:
         self.options = _outer_config(snap.spec)
         self.theta_norm = math.sqrt(checks.squares(snap.theta.numpy(), None, 0))
 
+    def _replay(self) -> None:
+        """Versions committed by their record whose file was not written (a hub killed in between, :mod:`.journal`):
+        written now, in order, bitwise as they would have been; a record of a version already saved is removed."""
+        for rec in journal.read(self.journal, self.codec.nbytes if self.codec is not None else 0):
+            if self.snap is not None and rec.version <= self.snap.version:
+                rec.remove()
+                continue
+            if self.snap is None or rec.base != self.snap.version or rec.snap.federation != self.snap.federation:
+                held = "no saved version" if self.snap is None else f"version {self.snap.version}" + (
+                    "" if rec.snap.federation == self.snap.federation else " of another federation")  # fmt: skip
+                raise store.StateError(
+                    f"{rec.path} commits version {rec.version} over version {rec.base}, but --state holds {held}: "
+                    f"put version {rec.base}'s file back, or remove the record (members that applied it heal), or "
+                    f"start with --fresh"
+                )
+            self.behind = _Behind(rec, self.snap, None)
+            self._write_behind()
+            if self.behind is not None:
+                raise store.StateError(f"cannot write version {rec.version} from its record {rec.path}: free space on "
+                                       f"--state's disk, then start the hub again")  # fmt: skip
+            self.log(f"hub: version {rec.version} (round {rec.rid}) was committed by its record: its file is written")
+        journal.clear(self.journal)
+
+    @property
+    def head(self) -> store.Snapshot | None:
+        """The latest committed version's description: the saved one, or one committed by its record whose file is
+        still being written (:meth:`_write_behind`; its θ_global is then ``None``)."""
+        return self.behind.record.snap if self.behind is not None else self.snap
+
+    def saved(self) -> store.Snapshot | None:
+        """The latest version, its tensors mapped from its file (pages the kernel reads and drops; never written):
+        waits while that file is being written behind its record."""
+        with self.cv:
+            while self.behind is not None and not self._stop.is_set():
+                self.cv.wait(timeout=0.5)
+            return self.snap
+
     @property
     def theta(self) -> Tensor | None:
-        """θ_global of the saved version, mapped from its file (pages the kernel reads and drops; never written)."""
-        return self.snap.theta if self.snap else None
+        """θ_global of the latest version (:meth:`saved`)."""
+        snap = self.saved()
+        return snap.theta if snap else None
 
     @property
     def version(self) -> int:
-        return self.snap.version if self.snap else 0
+        return self.head.version if self.head else 0
 
     def expected_bytes(self, header) -> int:
         """The bytes an upload with ``header`` must have: parameters (fp32), or the codec's message (that of the
@@ -176,7 +237,7 @@ class HubFederation:
             if self.pending_spec is None:
                 raise HubError("no federation is being created: join again", "FAILED_PRECONDITION")
             return 4 * numel_of(self.pending_spec)
-        if self.theta is None:
+        if self.snap is None:
             raise HubError("the federation has not been created yet: join again", "FAILED_PRECONDITION")
         r = self.round
         codec = self.codec_of(r) if r is not None and r.rid == header.round else self.codec
@@ -188,7 +249,7 @@ class HubFederation:
         return None if r.fp32 else self.codec
 
     def _view(self) -> HubView:
-        s = self.snap
+        s = self.head
         view = self.members.view(self.version, s.progress if s else 0, bool(s and s.ended))
         return dataclasses.replace(view, federation=s.federation if s else None)
 
@@ -215,6 +276,9 @@ class HubFederation:
         self._thread.join(timeout=10)
         if not self._thread.is_alive():
             self._drop_ahead()
+            if self.behind is not None:  # else its record is replayed when the hub starts again
+                self.behind.retry_at = 0.0
+                self._write_behind()
 
     # ------------------------------------------------------------------ membership
     def join(self, name: str, msg: JoinRequest) -> JoinReply:
@@ -260,8 +324,8 @@ class HubFederation:
             del r.arrivals[name]  # its earlier process arrived and sent nothing that counts: it may arrive again
         if m.counted == step:
             return "counted", m.share
-        aligned = checks.misaligned(m, step, self.snap.progress, self.spec) is None
-        if version == self.version and not self.snap.ended and aligned:
+        aligned = checks.misaligned(m, step, self.head.progress, self.spec) is None
+        if version == self.version and not self.head.ended and aligned:
             return "open", None
         return "missed", None
 
@@ -346,14 +410,14 @@ class HubFederation:
             if self.spec is None:
                 raise HubError("the federation has not been created yet: join again", "FAILED_PRECONDITION")
             stale = None if msg.version == self.version else f"version {msg.version} (the hub's is {self.version})"
-            if stale is None and self.snap.ended:
+            if stale is None and self.head.ended:
                 stale = "the federation has ended"
-            stale = stale or checks.misaligned(m, msg.step, self.snap.progress, self.spec)
+            stale = stale or checks.misaligned(m, msg.step, self.head.progress, self.spec)
             r = self.round
             if r is None or r.version != self.version:
                 if stale is not None:  # nothing to wait for: θ_global now
                     return ArriveReply("heal", None, stale)
-                fp32 = final_in_fp32(self.spec) and self.snap.progress + 1 >= self.spec["rounds"]
+                fp32 = final_in_fp32(self.spec) and self.head.progress + 1 >= self.spec["rounds"]
                 r = self.round = Round(self.next_rid, self.version, time.monotonic(), fp32=fp32)
                 self.next_rid += 1
             if name in r.arrivals:
@@ -385,7 +449,10 @@ class HubFederation:
         part, reason = Part.BROKEN, "upload broken off"
         try:
             received = functools.partial(setattr, a, "received")
-            a.norm = self.spool.write(frames, a.spool, self.theta, self.codec_of(r), received)
+            ended = functools.partial(self.latency.upload_ended, r.rid)
+            codec = self.codec_of(r)  # fp32 parameters are measured against θ_global (its file written, if behind)
+            theta = self.theta if codec is None else None
+            a.norm, a.crc = self.spool.write(frames, a.spool, theta, codec, received, ended)
             part, reason = Part.UPLOADED, None
         except WireError as exc:
             reason = f"malformed upload ({exc})"
@@ -398,8 +465,6 @@ class HubFederation:
                 a.cut = None
                 if a.part is Part.UPLOADING:  # else the round's deadline cut it (BROKEN)
                     a.move(part, reason)
-                    if part is Part.UPLOADED:
-                        self.latency.upload_ended(r.rid)
                 m.beat = time.monotonic()
                 self.cv.notify_all()
         return UploadReply(a.part is Part.UPLOADED, a.reason)
@@ -428,6 +493,12 @@ class HubFederation:
 
     def _commit_loop(self) -> None:
         while not self._stop.is_set():
+            if self.behind is not None:  # the latest version's file, behind its record, before any other round
+                self._write_behind()
+                if self.behind is not None:  # it failed: tried again after RETRY_S
+                    with self.cv:
+                        self.cv.wait(timeout=0.2)
+                    continue
             with self.cv:
                 if self.creator is not None and time.monotonic() >= self.create_by:
                     self._drop_creator("did not upload in time")
@@ -521,45 +592,94 @@ class HubFederation:
             return Outcome(False, {}, rejected, healed)
         nxt, members = self._next(r, accepted, weights)
         total = sum(weights.values())
-        key = (r.rid, tuple(accepted), tuple(weights[n] / total for n in accepted))
-        ahead, self.ahead = self.ahead, None
-        if ahead is not None and (ahead.key != key or not ahead.pending.fits(nxt)):
+        scales = {n: weights[n] / total for n in accepted}
+        ahead, self.ahead, logged = self.ahead, None, None
+        if ahead is not None and (ahead.key != (r.rid, tuple(scales), tuple(scales.values())) or
+                                  not ahead.pending.fits(nxt)):  # fmt: skip
             ahead.abort()  # the round decided otherwise: nothing folded ahead is kept
             ahead = None
-        why = self._apply(nxt, accepted, weights, self.codec_of(r)) if ahead is None else self._finish_ahead(nxt, ahead)
+        if self.codec_of(r) is not None:
+            why, logged = self._record(r, nxt, scales, accepted)
+        elif ahead is None:
+            why = self._apply(nxt, self.snap, [a.spool for a in accepted.values()], tuple(scales.values()), None)
+        else:
+            why = self._finish_ahead(nxt, ahead)
         if why is not None:
             return Outcome(False, {}, rejected, healed, error=f"the hub {why}")
-        scales = {n: weights[n] / total for n in accepted}
         with self.cv:
-            self.snap = self.store.load(nxt.version, verify=False)  # the saved file, mapped
-            self._keep_relay(r, scales, accepted)
+            if logged is None:
+                self.snap = self.store.load(nxt.version, verify=False)  # the saved file, mapped
+            else:
+                self.behind = _Behind(logged[0], self.snap, logged[1])
+            self._keep_relay(r, logged[0] if logged else None)
             for n, m in members.items():
                 if n in self.members.members:
                     held = self.members[n]
                     held.last_step, held.norms, held.counted, held.share = m.last_step, m.norms, m.counted, m.share
+        how = ", folded ahead" if ahead is not None else ", its record: the file is written behind it" if logged else ""
         self.log(
             f"hub: round {r.rid} committed version {self.version}: {', '.join(accepted)}"
             + (f"; rejected {', '.join(rejected)}" if rejected else "")
-            + f" ({time.perf_counter() - start:.2f} s{', folded ahead' if ahead is not None else ''})"
+            + f" ({time.perf_counter() - start:.2f} s{how})"
         )
         return Outcome(True, scales, rejected, healed)
 
-    def _keep_relay(self, r: Round, scales: dict[str, float], accepted: dict[str, Arrival]) -> None:
-        """With compression, the committed round's accepted messages are set aside for its members (the caller
-        holds the lock); the previous round's are removed (a round of fp32 parameters relays nothing: its members
-        read θ_global)."""
+    def _record(self, r: Round, nxt: store.Snapshot, scales: dict[str, float], accepted: dict[str, Arrival]
+                ) -> tuple[str | None, tuple[journal.Record, store.Pending | None] | None]:  # fmt: skip
+        """Commit compressed round ``r`` by its record (:mod:`.journal`): the next version's file begun first (the
+        disk's room checked and its blocks reserved: a disk without room refuses the round before it commits), then
+        the record made durable. The file is written behind it (:meth:`_write_behind`). None and (the record, the
+        begun file), or why not (:meth:`_saved`; nothing kept changed)."""
+        begun: list = [None, None]
+
+        def begin():
+            begun[1] = self.store.begin(nxt, ("theta", *self.snap.buffers), numel_of(self.spec))
+
+        def log():
+            spooled = {n: (a.spool, a.crc) for n, a in accepted.items()}
+            begun[0] = journal.write(self.journal, nxt, r.rid, r.version, scales, spooled)
+
+        why = self._saved(f"version {nxt.version}", begin)
+        if why is None:
+            why = self._saved(f"version {nxt.version}'s record", log)
+            if why is not None and begun[1] is not None:
+                begun[1].abort()
+        return why, (None if why else tuple(begun))
+
+    def _write_behind(self) -> None:
+        """Write the version its record committed (:mod:`.journal`) into its file; once durable it is the hub's saved
+        version and the record goes. A failure is logged (:meth:`_saved`) and tried again after :data:`RETRY_S`: the
+        record stays, and a hub started again replays it."""
+        b = self.behind
+        if time.monotonic() < b.retry_at:
+            return
+        rec, pending, b.pending = b.record, b.pending, None
+        start = time.perf_counter()
+        why = self._apply(rec.snap, b.saved, list(rec.paths.values()), tuple(rec.scales.values()), self.codec, pending)
+        if why is not None:
+            b.retry_at = time.monotonic() + RETRY_S
+            self.log(f"hub: version {rec.version} stays committed by its record {rec.path}; its file is tried again in "
+                     f"{RETRY_S:.0f} s")  # fmt: skip
+            return
+        snap = self.store.load(rec.version, verify=False)
+        with self.cv:
+            self.snap, self.behind = snap, None
+            self.cv.notify_all()
+        rec.done()
+        self.log(f"hub: version {rec.version}'s file written behind its record ({time.perf_counter() - start:.2f} s)")
+
+    def _keep_relay(self, r: Round, record: journal.Record | None) -> None:
+        """With compression, the committed round's accepted messages (its record's) are kept for its members (the
+        caller holds the lock); the previous round's are removed (a round of fp32 parameters relays nothing: its
+        members read θ_global)."""
         if self.codec is None:
             return
         old, self.relayed = self.relayed, None
         if old is not None:
             old.remove()
-        if self.codec_of(r) is None:
-            return
-        try:
-            spooled = {n: a.spool for n, a in accepted.items()}
-            self.relayed = relayed.keep(r.rid, r.version, self.version, scales, spooled, self.snap.outer_steps)
-        except OSError as exc:  # its members read θ_global in full instead
-            self.log(f"hub: round {r.rid}: cannot keep its messages to relay ({exc}); its members download θ_global")
+        if record is not None:
+            self.relayed = relayed.Relayed(r.rid, record.base, record.version, record.scales, record.paths,
+                                           record.snap.outer_steps)  # fmt: skip
 
     def _decide(self, r: Round) -> tuple[dict[str, Arrival], dict[str, float], dict[str, str], dict[str, str]]:
         """The round's judgement: the accepted contributions (in name order) and their weights, the rejected
@@ -574,28 +694,38 @@ class HubFederation:
         return accepted, weights, rejected, healed
 
     @torch.no_grad()
-    def _apply(self, nxt: store.Snapshot, accepted: dict[str, Arrival], weights: dict[str, float],
-               codec: UpdateCodec | None) -> str | None:  # fmt: skip
+    def _apply(self, nxt: store.Snapshot, saved: store.Snapshot, paths: list[Path], scales: tuple[float, ...],
+               codec: UpdateCodec | None, pending: store.Pending | None = None) -> str | None:  # fmt: skip
         """Save version ``nxt`` (:meth:`_saved`: None, or why not), its θ_global and outer state computed window
-        by window from the saved version's and the accepted uploads' spool files, each window written into its
-        file as it is computed: nothing of the model's size is held in memory. With compression (``codec``, the
-        round's), the windows of :func:`..protocol.relay.rounds`, which every facility applies a relayed round with
-        (bitwise the same); else :func:`.fold.fold`'s."""
-        saved, total, numel = self.snap, sum(weights.values()), numel_of(self.spec)
-        readers = [relay.Reader(a.spool, codec) for a in accepted.values()]
+        by window from ``saved``'s and the accepted uploads' files (``paths``, weighted ``scales``, in fold order),
+        each window written into its file (``pending`` when begun, else a new one) as it is computed: nothing of the
+        model's size is held in memory. With compression (``codec``, the round's), the windows of
+        :func:`..protocol.relay.rounds`, which every facility applies a relayed round with (bitwise the same); else
+        :func:`.fold.fold`'s."""
+        numel = numel_of(self.spec)
+        readers = []
         squares = [0.0]  # |θ_global|² of the next version, window by window
 
         def items():
-            for theta, buffers in self._windows(saved, readers, tuple(weights[n] / total for n in accepted), codec):
+            for theta, buffers in self._windows(saved, readers, scales, codec):
                 squares[0] += checks.squares(theta.numpy(), None, 0)
                 yield {"theta": theta, **buffers}
 
-        try:
+        def save():
+            readers.extend(relay.Reader(p, codec) for p in paths)
             windows = store.Windows(("theta", *saved.buffers), numel, items())
-            why = self._saved(f"version {nxt.version}", lambda: self.store.save(nxt, windows))
+            if pending is None:
+                self.store.save(nxt, windows)
+            else:
+                store.fill(pending, windows, nxt)
+
+        try:
+            why = self._saved(f"version {nxt.version}", save)
         finally:
             for reader in readers:
                 reader.close()
+            if pending is not None and pending.fd is not None:
+                pending.abort()
         if why is None:
             self.theta_norm = math.sqrt(squares[0])
         return why
@@ -638,7 +768,7 @@ class HubFederation:
         """The next version's description (its tensors are computed as it is saved, :meth:`_apply`), and its
         members' history (with each accepted member's step and share: :meth:`_pending`'s record); the hub's stays as
         it is until it is saved."""
-        s = self.snap
+        s = self.head
         with self.cv:
             members = {n: dataclasses.replace(m, norms=list(m.norms)) for n, m in self.members.members.items()}
         every = {n: members[n].every for n in accepted if members[n].every}
@@ -714,8 +844,14 @@ class HubFederation:
         with self.cv:
             if self.snap is None:
                 raise HubError("the federation has not been created yet: join again", "FAILED_PRECONDITION")
-            if header.version != self.version:  # a newer round committed meanwhile
-                header = dataclasses.replace(header, **vars(self._view()))
+            while True:
+                if header.version != self.version:  # a newer round committed meanwhile
+                    header = dataclasses.replace(header, **vars(self._view()))
+                if self.behind is None or self._relay(header, relay_to) is not None:
+                    break
+                if self._stop.is_set():
+                    raise HubError("the hub is stopping", "UNAVAILABLE")
+                self.cv.wait(timeout=0.5)  # θ_global in full: its file is being written behind its record
             try:
                 header, sources = self._sources(header, relay_to)
             except (OSError, store.StateError) as exc:
@@ -725,12 +861,19 @@ class HubFederation:
         nbytes = sum(n for _, n in sources)
         return _file_frames(header, sources, transfer_s(nbytes, self._grace()), cut)
 
+    def _relay(self, header: ResultHeader, relay_to: tuple[str, int] | None) -> relayed.Relayed | None:
+        """The relay for a member accepted in the round ``relay_to`` names, while its version is the hub's; None
+        when it reads θ_global in full (the caller holds the lock)."""
+        r = self.relayed
+        if relay_to is None or header.status != "accepted" or r is None or r.rid != relay_to[1]:
+            return None
+        return r if r.version == self.version == header.version else None
+
     def _sources(self, header: ResultHeader, relay_to: tuple[str, int] | None) -> tuple[ResultHeader, list]:
         """What follows ``header`` (the caller holds the lock): open files and their bytes."""
-        r = self.relayed
-        if relay_to is not None and header.status == "accepted" and r is not None and r.rid == relay_to[1]:
-            if r.version == self.version == header.version:
-                return dataclasses.replace(header, relay=r.header(relay_to[0])), r.open(relay_to[0])
+        r = self._relay(header, relay_to)
+        if r is not None:
+            return dataclasses.replace(header, relay=r.header(relay_to[0])), r.open(relay_to[0])
         sources = [self.store.theta_reader(self.version)]
         if self.codec is None:
             return header, sources

@@ -1,10 +1,11 @@
 """What a compressed round leaves at the hub for its members to download: the relay (:mod:`..protocol.relay`).
 
-Once a compressed round is decided and its version saved, each member accepted in it reads a header and the
-other accepted members' messages, and applies the round itself. The hub keeps the messages of its last committed
-round only: renamed out of the round's spool files (``relay-<round>-<facility>.bin``, which clearing the round
-leaves), removed when the next round commits or the hub restarts. It relays them only while that round's version
-is the hub's latest; any other member (rejected, healed, behind a newer commit) reads θ_global in full.
+Once a compressed round is committed by its record (:mod:`.journal`), each member accepted in it reads a header and
+the other accepted members' messages, and applies the round itself, at once: the relay needs no file of θ_global,
+which the hub writes behind the record meanwhile. The hub keeps the messages of its last committed round only (the
+record's files, ``journal/<version>-<facility>.bin``), removed when the next round commits or the hub restarts. It
+relays them only while that round's version is the hub's latest; any other member (rejected, healed, behind a newer
+commit) reads θ_global in full, once its file is written.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import BinaryIO
 
 from ..protocol.messages import Relay
 
-__all__ = ["Relayed", "keep"]
+__all__ = ["Relayed"]
 
 
 @dataclass(frozen=True)
@@ -52,14 +53,3 @@ class Relayed:
     def remove(self) -> None:
         for p in self.paths.values():
             p.unlink(missing_ok=True)
-
-
-def keep(rid: int, base: int, version: int, weights: dict[str, float], spooled: dict[str, Path],
-         outer_steps: int) -> Relayed:  # fmt: skip
-    """Set round ``rid``'s accepted spool files aside for its members (``weights``: in fold order)."""
-    paths = {}
-    for name in weights:
-        kept = spooled[name].with_name(f"relay-{spooled[name].name}")
-        os.replace(spooled[name], kept)
-        paths[name] = kept
-    return Relayed(rid, base, version, dict(weights), paths, outer_steps)

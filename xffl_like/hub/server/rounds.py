@@ -77,6 +77,7 @@ class Arrival:
     reason: str | None = None  # why its contribution is out (claims, upload, checks)
     spool: Path | None = None
     norm: float = math.nan
+    crc: str | None = None  # a message's CRC-32, taken as it was spooled (:mod:`.journal`)
     cut: Callable[[], None] | None = None  # ends its upload's call (the round's deadline passed)
     received: int = 0  # bytes of its upload written to its spool file so far (:mod:`.ahead` folds them)
 

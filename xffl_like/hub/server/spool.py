@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import os
 import shutil
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -67,14 +68,23 @@ class Spool:
                 total += squares(np.frombuffer(raw, dtype=np.float32), None, 0)
         return math.sqrt(total) if math.isfinite(total) else math.nan
 
-    def write(self, frames: Frames, path: Path, theta: Tensor, codec: UpdateCodec | None, written=None) -> float:
-        """Write the chunks to ``path``; the norm of the update ``θ_global - θ_f`` (nan when not finite).
-        ``written(n)``: fp32 parameters, after each chunk, the first ``n`` bytes are in the file (readable)."""
+    def write(self, frames: Frames, path: Path, theta: Tensor | None, codec: UpdateCodec | None, written=None,
+              ended=None) -> tuple[float, str | None]:  # fmt: skip
+        """Write the chunks to ``path``; the norm of the update ``θ_global - θ_f`` (nan when not finite) and, for a
+        message (``codec``), its CRC-32, the file fsynced (a round's record names it: :mod:`.journal`).
+        ``written(n)``: fp32 parameters, after each chunk, the first ``n`` bytes are in the file (readable);
+        ``ended()``: its last byte is in the file (a message is decoded as its frames come, so its norm is known
+        then too)."""
         if codec is not None:
             with self._create(path) as fh:
-                for _, chunk in frames.chunks():
-                    fh.write(chunk)
-            return self._update_norm(path, codec)
+                tee = _Tee(frames.chunks(), fh)
+                norm = _update_norm(codec, tee.read)  # decoded as the frames come: done with the last one
+                tee.drain()
+                if ended is not None:
+                    ended()
+                fh.flush()
+                os.fsync(fh.fileno())
+            return norm, f"{tee.crc:08x}"
         total = 0.0
         with self._create(path) as fh:
             for offset, chunk in frames.chunks():
@@ -86,14 +96,42 @@ class Spool:
                     written(offset + len(chunk))
                 if math.isfinite(total):  # read in place: the frame is never copied
                     total += squares(np.frombuffer(chunk, dtype=np.float32), theta, offset // 4)
-        return math.sqrt(total) if math.isfinite(total) else math.nan
+        if ended is not None:
+            ended()
+        return (math.sqrt(total) if math.isfinite(total) else math.nan), None
 
-    @staticmethod
-    def _update_norm(path: Path, codec: UpdateCodec) -> float:
-        total = 0.0
-        with open(path, "rb") as fh:
-            for _, values in codec.decode_stream(fh.read):
-                total += squares(values.numpy(), None, 0)
-                if not math.isfinite(total):
-                    return math.nan
-        return math.sqrt(total)
+
+def _update_norm(codec: UpdateCodec, read) -> float:
+    """The norm of the update a message decodes to, from ``read(n)`` (nan when a value is not finite)."""
+    total = 0.0
+    for _, values in codec.decode_stream(read):
+        total += squares(values.numpy(), None, 0)
+    return math.sqrt(total) if math.isfinite(total) else math.nan
+
+
+class _Tee:
+    """An upload's chunks as ``read(n)``: each chunk written to ``fh``, and its CRC-32 taken, as it is pulled."""
+
+    def __init__(self, chunks, fh):
+        self.chunks, self.fh, self.crc, self.buf = chunks, fh, 0, bytearray()
+
+    def _pull(self) -> bool:
+        chunk = next(self.chunks, None)
+        if chunk is None:
+            return False
+        self.fh.write(chunk[1])
+        self.crc = zlib.crc32(chunk[1], self.crc)
+        self.buf += chunk[1]
+        return True
+
+    def read(self, n: int) -> bytes:
+        while len(self.buf) < n and self._pull():
+            pass
+        out = bytes(self.buf[:n])
+        del self.buf[:n]
+        return out
+
+    def drain(self) -> None:
+        """The rest of the upload, written (the frames' own checks run to their end)."""
+        while self._pull():
+            self.buf.clear()

@@ -23,7 +23,8 @@ the description and the members), its header written twice (``H`` more), and fsy
 B)``, from the page cache when it is warm) and each accepted upload's spool file once. A version begun while
 its round's uploads stream in (:meth:`StateStore.begin`, :mod:`.ahead`) has :data:`SLACK` more bytes of header;
 one dropped unfinished (the round decided otherwise) was written, never fsynced, and the round's version is
-written again.
+written again. A compressed round first makes its record durable (:mod:`.journal`: its accepted messages, fsynced
+as they were spooled, and a JSON file of a few KB), then writes this file behind it.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ from torch import Tensor
 from ..protocol.spec import SpecError, numel_of
 
 __all__ = ["KEEP", "MARGIN", "SLACK", "NoRoom", "Pending", "SafetensorsStore", "Snapshot", "StateError", "StateStore",
-           "Windows", "load_latest", "room", "save"]  # fmt: skip
+           "Windows", "described", "fill", "load_latest", "room", "save", "snapshot_of"]  # fmt: skip
 
 KEEP = 2
 MARGIN = 64 << 20  # free bytes left on --state's disk beyond the next version's file (the spool, the log)
@@ -59,6 +60,7 @@ _NAME = re.compile(r"^state-(\d{10})\.safetensors$")
 _FORMAT = "xffl-hub-2"  # the metadata checksummed too ("xffl-hub-1": tensors only, still read)
 _FORMATS = ("xffl-hub-1", _FORMAT)
 LOCK = "hub.lock"
+JOURNAL = "journal"  # the compressed rounds' records (:mod:`.journal`)
 
 
 class StateError(RuntimeError):
@@ -75,7 +77,7 @@ class Snapshot:
 
     version: int  # rounds committed
     spec: dict[str, Any]  # the federation's description (the first facility's)
-    theta: Tensor  # θ_global, flat fp32
+    theta: Tensor | None  # θ_global, flat fp32 (None: a version logged in the journal, its file not written yet)
     buffers: dict[str, Tensor] = field(default_factory=dict)  # the outer optimizer's state
     outer_steps: int = 0
     progress: int = 0  # rounds of training behind θ_global (a joiner's step: progress x its every)
@@ -144,9 +146,9 @@ def _whole(snap: Snapshot) -> Windows:
     return Windows(tuple(tensors), numel, items)
 
 
-def _meta(snap: Snapshot, sums: dict[str, str]) -> str:
-    return json.dumps({
-        "format": _FORMAT,
+def described(snap: Snapshot) -> dict[str, Any]:
+    """What a version is besides its tensors (its file's metadata, a journal record's: :mod:`.journal`)."""
+    return {
         "version": snap.version,
         "spec": snap.spec,
         "outer_steps": snap.outer_steps,
@@ -154,8 +156,27 @@ def _meta(snap: Snapshot, sums: dict[str, str]) -> str:
         "ended": snap.ended,
         "members": snap.members,
         "federation": snap.federation,
-        "crc32": sums,
-    })  # fmt: skip
+    }  # fmt: skip
+
+
+def snapshot_of(meta: dict, theta: Tensor | None = None, buffers: dict[str, Tensor] | None = None) -> Snapshot:
+    """The :class:`Snapshot` that :func:`described` gave ``meta`` (KeyError, TypeError, ValueError when it does not
+    hold one), with ``theta`` and ``buffers`` (None: a version whose file is not written yet)."""
+    return Snapshot(
+        version=int(meta["version"]),
+        spec=dict(meta["spec"]),
+        theta=theta,
+        buffers=buffers or {},
+        outer_steps=int(meta["outer_steps"]),
+        progress=int(meta["progress"]),
+        ended=bool(meta["ended"]),
+        members=dict(meta["members"]),
+        federation=str(meta.get("federation", "")),
+    )
+
+
+def _meta(snap: Snapshot, sums: dict[str, str]) -> str:
+    return json.dumps({"format": _FORMAT, **described(snap), "crc32": sums})
 
 
 def _header(snap: Snapshot, keys: list[str], numel: int, sums: dict[str, str], size: int = 0) -> bytes:
@@ -248,6 +269,7 @@ class Pending:
     def abort(self) -> None:
         if self.fd is not None:
             os.close(self.fd)
+            self.fd = None
         self.tmp.unlink(missing_ok=True)  # a full disk keeps no partial file
 
 
@@ -263,12 +285,17 @@ def save(directory: Path, snap: Snapshot, windows: Windows | None = None) -> Pat
     atomically; keep the last :data:`KEEP`. :class:`NoRoom` before anything is written when the disk lacks
     room for it."""
     windows = windows or _whole(snap)
-    out = Pending(directory, snap, windows.names, windows.numel)
+    return fill(Pending(directory, snap, windows.names, windows.numel), windows)
+
+
+def fill(out: Pending, windows: Windows, snap: Snapshot | None = None) -> Path:
+    """Put every window of ``windows`` into ``out`` and finish it (its metadata ``snap``'s, default the one it was
+    begun with); removed unfinished if anything fails."""
     try:
         for window in windows.items:
             for name, values in window.items():
                 out.put(name, values)
-        return out.finish()
+        return out.finish(snap)
     except BaseException:
         out.abort()
         raise
@@ -340,17 +367,8 @@ def _read(path: Path, verify: bool = True) -> Snapshot:
     if verify and any(_crc(t) != sums[k] for k, t in tensors.items()):
         raise StateError(f"{path} is damaged (a checksum does not match): {_FIX}")
     try:
-        snap = Snapshot(
-            version=int(meta["version"]),
-            spec=dict(meta["spec"]),
-            theta=tensors.pop("theta"),
-            buffers={k.removeprefix("outer."): v for k, v in tensors.items()},
-            outer_steps=int(meta["outer_steps"]),
-            progress=int(meta["progress"]),
-            ended=bool(meta["ended"]),
-            members=dict(meta["members"]),
-            federation=str(meta.get("federation", "")),
-        )
+        theta = tensors.pop("theta")
+        snap = snapshot_of(meta, theta, {k.removeprefix("outer."): v for k, v in tensors.items()})
         _check_sizes(snap)
     except KeyError as exc:
         raise StateError(f"{path} lacks {exc} (not written by this hub, or edited): {_FIX}") from None
@@ -476,7 +494,7 @@ class SafetensorsStore(StateStore):
         self.lock()
         self._check_entries()
         if fresh:
-            old = [p for p in path.iterdir() if p.name.startswith("state-")]
+            old = [p for p in path.iterdir() if p.name.startswith("state-") or p.name == JOURNAL]
             if old:
                 aside = path / f"discarded-{time.strftime('%Y%m%d-%H%M%S')}"
                 aside.mkdir()

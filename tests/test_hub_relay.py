@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 from helpers import REPO
-from helpers.hub import free_port, serve, wait_for
+from helpers.hub import serve, wait_for
 from helpers.sparseloco_reference import ref_decode
 
 from xffl_like.config.schema import ElasticConfig, FederationConfig, OuterConfig, TopkConfig
@@ -568,26 +568,41 @@ if {hang!r}:  # the committer stops between a round's record and its file: the p
     HubFederation._write_behind = hang
 state = Path({state!r})
 fed = HubFederation(state, store.load_latest(state) if state.exists() else None, log=lambda x: print(x, flush=True))
-server, port = serve(fed, port={port})
+want, port = {port}, 0
+for _ in range(100):  # the port of the hub killed before it: free once that process is gone
+    try:
+        server, port = serve(fed, port=want)
+    except RuntimeError:
+        port = 0
+    if port:
+        break
+    time.sleep(0.1)
 print("PORT", port, flush=True)
 time.sleep(600)
 """
 
 
 class _HubProcess:
-    """A hub in its own process on ``port`` over ``state`` (``hang``: its committer never writes a file behind its
-    record); its log lines collected as they come."""
+    """A hub in its own process on ``port`` (0: a free one, :attr:`port`) over ``state`` (``hang``: its committer
+    never writes a file behind its record); its log lines collected as they come."""
 
     def __init__(self, state: Path, port: int, hang: bool):
         code = _HUB.format(tests=str(REPO / "tests"), state=str(state), port=port, hang=hang)
         self.proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True)
         self.lines: list[str] = []
         threading.Thread(target=lambda: self.lines.extend(iter(self.proc.stdout.readline, "")), daemon=True).start()
-        self.said(f"PORT {port}")
+        self.port = int(self.said("PORT ").split()[1])
+        assert self.port and port in (0, self.port), self.lines
 
-    def said(self, line: str) -> None:
-        wait_for(lambda: line in (x.strip() for x in self.lines) or self.proc.poll() is not None, 120, line)
-        assert line in (x.strip() for x in self.lines), self.lines
+    def said(self, start: str) -> str:
+        """The first line the hub said that starts with ``start`` (waited for)."""
+
+        def line():
+            return next((x.strip() for x in self.lines if x.startswith(start)), None)
+
+        wait_for(lambda: line() is not None or self.proc.poll() is not None, 240, start)
+        assert line() is not None, self.lines
+        return line()
 
     def kill(self) -> None:
         self.proc.send_signal(signal.SIGKILL)
@@ -599,9 +614,9 @@ def test_a_hub_killed_between_a_rounds_record_and_its_file_replays_the_record(tm
     version's file: started again on the same ``--state`` it writes that file from the record (a damaged message
     refused in one line instead), and round 2 relays on it; both rounds by hand equal the hub's file and every
     member's copy, bitwise."""
-    state, port = tmp_path / "state", free_port()
-    first = _HubProcess(state, port, hang=True)
-    address = SimpleNamespace(address=f"127.0.0.1:{port}")
+    state = tmp_path / "state"
+    first = _HubProcess(state, 0, hang=True)
+    address = SimpleNamespace(address=f"127.0.0.1:{first.port}")
     facilities = {n: _facility(address, tmp_path, n) for n in NAMES}
     second = None
     try:
@@ -620,7 +635,7 @@ def test_a_hub_killed_between_a_rounds_record_and_its_file_replays_the_record(tm
         with pytest.raises(store.StateError, match=r"0000000001\.json: facility b's message 0000000001-b\.bin is "
                                                    r"missing or damaged: remove it"):  # fmt: skip
             HubFederation(damaged, store.load_latest(damaged), log=lambda _: None)
-        second = _HubProcess(state, port, hang=False)
+        second = _HubProcess(state, first.port, hang=False)
         assert any("hub: version 1 (round 0) was committed by its record: its file is written" in x
                    for x in second.lines), second.lines  # fmt: skip
         copies = _copies(facilities)
@@ -629,7 +644,7 @@ def test_a_hub_killed_between_a_rounds_record_and_its_file_replays_the_record(tm
             out = f._lead(0.0, 2, joining=True)
             assert out["status"] == "joined" and f.link.version == 1, out
         two = _round(facilities, 4, seed=35)
-        wait_for(lambda: not (state / "journal" / "0000000002.json").exists(), 120, "version 2's file")
+        wait_for(lambda: (state / "state-0000000002.safetensors").exists(), 240, "version 2's file")
         saved = store.load_latest(state)
         applied, copies = copies, _copies(facilities)
     finally:

@@ -267,7 +267,8 @@ class TensorCodec:
         """Block ``t``'s bytes -> (flat indices, fp32 values); checked before use."""
         k, head, ib, _ = self._sizes(b)
         header = data[:head].clone().view(torch.float32)
-        if not torch.isfinite(header).all():
+        levels = header[1:] + header[0]  # every value the tensor decodes to: all finite, or the message is refused
+        if not (torch.isfinite(header).all() and torch.isfinite(levels).all()):
             raise ValueError(f"top-k message: tensor {t}'s header holds a non-finite value")
         index = _unpack(data[head : head + b.chunks * ib].view(b.chunks, ib), k, _width(b.length))
         codes = _unpack(data[head + b.chunks * ib :].view(b.chunks, -1), k, self.bits)
@@ -277,8 +278,7 @@ class TensorCodec:
                 f"top-k message: tensor {t} has indices out of range (its {b.length}-value chunks) or not strictly "
                 f"increasing (duplicated)"
             )
-        values = header[1:][codes] + header[0]
-        return b.flat_index(index).view(-1), values.view(-1)
+        return b.flat_index(index).view(-1), levels[codes].view(-1)
 
     def _read(self, read: Callable[[int], bytes]) -> Iterator[tuple[Block, Tensor, Tensor]]:
         for t, b in enumerate(self.blocks):
@@ -299,12 +299,13 @@ class TensorCodec:
             dense = torch.zeros(b.numel, dtype=torch.float32)
             yield b.offset, dense.index_put_((index - b.offset,), values)
 
-    def decode_sent_stream(self, read: Callable[[int], bytes]) -> Iterator[tuple[int, Tensor, Tensor]]:
-        """As :meth:`decode_stream`, with a mask of the values sent (the per-index mean over the senders)."""
+    def decode_sent_stream(self, read: Callable[[int], bytes]) -> Iterator[tuple[int, int, Tensor, Tensor]]:
+        """A tensor at a time from ``read(n)``: its first value, its values, and the flat indices of the values sent
+        (ascending) with their values (the per-index mean over the senders folds only these). Every value is
+        finite: a message whose header decodes to one that is not is refused (ValueError)."""
         for b, index, values in self._read(read):
-            dense = torch.zeros(b.numel, dtype=torch.float32).index_put_((index - b.offset,), values)
-            sent = torch.zeros(b.numel, dtype=torch.bool).index_put_((index - b.offset,), torch.tensor(True))
-            yield b.offset, dense, sent
+            index, order = index.sort()
+            yield b.offset, b.numel, index, values[order]
 
     def decode_sparse(self, message: Tensor) -> tuple[Tensor, Tensor]:
         """The message as (flat indices into the ``numel`` values; their fp32 values)."""

@@ -97,7 +97,7 @@ def combine(stack: Tensor, rule: str, trim: float) -> Tensor:
 class Reader:
     """One message (or fp32 parameters when ``codec`` is None), read in order ``n`` values at a time from the file
     ``source`` (a path, or a binary file open at its first byte, which is closed with the reader). With top-k
-    (the per-index mean over the senders) it also tells which values were sent (:attr:`sent`, after :meth:`take`)."""
+    (:attr:`senders`: the per-index mean over the senders) :meth:`take_sent` gives only what was sent."""
 
     def __init__(self, source: Path | BinaryIO, codec: UpdateCodec | None):
         self.fh = open(source, "rb") if isinstance(source, (str, Path)) else source
@@ -105,32 +105,56 @@ class Reader:
         if self.senders:
             self.pieces: Iterator | None = codec.decode_sent_stream(self.fh.read)
         else:
-            self.pieces = ((s, v, None) for s, v in codec.decode_stream(self.fh.read)) if codec is not None else None
-        self.left, self.mask, self.at = torch.empty(0), None, 0  # values not taken yet; the next piece's first
-        self.sent: Tensor | None = None
+            self.pieces = codec.decode_stream(self.fh.read) if codec is not None else None
+        self.left, self.at = torch.empty(0), 0  # values not taken yet; the next value's place
+        self.sent: tuple[Tensor, Tensor] | None = None  # top-k: the piece's indices sent and values, from ``self.i``
+        self.i, self.end = 0, 0  # top-k: the next index of ``sent`` to take; the piece's end
 
     def take(self, out: Tensor) -> None:
-        """Fill ``out`` with the next ``out.numel()`` values (and :attr:`sent` with whether each was sent)."""
+        """Fill ``out`` with the next ``out.numel()`` values."""
         n = out.numel()
         if self.pieces is None:
             got = self.fh.readinto(memoryview(out.numpy()).cast("B"))
             if got != 4 * n:
                 raise ValueError(f"a spooled upload ended after {got} of {4 * n} bytes")
             return
-        self.sent = torch.empty(n, dtype=torch.bool) if self.senders else None
+        if self.senders:
+            index, values = self.take_sent(n)
+            out.zero_().index_put_((index,), values)
+            return
         filled = 0
         while filled < n:
             if not self.left.numel():
-                start, self.left, self.mask = next(self.pieces)
-                if start != self.at:
-                    raise ValueError(f"a spooled update decodes value {start} where {self.at} was next")
+                start, self.left = next(self.pieces)
+                self._check(start)
                 self.at += self.left.numel()
             k = min(n - filled, self.left.numel())
             out[filled : filled + k].copy_(self.left[:k])
-            if self.sent is not None:
-                self.sent[filled : filled + k].copy_(self.mask[:k])
-                self.mask = self.mask[k:]
             self.left, filled = self.left[k:], filled + k
+
+    def take_sent(self, n: int) -> tuple[Tensor, Tensor]:
+        """Top-k: the next ``n`` values as the indices of those sent (from the first of them, ascending) and their
+        values; every other value is 0."""
+        first, stop = self.at, self.at + n
+        index, values = [], []
+        while self.at < stop:
+            if self.sent is None or self.at >= self.end:
+                start, numel, *self.sent = next(self.pieces)
+                self._check(start)
+                self.i, self.end = 0, start + numel
+            sent, kept = self.sent
+            upto = min(stop, self.end)
+            j = int(torch.searchsorted(sent, torch.tensor(upto)))
+            index.append(sent[self.i : j] - first)
+            values.append(kept[self.i : j])
+            self.i, self.at = j, upto
+        if len(index) == 1:
+            return index[0], values[0]
+        return torch.cat(index), torch.cat(values)
+
+    def _check(self, start: int) -> None:
+        if start != self.at:
+            raise ValueError(f"a spooled update decodes value {start} where {self.at} was next")
 
     def close(self) -> None:
         self.fh.close()
@@ -143,10 +167,11 @@ def fold(out: Tensor, readers: list[Reader], scales: list[float], rule: str, tri
     top-k messages per value the weighted mean over the readers that sent it (SparseLoCo's;
     equal weights count 1 each: :func:`~xffl_like.federation.topk.fold_weights`), else the coordinate-wise
     ``rule`` (unweighted). A value that is not finite raises :class:`RelayError`, unless ``checked``: the messages
-    are known finite (the hub's accepted ones: each one's norm, summed over every decoded value, was finite)."""
+    are known finite (the hub's accepted ones: each one's norm, summed over every decoded value, was finite). A
+    top-k message is finite by its decoding (:meth:`.update_codec.UpdateCodec.decode_sent_stream`)."""
     check = (lambda values: None) if checked else _finite
     if rule == "mean" and readers and readers[0].senders:
-        return _fold_senders(out, readers, fold_weights(list(scales)), check)
+        return _fold_senders(out, readers, fold_weights(list(scales)))
     if rule == "mean":
         out.zero_()
         part = torch.empty_like(out)
@@ -162,15 +187,16 @@ def fold(out: Tensor, readers: list[Reader], scales: list[float], rule: str, tri
     out.copy_(combine(stack, rule, trim))
 
 
-def _fold_senders(out: Tensor, readers: list[Reader], weights: list[float], check) -> None:
-    """``out``: per value, ``sum w_f v_f / sum w_f`` over the readers that sent it (0 where none did)."""
+def _fold_senders(out: Tensor, readers: list[Reader], weights: list[float]) -> None:
+    """``out``: per value, ``sum w_f v_f / sum w_f`` over the readers that sent it (0 where none did): each product
+    rounded, then added, in the readers' order, where it was sent only (adding the zeros of the others changes no
+    bit)."""
     out.zero_()
-    part, den = torch.empty_like(out), torch.zeros_like(out)
+    den = torch.zeros_like(out)
     for reader, weight in zip(readers, weights, strict=True):
-        reader.take(part)
-        check(part)
-        out.add_(part.mul_(weight))
-        den.add_(reader.sent.to(torch.float32).mul_(weight))
+        index, values = reader.take_sent(out.numel())
+        out.index_add_(0, index, values * weight)
+        den.index_add_(0, index, torch.full_like(values, weight))
     out.div_(torch.where(den > 0, den, torch.ones_like(den)))
 
 

@@ -129,8 +129,9 @@ class UpdateCodec:
         """Whether messages are averaged per index over the facilities that sent them (top-k)."""
         return self.topk is not None
 
-    def decode_sent_stream(self, read: Callable[[int], bytes]) -> Iterator[tuple[int, Tensor, Tensor]]:
-        """``topk``: (first value, values, mask of the values sent) decoded in order from ``read(n)``."""
+    def decode_sent_stream(self, read: Callable[[int], bytes]) -> Iterator[tuple[int, int, Tensor, Tensor]]:
+        """``topk``: per tensor in order from ``read(n)``, its first value, its values, and the flat indices
+        (ascending) and values of what it sent (:meth:`.topk_tensors.TensorCodec.decode_sent_stream`; all finite)."""
         yield from self.topk.decode_sent_stream(read)
 
     def decode_stream(self, read: Callable[[int], bytes]) -> Iterator[tuple[int, Tensor]]:

@@ -104,7 +104,9 @@ class Spool:
 def _update_norm(codec: UpdateCodec, read) -> float:
     """The norm of the update a message decodes to, from ``read(n)`` (nan when a value is not finite)."""
     total = 0.0
-    for _, values in codec.decode_stream(read):
+    pieces = (p[-1] for p in codec.decode_sent_stream(read)) if codec.senders else (
+        p[1] for p in codec.decode_stream(read))  # fmt: skip
+    for values in pieces:  # top-k: the values sent only (the others are 0)
         total += squares(values.numpy(), None, 0)
     return math.sqrt(total) if math.isfinite(total) else math.nan
 

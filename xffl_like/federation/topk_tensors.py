@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from fractions import Fraction
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -76,6 +77,12 @@ def _unpack(data: Tensor, n: int, width: int) -> Tensor:
 
 def _pack_rows(values: Tensor, width: int) -> Tensor:
     rows, n = values.shape
+    if values.device.type == "cpu":  # numpy's packbits: bits as bytes, not 64-bit integers
+        v = values.numpy()
+        bits = np.zeros((rows, -(-n * width // 8) * 8), dtype=np.uint8)
+        for b in range(width):
+            bits[:, b : n * width : width] = (v >> b) & 1
+        return torch.from_numpy(np.packbits(bits, axis=1, bitorder="little"))
     shifts = torch.arange(width, device=values.device)
     bits = ((values.unsqueeze(-1) >> shifts) & 1).to(torch.uint8).view(rows, n * width)
     nbytes = -(-n * width // 8)
@@ -87,6 +94,12 @@ def _pack_rows(values: Tensor, width: int) -> Tensor:
 
 def _unpack_rows(data: Tensor, n: int, width: int) -> Tensor:
     rows = data.shape[0]
+    if data.device.type == "cpu":
+        bits = np.unpackbits(data.numpy(), axis=1, bitorder="little")
+        out = np.zeros((rows, n), dtype=np.int64)
+        for b in range(width):
+            out |= bits[:, b : n * width : width].astype(np.int64) << b
+        return torch.from_numpy(out)
     bits = (data.unsqueeze(-1).long() >> torch.arange(8, device=data.device)) & 1
     bits = bits.view(rows, -1)[:, : n * width].view(rows, n, width)
     return (bits << torch.arange(width, device=data.device)).sum(-1)
@@ -103,7 +116,10 @@ def _top_index(mag: Tensor, k: int) -> Tensor:
     above = mag > kth
     tied = mag == kth
     need = k - above.sum(1, keepdim=True)
-    keep = above | (tied & (tied.cumsum(1) <= need))
+    if bool((tied.sum(1, keepdim=True) > need).any()):  # more ties than room somewhere: the lowest indices
+        keep = above | (tied & (tied.cumsum(1) <= need))
+    else:
+        keep = above | tied
     return keep.nonzero()[:, 1].view(rows, k)  # row-major: ascending inside each chunk
 
 

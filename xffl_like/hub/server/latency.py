@@ -1,7 +1,8 @@
-"""How long a round's members wait on the hub itself: from the end of the round's last upload to the first
-byte of its result going out (the check, the mean, the outer step and the save in between; with fp32 uploads
-most of the mean, the step and the save are done while the uploads stream in, :mod:`.ahead`), one log line per
-committed round::
+"""How long a round's members wait on the hub itself: from the end of the round's last upload (its last byte in
+the spool file) to the first byte of its result going out (the check, the mean, the outer step and the save in
+between; with fp32 uploads most of the mean, the step and the save are done while the uploads stream in,
+:mod:`.ahead`; a compressed round is saved by its record, the version's file written after, :mod:`.journal`), one
+log line per committed round::
 
     hub: round 3 (version 4): 0.412 s from the last upload's end to the first byte of its result (round 9.87 s)
 

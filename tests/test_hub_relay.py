@@ -478,6 +478,15 @@ def _copies(facilities: dict) -> dict:
             for n, f in facilities.items()}  # fmt: skip
 
 
+def _all_equal(saved, copies: dict, theta: np.ndarray, buf: np.ndarray) -> None:
+    """The hub's saved version (unless None) and every facility's copy hold ``theta`` and the momentum ``buf``."""
+    held = {**({"the hub": (saved.theta.numpy(), saved.buffers["momentum_buffer"].numpy())} if saved else {}),
+            **copies}  # fmt: skip
+    for name, (f_theta, f_outer) in held.items():
+        np.testing.assert_array_equal(f_theta, theta, err_msg=name)
+        np.testing.assert_array_equal(f_outer, buf, err_msg=name)
+
+
 def _behind(state: Path, version: int) -> bool:
     """Whether ``version`` is committed by its record while its file is not written."""
     return (state / "journal" / f"{version:010d}.json").exists() and not (
@@ -515,11 +524,7 @@ def test_members_apply_the_relay_before_the_hub_has_written_the_versions_file(tm
     expected, buf = _by_hand(theta, np.zeros(N, dtype=np.float32), messages, {n: TOKENS[n] / total for n in NAMES},
                              _fused())  # fmt: skip
     assert saved.version == 1 and saved.outer_steps == 1
-    np.testing.assert_array_equal(saved.theta.numpy(), expected)
-    np.testing.assert_array_equal(saved.buffers["momentum_buffer"].numpy(), buf)
-    for name, (f_theta, f_outer) in copies.items():
-        np.testing.assert_array_equal(f_theta, expected, err_msg=name)
-        np.testing.assert_array_equal(f_outer, buf, err_msg=name)
+    _all_equal(saved, copies, expected, buf)
     assert not (state / "journal" / "0000000001.json").exists()  # the record goes once the file is durable
     assert any("committed version 1: a, b, c" in x and "its record: the file is written behind it" in x for x in lines)
     assert any(x.startswith("hub: version 1's file written behind its record") for x in lines), lines
@@ -660,12 +665,6 @@ def test_a_hub_killed_between_a_rounds_record_and_its_file_replays_the_record(tm
         assert all(o["status"] == "accepted" and o["relay"] is not None for o in outs.values()), outs
         theta, buf = _by_hand(theta, buf, {n: o["message"] for n, o in outs.items()}, weights, _fused())
         by_hand.append((theta, buf))
-    for name, (f_theta, f_outer) in applied.items():  # round 1's relay, applied before the kill
-        np.testing.assert_array_equal(f_theta, by_hand[0][0], err_msg=name)
-        np.testing.assert_array_equal(f_outer, by_hand[0][1], err_msg=name)
+    _all_equal(None, applied, *by_hand[0])  # round 1's relay, applied before the kill
     assert saved.version == 2 and saved.outer_steps == 2
-    np.testing.assert_array_equal(saved.theta.numpy(), theta)
-    np.testing.assert_array_equal(saved.buffers["momentum_buffer"].numpy(), buf)
-    for name, (f_theta, f_outer) in copies.items():
-        np.testing.assert_array_equal(f_theta, theta, err_msg=name)
-        np.testing.assert_array_equal(f_outer, buf, err_msg=name)
+    _all_equal(saved, copies, theta, buf)

@@ -25,7 +25,7 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from .store import Snapshot, StateError, described, snapshot_of
+from .store import Snapshot, StateError, described, fsync_dir, snapshot_of
 
 __all__ = ["Record", "clear", "crc_of", "read", "write"]
 
@@ -61,14 +61,6 @@ class Record:
             p.unlink(missing_ok=True)
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def crc_of(path: Path) -> str:
     """A file's CRC-32 (eight hex digits)."""
     crc = 0
@@ -97,7 +89,7 @@ def write(directory: Path, snap: Snapshot, rid: int, base: int, scales: dict[str
         os.replace(path, paths[name])
         sums.append(crc)
         sizes.append(paths[name].stat().st_size)
-    _fsync(directory)  # the messages are where the record names them before the record exists
+    fsync_dir(directory)  # the messages are where the record names them before the record exists
     text = json.dumps({"format": _FORMAT, "rid": rid, "base": base, "order": list(scales), "scales": list(
         scales.values()), "sizes": sizes, "crc32": sums, "state": described(snap)})  # fmt: skip
     final = directory / f"{snap.version:010d}.json"
@@ -110,7 +102,7 @@ def write(directory: Path, snap: Snapshot, rid: int, base: int, scales: dict[str
     finally:
         os.close(fd)
     os.replace(tmp, final)
-    _fsync(directory)
+    fsync_dir(directory)
     return Record(final, rid, base, snap, dict(scales), paths)
 
 

@@ -51,7 +51,7 @@ from torch import Tensor
 from ..protocol.spec import SpecError, numel_of
 
 __all__ = ["KEEP", "MARGIN", "SLACK", "NoRoom", "Pending", "SafetensorsStore", "Snapshot", "StateError", "StateStore",
-           "Windows", "described", "fill", "load_latest", "room", "save", "snapshot_of"]  # fmt: skip
+           "Windows", "described", "fill", "fsync_dir", "load_latest", "room", "save", "snapshot_of"]  # fmt: skip
 
 KEEP = 2
 MARGIN = 64 << 20  # free bytes left on --state's disk beyond the next version's file (the spool, the log)
@@ -115,7 +115,8 @@ def _write_safetensors(fh, tensors: dict[str, Tensor], metadata: dict[str, str])
             fh.write(memoryview(raw[start : start + (64 << 20)]))
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """fsync a directory (its entries: a rename in it is durable after)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -261,7 +262,7 @@ class Pending:
         os.close(self.fd)
         self.fd = None
         os.replace(self.tmp, self.final)
-        _fsync_dir(self.dir)
+        fsync_dir(self.dir)
         for old in _files(self.dir)[KEEP:]:
             old.unlink(missing_ok=True)
         return self.final

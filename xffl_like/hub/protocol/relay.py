@@ -193,11 +193,16 @@ def _fold_senders(out: Tensor, readers: list[Reader], weights: list[float]) -> N
     bit)."""
     out.zero_()
     den = torch.zeros_like(out)
+    sent = []
     for reader, weight in zip(readers, weights, strict=True):
         index, values = reader.take_sent(out.numel())
         out.index_add_(0, index, values * weight)
         den.index_add_(0, index, torch.full_like(values, weight))
-    out.div_(torch.where(den > 0, den, torch.ones_like(den)))
+        if weight != 0:
+            sent.append(index)
+    if sent:  # divided where sent (an index sent twice is divided twice from the same sums, into the same value)
+        index = torch.cat(sent)
+        out.index_put_((index,), out[index] / den[index])
 
 
 def _finite(values: Tensor) -> None:

@@ -19,6 +19,7 @@ from helpers.sparseloco_reference import compress, outer_round, ref_decode, ref_
 
 from xffl_like.federation.topk import TopkFold, TopkMean, fold_weights
 from xffl_like.federation.topk_tensors import TensorCodec, TopkOptions
+from xffl_like.hub.protocol import relay
 from xffl_like.hub.protocol.update_codec import UpdateCodec
 
 PRESET = TopkOptions(0.03125, 2, 64)
@@ -98,7 +99,7 @@ def test_disjoint_senders_keep_their_values_whole():
 @pytest.mark.parametrize("opts", [PRESET, TopkOptions(0.0625, 4, 16)])
 def test_the_hubs_codec_reads_what_the_facility_wrote(opts):
     """The hub's :class:`UpdateCodec` of the same options and shapes: the same bytes, a decode stream equal to
-    the decoded message, and a fold equal to the one-world fold."""
+    the decoded message, and a relay fold, a window at a time, equal to the one-world fold of the whole messages."""
     rng = np.random.default_rng(2)
     xs = [_flat([_heavy(s, rng) for s in SHAPES]) for _ in range(2)]
     numel = xs[0].numel()
@@ -109,14 +110,16 @@ def test_the_hubs_codec_reads_what_the_facility_wrote(opts):
     assert torch.equal(torch.cat([hub.encode_window(xs[0][s : s + n], s) for s, n in hub.windows(1000)]), messages[0])
     stream = torch.cat([v for _, v in hub.decode_stream(io.BytesIO(messages[0].numpy().tobytes()).read)])
     assert torch.equal(stream, mine.decode(messages[0]))
-    fold, weights = hub.fold(torch.zeros(numel), [1.0, 1.0])
-    for m, w in zip(messages, weights):
-        for index, values in hub.decode_sparse_stream(io.BytesIO(m.numpy().tobytes()).read):
-            fold.add(index, values, w)
-    one = TopkFold(torch.zeros(numel))
-    for m, w in zip(messages, fold_weights([0.5, 0.5])):
-        one.add(*mine.decode_sparse(m), w)
-    assert torch.equal(fold.finish(), one.finish())
+    for scales in ([0.5, 0.5], [0.75, 0.25]):  # equal weights count 1 each; unequal ones as given
+        readers = [relay.Reader(io.BytesIO(m.numpy().tobytes()), hub) for m in messages]
+        windows = []
+        for start in range(0, numel, 777):  # the relay's windows cut across tensors and tiles
+            windows.append(torch.empty(min(777, numel - start)))
+            relay.fold(windows[-1], readers, scales, "mean", 0.0)
+        one = TopkFold(torch.zeros(numel))
+        for m, w in zip(messages, fold_weights(scales)):
+            one.add(*mine.decode_sparse(m), w)
+        assert torch.equal(torch.cat(windows), one.finish())
 
 
 def test_the_leader_encodes_whole_tensors_a_window_at_a_time(monkeypatch):

@@ -37,31 +37,37 @@ def fold_weights(weights: list[float]) -> list[float]:
 
 
 class TopkFold:
-    """The mean over facilities of their top-k messages, one facility at a time: the one function the one-world
-    exchange and the hub both fold messages with. Per index, the weighted mean over the facilities that sent it,
+    """The mean over facilities of their top-k messages, one facility at a time: the one fold of the one-world
+    exchange, the hub and the facilities' relay. Per index, the weighted mean over the facilities that sent it,
     ``sum_f w_f v_f / sum_f w_f`` over those ``f``; with equal weights ``w_f = 1`` (:func:`fold_weights`) it is
     ``(v_1 + ... + v_m) / m`` in facility order, as SparseLoCo's ``scatter_reduce(mean, include_self=False)``; an
-    index nobody sent stays 0. ``out`` (flat fp32, zeroed by the caller) receives the mean; a facility of weight 0
-    is left out."""
+    index nobody sent stays 0. Each product ``w_f v_f`` is rounded, then added (two roundings, as numpy computes
+    it; never a fused multiply-add, whose rounding would depend on the CPU), and the division runs only where a
+    value was sent. ``out`` (flat fp32, zeroed by the caller) receives the mean; a facility of weight 0 is left
+    out."""
 
     def __init__(self, out: Tensor):
         self.out = out
-        self.den: Tensor | None = torch.zeros_like(out)
+        self.den = torch.zeros_like(out)
+        self.sent: list[Tensor] = []
 
     @torch.no_grad()
     def add(self, index: Tensor, values: Tensor, weight: float) -> None:
         """Fold one facility's sent ``values`` at the flat ``index`` (unique), of weight ``weight``."""
         if weight == 0:
             return
-        self.out.index_add_(0, index, values, alpha=weight)
+        self.out.index_add_(0, index, values * weight)
         self.den.index_add_(0, index, torch.full_like(values, weight))
+        self.sent.append(index)
 
     @torch.no_grad()
     def finish(self) -> Tensor:
-        """The mean (``out``)."""
-        if self.den is not None:
-            self.out.div_(torch.where(self.den > 0, self.den, torch.ones_like(self.den)))
-            self.den = None
+        """The mean (``out``). An index two facilities sent is divided twice, from the same sums into the same
+        value."""
+        if self.sent:
+            index = torch.cat(self.sent) if len(self.sent) > 1 else self.sent[0]
+            self.out.index_put_((index,), self.out[index] / self.den[index])
+            self.sent = []
         return self.out
 
 

@@ -32,7 +32,7 @@ from torch import Tensor
 
 from ...config.schema import OuterConfig
 from ...federation.outer import OuterOptimizer, outer_step
-from ...federation.topk import fold_weights
+from ...federation.topk import TopkFold, fold_weights
 from .spec import AGGREGATES
 from .update_codec import UpdateCodec
 
@@ -188,21 +188,13 @@ def fold(out: Tensor, readers: list[Reader], scales: list[float], rule: str, tri
 
 
 def _fold_senders(out: Tensor, readers: list[Reader], weights: list[float]) -> None:
-    """``out``: per value, ``sum w_f v_f / sum w_f`` over the readers that sent it (0 where none did): each product
-    rounded, then added, in the readers' order, where it was sent only (adding the zeros of the others changes no
-    bit)."""
+    """``out``: the :class:`~xffl_like.federation.topk.TopkFold` of the readers' next ``out.numel()`` values, in
+    the readers' order (only the values each one sent)."""
     out.zero_()
-    den = torch.zeros_like(out)
-    sent = []
+    mean = TopkFold(out)
     for reader, weight in zip(readers, weights, strict=True):
-        index, values = reader.take_sent(out.numel())
-        out.index_add_(0, index, values * weight)
-        den.index_add_(0, index, torch.full_like(values, weight))
-        if weight != 0:
-            sent.append(index)
-    if sent:  # divided where sent (an index sent twice is divided twice from the same sums, into the same value)
-        index = torch.cat(sent)
-        out.index_put_((index,), out[index] / den[index])
+        mean.add(*reader.take_sent(out.numel()), weight)
+    mean.finish()
 
 
 def _finite(values: Tensor) -> None:

@@ -16,7 +16,6 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import Tensor
 
-from ...federation.topk import TopkFold, fold_weights
 from ...federation.topk_tensors import TensorCodec, TopkOptions
 from ...parallel import codec
 
@@ -114,15 +113,6 @@ class UpdateCodec:
         if self.topk is not None:
             return self.topk.decode(message)
         return codec.decompress(message.view(self.chunks, -1), self.numel)
-
-    def fold(self, out: Tensor, weights: list[float]) -> tuple[TopkFold, list[float]]:
-        """``topk``: the :class:`~xffl_like.federation.topk.TopkFold` (the per-index mean over the senders) into
-        ``out`` (zeroed) and the weights to fold the facilities' messages with (``weights``: theirs, in order)."""
-        return TopkFold(out), fold_weights(weights)
-
-    def decode_sparse_stream(self, read: Callable[[int], bytes]) -> Iterator[tuple[Tensor, Tensor]]:
-        """``topk``: (flat indices, values) of what the message sent, a block at a time from ``read(n)``."""
-        yield from self.topk.decode_sparse_stream(read)
 
     @property
     def senders(self) -> bool:

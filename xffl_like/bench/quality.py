@@ -43,6 +43,7 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "topk_delay_eager": (*_TOPK, "federation.delay=1", "federation.delay_rule=eager"),
     "topk_delay_own_full": (*_TOPK, "federation.delay=1", "federation.delay_rule=own_full"),
     "fp32_delay_eager": ("federation.delay=1", "federation.delay_rule=eager"),
+    "fp32_delay_own_full": ("federation.delay=1", "federation.delay_rule=own_full"),  # why own_full stays reachable
 }
 #: Issue 39's goals, as ``(variant, reference, largest excess of the mean final eval, horizon, start)``.
 GOALS = (

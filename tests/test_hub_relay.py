@@ -605,7 +605,7 @@ class _HubProcess:
         def line():
             return next((x.strip() for x in self.lines if x.startswith(start)), None)
 
-        wait_for(lambda: line() is not None or self.proc.poll() is not None, 240, start)
+        wait_for(lambda: line() is not None or self.proc.poll() is not None, 240, f"{start!r} among {self.lines}")
         assert line() is not None, self.lines
         return line()
 
@@ -628,6 +628,7 @@ def test_a_hub_killed_between_a_rounds_record_and_its_file_replays_the_record(tm
         _join_all(facilities)
         theta = store.load_latest(state).theta.numpy().copy()
         one = _round(facilities, 2, seed=34)
+        assert all(o["status"] == "accepted" for o in one.values()), (one, first.lines)
         first.said("BEHIND 1")
         assert _behind(state, 1)
         first.kill()

@@ -43,15 +43,20 @@ def test_a_facility_with_another_compression_or_delay_is_refused_in_one_line(hub
     assert words in line and f"run this facility with {fix}" in line and "\n" not in line, line
 
 
-def test_a_description_of_the_flat_top_k_codec_is_refused_in_one_line():
-    """A federation described before issue 39 with the flat codec (no ``chunks``/``quantizer``/``mean``: flat chunks,
-    levels, the weighted mean), which is no longer decoded."""
+def test_a_description_of_the_weighted_top_k_mean_is_refused_in_one_line():
+    """A federation described before issue 39 (no ``chunks``/``quantizer``/``mean``: flat chunks, levels, the
+    weighted mean, whose mean is no longer computed) is refused; flat chunks and levels with the mean over the
+    senders are a description of today's; an unknown chunking or quantizer is refused."""
     check_spec({**spec_of(N), "compression": TOPK})
+    check_spec({**spec_of(N), "compression": {**TOPK, "chunks": "flat", "quantizer": "levels"}})
     flat = {k: v for k, v in TOPK.items() if k not in ("chunks", "quantizer", "mean")}
     with pytest.raises(SpecError) as err:
         check_spec({**spec_of(N), "compression": flat})
     line = str(err.value)
-    assert "the flat top-k codec of before issue 39 is no longer decoded" in line and "\n" not in line
+    assert "the weighted top-k mean of before issue 39 is no longer computed" in line and "\n" not in line
+    for key, bad in (("chunks", "rows"), ("quantizer", None)):
+        with pytest.raises(SpecError, match=f"federation.topk.{key}={bad!r} is invalid"):
+            check_spec({**spec_of(N), "compression": {**TOPK, key: bad}})
 
 
 def test_the_first_compression_setting_that_differs_is_named_with_its_key():
@@ -66,6 +71,10 @@ def test_the_first_compression_setting_that_differs_is_named_with_its_key():
     smaller = {**base, "compression": {**TOPK, "tile": 32}}
     assert first_difference(smaller, theirs).startswith("federation.topk.tile: 32 here, 64 in the federation")
     assert first_difference(smaller, theirs).endswith("run this facility with federation.topk.tile=64")
+    flat = {**base, "compression": {**TOPK, "chunks": "flat"}}
+    assert first_difference(flat, theirs).endswith("run this facility with federation.topk.chunks=tiles")
+    levels = {**base, "compression": {**TOPK, "quantizer": "levels"}}
+    assert first_difference(levels, theirs).startswith("federation.topk.quantizer: 'levels' here, 'bins' in the")
     no_ef = {**base, "compression": {**TOPK, "error_feedback": False}}
     assert first_difference(no_ef, theirs).endswith("federation.error_feedback=true")
     assert first_difference({**base, "delay": 0}, base) is None  # a federation saved before the key: delay 0

@@ -270,6 +270,8 @@ class TopkConfig(Section):
     bits: int = 2  # 2 | 4 | 8: the sent values' quantization, 2**bits bins per tensor
     decay: float = 0.95  # the error-feedback accumulator's decay beta: e = beta * e + update (SparseLoCo: 0.95)
     tile: int = 64  # the tile's side (a dimension's largest divisor <= tile)
+    chunks: str = "tiles"  # tiles (tile x tile of each tensor, SparseLoCo) | flat (chunk_size values of the flat vector)
+    quantizer: str = "bins"  # bins (2**bits bins per tensor, SparseLoCo) | levels (symmetric levels, a scale per chunk)
     preset: str | None = None  # set by federation/topk=NAME (conf/federation/topk/): its keys are checked
 
 
@@ -309,7 +311,7 @@ class FederationConfig(Section):
     topology: str = "complete"  # complete | ring | one-peer-exp | alternating-exp-ring
     outer: OuterConfig = field(default_factory=OuterConfig)
     compression: str = "none"  # none | bf16 | uint8 | topk
-    chunk_size: int = 4096  # values per min-max chunk (uint8), per top-k chunk (topk)
+    chunk_size: int = 4096  # values per min-max chunk (uint8), per top-k chunk (topk with topk.chunks=flat)
     error_feedback: bool | None = None  # null: the compression's own (topk: on; bf16, uint8: off)
     topk: TopkConfig = field(default_factory=TopkConfig)
     delay: int = 0  # 1: a round's outer step is applied one round late, its exchange overlapping the next round

@@ -207,7 +207,7 @@ class Federation:
             n, t = state.num_facilities, o.topk
             if o.compression == "topk":
                 # the tiles of this rank's shard of each tensor (the same shapes on every facility's rank)
-                codec = TensorCodec(self.numel, options_of(t), [list(p.shape) for p in self.locals])
+                codec = TensorCodec(self.numel, options_of(t, o.chunk_size), [list(p.shape) for p in self.locals])
                 self.compressor = TopkMean(codec, n, t.decay, state.device)
             elif o.compression != "none":
                 self.compressor = CompressedMean(

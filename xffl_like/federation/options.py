@@ -30,7 +30,7 @@ from .compress import COMPRESSIONS
 from .gossip import check_gossip_layout
 from .outer import validate_outer
 from .pace import validate_pace
-from .topk_tensors import BITS, MAX_TILE
+from .topk_tensors import BITS, CHUNKS, MAX_TILE, QUANTIZERS
 
 __all__ = [
     "FEDERATION_ALGORITHMS",
@@ -319,6 +319,8 @@ TOPK_PRESETS: dict[str, dict[str, Any]] = {
         "topk.bits": 2,
         "topk.decay": 0.95,
         "topk.tile": 64,
+        "topk.chunks": "tiles",
+        "topk.quantizer": "bins",
     }
 }
 
@@ -341,10 +343,14 @@ def _check_preset(cfg: FederationConfig) -> None:
 
 
 def _check_topk_choices(t: TopkConfig) -> None:
-    """``federation.topk.tile``, and a density that keeps a whole number of a full tile's values."""
+    """``federation.topk``'s chunks, quantizer and tile, and with tiles a density that keeps a whole number of a full
+    tile's values."""
+    for key, choices in (("chunks", CHUNKS), ("quantizer", QUANTIZERS)):
+        if getattr(t, key) not in choices:
+            raise ConfigError(f"federation.topk.{key}={getattr(t, key)!r}: use {' or '.join(choices)}")
     if not is_int(t.tile) or not 1 <= t.tile <= MAX_TILE:
         raise ConfigError(f"federation.topk.tile={t.tile!r}: must be an integer in 1..{MAX_TILE} (a tile's side)")
-    if is_number(t.density) and (Fraction(repr(float(t.density))) * t.tile**2).denominator != 1:
+    if t.chunks == "tiles" and is_number(t.density) and (Fraction(repr(float(t.density))) * t.tile**2).denominator != 1:
         raise ConfigError(
             f"federation.topk.density={t.density!r} x tile^2 ({t.tile}x{t.tile}) is not a whole number of values: "
             f"a full tile keeps density x tile^2 values; e.g. density={128 / t.tile**2!r} keeps 128 (SparseLoCo)"

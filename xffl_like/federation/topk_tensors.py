@@ -1,8 +1,9 @@
-"""The top-k message as SparseLoCo cuts and quantizes it (``federation.compression=topk``): :class:`TensorCodec`.
+"""The top-k message (``federation.compression=topk``): :class:`TensorCodec`, as SparseLoCo cuts and quantizes it by
+default, or by flat chunks and symmetric levels (``federation.topk.chunks=flat``, ``quantizer=levels``).
 
 SparseLoCo (``src/tplr/sparseloco.py``; Templar's ``src/tplr/compress.py``):
 
-- **chunks**: a 2-D tensor ``[R, C]`` is cut into tiles of ``h x w`` values, a 1-D tensor of ``n`` into runs of
+- **chunks** (``chunks=tiles``): a 2-D tensor ``[R, C]`` is cut into tiles of ``h x w`` values, a 1-D tensor of ``n`` into runs of
   ``w``, where a side is the largest divisor of the dimension that is at most ``federation.topk.tile`` (64: 64 x 64
   tiles wherever the dimensions are multiples of 64). A tensor of more dimensions is read as ``[shape[0], the
   rest]``; a chunk never spans two tensors. In one world a tensor is this rank's shard of it (FSDP splits the
@@ -17,8 +18,20 @@ SparseLoCo (``src/tplr/sparseloco.py``; Templar's ``src/tplr/compress.py``):
   sigma and ``lookup`` are summed in float64, then rounded to float32 once (so they do not depend on the order of
   the sums).
 
-A tensor's bytes (tensors in order): the header, ``shift`` and the ``bins`` lookup values (float32, little-endian),
-then per chunk its ``k`` indices inside the chunk (``ceil(log2(h x w))`` bits each, 12 in a 64 x 64 tile), then per
+The other choices (issue 39 measured them better at 960 steps, worse at 192: docs/running.md, Top-k):
+
+- ``chunks=flat``: chunks of ``federation.chunk_size`` values of the flat vector (the last one shorter), whatever
+  the tensors; ``k = ceil(density x length)``. A "tensor" below is then a run of ``max(1, 2**20 // chunk_size)``
+  full chunks (256 of 4096 values), the last run shorter, and the last chunk alone.
+- ``quantizer=levels``: symmetric levels, one scale ``s`` per chunk (the header: every chunk's ``s``). A code ``c``
+  stands for ``(c - Q) * s``, ``Q = 2**(bits-1) - 1`` (the code ``2**bits - 1`` is never written); at 2 bits the
+  levels ``-s, 0, s`` with ``s = max(median |v|, max |v| / 2)`` over the chunk's kept values (the lower median),
+  at 4 and 8 bits ``s = max |v| / Q``; ``c - Q = clamp(round(v / s), -Q, Q)`` (half to even). A decoded value is 0 or
+  within a factor of two of ``v`` with its sign, so ``v - decoded`` is exact in float32 (Sterbenz) and the error
+  feedback loses nothing.
+
+A tensor's bytes (tensors in order): the header (``bins``: ``shift`` and the ``bins`` lookup values; ``levels``:
+every chunk's scale; float32, little-endian), then per chunk its ``k`` indices inside the chunk (``ceil(log2(h x w))`` bits each, 12 in a 64 x 64 tile), then per
 chunk its ``k`` codes (``bits`` each), each chunk's section a little-endian bit stream (value ``j``'s bit ``b`` is
 bit ``(j * w + b) % 8`` of byte ``(j * w + b) // 8``) padded to a whole byte. A 64 x 64 tile at density 0.03125 and
 2 bits: 128 values in 192 + 32 = 224 bytes against 16,384 in fp32 (73x smaller, plus 20 bytes per tensor).
@@ -35,9 +48,13 @@ import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["BITS", "MAX_TILE", "TensorCodec", "TopkOptions", "options_of", "side"]
+__all__ = [
+    "BITS", "CHUNKS", "MAX_TILE", "QUANTIZERS", "TensorCodec", "TopkOptions", "level_codes", "options_of", "side"
+]  # fmt: skip
 
 BITS = (2, 4, 8)
+CHUNKS = ("tiles", "flat")
+QUANTIZERS = ("bins", "levels")
 _BAND = 1 << 20  # values of a tensor cut into tiles and ranked at a time (bounds the working memory)
 MAX_TILE = 4096  # a tile of at most 2**24 values: its indices in at most 24 bits
 RANGE_SIGMAS = 6  # SparseLoCo's quantization_range
@@ -50,15 +67,22 @@ class TopkOptions:
     density: float
     bits: int
     tile: int = 64
+    chunks: str = "tiles"
+    quantizer: str = "bins"
+    chunk_size: int = 4096  # chunks=flat: values per chunk (federation.chunk_size)
 
     def __post_init__(self):
         if self.bits not in BITS or not 0.0 < self.density <= 1.0 or not 1 <= self.tile <= MAX_TILE:
             raise ValueError(f"top-k options {self}: bits 2|4|8, density in (0, 1], tile in 1..{MAX_TILE}")
+        if self.chunks not in CHUNKS or self.quantizer not in QUANTIZERS or not 1 <= self.chunk_size <= 1 << 24:
+            raise ValueError(f"top-k options {self}: chunks tiles|flat, quantizer bins|levels, chunk_size 1..2**24")
 
 
-def options_of(topk) -> TopkOptions:
-    """The :class:`TopkOptions` of the ``federation.topk`` section."""
-    return TopkOptions(float(topk.density), int(topk.bits), int(topk.tile))
+def options_of(topk, chunk_size: int) -> TopkOptions:
+    """The :class:`TopkOptions` of the ``federation.topk`` section (``chunk_size``: ``federation.chunk_size``)."""
+    return TopkOptions(
+        float(topk.density), int(topk.bits), int(topk.tile), topk.chunks, topk.quantizer, int(chunk_size)
+    )
 
 
 _ROWS = 1024  # rows packed or unpacked at a time (their bits are 64-bit integers while they are)
@@ -169,7 +193,19 @@ class Block:
         return self.offset + row * self.cols + col
 
 
-def _blocks(numel: int, opts: TopkOptions, shapes: Sequence[Sequence[int]]) -> list[Block]:
+def _flat_blocks(numel: int, chunk: int) -> list[Block]:
+    """``chunks=flat``: runs of full chunks of ``chunk`` values (about :data:`_BAND` values each), then the last
+    chunk, shorter, alone."""
+    full, tail = divmod(numel, chunk)
+    run = max(1, _BAND // chunk)
+    out = [Block(first * chunk, min(run, full - first), chunk, 1, chunk) for first in range(0, full, run)]
+    return out + ([Block(full * chunk, 1, tail, 1, tail)] if tail else [])
+
+
+def _blocks(numel: int, opts: TopkOptions, shapes: Sequence[Sequence[int]] | None) -> list[Block]:
+    if opts.chunks == "flat":
+        return _flat_blocks(numel, opts.chunk_size)
+    shapes = shapes or []
     if sum(math.prod(s) for s in shapes) != numel:
         raise ValueError(f"top-k: the tensors' shapes must cover the {numel} values")
     out, offset = [], 0
@@ -201,6 +237,25 @@ def _bins_encode(values: Tensor, bins: int) -> tuple[Tensor, Tensor]:
     return torch.cat([shift.view(1), lookup]), codes.view(values.shape)
 
 
+def level_codes(values: Tensor, bits: int) -> tuple[Tensor, Tensor]:
+    """``quantizer=levels``: per row (chunk) of the kept ``values`` ``[rows, k]``, the scale ``s`` (0 for a row of
+    zeros) and the codes ``c`` (``[rows, k]``, ``0..2Q``) of the levels ``(c - Q) * s`` (the module's docstring)."""
+    levels = (1 << (bits - 1)) - 1
+    mag = values.abs()
+    top = mag.amax(1)
+    if bits == 2:
+        median = mag.sort(dim=1).values[:, (mag.shape[1] - 1) // 2]
+        scale = torch.maximum(median, top / 2)
+    else:
+        scale = top / levels
+    # A subnormal top can make the division underflow: the smallest subnormal keeps the levels exact.
+    tiny = torch.full_like(scale, torch.finfo(torch.float32).smallest_normal * 2.0**-23)
+    scale = torch.where((scale == 0) & (top > 0), tiny, scale)
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale)).unsqueeze(1)
+    q = torch.round(values / safe).clamp_(-levels, levels)
+    return scale, q.long() + levels  # a chunk of zeros: scale 0, every code Q (the level 0)
+
+
 class TensorCodec:
     """The top-k message of ``numel`` fp32 values by tensor (``shapes``, in order; see the module's docstring for the
     bytes)."""
@@ -214,18 +269,20 @@ class TensorCodec:
     ):
         """``blocks``: the blocks themselves (:meth:`part`), instead of cutting them from ``shapes``."""
         self.numel, self.opts, self.bits = numel, opts, opts.bits
-        self.blocks = blocks if blocks is not None else _blocks(numel, opts, shapes or [])
-        self.bins = 1 << opts.bits
+        self.blocks = blocks if blocks is not None else _blocks(numel, opts, shapes)
+        self.bins = 1 << opts.bits if opts.quantizer == "bins" else 0
+        self.levels = (1 << (opts.bits - 1)) - 1  # quantizer=levels: Q
         self.nbytes = sum(self._sizes(b)[3] for b in self.blocks)
 
     def keep(self, length: int) -> int:
         """Values kept of a chunk of ``length`` values."""
-        return max(1, min(length, round(Fraction(repr(float(self.opts.density))) * length)))
+        kept = Fraction(repr(float(self.opts.density))) * length
+        return max(1, min(length, math.ceil(kept) if self.opts.chunks == "flat" else round(kept)))
 
     def _sizes(self, b: Block) -> tuple[int, int, int, int]:
         """(k, header bytes, index bytes per chunk, block bytes) of block ``b``."""
         k = self.keep(b.length)
-        head = 4 * (1 + self.bins)
+        head = 4 * (1 + self.bins) if self.bins else 4 * b.chunks
         ib, cb = -(-k * _width(b.length) // 8), -(-k * self.bits // 8)
         return k, head, ib, head + b.chunks * (ib + cb)
 
@@ -265,7 +322,7 @@ class TensorCodec:
         return torch.cat(out) if out else flat.new_empty(0, dtype=torch.uint8)
 
     def _encode_block(self, flat: Tensor, b: Block) -> Tensor:
-        """Block ``b``'s bytes: its tiles ranked a band at a time, then its kept values' bins."""
+        """Block ``b``'s bytes: its tiles ranked a band at a time, then its kept values quantized."""
         k, indices, kept = self._sizes(b)[0], [], []
         for x in b.bands(flat):
             if not torch.isfinite(x).all():
@@ -273,8 +330,8 @@ class TensorCodec:
                 raise ValueError(f"top-k encode: value {bad} is not finite; the update must be finite")
             indices.append(_top_index(x.abs(), k))
             kept.append(x.gather(1, indices[-1]))
-        index = torch.cat(indices)
-        header, codes = _bins_encode(torch.cat(kept), self.bins)
+        index, kept = torch.cat(indices), torch.cat(kept)
+        header, codes = _bins_encode(kept, self.bins) if self.bins else level_codes(kept, self.bits)
         head = header.contiguous().view(torch.uint8).view(-1)
         return torch.cat([head, _pack(index, _width(b.length)).view(-1), _pack(codes, self.bits).view(-1)])
 
@@ -283,9 +340,12 @@ class TensorCodec:
         """Block ``t``'s bytes -> (flat indices, fp32 values); checked before use."""
         k, head, ib, _ = self._sizes(b)
         header = data[:head].clone().view(torch.float32)
-        levels = header[1:] + header[0]  # every value the tensor decodes to: all finite, or the message is refused
-        if not (torch.isfinite(header).all() and torch.isfinite(levels).all()):
-            raise ValueError(f"top-k message: tensor {t}'s header holds a non-finite value")
+        if self.bins:
+            levels = header[1:] + header[0]  # every value the tensor decodes to: all finite, or the message is refused
+            if not (torch.isfinite(header).all() and torch.isfinite(levels).all()):
+                raise ValueError(f"top-k message: tensor {t}'s header holds a non-finite value")
+        elif not (torch.isfinite(header) & (header >= 0)).all():
+            raise ValueError(f"top-k message: tensor {t}'s header holds a scale that is negative or not finite")
         index = _unpack(data[head : head + b.chunks * ib].view(b.chunks, ib), k, _width(b.length))
         codes = _unpack(data[head + b.chunks * ib :].view(b.chunks, -1), k, self.bits)
         wrong = (index >= b.length).any() or (k > 1 and bool((index[:, 1:] <= index[:, :-1]).any()))
@@ -294,7 +354,12 @@ class TensorCodec:
                 f"top-k message: tensor {t} has indices out of range (its {b.length}-value chunks) or not strictly "
                 f"increasing (duplicated)"
             )
-        return b.flat_index(index).view(-1), levels[codes].view(-1)
+        if self.bins:
+            return b.flat_index(index).view(-1), levels[codes].view(-1)
+        if (codes > 2 * self.levels).any():
+            raise ValueError(f"top-k message: tensor {t} has a value code above {2 * self.levels} ({self.bits} bits)")
+        values = (codes - self.levels).to(torch.float32) * header.unsqueeze(1)
+        return b.flat_index(index).view(-1), values.view(-1)
 
     def _read(self, read: Callable[[int], bytes]) -> Iterator[tuple[Block, Tensor, Tensor]]:
         for t, b in enumerate(self.blocks):

@@ -113,7 +113,7 @@ class ElasticFederation:
         if self.leader:
             self.files = _Spool(Path(spool) if spool is not None else Path.cwd() / ".hub-spool")
             if cfg.compression != "none":
-                topk = options_of(cfg.topk) if cfg.compression == "topk" else None
+                topk = options_of(cfg.topk, cfg.chunk_size) if cfg.compression == "topk" else None
                 shapes = [list(p.shape) for p in self.params]  # the hub's spec: the same tensors, in this order
                 self.codec = UpdateCodec(cfg.compression, self.numel, cfg.chunk_size, topk, shapes)
         # SparseLoCo's error feedback decays what was not sent (federation.topk.decay); the others keep it all.

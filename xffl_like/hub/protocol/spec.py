@@ -78,15 +78,15 @@ def federation_spec(job) -> dict[str, Any]:
     }
 
 
-#: The top-k codec a description names: SparseLoCo's tiles, bins and per-index mean over the senders (issue 39;
-#: the keys a description by ``federation/topk=sparseloco`` carried before they became top-k's only codec). A
-#: description without them is the flat codec top-k had before, which is no longer decoded.
-TOPK_CODEC = {"chunks": "tiles", "quantizer": "bins", "mean": "senders"}
+#: The mean a top-k description names: per index over the senders (issue 39). A description without it (nor its
+#: ``chunks`` and ``quantizer``) is top-k as it was before issue 39, whose weighted mean is no longer computed.
+TOPK_MEAN = {"mean": "senders"}
 TILE = 64  # ``federation.topk.tile``'s default: absent from a description at this value
 
 
 def _topk_spec(t) -> dict[str, Any]:
-    out = {"density": float(t.density), "bits": int(t.bits), "decay": float(t.decay), **TOPK_CODEC}
+    out = {"density": float(t.density), "bits": int(t.bits), "decay": float(t.decay), **TOPK_MEAN}
+    out |= {"chunks": t.chunks, "quantizer": t.quantizer}
     return out | ({"tile": int(t.tile)} if t.tile != TILE else {})
 
 
@@ -169,7 +169,8 @@ def first_difference(mine: dict, theirs: dict) -> str | None:
 _COMPRESSION_KEYS = {"kind": "federation.compression", "chunk_size": "federation.chunk_size",
                      "error_feedback": "federation.error_feedback", "density": "federation.topk.density",
                      "bits": "federation.topk.bits", "decay": "federation.topk.decay",
-                     "tile": "federation.topk.tile"}  # fmt: skip
+                     "tile": "federation.topk.tile", "chunks": "federation.topk.chunks",
+                     "quantizer": "federation.topk.quantizer"}  # fmt: skip
 
 
 def _override(value) -> str:
@@ -284,14 +285,17 @@ def check_spec(spec: dict) -> None:
 
 
 def _check_topk_choices(comp: dict) -> None:
-    from ...federation.topk_tensors import MAX_TILE
+    from ...federation.topk_tensors import CHUNKS, MAX_TILE, QUANTIZERS
 
-    if any(comp.get(k) != v for k, v in TOPK_CODEC.items()):
-        got = {k: comp.get(k) for k in TOPK_CODEC}
+    if any(comp.get(k) != v for k, v in TOPK_MEAN.items()):
         raise SpecError(
-            f"federation.topk {got}: the flat top-k codec of before issue 39 is no longer decoded (only "
-            f"{TOPK_CODEC}); start this federation anew (a new --state) with the facilities of this version"
+            f"federation.topk mean={comp.get('mean')!r}: the weighted top-k mean of before issue 39 is no longer "
+            f"computed (only {TOPK_MEAN}); start this federation anew (a new --state) with the facilities of this "
+            f"version"
         )
+    for key, choices in (("chunks", CHUNKS), ("quantizer", QUANTIZERS)):
+        if comp.get(key) not in choices:
+            raise SpecError(f"federation.topk.{key}={comp.get(key)!r} is invalid (one of {', '.join(choices)})")
     tile = comp.get("tile", TILE)
     if not (isinstance(tile, int) and not isinstance(tile, bool) and 1 <= tile <= MAX_TILE):
         raise SpecError(f"federation.topk.tile={tile!r} is invalid")
@@ -308,6 +312,8 @@ def codec_of(spec: dict):
         return UpdateCodec(comp["kind"], numel_of(spec), comp["chunk_size"])
     from ...federation.topk_tensors import TopkOptions
 
-    topk = TopkOptions(comp["density"], comp["bits"], comp.get("tile", TILE))
+    topk = TopkOptions(
+        comp["density"], comp["bits"], comp.get("tile", TILE), comp["chunks"], comp["quantizer"], comp["chunk_size"]
+    )
     shapes = [p[1] for p in spec["parameters"]]
     return UpdateCodec(comp["kind"], numel_of(spec), comp["chunk_size"], topk, shapes)

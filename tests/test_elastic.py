@@ -158,7 +158,9 @@ def _simulate_diloco_bf16(by_name: dict[str, dict[int, dict]], tokens: dict[str,
     return checked
 
 
-TOPK = {"density": 0.0625, "tile": 16, "bits": 4, "decay": 0.9, "lr": 0.8}  # 16 of each 16 x 16 tile, 16 bins
+#: Flat chunks of 1000 values (63 kept: ceil(62.5)), 4-bit symmetric levels (issue 39's restored choices; the
+#: tiles and bins go through the hub in test_sparseloco_preset_through_the_hub).
+TOPK = {"density": 0.0625, "bits": 4, "decay": 0.9, "lr": 0.8, "chunks": "flat", "quantizer": "levels", "chunk": 1000}
 #: The compressed runs' length: three rounds of two steps (versions 1, 2 and 3).
 THREE_ROUNDS = ["train.steps=6", "federation.every=2"]
 #: The top-k run's facilities: (processes, federation.every) each, three rounds: a 2 steps a round, b 1 (issue 21:
@@ -174,7 +176,8 @@ def topk_run(tmp_path_factory) -> Path:
     from helpers.sparseloco_reference import topk_overrides
 
     tmp, t = tmp_path_factory.mktemp("topk"), TOPK
-    extra = [*topk_overrides(t["density"], t["bits"], t["decay"], t["tile"]), "federation.outer.name=average",
+    extra = [*topk_overrides(t["density"], t["bits"], t["decay"], chunks=t["chunks"], quantizer=t["quantizer"],
+                             chunk=t["chunk"]), "federation.outer.name=average",
              f"federation.outer.lr={t['lr']}", "federation.elastic.min_facilities=2"]  # fmt: skip
     hub = Hub(tmp)
     try:
@@ -196,10 +199,11 @@ def _tokens_weights() -> dict[str, float]:
 @pytest.mark.slow
 def test_topk_through_the_hub(topk_run):
     """Two facilities (2 processes and 1, weighted by tokens: 4 to 1) send top-k messages with SparseLoCo's error
-    feedback through the hub. Each facility's message is the reference encoding (tests/helpers/sparseloco_reference.py,
-    numpy: the tiles of the whole tensors) of its update recomputed here: decay x its residual plus θ_global minus
-    its parameters; each round's θ_global is the previous one minus outer.lr x, per index, the tokens-weighted mean
-    (weights computed here) over the facilities that sent it of the messages decoded here; both copies equal."""
+    feedback through the hub, in flat chunks and levels (:data:`TOPK`). Each facility's message is the reference
+    encoding (tests/helpers/sparseloco_reference.py, numpy: the flat chunks of the whole model) of its update
+    recomputed here: decay x its residual plus θ_global minus its parameters; each round's θ_global is the previous
+    one minus outer.lr x, per index, the tokens-weighted mean (weights computed here) over the facilities that sent
+    it of the messages decoded here; both copies equal."""
     import numpy as np
     from helpers.sparseloco_reference import ref_decode, ref_encode, sender_mean
 
@@ -215,7 +219,8 @@ def test_topk_through_the_hub(topk_run):
     residual = {n: torch.zeros_like(theta) for n in by}
     versions = sorted(v for v, r in by["a"].items() if r["status"] == "accepted")
     assert versions == [1, 2, 3], versions  # three rounds each
-    codec = (shapes, t["density"], t["tile"], t["bits"])
+    codec = dict(shapes=shapes, density=t["density"], bits=t["bits"], chunks=t["chunks"], quantizer=t["quantizer"],
+                 chunk=t["chunk"])  # fmt: skip
     by_hand = _tokens_weights()
     for v in versions:
         ef = {n: theta + residual[n] for n in by}  # the facility's one buffer
@@ -224,8 +229,8 @@ def test_topk_through_the_hub(topk_run):
         decoded, sent = [], []
         for n, r in ((n, by[n][v]) for n in sorted(weights)):
             update = (ef[n] - r["before"]).sub_(ef[n] - theta, alpha=1.0 - t["decay"])
-            assert r["message"] == ref_encode(update.numpy(), *codec), f"{n}'s message at version {v}"
-            values, mask = ref_decode(r["message"], *codec)
+            assert r["message"] == ref_encode(update.numpy(), **codec), f"{n}'s message at version {v}"
+            values, mask = ref_decode(r["message"], **codec)
             residual[n] = update - torch.from_numpy(values)
             decoded.append(values)
             sent.append(mask)

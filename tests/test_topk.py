@@ -15,7 +15,8 @@ import pytest
 import torch
 from helpers import TINY, run_recorded
 from helpers.round_values import MIN_FACILITY_SPREAD, load_rounds
-from helpers.sparseloco_reference import keep, ref_decode, ref_encode, sender_mean, tile_positions, topk_overrides
+from helpers.sparseloco_reference import kept as ref_kept
+from helpers.sparseloco_reference import pieces, ref_decode, ref_encode, sender_mean, topk_overrides
 
 from xffl_like.config.schema import FederationConfig, build_section
 from xffl_like.distributed.layout import plan_layout
@@ -110,6 +111,12 @@ def test_error_feedback_follows_the_reference(bits):
         (dict(error_feedback=False), "federation.error_feedback=false with federation.compression=topk"),
         (dict(topk=dict(density=0.02)), "federation.topk.density=0.02 x tile^2 (64x64) is not a whole number"),
         (dict(topk=dict(tile=0)), "federation.topk.tile=0: must be an integer in 1..4096"),
+        (dict(topk=dict(chunks="rows")), "federation.topk.chunks='rows': use tiles or flat"),
+        (dict(topk=dict(quantizer="ternary")), "federation.topk.quantizer='ternary': use bins or levels"),
+        (
+            dict(topk=dict(preset="sparseloco", chunks="flat")),
+            "federation.topk.chunks='flat' contradicts federation/topk=sparseloco, which sets it to 'tiles'",
+        ),
         (
             dict(topk=dict(preset="sparseloco", decay=0.9)),
             "federation.topk.decay=0.9 contradicts federation/topk=sparseloco, which sets it to 0.95",
@@ -124,11 +131,20 @@ def test_bad_topk_options(override, needle):
     spec = {"compression": "topk", "error_feedback": True, **override}
     with pytest.raises(ValueError) as err:
         validate_federation(build_section(FederationConfig, spec), plan_layout(4, 1, None))
-    assert needle in str(err.value)
+    assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+def test_flat_chunks_take_any_density():
+    """A density whose share of a full tile is not whole is refused with tiles only: flat chunks keep
+    ceil(density x chunk_size)."""
+    spec = {"compression": "topk", "topk": {"chunks": "flat", "quantizer": "levels", "density": 0.02}}
+    validate_federation(build_section(FederationConfig, spec), plan_layout(4, 1, None))
 
 
 # ----------------------------------------------------------------------------- one job, every round by hand
-DENSITY, BITS, DECAY, TILE = 0.25, 2, 0.9, 16  # 64 of each 16 x 16 tile, 4 bins
+#: Flat chunks of 1000 values (250 kept, levels -s, 0, s; the last chunk shorter), each rank's whole vector.
+DENSITY, BITS, DECAY, CHUNK = 0.25, 2, 0.9, 1000
+CHOICES = dict(chunks="flat", quantizer="levels", chunk=CHUNK)
 
 
 def _flat(record: dict) -> torch.Tensor:
@@ -139,11 +155,11 @@ def _flat(record: dict) -> torch.Tensor:
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_job_rounds_are_the_mean_of_the_decoded_messages(tmp_path):
-    """2 facilities x 1 process, facility 0 taking 2 steps per round and facility 1 one (tokens weights
-    2:1). Every round, from the recorded values and messages: each facility's message is the reference
-    encoding of its accumulator (decay * residual + theta_global - theta_f), bitwise; its recorded residual is that
-    accumulator less the decoded values where they were sent; every copy after the round is theta_global minus,
-    per index, the 2:1-weighted mean over the facilities that sent it (outer average at lr 1)."""
+    """2 facilities x 1 process, facility 0 taking 2 steps per round and facility 1 one (tokens weights 2:1), with flat
+    chunks and levels (:data:`CHOICES`). Every round, from the recorded values and messages: each facility's message is
+    the reference encoding of its accumulator (decay * residual + theta_global - theta_f), bitwise; its recorded
+    residual is that accumulator less the decoded values where they were sent; every copy after the round is
+    theta_global minus, per index, the 2:1-weighted mean over the facilities that sent it (outer average at lr 1)."""
     _, summary = run_recorded(
         [
             "+experiment=llama_fed",
@@ -155,12 +171,12 @@ def test_job_rounds_are_the_mean_of_the_decoded_messages(tmp_path):
             "train.steps=4",
             "optim.warmup_steps=1",
             "train.eval_every=0",
-            *topk_overrides(DENSITY, BITS, DECAY, TILE),
+            *topk_overrides(DENSITY, BITS, DECAY, **CHOICES),
         ],
         tmp_path,
     )
-    assert summary["federation"]["topk"] == {"density": DENSITY, "bits": BITS, "decay": DECAY, "tile": TILE,
-                                             "preset": None}  # fmt: skip
+    assert summary["federation"]["topk"] == {"density": DENSITY, "bits": BITS, "decay": DECAY, "tile": 64,
+                                             "chunks": "flat", "quantizer": "levels", "preset": None}  # fmt: skip
     assert [r["steps_taken"] for r in summary["round_records"]] == [[2, 1], [2, 1]]
     assert summary["max_param_divergence_after_last_round"] == 0.0
     recorded = load_rounds(tmp_path / "rounds")
@@ -169,9 +185,9 @@ def test_job_rounds_are_the_mean_of_the_decoded_messages(tmp_path):
     theta = _flat(init[0])
     assert torch.equal(theta, _flat(init[1]))
     shapes = [tuple(t.shape) for t in init[0]["params"].values()]
-    codec = (DENSITY, TILE, BITS)
-    nbytes = len(ref_encode(theta.numpy(), shapes, *codec))
-    kept = sum(len(tile_positions(s, TILE)) * keep(tile_positions(s, TILE).shape[1], DENSITY) for s in shapes)
+    codec = dict(density=DENSITY, bits=BITS, **CHOICES)
+    nbytes = len(ref_encode(theta.numpy(), shapes, **codec))
+    kept = sum(len(p) * ref_kept(p.shape[1], DENSITY, "flat") for p in pieces(shapes, chunks="flat", chunk=CHUNK))
     residual = {0: np.zeros(theta.numel(), dtype=np.float32), 1: np.zeros(theta.numel(), dtype=np.float32)}
     spread = 0.0
     zero_shares = []  # per round, per facility: kept values sent as a zero code (kept indices are unique)
@@ -181,8 +197,8 @@ def test_job_rounds_are_the_mean_of_the_decoded_messages(tmp_path):
         for f in (0, 1):
             acc = residual[f] * np.float32(DECAY) + (theta - _flat(before[f])).numpy()
             message = after[f]["message"]
-            assert message.numel() == nbytes and _bytes(message) == ref_encode(acc, shapes, *codec)
-            decoded[f], sent[f] = ref_decode(_bytes(message), shapes, *codec)
+            assert message.numel() == nbytes and _bytes(message) == ref_encode(acc, shapes, **codec)
+            decoded[f], sent[f] = ref_decode(_bytes(message), shapes, **codec)
             acc[sent[f]] -= decoded[f][sent[f]]
             assert np.array_equal(after[f]["residual"].numpy(), acc)
             residual[f] = acc

@@ -102,55 +102,121 @@ def _width(length: int) -> int:
     return max(1, (length - 1).bit_length())
 
 
-def ref_encode(x: np.ndarray, shapes, density: float = DENSITY, tile: int = TILE, bits: int = 2) -> bytes:
-    """The message of the flat ``x`` (fp32) cut into tensors of ``shapes``: per tensor the float32 header (shift, then
-    the ``2**bits`` bin values), then per tile its indices inside the tile (``ceil(log2(tile length))`` bits each),
-    then per tile its codes (``bits`` each), every tile's section padded to a byte; little-endian throughout."""
-    out, offset = bytearray(), 0
+def pieces(shapes, tile: int = TILE, chunks: str = "tiles", chunk: int = 4096) -> list[np.ndarray]:
+    """The "tensors" the codec quantizes on their own, each as ``[chunks, len]``: every chunk's flat positions in the
+    whole vector. ``tiles``: per tensor of ``shapes`` its tiles; ``flat`` (``federation.topk.chunks=flat``): chunks
+    of ``chunk`` values of the whole vector, in runs of ``max(1, 2**20 // chunk)`` full chunks, then the last,
+    shorter chunk alone."""
+    numel = sum(int(np.prod(s)) for s in shapes)
+    if chunks == "flat":
+        full, tail = divmod(numel, chunk)
+        run = max(1, (1 << 20) // chunk)
+        out = [np.arange(a * chunk, min(a + run, full) * chunk).reshape(-1, chunk) for a in range(0, full, run)]
+        return out + ([np.arange(full * chunk, numel).reshape(1, tail)] if tail else [])
+    out, offset = [], 0
     for shape in shapes:
         n = int(np.prod(shape))
-        e = np.asarray(x[offset : offset + n], dtype=np.float32)
+        if n:
+            out.append(offset + tile_positions(tuple(shape), tile))
         offset += n
-        if n == 0:
-            continue
-        pos = tile_positions(tuple(shape), tile)
-        sent = top(e, tuple(shape), density, tile)
-        shift, lookup, codes = bins_of(e[sent.reshape(-1)], 1 << bits)
-        codes = codes.reshape(sent.shape)
-        out += np.concatenate([[shift], lookup]).astype("<f4").tobytes()
+    return out
+
+
+def kept(length: int, density: float, chunks: str) -> int:
+    """Values kept of a chunk: SparseLoCo's rounding with tiles, ``ceil(density x length)`` with flat chunks."""
+    exact = Fraction(str(density)) * length
+    return int(max(1, min(length, -(-exact.numerator // exact.denominator) if chunks == "flat" else round(exact))))
+
+
+def levels_of(v: np.ndarray, bits: int) -> tuple[np.float32, np.ndarray]:
+    """``quantizer=levels`` of one chunk's kept ``v`` (fp32): (scale, codes); a code ``c`` decodes to
+    ``(c - Q) * scale``, ``Q = 2**(bits-1) - 1``. 2 bits: ``scale = max(lower median |v|, max |v| / 2)``; else
+    ``max |v| / Q``; a zero scale of non-zero values is the smallest subnormal."""
+    q_max = 2 ** (bits - 1) - 1
+    mag = np.abs(v)
+    top = mag.max()
+    scale = max(np.sort(mag)[(v.size - 1) // 2], top / np.float32(2)) if bits == 2 else top / np.float32(q_max)
+    scale = np.float32(2.0**-149) if scale == 0 and top > 0 else np.float32(scale)
+    q = np.clip(np.rint(v / scale), -q_max, q_max) if scale > 0 else np.zeros(v.size)
+    return scale, (q + q_max).astype(np.int64)
+
+
+def _levels(codes: np.ndarray, scale: np.float32, bits: int) -> np.ndarray:
+    return ((codes - (2 ** (bits - 1) - 1)).astype(np.float32) * np.float32(scale)).astype(np.float32)
+
+
+def _choose(x: np.ndarray, pos: np.ndarray, density: float, chunks: str) -> np.ndarray:
+    """``[chunks, k]``: per chunk (row of ``pos``) the flat positions of its ``k`` largest magnitudes of ``x`` (ties:
+    the lowest position), ascending."""
+    k = kept(pos.shape[1], density, chunks)
+    order = np.sort(np.argsort(-np.abs(x[pos]), axis=1, kind="stable")[:, :k], axis=1)
+    return np.take_along_axis(pos, order, axis=1)
+
+
+def compress_all(
+    x: np.ndarray, shapes, density=DENSITY, tile=TILE, bits=2, chunks="tiles", quantizer="bins", chunk=4096
+):
+    """The whole flat accumulator ``x`` (fp32) -> (flat positions sent, their decoded values)."""
+    sent, values = [], []
+    for pos in pieces(shapes, tile, chunks, chunk):
+        chosen = _choose(x, pos, density, chunks)
+        sent.append(chosen.reshape(-1))
+        if quantizer == "bins":
+            values.append(quantize(x[chosen.reshape(-1)], 1 << bits))
+        else:
+            values += [_levels(levels_of(x[row], bits)[1], levels_of(x[row], bits)[0], bits) for row in chosen]
+    return np.concatenate(sent), np.concatenate(values).astype(np.float32)
+
+
+def ref_encode(x: np.ndarray, shapes, density=DENSITY, tile=TILE, bits=2, chunks="tiles", quantizer="bins", chunk=4096):
+    """The message of the flat ``x`` (fp32) cut into :func:`pieces`: per piece the float32 header (``bins``: the shift,
+    then the ``2**bits`` bin values; ``levels``: every chunk's scale), then per chunk its indices inside the chunk
+    (``ceil(log2(chunk length))`` bits each), then per chunk its codes (``bits`` each), every chunk's section padded
+    to a byte; little-endian throughout."""
+    out = bytearray()
+    x = np.asarray(x, dtype=np.float32)
+    for pos in pieces(shapes, tile, chunks, chunk):
+        sent = _choose(x, pos, density, chunks)
+        if quantizer == "bins":
+            shift, lookup, codes = bins_of(x[sent.reshape(-1)], 1 << bits)
+            codes = codes.reshape(sent.shape)
+            out += np.concatenate([[shift], lookup]).astype("<f4").tobytes()
+        else:
+            scales, codes = zip(*[levels_of(x[row], bits) for row in sent])
+            out += np.array(scales, dtype="<f4").tobytes()
         for row, chosen in zip(pos, sent):
-            out += _pack(np.argmax(row[None, :] == chosen[:, None], axis=1), _width(pos.shape[1]))  # where in the tile
+            out += _pack(np.argmax(row[None, :] == chosen[:, None], axis=1), _width(pos.shape[1]))  # where in the chunk
         for c in codes:
             out += _pack(c, bits)
     return bytes(out)
 
 
-def ref_decode(data: bytes, shapes, density: float = DENSITY, tile: int = TILE, bits: int = 2):
+def ref_decode(data: bytes, shapes, density=DENSITY, tile=TILE, bits=2, chunks="tiles", quantizer="bins", chunk=4096):
     """(the flat fp32 values :func:`ref_encode`'s ``data`` carries, zero where nothing was sent; a mask of the values
     sent)."""
     total = sum(int(np.prod(s)) for s in shapes)
-    out, offset, at, bins = np.zeros(total, dtype=np.float32), 0, 0, 1 << bits
+    out, at, bins = np.zeros(total, dtype=np.float32), 0, 1 << bits
     sent = np.zeros(total, dtype=bool)
-    for shape in shapes:
-        n = int(np.prod(shape))
-        if n == 0:
-            continue
-        pos = tile_positions(tuple(shape), tile)
-        chunks, length = pos.shape
-        k, w = keep(length, density), _width(length)
-        head = np.frombuffer(data[at : at + 4 * (1 + bins)], dtype="<f4")
-        at += 4 * (1 + bins)
+    for pos in pieces(shapes, tile, chunks, chunk):
+        rows, length = pos.shape
+        k, w = kept(length, density, chunks), _width(length)
+        size = 4 * (1 + bins) if quantizer == "bins" else 4 * rows
+        head = np.frombuffer(data[at : at + size], dtype="<f4")
+        at += size
         index = []
-        for _ in range(chunks):
+        for _ in range(rows):
             index.append(_unpack(data[at : at + -(-k * w // 8)], k, w))
             at += -(-k * w // 8)
-        for c in range(chunks):
-            codes = _unpack(data[at : at + -(-k * bits // 8)], k, bits)
+        for c in range(rows):
+            codes = np.array(_unpack(data[at : at + -(-k * bits // 8)], k, bits))
             at += -(-k * bits // 8)
             assert all(b > a for a, b in zip(index[c], index[c][1:])) and max(index[c]) < length
-            out[offset + pos[c][index[c]]] = (head[1:][codes] + head[0]).astype(np.float32)
-            sent[offset + pos[c][index[c]]] = True
-        offset += n
+            where = pos[c][index[c]]
+            if quantizer == "bins":
+                out[where] = (head[1:][codes] + head[0]).astype(np.float32)
+            else:
+                out[where] = _levels(codes, head[c], bits)
+            sent[where] = True
     assert at == len(data), f"{len(data) - at} bytes left"
     return out, sent
 
@@ -162,10 +228,12 @@ def sender_mean(decoded: list[np.ndarray], sent: list[np.ndarray], weights: list
     return np.where(den > 0, num / np.where(den > 0, den, 1), 0.0)
 
 
-def topk_overrides(density: float, bits: int, decay: float, tile: int = TILE) -> list[str]:
+def topk_overrides(density: float, bits: int, decay: float, tile: int = TILE, chunks="tiles", quantizer="bins",
+                   chunk: int = 4096) -> list[str]:  # fmt: skip
     """A job's overrides for ``compression=topk`` with these settings."""
     return ["federation.compression=topk", f"federation.topk.density={density}", f"federation.topk.bits={bits}",
-            f"federation.topk.decay={decay}", f"federation.topk.tile={tile}"]  # fmt: skip
+            f"federation.topk.decay={decay}", f"federation.topk.tile={tile}", f"federation.topk.chunks={chunks}",
+            f"federation.topk.quantizer={quantizer}", f"federation.chunk_size={chunk}"]  # fmt: skip
 
 
 def outer_round(theta: list[np.ndarray], local: list[list[np.ndarray]], errors: list[list[np.ndarray]]):

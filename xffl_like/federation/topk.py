@@ -13,7 +13,7 @@ include_self=False)``; with weights, ``sum w_f v_f / sum w_f`` over those facili
 accumulator plays the outer momentum's part, so the paper's outer rule is plain SGD at lr 1
 (``federation.outer.name=average``, the federation's default); another outer rule still runs on that mean.
 
-The message's codec, its tiles, bins and bytes: :mod:`.topk_tensors`.
+The message's codec, its tiles (or flat chunks), bins (or levels) and bytes: :mod:`.topk_tensors`.
 """
 
 from __future__ import annotations

@@ -3,11 +3,11 @@ default, or by flat chunks and symmetric levels (``federation.topk.chunks=flat``
 
 SparseLoCo (``src/tplr/sparseloco.py``; Templar's ``src/tplr/compress.py``):
 
-- **chunks** (``chunks=tiles``): a 2-D tensor ``[R, C]`` is cut into tiles of ``h x w`` values, a 1-D tensor of ``n`` into runs of
-  ``w``, where a side is the largest divisor of the dimension that is at most ``federation.topk.tile`` (64: 64 x 64
-  tiles wherever the dimensions are multiples of 64). A tensor of more dimensions is read as ``[shape[0], the
-  rest]``; a chunk never spans two tensors. In one world a tensor is this rank's shard of it (FSDP splits the
-  rows), at the hub the whole tensor.
+- **chunks** (``chunks=tiles``): a 2-D tensor ``[R, C]`` is cut into tiles of ``h x w`` values, a 1-D tensor of ``n``
+  into runs of ``w``, where a side is the largest divisor of the dimension that is at most ``federation.topk.tile`` (64:
+  64 x 64 tiles wherever the dimensions are multiples of 64). A tensor of more dimensions is read as ``[shape[0], the
+  rest]``; a chunk never spans two tensors. In one world a tensor is this rank's shard of it (FSDP splits the rows), at
+  the hub the whole tensor.
 - **kept values**: ``k = max(1, round(density x length))`` of a chunk of ``length`` values (round half to even, as
   SparseLoCo's ``round(chunk_len * top_k / chunk_size**2)``: 128 of a 64 x 64 tile at density 0.03125; ``density``
   read as the decimal it is written as); the largest magnitudes, ties to the lowest index, sent in ascending order.
@@ -30,11 +30,13 @@ The other choices (issue 39 measured them better at 960 steps, worse at 192: doc
   within a factor of two of ``v`` with its sign, so ``v - decoded`` is exact in float32 (Sterbenz) and the error
   feedback loses nothing.
 
-A tensor's bytes (tensors in order): the header (``bins``: ``shift`` and the ``bins`` lookup values; ``levels``:
-every chunk's scale; float32, little-endian), then per chunk its ``k`` indices inside the chunk (``ceil(log2(h x w))`` bits each, 12 in a 64 x 64 tile), then per
-chunk its ``k`` codes (``bits`` each), each chunk's section a little-endian bit stream (value ``j``'s bit ``b`` is
-bit ``(j * w + b) % 8`` of byte ``(j * w + b) // 8``) padded to a whole byte. A 64 x 64 tile at density 0.03125 and
-2 bits: 128 values in 192 + 32 = 224 bytes against 16,384 in fp32 (73x smaller, plus 20 bytes per tensor).
+A tensor's bytes (tensors in order): the header (``bins``: ``shift`` and the ``bins`` lookup values; ``levels``: every
+chunk's scale; float32, little-endian), then per chunk its ``k`` indices inside the chunk (``ceil(log2(h x w))`` bits
+each, 12 in a 64 x 64 tile), then per chunk its ``k`` codes (``bits`` each), each chunk's section a little-endian bit
+stream (value ``j``'s bit ``b`` is bit ``(j * w + b) % 8`` of byte ``(j * w + b) // 8``) padded to a whole byte. A 64 x
+64 tile at density 0.03125 and 2 bits: 128 values in 192 + 32 = 224 bytes against 16,384 in fp32 (73x smaller, plus 20
+bytes per tensor). A flat chunk of 4096 values at density 0.02, levels and 2 bits: 82 values in 4 + 123 + 21 = 148 bytes
+(110.7x smaller).
 """
 
 from __future__ import annotations

@@ -3,10 +3,10 @@
 A matrix of runs of ``+experiment=diloco`` (non-IID facilities of ``llama_tiny`` on byte-level tinyshakespeare,
 rounds of 16 steps, Nesterov lr 0.8 momentum 0.3), one after the other on this machine: for each number of
 facilities (``--facilities``, 2: 2 facilities x FSDP over 2 ranks; 4: one rank each) and each seed, every
-``--variants`` entry (:data:`VARIANTS`: fp32 DiLoCo, top-k (SparseLoCo's codec, its only one since issue 39)
-under the experiment's Nesterov, the ``sparseloco`` preset (the same codec, plain SGD at lr 1 outside), top-k with
-``delay=1`` under both rules). ``--steps 960`` is issue 39's long
-horizon (60 rounds).
+``--variants`` entry (:data:`VARIANTS`: fp32 DiLoCo, top-k (SparseLoCo's codec) under the experiment's Nesterov,
+the ``sparseloco`` preset (the same codec, plain SGD at lr 1 outside), top-k with flat chunks, levels and 2% (the
+choices of before issue 39 but the mean) under either outer rule, the preset with one of its choices set back,
+top-k with ``delay=1`` under both rules). ``--steps 960`` is issue 39's long horizon (60 rounds).
 
 ``--pretrained`` fine-tunes instead of training from scratch: a base model is trained first (one facility,
 ``--pretrain-steps`` steps on the first half of the corpus) and exported in Hugging Face's format
@@ -46,6 +46,10 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "sparseloco": ("federation/topk=sparseloco", "federation.outer.lr=1.0", "federation.outer.momentum=0"),  # SGD lr 1
     "topk_flat": _FLAT,  # under the experiment's Nesterov
     "topk_flat_sgd": (*_FLAT, *_SGD),
+    # SparseLoCo's choices under its plain SGD at lr 1, one set back at a time (the outer rule's: ``topk``)
+    "sgd_flat": (*_TOPK, *_SGD, "federation.topk.chunks=flat"),
+    "sgd_levels": (*_TOPK, *_SGD, "federation.topk.quantizer=levels"),
+    "sgd_2pct": (*_TOPK, *_SGD, "federation.topk.density=0.02", "federation.topk.tile=50"),  # 50 of a 50 x 50 tile
     "topk_delay_eager": (*_TOPK, "federation.delay=1", "federation.delay_rule=eager"),
     "topk_delay_own_full": (*_TOPK, "federation.delay=1", "federation.delay_rule=own_full"),
     "fp32_delay_eager": ("federation.delay=1", "federation.delay_rule=eager"),

@@ -121,7 +121,7 @@ def test_error_feedback_follows_the_reference(bits):
             dict(topk=dict(preset="sparseloco", decay=0.9)),
             "federation.topk.decay=0.9 contradicts federation/topk=sparseloco, which sets it to 0.95",
         ),
-        (dict(topk=dict(preset="sparse")), "federation.topk.preset='sparse': use federation/topk=sparseloco"),
+        (dict(topk=dict(preset="sparse")), "federation.topk.preset='sparse': use federation/topk=sparseloco or flat"),
         (dict(topology="ring"), "compressed gossip is not supported"),
         (dict(every=4, fragments=2), "streaming rounds do not send top-k messages"),
         (dict(compression="uint8", topk=dict(bits=4)), "applies to federation.compression=topk, not uint8"),

@@ -321,7 +321,17 @@ TOPK_PRESETS: dict[str, dict[str, Any]] = {
         "topk.tile": 64,
         "topk.chunks": "tiles",
         "topk.quantizer": "bins",
-    }
+    },
+    "flat": {
+        "compression": "topk",
+        "error_feedback": True,
+        "chunk_size": 4096,
+        "topk.density": 0.02,
+        "topk.bits": 2,
+        "topk.decay": 0.95,
+        "topk.chunks": "flat",
+        "topk.quantizer": "levels",
+    },
 }
 
 

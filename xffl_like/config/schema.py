@@ -270,9 +270,7 @@ class TopkConfig(Section):
     bits: int = 2  # 2 | 4 | 8: the sent values' quantization, 2**bits bins per tensor
     decay: float = 0.95  # the error-feedback accumulator's decay beta: e = beta * e + update (SparseLoCo: 0.95)
     tile: int = 64  # the tile's side (a dimension's largest divisor <= tile)
-    chunks: str = (
-        "tiles"  # tiles (tile x tile of each tensor, SparseLoCo) | flat (chunk_size values of the flat vector)
-    )
+    chunks: str = "tiles"  # tiles (tile x tile of each tensor, SparseLoCo) | flat (chunk_size values, across tensors)
     quantizer: str = "bins"  # bins (2**bits bins per tensor, SparseLoCo) | levels (symmetric levels, a scale per chunk)
     preset: str | None = None  # set by federation/topk=NAME (conf/federation/topk/): its keys are checked
 

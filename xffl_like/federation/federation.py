@@ -206,7 +206,8 @@ class Federation:
             self._allocate_theta()
             n, t = state.num_facilities, o.topk
             if o.compression == "topk":
-                # the tiles of this rank's shard of each tensor (the same shapes on every facility's rank)
+                # the tiles of this rank's shard of each tensor (the same shapes on every facility's rank), or flat
+                # chunks of this rank's shards concatenated
                 codec = TensorCodec(self.numel, options_of(t, o.chunk_size), [list(p.shape) for p in self.locals])
                 self.compressor = TopkMean(codec, n, t.decay, state.device)
             elif o.compression != "none":

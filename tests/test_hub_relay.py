@@ -559,20 +559,26 @@ def test_a_disk_without_room_refuses_the_compressed_round_before_its_record(tmp_
 
 
 _HUB = """
-import sys, time
+import sys, threading, time
 sys.path[:0] = [{tests!r}]
 from pathlib import Path
 from helpers.hub import serve
 from xffl_like.hub.server import store
 from xffl_like.hub.server.federation import HubFederation
 
+_said = threading.Lock()
+def say(line):  # one write a line: the committer's and the log's threads never interleave within a line
+    with _said:
+        sys.stdout.write(line + "\\n")
+        sys.stdout.flush()
+
 if {hang!r}:  # the committer stops between a round's record and its file: the process is killed there
     def hang(self):
-        print("BEHIND", self.behind.record.version, flush=True)
+        say(f"BEHIND {{self.behind.record.version}}")
         time.sleep(600)
     HubFederation._write_behind = hang
 state = Path({state!r})
-fed = HubFederation(state, store.load_latest(state) if state.exists() else None, log=lambda x: print(x, flush=True))
+fed = HubFederation(state, store.load_latest(state) if state.exists() else None, log=say)
 want, port = {port}, 0
 for _ in range(100):  # the port of the hub killed before it: free once that process is gone
     try:
@@ -582,7 +588,7 @@ for _ in range(100):  # the port of the hub killed before it: free once that pro
     if port:
         break
     time.sleep(0.1)
-print("PORT", port, flush=True)
+say(f"PORT {{port}}")
 time.sleep(600)
 """
 

@@ -122,3 +122,34 @@ def test_the_hub_logs_each_rounds_last_upload_to_its_first_result_byte(tmp_path,
     for _, _, latency, round_s in found:
         assert 0.0 <= float(latency) < float(round_s), found  # the round also waited 0.3 s for b's upload
         assert float(round_s) >= 0.3, found
+
+
+def test_the_hubs_log_keeps_each_line_whole_across_threads():
+    """The hub's log (``serve.line_log``) writes a line and its newline in one write under a lock: 4 threads logging
+    at once into a stream that yields the GIL on every write (where ``print``'s two writes would interleave) give
+    every line whole."""
+    import threading
+    import time
+
+    from xffl_like.hub.server.serve import line_log
+
+    class Slow:
+        def __init__(self):
+            self.parts: list[str] = []
+
+        def write(self, s):
+            time.sleep(0.0005)
+            self.parts.append(s)
+
+        def flush(self):
+            pass
+
+    out = Slow()
+    log = line_log(out)
+    threads = [threading.Thread(target=lambda t=t: [log(f"thread {t} line {i}") for i in range(40)]) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    lines = "".join(out.parts).split("\n")[:-1]
+    assert sorted(lines) == sorted(f"thread {t} line {i}" for t in range(4) for i in range(40))

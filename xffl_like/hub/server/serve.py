@@ -8,7 +8,6 @@ loopback only, taking the name from the request, for tests and one-machine demos
 
 from __future__ import annotations
 
-import functools
 import os
 import signal
 import sys
@@ -26,10 +25,24 @@ from .errors import HubError
 from .federation import HubFederation
 from .service import HubService
 
-__all__ = ["build_server", "serve_main"]
+__all__ = ["build_server", "line_log", "serve_main"]
 
 #: The server's threads (each open call holds one; :data:`.auth.MAX_CALLS` bounds each facility's).
 WORKERS = 64
+
+
+def line_log(stream=None):
+    """The hub's log: each line one write and a flush under a lock. The round threads, the committer and the gRPC
+    workers log at once; ``print``'s separate writes of a line and its newline would interleave their lines."""
+    lock = threading.Lock()
+
+    def log(line: str) -> None:
+        out = stream or sys.stdout
+        with lock:
+            out.write(f"{line}\n")
+            out.flush()
+
+    return log
 
 
 def _credentials(certs: Path) -> grpc.ServerCredentials:
@@ -111,7 +124,7 @@ def serve_main(args) -> int:
     """Run the hub until SIGINT/SIGTERM; 0 after a clean stop, 2 (one line) on bad input."""
     _return_big_buffers()
     files = _raise_descriptor_limit()
-    log = functools.partial(print, flush=True)
+    log = line_log()
     try:
         if not args.insecure and args.certs is None:
             raise store.StateError("serve needs --certs DIR (from `python -m xffl_like.hub init DIR`), or --insecure")

@@ -559,18 +559,15 @@ def test_a_disk_without_room_refuses_the_compressed_round_before_its_record(tmp_
 
 
 _HUB = """
-import sys, threading, time
+import sys, time
 sys.path[:0] = [{tests!r}]
 from pathlib import Path
 from helpers.hub import serve
 from xffl_like.hub.server import store
 from xffl_like.hub.server.federation import HubFederation
+from xffl_like.hub.server.serve import line_log
 
-_said = threading.Lock()
-def say(line):  # one write a line: the committer's and the log's threads never interleave within a line
-    with _said:
-        sys.stdout.write(line + "\\n")
-        sys.stdout.flush()
+say = line_log()  # the hub's log: the committer's line and the log's never interleave within a line
 
 if {hang!r}:  # the committer stops between a round's record and its file: the process is killed there
     def hang(self):

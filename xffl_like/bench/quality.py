@@ -5,7 +5,8 @@ rounds of 16 steps, Nesterov lr 0.8 momentum 0.3), one after the other on this m
 facilities (``--facilities``, 2: 2 facilities x FSDP over 2 ranks; 4: one rank each) and each seed, every
 ``--variants`` entry (:data:`VARIANTS`: fp32 DiLoCo, top-k (SparseLoCo's codec) under the experiment's Nesterov,
 the ``sparseloco`` preset (the same codec, plain SGD at lr 1 outside), top-k with flat chunks, levels and 2% (the
-choices of before issue 39 but the mean) under either outer rule, the preset with one of its choices set back,
+choices of before issue 39 but the mean, the ``flat`` preset) and with each of SparseLoCo's choices on its own on top
+of it, the ``sparseloco`` preset with each of its choices set back,
 top-k with ``delay=1`` under both rules). ``--steps 960`` is issue 39's long horizon (60 rounds).
 
 ``--pretrained`` fine-tunes instead of training from scratch: a base model is trained first (one facility,
@@ -45,7 +46,11 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "topk": _TOPK,  # SparseLoCo's tiles, bins, per-index mean over the senders, 3.1%, under the experiment's Nesterov
     "sparseloco": ("federation/topk=sparseloco", "federation.outer.lr=1.0", "federation.outer.momentum=0"),  # SGD lr 1
     "topk_flat": _FLAT,  # under the experiment's Nesterov
+    # the flat codec with one of SparseLoCo's choices at a time (its outer rule's: ``topk_flat_sgd``)
     "topk_flat_sgd": (*_FLAT, *_SGD),
+    "flat_bins": (*_FLAT, "federation.topk.quantizer=bins"),
+    "flat_tiles": (*_FLAT, "federation.topk.chunks=tiles", "federation.topk.tile=50"),  # 50 of a 50 x 50 tile
+    "flat_3pct": (*_FLAT, "federation.topk.density=0.03125"),
     # SparseLoCo's choices under its plain SGD at lr 1, one set back at a time (the outer rule's: ``topk``)
     "sgd_flat": (*_TOPK, *_SGD, "federation.topk.chunks=flat"),
     "sgd_levels": (*_TOPK, *_SGD, "federation.topk.quantizer=levels"),

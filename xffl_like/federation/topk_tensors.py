@@ -18,7 +18,8 @@ SparseLoCo (``src/tplr/sparseloco.py``; Templar's ``src/tplr/compress.py``):
   sigma and ``lookup`` are summed in float64, then rounded to float32 once (so they do not depend on the order of
   the sums).
 
-The other choices (issue 39 measured them better at 960 steps, worse at 192: docs/running.md, Top-k):
+The other choices (issue 39 measured them better with 2 facilities at 960 steps, worse at 192 steps and with 4
+facilities: docs/running.md, Top-k):
 
 - ``chunks=flat``: chunks of ``federation.chunk_size`` values of the flat vector (the last one shorter), whatever
   the tensors; ``k = ceil(density x length)``. A "tensor" below is then a run of ``max(1, 2**20 // chunk_size)``

@@ -255,8 +255,8 @@ def test_the_preset_sets_every_choice_and_topk_alone_carries_its_feedback():
     cfg = _validated(["federation/topk=sparseloco"])
     assert (cfg.compression, cfg.feedback, cfg.outer.name, cfg.outer.lr) == ("topk", True, "average", 1.0)
     t = cfg.topk
-    choices = lambda t: (t.density, t.bits, t.decay, t.tile)  # noqa: E731
-    assert choices(t) == (0.03125, 2, 0.95, 64)
+    choices = lambda t: (t.density, t.bits, t.decay, t.tile, t.chunks, t.quantizer)  # noqa: E731
+    assert choices(t) == (0.03125, 2, 0.95, 64, "tiles", "bins")
     alone = _validated(["federation.compression=topk"])
     assert alone.error_feedback is None and alone.feedback  # topk's accumulator, without spelling it out
     assert choices(alone.topk) == choices(t) and (alone.outer.name, alone.outer.lr) == ("average", 1.0)  # the default

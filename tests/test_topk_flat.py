@@ -16,6 +16,7 @@ import re
 import numpy as np
 import pytest
 import torch
+from helpers import validated_federation
 from helpers.sparseloco_reference import compress_all, pieces, ref_decode, ref_encode
 
 from xffl_like.federation.topk import TopkFold, TopkMean, fold_weights
@@ -174,29 +175,16 @@ def test_the_hubs_codec_and_relay_read_what_the_facility_wrote(quantizer):
 
 
 # ----------------------------------------------------------------------------- configuration
-def _validated(overrides: list[str]):
-    from omegaconf import OmegaConf
-
-    from xffl_like.config.schema import FederationConfig, build_section
-    from xffl_like.distributed.layout import plan_layout
-    from xffl_like.federation import validate_federation
-    from xffl_like.job import _compose
-
-    cfg = build_section(FederationConfig, OmegaConf.to_container(_compose(overrides).federation))
-    validate_federation(cfg, plan_layout(4, 2, None))
-    return cfg
-
-
 def test_the_flat_preset_sets_its_choices_and_keeps_the_outer_rule():
     """``federation/topk=flat``: flat 4096-value chunks, levels, 2%, 2 bits, decay 0.95, error feedback; the outer
     rule is the experiment's (DiLoCo's Nesterov, under which it was measured)."""
-    cfg = _validated(["+experiment=diloco", "federation/topk=flat"])
+    cfg = validated_federation(["+experiment=diloco", "federation/topk=flat"])
     t = cfg.topk
     assert (cfg.compression, cfg.feedback, cfg.chunk_size) == ("topk", True, 4096)
     assert (t.chunks, t.quantizer, t.density, t.bits, t.decay, t.preset) == ("flat", "levels", 0.02, 2, 0.95, "flat")
     assert (cfg.outer.name, cfg.outer.lr) == ("nesterov", 0.8)
     with pytest.raises(ValueError) as err:
-        _validated(["federation/topk=flat", "federation.topk.density=0.03125"])
+        validated_federation(["federation/topk=flat", "federation.topk.density=0.03125"])
     line = str(err.value)
     assert "\n" not in line and line.startswith(
         "federation.topk.density=0.03125 contradicts federation/topk=flat, which sets it to 0.02"

@@ -13,7 +13,7 @@ import io
 import numpy as np
 import pytest
 import torch
-from helpers import TINY, run_recorded
+from helpers import TINY, run_recorded, validated_federation
 from helpers.round_values import MIN_FACILITY_SPREAD, load_rounds
 from helpers.sparseloco_reference import compress, outer_round, ref_decode, ref_encode, tile_positions
 
@@ -238,34 +238,23 @@ def test_one_world_job_follows_the_published_algorithm(tmp_path):
 
 
 # ----------------------------------------------------------------------------- configuration
-def _validated(overrides: list[str]):
-    from omegaconf import OmegaConf
-
-    from xffl_like.config.schema import FederationConfig, build_section
-    from xffl_like.distributed.layout import plan_layout
-    from xffl_like.federation import validate_federation
-    from xffl_like.job import _compose
-
-    cfg = build_section(FederationConfig, OmegaConf.to_container(_compose(overrides).federation))
-    validate_federation(cfg, plan_layout(4, 2, None))
-    return cfg
-
-
 def test_the_preset_sets_every_choice_and_topk_alone_carries_its_feedback():
-    cfg = _validated(["federation/topk=sparseloco"])
+    cfg = validated_federation(["federation/topk=sparseloco"])
     assert (cfg.compression, cfg.feedback, cfg.outer.name, cfg.outer.lr) == ("topk", True, "average", 1.0)
     t = cfg.topk
     choices = lambda t: (t.density, t.bits, t.decay, t.tile, t.chunks, t.quantizer)  # noqa: E731
     assert choices(t) == (0.03125, 2, 0.95, 64, "tiles", "bins")
-    alone = _validated(["federation.compression=topk"])
+    alone = validated_federation(["federation.compression=topk"])
     assert alone.error_feedback is None and alone.feedback  # topk's accumulator, without spelling it out
     assert choices(alone.topk) == choices(t) and (alone.outer.name, alone.outer.lr) == ("average", 1.0)  # the default
-    assert not _validated(["federation.compression=uint8"]).feedback  # the others' default is unchanged
-    assert _validated(["+experiment=diloco", "federation/topk=sparseloco", "federation.outer.lr=1.0"]).topk.preset
+    assert not validated_federation(["federation.compression=uint8"]).feedback  # the others' default is unchanged
+    assert validated_federation(
+        ["+experiment=diloco", "federation/topk=sparseloco", "federation.outer.lr=1.0"]
+    ).topk.preset
 
 
 def test_a_key_set_after_the_preset_is_refused_in_one_line():
     with pytest.raises(ValueError) as err:
-        _validated(["+experiment=diloco", "federation/topk=sparseloco"])  # the experiment's outer lr 0.8
+        validated_federation(["+experiment=diloco", "federation/topk=sparseloco"])  # the experiment's outer lr 0.8
     line = str(err.value)
     assert "\n" not in line and line.startswith("federation.outer.lr=0.8 contradicts federation/topk=sparseloco")

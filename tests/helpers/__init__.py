@@ -55,6 +55,21 @@ def model_shapes(overrides=("+experiment=llama_fed",)) -> list[tuple[int, ...]]:
     return [tuple(p.shape) for p in build_model(model, device="meta").parameters()]
 
 
+def validated_federation(overrides: list[str]):
+    """The ``federation`` section the main job composes from ``overrides``, validated as the launcher does for 4
+    processes in facilities of 2 (a :class:`ValueError` of one line when it refuses it)."""
+    from omegaconf import OmegaConf
+
+    from xffl_like.config.schema import FederationConfig, build_section
+    from xffl_like.distributed.layout import plan_layout
+    from xffl_like.federation import validate_federation
+    from xffl_like.job import _compose
+
+    cfg = build_section(FederationConfig, OmegaConf.to_container(_compose(overrides).federation))
+    validate_federation(cfg, plan_layout(4, 2, None))
+    return cfg
+
+
 def run_cli(args, run_dir, timeout=240, launcher=(), env=None):
     """Run the entry point (plainly, or under ``launcher`` such as torchrun) with ``args``;
     returns (CompletedProcess, seconds)."""

@@ -64,24 +64,10 @@ def quantize(values: np.ndarray, bins: int = BINS) -> np.ndarray:
     return (lookup[codes] + shift).astype(np.float32)
 
 
-def keep(length: int, density: float = DENSITY) -> int:
-    """Values kept of a tile of ``length`` (SparseLoCo: ``round(length x top_k / tile^2)``, at least one)."""
-    return int(max(1, round(Fraction(str(density)) * length)))
-
-
-def top(e: np.ndarray, shape: tuple[int, ...], density: float = DENSITY, tile: int = TILE) -> np.ndarray:
-    """``[chunks, k]``: per tile of the tensor's ``e`` (flat) the flat positions of its ``k`` largest magnitudes
-    (ties: the lowest position), ascending."""
-    pos = tile_positions(shape, tile)
-    k = keep(pos.shape[1], density)
-    order = np.sort(np.argsort(-np.abs(e[pos]), axis=1, kind="stable")[:, :k], axis=1)  # per tile, as one array
-    return np.take_along_axis(pos, order, axis=1)
-
-
 def compress(e: np.ndarray, shape: tuple[int, ...], density: float = DENSITY, tile: int = TILE, bits: int = 2):
-    """A tensor's accumulator ``e`` (flat fp32) -> (flat positions sent, their decoded values)."""
-    sent = top(e, shape, density, tile).reshape(-1)
-    return sent, quantize(e[sent], 1 << bits)
+    """A tensor's accumulator ``e`` (flat fp32) -> (flat positions sent, their decoded values): SparseLoCo's tiles
+    and bins (:func:`compress_all` of one tensor)."""
+    return compress_all(e, [shape], density, tile, bits)
 
 
 # ------------------------------------------------------------------ the bytes (the codec's documented format)
@@ -149,7 +135,7 @@ def _choose(x: np.ndarray, pos: np.ndarray, density: float, chunks: str) -> np.n
     """``[chunks, k]``: per chunk (row of ``pos``) the flat positions of its ``k`` largest magnitudes of ``x`` (ties:
     the lowest position), ascending."""
     k = kept(pos.shape[1], density, chunks)
-    order = np.sort(np.argsort(-np.abs(x[pos]), axis=1, kind="stable")[:, :k], axis=1)
+    order = np.sort(np.argsort(-np.abs(x[pos]), axis=1, kind="stable")[:, :k], axis=1)  # per chunk, as one array
     return np.take_along_axis(pos, order, axis=1)
 
 
@@ -164,7 +150,9 @@ def compress_all(
         if quantizer == "bins":
             values.append(quantize(x[chosen.reshape(-1)], 1 << bits))
         else:
-            values += [_levels(levels_of(x[row], bits)[1], levels_of(x[row], bits)[0], bits) for row in chosen]
+            for row in chosen:
+                scale, codes = levels_of(x[row], bits)
+                values.append(_levels(codes, scale, bits))
     return np.concatenate(sent), np.concatenate(values).astype(np.float32)
 
 
